@@ -1,0 +1,46 @@
+# make setup: .venv with torch 2.13.0 (CPU) first, then the package and its test extras (idempotent).
+# make demo:  set-up + the main job.   make test: set-up + the test suite.   make bench: set-up + benchmarks.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+TORCH := torch==2.13.0
+# Tests bind Ray to 127.0.0.1 (Linux Ray otherwise picks the machine's own address).
+TEST_ENV := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0
+
+.PHONY: setup demo test test-slow bench lint typecheck format clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(TEST_ENV) $(BIN)/python recipe/demo.py
+
+test: setup
+	$(TEST_ENV) $(BIN)/python -m pytest tests
+
+test-slow: setup
+	$(TEST_ENV) $(BIN)/python -m pytest tests -m slow
+
+bench: setup
+	$(TEST_ENV) $(BIN)/python benchmarks/run.py
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

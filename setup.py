@@ -1,0 +1,41 @@
+"""transfer_queue: a streaming data plane and RL loop for LLM post-training on Ray."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    # torch is installed first, pinned, by `make setup` (torch==2.13.0, CPU build); any >= 2.5 works.
+    "torch>=2.5",
+    "ray[default]>=2.40",
+    "tensordict>=0.10",
+    "pyzmq>=26",
+    "msgspec>=0.18",
+    "numpy>=1.26",
+    "tqdm>=4.60",
+]
+RL = [
+    "transformers>=4.50",
+    "matplotlib>=3.8",
+    "pyyaml>=6",
+]
+TEST = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "ruff>=0.6",
+    "mypy>=1.10",
+    "pre-commit>=3",
+]
+SMOLLM2 = ["gguf>=0.10", "accelerate>=1.0"]
+
+setup(
+    name="transfer_queue",
+    version="0.1.0",
+    description="Streaming data plane (controller + storage units + zero-copy ZeroMQ client) and GRPO loop on Ray",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["transfer_queue", "transfer_queue.*", "workers", "workers.*", "trainers", "trainers.*"]),
+    package_data={"transfer_queue": ["py.typed"]},
+    install_requires=CORE,
+    extras_require={"rl": RL, "test": RL + TEST, "smollm2": RL + SMOLLM2},
+)

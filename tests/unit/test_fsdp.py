@@ -1,0 +1,415 @@
+"""FSDP2 engine on 2 CPU ranks (gloo) against a single-process reference, on a tiny random Llama.
+
+A module-scoped fixture spawns the two ranks once; they write their results to files, then rank 0 alone reloads
+the checkpoint in a world of one (DCP resharding). The tests compare the results with a plain (unsharded) model
+and ``torch.optim.AdamW`` stepped in this process on the whole global batch.
+Rows 0-3 of the global batch go to rank 0 and rows 4-7 to rank 1; rank 0's rows hold far more response tokens
+than rank 1's (one of which has none), so any weighting by rows instead of tokens would show.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainers.checkpoint import checkpoint_path, latest_checkpoint
+from trainers.fsdp import AdamWConfig, FSDPPolicy, decoder_layers, init_process_group
+
+WORLD_SIZE = 2
+VOCAB = 32
+SEQ_LEN = 10
+# A large eps makes Adam's first step depend on the gradient's scale, so clipping (grad norm ~1.7) shows too.
+OPTIMIZER = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-3)
+GRAD_CLIP = 0.5
+TEMPERATURE = 0.7
+EXTRA_STATE = {"policy_version": 1, "prompt_position": 24, "step": 1}
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_config())
+
+
+def token_mean_nll(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
+    mask = batch["response_mask"]
+    loss = -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"response_logprob": (logprobs * mask).sum() / mask.sum().clamp(min=1)}
+
+
+def seq_mean_nll(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
+    """Mean over rows with a response of each row's token-mean NLL (``seq-mean-token-mean``)."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1)
+    per_row = -(logprobs * mask).sum(-1) / lengths.clamp(min=1)
+    return per_row.sum() / (lengths > 0).sum().clamp(min=1), {}
+
+
+def make_batch(seed: int) -> dict[str, torch.Tensor]:
+    """8 right-padded rows: a 2-token prompt, then responses of these lengths, then padding (id 0)."""
+    response_lengths = torch.tensor([8, 7, 8, 6, 1, 2, 0, 1])
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.arange(SEQ_LEN)
+    attention_mask = (positions < 2 + response_lengths[:, None]).long()
+    response_mask = ((positions >= 2) & (attention_mask == 1)).float()
+    input_ids = torch.randint(1, VOCAB, (8, SEQ_LEN), generator=generator) * attention_mask
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+
+
+def rank_rows(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    rows = batch["input_ids"].shape[0] // world_size
+    return {name: value[rank * rows : (rank + 1) * rows] for name, value in batch.items()}
+
+
+def manual_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature=1.0):
+    """The rl-conventions alignment, spelled out: out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    out = torch.zeros(input_ids.shape)
+    for t in range(1, input_ids.shape[1]):
+        out[:, t] = logprobs[:, t - 1].gather(-1, input_ids[:, t : t + 1]).squeeze(-1)
+    return out * attention_mask
+
+
+# ---------------------------------------------------------------- what the ranks run (in spawned processes)
+
+
+def _spawned(rank: int, world_size: int, ports: tuple[int, int], workdir: str) -> None:
+    torch.set_num_threads(1)
+    init_process_group(rank, world_size, "127.0.0.1", ports[0], backend="gloo")
+    try:
+        _two_ranks(rank, world_size, ports[0], Path(workdir))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:  # reuse this process (spawning costs ~10 s of imports) for a world of one
+        init_process_group(0, 1, "127.0.0.1", ports[1], backend="gloo")
+        try:
+            _one_rank_resume(Path(workdir))
+        finally:
+            dist.destroy_process_group()
+
+
+def _policy(workdir: Path, micro_batch_size: int, seed: int | None = None, **kwargs) -> FSDPPolicy:
+    """A policy from the shared initial weights, or (``seed``) from other random weights."""
+
+    def build() -> LlamaForCausalLM:
+        model = tiny_model(seed or 0)
+        if seed is None:
+            model.load_state_dict(torch.load(workdir / "init.pt"))
+        return model
+
+    return FSDPPolicy(build, optimizer=OPTIMIZER, grad_clip=GRAD_CLIP, micro_batch_size=micro_batch_size, **kwargs)
+
+
+def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
+    inputs = torch.load(workdir / "inputs.pt")
+    batch1 = rank_rows(inputs["batch1"], rank, world_size)
+    batch2 = rank_rows(inputs["batch2"], rank, world_size)
+    ids, mask = batch1["input_ids"], batch1["attention_mask"]
+    out: dict = {}
+
+    policy = _policy(workdir, micro_batch_size=1)
+    out["metrics1"] = policy.train_step(batch1, token_mean_nll)
+    out["step1"] = policy.full_state_dict()
+    with torch.no_grad():
+        out["logits"] = policy.model(input_ids=ids, attention_mask=mask).logits
+    out["logprobs"] = policy.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    policy.save_hf_pretrained(workdir / "hf")
+    _seed_everything(100 + rank)  # different per rank, to see that each rank gets its own state back
+    policy.save_checkpoint(checkpoint_path(workdir / "ckpt", 1), EXTRA_STATE)
+    out["rng_after_save"] = _draw_rng()
+    out["metrics2"] = policy.train_step(batch2, token_mean_nll)
+    out["step2"] = policy.full_state_dict()
+
+    policy_mb4 = _policy(workdir, micro_batch_size=4)
+    policy_mb4.train_step(batch1, token_mean_nll)
+    out["step1_mb4"] = policy_mb4.full_state_dict()
+
+    policy_rows = _policy(workdir, micro_batch_size=1, loss_weighting="rows")
+    policy_rows.train_step(batch1, seq_mean_nll)
+    out["step1_rows"] = policy_rows.full_state_dict()
+
+    resumed = _policy(workdir, micro_batch_size=1, seed=1)  # as the uninterrupted run, to compare bitwise
+    out["fresh"] = resumed.full_state_dict()
+    _seed_everything(7)
+    out["extra_state"] = resumed.load_checkpoint(latest_checkpoint(workdir / "ckpt"))
+    out["rng_after_load"] = _draw_rng()
+    out["resumed_step1"] = resumed.full_state_dict()
+    resumed.train_step(batch2, token_mean_nll)
+    out["resumed_step2"] = resumed.full_state_dict()
+
+    out["errors"] = _errors(rank, world_size, port, resumed, batch1)
+    before = resumed.full_state_dict()
+    out["nan_metrics"] = resumed.train_step(batch1, nan_loss)
+    after = resumed.full_state_dict()  # a collective: every rank calls it, only rank 0 gets tensors
+    out["nan_unchanged"] = after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())
+    torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
+
+
+def _one_rank_resume(workdir: Path) -> None:
+    """Reload the 2-rank checkpoint on 1 rank (DCP reshards model and optimizer) and take step 2."""
+    inputs = torch.load(workdir / "inputs.pt")
+    policy = _policy(workdir, micro_batch_size=4, seed=1)
+    out = {"extra_state": policy.load_checkpoint(checkpoint_path(workdir / "ckpt", 1))}
+    out["metrics2"] = policy.train_step(inputs["batch2"], token_mean_nll)
+    out["step2"] = policy.full_state_dict()
+    torch.save(out, workdir / "one_rank.pt")
+
+
+def _errors(rank: int, world_size: int, port: int, policy: FSDPPolicy, batch: dict) -> dict[str, str]:
+    """Messages of the errors raised on bad input (identically on every rank, so no rank hangs)."""
+    calls = {
+        "same_init": lambda: init_process_group(rank, world_size, "127.0.0.1", port, backend="gloo"),
+        "other_init": lambda: init_process_group(rank, world_size + 1, "127.0.0.1", port, backend="gloo"),
+        "missing_key": lambda: policy.train_step({"input_ids": batch["input_ids"]}, token_mean_nll),
+        "uneven_ranks": lambda: policy.train_step(rank_rows(batch, 0, 2 + rank), token_mean_nll),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = ""
+        except (ValueError, RuntimeError) as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+    return errors
+
+
+def nan_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
+    loss, metrics = token_mean_nll(logprobs=logprobs, batch=batch)
+    return loss * float("nan"), metrics
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _draw_rng() -> tuple:
+    return torch.rand(3), np.random.rand(3), random.random()
+
+
+# ---------------------------------------------------------------- the single-process reference and the fixture
+
+
+def _free_ports(count: int) -> tuple[int, ...]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:  # all bound at once, so the ports differ
+        sock.bind(("127.0.0.1", 0))
+    ports = tuple(sock.getsockname()[1] for sock in sockets)
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _reference_steps(init: dict, batches: list[dict], loss_fn=token_mean_nll) -> list[dict]:
+    """Plain model + AdamW, one step per global batch: returns loss, grad norm and weights after each step."""
+    model = tiny_model(0)
+    model.load_state_dict(init)
+    cfg = OPTIMIZER
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps
+    )
+    steps = []
+    for batch in batches:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        logprobs = torch.nn.functional.pad(logprobs, (1, 0)) * batch["attention_mask"]
+        loss, _ = loss_fn(logprobs=logprobs, batch=batch)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+        steps.append({"loss": loss.item(), "grad_norm": grad_norm.item(), "weights": weights})
+    return steps
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fsdp")
+    init = tiny_model(0).state_dict()
+    batches = {"batch1": make_batch(1), "batch2": make_batch(2)}
+    torch.save(init, workdir / "init.pt")
+    torch.save(batches, workdir / "inputs.pt")
+    mp.spawn(_spawned, args=(WORLD_SIZE, _free_ports(2), str(workdir)), nprocs=WORLD_SIZE, join=True)
+    ranks = [torch.load(workdir / f"two_ranks.rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return {
+        "workdir": workdir,
+        "init": init,
+        "ranks": ranks,
+        "reference": _reference_steps(init, [batches["batch1"], batches["batch2"]]),
+        "reference_rows": _reference_steps(init, [batches["batch1"]], loss_fn=seq_mean_nll)[0],
+        **batches,
+    }
+
+
+def assert_weights_close(actual: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_train_step_matches_single_process_adamw(run):
+    reference, rank0 = run["reference"][0], run["ranks"][0]
+    assert_weights_close(rank0["step1"], reference["weights"])
+    assert not torch.allclose(rank0["step1"]["model.norm.weight"], run["init"]["model.norm.weight"], atol=1e-3)
+    for rank in run["ranks"]:  # metrics are global, and the same on every rank
+        assert rank["metrics1"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert rank["metrics1"]["response_logprob"] == pytest.approx(-reference["loss"], rel=1e-5)
+        assert rank["metrics1"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+        assert rank["metrics1"]["lr"] == OPTIMIZER.lr
+        assert rank["metrics1"]["skipped"] == 0.0
+    assert reference["grad_norm"] > GRAD_CLIP  # so clipping took part
+
+
+def test_micro_batching_gives_the_same_update(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["step1_mb4"], rank0["step1"], atol=1e-6)
+
+
+def test_rows_weighting_is_exact_for_a_sequence_mean_loss(run):
+    assert_weights_close(run["ranks"][0]["step1_rows"], run["reference_rows"]["weights"])
+
+
+def test_full_state_dict_loads_into_an_unsharded_model(run):
+    assert run["ranks"][1]["step1"] == {}  # only rank 0 receives it
+    model = tiny_model(3)
+    model.load_state_dict(run["ranks"][0]["step1"], strict=True)
+    for rank, result in enumerate(run["ranks"]):
+        batch = rank_rows(run["batch1"], rank, WORLD_SIZE)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        torch.testing.assert_close(logits, result["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_save_hf_pretrained_writes_a_loadable_directory(run):
+    model = LlamaForCausalLM.from_pretrained(run["workdir"] / "hf")
+    assert_weights_close(model.state_dict(), run["ranks"][0]["step1"], atol=0)
+
+
+def test_checkpoint_restores_weights_optimizer_rng_and_extra_state(run):
+    rank0 = run["ranks"][0]
+    assert not torch.equal(rank0["fresh"]["model.norm.weight"], rank0["step1"]["model.norm.weight"])
+    assert_weights_close(rank0["resumed_step1"], rank0["step1"], atol=0)
+    # The next step matches the uninterrupted run, so Adam's moments and step count came back.
+    assert_weights_close(rank0["resumed_step2"], rank0["step2"], atol=0)
+    assert_weights_close(rank0["step2"], run["reference"][1]["weights"])
+    for result in run["ranks"]:
+        assert result["extra_state"] == EXTRA_STATE
+        torch.testing.assert_close(result["rng_after_load"][0], result["rng_after_save"][0], atol=0, rtol=0)
+        np.testing.assert_array_equal(result["rng_after_load"][1], result["rng_after_save"][1])
+        assert result["rng_after_load"][2] == result["rng_after_save"][2]
+    assert not torch.equal(run["ranks"][0]["rng_after_save"][0], run["ranks"][1]["rng_after_save"][0])  # per rank
+
+
+def test_checkpoint_reloads_on_another_world_size(run):
+    result = torch.load(run["workdir"] / "one_rank.pt", weights_only=False)
+    assert result["extra_state"] == EXTRA_STATE
+    assert result["metrics2"]["loss"] == pytest.approx(run["reference"][1]["loss"], rel=1e-5)
+    assert_weights_close(result["step2"], run["ranks"][0]["step2"])
+
+
+def test_checkpoint_directory_is_atomic(run):
+    root = run["workdir"] / "ckpt"
+    assert latest_checkpoint(root) == checkpoint_path(root, 1)
+    assert not any(p.name.endswith(".tmp") for p in root.iterdir())
+    # A half-written checkpoint (as a crash would leave it) and an unrelated directory are never "latest".
+    (root / ".step_00000002.tmp" / "dcp").mkdir(parents=True)
+    (root / "step_00000003").mkdir()
+    assert latest_checkpoint(root) == checkpoint_path(root, 1)
+    assert latest_checkpoint(run["workdir"] / "missing") is None
+
+
+def test_compute_logprobs_is_aligned_with_input_ids(run):
+    for rank, result in enumerate(run["ranks"]):
+        batch = rank_rows(run["batch1"], rank, WORLD_SIZE)
+        expected = manual_logprobs(result["logits"], batch["input_ids"], batch["attention_mask"], TEMPERATURE)
+        torch.testing.assert_close(result["logprobs"], expected, atol=1e-5, rtol=1e-5)
+        assert result["logprobs"].dtype == torch.float32
+        assert (result["logprobs"][:, 0] == 0).all()
+        assert (result["logprobs"][batch["attention_mask"] == 0] == 0).all()
+        assert (result["logprobs"][batch["attention_mask"][:, 1:].bool().nonzero(as_tuple=True)[0], :] != 0).any()
+
+
+def test_bad_input_raises_the_same_error_on_every_rank(run):
+    for rank, result in enumerate(run["ranks"]):
+        errors = result["errors"]
+        assert errors["same_init"] == ""  # idempotent
+        assert errors["other_init"] == (
+            f"RuntimeError: process group already initialised with (rank, world_size, backend)=({rank}, 2, 'gloo'), "
+            f"asked for ({rank}, 3, 'gloo')"
+        )
+        assert errors["missing_key"] == (
+            "ValueError: batch is missing ['attention_mask', 'response_mask']; has ['input_ids']"
+        )
+        assert errors["uneven_ranks"] == (
+            "ValueError: ranks disagree on the number of micro-batches (between 1 and 2; "
+            f"this rank has {2 - rank} rows at micro_batch_size=1): give every rank the same number of rows"
+        )
+
+
+def test_a_non_finite_gradient_skips_the_update(run):
+    for result in run["ranks"]:
+        assert result["nan_metrics"]["skipped"] == 1.0
+        assert not np.isfinite(result["nan_metrics"]["grad_norm"])
+        assert result["nan_unchanged"]
+
+
+def test_init_process_group_rejects_a_bad_rank():
+    with pytest.raises(ValueError, match=r"rank=2 is not in \[0, world_size=2\)"):
+        init_process_group(2, 2, "127.0.0.1", 1)
+
+
+def test_latest_checkpoint_orders_by_step_number(tmp_path):
+    for step in (2, 10, 9):
+        (checkpoint_path(tmp_path, step) / "dcp").mkdir(parents=True)
+        (checkpoint_path(tmp_path, step) / "dcp" / ".metadata").touch()
+        (checkpoint_path(tmp_path, step) / "checkpoint.json").write_text("{}")
+    (tmp_path / "step_11").mkdir()  # incomplete
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
+
+
+def test_decoder_layers_finds_hf_layers_or_no_split_modules():
+    llama = tiny_model(0)
+    assert decoder_layers(llama) == list(llama.model.layers)
+
+    class Block(nn.Module):
+        def __init__(self, inner: bool = False):
+            super().__init__()
+            self.inner = Block(inner=True) if not inner else nn.Identity()
+
+    class GPTLike(nn.Module):
+        _no_split_modules = ("Block",)
+
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList([Block(), Block()])
+
+    model = GPTLike()
+    outer, inner = model.h[0], model.h[0].inner
+    layers = decoder_layers(model)
+    assert len(layers) == 4 and layers.index(inner) < layers.index(outer)  # nested blocks before their parents

@@ -1,0 +1,229 @@
+"""HFEngine and SamplingParams: shapes, finish reasons, log-probs, determinism and weight updates."""
+
+import pytest
+import torch
+
+from workers.engines import Engine, HFEngine, SamplingParams
+from workers.models import build_tiny_causal_lm
+
+VOCAB, PAD, EOS = 16, 0, 2
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10], [1, 3], [1, 4, 4, 4]]
+
+
+def make_engine(seed: int = 0, **kwargs) -> HFEngine:
+    return HFEngine(build_tiny_causal_lm(VOCAB, seed=seed), pad_token_id=PAD, eos_token_id=EOS, **kwargs)
+
+
+@pytest.fixture
+def engine():
+    return make_engine()
+
+
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    scaled = logits[len(prompt) - 1 : len(prompt) - 1 + len(response)] / (temperature or 1.0)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def assert_same_generations(got: list, expected: list) -> None:
+    """Same tokens and finish reasons; log-probs equal up to float noise (e.g. eager vs sdpa attention)."""
+    assert len(got) == len(expected)
+    for group_a, group_b in zip(got, expected, strict=True):
+        for a, b in zip(group_a, group_b, strict=True):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"max_new_tokens": 4, "temperature": -0.5}, r"temperature must be >= 0 \(0 means greedy\), got -0.5"),
+        ({"max_new_tokens": 4, "top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"max_new_tokens": 4, "top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"max_new_tokens": 4, "top_k": -1}, "top_k must be >= 0 \\(0 disables it\\), got -1"),
+        (
+            {"max_new_tokens": 4, "stop_token_ids": [3, -1]},
+            r"stop_token_ids must be non-negative token ids, got \[3, -1\]",
+        ),
+    ],
+)
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_store_stop_ids_as_a_tuple():
+    assert SamplingParams(max_new_tokens=2, stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
+
+
+def test_generate_returns_n_generations_per_prompt(engine):
+    assert isinstance(engine, Engine)
+    out = engine.generate(PROMPTS, n=4, params=SamplingParams(max_new_tokens=6, seed=0))
+    assert len(out) == len(PROMPTS)
+    for group in out:
+        assert len(group) == 4
+        for generation in group:
+            assert 1 <= len(generation.token_ids) == len(generation.logprobs) <= 6
+            assert all(0 <= token < VOCAB for token in generation.token_ids)
+            assert all(logprob <= 0 for logprob in generation.logprobs)
+
+
+def test_finish_reasons_and_nothing_after_a_stop_token(engine):
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    [[free]] = engine.generate(PROMPTS[:1], n=1, params=greedy)
+    if free.finish_reason == "stop":
+        pytest.skip("the random model stops by itself; pick another seed")
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_token = free.token_ids[3]
+    cut = free.token_ids.index(stop_token) + 1
+    stopped = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop_token,))
+    [[generation]] = engine.generate(PROMPTS[:1], n=1, params=stopped)
+    assert generation.finish_reason == "stop"
+    assert generation.token_ids == free.token_ids[:cut]
+    assert generation.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-6)
+
+
+def test_stop_invariants_with_sampling(engine):
+    stop_ids = {EOS, 3, 4, 5, 6}
+    params = SamplingParams(max_new_tokens=5, stop_token_ids=(3, 4, 5, 6), seed=0)
+    generations = [g for group in engine.generate(PROMPTS, n=16, params=params) for g in group]
+    assert {g.finish_reason for g in generations} == {"stop", "length"}
+    for g in generations:
+        assert not stop_ids & set(g.token_ids[:-1])
+        if g.finish_reason == "stop":
+            assert g.token_ids[-1] in stop_ids
+        else:
+            assert len(g.token_ids) == 5 and g.token_ids[-1] not in stop_ids
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=8, temperature=1.0, seed=1),
+        SamplingParams(max_new_tokens=8, temperature=0.7, top_k=5, seed=2),
+        SamplingParams(max_new_tokens=8, temperature=1.3, top_p=0.8, seed=3),
+        SamplingParams(max_new_tokens=8, temperature=0.0),
+    ],
+    ids=["t1", "t0.7-topk", "t1.3-topp", "greedy"],
+)
+def test_logprobs_match_a_teacher_forced_forward_pass(engine, params):
+    # Prompts of different lengths, so left padding and position ids are exercised.
+    out = engine.generate(PROMPTS, n=3, params=params)
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        for g in group:
+            expected = teacher_forced_logprobs(engine.model, prompt, g.token_ids, params.temperature)
+            torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(PROMPTS, n=1, params=SamplingParams(max_new_tokens=6, temperature=0.0))
+    top1 = engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=6, top_k=1, seed=0))
+    for [g], group in zip(greedy, top1, strict=True):
+        assert all(sample.token_ids == g.token_ids for sample in group)
+
+
+def test_seed_makes_generation_deterministic_without_touching_the_global_rng(engine):
+    params = SamplingParams(max_new_tokens=6, seed=123)
+    rng_state = torch.get_rng_state()
+    first = engine.generate(PROMPTS, n=4, params=params)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    assert engine.generate(PROMPTS, n=4, params=params) == first
+    assert engine.generate(PROMPTS, n=4, params=SamplingParams(max_new_tokens=6, seed=124)) != first
+
+
+def test_chunking_by_max_batch_size_gives_the_same_greedy_result():
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    whole = make_engine().generate(PROMPTS, n=3, params=params)
+    chunked = make_engine(max_batch_size=2).generate(PROMPTS, n=3, params=params)
+    assert_same_generations(chunked, whole)
+
+
+def test_update_weights_from_a_state_dict_changes_outputs_and_bumps_version(engine):
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = engine.generate(PROMPTS, n=1, params=params)
+    other = build_tiny_causal_lm(VOCAB, seed=1)
+    engine.update_weights(1, state_dict=other.state_dict())
+    assert engine.version == 1 and engine.health()["version"] == 1
+    after = engine.generate(PROMPTS, n=1, params=params)
+    assert after != before
+    assert_same_generations(after, make_engine(seed=1).generate(PROMPTS, n=1, params=params))
+
+
+def test_update_weights_accepts_a_state_dict_without_the_tied_head(engine):
+    state_dict = build_tiny_causal_lm(VOCAB, seed=1).state_dict()
+    del state_dict["lm_head.weight"]
+    engine.update_weights(1, state_dict=state_dict)
+    assert torch.equal(engine.model.lm_head.weight, state_dict["model.embed_tokens.weight"])
+
+
+def test_update_weights_from_a_directory(engine, tmp_path):
+    build_tiny_causal_lm(VOCAB, seed=1).save_pretrained(tmp_path)
+    engine.update_weights(3, path=str(tmp_path))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    assert engine.version == 3
+    assert_same_generations(
+        engine.generate(PROMPTS, n=1, params=params), make_engine(seed=1).generate(PROMPTS, n=1, params=params)
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda sd: sd.pop("model.norm.weight"), r"missing keys \(1\): \['model.norm.weight'\]"),
+        (lambda sd: sd.update(extra=torch.zeros(1)), r"unexpected keys \(1\): \['extra'\]"),
+        (
+            lambda sd: sd.update({"model.norm.weight": torch.zeros(32)}),
+            r"shape mismatch \(1\): \['model.norm.weight: expected \(64,\), got \(32,\)'\]",
+        ),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
+def test_update_weights_rejects_a_state_dict_that_does_not_fit(engine, edit, match):
+    state_dict = dict(build_tiny_causal_lm(VOCAB, seed=1).state_dict())
+    edit(state_dict)
+    with pytest.raises(ValueError, match="state_dict does not fit LlamaForCausalLM: " + match):
+        engine.update_weights(1, state_dict=state_dict)
+    assert engine.version == 0
+
+
+def test_update_weights_argument_errors(engine):
+    state_dict = engine.model.state_dict()
+    with pytest.raises(ValueError, match="give exactly one of state_dict and path"):
+        engine.update_weights(1)
+    with pytest.raises(ValueError, match="give exactly one of state_dict and path"):
+        engine.update_weights(1, state_dict=state_dict, path="/nowhere")
+    engine.update_weights(5, state_dict=state_dict)
+    with pytest.raises(ValueError, match="version must not go backwards: current version=5, got 4"):
+        engine.update_weights(4, state_dict=state_dict)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "n", "max_new_tokens", "match"),
+    [
+        ([[1, 2]], 0, 4, "n must be >= 1, got 0"),
+        ([[1, 2], []], 1, 4, "prompt 1 is empty"),
+        ([[1, 16]], 1, 4, r"prompt 0 holds a token id outside \[0, 16\): \[1, 16\]"),
+        ([[1] * 30], 1, 4, "prompt 0 has 30 tokens; with max_new_tokens=4 that exceeds max_position_embeddings=32"),
+    ],
+)
+def test_generate_validates_prompts(engine, prompts, n, max_new_tokens, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, n=n, params=SamplingParams(max_new_tokens=max_new_tokens))
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="give exactly one of model and model_path"):
+        HFEngine(pad_token_id=PAD, eos_token_id=EOS)
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
+        make_engine(max_batch_size=0)
+    with pytest.raises(ValueError, match="pad_token_id is not given and the model config has none"):
+        HFEngine(build_tiny_causal_lm(VOCAB), eos_token_id=EOS)
+
+
+def test_health(engine):
+    health = engine.health()
+    assert health["ok"] is True
+    assert health["version"] == 0 and health["device"] == "cpu"
+    assert health["model"] == "LlamaForCausalLM" and health["num_parameters"] > 0

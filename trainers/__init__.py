@@ -1,0 +1,1 @@
+"""Trainers: the pure RL math (advantages, losses, sample filters) and the training backends."""

@@ -1,0 +1,422 @@
+"""The FSDP2 training engine: a causal LM sharded with ``fully_shard``, its AdamW optimizer, and one train step.
+
+Independent of the queue and of Ray: every rank builds an :class:`FSDPPolicy` after :func:`init_process_group`,
+feeds it its share of the training batch (shapes and alignment as in ``docs/rl-conventions.md``) and calls the
+same methods in the same order, since most of them are collectives. The same code runs on CPU with gloo and on
+GPU with NCCL; the device follows the process-group backend.
+
+>>> device = init_process_group(rank, world_size, "127.0.0.1", 29500)  # doctest: +SKIP
+>>> policy = FSDPPolicy(model, device=device, optimizer=AdamWConfig(lr=1e-6))  # doctest: +SKIP
+>>> metrics = policy.train_step(batch, loss_fn)  # doctest: +SKIP
+>>> weights = policy.full_state_dict()  # rank 0 only  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainers.checkpoint import load_checkpoint, save_checkpoint
+
+
+class LossFn(Protocol):
+    """``loss, metrics = loss_fn(logprobs=[b, T] with grad, batch=micro-batch dict)``.
+
+    ``loss`` is a scalar tensor; ``metrics`` maps names to scalars (floats or 0-d tensors), with the same names on
+    every call and every rank, since they are all-reduced together.
+    """
+
+    def __call__(
+        self, *, logprobs: Tensor, batch: dict[str, Tensor]
+    ) -> tuple[Tensor, Mapping[str, float | Tensor]]: ...
+
+
+@dataclass
+class AdamWConfig:
+    """``torch.optim.AdamW`` hyperparameters."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+) -> torch.device:
+    """Join the default process group and return the device this rank computes on.
+
+    Args:
+        rank: this process's global rank.
+        world_size: number of processes.
+        master_addr: address of rank 0's TCP store, e.g. ``"127.0.0.1"``.
+        master_port: its port.
+        backend: ``"nccl"`` or ``"gloo"``; defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
+        timeout: collective timeout.
+
+    Returns:
+        ``cuda:<local rank>`` under NCCL (also made the current CUDA device), ``cpu`` otherwise. The local rank is
+        ``LOCAL_RANK`` when set (torchrun), else ``rank % torch.cuda.device_count()``.
+
+    Raises:
+        ValueError: on a rank outside ``[0, world_size)``.
+        RuntimeError: if a default process group already exists with a different rank, world size or backend.
+            Calling again with the same arguments returns the device and changes nothing.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is not in [0, world_size={world_size})")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        have = (dist.get_rank(), dist.get_world_size(), dist.get_backend())
+        if have != (rank, world_size, backend):
+            raise RuntimeError(
+                f"process group already initialised with (rank, world_size, backend)={have}, "
+                f"asked for {(rank, world_size, backend)}"
+            )
+        return _device_for_backend(backend, rank)
+    device = _device_for_backend(backend, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return device
+
+
+def _device_for_backend(backend: str, rank: int) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    return torch.device("cuda", local_rank)
+
+
+def default_device() -> torch.device:
+    """The device that matches the initialised default process group's backend."""
+    if not dist.is_initialized():
+        raise RuntimeError("no default process group; call init_process_group first")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class FSDPPolicy:
+    """A causal LM sharded with FSDP2 across the default process group, with its AdamW optimizer.
+
+    Every public method except :meth:`save_hf_pretrained`'s file writing is a collective: all ranks call it, in
+    the same order, with the same number of rows (micro-batches must line up across ranks).
+
+    Gradient accumulation (``loss_weighting``):
+        Each micro-batch loss is multiplied by ``w_mb * world_size / W`` before ``backward``, where ``w_mb`` is the
+        micro-batch's number of response tokens (``"tokens"``) or of rows with at least one response token
+        (``"rows"``), and ``W`` the sum of ``w_mb`` over all micro-batches of all ranks (FSDP then averages
+        gradients over ranks). If ``loss_fn`` is a mean over the micro-batch's response tokens (``token-mean``
+        in ``trainers.losses``) with ``"tokens"``, or a mean over its non-empty rows (``seq-mean-token-mean``,
+        ``seq-mean-token-sum``) with ``"rows"``, the gradient equals that of the same loss over the whole global
+        batch in one pass, whatever ``micro_batch_size`` and however tokens are spread over ranks. ``loss_fn``
+        must return a finite loss for a micro-batch with no response tokens (clamp the denominator); it gets
+        weight 0. Metrics are averaged with the same weights, so token-mean metrics come out exact too.
+
+    Args:
+        model: an ``nn.Module`` or a zero-argument factory returning one, built on CPU or on ``device``. Its
+            ``forward(input_ids=, attention_mask=, position_ids=)`` returns logits ``[B, T, V]`` or an object
+            with ``.logits`` (every Hugging Face causal LM does). Dropout should be 0: train and logprob passes
+            must see the same function.
+        device: where to compute; defaults to the process-group backend's device (see :func:`default_device`).
+        optimizer: AdamW hyperparameters.
+        grad_clip: max global L2 norm of the gradient, or ``None`` for no clipping (the norm is still reported).
+        micro_batch_size: rows per forward/backward pass, in ``train_step`` and ``compute_logprobs``.
+        loss_weighting: ``"tokens"`` or ``"rows"``, see above.
+        mixed_precision: compute in bfloat16 with float32 master weights and gradient reduction; ``None`` means
+            on for CUDA, off on CPU.
+        sync_module_states: broadcast rank 0's weights before sharding, so ranks that built different random
+            weights agree. Skip it (``False``) when every rank loaded the same checkpoint.
+
+    Raises:
+        ValueError: on a non-positive ``micro_batch_size`` or ``grad_clip``, or an unknown ``loss_weighting``.
+        RuntimeError: if no default process group exists.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        *,
+        device: torch.device | None = None,
+        optimizer: AdamWConfig | None = None,
+        grad_clip: float | None = 1.0,
+        micro_batch_size: int = 1,
+        loss_weighting: Literal["tokens", "rows"] = "tokens",
+        mixed_precision: bool | None = None,
+        sync_module_states: bool = True,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("no default process group; call init_process_group first")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        if grad_clip is not None and grad_clip <= 0:
+            raise ValueError(f"grad_clip={grad_clip} must be > 0 or None")
+        if loss_weighting not in ("tokens", "rows"):
+            raise ValueError(f"loss_weighting={loss_weighting!r} is not one of 'tokens', 'rows'")
+        self.device = device or default_device()
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+        self.loss_weighting = loss_weighting
+        self.optimizer_config = optimizer or AdamWConfig()
+
+        module = model if isinstance(model, nn.Module) else model()
+        self._model_class = type(module)  # fully_shard swaps in a subclass; keep the original for HF export
+        self._is_hf = _is_pretrained_model(module)
+        if sync_module_states:
+            _broadcast_from_rank0(module, self.device)
+        if mixed_precision is None:
+            mixed_precision = self.device.type == "cuda"
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision
+            else MixedPrecisionPolicy()
+        )
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in decoder_layers(module):
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+        self.model = module
+        cfg = self.optimizer_config
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+        """Log-probabilities of the given tokens, aligned with ``input_ids``, without gradients.
+
+        Args:
+            input_ids: ``[B, T]`` int64, this rank's rows.
+            attention_mask: ``[B, T]``, 1 on real tokens.
+            temperature: logits are divided by it before the softmax, as in sampling.
+
+        Returns:
+            ``[B, T]`` float32 on ``input_ids.device``: ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``
+            for ``t >= 1``; position 0 and padding hold 0.
+        """
+        _check_rows(input_ids, attention_mask)
+        self._check_micro_batch_count(input_ids.shape[0])
+        self.model.eval()
+        chunks = []
+        for start in range(0, input_ids.shape[0], self.micro_batch_size):
+            rows = slice(start, start + self.micro_batch_size)
+            ids, mask = input_ids[rows].to(self.device), attention_mask[rows].to(self.device)
+            chunks.append(self._logprobs(ids, mask, temperature))
+        return torch.cat(chunks).to(input_ids.device)
+
+    def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on this rank's rows of the global batch, accumulated over micro-batches.
+
+        Args:
+            batch: ``[B, ...]`` tensors with at least ``input_ids``, ``attention_mask`` and ``response_mask``
+                (``[B, T]``); every tensor is split by rows and handed to ``loss_fn`` on the device.
+            loss_fn: ``loss, metrics = loss_fn(logprobs=..., batch=micro_batch)``, see :class:`LossFn`.
+            temperature: divides the logits, as in :meth:`compute_logprobs`.
+
+        Returns:
+            ``loss`` and ``loss_fn``'s metrics, averaged over micro-batches and ranks with the accumulation
+            weights; ``grad_norm`` (before clipping); ``lr``; ``skipped`` (1.0 when the gradient norm was not
+            finite and the update was dropped, else 0.0). The same on every rank.
+
+        Raises:
+            ValueError: on missing keys, tensors with different row counts, ranks whose row counts give
+                different numbers of micro-batches, or a global batch with nothing to train on.
+        """
+        micro_batches = self._split(batch)
+        weights = [self._weight(mb) for mb in micro_batches]
+        total_weight = _all_reduce_sum(torch.tensor(sum(weights), dtype=torch.float64, device=self.device)).item()
+        if total_weight == 0:
+            what = "response tokens" if self.loss_weighting == "tokens" else "rows"
+            raise ValueError(f"the global batch has no {what} to train on")
+
+        self.model.train()
+        sums: dict[str, Tensor] = {}
+        for mb, weight in zip(micro_batches, weights, strict=True):
+            mb = {name: value.to(self.device, non_blocking=True) for name, value in mb.items()}
+            logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
+            loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
+            (loss * (weight * self.world_size / total_weight)).backward()
+            for name, value in {"loss": loss, **metrics}.items():
+                value = torch.as_tensor(value, dtype=torch.float64, device=self.device).detach()
+                if value.numel() != 1:
+                    raise ValueError(f"loss_fn metric {name!r} has shape {tuple(value.shape)}, expected a scalar")
+                sums[name] = sums.get(name, 0) + value.reshape(()) * weight
+        grad_norm = self._clip_grad_norm()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        names = sorted(sums)
+        reduced = _all_reduce_sum(torch.stack([sums[name] for name in names])) / total_weight
+        result = dict(zip(names, reduced.tolist(), strict=True))
+        result.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]), skipped=float(skipped))
+        return result
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded weights on CPU, under the model's own (Hugging Face) parameter names.
+
+        A collective: every rank must call it. Only **rank 0** receives the tensors; other ranks get ``{}``.
+        Tied weights appear under each of their names, so an unsharded model of the same architecture can
+        ``load_state_dict`` the result directly.
+        """
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_hf_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Write the full weights as a Hugging Face model directory (config + safetensors), from rank 0.
+
+        A collective (it gathers the weights); only rank 0 writes. The directory appears atomically: it is
+        written under a temporary name and renamed. Needs a ``transformers.PreTrainedModel``.
+
+        Raises:
+            TypeError: if the model is not a ``transformers.PreTrainedModel``.
+            FileExistsError: if ``path`` exists.
+        """
+        if not self._is_hf:
+            raise TypeError(f"save_hf_pretrained needs a transformers PreTrainedModel, got {self._model_class}")
+        path = Path(path)
+        if path.exists():
+            raise FileExistsError(f"{path} already exists")
+        state_dict = self.full_state_dict()
+        if self.rank == 0:
+            with torch.device("meta"):
+                unsharded = self._model_class(self.model.config)
+            unsharded.load_state_dict(state_dict, assign=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            unsharded.save_pretrained(tmp)
+            tmp.rename(path)
+        dist.barrier()
+
+    def save_checkpoint(self, path: str | os.PathLike[str], extra_state: dict) -> None:
+        """Save model, optimizer, RNG states and ``extra_state``; see :func:`trainers.checkpoint.save_checkpoint`."""
+        save_checkpoint(path, self.model, self.optimizer, extra_state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict:
+        """Restore what :meth:`save_checkpoint` saved and return its ``extra_state``."""
+        return load_checkpoint(path, self.model, self.optimizer)
+
+    def _logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+        # Positions count real tokens, so left padding (if any) does not shift them.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        kwargs = {"use_cache": False} if self._is_hf else {}  # no KV cache to build during training
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        logits = out if isinstance(out, Tensor) else out.logits
+        logits = logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        targets = input_ids[:, 1:].unsqueeze(-1)
+        # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
+        shifted = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
+        logprobs = torch.nn.functional.pad(shifted, (1, 0))
+        return logprobs * attention_mask.to(logprobs.dtype)
+
+    def _split(self, batch: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        missing = {"input_ids", "attention_mask", "response_mask"} - batch.keys()
+        if missing:
+            raise ValueError(f"batch is missing {sorted(missing)}; has {sorted(batch)}")
+        rows = batch["input_ids"].shape[0]
+        for name, value in batch.items():
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}, expected {rows} rows like input_ids")
+        self._check_micro_batch_count(rows)
+        return [
+            {name: value[start : start + self.micro_batch_size] for name, value in batch.items()}
+            for start in range(0, rows, self.micro_batch_size)
+        ]
+
+    def _check_micro_batch_count(self, rows: int) -> None:
+        # Each micro-batch runs FSDP collectives: ranks with different counts would wait on each other forever.
+        count = math.ceil(rows / self.micro_batch_size)
+        counts = torch.tensor([count, -count], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        if counts[0].item() != -counts[1].item():
+            raise ValueError(
+                f"ranks disagree on the number of micro-batches (between {-counts[1].item()} and {counts[0].item()}; "
+                f"this rank has {rows} rows at micro_batch_size={self.micro_batch_size}): "
+                "give every rank the same number of rows"
+            )
+
+    def _weight(self, micro_batch: dict[str, Tensor]) -> float:
+        tokens_per_row = (micro_batch["response_mask"] > 0).sum(-1)
+        if self.loss_weighting == "rows":
+            return float((tokens_per_row > 0).sum().item())
+        return float(tokens_per_row.sum().item())
+
+    def _clip_grad_norm(self) -> float:
+        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):  # sharded grads: the local norm is a partial, reduce it
+            norm = norm.full_tensor()
+        return float(norm.item())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks to shard one by one: ``model.model.layers`` (HF Llama, Qwen, Mistral), else every module whose
+    class is named in the model's ``_no_split_modules`` (HF's list of blocks not to cut), innermost first.
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    # Reversed pre-order puts nested blocks before their parents, as fully_shard requires.
+    return [m for m in reversed(list(model.modules())) if type(m).__name__ in names and m is not model]
+
+
+def _is_pretrained_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def _broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
+    tensors = [*module.parameters(), *module.buffers()]
+    with torch.no_grad():
+        for tensor in tensors:
+            staged = tensor.detach().to(device)  # NCCL needs device tensors; a no-op on CPU
+            dist.broadcast(staged, src=0)
+            if staged.data_ptr() != tensor.data_ptr():
+                tensor.copy_(staged)
+
+
+def _all_reduce_sum(tensor: Tensor) -> Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def _check_rows(input_ids: Tensor, attention_mask: Tensor) -> None:
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [B, T]"
+        )

@@ -1,0 +1,511 @@
+"""The client: ``AsyncTransferQueueClient`` holds the logic; ``TransferQueueClient`` is its sync facade.
+
+A client needs only a :class:`~transfer_queue.protocol.ControllerInfo` (it speaks ZeroMQ, not Ray), so it works
+in any process: a Ray actor, a torchrun rank, a plain subprocess.
+
+A put is three messages: *reserve* (the controller validates the put against the partition's schema, waits for
+room in the step ring if needed, and hands back rows and a placement), *write* (the payload goes straight to the
+storage units, in parallel, zero-copy), *commit* (the rows become visible, all at once). A put that fails or dies
+in between is aborted: none of its rows ever becomes visible and its bytes are freed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from transfer_queue import protocol as p
+from transfer_queue.columns import Column, columns_from_tensordict, concat_columns, tensordict_from_columns
+from transfer_queue.config import QueueConfig
+from transfer_queue.errors import (
+    BatchSizeMismatch,
+    ClientClosed,
+    InvalidRequest,
+    ProtocolMismatch,
+    RequestTimeout,
+    StorageUnavailable,
+    TransferQueueError,
+    UnknownField,
+    error_from_wire,
+)
+from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
+
+REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _partition(global_step: int | None, partition_id: str | None, metadata: BatchMeta | None = None) -> PartitionKey:
+    if metadata is not None and global_step is None and partition_id is None:
+        return metadata.partition_id
+    if (global_step is None) == (partition_id is None):
+        raise InvalidRequest(
+            f"give exactly one of global_step and partition_id, got global_step={global_step!r}, "
+            f"partition_id={partition_id!r}"
+        )
+    if global_step is not None:
+        if isinstance(global_step, bool) or not isinstance(global_step, (int, np.integer)) or global_step < 0:
+            raise InvalidRequest(f"global_step must be an int >= 0, got {global_step!r}")
+        key: PartitionKey = int(global_step)
+    else:
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequest(f"partition_id must be a non-empty str, got {partition_id!r}")
+        key = partition_id
+    if metadata is not None and metadata.partition_id != key:
+        raise InvalidRequest(f"the metadata is of partition {metadata.partition_id!r}, not {key!r}")
+    return key
+
+
+def _kv_partition(partition_id: str) -> str:
+    if not isinstance(partition_id, str) or not partition_id:
+        raise InvalidRequest(f"a kv partition_id must be a non-empty str, got {partition_id!r}")
+    return partition_id
+
+
+class AsyncTransferQueueClient:
+    """A client of one queue; every method is a coroutine. See :class:`TransferQueueClient` for the sync one.
+
+    Args:
+        client_id: a name for logs.
+        controller_info: from ``ray.get(get_controller().get_info.remote())`` or ``transfer_queue.init``.
+        transport: how bytes move (default: asyncio ZeroMQ sockets).
+    """
+
+    def __init__(self, client_id: str, controller_info: p.ControllerInfo, *, transport: Transport | None = None):
+        if not isinstance(controller_info, p.ControllerInfo):
+            raise InvalidRequest(f"controller_info must be a ControllerInfo, got {type(controller_info).__name__}")
+        if controller_info.protocol_version != p.PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"controller_info speaks protocol {controller_info.protocol_version}, this client "
+                f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
+            )
+        self.client_id = client_id
+        self.controller_info = controller_info
+        self.config = QueueConfig.from_dict(controller_info.config)
+        self._transport = transport or AsyncioTransport()
+        self._closed = False
+
+    # ---- plumbing ------------------------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.config.default_timeout
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise InvalidRequest(f"timeout must be a finite number of seconds > 0 (or None), got {timeout!r}")
+        return float(timeout)
+
+    def _frames(self, body: Any, buffers: Sequence[Any] = ()) -> tuple[list[Any], int]:
+        request_id = self._transport.next_request_id()
+        envelope = p.Envelope(p.PROTOCOL_VERSION, self.controller_info.session_id, request_id)
+        return [p.encode(envelope), p.encode(body), *buffers], request_id
+
+    async def _call(
+        self, calls: Sequence[tuple[p.Endpoint, Any, Sequence[Any]]], timeout: float, who: str
+    ) -> list[tuple[Any, list[Any]]]:
+        if self._closed:
+            raise ClientClosed(f"client {self.client_id!r} is closed")
+        wire = []
+        for endpoint, body, buffers in calls:
+            frames, request_id = self._frames(body, buffers)
+            wire.append((endpoint, frames, request_id))
+        try:
+            replies = await self._transport.call_many(wire, timeout)
+        except RequestTimeout as exc:
+            raise RequestTimeout(f"{who}: {exc}") from None
+        out = []
+        for frames in replies:
+            header = p.decode_reply_header(frames[0].buffer)
+            if header.error_type is not None:
+                raise error_from_wire(header.error_type, header.error_message or "")
+            out.append((frames[1].buffer, [f.buffer for f in frames[2:]]))
+        return out
+
+    async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:
+        ((reply, _),) = await self._call(
+            [(self.controller_info.controller, body, ())],
+            timeout,
+            f"the controller at {self.controller_info.controller.tcp} did not answer (is it alive?)",
+        )
+        return p.decode_as(reply, reply_type)
+
+    async def _storage(self, calls: Sequence[tuple[int, Any, Sequence[Any]]], timeout: float) -> list[tuple[Any, list]]:
+        units = self.controller_info.storage_units
+        try:
+            return await self._call(
+                [(units[u], body, bufs) for u, body, bufs in calls],
+                timeout,
+                f"storage units {[u for u, _, _ in calls]} did not answer",
+            )
+        except RequestTimeout as exc:
+            raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
+
+    def _row_lengths(self, columns: dict[str, Column], num_rows: int) -> np.ndarray:
+        lengths = np.zeros(num_rows, dtype=np.int64)
+        for name, column in columns.items():
+            if column.schema.kind == "jagged" or name in self.config.seqlen_fields:
+                row = column.row_lengths()
+                if row is not None:
+                    lengths += row
+        return lengths
+
+    # ---- put -----------------------------------------------------------------------------------------------
+    async def put(
+        self,
+        data: TensorDictBase,
+        global_step: int | None = None,
+        partition_id: str | None = None,
+        metadata: BatchMeta | None = None,
+        group_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Store rows: append them to a partition, or (with ``metadata``) write new fields into existing rows.
+
+        Args:
+            data: a TensorDict whose first batch dimension counts rows. Dense tensors, jagged nested tensors and
+                non-tensor data (str, bytes, msgpack-encodable values) are accepted; CUDA tensors are copied to host.
+            global_step / partition_id: where to put (exactly one; implied by ``metadata``).
+            metadata: a BatchMeta from ``get_meta``: write ``data``'s fields into its rows, in its order.
+            group_ids: GRPO group of each row (ints scoped to the partition), so a group may arrive over several
+                puts. Default: ``row // num_n_samples``, which needs the put to hold whole groups.
+            timeout: seconds to wait for room in the step ring and for the storage units (None: the default).
+
+        Returns:
+            The BatchMeta of the written rows and fields.
+
+        Raises:
+            SchemaMismatch, BatchSizeMismatch, PartitionOverfilled, IncompleteGroups, FieldAlreadyProduced,
+            QueueFull (no room within the timeout), StorageUnavailable, PartitionCleared.
+
+        >>> meta = client.put(TensorDict({"prompt_ids": ids}, batch_size=[8]), global_step=0)  # doctest: +SKIP
+        """
+        timeout = self._timeout(timeout)
+        key = _partition(global_step, partition_id, metadata)
+        num_rows, columns = columns_from_tensordict(data)
+        target_uid = target_indexes = None
+        if metadata is not None:
+            if len(metadata) != num_rows:
+                raise BatchSizeMismatch(f"the metadata names {len(metadata)} rows; the data has {num_rows}")
+            if group_ids is not None:
+                raise InvalidRequest("a put with metadata writes into existing rows; their group ids are already set")
+            target_uid, target_indexes = metadata.partition_uid, p.pack_indexes(metadata.global_indexes)
+        packed_groups = None
+        if group_ids is not None:
+            groups = np.asarray(group_ids.cpu() if isinstance(group_ids, torch.Tensor) else group_ids).reshape(-1)
+            if groups.dtype.kind not in "iu" or len(groups) != num_rows:
+                raise InvalidRequest(f"group_ids must be {num_rows} ints, got {len(groups)} of dtype {groups.dtype}")
+            packed_groups = p.pack_indexes(groups)
+        reserve = p.Reserve(
+            key,
+            num_rows,
+            {name: c.schema for name, c in columns.items()},
+            sum(c.nbytes for c in columns.values()),
+            packed_groups,
+            target_uid,
+            target_indexes,
+            p.pack_indexes(self._row_lengths(columns, num_rows)),
+            None,
+            timeout,
+        )
+        return await self._put(reserve, columns, timeout)
+
+    async def _put(self, reserve: p.Reserve, columns: dict[str, Column], timeout: float) -> BatchMeta:
+        started = time.monotonic()
+        reservation: p.Reservation = await self._control(reserve, p.Reservation, timeout + REPLY_SLACK)
+        try:
+            writes = []
+            for place in reservation.placements:
+                parts = {name: c.slice(place.start, place.stop) for name, c in columns.items()}
+                specs = [p.ColumnSpec(n, c.schema, c.num_rows, len(c.buffers())) for n, c in parts.items()]
+                buffers = [b for c in parts.values() for b in c.buffers()]
+                body = p.Write(reservation.partition_uid, place.block_id, place.stop - place.start, specs)
+                writes.append((place.unit, body, buffers))
+            await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
+            wire: p.MetaWire = await self._control(
+                p.Commit(reservation.put_id), p.MetaWire, self.config.default_timeout
+            )
+        except BaseException:
+            try:
+                await self._control(p.Abort(reservation.put_id), Any, 5.0)
+            except TransferQueueError:
+                pass  # the controller aborts it at its deadline anyway
+            raise
+        return wire.to_meta()
+
+    # ---- get -----------------------------------------------------------------------------------------------
+    async def get_meta(
+        self,
+        data_fields: Sequence[str] | str,
+        batch_size: int,
+        global_step: int | None = None,
+        partition_id: str | None = None,
+        task_name: str = "default",
+        sampler_params: dict[str, Any] | None = None,
+        get_n_samples: bool = False,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Rows ready for ``task_name`` (all ``data_fields`` produced, not yet consumed by the task), chosen by the
+        task's sampler; they count as consumed by the task from now on (``release`` hands them back).
+
+        Waits (up to ``timeout``) until ``batch_size`` rows are ready; returns a shorter batch only when no more
+        can come (the partition is closed or its step is full and everything produced), and an empty one at the
+        end of the stream.
+
+        Args:
+            data_fields: fields the rows must have.
+            batch_size: rows to return (per DP rank when ``sampler_params`` holds ``dp_size``).
+            global_step / partition_id: where to read (exactly one).
+            task_name: the consumer; each task consumes every row once.
+            sampler_params: passed to the sampler; ``dp_rank``, ``dp_size``, ``dp_group_id`` make this call part of
+                a DP round shared by the ranks of a data-parallel world.
+            get_n_samples: serve whole GRPO groups only (``batch_size`` must be a multiple of ``num_n_samples``).
+
+        Raises:
+            GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared.
+
+        >>> meta = client.get_meta(["prompt_ids"], batch_size=8, global_step=0, task_name="rollout")  # doctest: +SKIP
+        """
+        timeout = self._timeout(timeout)
+        fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        request = p.GetMeta(
+            _partition(global_step, partition_id),
+            fields,
+            batch_size,
+            task_name,
+            sampler_params,
+            bool(get_n_samples),
+            timeout,
+        )
+        wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
+        return wire.to_meta()
+
+    async def get_data(self, batch_meta: BatchMeta, device: str | torch.device | None = None) -> TensorDict:
+        """The rows of ``batch_meta`` as a TensorDict, in its order: dense fields as tensors, jagged fields as
+        nested tensors, non-tensor fields as NonTensorStack. ``device`` moves the result (e.g. ``"cuda"``).
+
+        Raises:
+            StaleBatchMeta (its partition was cleared), StorageUnavailable.
+        """
+        if not isinstance(batch_meta, BatchMeta):
+            raise InvalidRequest(f"get_data expects a BatchMeta, got {type(batch_meta).__name__}")
+        num_rows = len(batch_meta)
+        if num_rows == 0 or not batch_meta.fields:
+            td = TensorDict({}, batch_size=[num_rows])
+            return td.to(device) if device is not None else td
+        if np.any(batch_meta.blocks < 0):
+            row, col = np.argwhere(batch_meta.blocks < 0)[0]
+            raise UnknownField(
+                f"field {batch_meta.field_names[col]!r} is not produced for global index "
+                f"{batch_meta.global_indexes[row]}"
+            )
+        units = batch_meta.blocks % len(self.controller_info.storage_units)
+        calls, placed = [], []
+        for unit in np.unique(units).tolist():
+            fields, positions = [], []
+            for j, name in enumerate(batch_meta.field_names):
+                pos = np.flatnonzero(units[:, j] == unit)
+                if len(pos):
+                    blocks, offsets = batch_meta.blocks[pos, j], batch_meta.offsets[pos, j]
+                    fields.append(p.ReadField(name, p.pack_indexes(blocks), p.pack_indexes(offsets)))
+                    positions.append(pos)
+            calls.append((unit, p.Read(batch_meta.partition_uid, fields), ()))
+            placed.append(positions)
+        replies = await self._storage(calls, self.config.default_timeout)
+        parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
+        where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
+        for (body, buffers), positions in zip(replies, placed, strict=True):
+            reply = p.decode_as(body, p.ReadReply)
+            i = 0
+            for spec, pos in zip(reply.columns, positions, strict=True):
+                parts[spec.name].append(Column.from_buffers(spec.schema, spec.num_rows, buffers[i : i + spec.nframes]))
+                where[spec.name].append(pos)
+                i += spec.nframes
+        columns = {name: concat_columns(parts[name], where[name], num_rows) for name in batch_meta.fields}
+        td = tensordict_from_columns(columns, num_rows)
+        return td.to(device) if device is not None else td
+
+    # ---- consumption and lifecycle -------------------------------------------------------------------------
+    async def release(self, batch_meta: BatchMeta) -> None:
+        """Hand the rows of ``batch_meta`` back to the task that got them (e.g. its consumer failed): they are
+        served again. A DP share handed back this way is not served to its rank again under the same round."""
+        if batch_meta.task_name is None:
+            raise InvalidRequest("release needs a BatchMeta from get_meta (it names the task that consumed it)")
+        request = p.Release(batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes))
+        await self._control(request, Any, self.config.default_timeout)
+
+    async def clear(self, global_step: int | None = None, partition_id: str | None = None) -> None:
+        """Drop a partition's rows and payload. Idempotent; BatchMetas of it become stale."""
+        await self._control(p.Clear(_partition(global_step, partition_id)), Any, self.config.default_timeout)
+
+    async def reset_consumption(
+        self, task_name: str | None = None, global_step: int | None = None, partition_id: str | None = None
+    ) -> None:
+        """Make rows unconsumed again for ``task_name`` (None: every task), in one partition or (no partition
+        given) all of them, e.g. to train on the same data again."""
+        key = None if global_step is None and partition_id is None else _partition(global_step, partition_id)
+        await self._control(p.ResetConsumption(key, task_name), Any, self.config.default_timeout)
+
+    async def get_production_status(self, global_step: int | None = None, partition_id: str | None = None) -> dict:
+        """Rows, capacity, bytes and per-field produced counts of a partition. Raises UnknownPartition."""
+        request = p.ProductionStatus(_partition(global_step, partition_id))
+        return await self._control(request, Any, self.config.default_timeout)
+
+    async def get_consumption_status(
+        self, global_step: int | None = None, partition_id: str | None = None, task_name: str | None = None
+    ) -> dict:
+        """Rows consumed per task (one task or all) in a partition. Raises UnknownPartition."""
+        request = p.ConsumptionStatus(_partition(global_step, partition_id), task_name)
+        return await self._control(request, Any, self.config.default_timeout)
+
+    async def list_partitions(self) -> list[PartitionKey]:
+        """The live partitions: int global steps and str partition ids."""
+        return await self._control(p.ListPartitions(), Any, self.config.default_timeout)
+
+    async def close_partition(self, global_step: int | None = None, partition_id: str | None = None) -> None:
+        """No more puts to this partition: readers get the final short batch, then the end of the stream."""
+        await self._control(p.ClosePartition(_partition(global_step, partition_id)), Any, self.config.default_timeout)
+
+    async def ping(self) -> dict:
+        """A round trip to the controller; raises SessionMismatch if the controller_info is stale."""
+        return await self._control(p.Hello(self.client_id), Any, self.config.default_timeout)
+
+    def close(self) -> None:
+        """Close the sockets; the client cannot be used afterwards."""
+        self._closed = True
+        self._transport.close()
+
+    # ---- by key (upstream TransferQueue's kv_* names) -------------------------------------------------------
+    async def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: TensorDictBase | dict[str, Any],
+        tags: Sequence[Any] | None = None,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Insert or update rows by key: new keys get new rows, existing keys get their fields overwritten.
+
+        ``tags`` (one msgpack-encodable value per key, e.g. a dict) are stored as the non-tensor field ``tags``.
+        """
+        timeout = self._timeout(timeout)
+        keys = [str(k) for k in keys]
+        if isinstance(fields, dict):
+            fields = TensorDict(dict(fields), batch_size=[len(keys)]) if fields else fields
+        num_rows, columns = columns_from_tensordict(fields)
+        if num_rows != len(keys):
+            raise BatchSizeMismatch(f"{len(keys)} keys but {num_rows} rows of fields")
+        if tags is not None:
+            columns["tags"] = Column.from_objects("tags", list(tags), num_rows)
+        reserve = p.Reserve(
+            _kv_partition(partition_id),
+            num_rows,
+            {name: c.schema for name, c in columns.items()},
+            sum(c.nbytes for c in columns.values()),
+            lengths=p.pack_indexes(self._row_lengths(columns, num_rows)),
+            keys=keys,
+            timeout=timeout,
+        )
+        return await self._put(reserve, columns, timeout)
+
+    async def kv_put(
+        self, key: str, partition_id: str, fields: dict[str, Any], tag: Any = None, timeout: float | None = None
+    ) -> BatchMeta:
+        """``kv_batch_put`` of one key; ``fields`` holds one row (tensors without the batch dimension)."""
+        row = {
+            name: value.unsqueeze(0) if isinstance(value, torch.Tensor) and not value.is_nested else [value]
+            for name, value in fields.items()
+        }
+        return await self.kv_batch_put([key], partition_id, row, None if tag is None else [tag], timeout)
+
+    async def kv_batch_get(
+        self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str] | None = None
+    ) -> TensorDict:
+        """The rows of ``keys`` (in that order) with ``select_fields`` (default: every field all of them have)."""
+        request = p.KvLookup(
+            _kv_partition(partition_id),
+            [str(k) for k in keys],
+            None if select_fields is None else list(select_fields),
+        )
+        wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
+        return await self.get_data(wire.to_meta())
+
+    async def kv_list(self, partition_id: str) -> list[str]:
+        """The keys of a partition used by key, in insertion order."""
+        return await self._control(p.KvList(_kv_partition(partition_id)), Any, self.config.default_timeout)
+
+    async def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
+        """Forget ``keys`` (None: the whole partition) and free their payload. Unknown keys are ignored."""
+        request = p.KvClear(_kv_partition(partition_id), None if keys is None else [str(k) for k in keys])
+        await self._control(request, Any, self.config.default_timeout)
+
+
+def _sync(
+    method: Callable[Concatenate[AsyncTransferQueueClient, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[TransferQueueClient, P], R]:
+    @functools.wraps(method)
+    def call(self: TransferQueueClient, *args: P.args, **kwargs: P.kwargs) -> R:
+        return run_sync(method(self._client, *args, **kwargs))
+
+    return call
+
+
+class TransferQueueClient:
+    """The sync client: the same methods as :class:`AsyncTransferQueueClient`, blocking. It needs no event loop
+    and also works when called from inside a running one. Safe to share between threads (sockets are per thread).
+
+    Args:
+        client_id: a name for logs.
+        controller_info: from ``ray.get(get_controller().get_info.remote())`` or ``transfer_queue.init``.
+        spin_seconds: poll without sleeping for up to this long while waiting for a reply (lower latency for
+            small requests at the price of some CPU); 0 disables it.
+
+    >>> client = TransferQueueClient(client_id="trainer-0", controller_info=info)  # doctest: +SKIP
+    """
+
+    def __init__(self, client_id: str, controller_info: p.ControllerInfo, *, spin_seconds: float = 0.0):
+        self._client = AsyncTransferQueueClient(
+            client_id, controller_info, transport=BlockingTransport(spin_seconds=spin_seconds)
+        )
+
+    @property
+    def client_id(self) -> str:
+        return self._client.client_id
+
+    @property
+    def controller_info(self) -> p.ControllerInfo:
+        return self._client.controller_info
+
+    @property
+    def config(self) -> QueueConfig:
+        return self._client.config
+
+    def close(self) -> None:
+        self._client.close()
+
+    put = _sync(AsyncTransferQueueClient.put)
+    get_meta = _sync(AsyncTransferQueueClient.get_meta)
+    get_data = _sync(AsyncTransferQueueClient.get_data)
+    release = _sync(AsyncTransferQueueClient.release)
+    clear = _sync(AsyncTransferQueueClient.clear)
+    reset_consumption = _sync(AsyncTransferQueueClient.reset_consumption)
+    get_production_status = _sync(AsyncTransferQueueClient.get_production_status)
+    get_consumption_status = _sync(AsyncTransferQueueClient.get_consumption_status)
+    list_partitions = _sync(AsyncTransferQueueClient.list_partitions)
+    close_partition = _sync(AsyncTransferQueueClient.close_partition)
+    ping = _sync(AsyncTransferQueueClient.ping)
+    kv_put = _sync(AsyncTransferQueueClient.kv_put)
+    kv_batch_put = _sync(AsyncTransferQueueClient.kv_batch_put)
+    kv_batch_get = _sync(AsyncTransferQueueClient.kv_batch_get)
+    kv_list = _sync(AsyncTransferQueueClient.kv_list)
+    kv_clear = _sync(AsyncTransferQueueClient.kv_clear)
+
+
+def default_client_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,318 @@
+"""Columns: one field's rows as a few raw buffers, and back.
+
+A TensorDict is split into columns at put time and rebuilt from columns at get time:
+
+- ``dense``: a ``[rows, *shape]`` tensor, one buffer; comes back dense (never as a nested tensor).
+- ``jagged``: a nested tensor with the jagged layout, two buffers (``values [total, *shape]``, ``offsets
+  int64 [rows + 1]``); comes back as a jagged nested tensor.
+- ``object``: non-tensor data (str, bytes or msgpack-encodable values), one msgpack buffer; comes back as a
+  ``NonTensorStack``.
+
+Buffers are views of the tensors' memory (no copy on the way out) and tensors are built over received frames
+(no copy on the way in). CUDA tensors are copied to host here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, UnsupportedValue
+from transfer_queue.metadata import FieldSchema
+
+Buffer = Any  # an object exposing the buffer protocol (numpy array, memoryview, zmq.Frame)
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    )
+}
+_OBJECT_ENCODER = msgspec.msgpack.Encoder()
+_OBJECT_DECODER = msgspec.msgpack.Decoder()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UnsupportedValue(f"dtype {dtype} cannot travel through the queue; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UnsupportedValue(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def as_buffer(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def from_buffer(buf: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor over a received buffer, without a copy (the tensor keeps the buffer alive)."""
+    view = memoryview(buf)
+    expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    if view.nbytes != expected:
+        raise InvalidRequest(f"a {dtype} buffer of shape {list(shape)} needs {expected} bytes, got {view.nbytes}")
+    if expected == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    with warnings.catch_warnings():
+        # Received frames are read-only memory we own; tensors built over them are never written in place.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(view, dtype=torch.uint8)
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+@dataclass
+class Column:
+    """One field's rows: a dense tensor, a (values, offsets) pair, or a list of objects."""
+
+    schema: FieldSchema
+    num_rows: int
+    data: torch.Tensor | None = None  # dense: [rows, *shape]; jagged: values [total, *shape]
+    offsets: torch.Tensor | None = None  # jagged: int64 [rows + 1], offsets[0] == 0
+    objects: list[Any] | None = None  # object
+
+    # ---- building -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_value(cls, name: str, value: Any, num_rows: int) -> Column:
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.device.type != "cpu":
+                value = value.to("cpu")
+            if value.is_nested:
+                return cls._from_nested(name, value, num_rows)
+            if value.dim() == 0 or value.shape[0] != num_rows:
+                raise BatchSizeMismatch(
+                    f"field {name!r} has {value.shape[0] if value.dim() else 0} rows; the batch has {num_rows}"
+                )
+            value = value.contiguous()
+            return cls(FieldSchema("dense", dtype_name(value.dtype), tuple(value.shape[1:])), num_rows, data=value)
+        if isinstance(value, NonTensorData):
+            return cls.from_objects(name, [value.data] * num_rows, num_rows)
+        if isinstance(value, NonTensorStack):
+            return cls.from_objects(name, value.tolist(), num_rows)
+        if isinstance(value, (list, tuple)):
+            return cls.from_objects(name, list(value), num_rows)
+        raise UnsupportedValue(f"field {name!r}: expected a tensor or non-tensor data, got {type(value).__name__}")
+
+    @classmethod
+    def from_objects(cls, name: str, objects: list[Any], num_rows: int) -> Column:
+        if len(objects) != num_rows:
+            raise BatchSizeMismatch(f"field {name!r} has {len(objects)} rows; the batch has {num_rows}")
+        try:
+            _OBJECT_ENCODER.encode(objects)
+        except (TypeError, OverflowError) as exc:
+            raise UnsupportedValue(
+                f"field {name!r}: non-tensor values must be str, bytes or msgpack-encodable; {exc}"
+            ) from None
+        return cls(FieldSchema("object", "object", ()), num_rows, objects=objects)
+
+    @classmethod
+    def _from_nested(cls, name: str, value: torch.Tensor, num_rows: int) -> Column:
+        if value.layout != torch.jagged:
+            value = torch.nested.nested_tensor(list(value.unbind()), layout=torch.jagged)
+        if value.size(0) != num_rows:
+            raise BatchSizeMismatch(f"field {name!r} has {value.size(0)} rows; the batch has {num_rows}")
+        if value._ragged_idx != 1:  # type: ignore[attr-defined]
+            raise UnsupportedValue(f"field {name!r}: only nested tensors ragged in their first row dimension travel")
+        raw_offsets = value.offsets().to(torch.int64)  # type: ignore[attr-defined]
+        values = value.values()
+        offsets = raw_offsets - raw_offsets[0]
+        if int(raw_offsets[0]) != 0 or values.shape[0] != int(offsets[-1]):
+            values = values[int(raw_offsets[0]) : int(raw_offsets[-1])]
+        values = values.contiguous()
+        schema = FieldSchema("jagged", dtype_name(values.dtype), tuple(values.shape[1:]))
+        return cls(schema, num_rows, data=values, offsets=offsets.contiguous())
+
+    # ---- slicing and sizes --------------------------------------------------------------------------------
+    def slice(self, start: int, stop: int) -> Column:
+        """Rows ``[start, stop)``; dense and jagged values are views, not copies."""
+        n = stop - start
+        if self.schema.kind == "dense":
+            assert self.data is not None
+            return Column(self.schema, n, data=self.data[start:stop])
+        if self.schema.kind == "jagged":
+            assert self.data is not None and self.offsets is not None
+            lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+            return Column(self.schema, n, data=self.data[lo:hi], offsets=self.offsets[start : stop + 1] - lo)
+        assert self.objects is not None
+        return Column(self.schema, n, objects=self.objects[start:stop])
+
+    @property
+    def nbytes(self) -> int:
+        if self.schema.kind == "object":
+            return len(_OBJECT_ENCODER.encode(self.objects))
+        assert self.data is not None
+        extra = self.offsets.numel() * 8 if self.offsets is not None else 0
+        return self.data.numel() * self.data.element_size() + extra
+
+    def row_lengths(self) -> np.ndarray | None:
+        """Per-row lengths for length-balanced sampling: jagged row lengths, or the row sums of a 2-D mask."""
+        if self.schema.kind == "jagged":
+            assert self.offsets is not None
+            return np.diff(self.offsets.numpy())
+        if self.schema.kind == "dense" and self.data is not None and self.data.dim() == 2:
+            return self.data.to(torch.int64).sum(dim=1).numpy()
+        return None
+
+    # ---- wire ---------------------------------------------------------------------------------------------
+    def buffers(self) -> list[Buffer]:
+        if self.schema.kind == "object":
+            return [_OBJECT_ENCODER.encode(self.objects)]
+        assert self.data is not None
+        if self.schema.kind == "dense":
+            return [as_buffer(self.data)]
+        assert self.offsets is not None
+        return [as_buffer(self.data), as_buffer(self.offsets)]
+
+    @classmethod
+    def from_buffers(cls, schema: FieldSchema, num_rows: int, buffers: Sequence[Buffer]) -> Column:
+        if len(buffers) != nframes(schema):
+            raise InvalidRequest(f"a {schema.kind} column needs {nframes(schema)} buffers, got {len(buffers)}")
+        if schema.kind == "object":
+            try:
+                objects = _OBJECT_DECODER.decode(buffers[0])
+            except msgspec.DecodeError as exc:
+                raise InvalidRequest(f"malformed object column: {exc}") from None
+            if not isinstance(objects, list) or len(objects) != num_rows:
+                raise InvalidRequest(f"an object column of {num_rows} rows must decode to a list of {num_rows}")
+            return cls(schema, num_rows, objects=objects)
+        dtype = torch_dtype(schema.dtype)
+        if schema.kind == "dense":
+            return cls(schema, num_rows, data=from_buffer(buffers[0], dtype, (num_rows, *schema.shape)))
+        offsets = from_buffer(buffers[1], torch.int64, (num_rows + 1,))
+        total = int(offsets[-1])
+        if int(offsets[0]) != 0 or (num_rows and bool((offsets[1:] < offsets[:-1]).any())):
+            raise InvalidRequest("jagged offsets must start at 0 and never decrease")
+        values = from_buffer(buffers[0], dtype, (total, *schema.shape))
+        return cls(schema, num_rows, data=values, offsets=offsets)
+
+    def to_value(self) -> Any:
+        """The column as a TensorDict entry: a tensor, a jagged nested tensor or a NonTensorStack."""
+        if self.schema.kind == "dense":
+            return self.data
+        if self.schema.kind == "jagged":
+            assert self.data is not None and self.offsets is not None
+            if self.num_rows == 0:
+                return torch.nested.nested_tensor([], layout=torch.jagged, dtype=self.data.dtype)
+            return torch.nested.nested_tensor_from_jagged(self.data, self.offsets)
+        return NonTensorStack(*self.objects) if self.objects else NonTensorStack(batch_size=[0])
+
+
+def nframes(schema: FieldSchema) -> int:
+    return 2 if schema.kind == "jagged" else 1
+
+
+def columns_from_tensordict(data: TensorDictBase | dict[str, Any]) -> tuple[int, dict[str, Column]]:
+    """Split a TensorDict (or a dict of equally long fields) into columns; returns (rows, columns)."""
+    if isinstance(data, TensorDictBase):
+        if len(data.batch_size) < 1:
+            raise InvalidRequest(
+                f"put needs a TensorDict with a batch dimension, got batch_size={list(data.batch_size)}"
+            )
+        num_rows = int(data.batch_size[0])
+        items = [(k, data.get(k)) for k in data.keys(include_nested=False, leaves_only=False)]
+    elif isinstance(data, dict):
+        sizes = {k: _rows_of(v) for k, v in data.items()}
+        if len(set(sizes.values())) > 1:
+            raise BatchSizeMismatch(f"fields of one put must have the same number of rows, got {sizes}")
+        num_rows = next(iter(sizes.values()), 0)
+        items = list(data.items())
+    else:
+        raise InvalidRequest(f"put expects a TensorDict, got {type(data).__name__}")
+    if not items:
+        raise InvalidRequest("put needs at least one field")
+    columns = {}
+    for name, value in items:
+        if isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack)):
+            raise UnsupportedValue(f"field {name!r}: nested TensorDicts are not supported; flatten the keys first")
+        columns[str(name)] = Column.from_value(str(name), value, num_rows)
+    return num_rows, columns
+
+
+def _rows_of(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.size(0)) if value.dim() else 0
+    return len(value)
+
+
+def tensordict_from_columns(columns: dict[str, Column], num_rows: int) -> TensorDict:
+    return TensorDict({name: col.to_value() for name, col in columns.items()}, batch_size=[num_rows])
+
+
+def concat_columns(parts: Sequence[Column], positions: Sequence[np.ndarray], num_rows: int) -> Column:
+    """Assemble one column of ``num_rows`` rows from parts; ``positions[i]`` says where part i's rows go.
+
+    One part covering every row in order is returned as is (no copy); otherwise rows are scattered once.
+    """
+    schema = parts[0].schema
+    if len(parts) == 1 and np.array_equal(positions[0], np.arange(num_rows)):
+        return parts[0]
+    if schema.kind == "object":
+        objects: list[Any] = [None] * num_rows
+        for part, pos in zip(parts, positions, strict=True):
+            assert part.objects is not None
+            for p, obj in zip(pos.tolist(), part.objects, strict=True):
+                objects[p] = obj
+        return Column(schema, num_rows, objects=objects)
+    if schema.kind == "dense":
+        first = parts[0].data
+        assert first is not None
+        out = torch.empty((num_rows, *first.shape[1:]), dtype=first.dtype)
+        for part, pos in zip(parts, positions, strict=True):
+            assert part.data is not None
+            if len(pos) and pos[-1] - pos[0] == len(pos) - 1 and np.all(np.diff(pos) == 1):
+                out[int(pos[0]) : int(pos[-1]) + 1] = part.data
+            else:
+                out[torch.from_numpy(pos)] = part.data
+        return Column(schema, num_rows, data=out)
+    # jagged: lay the parts end to end, then take rows in destination order with one gather
+    values = torch.cat([p.data for p in parts if p.data is not None])
+    part_offsets, base = [np.zeros(1, dtype=np.int64)], 0
+    for part in parts:
+        assert part.offsets is not None
+        part_offsets.append(part.offsets.numpy()[1:] + base)
+        base += int(part.offsets[-1])
+    order = np.argsort(np.concatenate(positions), kind="stable")
+    data, offsets = jagged_take(values, np.concatenate(part_offsets), order)
+    return Column(schema, num_rows, data=data, offsets=offsets)
+
+
+def jagged_take(values: torch.Tensor, offsets: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` of a jagged column (values + offsets), as new values and offsets, in one gather."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    new_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    if len(rows) and np.all(np.diff(rows) == 1):  # one contiguous run: a view
+        return values[int(starts[0]) : int(starts[0]) + int(new_offsets[-1])], torch.from_numpy(new_offsets)
+    index = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(int(new_offsets[-1]), dtype=np.int64)
+    return values[torch.from_numpy(index)], torch.from_numpy(new_offsets)

@@ -1,0 +1,60 @@
+"""QueueConfig: the one source of truth for how a queue is shaped."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transfer_queue.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """How a queue is shaped; validated on construction.
+
+    Args:
+        global_batch_size: prompts per global step (a step partition holds ``global_batch_size * num_n_samples``
+            rows).
+        num_global_batch: steps live at once (the step ring); a put that would open one more waits for a clear.
+        num_n_samples: rows per GRPO group (responses per prompt).
+        num_storage_units: storage actors holding the payload.
+        storage_unit_bytes: payload bytes one storage unit may hold; puts beyond it wait for a clear.
+        default_timeout: seconds an operation waits when the caller passes ``timeout=None`` (finite, never forever).
+        put_grace: extra seconds a put's reservation outlives its timeout before it is aborted (client died).
+        seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
+    """
+
+    global_batch_size: int
+    num_global_batch: int = 1
+    num_n_samples: int = 1
+    num_storage_units: int = 2
+    storage_unit_bytes: int = 8 << 30
+    default_timeout: float = 60.0
+    put_grace: float = 30.0
+    seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "num_global_batch", "num_n_samples", "num_storage_units"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.storage_unit_bytes, int) or self.storage_unit_bytes < 1:
+            raise InvalidRequest(f"storage_unit_bytes must be an int >= 1, got {self.storage_unit_bytes!r}")
+        for name in ("default_timeout", "put_grace"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.global_batch_size * self.num_n_samples
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["seqlen_fields"] = list(self.seqlen_fields)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QueueConfig:
+        return cls(**{**d, "seqlen_fields": tuple(d.get("seqlen_fields", ("attention_mask",)))})

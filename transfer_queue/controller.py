@@ -1,0 +1,246 @@
+"""TransferQueueController: the Ray actor of the control plane.
+
+A thin shell: a ROUTER socket served from a background thread, decoding requests and handing them to
+:class:`~transfer_queue.queue_state.QueueState` (all bookkeeping lives there, unit-testable without Ray). Ray's own
+actor calls (creating it, ``register_sampler``, ``get_info``) are the trusted control channel; everything on the
+socket is typed msgpack and nothing received is unpickled. The controller never touches tensor bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import ray
+import zmq
+
+from transfer_queue import protocol as p
+from transfer_queue.config import QueueConfig
+from transfer_queue.errors import (
+    InvalidRequest,
+    ProtocolMismatch,
+    SessionMismatch,
+    TransferQueueError,
+    error_to_wire,
+)
+from transfer_queue.queue_state import QueueState
+from transfer_queue.samplers import SamplerSpec
+from transfer_queue.storage import StorageUnit
+from transfer_queue.transport import bind_server, remove_ipc
+
+logger = logging.getLogger(__name__)
+MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
+
+
+class ControllerServer:
+    """Serves a QueueState on a ROUTER socket from a background thread."""
+
+    def __init__(self, state: QueueState, session_id: str, storage: list[p.Endpoint], host: str | None = None):
+        self.state = state
+        self.session_id = session_id
+        self.lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock, self.endpoint = bind_server(self._ctx, host)
+        self._units = []
+        for endpoint in storage:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint.address())
+            self._units.append(dealer)
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="tq-controller", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        for dealer in self._units:
+            poller.register(dealer, zmq.POLLIN)
+        while not self._stop.is_set():
+            wait = self.state.next_deadline - time.monotonic()
+            events = dict(poller.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1)))
+            with self.lock:
+                if self._sock in events:
+                    for _ in range(MAX_BATCH):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                if time.monotonic() >= self.state.next_deadline:
+                    self.state.tick()
+                self._flush_outbox()
+            for dealer in self._units:
+                if dealer in events:
+                    self._drain_storage_replies(dealer)
+        self._sock.close(linger=0)
+        for dealer in self._units:
+            dealer.close(linger=0)
+        remove_ipc(self.endpoint)
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 3:
+            return  # not even an envelope: nothing to answer
+        identity = frames[0]
+        request_id = -1
+        try:
+            envelope = p.decode_envelope(frames[1].buffer)
+            request_id = envelope.request_id
+            if envelope.protocol_version != p.PROTOCOL_VERSION:
+                raise ProtocolMismatch(
+                    f"the client speaks protocol {envelope.protocol_version}, this controller {p.PROTOCOL_VERSION}; "
+                    "install the same transfer_queue version on both sides"
+                )
+            if envelope.session_id != self.session_id:
+                raise SessionMismatch(
+                    f"the client's controller_info is from session {envelope.session_id}, this controller runs "
+                    f"session {self.session_id}; fetch a fresh controller_info (get_controller().get_info)"
+                )
+            request = p.decode_controller_request(frames[2].buffer)
+        except TransferQueueError as exc:
+            self._reply(identity, request_id, None, exc)
+            return
+        if isinstance(request, p.Hello):
+            self._reply(identity, request_id, {"session_id": self.session_id}, None)
+            return
+
+        def respond(value: Any, error: BaseException | None) -> None:
+            self._reply(identity, request_id, value, error)
+
+        try:
+            self.state.handle(request, respond)
+        except Exception as exc:  # a bug, not bad input: answer it and keep serving
+            logger.exception("controller failed on %s", type(request).__name__)
+            respond(None, exc)
+
+    def _reply(self, identity: zmq.Frame, request_id: int, value: Any, error: BaseException | None) -> None:
+        if error is not None:
+            header, body = p.ReplyHeader(request_id, *error_to_wire(error)), b""
+        else:
+            header, body = p.ReplyHeader(request_id), p.encode(value)
+        try:
+            self._sock.send_multipart([identity, p.encode(header), body])
+        except zmq.ZMQError:  # the client went away
+            pass
+
+    def _flush_outbox(self) -> None:
+        outbox, self.state.outbox = self.state.outbox, []
+        for unit, request in outbox:
+            envelope = p.Envelope(p.PROTOCOL_VERSION, self.session_id, next(self._ids))
+            self._units[unit].send_multipart([p.encode(envelope), p.encode(request)])
+
+    def _drain_storage_replies(self, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header = p.decode_reply_header(frames[0])
+            except TransferQueueError:
+                continue
+            if header.error_type:
+                logger.warning("a storage unit refused a drop: %s: %s", header.error_type, header.error_message)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@ray.remote
+class TransferQueueController:
+    """The control plane: which fields of which rows are produced, which tasks consumed them, and the samplers.
+
+    It starts ``num_storage_units`` :class:`~transfer_queue.storage.StorageUnit` actors (or attaches the
+    ``storage_units`` handles you created and placed yourself) and serves clients over ZeroMQ.
+
+    Args:
+        global_batch_size: prompts per global step.
+        num_global_batch: steps live at once (the step ring).
+        num_n_samples: rows per GRPO group.
+        sampler: the default sampler for every task: an instance, a class, or a callable returning one.
+        num_storage_units: storage actors to start when ``storage_units`` is not given.
+        storage_units: storage actor handles to use instead (placed by you, e.g. one per node).
+        storage_unit_options: Ray ``.options(...)`` for the storage actors this controller starts: one dict for
+            all, or one per unit (``scheduling_strategy``, ``resources``, ``num_cpus``, ...).
+        bind_host: address the sockets bind to (default: the node's address as Ray sees it).
+        **config: the other :class:`~transfer_queue.config.QueueConfig` fields (``storage_unit_bytes``,
+            ``default_timeout``, ``put_grace``, ``seqlen_fields``).
+
+    >>> controller = TransferQueueController.remote(global_batch_size=8, num_n_samples=4)  # doctest: +SKIP
+    >>> info = ray.get(controller.get_info.remote())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int,
+        num_global_batch: int = 1,
+        num_n_samples: int = 1,
+        sampler: SamplerSpec | None = None,
+        *,
+        num_storage_units: int | None = None,
+        storage_units: list[Any] | None = None,
+        storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
+        bind_host: str | None = None,
+        **config: Any,
+    ):
+        if storage_units is not None and num_storage_units not in (None, len(storage_units)):
+            raise InvalidRequest(
+                f"num_storage_units={num_storage_units} but {len(storage_units)} storage_units were given"
+            )
+        units = len(storage_units) if storage_units is not None else (num_storage_units or 2)
+        self._config = QueueConfig(
+            global_batch_size=global_batch_size,
+            num_global_batch=num_global_batch,
+            num_n_samples=num_n_samples,
+            num_storage_units=units,
+            **config,
+        )
+        state = QueueState(self._config, sampler)
+        self._session_id = uuid.uuid4().hex
+        self._owns_units = storage_units is None
+        if storage_units is None:
+            options = storage_unit_options or {}
+            per_unit = options if isinstance(options, list) else [options] * units
+            if len(per_unit) != units:
+                raise InvalidRequest(f"storage_unit_options has {len(per_unit)} entries for {units} storage units")
+            storage_units = [
+                StorageUnit.options(**per_unit[i]).remote(i, units, bind_host)  # type: ignore[attr-defined]
+                for i in range(units)
+            ]
+        self._units = storage_units
+        endpoints = ray.get([u.attach.remote(self._session_id, i, units) for i, u in enumerate(storage_units)])
+        self._server = ControllerServer(state, self._session_id, endpoints, bind_host)
+        self._info = p.ControllerInfo(
+            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict()
+        )
+
+    def get_info(self) -> p.ControllerInfo:
+        """What ``TransferQueueClient(client_id=..., controller_info=...)`` needs."""
+        return self._info
+
+    def get_config(self) -> dict[str, Any]:
+        """The QueueConfig as a dict, plus the default sampler's class name under ``sampler``."""
+        return {**self._config.to_dict(), "sampler": type(self._server.state.default_sampler).__name__}
+
+    def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
+        """Give ``task_name`` its own sampler (instance, class or callable); other tasks keep the default."""
+        with self._server.lock:
+            self._server.state.register_sampler(task_name, sampler)
+
+    def storage_stats(self) -> list[dict[str, Any]]:
+        """Blocks, payload bytes and resident memory of each storage unit."""
+        return ray.get([u.stats.remote() for u in self._units])
+
+    def shutdown(self) -> None:
+        """Stop serving and stop the storage units this controller started."""
+        self._server.stop()
+        if self._owns_units:
+            ray.get([u.shutdown.remote() for u in self._units])
+            for unit in self._units:
+                ray.kill(unit)

@@ -1,0 +1,162 @@
+"""Our exception types.
+
+Every error is a :class:`TransferQueueError` and also derives from the matching built-in (``ValueError``,
+``KeyError``, ``TimeoutError``, ...), so ``except ValueError`` keeps working for callers that do not know us.
+An error raised inside the controller or a storage unit travels back over the wire by name and is raised in the
+caller as the same type with the same message (see :func:`error_from_wire`).
+"""
+
+from __future__ import annotations
+
+
+class TransferQueueError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; an error message is API, so print it as written.
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidRequest(TransferQueueError, ValueError):
+    """An argument is malformed or inconsistent (wrong type, negative size, both step and partition given, ...)."""
+
+
+class SchemaMismatch(TransferQueueError, ValueError):
+    """A field's dtype, per-row shape or kind differs from what the partition already stores for it."""
+
+
+class BatchSizeMismatch(TransferQueueError, ValueError):
+    """Fields of one put (or a put and its metadata) disagree on the number of rows."""
+
+
+class PartitionOverfilled(TransferQueueError, ValueError):
+    """A put would hold more rows than its step partition has room for (global_batch_size x num_n_samples)."""
+
+
+class IncompleteGroups(TransferQueueError, ValueError):
+    """Rows do not form whole GRPO groups, or a batch size is not a multiple of the group size."""
+
+
+class FieldAlreadyProduced(TransferQueueError, ValueError):
+    """A put would rewrite a field that is already produced for a row (only kv partitions upsert)."""
+
+
+class UnsupportedValue(TransferQueueError, TypeError):
+    """A value cannot travel through the queue (non-tensor columns hold str, bytes or msgpack-encodable values)."""
+
+
+class UnknownPartition(TransferQueueError, KeyError):
+    """A status query or operation names a partition that was never opened."""
+
+
+class UnknownField(TransferQueueError, KeyError):
+    """A field is asked for that the batch or partition does not have."""
+
+
+class UnknownKey(TransferQueueError, KeyError):
+    """A kv key is not present in its partition."""
+
+
+class PartitionCleared(TransferQueueError, LookupError):
+    """The step or partition was cleared, or lies behind the live window of steps."""
+
+
+class StaleBatchMeta(TransferQueueError, LookupError):
+    """A BatchMeta from before a clear of its partition was used; its rows no longer exist."""
+
+
+class SamplerError(TransferQueueError, RuntimeError):
+    """A sampler broke its contract (returned rows that are not ready, already served, or split a group)."""
+
+
+class GetMetaTimeout(TransferQueueError, TimeoutError):
+    """``get_meta`` waited its whole timeout for rows that did not become ready; the message names what is missing."""
+
+
+class QueueFull(TransferQueueError, TimeoutError):
+    """A put waited its whole timeout for room in the step ring or the storage byte budget."""
+
+
+class PutExpired(TransferQueueError, TimeoutError):
+    """A put's reservation expired before it was committed; none of its rows became visible."""
+
+
+class RequestTimeout(TransferQueueError, TimeoutError):
+    """The controller or a storage unit did not answer within the timeout (it may have died)."""
+
+
+class StorageUnavailable(TransferQueueError, ConnectionError):
+    """A storage unit did not answer; its rows cannot be read or written."""
+
+
+class ProtocolMismatch(TransferQueueError, RuntimeError):
+    """Client and controller speak different protocol versions."""
+
+
+class SessionMismatch(TransferQueueError, RuntimeError):
+    """The controller_info belongs to a previous session (the controller was restarted or replaced)."""
+
+
+class ConfigMismatch(TransferQueueError, ValueError):
+    """``transfer_queue.init`` found a running queue with a different configuration."""
+
+
+class QueueNotFound(TransferQueueError, LookupError):
+    """No queue runs on this Ray cluster (call ``transfer_queue.init`` first)."""
+
+
+class ClientClosed(TransferQueueError, RuntimeError):
+    """The client was closed; create a new one."""
+
+
+class MalformedMessage(TransferQueueError, ValueError):
+    """A frame received over ZeroMQ could not be decoded; the server replied with this and kept serving."""
+
+
+_BY_NAME: dict[str, type[TransferQueueError]] = {
+    cls.__name__: cls
+    for cls in (
+        TransferQueueError,
+        InvalidRequest,
+        SchemaMismatch,
+        BatchSizeMismatch,
+        PartitionOverfilled,
+        IncompleteGroups,
+        FieldAlreadyProduced,
+        UnsupportedValue,
+        UnknownPartition,
+        UnknownField,
+        UnknownKey,
+        PartitionCleared,
+        StaleBatchMeta,
+        SamplerError,
+        GetMetaTimeout,
+        QueueFull,
+        PutExpired,
+        RequestTimeout,
+        StorageUnavailable,
+        ProtocolMismatch,
+        SessionMismatch,
+        ConfigMismatch,
+        QueueNotFound,
+        ClientClosed,
+        MalformedMessage,
+    )
+}
+
+
+def error_to_wire(exc: BaseException) -> tuple[str, str]:
+    """Name and message of an error, for a reply frame. Errors that are not ours travel as their base type."""
+    if isinstance(exc, TransferQueueError):
+        return type(exc).__name__, str(exc)
+    for builtin, ours in ((KeyError, UnknownField), (TimeoutError, RequestTimeout)):
+        if isinstance(exc, builtin):
+            return ours.__name__, str(exc)
+    return InvalidRequest.__name__ if isinstance(exc, (ValueError, TypeError)) else "TransferQueueError", (
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
+def error_from_wire(name: str, message: str) -> TransferQueueError:
+    """Rebuild the typed error a server sent, falling back to the base class for names we do not know."""
+    return _BY_NAME.get(name, TransferQueueError)(message)

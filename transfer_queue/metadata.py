@@ -1,0 +1,221 @@
+"""What a batch is, without its tensors: :class:`FieldSchema` and :class:`BatchMeta`.
+
+A ``BatchMeta`` names rows of one partition (their global indexes and GRPO group ids), the fields it covers with
+their schema, and where each (row, field) payload lives in the storage units (a block id and an offset in that
+block). ``get_meta`` returns one; ``get_data`` turns it into a TensorDict; ``put(..., metadata=meta)`` writes new
+fields into its rows. Operations here are pure and O(rows in the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from transfer_queue.errors import InvalidRequest, UnknownField
+
+FieldKind = Literal["dense", "jagged", "object"]
+PartitionKey = int | str
+
+
+class FieldSchema(msgspec.Struct, frozen=True, array_like=True):
+    """How one field is stored.
+
+    ``kind`` is ``dense`` (a ``[rows, *shape]`` tensor), ``jagged`` (rows of different length along their first
+    dimension: values ``[total, *shape]`` + offsets; comes back as a nested tensor) or ``object`` (str, bytes or
+    msgpack-encodable values; comes back as non-tensor data). ``dtype`` is a torch dtype name such as ``float32``
+    (``object`` for object fields); ``shape`` is the per-row shape (dense) or the trailing shape after the
+    ragged dimension (jagged).
+    """
+
+    kind: FieldKind
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        if self.kind == "object":
+            return "object"
+        dims = ", ".join(str(d) for d in self.shape)
+        row = f"[*, {dims}]" if self.kind == "jagged" and dims else ("[*]" if self.kind == "jagged" else f"[{dims}]")
+        return f"{self.kind} {self.dtype}{row}"
+
+
+def _int64(values: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
+
+
+@dataclass(eq=False)
+class BatchMeta:
+    """Rows of one partition and where their fields live; everything ``get_data`` needs, and nothing more.
+
+    Attributes:
+        partition_id: the partition: an ``int`` global step or a ``str`` partition id.
+        partition_uid: identity of this incarnation of the partition; a clear makes metas of it stale.
+        global_indexes: ``int64 [B]`` row identities (for a step: ``step * rows_per_step + row``).
+        group_ids: ``int64 [B]`` GRPO group of each row (scoped to the partition).
+        fields: field name -> schema, in column order of ``blocks`` / ``offsets``.
+        blocks, offsets: ``[B, F]`` storage location of each (row, field); block ids encode the storage unit.
+        task_name: the task that consumed these rows (``None`` for a put's meta).
+        extra: small per-batch facts (``dp_rank``, ``dp_group_id``, ``keys`` for kv partitions, ...).
+
+    >>> meta = BatchMeta.empty("train")
+    >>> len(meta)
+    0
+    """
+
+    partition_id: PartitionKey
+    partition_uid: int
+    global_indexes: np.ndarray
+    group_ids: np.ndarray
+    fields: dict[str, FieldSchema]
+    blocks: np.ndarray
+    offsets: np.ndarray
+    task_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.global_indexes = _int64(self.global_indexes)
+        self.group_ids = _int64(self.group_ids)
+        rows, cols = len(self.global_indexes), len(self.fields)
+        self.blocks = np.asarray(self.blocks, dtype=np.int64).reshape(rows, cols)
+        self.offsets = np.asarray(self.offsets, dtype=np.int64).reshape(rows, cols)
+        if len(self.group_ids) != rows:
+            raise InvalidRequest(f"BatchMeta needs one group id per row: {rows} rows, got {len(self.group_ids)}")
+
+    @classmethod
+    def empty(cls, partition_id: PartitionKey, partition_uid: int = -1, task_name: str | None = None) -> BatchMeta:
+        none = np.zeros(0, dtype=np.int64)
+        return cls(partition_id, partition_uid, none, none, {}, np.zeros((0, 0)), np.zeros((0, 0)), task_name)
+
+    # ---- shape of the batch -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.global_indexes)
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    @property
+    def global_step(self) -> int | None:
+        """The global step of the partition, or ``None`` for a string partition."""
+        return self.partition_id if isinstance(self.partition_id, int) else None
+
+    @property
+    def field_names(self) -> list[str]:
+        return list(self.fields)
+
+    @property
+    def keys(self) -> list[str] | None:
+        """The kv keys of the rows, for metas of a partition used by key."""
+        return self.extra.get("keys")
+
+    def __repr__(self) -> str:
+        shown = self.global_indexes[:8].tolist()
+        more = "..." if len(self) > 8 else ""
+        return (
+            f"BatchMeta(partition_id={self.partition_id!r}, size={len(self)}, fields={self.field_names}, "
+            f"global_indexes={shown}{more}, task_name={self.task_name!r})"
+        )
+
+    # ---- selection --------------------------------------------------------------------------------------
+    def select_samples(self, positions: Sequence[int] | np.ndarray) -> BatchMeta:
+        """The rows at ``positions`` (positions in this batch, not global indexes), in that order."""
+        pos = _int64(positions)
+        if len(pos) and (pos.min() < -len(self) or pos.max() >= len(self)):
+            raise InvalidRequest(f"select_samples: positions must lie in [0, {len(self)}), got {pos.tolist()}")
+        extra = dict(self.extra)
+        if self.keys is not None:
+            extra["keys"] = [self.keys[i] for i in pos.tolist()]
+        return BatchMeta(
+            self.partition_id,
+            self.partition_uid,
+            self.global_indexes[pos],
+            self.group_ids[pos],
+            dict(self.fields),
+            self.blocks[pos],
+            self.offsets[pos],
+            self.task_name,
+            extra,
+        )
+
+    def select_fields(self, names: Iterable[str]) -> BatchMeta:
+        """The same rows with only the fields ``names``."""
+        names = list(names)
+        missing = [n for n in names if n not in self.fields]
+        if missing:
+            raise UnknownField(f"fields {missing} are not in this batch; it has {self.field_names}")
+        cols = [self.field_names.index(n) for n in names]
+        return BatchMeta(
+            self.partition_id,
+            self.partition_uid,
+            self.global_indexes,
+            self.group_ids,
+            {n: self.fields[n] for n in names},
+            self.blocks[:, cols],
+            self.offsets[:, cols],
+            self.task_name,
+            dict(self.extra),
+        )
+
+    def chunk(self, chunks: int) -> list[BatchMeta]:
+        """Split into ``chunks`` consecutive pieces of near-equal size (like ``torch.chunk``: the last may be
+        shorter, and fewer pieces come back when there are fewer rows than ``chunks``)."""
+        if chunks < 1:
+            raise InvalidRequest(f"chunk: chunks must be >= 1, got {chunks}")
+        step = -(-len(self) // chunks) if len(self) else 0
+        if step == 0:
+            return [self]
+        return [self.select_samples(np.arange(i, min(i + step, len(self)))) for i in range(0, len(self), step)]
+
+    @staticmethod
+    def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
+        """Rows of several metas of the same partition, in order. All must cover the same fields."""
+        metas = [m for m in metas]
+        if not metas:
+            raise InvalidRequest("concat needs at least one BatchMeta, got an empty list")
+        first = metas[0]
+        for m in metas[1:]:
+            if m.partition_uid != first.partition_uid:
+                raise InvalidRequest(
+                    f"concat: all metas must come from one partition; got {first.partition_id!r} "
+                    f"(uid {first.partition_uid}) and {m.partition_id!r} (uid {m.partition_uid})"
+                )
+            if m.fields != first.fields:
+                raise InvalidRequest(
+                    f"concat: all metas must have the same fields; got {first.field_names} and {m.field_names}"
+                )
+        extra = dict(first.extra)
+        if first.keys is not None:
+            extra["keys"] = [k for m in metas for k in (m.keys or [])]
+        return BatchMeta(
+            first.partition_id,
+            first.partition_uid,
+            np.concatenate([m.global_indexes for m in metas]),
+            np.concatenate([m.group_ids for m in metas]),
+            dict(first.fields),
+            np.concatenate([m.blocks for m in metas]) if len(metas) > 1 else first.blocks,
+            np.concatenate([m.offsets for m in metas]) if len(metas) > 1 else first.offsets,
+            first.task_name,
+            extra,
+        )
+
+    def union_fields(self, other: BatchMeta) -> BatchMeta:
+        """The same rows with the fields of both metas (``other`` must name the same rows in the same order)."""
+        if other.partition_uid != self.partition_uid or not np.array_equal(other.global_indexes, self.global_indexes):
+            raise InvalidRequest("union_fields: both metas must name the same rows of the same partition in order")
+        new = [n for n in other.fields if n not in self.fields]
+        cols = [other.field_names.index(n) for n in new]
+        return BatchMeta(
+            self.partition_id,
+            self.partition_uid,
+            self.global_indexes,
+            self.group_ids,
+            {**self.fields, **{n: other.fields[n] for n in new}},
+            np.concatenate([self.blocks, other.blocks[:, cols]], axis=1),
+            np.concatenate([self.offsets, other.offsets[:, cols]], axis=1),
+            self.task_name,
+            {**other.extra, **self.extra},
+        )

@@ -1,0 +1,506 @@
+"""PartitionState: production and consumption bookkeeping of one partition, in plain numpy (no Ray, no sockets).
+
+Rows are numbered 0.. within a partition (``global_index = base_index + row``). Each row has a state
+(free / reserved by an open put / committed), a GRPO group id and a length; each (row, field) cell has the storage
+block and offset of its payload (``block = -1``: not produced). A row's produced fields are also kept as a 64-bit
+mask, so "ready for these fields" is one integer comparison.
+
+Per task, a consumption state per row (available / leased / consumed; leases are the next step) and, per set of
+requested fields, a :class:`ReadyIndex`: the rows ready for that task and those fields, kept incrementally as puts
+commit and rows are consumed or released. Built-in samplers read these indexes and never scan the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import numpy as np
+
+from transfer_queue.errors import (
+    FieldAlreadyProduced,
+    IncompleteGroups,
+    InvalidRequest,
+    PartitionOverfilled,
+    SchemaMismatch,
+    UnknownField,
+)
+from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
+
+FREE, RESERVED, COMMITTED = 0, 1, 2
+AVAILABLE, LEASED, CONSUMED = 0, 1, 2
+MAX_FIELDS = 64
+
+
+def describe_partition(key: PartitionKey) -> str:
+    return f"global_step={key}" if isinstance(key, int) else f"partition_id={key!r}"
+
+
+class ReadyIndex:
+    """Rows of one partition ready for one task and one set of fields, in the order they became ready.
+
+    ``rows`` is an insertion-ordered dict used as an ordered set; ``groups`` holds the groups whose members are
+    all ready. ``produced`` counts committed rows that have every field of the set, consumed or not.
+    """
+
+    def __init__(self, mask: int, group_size: int):
+        self.mask = mask
+        self.group_size = group_size
+        self.rows: dict[int, None] = {}
+        self.group_count: dict[int, int] = {}
+        self.groups: dict[int, None] = {}
+        self.produced = 0
+
+    def add(self, rows: Iterable[int], group_of: np.ndarray) -> None:
+        for row in rows:
+            if row in self.rows:
+                continue
+            self.rows[row] = None
+            g = int(group_of[row])
+            count = self.group_count.get(g, 0) + 1
+            self.group_count[g] = count
+            if count == self.group_size:
+                self.groups[g] = None
+
+    def remove(self, rows: Iterable[int], group_of: np.ndarray) -> None:
+        for row in rows:
+            if row not in self.rows:
+                continue
+            del self.rows[row]
+            g = int(group_of[row])
+            count = self.group_count[g]
+            if count == self.group_size:
+                del self.groups[g]
+            if count == 1:
+                del self.group_count[g]
+            else:
+                self.group_count[g] = count - 1
+
+
+@dataclass
+class TaskState:
+    """One task's consumption of a partition: a state per row and the ready indexes by field mask."""
+
+    consumption: np.ndarray
+    ready: dict[int, ReadyIndex] = field(default_factory=dict)
+
+
+@dataclass
+class DPRound:
+    """One fetch round shared by the ranks of a data-parallel world (a ``dp_group_id``)."""
+
+    dp_size: int
+    batch_size: int
+    fields: tuple[str, ...]
+    shares: list[np.ndarray] | None = None  # local rows per dp rank, once the round is served
+    released: set[int] = field(default_factory=set)
+
+
+class PartitionState:
+    """Bookkeeping of one partition: see the module docstring.
+
+    Args:
+        key: the global step (``int``) or the partition id (``str``).
+        uid: identity of this incarnation; BatchMetas carry it so metas from before a clear are stale.
+        capacity: rows a step holds (``global_batch_size * num_n_samples``); ``None`` for string partitions.
+        group_size: rows per GRPO group (``num_n_samples``; 1 for partitions used by key).
+        base_index: global index of row 0.
+    """
+
+    def __init__(
+        self, key: PartitionKey, uid: int, capacity: int | None, group_size: int, base_index: int, keyed: bool = False
+    ):
+        self.key = key
+        self.uid = uid
+        self.capacity = capacity
+        self.group_size = 1 if keyed else group_size
+        self.base_index = base_index
+        self.keyed = keyed
+        self.closed = False
+        self.fields: dict[str, FieldSchema] = {}
+        self.field_col: dict[str, int] = {}
+        self.num_rows = 0  # high-water mark of rows ever allocated
+        self.num_committed = 0
+        self.num_reserved = 0
+        self.nbytes = 0
+        self.holes: list[tuple[int, int]] = []  # free runs below num_rows (after aborted puts), (start, length)
+        self.tasks: dict[str, TaskState] = {}
+        self.rounds: dict[tuple[str, str], DPRound] = {}
+        self.group_members: dict[int, int] = {}  # group -> rows reserved or committed
+        self.group_rows: dict[int, list[int]] = {}  # group -> committed rows
+        self.keys: dict[str, int] = {}  # kv partitions: key -> row
+        self.row_keys: dict[int, str] = {}
+        self.block_refs: dict[int, int] = {}  # block -> live cells referencing it
+        self.block_nbytes: dict[int, int] = {}  # block -> payload bytes it holds
+        self.field_produced: list[int] = []
+        cap = capacity or 64
+        self.state = np.zeros(cap, dtype=np.int8)
+        self.group = np.full(cap, -1, dtype=np.int64)
+        self.length = np.zeros(cap, dtype=np.int64)
+        self.produced_mask = np.zeros(cap, dtype=np.uint64)
+        self.inflight_mask = np.zeros(cap, dtype=np.uint64)
+        self.block = np.full((cap, 4), -1, dtype=np.int64)
+        self.offset = np.zeros((cap, 4), dtype=np.int64)
+
+    # ---- shape ---------------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return describe_partition(self.key)
+
+    @property
+    def sealed(self) -> bool:
+        """No new rows will arrive: closed, or a step whose every row is committed."""
+        return self.closed or (self.capacity is not None and self.num_committed == self.capacity)
+
+    def _grow_rows(self, needed: int) -> None:
+        cap = len(self.state)
+        if needed <= cap:
+            return
+        new = max(needed, 2 * cap)
+        self.state = np.concatenate([self.state, np.zeros(new - cap, dtype=np.int8)])
+        self.group = np.concatenate([self.group, np.full(new - cap, -1, dtype=np.int64)])
+        self.length = np.concatenate([self.length, np.zeros(new - cap, dtype=np.int64)])
+        self.produced_mask = np.concatenate([self.produced_mask, np.zeros(new - cap, dtype=np.uint64)])
+        self.inflight_mask = np.concatenate([self.inflight_mask, np.zeros(new - cap, dtype=np.uint64)])
+        cols = self.block.shape[1]
+        self.block = np.concatenate([self.block, np.full((new - cap, cols), -1, dtype=np.int64)])
+        self.offset = np.concatenate([self.offset, np.zeros((new - cap, cols), dtype=np.int64)])
+        for task in self.tasks.values():
+            task.consumption = np.concatenate([task.consumption, np.zeros(new - cap, dtype=np.int8)])
+
+    def field_mask(self, names: Iterable[str]) -> int:
+        mask = 0
+        for name in names:
+            col = self.field_col.get(name)
+            if col is None:
+                return -1  # a field nobody produced yet: nothing is ready for it
+            mask |= 1 << col
+        return mask
+
+    # ---- schema --------------------------------------------------------------------------------------------
+    def check_schema(self, fields: dict[str, FieldSchema]) -> None:
+        """Raise SchemaMismatch if a field clashes with what this partition stores; adds nothing."""
+        for name, schema in fields.items():
+            stored = self.fields.get(name)
+            if stored is not None and stored != schema:
+                raise SchemaMismatch(
+                    f"field {name!r} is stored as {stored.describe()} in {self.name}; the put has {schema.describe()}"
+                )
+        new = [n for n in fields if n not in self.fields]
+        if len(self.fields) + len(new) > MAX_FIELDS:
+            raise InvalidRequest(f"a partition holds at most {MAX_FIELDS} fields; {self.name} would have more")
+
+    def add_fields(self, fields: dict[str, FieldSchema]) -> None:
+        for name, schema in fields.items():
+            if name in self.fields:
+                continue
+            col = len(self.fields)
+            self.fields[name] = schema
+            self.field_col[name] = col
+            self.field_produced.append(0)
+            if col >= self.block.shape[1]:
+                extra = self.block.shape[1]
+                self.block = np.concatenate([self.block, np.full((len(self.state), extra), -1, np.int64)], axis=1)
+                self.offset = np.concatenate([self.offset, np.zeros((len(self.state), extra), np.int64)], axis=1)
+
+    # ---- rows of a put -------------------------------------------------------------------------------------
+    def check_room(self, num_rows: int) -> None:
+        """Raise if a put of ``num_rows`` new rows cannot fit (closed, or a step that would overfill)."""
+        if self.closed:
+            raise InvalidRequest(f"{self.name} is closed; no more rows can be put into it")
+        if self.capacity is not None and self.num_committed + self.num_reserved + num_rows > self.capacity:
+            taken = self.num_committed + self.num_reserved
+            raise PartitionOverfilled(
+                f"a put of {num_rows} rows overfills {self.name}: it holds {self.capacity} rows "
+                f"(global_batch_size x num_n_samples) and {taken} are already taken"
+            )
+
+    def allocate(self, num_rows: int, group_ids: np.ndarray | None) -> np.ndarray:
+        """Reserve ``num_rows`` new rows (one contiguous block) for a put; returns their local rows."""
+        n = self.group_size
+        self.check_room(num_rows)
+        if group_ids is None:
+            if num_rows % n:
+                raise IncompleteGroups(
+                    f"a put of {num_rows} rows without group_ids must hold whole groups of num_n_samples={n} "
+                    f"(got {num_rows % n} rows too many); pass group_ids to spread a group over several puts"
+                )
+        else:
+            if len(group_ids) != num_rows:
+                raise IncompleteGroups(f"group_ids has {len(group_ids)} entries; the put has {num_rows} rows")
+            ids, counts = np.unique(group_ids, return_counts=True)
+            for g, c in zip(ids.tolist(), counts.tolist(), strict=True):
+                have = self.group_members.get(g, 0)
+                if have + c > n:
+                    raise IncompleteGroups(f"group {g} would have {have + c} members in {self.name}; num_n_samples={n}")
+        start = self._find_run(num_rows)
+        rows = np.arange(start, start + num_rows, dtype=np.int64)
+        groups = rows // n if group_ids is None else np.asarray(group_ids, dtype=np.int64)
+        if group_ids is None and self.group_members:
+            clash = [int(g) for g in np.unique(groups) if g in self.group_members]
+            if clash:
+                raise IncompleteGroups(f"groups {clash} of {self.name} already have members from explicit group_ids")
+        self.state[rows] = RESERVED
+        self.group[rows] = groups
+        self.num_reserved += num_rows
+        for g, c in zip(*np.unique(groups, return_counts=True), strict=True):
+            self.group_members[int(g)] = self.group_members.get(int(g), 0) + int(c)
+        return rows
+
+    def _find_run(self, num_rows: int) -> int:
+        for i, (start, length) in enumerate(self.holes):
+            if length >= num_rows:
+                rest = (start + num_rows, length - num_rows)
+                self.holes[i : i + 1] = [rest] if rest[1] else []
+                return start
+        start = self.num_rows
+        self._grow_rows(start + num_rows)
+        self.num_rows = start + num_rows
+        return start
+
+    def free(self, rows: np.ndarray) -> None:
+        """Give back rows reserved by a put that was aborted; they become holes a later put fills."""
+        if not len(rows):
+            return
+        for g, c in zip(*np.unique(self.group[rows], return_counts=True), strict=True):
+            left = self.group_members.get(int(g), 0) - int(c)
+            if left > 0:
+                self.group_members[int(g)] = left
+            else:
+                self.group_members.pop(int(g), None)
+        self.state[rows] = FREE
+        self.group[rows] = -1
+        self.num_reserved -= len(rows)
+        self.holes.append((int(rows[0]), len(rows)))
+        self.holes.sort()
+
+    def rows_of(self, global_indexes: np.ndarray, uid: int) -> np.ndarray:
+        """Local rows of committed global indexes (for a put with metadata)."""
+        rows = global_indexes - self.base_index
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows or np.any(self.state[rows] != COMMITTED)):
+            raise InvalidRequest(f"the metadata names rows that are not committed in {self.name}")
+        if len(np.unique(rows)) != len(rows):
+            raise InvalidRequest("the metadata names the same row twice; a put writes each row once")
+        return rows
+
+    def begin_write(self, rows: np.ndarray, names: Iterable[str], upsert: bool) -> int:
+        """Mark fields of existing rows as being written by an open put; returns the fields' mask."""
+        mask = 0
+        for name in names:
+            mask |= 1 << self.field_col[name]
+        if not upsert:
+            clash = (self.produced_mask[rows] | self.inflight_mask[rows]) & np.uint64(mask)
+            if np.any(clash):
+                bad = int(np.flatnonzero(clash)[0])
+                cols = [n for n in names if int(clash[bad]) >> self.field_col[n] & 1]
+                raise FieldAlreadyProduced(
+                    f"fields {cols} of global index {self.base_index + int(rows[bad])} in {self.name} are already "
+                    f"produced (or being written); a put never rewrites a field outside a kv partition"
+                )
+        elif np.any(self.inflight_mask[rows] & np.uint64(mask)):
+            raise FieldAlreadyProduced(f"another put is writing the same keys and fields of {self.name} right now")
+        self.inflight_mask[rows] |= np.uint64(mask)
+        return mask
+
+    def end_write(self, rows: np.ndarray, mask: int) -> None:
+        self.inflight_mask[rows] &= ~np.uint64(mask)
+
+    def commit(
+        self,
+        rows: np.ndarray,
+        names: list[str],
+        blocks: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray | None,
+        new_rows: np.ndarray,
+    ) -> list[int]:
+        """Make a put visible: all its rows and fields at once (``new_rows`` marks rows the put created).
+        Returns the blocks no longer referenced (kv upserts)."""
+        cols = [self.field_col[n] for n in names]
+        mask = 0
+        for c in cols:
+            mask |= 1 << c
+        old_mask = self.produced_mask[rows].copy()
+        dead_blocks: list[int] = []
+        for c in cols:
+            old = self.block[rows, c]
+            had = old >= 0
+            if np.any(had):  # kv upsert: the old payload loses a reference
+                dead_blocks += self._unref(old[had])
+            self.field_produced[c] += int(np.count_nonzero(~had))
+            self.block[rows, c] = blocks
+            self.offset[rows, c] = offsets
+        for b, c in zip(*np.unique(blocks, return_counts=True), strict=True):
+            self.block_refs[int(b)] = self.block_refs.get(int(b), 0) + int(c) * len(cols)
+        self.produced_mask[rows] |= np.uint64(mask)
+        if lengths is not None:
+            self.length[rows] += lengths
+        fresh = rows[new_rows]
+        if len(fresh):
+            self.state[fresh] = COMMITTED
+            self.num_reserved -= len(fresh)
+            self.num_committed += len(fresh)
+            for row, g in zip(fresh.tolist(), self.group[fresh].tolist(), strict=True):
+                self.group_rows.setdefault(g, []).append(row)
+        new_mask = self.produced_mask[rows]
+        for task in self.tasks.values():
+            for index in task.ready.values():
+                m = np.uint64(index.mask)
+                became = rows[((new_mask & m) == m) & ((old_mask & m) != m)]
+                index.produced += len(became)
+                index.add(became[task.consumption[became] == AVAILABLE].tolist(), self.group)
+        return dead_blocks
+
+    def _unref(self, blocks: np.ndarray) -> list[int]:
+        dead = []
+        for b, c in zip(*np.unique(blocks, return_counts=True), strict=True):
+            left = self.block_refs.get(int(b), 0) - int(c)
+            if left > 0:
+                self.block_refs[int(b)] = left
+            else:
+                self.block_refs.pop(int(b), None)
+                dead.append(int(b))
+        return dead
+
+    # ---- consumption ---------------------------------------------------------------------------------------
+    def task(self, task_name: str) -> TaskState:
+        task = self.tasks.get(task_name)
+        if task is None:
+            task = self.tasks[task_name] = TaskState(np.zeros(len(self.state), dtype=np.int8))
+        return task
+
+    def ready_index(self, task_name: str, names: Iterable[str]) -> ReadyIndex | None:
+        """The ready index of a task for a set of fields, built on first use (one scan), then kept."""
+        mask = self.field_mask(names)
+        if mask < 0:
+            return None
+        task = self.task(task_name)
+        index = task.ready.get(mask)
+        if index is None:
+            index = task.ready[mask] = ReadyIndex(mask, self.group_size)
+            committed = np.flatnonzero(self.state[: self.num_rows] == COMMITTED)
+            m = np.uint64(mask)
+            produced = committed[(self.produced_mask[committed] & m) == m]
+            index.produced = len(produced)
+            index.add(produced[task.consumption[produced] == AVAILABLE].tolist(), self.group)
+        return index
+
+    def consume(self, task_name: str, rows: np.ndarray) -> None:
+        task = self.task(task_name)
+        task.consumption[rows] = CONSUMED
+        listed = rows.tolist()
+        for index in task.ready.values():
+            index.remove(listed, self.group)
+
+    def release(self, task_name: str, rows: np.ndarray) -> None:
+        """Hand rows back to a task: they are available (and ready, where produced) again."""
+        task = self.task(task_name)
+        rows = rows[(rows >= 0) & (rows < self.num_rows)]
+        rows = rows[task.consumption[rows] != AVAILABLE]
+        task.consumption[rows] = AVAILABLE
+        for index in task.ready.values():
+            m = np.uint64(index.mask)
+            index.add(rows[(self.produced_mask[rows] & m) == m].tolist(), self.group)
+
+    def reset_consumption(self, task_name: str | None) -> None:
+        names = [task_name] if task_name is not None else list(self.tasks)
+        for name in names:
+            self.tasks.pop(name, None)
+            for round_key in [k for k in self.rounds if k[0] == name]:
+                del self.rounds[round_key]
+
+    def first_rows(self, index: ReadyIndex, k: int) -> np.ndarray:
+        return np.fromiter(islice(index.rows, k), dtype=np.int64)
+
+    def first_groups(self, index: ReadyIndex, k: int) -> np.ndarray:
+        groups = list(islice(index.groups, k))
+        if not groups:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.asarray(self.group_rows[g], dtype=np.int64) for g in groups])
+
+    # ---- what samplers and metas see -----------------------------------------------------------------------
+    def committed_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.state[: self.num_rows] == COMMITTED)
+
+    def production_matrix(self, rows: np.ndarray) -> np.ndarray:
+        return self.block[rows, : len(self.fields)] >= 0
+
+    def meta(self, rows: np.ndarray, names: list[str], task_name: str | None, extra: dict[str, Any]) -> BatchMeta:
+        cols: list[int] = []
+        for n in names:
+            if n not in self.field_col:
+                raise UnknownField(f"field {n!r} is not in {self.name}; it has {list(self.fields)}")
+            cols.append(self.field_col[n])
+        return BatchMeta(
+            self.key,
+            self.uid,
+            rows + self.base_index,
+            self.group[rows],
+            {n: self.fields[n] for n in names},
+            self.block[rows][:, cols],
+            self.offset[rows][:, cols],
+            task_name,
+            extra,
+        )
+
+    def remove_rows(self, rows: np.ndarray) -> list[int]:
+        """Forget committed rows (kv_clear); returns the blocks no longer referenced."""
+        dead: list[int] = []
+        for c in range(len(self.fields)):
+            cells = self.block[rows, c]
+            live = cells >= 0
+            self.field_produced[c] -= int(np.count_nonzero(live))
+            dead += self._unref(cells[live])
+        for task in self.tasks.values():
+            for index in task.ready.values():
+                m = np.uint64(index.mask)
+                index.produced -= int(np.count_nonzero((self.produced_mask[rows] & m) == m))
+                index.remove(rows.tolist(), self.group)
+            task.consumption[rows] = AVAILABLE
+        for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
+            members = self.group_rows.get(g)
+            if members is not None:
+                members.remove(row)
+                if not members:
+                    del self.group_rows[g]
+            left = self.group_members.get(g, 1) - 1
+            if left > 0:
+                self.group_members[g] = left
+            else:
+                self.group_members.pop(g, None)
+        self.block[rows] = -1
+        self.produced_mask[rows] = 0
+        self.length[rows] = 0
+        self.state[rows] = FREE
+        self.group[rows] = -1
+        self.num_committed -= len(rows)
+        for row in rows.tolist():
+            self.holes.append((row, 1))
+        self.holes.sort()
+        return dead
+
+    def production_status(self) -> dict[str, Any]:
+        return {
+            "partition_id": self.key,
+            "partition_uid": self.uid,
+            "capacity": self.capacity,
+            "rows": self.num_committed,
+            "rows_in_flight": self.num_reserved,
+            "closed": self.sealed,
+            "bytes": self.nbytes,
+            "fields": {
+                n: {"schema": self.fields[n].describe(), "produced": self.field_produced[c]}
+                for n, c in self.field_col.items()
+            },
+        }
+
+    def consumption_status(self, task_name: str | None) -> dict[str, Any]:
+        names = [task_name] if task_name is not None else list(self.tasks)
+        out = {}
+        for name in names:
+            task = self.tasks.get(name)
+            consumed = 0 if task is None else int(np.count_nonzero(task.consumption[: self.num_rows] == CONSUMED))
+            out[name] = {"consumed": consumed, "rows": self.num_committed}
+        return {"partition_id": self.key, "tasks": out}

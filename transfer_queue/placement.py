@@ -1,0 +1,29 @@
+"""Which storage unit holds which rows of a put: a pure function."""
+
+from __future__ import annotations
+
+MIN_BYTES_PER_UNIT = 1 << 20
+
+
+def place_rows(
+    num_rows: int, nbytes: int, num_units: int, first_unit: int, min_bytes_per_unit: int = MIN_BYTES_PER_UNIT
+) -> list[tuple[int, int, int]]:
+    """Split rows ``[0, num_rows)`` of a put into contiguous chunks, one per storage unit used.
+
+    A put is spread over as many units as its size justifies (at least ``min_bytes_per_unit`` each), so a large
+    put moves over several sockets in parallel while a small one costs a single message. Units are taken round
+    robin from ``first_unit`` so that successive small puts spread out.
+
+    Returns:
+        ``(unit, start, stop)`` per chunk, chunks in row order.
+
+    >>> place_rows(8, 100, 2, 1)
+    [(1, 0, 8)]
+    >>> place_rows(8, 4 << 20, 2, 0)
+    [(0, 0, 4), (1, 4, 8)]
+    """
+    if num_rows < 1 or num_units < 1:
+        raise ValueError(f"place_rows needs num_rows >= 1 and num_units >= 1, got {num_rows} and {num_units}")
+    chunks = max(1, min(num_units, num_rows, nbytes // max(1, min_bytes_per_unit)))
+    bounds = [i * num_rows // chunks for i in range(chunks + 1)]
+    return [((first_unit + i) % num_units, bounds[i], bounds[i + 1]) for i in range(chunks)]

@@ -1,0 +1,334 @@
+"""The wire format, on one page.
+
+A message is a list of ZeroMQ frames: ``[envelope, body, *buffers]``.
+
+- ``envelope`` (requests) is an :class:`Envelope`: protocol version, session id, request id.
+  ``envelope`` (replies) is a :class:`ReplyHeader`: the request id and, on failure, the error's type and message.
+- ``body`` is one msgpack-encoded struct of the unions below, decoded with a typed msgspec decoder; anything else
+  is answered with ``MalformedMessage`` and dropped.
+- ``buffers`` are raw tensor bytes (dense data, jagged values and offsets, msgpack-encoded object columns),
+  sent and received without copies and described by :class:`ColumnSpec` entries in the body.
+
+Nothing received over ZeroMQ is unpickled. Index arrays travel as little-endian ``int64`` bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from transfer_queue.errors import MalformedMessage
+from transfer_queue.metadata import BatchMeta, FieldSchema
+
+PROTOCOL_VERSION = 1
+Partition = int | str
+
+
+def pack_indexes(values: np.ndarray) -> bytes:
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def unpack_indexes(raw: bytes | None) -> np.ndarray:
+    if raw is None:
+        return np.zeros(0, dtype=np.int64)
+    if len(raw) % 8:
+        raise MalformedMessage(f"an index array must be a multiple of 8 bytes long, got {len(raw)} bytes")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+class Endpoint(msgspec.Struct, frozen=True, array_like=True):
+    """Where a server listens: a TCP address and, for clients on the same host, an ipc path."""
+
+    tcp: str
+    ipc: str | None = None
+    hostname: str = ""
+
+    def address(self) -> str:
+        if self.ipc and self.hostname == socket.gethostname() and os.path.exists(self.ipc.removeprefix("ipc://")):
+            return self.ipc
+        return self.tcp
+
+
+# ---- envelopes ------------------------------------------------------------------------------------------------
+class Envelope(msgspec.Struct, array_like=True, frozen=True):
+    protocol_version: int
+    session_id: str
+    request_id: int
+
+
+class ReplyHeader(msgspec.Struct, array_like=True, frozen=True):
+    request_id: int
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+# ---- controller requests --------------------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello"):
+    client_id: str
+
+
+class Reserve(msgspec.Struct, tag="reserve"):
+    """Start a put: validate it, make room, and hand back rows and their storage placement."""
+
+    partition: Partition
+    num_rows: int
+    fields: dict[str, FieldSchema]
+    nbytes: int
+    group_ids: bytes | None = None
+    target_uid: int | None = None  # a put with metadata: write fields into these existing rows
+    target_indexes: bytes | None = None
+    lengths: bytes | None = None
+    keys: list[str] | None = None  # a put by key (kv_*): rows are found or created by key, fields upserted
+    timeout: float = 30.0
+
+
+class Commit(msgspec.Struct, tag="commit"):
+    put_id: int
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    put_id: int
+
+
+class GetMeta(msgspec.Struct, tag="get_meta"):
+    partition: Partition
+    fields: list[str]
+    batch_size: int
+    task_name: str
+    sampler_params: dict[str, Any] | None = None
+    get_n_samples: bool = False
+    timeout: float = 30.0
+
+
+class Release(msgspec.Struct, tag="release"):
+    partition_uid: int
+    task_name: str
+    global_indexes: bytes
+
+
+class Clear(msgspec.Struct, tag="clear"):
+    partition: Partition
+
+
+class ResetConsumption(msgspec.Struct, tag="reset_consumption"):
+    partition: Partition | None = None
+    task_name: str | None = None
+
+
+class ProductionStatus(msgspec.Struct, tag="production_status"):
+    partition: Partition
+
+
+class ConsumptionStatus(msgspec.Struct, tag="consumption_status"):
+    partition: Partition
+    task_name: str | None = None
+
+
+class ListPartitions(msgspec.Struct, tag="list_partitions"):
+    pass
+
+
+class ClosePartition(msgspec.Struct, tag="close_partition"):
+    partition: Partition
+
+
+class KvLookup(msgspec.Struct, tag="kv_lookup"):
+    partition: str
+    keys: list[str]
+    fields: list[str] | None = None
+
+
+class KvList(msgspec.Struct, tag="kv_list"):
+    partition: str
+
+
+class KvClear(msgspec.Struct, tag="kv_clear"):
+    partition: str
+    keys: list[str] | None = None
+
+
+ControllerRequest = (
+    Hello
+    | Reserve
+    | Commit
+    | Abort
+    | GetMeta
+    | Release
+    | Clear
+    | ResetConsumption
+    | ProductionStatus
+    | ConsumptionStatus
+    | ListPartitions
+    | ClosePartition
+    | KvLookup
+    | KvList
+    | KvClear
+)
+
+
+# ---- controller replies ---------------------------------------------------------------------------------------
+class Placement(msgspec.Struct, array_like=True, frozen=True):
+    """Rows ``[start, stop)`` of a put go to ``unit`` as block ``block_id``."""
+
+    unit: int
+    block_id: int
+    start: int
+    stop: int
+
+
+class Reservation(msgspec.Struct, array_like=True):
+    put_id: int
+    partition_uid: int
+    global_indexes: bytes
+    group_ids: bytes
+    placements: list[Placement]
+
+
+class MetaWire(msgspec.Struct, array_like=True):
+    partition: Partition
+    partition_uid: int
+    global_indexes: bytes
+    group_ids: bytes
+    fields: dict[str, FieldSchema]
+    blocks: bytes
+    offsets: bytes
+    task_name: str | None = None
+    extra: dict[str, Any] = {}
+
+    @classmethod
+    def from_meta(cls, meta: BatchMeta) -> MetaWire:
+        return cls(
+            meta.partition_id,
+            meta.partition_uid,
+            pack_indexes(meta.global_indexes),
+            pack_indexes(meta.group_ids),
+            meta.fields,
+            pack_indexes(meta.blocks),
+            pack_indexes(meta.offsets),
+            meta.task_name,
+            meta.extra,
+        )
+
+    def to_meta(self) -> BatchMeta:
+        return BatchMeta(
+            self.partition,
+            self.partition_uid,
+            unpack_indexes(self.global_indexes),
+            unpack_indexes(self.group_ids),
+            dict(self.fields),
+            unpack_indexes(self.blocks),
+            unpack_indexes(self.offsets),
+            self.task_name,
+            dict(self.extra),
+        )
+
+
+# ---- storage requests -----------------------------------------------------------------------------------------
+class ColumnSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One field's rows in a message: ``nframes`` buffers follow in order (dense: data; jagged: values, offsets;
+    object: one msgpack-encoded list)."""
+
+    name: str
+    schema: FieldSchema
+    num_rows: int
+    nframes: int
+
+
+class Write(msgspec.Struct, tag="write"):
+    partition_uid: int
+    block_id: int
+    num_rows: int
+    columns: list[ColumnSpec]
+
+
+class ReadField(msgspec.Struct, array_like=True):
+    name: str
+    blocks: bytes
+    offsets: bytes
+
+
+class Read(msgspec.Struct, tag="read"):
+    partition_uid: int
+    fields: list[ReadField]
+
+
+class DropBlocks(msgspec.Struct, tag="drop_blocks"):
+    partition_uid: int
+    block_ids: list[int]
+
+
+class DropPartition(msgspec.Struct, tag="drop_partition"):
+    partition_uid: int
+
+
+class StorageStats(msgspec.Struct, tag="stats"):
+    pass
+
+
+StorageRequest = Write | Read | DropBlocks | DropPartition | StorageStats
+
+
+class ReadReply(msgspec.Struct, array_like=True):
+    columns: list[ColumnSpec]
+
+
+# ---- connecting ----------------------------------------------------------------------------------------------
+class ControllerInfo(msgspec.Struct, frozen=True):
+    """Everything a client needs to reach a queue: ``TransferQueueClient(client_id=..., controller_info=...)``.
+
+    It travels through Ray (``ray.get(controller.get_info.remote())``), not over ZeroMQ. ``session_id``
+    identifies one controller's lifetime: a client holding the info of a previous session gets SessionMismatch.
+    """
+
+    protocol_version: int
+    session_id: str
+    controller: Endpoint
+    storage_units: list[Endpoint]
+    config: dict[str, Any]
+
+
+# ---- encoding -------------------------------------------------------------------------------------------------
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyHeader)
+_controller_decoder = msgspec.msgpack.Decoder(ControllerRequest)
+_storage_decoder = msgspec.msgpack.Decoder(StorageRequest)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_envelope(raw: bytes | memoryview) -> Envelope:
+    return _decode(_envelope_decoder, raw, "envelope")
+
+
+def decode_reply_header(raw: bytes | memoryview) -> ReplyHeader:
+    return _decode(_reply_decoder, raw, "reply header")
+
+
+def decode_controller_request(raw: bytes | memoryview) -> Any:
+    return _decode(_controller_decoder, raw, "controller request")
+
+
+def decode_storage_request(raw: bytes | memoryview) -> Any:
+    return _decode(_storage_decoder, raw, "storage request")
+
+
+def decode_as(raw: bytes | memoryview, type_: Any) -> Any:
+    """Decode a reply body into ``type_`` (``Any`` for plain msgpack values)."""
+    if type_ is Any:
+        return _decode(_any_decoder, raw, "reply body")
+    return _decode(msgspec.msgpack.Decoder(type_), raw, "reply body")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, raw: bytes | memoryview, what: str) -> Any:
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(f"malformed {what}: {exc}") from None

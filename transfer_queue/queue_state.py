@@ -1,0 +1,813 @@
+"""QueueState: the controller's state and request handlers, without Ray or sockets.
+
+The controller actor decodes a request and calls :meth:`QueueState.handle` with a ``respond`` callback. A handler
+either answers at once or, when the request cannot be served yet (rows not ready, the step ring full), parks it;
+parked requests are retried when something they wait for changes (a commit, a clear, a release) and answered with
+a timeout error at their deadline. Nothing here blocks, so one waiting reader never stalls another client.
+
+Messages for storage units (drop a cleared partition, drop an aborted put's blocks) are queued in ``outbox``
+for the actor to send.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transfer_queue import protocol as p
+from transfer_queue.config import QueueConfig
+from transfer_queue.errors import (
+    FieldAlreadyProduced,
+    GetMetaTimeout,
+    IncompleteGroups,
+    InvalidRequest,
+    PartitionCleared,
+    PutExpired,
+    QueueFull,
+    SamplerError,
+    StaleBatchMeta,
+    TransferQueueError,
+    UnknownField,
+    UnknownKey,
+    UnknownPartition,
+)
+from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, ReadyIndex, describe_partition
+from transfer_queue.placement import place_rows
+from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
+
+logger = logging.getLogger(__name__)
+
+Respond = Callable[[Any, BaseException | None], None]
+WAIT = object()  # an attempt's answer: not possible yet, retry later
+
+
+@dataclass
+class Wait:
+    """A handler's answer: park ``job`` and retry it when something changes."""
+
+    job: Any
+
+
+@dataclass
+class OpenPut:
+    """A put between reserve and commit: its rows are reserved, invisible, and freed if it never commits."""
+
+    put_id: int
+    key: PartitionKey
+    uid: int
+    rows: np.ndarray
+    names: list[str]
+    mask: int
+    new_rows: np.ndarray  # bool per row: created by this put (else an existing row gets new fields)
+    blocks: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray | None
+    nbytes: int
+    deadline: float
+    keys: list[str] | None = None
+
+
+@dataclass
+class GetMetaJob:
+    """A validated get_meta, retried until it is served or times out."""
+
+    request: p.GetMeta
+    sampler: BaseSampler
+    params: dict[str, Any]
+    whole_groups: bool
+    dp_size: int
+    dp_rank: int
+    dp_group_id: str | None
+
+
+@dataclass
+class Parked:
+    job: Any
+    respond: Respond
+    started: float
+    deadline: float
+
+
+@dataclass
+class _ReadyView:
+    """What built-in samplers see of a ready index (local rows)."""
+
+    part: PartitionState
+    index: ReadyIndex
+    group_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group_size = self.part.group_size
+
+    def num_rows(self) -> int:
+        return len(self.index.rows)
+
+    def num_groups(self) -> int:
+        return len(self.index.groups)
+
+    def first_rows(self, k: int) -> np.ndarray:
+        return self.part.first_rows(self.index, k)
+
+    def first_groups(self, k: int) -> np.ndarray:
+        return self.part.first_groups(self.index, k)
+
+
+class QueueState:
+    """Partitions, the step ring, samplers, open puts and parked requests of one queue."""
+
+    def __init__(
+        self, config: QueueConfig, sampler: SamplerSpec | None = None, clock: Callable[[], float] = time.monotonic
+    ):
+        self.config = config
+        self.clock = clock
+        self.default_sampler = self._checked(make_sampler(sampler))
+        self.samplers: dict[str, BaseSampler] = {}
+        self.partitions: dict[PartitionKey, PartitionState] = {}
+        self.max_cleared_step = -1
+        self.cleared_names: set[str] = set()
+        self.open_puts: dict[int, OpenPut] = {}
+        self.getters: dict[PartitionKey, list[Parked]] = {}
+        self.putters: list[Parked] = []
+        self.outbox: list[tuple[int, Any]] = []  # (storage unit, request) to send
+        self.bytes_held = 0
+        self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
+        self.auto_rounds: dict[tuple[PartitionKey, str, int], int] = {}
+        self._next_uid = 1
+        self._next_put = 1
+        self._next_block = 0
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            p.Reserve: self._on_reserve,
+            p.Commit: self._on_commit,
+            p.Abort: self._on_abort,
+            p.GetMeta: self._on_get_meta,
+            p.Release: self._on_release,
+            p.Clear: self._on_clear,
+            p.ResetConsumption: self._on_reset_consumption,
+            p.ProductionStatus: self._on_production_status,
+            p.ConsumptionStatus: self._on_consumption_status,
+            p.ListPartitions: self._on_list_partitions,
+            p.ClosePartition: self._on_close_partition,
+            p.KvLookup: self._on_kv_lookup,
+            p.KvList: self._on_kv_list,
+            p.KvClear: self._on_kv_clear,
+        }
+
+    # ---- samplers ------------------------------------------------------------------------------------------
+    def _checked(self, sampler: BaseSampler) -> BaseSampler:
+        n = getattr(sampler, "num_n_samples", None)
+        if n is not None and n != self.config.num_n_samples:
+            raise InvalidRequest(
+                f"{type(sampler).__name__}(num_n_samples={n}) does not match the queue's num_n_samples="
+                f"{self.config.num_n_samples}"
+            )
+        return sampler
+
+    def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
+        if not isinstance(task_name, str) or not task_name:
+            raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
+        self.samplers[task_name] = self._checked(make_sampler(sampler))
+
+    def sampler_for(self, task_name: str) -> BaseSampler:
+        return self.samplers.get(task_name, self.default_sampler)
+
+    # ---- dispatch ------------------------------------------------------------------------------------------
+    def handle(self, request: Any, respond: Respond) -> None:
+        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later."""
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            respond(None, InvalidRequest(f"the controller does not handle {type(request).__name__} requests"))
+            return
+        try:
+            result = handler(request)
+        except TransferQueueError as exc:
+            respond(None, exc)
+            return
+        if isinstance(result, Wait):
+            now = self.clock()
+            parked = Parked(result.job, respond, now, now + request.timeout)
+            self.next_deadline = min(self.next_deadline, parked.deadline)
+            if isinstance(request, p.Reserve):
+                self.putters.append(parked)
+            else:
+                self.getters.setdefault(request.partition, []).append(parked)
+        else:
+            respond(result, None)
+
+    def tick(self) -> float | None:
+        """Expire parked requests and abandoned puts; returns the next deadline (``None``: nothing pending)."""
+        now = self.clock()
+        for put in [put for put in self.open_puts.values() if put.deadline <= now]:
+            logger.warning("aborting put %d to %s: its client did not commit in time", put.put_id, put.key)
+            self._abort(put)
+        for key in list(self.getters):
+            keep = []
+            for parked in self.getters[key]:
+                if parked.deadline <= now:
+                    parked.respond(None, self._get_meta_timeout(parked))
+                else:
+                    keep.append(parked)
+            if keep:
+                self.getters[key] = keep
+            else:
+                del self.getters[key]
+        keep = []
+        for parked in self.putters:
+            if parked.deadline <= now:
+                parked.respond(None, self._put_timeout(parked))
+            else:
+                keep.append(parked)
+        self.putters = keep
+        deadlines = [put.deadline for put in self.open_puts.values()]
+        deadlines += [w.deadline for ws in self.getters.values() for w in ws]
+        deadlines += [w.deadline for w in self.putters]
+        self.next_deadline = min(deadlines, default=float("inf"))
+        return None if self.next_deadline == float("inf") else self.next_deadline
+
+    def _retry_getters(self, key: PartitionKey) -> None:
+        waiting = self.getters.pop(key, [])
+        still = []
+        for parked in waiting:
+            try:
+                result = self._try_get_meta(parked.job)
+            except TransferQueueError as exc:
+                parked.respond(None, exc)
+                continue
+            if result is WAIT:
+                still.append(parked)
+            else:
+                parked.respond(result, None)
+        if still:
+            self.getters.setdefault(key, []).extend(still)
+
+    def _retry_putters(self) -> None:
+        waiting, self.putters = self.putters, []
+        for parked in waiting:
+            try:
+                result = self._open_and_reserve(parked.job)
+            except TransferQueueError as exc:
+                parked.respond(None, exc)
+                continue
+            if result is WAIT:
+                self.putters.append(parked)
+            else:
+                parked.respond(result, None)
+
+    # ---- partitions ----------------------------------------------------------------------------------------
+    def _check_key(self, key: Any) -> PartitionKey:
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise InvalidRequest(f"a partition is an int global_step or a str partition_id, got {key!r}")
+        if isinstance(key, int) and key < 0:
+            raise InvalidRequest(f"global_step must be >= 0, got {key}")
+        if isinstance(key, str) and not key:
+            raise InvalidRequest("partition_id must be a non-empty str")
+        return key
+
+    def _live(self, key: PartitionKey) -> PartitionState | None:
+        """The live partition, ``None`` if not opened yet; raises if it was cleared or is behind the window."""
+        part = self.partitions.get(key)
+        if part is not None:
+            return part
+        if isinstance(key, int) and key <= self.max_cleared_step:
+            steps = sorted(k for k in self.partitions if isinstance(k, int))
+            raise PartitionCleared(
+                f"global_step={key} was cleared or lies behind the live window (steps up to {self.max_cleared_step} "
+                f"were cleared; live steps: {steps})"
+            )
+        if isinstance(key, str) and key in self.cleared_names:
+            raise PartitionCleared(f"partition_id={key!r} was cleared")
+        return None
+
+    def _known(self, key: Any) -> PartitionState:
+        key = self._check_key(key)
+        part = self.partitions.get(key)
+        if part is None:
+            live = sorted(self.partitions, key=str)
+            raise UnknownPartition(f"{describe_partition(key)} not found; live partitions: {live}")
+        return part
+
+    def _open(self, key: PartitionKey, keyed: bool) -> PartitionState | None:
+        """Open a partition for a put; ``None`` when the step ring is full (the put waits)."""
+        if isinstance(key, int):
+            live_steps = [k for k in self.partitions if isinstance(k, int)]
+            if len(live_steps) >= self.config.num_global_batch:
+                return None
+            capacity = self.config.rows_per_step
+            base = key * capacity
+        else:
+            capacity, base = None, 0
+            self.cleared_names.discard(key)
+        part = PartitionState(key, self._next_uid, capacity, self.config.num_n_samples, base, keyed=keyed)
+        self._next_uid += 1
+        self.partitions[key] = part
+        return part
+
+    def _by_uid(self, uid: int) -> PartitionState | None:
+        return next((part for part in self.partitions.values() if part.uid == uid), None)
+
+    # ---- puts ----------------------------------------------------------------------------------------------
+    def _on_reserve(self, req: p.Reserve) -> Any:
+        key = self._check_key(req.partition)
+        if not isinstance(req.num_rows, int) or req.num_rows < 1:
+            raise InvalidRequest(f"a put needs at least one row, got num_rows={req.num_rows}")
+        if not req.fields:
+            raise InvalidRequest("a put needs at least one field")
+        if not 0 < req.timeout < float("inf"):
+            raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {req.timeout}")
+        group_ids = None if req.group_ids is None else p.unpack_indexes(req.group_ids)
+        lengths = None if req.lengths is None else p.unpack_indexes(req.lengths)
+        if lengths is not None and len(lengths) != req.num_rows:
+            raise InvalidRequest(f"lengths has {len(lengths)} entries; the put has {req.num_rows} rows")
+        if req.keys is not None and (len(req.keys) != req.num_rows or len(set(req.keys)) != len(req.keys)):
+            raise InvalidRequest(f"a put by key needs {req.num_rows} distinct keys, got {len(req.keys)}")
+        n = self.config.num_n_samples
+        if req.target_uid is None and req.keys is None and group_ids is None and req.num_rows % n:
+            raise IncompleteGroups(
+                f"a put of {req.num_rows} rows without group_ids must hold whole groups of num_n_samples={n} "
+                f"(got {req.num_rows % n} rows too many); pass group_ids to spread a group over several puts"
+            )
+        if req.target_uid is not None:
+            return self._reserve_write(req, key, lengths)
+        part = self._live(key)
+        if part is not None:  # validate against what the partition holds before any waiting
+            part.check_schema(req.fields)
+            part.check_room(req.num_rows)
+        job = (req, group_ids, lengths)
+        result = self._open_and_reserve(job)
+        return Wait(job) if result is WAIT else result
+
+    def _open_and_reserve(self, job: tuple[p.Reserve, np.ndarray | None, np.ndarray | None]) -> Any:
+        req, group_ids, lengths = job
+        key = req.partition
+        keyed = req.keys is not None
+        part = self._live(key) or self._open(key, keyed)
+        if part is None:
+            return WAIT
+        if part.keyed != keyed:
+            how = "by key (kv_*)" if part.keyed else "by row (put)"
+            raise InvalidRequest(f"{part.name} is used {how}; use one way per partition")
+        part.check_schema(req.fields)
+        if self.bytes_held + req.nbytes > self.config.storage_unit_bytes * self.config.num_storage_units:
+            if req.nbytes > self.config.storage_unit_bytes * self.config.num_storage_units:
+                raise QueueFull(
+                    f"a put of {req.nbytes} bytes can never fit: the storage units hold "
+                    f"{self.config.storage_unit_bytes * self.config.num_storage_units} bytes in all"
+                )
+            return WAIT
+        if keyed:
+            assert req.keys is not None
+            rows = np.asarray([part.keys.get(k, -1) for k in req.keys], dtype=np.int64)
+            new_rows = rows < 0
+            old = rows[~new_rows]
+            if np.any(part.state[old] != COMMITTED):
+                raise FieldAlreadyProduced(f"another put is creating some of these keys in {part.name} right now")
+            if new_rows.any():
+                rows[new_rows] = part.allocate(int(new_rows.sum()), None)
+                for k, row in zip(np.asarray(req.keys)[new_rows].tolist(), rows[new_rows].tolist(), strict=True):
+                    part.keys[k] = row  # claimed now, so a concurrent put of the same new key is refused
+                    part.row_keys[row] = k
+        else:
+            rows = part.allocate(req.num_rows, group_ids)
+            new_rows = np.ones(len(rows), dtype=bool)
+        part.add_fields(req.fields)
+        mask = part.begin_write(rows, list(req.fields), upsert=part.keyed)
+        return self._reserve(part, req, rows, mask, new_rows, lengths)
+
+    def _reserve_write(self, req: p.Reserve, key: PartitionKey, lengths: np.ndarray | None) -> Any:
+        """A put with metadata: write new fields into existing rows."""
+        part = self._live(key)
+        if part is None or part.uid != req.target_uid:
+            raise StaleBatchMeta(f"the metadata of this put is from before a clear of {describe_partition(key)}")
+        indexes = p.unpack_indexes(req.target_indexes)
+        if len(indexes) != req.num_rows:
+            raise InvalidRequest(f"the metadata names {len(indexes)} rows; the data has {req.num_rows}")
+        rows = part.rows_of(indexes, req.target_uid)
+        part.check_schema(req.fields)
+        part.add_fields(req.fields)
+        mask = part.begin_write(rows, list(req.fields), upsert=part.keyed)
+        return self._reserve(part, req, rows, mask, np.zeros(len(rows), dtype=bool), lengths)
+
+    def _reserve(
+        self,
+        part: PartitionState,
+        req: p.Reserve,
+        rows: np.ndarray,
+        mask: int,
+        new_rows: np.ndarray,
+        lengths: np.ndarray | None,
+    ) -> p.Reservation:
+        units = self.config.num_storage_units
+        placements, blocks, offsets = [], np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
+        for unit, start, stop in place_rows(len(rows), req.nbytes, units, self._next_put % units):
+            block_id = self._next_block * units + unit
+            self._next_block += 1
+            placements.append(p.Placement(unit, block_id, start, stop))
+            blocks[start:stop] = block_id
+            offsets[start:stop] = np.arange(stop - start)
+        put = OpenPut(
+            self._next_put,
+            part.key,
+            part.uid,
+            rows,
+            list(req.fields),
+            mask,
+            new_rows,
+            blocks,
+            offsets,
+            lengths,
+            req.nbytes,
+            self.clock() + req.timeout + self.config.put_grace,
+            req.keys,
+        )
+        self._next_put += 1
+        self.open_puts[put.put_id] = put
+        self.next_deadline = min(self.next_deadline, put.deadline)
+        self.bytes_held += req.nbytes
+        part.nbytes += req.nbytes
+        return p.Reservation(
+            put.put_id,
+            part.uid,
+            p.pack_indexes(rows + part.base_index),
+            p.pack_indexes(part.group[rows]),
+            placements,
+        )
+
+    def _on_commit(self, req: p.Commit) -> p.MetaWire:
+        put = self.open_puts.pop(req.put_id, None)
+        if put is None:
+            raise PutExpired(
+                f"put {req.put_id} expired, was aborted, or its partition was cleared before the commit; "
+                "none of its rows are visible"
+            )
+        part = self.partitions[put.key]  # a clear drops its partition's open puts, so this one is live
+        part.end_write(put.rows, put.mask)
+        dead = part.commit(put.rows, put.names, put.blocks, put.offsets, put.lengths, put.new_rows)
+        for b, c in zip(*np.unique(put.blocks, return_counts=True), strict=True):
+            part.block_nbytes[int(b)] = put.nbytes * int(c) // len(put.rows)
+        self._drop_blocks(part, dead)
+        extra = {"keys": put.keys} if put.keys is not None else {}
+        meta = part.meta(put.rows, put.names, None, extra)
+        self._retry_getters(put.key)
+        return p.MetaWire.from_meta(meta)
+
+    def _on_abort(self, req: p.Abort) -> None:
+        put = self.open_puts.pop(req.put_id, None)
+        if put is not None:
+            self._abort(put, popped=True)
+
+    def _abort(self, put: OpenPut, popped: bool = False) -> None:
+        if not popped:
+            self.open_puts.pop(put.put_id, None)
+        self.bytes_held -= put.nbytes
+        part = self.partitions.get(put.key)
+        if part is not None and part.uid == put.uid:
+            part.nbytes -= put.nbytes
+            part.end_write(put.rows, put.mask)
+            fresh = put.rows[put.new_rows]
+            for row in fresh.tolist():
+                key = part.row_keys.pop(row, None)
+                if key is not None:
+                    part.keys.pop(key, None)
+            part.free(fresh)
+            self._drop_blocks(part, np.unique(put.blocks).tolist())
+            self._retry_getters(put.key)
+        self._retry_putters()
+
+    def _drop_blocks(self, part: PartitionState, blocks: list[int]) -> None:
+        units = self.config.num_storage_units
+        by_unit: dict[int, list[int]] = {}
+        for b in blocks:
+            by_unit.setdefault(b % units, []).append(b)
+            freed = part.block_nbytes.pop(b, 0)
+            part.nbytes -= freed
+            self.bytes_held -= freed
+        for unit, ids in by_unit.items():
+            self.outbox.append((unit, p.DropBlocks(part.uid, ids)))
+
+    # ---- get_meta ------------------------------------------------------------------------------------------
+    def _on_get_meta(self, req: p.GetMeta) -> Any:
+        key = self._check_key(req.partition)
+        if not isinstance(req.batch_size, int) or req.batch_size < 1:
+            raise InvalidRequest(f"batch_size must be an int >= 1, got {req.batch_size!r}")
+        if not req.fields or not all(isinstance(f, str) and f for f in req.fields):
+            raise InvalidRequest(f"data_fields must be a non-empty list of field names, got {req.fields!r}")
+        if len(set(req.fields)) != len(req.fields):
+            raise InvalidRequest(f"data_fields names a field twice: {req.fields}")
+        if not isinstance(req.task_name, str) or not req.task_name:
+            raise InvalidRequest(f"task_name must be a non-empty str, got {req.task_name!r}")
+        if not 0 < req.timeout < float("inf"):
+            raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {req.timeout}")
+        sampler = self.sampler_for(req.task_name)
+        params = {**sampler.default_sampler_params(), **(req.sampler_params or {})}
+        dp_size, dp_rank, dp_group_id = params.get("dp_size", 1), params.get("dp_rank", 0), params.get("dp_group_id")
+        for name, value in (("dp_size", dp_size), ("dp_rank", dp_rank)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequest(f"sampler_params[{name!r}] must be an int, got {value!r}")
+        if dp_size < 1:
+            raise InvalidRequest(f"dp_size must be >= 1, got {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise InvalidRequest(f"dp_rank must lie in [0, dp_size={dp_size}), got dp_rank={dp_rank}")
+        if dp_group_id is not None and not isinstance(dp_group_id, (str, int)):
+            raise InvalidRequest(f"dp_group_id must be a str or int, got {dp_group_id!r}")
+        whole = req.get_n_samples or sampler.serves_whole_groups
+        n = self.config.num_n_samples
+        if whole and req.batch_size % n:
+            raise IncompleteGroups(
+                f"batch_size={req.batch_size} is not divisible by num_n_samples={n}; whole groups are served"
+            )
+        self._live(key)  # raises now if the partition was cleared
+        if dp_group_id is None and dp_size > 1:
+            counter = (key, req.task_name, dp_rank)
+            dp_group_id = f"auto-{self.auto_rounds.get(counter, 0)}"
+            self.auto_rounds[counter] = self.auto_rounds.get(counter, 0) + 1
+        job = GetMetaJob(
+            req, sampler, params, whole, dp_size, dp_rank, None if dp_group_id is None else str(dp_group_id)
+        )
+        result = self._try_get_meta(job)
+        return Wait(job) if result is WAIT else result
+
+    def _try_get_meta(self, job: GetMetaJob) -> Any:
+        req = job.request
+        part = self._live(req.partition)
+        if part is None:
+            return WAIT
+        if job.dp_group_id is None:
+            rows = self._select(part, job, req.batch_size)
+            if rows is None:
+                return WAIT
+            return p.MetaWire.from_meta(part.meta(rows, req.fields, req.task_name, {}))
+        round_key = (req.task_name, job.dp_group_id)
+        dp_round = part.rounds.get(round_key)
+        if dp_round is None:
+            dp_round = part.rounds[round_key] = DPRound(job.dp_size, req.batch_size, tuple(req.fields))
+        elif (dp_round.dp_size, dp_round.batch_size, dp_round.fields) != (
+            job.dp_size,
+            req.batch_size,
+            tuple(req.fields),
+        ):
+            raise InvalidRequest(
+                f"dp_group_id {job.dp_group_id!r} was opened with dp_size={dp_round.dp_size}, "
+                f"batch_size={dp_round.batch_size}, fields={list(dp_round.fields)}; this call has dp_size="
+                f"{job.dp_size}, batch_size={req.batch_size}, fields={req.fields}"
+            )
+        if dp_round.shares is None:
+            rows = self._select(part, job, job.dp_size * req.batch_size)
+            if rows is None:
+                return WAIT
+            group = part.group_size if job.whole_groups else 1
+            dp_round.shares = job.sampler.split(rows, job.dp_size, part.length[rows], group)
+        if job.dp_rank in dp_round.released:
+            raise InvalidRequest(
+                f"the share of dp_rank={job.dp_rank} in dp_group_id {job.dp_group_id!r} was released; "
+                "ask again with a new dp_group_id"
+            )
+        extra = {"dp_rank": job.dp_rank, "dp_size": job.dp_size, "dp_group_id": job.dp_group_id}
+        return p.MetaWire.from_meta(part.meta(dp_round.shares[job.dp_rank], req.fields, req.task_name, extra))
+
+    def _select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
+        """Rows to hand out (and mark consumed), or ``None`` to wait. Short only when no more can come."""
+        req = job.request
+        index = part.ready_index(req.task_name, req.fields)
+        in_flight = any(put.uid == part.uid for put in self.open_puts.values())
+        finished = part.sealed and not in_flight and (index.produced if index else 0) == part.num_committed
+        if job.sampler.uses_fast_path:
+            if index is None:
+                return np.zeros(0, np.int64) if finished else None
+            view = _ReadyView(part, index)
+            group = part.group_size if job.whole_groups else 1
+            available = view.num_groups() * group if job.whole_groups else view.num_rows()
+            if available < count and not finished:
+                return None
+            rows = job.sampler.select(view, min(count, available - available % group), job.whole_groups)
+        else:
+            rows = self._select_user(part, job, count)
+            if len(rows) < count and not finished:
+                return None
+        if len(rows):
+            part.consume(req.task_name, rows)
+        return rows
+
+    def _select_user(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray:
+        """The seed's two-method protocol, for samplers that override it (O(rows): they see the whole table)."""
+        req = job.request
+        committed = part.committed_rows()
+        all_indices = committed + part.base_index
+        unknown = [f for f in req.fields if f not in part.field_col]
+        if unknown:
+            return np.zeros(0, np.int64)
+        task = part.task(req.task_name)
+        kwargs = {
+            **job.params,
+            "task_name": req.task_name,
+            "partition_id": part.key,
+            "num_n_samples": part.group_size,
+        }
+        try:
+            ready = job.sampler.filter_ready_indices(
+                all_indices,
+                part.production_matrix(committed),
+                task.consumption[committed] != AVAILABLE,
+                list(req.fields),
+                dict(part.field_col),
+                group_ids=part.group[committed],
+                **kwargs,
+            )
+            ready = np.asarray(ready, dtype=np.int64).reshape(-1)
+            self._check_ready(part, task.consumption, ready, req.fields, "filter_ready_indices")
+            if job.whole_groups:
+                ready = self._complete_groups(part, ready)
+            chosen = job.sampler.sample(ready, count, group_ids=part.group[ready - part.base_index], **kwargs)
+        except TransferQueueError:
+            raise
+        except Exception as exc:
+            raise SamplerError(f"{type(job.sampler).__name__} raised {type(exc).__name__}: {exc}") from exc
+        chosen_rows = np.asarray(chosen, dtype=np.int64).reshape(-1)
+        self._check_ready(part, task.consumption, chosen_rows, req.fields, "sample")
+        if len(chosen_rows) > count:
+            raise SamplerError(
+                f"{type(job.sampler).__name__}.sample returned {len(chosen_rows)} rows for batch_size={count}"
+            )
+        if not np.isin(chosen_rows, ready).all():
+            raise SamplerError(f"{type(job.sampler).__name__}.sample returned indexes that were not in ready_indices")
+        rows = chosen_rows - part.base_index
+        if job.whole_groups and len(self._complete_groups(part, chosen_rows)) != len(chosen_rows):
+            raise SamplerError(f"{type(job.sampler).__name__}.sample split a GRPO group; whole groups were asked for")
+        return rows
+
+    def _check_ready(
+        self, part: PartitionState, consumption: np.ndarray, indexes: np.ndarray, fields: list[str], what: str
+    ) -> None:
+        rows = indexes - part.base_index
+        if len(rows) and (rows.min() < 0 or rows.max() >= part.num_rows):
+            raise SamplerError(f"{what} returned global indexes outside {part.name}")
+        if len(np.unique(rows)) != len(rows):
+            raise SamplerError(f"{what} returned the same global index twice")
+        mask = np.uint64(part.field_mask(fields))
+        ok = (part.state[rows] == COMMITTED) & ((part.produced_mask[rows] & mask) == mask)
+        ok &= consumption[rows] == AVAILABLE
+        if not ok.all():
+            bad = (indexes[~ok][:5]).tolist()
+            raise SamplerError(
+                f"{what} of the task's sampler returned rows that are not ready or already served: {bad}"
+            )
+
+    def _complete_groups(self, part: PartitionState, indexes: np.ndarray) -> np.ndarray:
+        """The indexes whose whole group is among ``indexes``."""
+        if part.group_size == 1 or not len(indexes):
+            return indexes
+        groups = part.group[indexes - part.base_index]
+        ids, counts = np.unique(groups, return_counts=True)
+        full = ids[counts == part.group_size]
+        return indexes[np.isin(groups, full)]
+
+    def _get_meta_timeout(self, parked: Parked) -> GetMetaTimeout:
+        req = parked.job.request
+        waited = parked.deadline - parked.started
+        ask = (
+            f"get_meta timed out after {waited:.1f} s: task {req.task_name!r} asked {describe_partition(req.partition)}"
+            f" for {req.batch_size} rows of fields {req.fields}"
+        )
+        part = self.partitions.get(req.partition)
+        if part is None:
+            return GetMetaTimeout(f"{ask}; the partition was never opened (no put reached it yet)")
+        task = part.task(req.task_name)
+        rows = part.committed_rows()
+        rows = rows[task.consumption[rows] == AVAILABLE]
+        missing = {}
+        for f in req.fields:
+            col = part.field_col.get(f)
+            lacking = len(rows) if col is None else int(np.count_nonzero(part.block[rows, col] < 0))
+            if lacking:
+                missing[f] = lacking
+        index = part.ready_index(req.task_name, req.fields)
+        ready = 0 if index is None else len(index.rows)
+        detail = ", ".join(f"{f!r} missing on {c} rows" for f, c in missing.items()) or "no field missing"
+        return GetMetaTimeout(
+            f"{ask}; {ready} rows are ready, {len(rows)} unconsumed rows exist ({detail}); "
+            f"{part.num_committed} of {part.capacity or 'unbounded'} rows are committed"
+        )
+
+    def _put_timeout(self, parked: Parked) -> QueueFull:
+        req = parked.job[0]
+        waited = parked.deadline - parked.started
+        if isinstance(req.partition, int) and req.partition not in self.partitions:
+            steps = sorted(k for k in self.partitions if isinstance(k, int))
+            return QueueFull(
+                f"put to global_step={req.partition} waited {waited:.1f} s for a free slot in the step ring: "
+                f"num_global_batch={self.config.num_global_batch} steps are live ({steps}); clear one first"
+            )
+        limit = self.config.storage_unit_bytes * self.config.num_storage_units
+        return QueueFull(
+            f"put to {describe_partition(req.partition)} waited {waited:.1f} s for storage space: "
+            f"{self.bytes_held} of {limit} bytes are held and the put needs {req.nbytes}"
+        )
+
+    # ---- release, clear, reset -----------------------------------------------------------------------------
+    def _on_release(self, req: p.Release) -> None:
+        part = self._by_uid(req.partition_uid)
+        if part is None:
+            return  # its partition was cleared: nothing to hand back
+        rows = p.unpack_indexes(req.global_indexes) - part.base_index
+        part.release(req.task_name, rows)
+        released = set(rows.tolist())
+        for (task, _), dp_round in part.rounds.items():
+            if task == req.task_name and dp_round.shares is not None:
+                for rank, share in enumerate(dp_round.shares):
+                    if len(share) and released.issuperset(share.tolist()):
+                        dp_round.released.add(rank)
+        self._retry_getters(part.key)
+
+    def _on_clear(self, req: p.Clear) -> None:
+        key = self._check_key(req.partition)
+        part = self.partitions.pop(key, None)
+        if isinstance(key, int):
+            self.max_cleared_step = max(self.max_cleared_step, key)
+        else:
+            self.cleared_names.add(key)
+        if part is None:
+            return
+        for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
+            del self.open_puts[put.put_id]  # its bytes are counted in part.nbytes
+        self.bytes_held -= part.nbytes
+        for unit in range(self.config.num_storage_units):
+            self.outbox.append((unit, p.DropPartition(part.uid)))
+        for counter in [c for c in self.auto_rounds if c[0] == key]:
+            del self.auto_rounds[counter]
+        for parked in self.getters.pop(key, []):
+            parked.respond(None, PartitionCleared(f"{part.name} was cleared while get_meta waited for it"))
+        self._retry_putters()
+
+    def _on_reset_consumption(self, req: p.ResetConsumption) -> None:
+        parts = list(self.partitions.values()) if req.partition is None else [self._known(req.partition)]
+        for part in parts:
+            part.reset_consumption(req.task_name)
+            for counter in [c for c in self.auto_rounds if c[0] == part.key and req.task_name in (None, c[1])]:
+                del self.auto_rounds[counter]
+            self._retry_getters(part.key)
+
+    def _on_close_partition(self, req: p.ClosePartition) -> None:
+        part = self._known(req.partition)
+        part.closed = True
+        self._retry_getters(part.key)
+
+    # ---- status --------------------------------------------------------------------------------------------
+    def _on_production_status(self, req: p.ProductionStatus) -> dict[str, Any]:
+        return self._known(req.partition).production_status()
+
+    def _on_consumption_status(self, req: p.ConsumptionStatus) -> dict[str, Any]:
+        return self._known(req.partition).consumption_status(req.task_name)
+
+    def _on_list_partitions(self, req: p.ListPartitions) -> list[PartitionKey]:
+        return list(self.partitions)
+
+    # ---- kv ------------------------------------------------------------------------------------------------
+    def _keyed(self, key: str) -> PartitionState:
+        part = self._known(key)
+        if not part.keyed:
+            raise InvalidRequest(f"{part.name} is used by row (put), not by key")
+        return part
+
+    def _on_kv_lookup(self, req: p.KvLookup) -> p.MetaWire:
+        part = self._keyed(req.partition)
+        missing = [k for k in req.keys if k not in part.keys]
+        if missing:
+            raise UnknownKey(f"keys {missing[:10]} are not in {part.name}")
+        rows = np.asarray([part.keys[k] for k in req.keys], dtype=np.int64)
+        names = req.fields
+        if names is None:
+            names = [n for n, c in part.field_col.items() if np.all(part.block[rows, c] >= 0)]
+        for n in names:
+            col = part.field_col.get(n)
+            if col is None or np.any(part.block[rows, col] < 0):
+                lacking = [
+                    k for k, r in zip(req.keys, rows.tolist(), strict=True) if col is None or part.block[r, col] < 0
+                ]
+                raise UnknownField(f"field {n!r} is not set for keys {lacking[:10]} in {part.name}")
+        return p.MetaWire.from_meta(part.meta(rows, list(names), None, {"keys": list(req.keys)}))
+
+    def _on_kv_list(self, req: p.KvList) -> list[str]:
+        return list(self._keyed(req.partition).keys)
+
+    def _on_kv_clear(self, req: p.KvClear) -> None:
+        if req.keys is None:
+            self._on_clear(p.Clear(req.partition))
+            return
+        part = self.partitions.get(self._check_key(req.partition))
+        if part is None:
+            return
+        rows = [part.keys.pop(k) for k in req.keys if k in part.keys]
+        if not rows:
+            return
+        for row in rows:
+            part.row_keys.pop(row, None)
+        dead = part.remove_rows(np.asarray(rows, dtype=np.int64))
+        self._drop_blocks(part, dead)
+
+
+def meta_from_wire(wire: p.MetaWire) -> BatchMeta:
+    return wire.to_meta()

@@ -1,0 +1,147 @@
+"""``transfer_queue.init`` / ``shutdown`` / ``get_controller``: one named queue per Ray cluster.
+
+``init`` starts the controller (which starts its storage units) under a fixed name and namespace on the current
+Ray cluster, or attaches to the one already running there if its configuration is the same. The actors are owned
+by the process that created them, so they live as long as its job (right for ``ray job submit``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from transfer_queue.client import TransferQueueClient, default_client_id
+from transfer_queue.config import QueueConfig
+from transfer_queue.controller import TransferQueueController
+from transfer_queue.errors import ConfigMismatch, QueueNotFound
+from transfer_queue.samplers import SamplerSpec, make_sampler
+
+NAMESPACE = "transfer_queue"
+CONTROLLER_NAME = "TransferQueueController"
+# A non-detached actor dies when its owner drops the last handle, even when it has a name: the process that
+# started the queue keeps this one until shutdown(), so the queue lives exactly as long as its job.
+_started: list[Any] = []
+
+
+def _config_of(handle: Any) -> dict[str, Any]:
+    return ray.get(handle.get_config.remote())
+
+
+def init(
+    *,
+    global_batch_size: int,
+    num_global_batch: int = 1,
+    num_n_samples: int = 1,
+    sampler: SamplerSpec | None = None,
+    num_storage_units: int = 2,
+    client_id: str | None = None,
+    spin_seconds: float = 0.0,
+    storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
+    controller_options: dict[str, Any] | None = None,
+    **config: Any,
+) -> TransferQueueClient:
+    """Start the queue on the current Ray cluster (or attach to the running one) and return a ready client.
+
+    Args:
+        global_batch_size, num_global_batch, num_n_samples: the shape of the queue (see QueueConfig).
+        sampler: the default sampler: an instance, a class, or a callable returning one.
+        num_storage_units: storage actors to start.
+        client_id: a name for the returned client's logs.
+        spin_seconds: the client's reply spin (see TransferQueueClient).
+        storage_unit_options, controller_options: Ray ``.options(...)`` for the actors (placement, resources).
+        **config: other QueueConfig fields (``storage_unit_bytes``, ``default_timeout``, ``put_grace``, ...).
+
+    Raises:
+        ConfigMismatch: a queue runs on this cluster with another configuration (``shutdown()`` it first).
+
+    >>> client = transfer_queue.init(global_batch_size=8, num_n_samples=4)  # doctest: +SKIP
+    """
+    wanted = QueueConfig(
+        global_batch_size=global_batch_size,
+        num_global_batch=num_global_batch,
+        num_n_samples=num_n_samples,
+        num_storage_units=num_storage_units,
+        **config,
+    ).to_dict()
+    wanted_sampler = type(make_sampler(sampler)).__name__
+    if not ray.is_initialized():
+        ray.init()
+    handle = _find()
+    if handle is None:
+        try:
+            handle = TransferQueueController.options(  # type: ignore[attr-defined]
+                name=CONTROLLER_NAME, namespace=NAMESPACE, **(controller_options or {})
+            ).remote(
+                global_batch_size,
+                num_global_batch,
+                num_n_samples,
+                sampler,
+                num_storage_units=num_storage_units,
+                storage_unit_options=storage_unit_options,
+                **config,
+            )
+            ray.get(handle.get_info.remote())
+            _started.append(handle)
+        except ValueError:  # another process created it first: attach below
+            handle = _find()
+            if handle is None:
+                raise
+    running = _config_of(handle)
+    running_sampler = running.pop("sampler", wanted_sampler)
+    if running != wanted or running_sampler != wanted_sampler:
+        diff = {k: (running.get(k), wanted.get(k)) for k in wanted if running.get(k) != wanted.get(k)}
+        if running_sampler != wanted_sampler:
+            diff["sampler"] = (running_sampler, wanted_sampler)
+        raise ConfigMismatch(
+            f"a queue with another configuration runs on this cluster; (running, asked) = {diff}; "
+            "call transfer_queue.shutdown() first or use the same configuration"
+        )
+    info = ray.get(handle.get_info.remote())
+    return TransferQueueClient(client_id or default_client_id(), info, spin_seconds=spin_seconds)
+
+
+def _find() -> Any | None:
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def get_controller() -> Any:
+    """The controller's actor handle, from any process of the cluster.
+
+    Raises:
+        QueueNotFound: no queue was started (``transfer_queue.init``) on this cluster.
+    """
+    handle = _find()
+    if handle is None:
+        raise QueueNotFound(f"no {CONTROLLER_NAME} runs in namespace {NAMESPACE!r}; call transfer_queue.init first")
+    return handle
+
+
+def get_client(client_id: str | None = None, spin_seconds: float = 0.0) -> TransferQueueClient:
+    """A new client of the queue running on this cluster."""
+    info = ray.get(get_controller().get_info.remote())
+    return TransferQueueClient(client_id or default_client_id(), info, spin_seconds=spin_seconds)
+
+
+def shutdown(timeout: float = 30.0) -> None:
+    """Stop the queue ``init`` started; returns once its name is free, so ``init`` may follow at once."""
+    if not ray.is_initialized():
+        return
+    handle = _find()
+    if handle is None:
+        return
+    try:
+        ray.get(handle.shutdown.remote(), timeout=timeout)
+    except Exception:  # a dead or stuck controller is killed below anyway
+        pass
+    ray.kill(handle)
+    _started.clear()
+    deadline = time.monotonic() + timeout
+    while _find() is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{CONTROLLER_NAME} still holds its name {timeout} s after being killed")
+        time.sleep(0.05)

@@ -1,0 +1,294 @@
+"""StorageUnit: a Ray actor holding tensor payloads as column blocks.
+
+A put's rows arrive as one block per storage unit: for each field a column over the received frames (no copy).
+A read names, per field, the (block, offset) of each row; rows come back gathered per field, as a view when they
+are one contiguous run of one block. Blocks die when their partition is cleared, their put is aborted, or (kv
+upserts) nothing references them any more; freed memory is handed back to the OS.
+
+:class:`BlockStore` is the logic (no Ray, no sockets); :class:`StorageUnit` serves it over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import zmq
+
+from transfer_queue import protocol as p
+from transfer_queue.columns import Column, concat_columns, jagged_take, nframes
+from transfer_queue.errors import (
+    InvalidRequest,
+    PartitionCleared,
+    PutExpired,
+    SessionMismatch,
+    StaleBatchMeta,
+    TransferQueueError,
+    UnknownField,
+    error_to_wire,
+)
+from transfer_queue.transport import Endpoint, bind_server, remove_ipc
+
+logger = logging.getLogger(__name__)
+TRIM_EVERY_BYTES = 64 << 20
+
+
+@dataclass
+class Block:
+    partition_uid: int
+    num_rows: int
+    columns: dict[str, Column]
+    nbytes: int
+
+
+def _libc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
+    """Serve allocations above ``threshold`` with mmap, so freeing a payload returns it to the OS at once
+    (glibc otherwise raises the threshold dynamically and keeps freed payloads in its heap)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+class BlockStore:
+    """Blocks of one storage unit, by block id, with tombstones so late writes of dead puts are refused."""
+
+    def __init__(self, unit: int, num_units: int):
+        self.unit = unit
+        self.num_units = num_units
+        self.blocks: dict[int, Block] = {}
+        self.by_partition: dict[int, set[int]] = {}
+        self.dead_partitions: set[int] = set()
+        self.dead_blocks: dict[int, set[int]] = {}
+        self.nbytes = 0
+        self._freed_since_trim = 0
+
+    def write(self, req: p.Write, buffers: Sequence[Any]) -> None:
+        if req.partition_uid in self.dead_partitions:
+            raise PartitionCleared(f"partition uid {req.partition_uid} was cleared; the write was dropped")
+        if req.block_id in self.dead_blocks.get(req.partition_uid, ()):
+            raise PutExpired(f"block {req.block_id} belongs to a put that was aborted; the write was dropped")
+        if req.block_id % self.num_units != self.unit:
+            raise InvalidRequest(
+                f"block {req.block_id} belongs to storage unit {req.block_id % self.num_units}, not {self.unit}"
+            )
+        if req.block_id in self.blocks:
+            raise InvalidRequest(f"block {req.block_id} was already written")
+        expected = sum(nframes(c.schema) for c in req.columns)
+        if expected != len(buffers):
+            raise InvalidRequest(f"the write describes {expected} buffers and carries {len(buffers)}")
+        columns: dict[str, Column] = {}
+        i = 0
+        for spec in req.columns:
+            if spec.num_rows != req.num_rows or spec.name in columns:
+                raise InvalidRequest(f"column {spec.name!r}: {spec.num_rows} rows in a block of {req.num_rows}")
+            k = nframes(spec.schema)
+            columns[spec.name] = Column.from_buffers(spec.schema, spec.num_rows, buffers[i : i + k])
+            i += k
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        self.blocks[req.block_id] = Block(req.partition_uid, req.num_rows, columns, nbytes)
+        self.by_partition.setdefault(req.partition_uid, set()).add(req.block_id)
+        self.nbytes += nbytes
+
+    def read(self, req: p.Read) -> tuple[p.ReadReply, list[Any]]:
+        if req.partition_uid in self.dead_partitions:
+            raise StaleBatchMeta(f"the rows of this BatchMeta were cleared (partition uid {req.partition_uid})")
+        specs, buffers = [], []
+        for spec in req.fields:
+            column = self._gather(req.partition_uid, spec)
+            specs.append(p.ColumnSpec(spec.name, column.schema, column.num_rows, nframes(column.schema)))
+            buffers.extend(column.buffers())
+        return p.ReadReply(specs), buffers
+
+    def _gather(self, uid: int, spec: p.ReadField) -> Column:
+        blocks = p.unpack_indexes(spec.blocks)
+        offsets = p.unpack_indexes(spec.offsets)
+        if len(blocks) != len(offsets):
+            raise InvalidRequest(f"field {spec.name!r}: {len(blocks)} block ids but {len(offsets)} offsets")
+        parts, positions = [], []
+        for block_id in np.unique(blocks).tolist():
+            block = self.blocks.get(block_id)
+            if block is None or block.partition_uid != uid:
+                raise StaleBatchMeta(
+                    f"block {block_id} of field {spec.name!r} is gone (its partition was cleared or the value was "
+                    "overwritten); get a fresh BatchMeta"
+                )
+            column = block.columns.get(spec.name)
+            if column is None:
+                raise UnknownField(f"field {spec.name!r} is not in block {block_id}; it has {list(block.columns)}")
+            pos = np.flatnonzero(blocks == block_id)
+            rows = offsets[pos]
+            if len(rows) and (rows.min() < 0 or rows.max() >= block.num_rows):
+                raise InvalidRequest(f"offsets of field {spec.name!r} lie outside block {block_id}")
+            parts.append(_take(column, rows))
+            positions.append(pos)
+        if not parts:
+            raise InvalidRequest(f"field {spec.name!r}: a read needs at least one row")
+        return concat_columns(parts, positions, len(blocks))
+
+    def drop_blocks(self, uid: int, block_ids: Sequence[int]) -> None:
+        self.dead_blocks.setdefault(uid, set()).update(block_ids)
+        for block_id in block_ids:
+            self._free(block_id)
+        self._maybe_trim()
+
+    def drop_partition(self, uid: int) -> None:
+        self.dead_partitions.add(uid)
+        self.dead_blocks.pop(uid, None)
+        for block_id in self.by_partition.pop(uid, set()):
+            self._free(block_id)
+        self._maybe_trim(force=True)
+
+    def _free(self, block_id: int) -> None:
+        block = self.blocks.pop(block_id, None)
+        if block is not None:
+            self.nbytes -= block.nbytes
+            self._freed_since_trim += block.nbytes
+            blocks = self.by_partition.get(block.partition_uid)
+            if blocks is not None:
+                blocks.discard(block_id)
+
+    def _maybe_trim(self, force: bool = False) -> None:
+        if self._freed_since_trim >= TRIM_EVERY_BYTES or (force and self._freed_since_trim):
+            _libc_trim()
+            self._freed_since_trim = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "unit": self.unit,
+            "pid": os.getpid(),
+            "blocks": len(self.blocks),
+            "bytes": self.nbytes,
+            "rss_bytes": _rss_bytes(),
+        }
+
+
+def _take(column: Column, rows: np.ndarray) -> Column:
+    """Rows of a block's column; a view when they are one contiguous ascending run."""
+    n = len(rows)
+    contiguous = n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool(np.all(np.diff(rows) == 1)))
+    if contiguous:
+        return column.slice(int(rows[0]), int(rows[0]) + n)
+    if column.schema.kind == "object":
+        assert column.objects is not None
+        return Column(column.schema, n, objects=[column.objects[i] for i in rows.tolist()])
+    assert column.data is not None
+    if column.schema.kind == "dense":
+        import torch
+
+        return Column(column.schema, n, data=column.data[torch.from_numpy(rows)])
+    assert column.offsets is not None
+    values, offsets = jagged_take(column.data, column.offsets.numpy(), rows)
+    return Column(column.schema, n, data=values, offsets=offsets)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class StorageServer:
+    """Serves a BlockStore on a ROUTER socket from a background thread."""
+
+    def __init__(self, store: BlockStore, host: str | None = None):
+        self.store = store
+        self.session_id: str | None = None
+        self._ctx = zmq.Context()
+        self._sock, self.endpoint = bind_server(self._ctx, host)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"tq-storage-{store.unit}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        handlers: dict[type, Any] = {
+            p.Write: lambda req, bufs: self.store.write(req, bufs),
+            p.Read: lambda req, bufs: self.store.read(req),
+            p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids),
+            p.DropPartition: lambda req, bufs: self.store.drop_partition(req.partition_uid),
+            p.StorageStats: lambda req, bufs: self.store.stats(),
+        }
+        while not self._stop.is_set():
+            if not self._sock.poll(200):
+                continue
+            try:
+                frames = self._sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                break
+            if len(frames) < 3:
+                continue  # not even an envelope: nothing to answer
+            identity, request_id, reply_body = frames[0], -1, b""
+            buffers: list[Any] = []
+            try:
+                envelope = p.decode_envelope(frames[1].buffer)
+                request_id = envelope.request_id
+                if envelope.protocol_version != p.PROTOCOL_VERSION:
+                    raise SessionMismatch(f"protocol {envelope.protocol_version} != {p.PROTOCOL_VERSION}")
+                if envelope.session_id != self.session_id:
+                    raise SessionMismatch(
+                        f"this storage unit serves session {self.session_id}, the request is for {envelope.session_id}"
+                    )
+                request = p.decode_storage_request(frames[2].buffer)
+                with self._lock:
+                    result = handlers[type(request)](request, [f.buffer for f in frames[3:]])
+                if isinstance(result, tuple):
+                    result, buffers = result
+                header = p.ReplyHeader(request_id)
+                reply_body = p.encode(result)
+            except TransferQueueError as exc:
+                header = p.ReplyHeader(request_id, *error_to_wire(exc))
+            except Exception as exc:  # a bug, not bad input: answer it and keep serving
+                logger.exception("storage unit %d failed a request", self.store.unit)
+                header = p.ReplyHeader(request_id, *error_to_wire(exc))
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send_multipart([identity, p.encode(header), reply_body, *buffers], copy=False)
+        self._sock.close(linger=0)
+        remove_ipc(self.endpoint)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@ray.remote
+class StorageUnit:
+    """A Ray actor holding one share of the queue's payload. Create it through the controller (or pass handles
+    to ``TransferQueueController(storage_units=[...])`` to place units yourself)."""
+
+    def __init__(self, unit: int, num_units: int, bind_host: str | None = None):
+        _mmap_large_allocations()
+        self._server = StorageServer(BlockStore(unit, num_units), bind_host)
+
+    def attach(self, session_id: str, unit: int, num_units: int) -> Endpoint:
+        """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens."""
+        with self._server._lock:
+            if self._server.store.blocks:
+                raise InvalidRequest("a storage unit that holds data cannot join another session")
+            self._server.store = BlockStore(unit, num_units)
+            self._server.session_id = session_id
+        return self._server.endpoint
+
+    def stats(self) -> dict[str, Any]:
+        with self._server._lock:
+            return self._server.store.stats()
+
+    def shutdown(self) -> None:
+        self._server.stop()

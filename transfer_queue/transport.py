@@ -1,0 +1,248 @@
+"""ZeroMQ sockets and zero-copy frames, behind one small interface.
+
+Servers (the controller and the storage units) bind a ROUTER socket to the node's address (never to every
+interface) and, for clients on the same host, to an ``ipc://`` path, which is faster than loopback TCP.
+Clients talk through a :class:`Transport`:
+
+- ``call_many([(endpoint, frames), ...], timeout)`` sends every request at once and returns the replies in order;
+  requests to different servers travel in parallel.
+
+Two transports implement it. :class:`BlockingTransport` uses blocking DEALER sockets (one per thread and server)
+and its coroutines never suspend, so the sync client drives them without an event loop (and works inside a
+running one). :class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``. A same-node
+shared-memory path would be a third.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from transfer_queue.errors import MalformedMessage, RequestTimeout
+from transfer_queue.protocol import Endpoint, decode_reply_header
+
+T = TypeVar("T")
+Frames = list[Any]
+
+
+def node_ip() -> str:
+    """The node's address as Ray sees it (127.0.0.1 outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # ray missing or not connected: serve on loopback
+        pass
+    return "127.0.0.1"
+
+
+def bind_server(ctx: zmq.Context, host: str | None = None, ipc: bool = True) -> tuple[zmq.Socket, Endpoint]:
+    """A ROUTER socket bound to ``host`` (default: the node's address) on a free port, and an ipc path."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    host = host or node_ip()
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    ipc_address = None
+    if ipc:
+        path = os.path.join(tempfile.gettempdir(), f"tq-{uuid.uuid4().hex[:16]}.sock")
+        sock.bind(f"ipc://{path}")
+        ipc_address = f"ipc://{path}"
+    return sock, Endpoint(f"tcp://{host}:{port}", ipc_address, socket.gethostname())
+
+
+def remove_ipc(endpoint: Endpoint) -> None:
+    if endpoint.ipc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint.ipc.removeprefix("ipc://"))
+
+
+class Transport(Protocol):
+    def next_request_id(self) -> int: ...
+
+    async def call_many(self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float) -> list[Frames]: ...
+
+    def close(self) -> None: ...
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (one over :class:`BlockingTransport`) to completion, without a loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("internal error: a blocking-transport coroutine suspended")
+
+
+def _request_id(frames: Frames) -> int:
+    return decode_reply_header(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]).request_id
+
+
+class BlockingTransport:
+    """Blocking DEALER sockets, one per (thread, server). Its coroutines never suspend.
+
+    Args:
+        spin_seconds: poll without sleeping for up to this long before blocking on a reply (trades a little CPU
+            for latency on small requests).
+    """
+
+    def __init__(self, spin_seconds: float = 0.0):
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._local = threading.local()
+        self._ids = itertools.count(1)
+        self._spin = spin_seconds
+        self._all_sockets: list[zmq.Socket] = []
+        self._lock = threading.Lock()
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sockets = self._local.__dict__.setdefault("sockets", {})
+        sock = sockets.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sockets[address] = sock
+            with self._lock:
+                self._all_sockets.append(sock)
+        return sock
+
+    def _discard(self, address: str) -> None:
+        sock = self._local.__dict__.get("sockets", {}).pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    async def call_many(self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float) -> list[Frames]:
+        waiting: dict[int, tuple[int, str, zmq.Socket]] = {}
+        for i, (endpoint, frames, request_id) in enumerate(calls):
+            address = endpoint.address()
+            sock = self._socket(address)
+            sock.send_multipart(frames, copy=False)
+            waiting[request_id] = (i, address, sock)
+        results: list[Frames] = [[] for _ in calls]
+        deadline = time.monotonic() + timeout
+        sockets = {id(s): s for _, _, s in waiting.values()}
+        spin_until = time.monotonic() + self._spin
+        while waiting:
+            ready = self._ready(list(sockets.values()), deadline, spin_until)
+            if not ready:
+                for _, address, _ in waiting.values():
+                    self._discard(address)  # late replies die with the socket
+                missing = sorted({address for _, address, _ in waiting.values()})
+                raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}")
+            for sock in ready:
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        entry = waiting.pop(_request_id(frames), None)
+                    except MalformedMessage:
+                        continue
+                    if entry is not None:  # else: a reply to an earlier request that timed out
+                        results[entry[0]] = frames
+            sockets = {id(s): s for _, _, s in waiting.values()}
+        return results
+
+    def _ready(self, sockets: list[zmq.Socket], deadline: float, spin_until: float) -> list[zmq.Socket]:
+        while time.monotonic() < spin_until:
+            ready = [s for s in sockets if s.poll(0, zmq.POLLIN)]
+            if ready:
+                return ready
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return []
+        if len(sockets) == 1:
+            return sockets if sockets[0].poll(int(remaining * 1000) + 1, zmq.POLLIN) else []
+        poller = zmq.Poller()
+        for s in sockets:
+            poller.register(s, zmq.POLLIN)
+        return [s for s, _ in poller.poll(int(remaining * 1000) + 1)]
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._all_sockets:
+                sock.close(linger=0)
+            self._all_sockets.clear()
+        self._local = threading.local()
+
+
+class AsyncioTransport:
+    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id."""
+
+    def __init__(self) -> None:
+        self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
+        self._ids = itertools.count(1)
+        self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
+        self._readers: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._futures: dict[int, asyncio.Future[Frames]] = {}
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def _socket(self, address: str) -> zmq.asyncio.Socket:
+        loop = asyncio.get_running_loop()
+        key = (id(loop), address)
+        sock = self._sockets.get(key)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._sockets[key] = sock
+            self._readers[key] = loop.create_task(self._read(sock))
+        return sock
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                future = self._futures.pop(_request_id(frames), None)
+            except MalformedMessage:
+                continue
+            if future is not None and not future.done():
+                future.set_result(frames)
+
+    async def call_many(self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float) -> list[Frames]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for endpoint, frames, request_id in calls:
+            future: asyncio.Future[Frames] = loop.create_future()
+            self._futures[request_id] = future
+            futures.append(future)
+            await self._socket(endpoint.address()).send_multipart(frames, copy=False)
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
+        except TimeoutError:
+            missing = sorted({e.address() for (e, _, _), f in zip(calls, futures, strict=True) if not f.done()})
+            raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}") from None
+        finally:
+            for _, _, request_id in calls:
+                self._futures.pop(request_id, None)
+
+    def close(self) -> None:
+        for task in self._readers.values():
+            task.cancel()
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        self._readers.clear()

@@ -1,0 +1,275 @@
+"""HFEngine: batched sampling with a Hugging Face causal LM and a small KV-cached decoding loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from workers.engines.base import Engine, Generation, SamplingParams
+
+
+class HFEngine(Engine):
+    """Sample responses with a Hugging Face causal LM, on CPU or one GPU.
+
+    Prompts are left-padded into one batch (each repeated ``n`` times) and decoded together, at most
+    ``max_batch_size`` rows at a time. A response that produces the eos token or one of
+    ``params.stop_token_ids`` ends there: the stop token is the last entry of ``token_ids`` (with its log-prob,
+    because the policy chose it and the trainer must credit it) and ``finish_reason`` is ``"stop"``; a response
+    that reaches ``max_new_tokens`` has ``finish_reason`` ``"length"``.
+
+    A hand-written loop is used rather than ``model.generate``: it gives the log-probs of the sampled tokens
+    directly, samples from a private ``torch.Generator`` (a seeded call does not touch the global RNG) and was
+    faster for small models (see ``recipe/experiments/addition_single_process.py``).
+
+    The engine owns ``model``: it moves it to ``device``/``dtype``, puts it in eval mode and overwrites its weights
+    in ``update_weights``. Pass a copy if the trainer keeps training the original.
+
+    Args:
+        model: a causal LM; exactly one of ``model`` and ``model_path``.
+        model_path: a Hugging Face model directory, loaded with ``AutoModelForCausalLM.from_pretrained``.
+        device: where the model runs.
+        dtype: parameter dtype; log-probs are always computed in float32.
+        pad_token_id: used to left-pad prompts; defaults to the model config's.
+        eos_token_id: always a stop token; defaults to the model config's.
+        max_batch_size: the most rows (prompts x n) decoded in one forward pass.
+
+    >>> from workers.models import build_tiny_causal_lm
+    >>> engine = HFEngine(build_tiny_causal_lm(16), pad_token_id=0, eos_token_id=2)
+    >>> [[generation]] = engine.generate([[1, 5, 6]], n=1, params=SamplingParams(max_new_tokens=3, seed=0))
+    >>> len(generation.token_ids) == len(generation.logprobs) <= 3
+    True
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | None = None,
+        *,
+        model_path: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        pad_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        max_batch_size: int = 256,
+    ) -> None:
+        if (model is None) == (model_path is None):
+            raise ValueError(
+                f"give exactly one of model and model_path, got model={type(model).__name__}, model_path={model_path!r}"
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._model = model.to(device=self._device, dtype=dtype).eval()
+        self.pad_token_id = _token_id_or_config(pad_token_id, self._model, "pad_token_id")
+        self.eos_token_id = _token_id_or_config(eos_token_id, self._model, "eos_token_id")
+        self.max_batch_size = max_batch_size
+        self._version = 0
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Generation]]:
+        """Sample ``n`` responses per prompt; see ``Engine.generate``.
+
+        Raises:
+            ValueError: if ``n < 1``, a prompt is empty or holds an id outside the vocabulary, or a prompt plus
+                ``max_new_tokens`` is longer than the model's ``max_position_embeddings``.
+        """
+        self._check_prompts(prompts, n, params)
+        rows = [prompt for prompt in prompts for _ in range(n)]
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        stop_ids = torch.tensor(sorted({self.eos_token_id, *params.stop_token_ids}), device=self._device)
+        generations: list[Generation] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
+            generations.extend(self._generate_chunk(chunk, params, stop_ids, generator))
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def _generate_chunk(
+        self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor, generator: torch.Generator | None
+    ) -> list[Generation]:
+        input_ids, attention_mask = self._left_pad(rows)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        finished = torch.zeros(len(rows), dtype=torch.bool, device=self._device)
+        tokens, logprobs = [], []
+        for step in range(params.max_new_tokens):
+            out = self._model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            token, logprob = _sample(out.logits[:, -1, :].float(), params, generator)
+            # Rows that already stopped keep decoding (the batch moves together); their tokens are dropped below.
+            tokens.append(token)
+            logprobs.append(logprob)
+            finished |= torch.isin(token, stop_ids)
+            if step + 1 == params.max_new_tokens or bool(finished.all()):
+                break
+            input_ids = token[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        return _to_generations(torch.stack(tokens, 1), torch.stack(logprobs, 1), stop_ids)
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        length = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, length - len(row) :] = 1
+        return input_ids.to(self._device), attention_mask.to(self._device)
+
+    def _check_prompts(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        vocab_size = self._model.get_input_embeddings().num_embeddings
+        max_positions = getattr(self._model.config, "max_position_embeddings", None)
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(prompt) < 0 or max(prompt) >= vocab_size:
+                raise ValueError(f"prompt {i} holds a token id outside [0, {vocab_size}): {prompt}")
+            if max_positions is not None and len(prompt) + params.max_new_tokens > max_positions:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} that exceeds "
+                    f"max_position_embeddings={max_positions}"
+                )
+
+    def update_weights(
+        self, version: int, state_dict: dict[str, torch.Tensor] | None = None, path: str | None = None
+    ) -> None:
+        """Load new weights and set ``version``; see ``Engine.update_weights``.
+
+        A state dict must hold exactly the model's keys with the model's shapes; a key whose tensor is tied to
+        another (``lm_head.weight`` with tied embeddings) may be left out. Values are copied (and cast) into the
+        existing parameters. A directory replaces the model with ``from_pretrained(path)``.
+
+        Raises:
+            ValueError: if not exactly one of ``state_dict`` and ``path`` is given, ``version`` is lower than the
+                current one, or the state dict's keys or shapes do not match the model's.
+        """
+        if (state_dict is None) == (path is None):
+            raise ValueError(
+                f"give exactly one of state_dict and path, got state_dict={'set' if state_dict is not None else None}, "
+                f"path={path!r}"
+            )
+        if version < self._version:
+            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        if state_dict is not None:
+            self._check_state_dict(state_dict)
+            with torch.no_grad():
+                self._model.load_state_dict(state_dict, strict=False)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self._dtype)
+            self._model = model.to(device=self._device, dtype=self._dtype).eval()
+        self._version = version
+
+    def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        expected = self._model.state_dict()
+        seen_storage, tied = set(), set()
+        for name, tensor in expected.items():
+            if tensor.data_ptr() in seen_storage:
+                tied.add(name)
+            seen_storage.add(tensor.data_ptr())
+        missing = sorted(set(expected) - set(state_dict) - tied)
+        unexpected = sorted(set(state_dict) - set(expected))
+        mismatched = [
+            f"{name}: expected {tuple(expected[name].shape)}, got {tuple(tensor.shape)}"
+            for name, tensor in state_dict.items()
+            if name in expected and tuple(tensor.shape) != tuple(expected[name].shape)
+        ]
+        problems = [
+            f"{label} ({len(items)}): {items[:5]}{' ...' if len(items) > 5 else ''}"
+            for label, items in (
+                ("missing keys", missing),
+                ("unexpected keys", unexpected),
+                ("shape mismatch", mismatched),
+            )
+            if items
+        ]
+        if problems:
+            raise ValueError(f"state_dict does not fit {type(self._model).__name__}: " + "; ".join(problems))
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "version": self._version,
+            "device": str(self._device),
+            "dtype": str(self._dtype).removeprefix("torch."),
+            "model": type(self._model).__name__,
+            "num_parameters": sum(p.numel() for p in self._model.parameters()),
+            "max_batch_size": self.max_batch_size,
+        }
+
+
+def _token_id_or_config(token_id: int | None, model: PreTrainedModel, name: str) -> int:
+    if token_id is None:
+        token_id = getattr(model.config, name, None)
+        if isinstance(token_id, list):
+            token_id = token_id[0]
+    if token_id is None:
+        raise ValueError(f"{name} is not given and the model config has none; pass {name}=...")
+    return int(token_id)
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return it and its log-prob under ``log_softmax(logits / temperature)``."""
+    if params.temperature == 0:
+        token = logits.argmax(dim=-1)
+        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    sampling_logits = _truncate(scaled, params.top_k, params.top_p)
+    probs = torch.softmax(sampling_logits, dim=-1)
+    token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask all but the top-k tokens and the top-p nucleus with -inf (the most likely token always survives)."""
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already reach top_p.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def _to_generations(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: torch.Tensor) -> list[Generation]:
+    is_stop = torch.isin(tokens, stop_ids)
+    # Length up to and including the first stop token, else the full width.
+    has_stop = is_stop.any(dim=1)
+    first_stop = is_stop.int().argmax(dim=1)
+    lengths = torch.where(has_stop, first_stop + 1, tokens.shape[1]).tolist()
+    token_rows, logprob_rows = tokens.cpu().tolist(), logprobs.cpu().tolist()
+    return [
+        Generation(
+            token_ids=token_rows[i][:length],
+            logprobs=logprob_rows[i][:length],
+            finish_reason="stop" if stop else "length",
+        )
+        for i, (length, stop) in enumerate(zip(lengths, has_stop.tolist(), strict=True))
+    ]

@@ -1,0 +1,151 @@
+"""Two-digit addition, the toy task on which GRPO visibly learns on two CPU cores.
+
+A problem is ``"07+35="`` and its answer is the zero-padded three-digit sum ``"042"``. The vocabulary is built in
+code (15 symbols), so nothing is downloaded. The recipe that works: a supervised warm-up (``sft_batch``) until greedy
+accuracy first reaches about 0.2, then GRPO with ``addition_reward``; see
+``recipe/experiments/addition_single_process.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import LlamaForCausalLM
+
+from workers.models import build_tiny_causal_lm
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+ANSWER_DIGITS = 3
+
+
+class AdditionTokenizer:
+    """Character-level tokenizer over ``0-9 + =`` and three special tokens.
+
+    Ids: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, then ``0``..``9``, ``+``, ``=``.
+
+    >>> tok = AdditionTokenizer()
+    >>> tok.decode(tok.encode("07+35=") + [tok.eos_token_id, 5])
+    '07+35='
+    """
+
+    def __init__(self) -> None:
+        self.symbols: list[str] = [PAD, BOS, EOS, *"0123456789", "+", "="]
+        self._id_of = {symbol: i for i, symbol in enumerate(self.symbols)}
+        self.vocab_size = len(self.symbols)
+        self.pad_token_id = self._id_of[PAD]
+        self.bos_token_id = self._id_of[BOS]
+        self.eos_token_id = self._id_of[EOS]
+
+    def encode(self, text: str) -> list[int]:
+        """Map each character to its id; no special tokens are added.
+
+        Raises:
+            ValueError: on a character outside ``0-9 + =``.
+        """
+        try:
+            return [self._id_of[char] for char in text]
+        except KeyError as error:
+            raise ValueError(
+                f"character {error.args[0]!r} in {text!r} is not in the vocabulary '0123456789+='"
+            ) from None
+
+    def decode(self, ids: list[int]) -> str:
+        """Map ids back to text, stopping at the first ``<eos>`` and skipping ``<pad>`` and ``<bos>``.
+
+        Raises:
+            ValueError: on an id outside ``[0, vocab_size)``.
+        """
+        chars = []
+        for token_id in ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"token id {token_id} is outside [0, {self.vocab_size})")
+            if token_id == self.eos_token_id:
+                break
+            if token_id not in (self.pad_token_id, self.bos_token_id):
+                chars.append(self.symbols[token_id])
+        return "".join(chars)
+
+
+def make_prompts(num: int, seed: int) -> list[dict]:
+    """Draw ``num`` addition problems with operands in ``[0, 99]``, a pure function of ``seed``.
+
+    Returns:
+        Dicts with ``prompt`` (``"07+35="``), ``prompt_ids`` (``<bos>`` then the prompt's ids) and ``answer``
+        (``"042"``).
+
+    >>> make_prompts(1, seed=0)[0]["prompt"]
+    '49+97='
+    """
+    if num < 0:
+        raise ValueError(f"num={num} must be >= 0")
+    tokenizer = AdditionTokenizer()
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(num):
+        a, b = rng.randrange(100), rng.randrange(100)
+        prompt = f"{a:02d}+{b:02d}="
+        problems.append(
+            {
+                "prompt": prompt,
+                "prompt_ids": [tokenizer.bos_token_id, *tokenizer.encode(prompt)],
+                "answer": f"{a + b:0{ANSWER_DIGITS}d}",
+            }
+        )
+    return problems
+
+
+def addition_reward(response_text: str, answer: str) -> float:
+    """1.0 if the response is exactly the answer, else 0.0.
+
+    ``response_text`` is the decoded response, so it already ends at the first ``<eos>`` (see
+    ``AdditionTokenizer.decode``): ``"042"`` followed by ``<eos>`` scores 1, while ``"0421"`` or ``"42"`` score 0.
+    Surrounding whitespace is ignored. A response cut at ``max_new_tokens`` right after the third digit also scores
+    1; generate with ``max_new_tokens >= 4`` if the model must learn to stop.
+
+    >>> addition_reward("042", "042"), addition_reward("0420", "042")
+    (1.0, 0.0)
+    """
+    return 1.0 if response_text.strip() == answer else 0.0
+
+
+def sft_batch(problems: list[dict], tokenizer: AdditionTokenizer) -> dict[str, torch.Tensor]:
+    """Teacher-forcing batch for the supervised warm-up: prompt, answer, ``<eos>``; loss on answer and ``<eos>``.
+
+    Returns:
+        ``input_ids`` and ``attention_mask`` ``[B, T]`` int64, right-padded, and ``labels`` ``[B, T]`` int64 holding
+        the input ids on answer and ``<eos>`` positions and -100 elsewhere (Hugging Face shifts labels inside the
+        model, so they are aligned with ``input_ids``).
+    """
+    rows = []
+    for problem in problems:
+        target = [*tokenizer.encode(problem["answer"]), tokenizer.eos_token_id]
+        rows.append((problem["prompt_ids"], target))
+    length = max(len(prompt) + len(target) for prompt, target in rows)
+    input_ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    for row, (prompt, target) in enumerate(rows):
+        ids = torch.tensor(prompt + target, dtype=torch.long)
+        input_ids[row, : len(ids)] = ids
+        attention_mask[row, : len(ids)] = 1
+        labels[row, len(prompt) : len(ids)] = ids[len(prompt) :]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def build_model(
+    vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, seed: int = 0
+) -> LlamaForCausalLM:
+    """The addition task's policy: a ~100k-parameter Llama with tied embeddings and 32 positions."""
+    tokenizer = AdditionTokenizer()
+    return build_tiny_causal_lm(
+        vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        max_position_embeddings=32,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=seed,
+    )
