@@ -144,10 +144,15 @@ def run(seed: int, args) -> RunResult:
         f"seed {seed}: SFT {sft_steps} steps, {sft_seconds:.1f} s, {args.sft_metric} probe accuracy {sft_accuracy:.3f}"
     )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    # Adam's first steps move every weight by about lr whatever the gradient's size; ramping lr up keeps the
+    # first, noisy policy-gradient steps from knocking the warmed-up policy over.
+    warmup = max(1, args.lr_warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     rewards, generate_s, train_s = [], 0.0, 0.0
     start = time.perf_counter()
     for step in range(args.grpo_steps):
         reward, gen_dt, train_dt = grpo_step(policy, optimizer, engine, tokenizer, args, seed, step)
+        scheduler.step()
         rewards.append(reward)
         generate_s, train_s = generate_s + gen_dt, train_s + train_dt
         if (step + 1) % args.log_every == 0:
@@ -174,6 +179,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (group size)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr-warmup-steps", type=int, default=0, help="linear GRPO learning-rate warm-up")
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--sft-batch-size", type=int, default=64)

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from workers.models import build_tiny_causal_lm
+from workers.tasks.base import Task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 ANSWER_DIGITS = 3
@@ -149,3 +150,38 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         seed=seed,
     )
+
+
+class AdditionTask(Task):
+    """Two-digit addition as a :class:`~workers.tasks.base.Task`: prompts, reward, tokenizer and the tiny Llama.
+
+    Args:
+        hidden_size, num_layers, num_heads: the policy's shape (about 100k parameters by default).
+        model_seed: the initial weights' seed.
+    """
+
+    reward_fields = ("answer",)
+
+    def __init__(self, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, model_seed: int = 0):
+        self._tokenizer = AdditionTokenizer()
+        self.model_kwargs = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
+        self.model_seed = model_seed
+
+    @property
+    def tokenizer(self) -> AdditionTokenizer:
+        return self._tokenizer
+
+    def prompts(self, split: str, num: int, seed: int) -> list[dict]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        # eval problems come from another stream of the generator, so the two splits differ for the same seed
+        return make_prompts(num, seed if split == "train" else seed + 7_919)
+
+    def reward(self, response_text: str, **fields: str) -> float:
+        return addition_reward(response_text, fields["answer"])
+
+    def build_policy(self) -> LlamaForCausalLM:
+        return build_model(self._tokenizer.vocab_size, seed=self.model_seed, **self.model_kwargs)
+
+    def sft_target(self, prompt: dict) -> list[int]:
+        return [*self._tokenizer.encode(prompt["answer"]), self._tokenizer.eos_token_id]

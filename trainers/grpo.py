@@ -1,0 +1,323 @@
+"""The GRPO trainer: FSDP2 ranks as Ray actors that stream complete groups from the queue and step.
+
+Policy versions count trained global steps: the weights after training step ``s`` are version ``s + 1``, and a
+sample's staleness is the trainer's version at the start of the step minus the version that generated it.
+
+Each global step is ``minibatches_per_step`` DP rounds: in round ``k`` every rank asks the queue for its share
+(``dp_group_id = f"train/{step}/{k}"``, whole groups only), builds the training batch (:func:`build_train_batch`:
+group-normalised advantages, staleness and failed-sample masks, filters), and takes one optimizer step together
+with the other ranks. The same code runs with gloo on CPU and NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from trainers.advantages import group_advantages_by_id
+from trainers.config import RLConfig
+from trainers.filters import apply_filters
+from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
+from trainers.losses import policy_loss
+from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.prompts import PromptSource
+from workers.rollout import rows_of
+from workers.tasks.base import Task, load_task
+
+TRAIN_TASK = "train"
+TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
+
+
+@dataclass
+class TrainBatch:
+    tensors: dict[str, torch.Tensor]
+    stats: dict[str, float]
+
+
+def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``response_mask`` ``[B, T]`` for prompt + response, right-padded."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(lengths, default=1)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    response_mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
+        attention_mask[i, : len(p) + len(r)] = 1
+        response_mask[i, len(p) : len(p) + len(r)] = 1.0
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+
+
+def build_train_batch(
+    data: TensorDict,
+    group_ids: np.ndarray,
+    *,
+    pad_token_id: int,
+    trainer_version: int,
+    max_staleness: int,
+    config: RLConfig,
+) -> TrainBatch:
+    """The training tensors of one rank's share (whole groups), aligned as in ``docs/rl-conventions.md``.
+
+    Samples whose reward function failed, or that are staler than ``max_staleness`` policy versions, are left
+    out of their group's advantage statistics and of the loss (their ``response_mask`` is zeroed); so are rows
+    dropped by the configured filters.
+    """
+    prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
+    sampled_logprobs = rows_of(data["response_logprobs"])
+    tensors = pad_sequences(prompts, responses, pad_token_id)
+    old_logprobs = torch.zeros_like(tensors["response_mask"])
+    for i, (p, lps) in enumerate(zip(prompts, sampled_logprobs, strict=True)):
+        old_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    tensors["old_logprobs"] = old_logprobs
+
+    rewards = data["reward"].to(torch.float32).reshape(-1)
+    failed = data["reward_failed"].to(torch.bool).reshape(-1)
+    staleness = trainer_version - data["policy_version"].to(torch.int64).reshape(-1)
+    valid = ~failed & (staleness <= max_staleness)
+    groups = torch.tensor(np.asarray(group_ids), dtype=torch.int64)
+    advantages = torch.zeros_like(rewards)
+    if valid.any():
+        advantages[valid] = group_advantages_by_id(
+            rewards[valid], groups[valid], normalize_std=config.train.normalize_advantage_std
+        )
+    keep = valid.clone()
+    filters = config.train.filters
+    if any(
+        getattr(filters, name) for name in ("drop_zero_advantage", "skip_non_positive_advantage", "nonzero_std_groups")
+    ) or (filters.minimal_advantage is not None):
+        keep &= apply_filters(filters, advantages=advantages, rewards=rewards, group_size=config.n_samples)
+    tensors["advantages"] = advantages
+    tensors["response_mask"] = tensors["response_mask"] * keep.to(torch.float32).unsqueeze(1)
+    response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
+    stats = {
+        "rows": float(len(rewards)),
+        "reward_sum": float(rewards[~failed].sum()),
+        "correct_sum": float((rewards[~failed] >= 1.0).sum()),
+        "scored_rows": float((~failed).sum()),
+        "failed_rows": float(failed.sum()),
+        "stale_rows": float((staleness > max_staleness).sum()),
+        "trained_rows": float(keep.sum()),
+        "staleness_sum": float(staleness.to(torch.float32).sum()),
+        "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
+        "response_len_sum": float(response_lengths.sum()),
+    }
+    return TrainBatch(tensors, stats)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class GRPOTrainerRank:
+    """One FSDP2 rank of the trainer. Call :meth:`setup` on every rank at once (it joins the process group)."""
+
+    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: RLConfig):
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.client = TransferQueueClient(f"trainer-{rank}", controller_info)
+        self.task: Task = load_task(config.task.name, config.task.kwargs)
+        self.version = 0
+        self.policy: FSDPPolicy | None = None
+        self.reference: FSDPPolicy | None = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the process group's store: this node's address and a free port."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        device = init_process_group(self.rank, self.world_size, master_addr, master_port, cfg.train.backend)
+        loss_agg = cfg.train.loss_agg or _default_loss_agg(cfg.train.loss)
+        self.policy = FSDPPolicy(
+            self.task.build_policy(),
+            device=device,
+            optimizer=AdamWConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay),
+            grad_clip=cfg.train.grad_clip,
+            micro_batch_size=cfg.train.micro_batch_size,
+            loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
+        )
+        return self.rank
+
+    # ---- RL ------------------------------------------------------------------------------------------------
+    def init_reference(self) -> None:
+        """Freeze the current weights as the KL reference policy (after SFT, before RL)."""
+        assert self.policy is not None
+        state = self.policy.full_state_dict()
+        model = self.task.build_policy()
+        if self.rank == 0:
+            model.load_state_dict(state)
+        self.reference = FSDPPolicy(
+            model, device=self.policy.device, micro_batch_size=self.config.train.micro_batch_size
+        )
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Train on global step ``step``: ``minibatches_per_step`` DP rounds, one optimizer step each."""
+        assert self.policy is not None
+        cfg = self.config
+        rounds = cfg.train.minibatches_per_step
+        rows = cfg.prompts_per_step * cfg.n_samples // (self.world_size * rounds)
+        totals: dict[str, float] = {}
+        train_metrics: list[dict[str, float]] = []
+        queue_s = train_s = 0.0
+        version = self.version  # the engines' version when this step's samples are on-policy
+        for k in range(rounds):
+            t0 = time.perf_counter()
+            meta = self.client.get_meta(
+                TRAIN_FIELDS,
+                rows,
+                global_step=step,
+                task_name=TRAIN_TASK,
+                sampler_params={"dp_rank": self.rank, "dp_size": self.world_size, "dp_group_id": f"train/{step}/{k}"},
+                get_n_samples=True,
+                timeout=cfg.queue_timeout,
+            )
+            data = self.client.get_data(meta)
+            queue_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            batch = build_train_batch(
+                data,
+                meta.group_ids,
+                pad_token_id=self.task.tokenizer.pad_token_id,
+                trainer_version=version,
+                max_staleness=cfg.max_staleness,
+                config=cfg,
+            )
+            for name, value in batch.stats.items():
+                totals[name] = totals.get(name, 0.0) + value
+            if self.reference is not None:
+                t = batch.tensors
+                t["ref_logprobs"] = self.reference.compute_logprobs(t["input_ids"], t["attention_mask"])
+            if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
+                train_metrics.append(self.policy.train_step(batch.tensors, self._loss_fn))
+            train_s += time.perf_counter() - t1
+        self.version = version + 1
+        out = _reduce_stats(totals, self.policy.device)
+        for name in train_metrics[0] if train_metrics else ():
+            out[name] = float(np.mean([m[name] for m in train_metrics]))
+        out.update(
+            queue_s=queue_s, train_s=train_s, policy_version=float(self.version), optimizer_steps=len(train_metrics)
+        )
+        return out
+
+    def _loss_fn(self, *, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        t = self.config.train
+        knobs = {
+            name: value
+            for name, value in (("clip_low", t.clip_low), ("clip_high", t.clip_high), ("loss_agg", t.loss_agg))
+            if value is not None
+        }
+        return policy_loss(
+            t.loss,
+            logprobs,
+            batch["old_logprobs"],
+            batch["advantages"],
+            batch["response_mask"],
+            ref_logprobs=batch.get("ref_logprobs"),
+            kl_coef=t.kl_coef,
+            kl_kind=t.kl_kind,
+            **knobs,
+        )
+
+    # ---- SFT -----------------------------------------------------------------------------------------------
+    def sft_steps(self, first_step: int, num_steps: int, lr: float, batch_size: int) -> dict[str, float]:
+        """``num_steps`` supervised steps on the task's reference responses; this rank takes its share of rows."""
+        assert self.policy is not None
+        for group in self.policy.optimizer.param_groups:
+            group["lr"] = lr
+        prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
+        per_rank = batch_size // self.world_size
+        losses = []
+        for step in range(first_step, first_step + num_steps):
+            source = PromptSource(prompts, seed=self.config.seed * 1_000_003 + step)
+            batch = source.next_batch(batch_size)[self.rank * per_rank : (self.rank + 1) * per_rank]
+            targets = [self.task.sft_target(p) for p in batch]
+            tensors = pad_sequences([p["prompt_ids"] for p in batch], targets, self.task.tokenizer.pad_token_id)
+            losses.append(self.policy.train_step(tensors, _nll_loss)["loss"])
+        for group in self.policy.optimizer.param_groups:
+            group["lr"] = self.config.train.lr
+        return {"sft_loss": float(np.mean(losses))}
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimizer state (between SFT and RL, which use different learning rates)."""
+        assert self.policy is not None
+        self.policy.optimizer.state.clear()
+
+    # ---- weights and checkpoints ---------------------------------------------------------------------------
+    def weights(self) -> list[Any] | None:
+        """A collective: rank 0 returns ``[ObjectRef]`` of the full state dict (in the object store), others None."""
+        assert self.policy is not None
+        state = self.policy.full_state_dict()
+        return [ray.put(state)] if self.rank == 0 else None
+
+    def save_hf(self, path: str) -> None:
+        assert self.policy is not None
+        self.policy.save_hf_pretrained(path)
+
+    def save_checkpoint(self, path: str, extra_state: dict[str, Any]) -> None:
+        assert self.policy is not None
+        self.policy.save_checkpoint(path, {**extra_state, "policy_version": self.version})
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        assert self.policy is not None
+        extra = self.policy.load_checkpoint(path)
+        self.version = int(extra.get("policy_version", 0))
+        return extra
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+
+def _nll_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    mask = batch["response_mask"]
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0), {}
+
+
+def _default_loss_agg(loss: str) -> str:
+    import inspect
+
+    from trainers.losses import LOSSES
+
+    return str(inspect.signature(LOSSES[loss]).parameters["loss_agg"].default)
+
+
+def _global_sum(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum the per-rank counters over ranks (max for maxima) and turn sums into means."""
+    names = sorted(n for n in totals if not n.endswith("_max"))
+    summed = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    s = dict(zip(names, summed.tolist(), strict=True))
+    peak = torch.tensor([totals.get("staleness_max", 0.0)], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    scored = max(s.get("scored_rows", 0.0), 1.0)
+    rows = max(s.get("rows", 0.0), 1.0)
+    return {
+        "reward": s["reward_sum"] / scored,
+        "accuracy": s["correct_sum"] / scored,
+        "rows": s["rows"],
+        "trained_rows": s["trained_rows"],
+        "failed_rows": s["failed_rows"],
+        "stale_rows": s["stale_rows"],
+        "staleness_mean": s["staleness_sum"] / rows,
+        "staleness_max": float(peak.item()),
+        "response_len": s["response_len_sum"] / rows,
+    }

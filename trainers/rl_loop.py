@@ -1,0 +1,266 @@
+"""GRPORun: the actors of one run on the queue, and the loop over global steps.
+
+    queue   = transfer_queue.init(...)            # controller + storage units
+    rollout = RolloutWorker x k (each with an engine actor)
+    reward  = RewardWorker x m
+    trainer = GRPOTrainerRank x world_size (FSDP2)
+    [SFT warm-up until greedy accuracy >= target]  -> checkpoint "sft"
+    for step:
+        put the step's prompts, n-times expanded     (async: up to max_staleness steps ahead)
+        rollout workers stream responses into those rows; reward workers stream rewards into them
+        trainer ranks stream complete groups (DP rounds) and step
+        publish weights to the engines (every sync_every steps), clear the step, log, checkpoint
+
+Everything a person needs to follow a run is written under ``output_dir``: ``metrics.jsonl`` (one row per step),
+``metrics.png``, ``config.yaml`` and ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import yaml
+from tensordict import TensorDict
+from tqdm import tqdm
+
+import transfer_queue
+from trainers.checkpoint import checkpoint_path, latest_checkpoint
+from trainers.config import RLConfig, config_to_dict
+from trainers.grpo import GRPOTrainerRank
+from trainers.metrics import MetricsLog, plot_metrics
+from workers.engines.base import SamplingParams
+from workers.engines.host import EngineSpec
+from workers.prompts import PromptSource
+from workers.reward import RewardWorker
+from workers.rollout import RolloutWorker, jagged
+from workers.tasks.base import Task, load_task
+
+logger = logging.getLogger(__name__)
+
+
+class GRPORun:
+    """Starts the queue and the actors of a run (see the module docstring); call :meth:`run`."""
+
+    def __init__(self, config: RLConfig):
+        config.validate()
+        self.cfg = cfg = config
+        self.out = cfg.output_path
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        self.task: Task = load_task(cfg.task.name, cfg.task.kwargs)
+        self.client = transfer_queue.init(
+            global_batch_size=cfg.prompts_per_step,
+            num_n_samples=cfg.n_samples,
+            num_global_batch=cfg.num_global_batch,
+            sampler=transfer_queue.GRPOSampler(cfg.n_samples),
+            num_storage_units=cfg.num_storage_units,
+            default_timeout=cfg.queue_timeout,
+        )
+        info = self.client.controller_info
+        spec = EngineSpec(
+            kind=cfg.rollout.engine,
+            task_name=cfg.task.name,
+            task_kwargs=cfg.task.kwargs,
+            device=cfg.rollout.engine_device,
+        )
+        self.sampling = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p
+        )
+        engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
+        self.rollout = [
+            RolloutWorker.remote(
+                i,
+                info,
+                spec,
+                self.sampling,
+                cfg.n_samples,
+                cfg.rollout.groups_per_request,
+                cfg.queue_timeout,
+                engine_options,
+                cfg.seed + i,
+            )
+            for i in range(cfg.rollout.num_workers)
+        ]
+        self.reward = [
+            RewardWorker.remote(
+                i,
+                info,
+                cfg.task.name,
+                cfg.task.kwargs,
+                cfg.task.reward_fn,
+                cfg.n_samples,
+                cfg.rollout.reward_groups_per_request,
+                cfg.queue_timeout,
+            )
+            for i in range(cfg.rollout.num_reward_workers)
+        ]
+        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
+        self.trainer = [
+            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
+            for r in range(cfg.train.world_size)
+        ]
+        master = ray.get(self.trainer[0].address.remote())
+        ray.get([rank.setup.remote(*master) for rank in self.trainer])
+        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
+        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.version = 0
+
+    # ---- the pieces of a step ------------------------------------------------------------------------------
+    def put_prompts(self, step: int) -> None:
+        """The step's prompts, each repeated ``n_samples`` times: its group of rows."""
+        n = self.cfg.n_samples
+        prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
+        rows = [p for p in prompts for _ in range(n)]
+        fields: dict[str, Any] = {"prompt_ids": jagged([p["prompt_ids"] for p in rows], torch.int64)}
+        for name in self.task.reward_fields:
+            fields[name] = [str(p[name]) for p in rows]
+        self.client.put(TensorDict(fields, batch_size=[len(rows)]), global_step=step)
+
+    def launch(self, step: int) -> tuple[list[Any], list[Any]]:
+        self.put_prompts(step)
+        return (
+            [w.generate_step.remote(step) for w in self.rollout],
+            [w.score_step.remote(step) for w in self.reward],
+        )
+
+    def publish(self, version: int) -> float:
+        """Send the trainer's weights to every engine as ``version``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.cfg.weight_sync == "memory":
+            weights = ray.get([rank.weights.remote() for rank in self.trainer])[0]
+            ray.get([w.update_weights.remote(version, weights) for w in self.rollout])
+        else:
+            path = self.out / "weights" / f"v{version:06d}"
+            shutil.rmtree(path, ignore_errors=True)
+            ray.get([rank.save_hf.remote(str(path)) for rank in self.trainer])
+            ray.get([w.update_weights.remote(version, None, str(path)) for w in self.rollout])
+        self.version = version
+        return time.perf_counter() - t0
+
+    def evaluate(self) -> float:
+        """Greedy accuracy of the engines' current weights on the eval prompts."""
+        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
+        prompts = [p["prompt_ids"] for p in self.eval_prompts]
+        generations = ray.get(self.rollout[0].generate.remote(prompts, params))
+        scores = [
+            self.task.reward(self.task.decode(g[0].token_ids), **{f: str(p[f]) for f in self.task.reward_fields})
+            for g, p in zip(generations, self.eval_prompts, strict=True)
+        ]
+        return sum(s >= 1.0 for s in scores) / len(scores)
+
+    def save(self, step: int) -> Path:
+        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version."""
+        path = checkpoint_path(self.out / "checkpoints", step)
+        shutil.rmtree(path, ignore_errors=True)
+        extra = {"step": step, "prompt_source": self.prompts.state_dict(), "version": self.version}
+        ray.get([rank.save_checkpoint.remote(str(path), extra) for rank in self.trainer])
+        return path
+
+    # ---- the run -------------------------------------------------------------------------------------------
+    def sft(self) -> float:
+        """Supervised warm-up until greedy accuracy reaches the target (or ``max_steps``); returns the accuracy."""
+        cfg = self.cfg.sft
+        accuracy, done, t0 = 0.0, 0, time.perf_counter()
+        with tqdm(total=cfg.max_steps, desc="SFT warm-up", unit="step", dynamic_ncols=True) as bar:
+            while done < cfg.max_steps:
+                k = min(cfg.eval_every, cfg.max_steps - done)
+                stats = ray.get([r.sft_steps.remote(done, k, cfg.lr, cfg.batch_size) for r in self.trainer])[0]
+                done += k
+                self.publish(0)
+                accuracy = self.evaluate()
+                self.metrics.write(
+                    {"kind": "sft", "step": done, "accuracy": accuracy, **stats, "elapsed_s": time.perf_counter() - t0}
+                )
+                bar.update(k)
+                bar.set_postfix(loss=f"{stats['sft_loss']:.3f}", greedy_acc=f"{accuracy:.2f}")
+                if accuracy >= cfg.target_accuracy:
+                    break
+        ray.get([r.reset_optimizer.remote() for r in self.trainer])
+        return accuracy
+
+    def run(self) -> list[dict[str, Any]]:
+        """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run."""
+        cfg = self.cfg
+        start = self._resume_or_warm_up()
+        if cfg.train.kl_coef > 0:
+            ray.get([r.init_reference.remote() for r in self.trainer])
+        self.publish(self.version)
+        pending: dict[int, tuple[list[Any], list[Any]]] = {}
+        rows_out = []
+        bar = tqdm(
+            range(start, cfg.steps), desc="GRPO", unit="step", dynamic_ncols=True, initial=start, total=cfg.steps
+        )
+        for step in bar:
+            t0 = time.perf_counter()
+            for ahead in range(step, min(step + cfg.max_staleness + 1, cfg.steps)):
+                if ahead not in pending:
+                    pending[ahead] = self.launch(ahead)
+            train = ray.get([rank.train_step.remote(step) for rank in self.trainer])[0]
+            rollout_refs, reward_refs = pending.pop(step)
+            rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
+            version = int(train["policy_version"])
+            sync_s = self.publish(version) if version % cfg.sync_every == 0 or step == cfg.steps - 1 else 0.0
+            self.client.clear(global_step=step)
+            row = self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                row["eval_accuracy"] = self.evaluate()
+            self.metrics.write(row)
+            rows_out.append(row)
+            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row.get('loss', 0.0):+.3f}")
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                self.save(step + 1)
+        bar.close()
+        self.save(cfg.steps)
+        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        return rows_out
+
+    def _resume_or_warm_up(self) -> int:
+        root = self.out / "checkpoints"
+        latest = latest_checkpoint(root) if self.cfg.resume else None
+        if latest is not None:
+            extra = ray.get([r.load_checkpoint.remote(str(latest)) for r in self.trainer])[0]
+            self.prompts.load_state_dict(extra["prompt_source"])
+            self.version = int(extra.get("version", extra.get("policy_version", 0)))
+            logger.info("resumed from %s at step %d", latest, extra["step"])
+            return int(extra["step"])
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
+        if self.cfg.sft.enabled:
+            self.sft()
+            self.save(0)
+        return 0
+
+    def _step_row(
+        self, step: int, train: dict[str, float], rollout: list[dict], reward: list[dict], sync_s: float, step_s: float
+    ) -> dict[str, Any]:
+        def total(stats: list[dict], key: str) -> float:
+            return float(sum(s.get(key, 0.0) for s in stats))
+
+        row: dict[str, Any] = {"kind": "grpo", "step": step, **train}
+        row.update(
+            step_s=step_s,
+            samples_per_s=train["rows"] / step_s if step_s > 0 else 0.0,
+            generate_s=total(rollout, "generate_s"),
+            reward_s=total(reward, "reward_s"),
+            queue_s=total(rollout, "queue_s") + total(reward, "queue_s") + train.get("queue_s", 0.0),
+            sync_s=sync_s,
+            engine_restarts=total(rollout, "engine_restarts"),
+            reward_failures=total(reward, "failed"),
+            tokens=total(rollout, "tokens"),
+        )
+        return row
+
+    @property
+    def task_label(self) -> str:
+        return self.cfg.task.name.rsplit(":", 1)[-1]
+
+    def shutdown(self) -> None:
+        for actor in [*self.rollout, *self.reward, *self.trainer]:
+            ray.kill(actor)
+        transfer_queue.shutdown()

@@ -1,0 +1,83 @@
+"""EngineActor: one inference engine in its own Ray actor, so that a dead engine can be replaced.
+
+The actor runs one call at a time, so a weight update queued behind a generation lands between generations and a
+batch never mixes two policy versions. Weights arrive from memory (an ObjectRef of a state dict, or the dict) or
+from a Hugging Face directory, each with the policy version they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from workers.engines.base import Engine, Generation, SamplingParams
+from workers.tasks.base import load_task
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build an engine in any process: the task names the model to start from (or ``model_path``)."""
+
+    kind: str = "hf"  # "hf" | "vllm" | "sglang"
+    task_name: str = "workers.tasks.addition:AdditionTask"
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_path: str | None = None
+    device: str = "cpu"
+    max_batch_size: int = 256
+
+    def build(self) -> Engine:
+        task = load_task(self.task_name, self.task_kwargs)
+        tok = task.tokenizer
+        if self.kind == "hf":
+            from workers.engines.hf import HFEngine
+
+            if self.model_path is not None:
+                return HFEngine(
+                    model_path=self.model_path,
+                    device=self.device,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    max_batch_size=self.max_batch_size,
+                )
+            return HFEngine(
+                task.build_policy(),
+                device=self.device,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                max_batch_size=self.max_batch_size,
+            )
+        raise ValueError(f"engine kind {self.kind!r} is not available here; expected 'hf'")
+
+
+@ray.remote
+class EngineActor:
+    """Hosts one Engine; see the module docstring."""
+
+    def __init__(self, spec: EngineSpec, seed: int = 0):
+        torch.manual_seed(seed)
+        self._engine = spec.build()
+        self._calls = 0
+        self._seed = seed
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> tuple[int, list[list[Generation]]]:
+        """``(policy version, generations)``: the version is the one every generation of the call came from."""
+        self._calls += 1
+        return self._engine.version, self._engine.generate(prompts, n, params)
+
+    def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
+        """Load weights (a state dict, or a list holding one ObjectRef of it, or a directory); returns the version."""
+        if isinstance(weights, list) and weights and isinstance(weights[0], ray.ObjectRef):
+            weights = ray.get(weights[0])
+        self._engine.update_weights(version, state_dict=weights, path=path)
+        return self._engine.version
+
+    def health(self) -> dict[str, Any]:
+        return {**self._engine.health(), "calls": self._calls}
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()

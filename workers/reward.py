@@ -1,0 +1,114 @@
+"""Reward workers: score responses as they land in the queue and write ``reward`` back into their rows.
+
+A reward function is pure: ``fn(response_text, **fields) -> float`` where ``fields`` are the task's reward fields
+of the row (e.g. ``answer``). The task's own ``reward`` is the default; ``reward_fn="module:function"`` replaces it.
+A function that raises marks that sample failed (``reward_failed``, reward 0) and logs why; the run goes on, and
+the trainer leaves failed samples out of advantages and loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+from tensordict import TensorDict
+
+from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.rollout import rows_of
+from workers.tasks.base import Task, load_reward_fn, load_task
+
+logger = logging.getLogger(__name__)
+REWARD_TASK = "reward"
+
+
+def score_responses(
+    reward_fn: Callable[..., float], texts: Sequence[str], fields: dict[str, Sequence[Any]]
+) -> tuple[list[float], list[bool], list[str]]:
+    """Rewards, failure flags and failure messages for decoded responses (pure)."""
+    rewards, failed, errors = [], [], []
+    for i, text in enumerate(texts):
+        try:
+            value = float(reward_fn(text, **{name: column[i] for name, column in fields.items()}))
+            if value != value:  # NaN
+                raise ValueError("the reward function returned NaN")
+            rewards.append(value)
+            failed.append(False)
+        except Exception as exc:  # a user function's bug must not stop the run: mark the sample, log it
+            rewards.append(0.0)
+            failed.append(True)
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return rewards, failed, errors
+
+
+@ray.remote
+class RewardWorker:
+    """Scores the responses of global steps.
+
+    Args:
+        worker_id: a name for logs.
+        controller_info: the queue.
+        task_name, task_kwargs: the task (its tokenizer decodes responses; its ``reward`` is the default).
+        reward_fn: ``"module:function"`` replacing the task's reward.
+        n_samples: the queue's group size (whole groups are scored together).
+        groups_per_request: groups taken from the queue at a time.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        controller_info: ControllerInfo,
+        task_name: str,
+        task_kwargs: dict[str, Any],
+        reward_fn: str | None,
+        n_samples: int,
+        groups_per_request: int,
+        timeout: float = 300.0,
+    ):
+        self.worker_id = worker_id
+        self.client = TransferQueueClient(f"reward-{worker_id}", controller_info)
+        self.task: Task = load_task(task_name, task_kwargs)
+        self.reward_fn = load_reward_fn(reward_fn) if reward_fn else self.task.reward
+        self.batch_rows = groups_per_request * n_samples
+        self.timeout = timeout
+
+    def score_step(self, step: int) -> dict[str, float]:
+        fields = ["response_ids", *self.task.reward_fields]
+        stats = {"rows": 0.0, "queue_s": 0.0, "reward_s": 0.0, "failed": 0.0}
+        while True:
+            t0 = time.perf_counter()
+            meta = self.client.get_meta(
+                fields,
+                self.batch_rows,
+                global_step=step,
+                task_name=REWARD_TASK,
+                get_n_samples=True,
+                timeout=self.timeout,
+            )
+            if len(meta) == 0:
+                stats["queue_s"] += time.perf_counter() - t0
+                return stats
+            data = self.client.get_data(meta)
+            stats["queue_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
+            columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
+            rewards, failed, errors = score_responses(self.reward_fn, texts, columns)
+            for message in errors[:3]:
+                logger.warning("reward worker %d: a reward function failed: %s", self.worker_id, message)
+            stats["reward_s"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            scored = TensorDict(
+                {
+                    "reward": torch.tensor(rewards, dtype=torch.float32),
+                    "reward_failed": torch.tensor(failed, dtype=torch.bool),
+                },
+                batch_size=[len(meta)],
+            )
+            self.client.put(scored, metadata=meta)
+            stats["queue_s"] += time.perf_counter() - t2
+            stats["rows"] += len(meta)
+            stats["failed"] += sum(failed)

@@ -1,0 +1,166 @@
+"""RolloutWorker: takes prompt rows from the queue as they become ready, generates, writes responses back.
+
+For a global step it loops: ``get_meta(["prompt_ids", ...], whole groups)`` -> generate ``n`` responses per prompt
+-> ``put`` ``response_ids``, ``response_logprobs``, ``response_mask``-ready lengths, ``policy_version`` and
+``finish_reason`` into those same rows -> until the step's rows are all taken (end of stream).
+
+The engine lives in its own actor. If it dies mid-call, the worker hands the rows back to the queue (``release``),
+starts a new engine with the latest weights, and carries on: no prompt is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from tensordict import TensorDict
+
+from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
+from workers.engines.base import SamplingParams
+from workers.engines.host import EngineActor, EngineSpec
+
+logger = logging.getLogger(__name__)
+ROLLOUT_TASK = "rollout"
+ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def jagged(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
+    """A jagged nested tensor from lists of different lengths."""
+    return torch.nested.nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
+
+
+def rows_of(nested: torch.Tensor) -> list[list[int]]:
+    """Lists of token ids from a jagged nested tensor (one gather for the whole batch)."""
+    offsets = nested.offsets().tolist()
+    values = nested.values().tolist()
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+@ray.remote(concurrency_groups={"rollout": 1, "control": 1})
+class RolloutWorker:
+    """Generates responses for the prompt rows of global steps.
+
+    Args:
+        worker_id: a name for logs and metrics.
+        controller_info: the queue.
+        engine_spec: how to (re)build the engine.
+        sampling: sampling parameters for every request.
+        n_samples: responses per prompt (the queue's group size).
+        groups_per_request: GRPO groups taken from the queue at a time.
+        timeout: seconds one wait for rows may take.
+        engine_options: Ray options of the engine actor (e.g. ``num_gpus``).
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        controller_info: ControllerInfo,
+        engine_spec: EngineSpec,
+        sampling: SamplingParams,
+        n_samples: int,
+        groups_per_request: int,
+        timeout: float = 300.0,
+        engine_options: dict[str, Any] | None = None,
+        seed: int = 0,
+    ):
+        self.worker_id = worker_id
+        self.client = TransferQueueClient(f"rollout-{worker_id}", controller_info)
+        self.spec = engine_spec
+        self.sampling = sampling
+        self.n = n_samples
+        self.batch_rows = groups_per_request * n_samples
+        self.timeout = timeout
+        self.engine_options = engine_options or {}
+        self.seed = seed
+        self.restarts = 0
+        self.latest: tuple[int, Any, str | None] | None = None  # (version, weights, path) to give a new engine
+        self.engine = self._start_engine()
+
+    def _start_engine(self) -> Any:
+        engine = EngineActor.options(**self.engine_options).remote(self.spec, self.seed + 1000 * self.restarts)
+        if self.latest is not None:
+            version, weights, path = self.latest
+            ray.get(engine.update_weights.remote(version, weights, path))
+        return engine
+
+    @ray.method(concurrency_group="control")
+    def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
+        """Queue new weights for the engine (they land between two generations) and remember them for restarts."""
+        self.latest = (version, weights, path)
+        return ray.get(self.engine.update_weights.remote(version, weights, path))
+
+    @ray.method(concurrency_group="control")
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Any]]:
+        """One response per prompt from the current weights, outside the queue (evaluation)."""
+        return ray.get(self.engine.generate.remote(prompts, 1, params))[1]
+
+    @ray.method(concurrency_group="control")
+    def engine_pid(self) -> int:
+        return ray.get(self.engine.pid.remote())
+
+    @ray.method(concurrency_group="control")
+    def health(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "restarts": self.restarts, **ray.get(self.engine.health.remote())}
+
+    @ray.method(concurrency_group="rollout")
+    def generate_step(self, step: int, fields: list[str] | None = None) -> dict[str, float]:
+        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts."""
+        fields = fields or ["prompt_ids"]
+        stats = {"rows": 0.0, "queue_s": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        while True:
+            t0 = time.perf_counter()
+            meta = self.client.get_meta(
+                fields,
+                self.batch_rows,
+                global_step=step,
+                task_name=ROLLOUT_TASK,
+                get_n_samples=True,
+                timeout=self.timeout,
+            )
+            if len(meta) == 0:
+                stats["queue_s"] += time.perf_counter() - t0
+                return stats
+            data = self.client.get_data(meta.select_fields(["prompt_ids"]))
+            stats["queue_s"] += time.perf_counter() - t0
+            check_groups(meta, self.n)
+            prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
+            t1 = time.perf_counter()
+            try:
+                version, generations = ray.get(self.engine.generate.remote(prompts, self.n, self.sampling))
+            except ENGINE_FAILURES as exc:
+                logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
+                self.client.release(meta)
+                self.restarts += 1
+                stats["engine_restarts"] += 1
+                self.engine = self._start_engine()
+                continue
+            stats["generate_s"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.client.put(self._responses(generations, version), metadata=meta)
+            stats["queue_s"] += time.perf_counter() - t2
+            stats["rows"] += len(meta)
+            stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
+
+    def _responses(self, generations: list[list[Any]], version: int) -> TensorDict:
+        flat = [g for group in generations for g in group]
+        return TensorDict(
+            {
+                "response_ids": jagged([g.token_ids for g in flat], torch.int64),
+                "response_logprobs": jagged([g.logprobs for g in flat], torch.float32),
+                "policy_version": torch.full((len(flat),), version, dtype=torch.int64),
+                "finish_reason": [g.finish_reason for g in flat],
+            },
+            batch_size=[len(flat)],
+        )
+
+
+def check_groups(meta: BatchMeta, n: int) -> None:
+    """Rows of a whole-groups meta come group by group; say so loudly if that ever breaks."""
+    groups = meta.group_ids.reshape(-1, n)
+    if not np.all(groups == groups[:, :1]):
+        raise RuntimeError("rows of a whole-groups BatchMeta are not laid out group by group")

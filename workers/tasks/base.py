@@ -1,0 +1,87 @@
+"""Task: what to train on. Prompts as token ids, how to read and score responses, and the policy to start from.
+
+Engines are token in / token out; the tokenizer lives with the task. A task travels to actors as a ``"module:Class"``
+name plus constructor kwargs (:func:`load_task`), so every process builds the same task.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    pad_token_id: int
+    eos_token_id: int
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class Task(ABC):
+    """A task for RL (and its SFT warm-up).
+
+    A prompt is a dict with ``prompt_ids`` (list[int]) and the string fields the reward needs (``reward_fields``),
+    e.g. ``{"prompt_ids": [...], "answer": "042"}``; those fields travel through the queue with the prompt.
+    """
+
+    #: prompt fields (str) the reward function receives as keyword arguments
+    reward_fields: tuple[str, ...] = ("answer",)
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer: ...
+
+    @abstractmethod
+    def prompts(self, split: str, num: int, seed: int) -> list[dict[str, Any]]:
+        """``num`` prompts of ``split`` ("train" or "eval"), a pure function of ``seed``."""
+
+    @abstractmethod
+    def reward(self, response_text: str, **fields: str) -> float:
+        """Score one decoded response (pure)."""
+
+    @abstractmethod
+    def build_policy(self) -> Any:
+        """The starting policy: a Hugging Face causal LM on CPU, in float32."""
+
+    def sft_target(self, prompt: dict[str, Any]) -> list[int]:
+        """Token ids of the reference response of ``prompt`` (eos included), for the SFT warm-up."""
+        raise NotImplementedError(f"{type(self).__name__} has no SFT targets; disable sft in the config")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def import_object(spec: str) -> Any:
+    """The object named ``"package.module:name"`` (or ``"package.module.name"``).
+
+    Raises:
+        ValueError: if the module or the name cannot be found, naming what was asked.
+    """
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"expected 'module:name', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} of {spec!r}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no {attr!r} (from {spec!r})") from None
+
+
+def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
+    cls = import_object(name)
+    task = cls(**(kwargs or {}))
+    if not isinstance(task, Task):
+        raise ValueError(f"{name!r} built a {type(task).__name__}, expected a workers.tasks.base.Task")
+    return task
+
+
+def load_reward_fn(spec: str) -> Callable[..., float]:
+    fn = import_object(spec)
+    if not callable(fn):
+        raise ValueError(f"reward_fn {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
