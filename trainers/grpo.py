@@ -89,12 +89,9 @@ def build_train_batch(
         advantages[valid] = group_advantages_by_id(
             rewards[valid], groups[valid], normalize_std=config.train.normalize_advantage_std
         )
-    keep = valid.clone()
-    filters = config.train.filters
-    if any(
-        getattr(filters, name) for name in ("drop_zero_advantage", "skip_non_positive_advantage", "nonzero_std_groups")
-    ) or (filters.minimal_advantage is not None):
-        keep &= apply_filters(filters, advantages=advantages, rewards=rewards, group_size=config.n_samples)
+    keep = valid & apply_filters(
+        config.train.filters, advantages=advantages, rewards=rewards, group_size=config.n_samples
+    )
     tensors["advantages"] = advantages
     tensors["response_mask"] = tensors["response_mask"] * keep.to(torch.float32).unsqueeze(1)
     response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)

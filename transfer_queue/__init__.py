@@ -5,35 +5,63 @@ hold the tensors; clients ``put``, ``get_meta``, ``get_data`` and ``clear`` over
 
 >>> import transfer_queue as tq
 >>> client = tq.init(global_batch_size=8, num_n_samples=4, sampler=tq.GRPOSampler(4))  # doctest: +SKIP
+
+Names are imported on first use: the controller actor's process imports ``transfer_queue.controller`` (and so
+this package) and never needs torch, which the client side pulls in; importing it there costs seconds per actor.
 """
 
-# Starting and finding a queue
-from transfer_queue import errors
+from __future__ import annotations
 
-# Clients and what they exchange
-from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
-from transfer_queue.config import QueueConfig
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# The actors, for wiring them by hand
-from transfer_queue.controller import TransferQueueController
-
-# Streaming into torch
-from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
-from transfer_queue.metadata import BatchMeta, FieldSchema
-from transfer_queue.protocol import ControllerInfo
-from transfer_queue.runtime import get_client, get_controller, init, shutdown
-
-# Samplers
-from transfer_queue.samplers import (
-    BaseSampler,
-    DPSampler,
-    GRPOSampler,
-    SeqlenBalancedSampler,
-    SequentialSampler,
-)
-from transfer_queue.storage import StorageUnit
+if TYPE_CHECKING:
+    from transfer_queue import errors
+    from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
+    from transfer_queue.config import QueueConfig
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
+    from transfer_queue.metadata import BatchMeta, FieldSchema
+    from transfer_queue.protocol import ControllerInfo
+    from transfer_queue.runtime import get_client, get_controller, init, shutdown
+    from transfer_queue.samplers import (
+        BaseSampler,
+        DPSampler,
+        GRPOSampler,
+        SeqlenBalancedSampler,
+        SequentialSampler,
+    )
+    from transfer_queue.storage import StorageUnit
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    # Starting and finding a queue
+    "init": "transfer_queue.runtime",
+    "shutdown": "transfer_queue.runtime",
+    "get_controller": "transfer_queue.runtime",
+    "get_client": "transfer_queue.runtime",
+    "QueueConfig": "transfer_queue.config",
+    "errors": "transfer_queue.errors",
+    # Clients and what they exchange
+    "TransferQueueClient": "transfer_queue.client",
+    "AsyncTransferQueueClient": "transfer_queue.client",
+    "BatchMeta": "transfer_queue.metadata",
+    "FieldSchema": "transfer_queue.metadata",
+    "ControllerInfo": "transfer_queue.protocol",
+    # Streaming into torch
+    "StreamingDataset": "transfer_queue.dataloader",
+    "StreamingDataLoader": "transfer_queue.dataloader",
+    # Samplers
+    "BaseSampler": "transfer_queue.samplers",
+    "SequentialSampler": "transfer_queue.samplers",
+    "GRPOSampler": "transfer_queue.samplers",
+    "DPSampler": "transfer_queue.samplers",
+    "SeqlenBalancedSampler": "transfer_queue.samplers",
+    # The actors, for wiring them by hand
+    "TransferQueueController": "transfer_queue.controller",
+    "StorageUnit": "transfer_queue.storage",
+}
 
 __all__ = [
     "AsyncTransferQueueClient",
@@ -57,3 +85,19 @@ __all__ = [
     "init",
     "shutdown",
 ]
+assert sorted(__all__) == sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transfer_queue' has no attribute {name!r}")
+    value = importlib.import_module(module)
+    if name != module.rsplit(".", 1)[-1]:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

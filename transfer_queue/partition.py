@@ -125,7 +125,6 @@ class PartitionState:
         self.num_committed = 0
         self.num_reserved = 0
         self.nbytes = 0
-        self.holes: list[tuple[int, int]] = []  # free runs below num_rows (after aborted puts), (start, length)
         self.tasks: dict[str, TaskState] = {}
         self.rounds: dict[tuple[str, str], DPRound] = {}
         self.group_members: dict[int, int] = {}  # group -> rows reserved or committed
@@ -218,7 +217,13 @@ class PartitionState:
             )
 
     def allocate(self, num_rows: int, group_ids: np.ndarray | None) -> np.ndarray:
-        """Reserve ``num_rows`` new rows (one contiguous block) for a put; returns their local rows."""
+        """Reserve ``num_rows`` free rows for a put; returns their local rows.
+
+        Without ``group_ids`` the put holds whole groups, each in an aligned run of ``num_n_samples`` rows whose
+        default group (``row // num_n_samples``) no explicit group id uses. The rows are one contiguous run (the
+        first free one that fits, else appended); a step fragmented by aborted puts hands out scattered free rows
+        (whole groups) rather than grow past its capacity.
+        """
         n = self.group_size
         self.check_room(num_rows)
         if group_ids is None:
@@ -230,18 +235,17 @@ class PartitionState:
         else:
             if len(group_ids) != num_rows:
                 raise IncompleteGroups(f"group_ids has {len(group_ids)} entries; the put has {num_rows} rows")
+            if len(group_ids) and group_ids.min() < 0:
+                raise InvalidRequest(f"group_ids must be ints >= 0, got {int(group_ids.min())}")
             ids, counts = np.unique(group_ids, return_counts=True)
             for g, c in zip(ids.tolist(), counts.tolist(), strict=True):
                 have = self.group_members.get(g, 0)
                 if have + c > n:
                     raise IncompleteGroups(f"group {g} would have {have + c} members in {self.name}; num_n_samples={n}")
-        start = self._find_run(num_rows)
-        rows = np.arange(start, start + num_rows, dtype=np.int64)
+        rows = self._free_rows(num_rows, n if group_ids is None else 1, default_groups=group_ids is None)
         groups = rows // n if group_ids is None else np.asarray(group_ids, dtype=np.int64)
-        if group_ids is None and self.group_members:
-            clash = [int(g) for g in np.unique(groups) if g in self.group_members]
-            if clash:
-                raise IncompleteGroups(f"groups {clash} of {self.name} already have members from explicit group_ids")
+        self._grow_rows(int(rows.max()) + 1)
+        self.num_rows = max(self.num_rows, int(rows.max()) + 1)
         self.state[rows] = RESERVED
         self.group[rows] = groups
         self.num_reserved += num_rows
@@ -249,19 +253,34 @@ class PartitionState:
             self.group_members[int(g)] = self.group_members.get(int(g), 0) + int(c)
         return rows
 
-    def _find_run(self, num_rows: int) -> int:
-        for i, (start, length) in enumerate(self.holes):
-            if length >= num_rows:
-                rest = (start + num_rows, length - num_rows)
-                self.holes[i : i + 1] = [rest] if rest[1] else []
-                return start
-        start = self.num_rows
-        self._grow_rows(start + num_rows)
-        self.num_rows = start + num_rows
-        return start
+    def _free_rows(self, num_rows: int, unit: int, default_groups: bool) -> np.ndarray:
+        """Free rows for a put, in runs of ``unit`` aligned rows; changes nothing."""
+        k = num_rows // unit
+        end = -(-self.num_rows // unit) * unit  # the aligned end of the rows handed out so far
+        first_unit = end // unit
+        no_holes = self.num_committed + self.num_reserved == self.num_rows
+        fits = self.capacity is None or end + num_rows <= self.capacity
+        if no_holes and fits and not (default_groups and any(first_unit + i in self.group_members for i in range(k))):
+            return np.arange(end, end + num_rows, dtype=np.int64)
+        limit = self.capacity if self.capacity is not None else end + num_rows
+        free = np.ones(limit, dtype=bool)
+        free[: self.num_rows] = self.state[: self.num_rows] == FREE
+        units = free.reshape(-1, unit).all(axis=1)
+        if default_groups and self.group_members:
+            taken = np.fromiter(self.group_members, dtype=np.int64)
+            units[taken[(taken >= 0) & (taken < len(units))]] = False
+        counts = np.concatenate([[0], np.cumsum(units)])
+        runs = np.flatnonzero(counts[k:] - counts[:-k] == k)
+        chosen = np.arange(runs[0], runs[0] + k) if len(runs) else np.flatnonzero(units)[:k]
+        if len(chosen) < k:
+            raise PartitionOverfilled(
+                f"a put of {num_rows} rows without group_ids needs {k} free groups of num_n_samples={unit} rows in "
+                f"{self.name}; {len(chosen)} are free (pass group_ids to use the scattered free rows)"
+            )
+        return (chosen[:, None] * unit + np.arange(unit)).reshape(-1)
 
     def free(self, rows: np.ndarray) -> None:
-        """Give back rows reserved by a put that was aborted; they become holes a later put fills."""
+        """Give back rows reserved by a put that was aborted; a later put takes them."""
         if not len(rows):
             return
         for g, c in zip(*np.unique(self.group[rows], return_counts=True), strict=True):
@@ -273,8 +292,6 @@ class PartitionState:
         self.state[rows] = FREE
         self.group[rows] = -1
         self.num_reserved -= len(rows)
-        self.holes.append((int(rows[0]), len(rows)))
-        self.holes.sort()
 
     def rows_of(self, global_indexes: np.ndarray, uid: int) -> np.ndarray:
         """Local rows of committed global indexes (for a put with metadata)."""
@@ -285,13 +302,15 @@ class PartitionState:
             raise InvalidRequest("the metadata names the same row twice; a put writes each row once")
         return rows
 
-    def begin_write(self, rows: np.ndarray, names: Iterable[str], upsert: bool) -> int:
-        """Mark fields of existing rows as being written by an open put; returns the fields' mask."""
-        mask = 0
-        for name in names:
-            mask |= 1 << self.field_col[name]
+    def check_write(self, rows: np.ndarray, names: Iterable[str], upsert: bool) -> None:
+        """Raise if an open put may not write fields ``names`` of existing ``rows``; changes nothing.
+
+        Fields the partition does not hold yet cannot clash, so this runs before a put adds them.
+        """
+        names = [n for n in names if n in self.field_col]
+        mask = np.uint64(self.field_mask(names))
         if not upsert:
-            clash = (self.produced_mask[rows] | self.inflight_mask[rows]) & np.uint64(mask)
+            clash = (self.produced_mask[rows] | self.inflight_mask[rows]) & mask
             if np.any(clash):
                 bad = int(np.flatnonzero(clash)[0])
                 cols = [n for n in names if int(clash[bad]) >> self.field_col[n] & 1]
@@ -299,8 +318,14 @@ class PartitionState:
                     f"fields {cols} of global index {self.base_index + int(rows[bad])} in {self.name} are already "
                     f"produced (or being written); a put never rewrites a field outside a kv partition"
                 )
-        elif np.any(self.inflight_mask[rows] & np.uint64(mask)):
+        elif np.any(self.inflight_mask[rows] & mask):
             raise FieldAlreadyProduced(f"another put is writing the same keys and fields of {self.name} right now")
+
+    def begin_write(self, rows: np.ndarray, names: Iterable[str], upsert: bool) -> int:
+        """Mark fields of existing rows as being written by an open put; returns the fields' mask."""
+        names = list(names)
+        self.check_write(rows, names, upsert)
+        mask = self.field_mask(names)
         self.inflight_mask[rows] |= np.uint64(mask)
         return mask
 
@@ -476,9 +501,6 @@ class PartitionState:
         self.state[rows] = FREE
         self.group[rows] = -1
         self.num_committed -= len(rows)
-        for row in rows.tolist():
-            self.holes.append((row, 1))
-        self.holes.sort()
         return dead
 
     def production_status(self) -> dict[str, Any]:

@@ -268,8 +268,11 @@ class QueueState:
             raise InvalidRequest("partition_id must be a non-empty str")
         return key
 
-    def _live(self, key: PartitionKey) -> PartitionState | None:
-        """The live partition, ``None`` if not opened yet; raises if it was cleared or is behind the window."""
+    def _live(self, key: PartitionKey, reopen: bool = False) -> PartitionState | None:
+        """The live partition, ``None`` if not opened yet; raises if it was cleared or is behind the window.
+
+        ``reopen``: a put may open a cleared string partition again (a step, once cleared, stays cleared).
+        """
         part = self.partitions.get(key)
         if part is not None:
             return part
@@ -279,7 +282,7 @@ class QueueState:
                 f"global_step={key} was cleared or lies behind the live window (steps up to {self.max_cleared_step} "
                 f"were cleared; live steps: {steps})"
             )
-        if isinstance(key, str) and key in self.cleared_names:
+        if isinstance(key, str) and key in self.cleared_names and not reopen:
             raise PartitionCleared(f"partition_id={key!r} was cleared")
         return None
 
@@ -307,6 +310,10 @@ class QueueState:
         self.partitions[key] = part
         return part
 
+    @property
+    def _byte_budget(self) -> int:
+        return self.config.storage_unit_bytes * self.config.num_storage_units
+
     def _by_uid(self, uid: int) -> PartitionState | None:
         return next((part for part in self.partitions.values() if part.uid == uid), None)
 
@@ -319,6 +326,12 @@ class QueueState:
             raise InvalidRequest("a put needs at least one field")
         if not 0 < req.timeout < float("inf"):
             raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {req.timeout}")
+        if req.nbytes < 0:
+            raise InvalidRequest(f"nbytes must be >= 0, got {req.nbytes}")
+        if req.nbytes > self._byte_budget:
+            raise QueueFull(
+                f"a put of {req.nbytes} bytes can never fit: the storage units hold {self._byte_budget} bytes in all"
+            )
         group_ids = None if req.group_ids is None else p.unpack_indexes(req.group_ids)
         lengths = None if req.lengths is None else p.unpack_indexes(req.lengths)
         if lengths is not None and len(lengths) != req.num_rows:
@@ -331,10 +344,8 @@ class QueueState:
                 f"a put of {req.num_rows} rows without group_ids must hold whole groups of num_n_samples={n} "
                 f"(got {req.num_rows % n} rows too many); pass group_ids to spread a group over several puts"
             )
-        if req.target_uid is not None:
-            return self._reserve_write(req, key, lengths)
-        part = self._live(key)
-        if part is not None:  # validate against what the partition holds before any waiting
+        part = self._live(key, reopen=req.target_uid is None)
+        if part is not None and req.target_uid is None:  # validate against what the partition holds before waiting
             part.check_schema(req.fields)
             part.check_room(req.num_rows)
         job = (req, group_ids, lengths)
@@ -343,21 +354,18 @@ class QueueState:
 
     def _open_and_reserve(self, job: tuple[p.Reserve, np.ndarray | None, np.ndarray | None]) -> Any:
         req, group_ids, lengths = job
+        if req.target_uid is not None:
+            return self._reserve_write(req, req.partition, lengths)
         key = req.partition
         keyed = req.keys is not None
-        part = self._live(key) or self._open(key, keyed)
+        part = self._live(key, reopen=True) or self._open(key, keyed)
         if part is None:
             return WAIT
         if part.keyed != keyed:
             how = "by key (kv_*)" if part.keyed else "by row (put)"
             raise InvalidRequest(f"{part.name} is used {how}; use one way per partition")
         part.check_schema(req.fields)
-        if self.bytes_held + req.nbytes > self.config.storage_unit_bytes * self.config.num_storage_units:
-            if req.nbytes > self.config.storage_unit_bytes * self.config.num_storage_units:
-                raise QueueFull(
-                    f"a put of {req.nbytes} bytes can never fit: the storage units hold "
-                    f"{self.config.storage_unit_bytes * self.config.num_storage_units} bytes in all"
-                )
+        if self.bytes_held + req.nbytes > self._byte_budget:
             return WAIT
         if keyed:
             assert req.keys is not None
@@ -366,6 +374,7 @@ class QueueState:
             old = rows[~new_rows]
             if np.any(part.state[old] != COMMITTED):
                 raise FieldAlreadyProduced(f"another put is creating some of these keys in {part.name} right now")
+            part.check_write(old, list(req.fields), upsert=True)  # before any row is taken for the new keys
             if new_rows.any():
                 rows[new_rows] = part.allocate(int(new_rows.sum()), None)
                 for k, row in zip(np.asarray(req.keys)[new_rows].tolist(), rows[new_rows].tolist(), strict=True):
@@ -388,6 +397,9 @@ class QueueState:
             raise InvalidRequest(f"the metadata names {len(indexes)} rows; the data has {req.num_rows}")
         rows = part.rows_of(indexes, req.target_uid)
         part.check_schema(req.fields)
+        part.check_write(rows, list(req.fields), upsert=part.keyed)
+        if self.bytes_held + req.nbytes > self._byte_budget:
+            return WAIT
         part.add_fields(req.fields)
         mask = part.begin_write(rows, list(req.fields), upsert=part.keyed)
         return self._reserve(part, req, rows, mask, np.zeros(len(rows), dtype=bool), lengths)
@@ -447,8 +459,12 @@ class QueueState:
         part = self.partitions[put.key]  # a clear drops its partition's open puts, so this one is live
         part.end_write(put.rows, put.mask)
         dead = part.commit(put.rows, put.names, put.blocks, put.offsets, put.lengths, put.new_rows)
+        rows_before = bytes_before = 0  # split the put's bytes over its blocks by rows, summing to nbytes exactly
         for b, c in zip(*np.unique(put.blocks, return_counts=True), strict=True):
-            part.block_nbytes[int(b)] = put.nbytes * int(c) // len(put.rows)
+            rows_before += int(c)
+            upto = put.nbytes * rows_before // len(put.rows)
+            part.block_nbytes[int(b)] = upto - bytes_before
+            bytes_before = upto
         self._drop_blocks(part, dead)
         extra = {"keys": put.keys} if put.keys is not None else {}
         meta = part.meta(put.rows, put.names, None, extra)
@@ -481,13 +497,16 @@ class QueueState:
     def _drop_blocks(self, part: PartitionState, blocks: list[int]) -> None:
         units = self.config.num_storage_units
         by_unit: dict[int, list[int]] = {}
+        freed = 0
         for b in blocks:
             by_unit.setdefault(b % units, []).append(b)
-            freed = part.block_nbytes.pop(b, 0)
-            part.nbytes -= freed
-            self.bytes_held -= freed
+            freed += part.block_nbytes.pop(b, 0)
+        part.nbytes -= freed
+        self.bytes_held -= freed
         for unit, ids in by_unit.items():
             self.outbox.append((unit, p.DropBlocks(part.uid, ids)))
+        if freed:
+            self._retry_putters()
 
     # ---- get_meta ------------------------------------------------------------------------------------------
     def _on_get_meta(self, req: p.GetMeta) -> Any:
@@ -622,11 +641,11 @@ class QueueState:
             if job.whole_groups:
                 ready = self._complete_groups(part, ready)
             chosen = job.sampler.sample(ready, count, group_ids=part.group[ready - part.base_index], **kwargs)
+            chosen_rows = np.asarray(chosen, dtype=np.int64).reshape(-1)
         except TransferQueueError:
             raise
         except Exception as exc:
             raise SamplerError(f"{type(job.sampler).__name__} raised {type(exc).__name__}: {exc}") from exc
-        chosen_rows = np.asarray(chosen, dtype=np.int64).reshape(-1)
         self._check_ready(part, task.consumption, chosen_rows, req.fields, "sample")
         if len(chosen_rows) > count:
             raise SamplerError(
@@ -637,6 +656,9 @@ class QueueState:
         rows = chosen_rows - part.base_index
         if job.whole_groups and len(self._complete_groups(part, chosen_rows)) != len(chosen_rows):
             raise SamplerError(f"{type(job.sampler).__name__}.sample split a GRPO group; whole groups were asked for")
+        if job.whole_groups and len(rows):  # members of a group side by side, as DP splits and consumers expect
+            _, first, inverse = np.unique(part.group[rows], return_index=True, return_inverse=True)
+            rows = rows[np.argsort(first[inverse], kind="stable")]
         return rows
 
     def _check_ready(
@@ -718,7 +740,7 @@ class QueueState:
         for (task, _), dp_round in part.rounds.items():
             if task == req.task_name and dp_round.shares is not None:
                 for rank, share in enumerate(dp_round.shares):
-                    if len(share) and released.issuperset(share.tolist()):
+                    if not released.isdisjoint(share.tolist()):
                         dp_round.released.add(rank)
         self._retry_getters(part.key)
 
@@ -729,6 +751,9 @@ class QueueState:
             self.max_cleared_step = max(self.max_cleared_step, key)
         else:
             self.cleared_names.add(key)
+        for waiting in [k for k in self.getters if k != key or part is None]:
+            if waiting not in self.partitions:  # waits for a partition to open: fails if it now never can
+                self._retry_getters(waiting)
         if part is None:
             return
         for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
@@ -774,7 +799,7 @@ class QueueState:
 
     def _on_kv_lookup(self, req: p.KvLookup) -> p.MetaWire:
         part = self._keyed(req.partition)
-        missing = [k for k in req.keys if k not in part.keys]
+        missing = [k for k in req.keys if k not in part.keys or part.state[part.keys[k]] != COMMITTED]
         if missing:
             raise UnknownKey(f"keys {missing[:10]} are not in {part.name}")
         rows = np.asarray([part.keys[k] for k in req.keys], dtype=np.int64)
@@ -791,7 +816,8 @@ class QueueState:
         return p.MetaWire.from_meta(part.meta(rows, list(names), None, {"keys": list(req.keys)}))
 
     def _on_kv_list(self, req: p.KvList) -> list[str]:
-        return list(self._keyed(req.partition).keys)
+        part = self._keyed(req.partition)
+        return [k for k, row in part.keys.items() if part.state[row] == COMMITTED]
 
     def _on_kv_clear(self, req: p.KvClear) -> None:
         if req.keys is None:
@@ -800,7 +826,13 @@ class QueueState:
         part = self.partitions.get(self._check_key(req.partition))
         if part is None:
             return
-        rows = [part.keys.pop(k) for k in req.keys if k in part.keys]
+        found = list(dict.fromkeys(k for k in req.keys if k in part.keys))
+        busy = [k for k in found if part.state[part.keys[k]] != COMMITTED or part.inflight_mask[part.keys[k]]]
+        if busy:
+            raise FieldAlreadyProduced(
+                f"keys {busy[:10]} of {part.name} are being written by an open put; clear them after it commits"
+            )
+        rows = [part.keys.pop(k) for k in found]
         if not rows:
             return
         for row in rows:

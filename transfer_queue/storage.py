@@ -17,14 +17,13 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 import zmq
 
 from transfer_queue import protocol as p
-from transfer_queue.columns import Column, concat_columns, jagged_take, nframes
 from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
@@ -36,6 +35,11 @@ from transfer_queue.errors import (
     error_to_wire,
 )
 from transfer_queue.transport import Endpoint, bind_server, remove_ipc
+
+if TYPE_CHECKING:
+    # torch loads with transfer_queue.columns; the controller imports this module only to start units, and never
+    # needs torch, so the column code is imported where it runs (StorageUnit.__init__ loads it at start).
+    from transfer_queue.columns import Column
 
 logger = logging.getLogger(__name__)
 TRIM_EVERY_BYTES = 64 << 20
@@ -79,6 +83,8 @@ class BlockStore:
         self._freed_since_trim = 0
 
     def write(self, req: p.Write, buffers: Sequence[Any]) -> None:
+        from transfer_queue.columns import Column, nframes
+
         if req.partition_uid in self.dead_partitions:
             raise PartitionCleared(f"partition uid {req.partition_uid} was cleared; the write was dropped")
         if req.block_id in self.dead_blocks.get(req.partition_uid, ()):
@@ -106,6 +112,8 @@ class BlockStore:
         self.nbytes += nbytes
 
     def read(self, req: p.Read) -> tuple[p.ReadReply, list[Any]]:
+        from transfer_queue.columns import nframes
+
         if req.partition_uid in self.dead_partitions:
             raise StaleBatchMeta(f"the rows of this BatchMeta were cleared (partition uid {req.partition_uid})")
         specs, buffers = [], []
@@ -116,6 +124,8 @@ class BlockStore:
         return p.ReadReply(specs), buffers
 
     def _gather(self, uid: int, spec: p.ReadField) -> Column:
+        from transfer_queue.columns import concat_columns
+
         blocks = p.unpack_indexes(spec.blocks)
         offsets = p.unpack_indexes(spec.offsets)
         if len(blocks) != len(offsets):
@@ -180,6 +190,8 @@ class BlockStore:
 
 def _take(column: Column, rows: np.ndarray) -> Column:
     """Rows of a block's column; a view when they are one contiguous ascending run."""
+    from transfer_queue.columns import Column, jagged_take
+
     n = len(rows)
     contiguous = n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool(np.all(np.diff(rows) == 1)))
     if contiguous:
@@ -274,6 +286,8 @@ class StorageUnit:
     to ``TransferQueueController(storage_units=[...])`` to place units yourself)."""
 
     def __init__(self, unit: int, num_units: int, bind_host: str | None = None):
+        import transfer_queue.columns  # noqa: F401  (torch loads now, not during the first write)
+
         _mmap_large_allocations()
         self._server = StorageServer(BlockStore(unit, num_units), bind_host)
 

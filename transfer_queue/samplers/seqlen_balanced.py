@@ -12,19 +12,22 @@ from transfer_queue.samplers.sequential import SequentialSampler
 def balanced_shares(lengths: np.ndarray, num_shares: int) -> list[list[int]]:
     """Split items into ``num_shares`` shares of equal count (±1) minimising the largest total length.
 
-    Greedy longest-first with a count limit per share (LPT); returns item positions per share, each sorted.
+    Greedy longest-first with a count limit per share (LPT): each item goes to the share with the smallest total
+    that still has room; any share may take one of the ``len % num_shares`` extra items. Returns item positions
+    per share, each sorted.
     """
-    n = len(lengths)
-    limits = [n // num_shares + (1 if i < n % num_shares else 0) for i in range(num_shares)]
+    base, extra = divmod(len(lengths), num_shares)
     heap = [(0, i) for i in range(num_shares)]
     shares: list[list[int]] = [[] for _ in range(num_shares)]
     for item in np.argsort(-lengths, kind="stable").tolist():
         full = []
         while True:
             total, share = heapq.heappop(heap)
-            if len(shares[share]) < limits[share]:
+            if len(shares[share]) < base or (len(shares[share]) == base and extra):
                 break
             full.append((total, share))
+        if len(shares[share]) == base:
+            extra -= 1
         shares[share].append(item)
         heapq.heappush(heap, (total + int(lengths[item]), share))
         for entry in full:
