@@ -1,0 +1,78 @@
+"""The main job end to end, as a user runs it: ``python recipe/demo.py`` with a short configuration.
+
+Checks that GRPO steps happen, weights reach the engines with increasing versions, metrics and the plot are
+written, a checkpoint is left, and a second run resumes where the first stopped. (Whether reward rises is a
+benchmark question, measured by ``make bench`` / the demo itself, not asserted here.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = [
+    "prompts_per_step=8",
+    "n_samples=4",
+    "rollout.groups_per_request=4",
+    "rollout.reward_groups_per_request=4",
+    "task.num_train_prompts=64",
+    "task.num_eval_prompts=16",
+    "sft.max_steps=4",
+    "sft.eval_every=2",
+    "sft.batch_size=16",
+]
+
+
+def run_demo(output_dir: Path, *overrides: str, timeout: float = 420) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, str(ROOT / "recipe" / "demo.py"), f"output_dir={output_dir}", *SHORT, *overrides]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"demo failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def rows(path: Path, kind: str) -> list[dict]:
+    lines = (path / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_the_demo_trains_syncs_weights_writes_metrics_and_resumes(tmp_path):
+    out = tmp_path / "demo"
+    first = run_demo(out, "steps=2")
+
+    grpo = rows(out, "grpo")
+    assert [r["step"] for r in grpo] == [0, 1]
+    assert [r["policy_version"] for r in grpo] == [1.0, 2.0]  # weights published after every step
+    assert all(r["sync_s"] > 0 and r["rows"] == 32 and r["trained_rows"] > 0 for r in grpo)
+    assert all(0.0 <= r["reward"] <= 1.0 and r["staleness_max"] == 0 for r in grpo)
+    for key in ("loss", "accuracy", "samples_per_s", "generate_s", "train_s", "queue_s"):
+        assert key in grpo[0], key
+    sft_rows = len(rows(out, "sft"))
+    assert sft_rows > 0, "the SFT warm-up logged nothing"
+    assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "checkpoints" / "step_00000002").is_dir()
+    assert "GRPO mean reward: first fifth" in first.stdout
+
+    run_demo(out, "steps=3")  # same output_dir: resumes from the step-2 checkpoint
+
+    grpo = rows(out, "grpo")
+    assert [r["step"] for r in grpo] == [0, 1, 2]
+    assert grpo[-1]["policy_version"] == 3.0  # the version went on from the checkpoint
+    assert len(rows(out, "sft")) == sft_rows  # a resumed run does not warm up again
+    assert (out / "checkpoints" / "step_00000003").is_dir()
+
+
+@pytest.mark.slow
+def test_the_demo_runs_in_async_mode(tmp_path):
+    out = tmp_path / "async"
+    run_demo(out, "steps=3", "mode=async", "max_staleness=1")
+    grpo = rows(out, "grpo")
+    assert [r["step"] for r in grpo] == [0, 1, 2]
+    assert max(r["staleness_max"] for r in grpo) <= 1

@@ -1,0 +1,8 @@
+"""Reward functions used by the integration tests, importable by dotted name from worker processes."""
+
+
+def picky_reward(response_text: str, answer: str) -> float:
+    """1 for the right answer; raises on "99", like a parser that meets an unexpected format."""
+    if response_text == "99":
+        raise ValueError(f"cannot parse {response_text!r}")
+    return float(response_text == answer)

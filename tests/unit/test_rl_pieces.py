@@ -1,0 +1,211 @@
+"""The RL loop's pure pieces: prompt source, reward scoring, training-batch building, config checks, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
+from trainers.filters import FilterConfig
+from trainers.grpo import build_train_batch, pad_sequences
+from trainers.metrics import MetricsLog, fifth_means, plot_metrics
+from workers.prompts import PromptSource
+from workers.reward import score_responses
+from workers.rollout import jagged, rows_of
+from workers.tasks.addition import AdditionTask
+from workers.tasks.base import import_object, load_reward_fn, load_task
+
+
+# ---- prompt source ------------------------------------------------------------------------------------------
+def test_prompt_source_serves_every_prompt_once_per_epoch_in_a_seeded_order():
+    source = PromptSource(list(range(10)), seed=3)
+    first, second = source.next_batch(10), source.next_batch(10)
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert first != second  # reshuffled per epoch
+    assert source.epoch == 1
+    assert PromptSource(list(range(10)), seed=3).next_batch(10) == first
+
+
+def test_prompt_source_resumes_where_it_stopped():
+    uninterrupted = PromptSource(list(range(7)), seed=1)
+    expected = [uninterrupted.next_batch(3) for _ in range(6)]
+    source = PromptSource(list(range(7)), seed=1)
+    got = [source.next_batch(3) for _ in range(2)]
+    state = source.state_dict()
+    resumed = PromptSource(list(range(7)), seed=1)
+    resumed.load_state_dict(state)
+    got += [resumed.next_batch(3) for _ in range(4)]
+    assert got == expected
+
+
+def test_prompt_source_refuses_a_state_of_another_dataset():
+    state = PromptSource(list(range(7)), seed=1).state_dict()
+    with pytest.raises(ValueError, match="has 5 prompts and seed 1; the state is for 7 prompts"):
+        PromptSource(list(range(5)), seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        PromptSource([], seed=0)
+
+
+# ---- reward scoring -----------------------------------------------------------------------------------------
+def test_a_failing_reward_function_marks_the_sample_and_the_rest_are_scored():
+    def reward(text: str, answer: str) -> float:
+        if text == "boom":
+            raise RuntimeError("parser exploded")
+        return float(text == answer)
+
+    rewards, failed, errors = score_responses(reward, ["1", "boom", "3"], {"answer": ["1", "2", "4"]})
+    assert rewards == [1.0, 0.0, 0.0]
+    assert failed == [False, True, False]
+    assert errors == ["RuntimeError: parser exploded"]
+
+
+def test_a_nan_reward_counts_as_a_failure():
+    rewards, failed, errors = score_responses(lambda text: float("nan"), ["x"], {})
+    assert (rewards, failed) == ([0.0], [True])
+    assert "NaN" in errors[0]
+
+
+def test_reward_functions_and_tasks_load_by_dotted_name():
+    assert load_reward_fn("workers.tasks.addition:addition_reward")("042", "042") == 1.0
+    assert isinstance(load_task("workers.tasks.addition:AdditionTask"), AdditionTask)
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        import_object("no_such_module:f")
+    with pytest.raises(ValueError, match="has no 'nope'"):
+        import_object("workers.tasks.addition:nope")
+    with pytest.raises(ValueError, match="expected a workers.tasks.base.Task"):
+        load_task("workers.prompts:PromptSource", {"prompts": [1]})
+
+
+# ---- training batch -----------------------------------------------------------------------------------------
+def _rollout_data(rewards, versions, failed=None, prompt_len=2, response_lens=None):
+    rows = len(rewards)
+    response_lens = response_lens or [3] * rows
+    prompts = [[1] * prompt_len for _ in range(rows)]
+    responses = [[5 + i] * n for i, n in enumerate(response_lens)]
+    logprobs = [[-0.5 - i] * n for i, n in enumerate(response_lens)]
+    return TensorDict(
+        {
+            "prompt_ids": jagged(prompts, torch.int64),
+            "response_ids": jagged(responses, torch.int64),
+            "response_logprobs": jagged(logprobs, torch.float32),
+            "policy_version": torch.tensor(versions, dtype=torch.int64),
+            "reward": torch.tensor(rewards, dtype=torch.float32),
+            "reward_failed": torch.tensor(failed or [False] * rows),
+        },
+        batch_size=[rows],
+    )
+
+
+def _config(**train):
+    return RLConfig(prompts_per_step=2, n_samples=2, train=TrainConfig(world_size=1, **train))
+
+
+def test_the_batch_aligns_old_logprobs_and_masks_with_input_ids():
+    data = _rollout_data([1.0, 0.0], [0, 0], response_lens=[3, 1])
+    batch = build_train_batch(
+        data, np.array([0, 0]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+    ).tensors
+    assert batch["input_ids"].tolist() == [[1, 1, 5, 5, 5], [1, 1, 6, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert batch["old_logprobs"].tolist() == [[0, 0, -0.5, -0.5, -0.5], [0, 0, -1.5, 0, 0]]
+
+
+def test_advantages_are_normalised_within_each_group():
+    # group 0: rewards 1, 0 -> +-0.7071 (unbiased std of [1, 0] is 0.7071); group 1: constant -> 0
+    data = _rollout_data([1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0])
+    out = build_train_batch(
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+    )
+    assert out.tensors["advantages"].tolist() == pytest.approx([0.7071, -0.7071, 0.0, 0.0], abs=1e-3)
+    assert out.stats["reward_sum"] == 3.0 and out.stats["correct_sum"] == 3.0
+
+
+def test_stale_and_failed_samples_are_left_out_of_advantages_and_loss():
+    # row 1 is two versions old (max_staleness=1), row 3 failed its reward
+    data = _rollout_data([1.0, 1.0, 0.0, 1.0], [5, 3, 5, 5], failed=[False, False, False, True])
+    out = build_train_batch(
+        data, np.array([0, 0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_config()
+    )
+    mask = out.tensors["response_mask"].sum(1)
+    assert mask.tolist() == [3, 0, 3, 0]
+    # the group's statistics come from rows 0 and 2 only: rewards 1 and 0
+    assert out.tensors["advantages"][[0, 2]].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-3)
+    assert (out.stats["stale_rows"], out.stats["failed_rows"], out.stats["trained_rows"]) == (1.0, 1.0, 2.0)
+    assert out.stats["staleness_max"] == 2.0
+
+
+def test_zero_variance_groups_are_filtered_when_asked():
+    data = _rollout_data([1.0, 1.0, 1.0, 0.0], [0, 0, 0, 0])
+    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    out = build_train_batch(
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
+    )
+    assert out.tensors["response_mask"].sum(1).tolist() == [0, 0, 3, 3]
+
+
+def test_pad_sequences_handles_empty_responses():
+    out = pad_sequences([[1, 2]], [[]], pad_token_id=9)
+    assert out["input_ids"].tolist() == [[1, 2]] and out["response_mask"].tolist() == [[0, 0]]
+
+
+def test_jagged_rows_round_trip():
+    rows = [[1, 2, 3], [], [4]]
+    assert rows_of(jagged(rows, torch.int64)) == rows
+
+
+# ---- config -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"mode": "sync", "max_staleness": 1}, "mode='sync' trains on-policy: max_staleness must be 0, got 1"),
+        ({"mode": "async"}, "mode='async' needs max_staleness >= 1"),
+        ({"prompts_per_step": 3}, "prompts_per_step=3 groups must split evenly over train.world_size=2"),
+        ({"train.loss": "dpo"}, "train.loss='dpo' is not one of"),
+        ({"sync_every": 3}, "sync_every=3 leaves engines up to 2 versions behind, more than max_staleness=0"),
+        ({"steps": 0}, "steps must be an int >= 1, got 0"),
+    ],
+)
+def test_inconsistent_configs_fail_before_any_actor_starts(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_the_async_window_sets_the_step_ring():
+    config = load_config(None, {"mode": "async", "max_staleness": 2})
+    assert config.num_global_batch == 3
+
+
+def test_yaml_configs_and_overrides_load(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 7\ntrain:\n  lr: 0.01\n")
+    config = load_config(path, parse_overrides(["train.world_size=1", "rollout.temperature=0.5"]))
+    assert (config.steps, config.train.lr, config.train.world_size, config.rollout.temperature) == (7, 0.01, 1, 0.5)
+    with pytest.raises(ConfigError, match="invalid config"):
+        load_config(None, {"steps": "many"})
+    with pytest.raises(ConfigError, match="an override is KEY=VALUE"):
+        parse_overrides(["steps"])
+
+
+def test_the_shipped_configs_are_valid():
+    recipe = Path(__file__).resolve().parents[2] / "recipe"
+    for path in [*recipe.glob("configs/*.yaml"), *recipe.glob("*/config.yaml")]:
+        load_config(path)
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+def test_metrics_are_written_as_jsonl_and_plotted(tmp_path):
+    log = MetricsLog(tmp_path / "m.jsonl")
+    for step in range(12):
+        log.write({"kind": "grpo", "step": step, "reward": step / 12, "loss": float("nan")})
+    rows = log.rows("grpo")
+    assert len(rows) == 12 and rows[0]["loss"] is None  # NaN becomes null: the file stays valid JSON
+    json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    png = plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert fifth_means([0, 0, 1, 1, 1, 1, 1, 1, 2, 2]) == (0.0, 2.0)
