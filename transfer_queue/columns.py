@@ -14,6 +14,7 @@ Buffers are views of the tensors' memory (no copy on the way out) and tensors ar
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ def as_buffer(tensor: torch.Tensor) -> np.ndarray:
 def from_buffer(buf: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor over a received buffer, without a copy (the tensor keeps the buffer alive)."""
     view = memoryview(buf)
-    expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()  # no int64 wrap
     if view.nbytes != expected:
         raise InvalidRequest(f"a {dtype} buffer of shape {list(shape)} needs {expected} bytes, got {view.nbytes}")
     if expected == 0:
@@ -195,6 +196,8 @@ class Column:
 
     @classmethod
     def from_buffers(cls, schema: FieldSchema, num_rows: int, buffers: Sequence[Buffer]) -> Column:
+        if num_rows < 0:
+            raise InvalidRequest(f"a column needs num_rows >= 0, got {num_rows}")
         if len(buffers) != nframes(schema):
             raise InvalidRequest(f"a {schema.kind} column needs {nframes(schema)} buffers, got {len(buffers)}")
         if schema.kind == "object":
@@ -221,8 +224,6 @@ class Column:
             return self.data
         if self.schema.kind == "jagged":
             assert self.data is not None and self.offsets is not None
-            if self.num_rows == 0:
-                return torch.nested.nested_tensor([], layout=torch.jagged, dtype=self.data.dtype)
             return torch.nested.nested_tensor_from_jagged(self.data, self.offsets)
         return NonTensorStack(*self.objects) if self.objects else NonTensorStack(batch_size=[0])
 

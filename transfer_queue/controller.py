@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -34,6 +35,21 @@ from transfer_queue.transport import bind_server, remove_ipc
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
+# A clear is answered once the storage units dropped the payload, so a BatchMeta from before it can no longer read
+# those bytes; a unit that does not acknowledge within this long (at most) is dead or stuck, and the clear is
+# answered anyway.
+DROP_ACK_WAIT = 10.0
+
+
+@dataclass
+class HeldReply:
+    """A reply waiting for the storage units to acknowledge the drops its request caused."""
+
+    identity: zmq.Frame
+    request_id: int
+    value: Any
+    awaiting: set[int]
+    deadline: float
 
 
 class ControllerServer:
@@ -52,6 +68,8 @@ class ControllerServer:
             dealer.connect(endpoint.address())
             self._units.append(dealer)
         self._ids = itertools.count(1)
+        self._held: list[HeldReply] = []
+        self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tq-controller", daemon=True)
         self._thread.start()
@@ -62,7 +80,7 @@ class ControllerServer:
         for dealer in self._units:
             poller.register(dealer, zmq.POLLIN)
         while not self._stop.is_set():
-            wait = self.state.next_deadline - time.monotonic()
+            wait = min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
             events = dict(poller.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1)))
             with self.lock:
                 if self._sock in events:
@@ -78,6 +96,7 @@ class ControllerServer:
             for dealer in self._units:
                 if dealer in events:
                     self._drain_storage_replies(dealer)
+            self._send_held(time.monotonic())
         self._sock.close(linger=0)
         for dealer in self._units:
             dealer.close(linger=0)
@@ -109,14 +128,27 @@ class ControllerServer:
             self._reply(identity, request_id, {"session_id": self.session_id}, None)
             return
 
+        hold = isinstance(request, (p.Clear, p.KvClear))  # answered once the storage units dropped the bytes
+        held: list[tuple[Any, BaseException | None]] = []
+
         def respond(value: Any, error: BaseException | None) -> None:
-            self._reply(identity, request_id, value, error)
+            if hold:
+                held.append((value, error))
+            else:
+                self._reply(identity, request_id, value, error)
 
         try:
             self.state.handle(request, respond)
         except Exception as exc:  # a bug, not bad input: answer it and keep serving
             logger.exception("controller failed on %s", type(request).__name__)
             respond(None, exc)
+        for value, error in held:
+            sent = self._flush_outbox() if error is None else []
+            if sent:
+                deadline = time.monotonic() + self._drop_ack_wait
+                self._held.append(HeldReply(identity, request_id, value, set(sent), deadline))
+            else:
+                self._reply(identity, request_id, value, error)
 
     def _reply(self, identity: zmq.Frame, request_id: int, value: Any, error: BaseException | None) -> None:
         if error is not None:
@@ -128,11 +160,20 @@ class ControllerServer:
         except zmq.ZMQError:  # the client went away
             pass
 
-    def _flush_outbox(self) -> None:
+    def _flush_outbox(self) -> list[int]:
+        """Send the state's messages to the storage units; returns the request ids sent."""
         outbox, self.state.outbox = self.state.outbox, []
+        sent = []
         for unit, request in outbox:
-            envelope = p.Envelope(p.PROTOCOL_VERSION, self.session_id, next(self._ids))
-            self._units[unit].send_multipart([p.encode(envelope), p.encode(request)])
+            request_id = next(self._ids)
+            envelope = p.Envelope(p.PROTOCOL_VERSION, self.session_id, request_id)
+            try:  # never block the controller on a unit that stopped reading (dead or stuck)
+                self._units[unit].send_multipart([p.encode(envelope), p.encode(request)], zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("storage unit %d takes no messages; dropped a %s", unit, type(request).__name__)
+                continue
+            sent.append(request_id)
+        return sent
 
     def _drain_storage_replies(self, dealer: zmq.Socket) -> None:
         while True:
@@ -146,6 +187,20 @@ class ControllerServer:
                 continue
             if header.error_type:
                 logger.warning("a storage unit refused a drop: %s: %s", header.error_type, header.error_message)
+            for held in self._held:
+                held.awaiting.discard(header.request_id)
+
+    def _send_held(self, now: float) -> None:
+        """Answer the held replies whose drops were all acknowledged, or whose wait ran out."""
+        if not self._held:
+            return
+        keep = []
+        for held in self._held:
+            if held.awaiting and held.deadline > now:
+                keep.append(held)
+            else:
+                self._reply(held.identity, held.request_id, held.value, None)
+        self._held = keep
 
     def stop(self) -> None:
         self._stop.set()

@@ -35,6 +35,13 @@ class FieldSchema(msgspec.Struct, frozen=True, array_like=True):
     dtype: str
     shape: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Runs on decode too, where msgspec turns the error into a ValidationError (MalformedMessage).
+        if self.kind not in ("dense", "jagged", "object"):
+            raise InvalidRequest(f"a field's kind is dense, jagged or object, got {self.kind!r}")
+        if any(d < 0 for d in self.shape):
+            raise InvalidRequest(f"a field's shape has no negative dimension, got {list(self.shape)}")
+
     def describe(self) -> str:
         if self.kind == "object":
             return "object"
@@ -80,10 +87,13 @@ class BatchMeta:
         self.global_indexes = _int64(self.global_indexes)
         self.group_ids = _int64(self.group_ids)
         rows, cols = len(self.global_indexes), len(self.fields)
-        self.blocks = np.asarray(self.blocks, dtype=np.int64).reshape(rows, cols)
-        self.offsets = np.asarray(self.offsets, dtype=np.int64).reshape(rows, cols)
         if len(self.group_ids) != rows:
             raise InvalidRequest(f"BatchMeta needs one group id per row: {rows} rows, got {len(self.group_ids)}")
+        for name in ("blocks", "offsets"):
+            cells = np.asarray(getattr(self, name), dtype=np.int64)
+            if cells.size != rows * cols:
+                raise InvalidRequest(f"BatchMeta needs {rows} x {cols} {name} (rows x fields), got {cells.size}")
+            setattr(self, name, cells.reshape(rows, cols))
 
     @classmethod
     def empty(cls, partition_id: PartitionKey, partition_uid: int = -1, task_name: str | None = None) -> BatchMeta:
@@ -143,7 +153,7 @@ class BatchMeta:
 
     def select_fields(self, names: Iterable[str]) -> BatchMeta:
         """The same rows with only the fields ``names``."""
-        names = list(names)
+        names = list(dict.fromkeys(names))
         missing = [n for n in names if n not in self.fields]
         if missing:
             raise UnknownField(f"fields {missing} are not in this batch; it has {self.field_names}")
@@ -161,13 +171,14 @@ class BatchMeta:
         )
 
     def chunk(self, chunks: int) -> list[BatchMeta]:
-        """Split into ``chunks`` consecutive pieces of near-equal size (like ``torch.chunk``: the last may be
-        shorter, and fewer pieces come back when there are fewer rows than ``chunks``)."""
+        """Split into ``chunks`` consecutive pieces of near-equal size, like ``torch.chunk``: the last may be
+        shorter, fewer pieces come back when the rows do not fill ``chunks`` of them, and an empty batch gives
+        ``chunks`` empty pieces."""
         if chunks < 1:
             raise InvalidRequest(f"chunk: chunks must be >= 1, got {chunks}")
-        step = -(-len(self) // chunks) if len(self) else 0
-        if step == 0:
-            return [self]
+        if not len(self):  # torch.chunk of an empty tensor: `chunks` empty pieces
+            return [self.select_samples([]) for _ in range(chunks)]
+        step = -(-len(self) // chunks)
         return [self.select_samples(np.arange(i, min(i + step, len(self)))) for i in range(0, len(self), step)]
 
     @staticmethod
@@ -187,6 +198,8 @@ class BatchMeta:
                 raise InvalidRequest(
                     f"concat: all metas must have the same fields; got {first.field_names} and {m.field_names}"
                 )
+        # the same fields may come in another column order: align every meta's columns with the first's
+        metas = [m if m.field_names == first.field_names else m.select_fields(first.field_names) for m in metas]
         extra = dict(first.extra)
         if first.keys is not None:
             extra["keys"] = [k for m in metas for k in (m.keys or [])]

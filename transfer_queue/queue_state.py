@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 Respond = Callable[[Any, BaseException | None], None]
 WAIT = object()  # an attempt's answer: not possible yet, retry later
+MAX_ROWS_PER_PUT = 1 << 24  # bounds the bookkeeping one request can make the controller allocate
+MAX_DP_SIZE = 1 << 16  # bounds the shares one DP round is split into
 
 
 @dataclass
@@ -264,6 +266,8 @@ class QueueState:
             raise InvalidRequest(f"a partition is an int global_step or a str partition_id, got {key!r}")
         if isinstance(key, int) and key < 0:
             raise InvalidRequest(f"global_step must be >= 0, got {key}")
+        if isinstance(key, int) and key >= (limit := (1 << 63) // self.config.rows_per_step):
+            raise InvalidRequest(f"global_step must be < {limit} (its global indexes must fit in int64), got {key}")
         if isinstance(key, str) and not key:
             raise InvalidRequest("partition_id must be a non-empty str")
         return key
@@ -322,6 +326,8 @@ class QueueState:
         key = self._check_key(req.partition)
         if not isinstance(req.num_rows, int) or req.num_rows < 1:
             raise InvalidRequest(f"a put needs at least one row, got num_rows={req.num_rows}")
+        if req.num_rows > MAX_ROWS_PER_PUT:
+            raise InvalidRequest(f"a put holds at most {MAX_ROWS_PER_PUT} rows, got num_rows={req.num_rows}; split it")
         if not req.fields:
             raise InvalidRequest("a put needs at least one field")
         if not 0 < req.timeout < float("inf"):
@@ -527,8 +533,8 @@ class QueueState:
         for name, value in (("dp_size", dp_size), ("dp_rank", dp_rank)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidRequest(f"sampler_params[{name!r}] must be an int, got {value!r}")
-        if dp_size < 1:
-            raise InvalidRequest(f"dp_size must be >= 1, got {dp_size}")
+        if not 1 <= dp_size <= MAX_DP_SIZE:
+            raise InvalidRequest(f"dp_size must lie in [1, {MAX_DP_SIZE}], got {dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise InvalidRequest(f"dp_rank must lie in [0, dp_size={dp_size}), got dp_rank={dp_rank}")
         if dp_group_id is not None and not isinstance(dp_group_id, (str, int)):

@@ -77,7 +77,7 @@ def test_reward_functions_and_tasks_load_by_dotted_name():
         import_object("no_such_module:f")
     with pytest.raises(ValueError, match="has no 'nope'"):
         import_object("workers.tasks.addition:nope")
-    with pytest.raises(ValueError, match="expected a workers.tasks.base.Task"):
+    with pytest.raises(ValueError, match=r"expected a workers\.tasks\.base\.Task"):
         load_task("workers.prompts:PromptSource", {"prompts": [1]})
 
 
