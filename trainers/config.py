@@ -98,7 +98,8 @@ class RLConfig:
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"
     checkpoint_every: int = 0  # 0: only at the end
-    resume: bool = True
+    resume: bool = True  # go on from the latest checkpoint in output_dir/checkpoints, if any
+    init_from: str | None = None  # start RL from this checkpoint's weights (e.g. an SFT run's), fresh optimizer
     seed: int = 0
     num_storage_units: int = 2
     queue_timeout: float = 300.0

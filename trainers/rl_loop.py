@@ -221,9 +221,16 @@ class GRPORun:
         plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
         return rows_out
 
+    def run_sft(self) -> Path:
+        """Only the supervised warm-up; returns its checkpoint, a starting point for RL (``init_from``)."""
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
+        accuracy = self.sft()
+        logger.info("SFT reached greedy accuracy %.3f", accuracy)
+        return self.save(0)
+
     def _resume_or_warm_up(self) -> int:
-        root = self.out / "checkpoints"
-        latest = latest_checkpoint(root) if self.cfg.resume else None
+        """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT."""
+        latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
         if latest is not None:
             extra = ray.get([r.load_checkpoint.remote(str(latest)) for r in self.trainer])[0]
             self.prompts.load_state_dict(extra["prompt_source"])
@@ -231,7 +238,12 @@ class GRPORun:
             logger.info("resumed from %s at step %d", latest, extra["step"])
             return int(extra["step"])
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
-        if self.cfg.sft.enabled:
+        if self.cfg.init_from:
+            ray.get([r.load_checkpoint.remote(self.cfg.init_from) for r in self.trainer])
+            ray.get([r.reset_optimizer.remote() for r in self.trainer])
+            ray.get([r.set_version.remote(0) for r in self.trainer])
+            logger.info("starting RL from the weights of %s", self.cfg.init_from)
+        elif self.cfg.sft.enabled:
             self.sft()
             self.save(0)
         return 0
