@@ -74,7 +74,8 @@ class SFTConfig:
     lr: float = 1e-3
     batch_size: int = 64
     max_steps: int = 2000
-    target_accuracy: float = 0.2  # stop once greedy accuracy on the eval prompts reaches this
+    target_accuracy: float = 0.2  # stop once accuracy on the eval prompts reaches this
+    target_metric: Literal["sampled", "greedy"] = "sampled"  # sampled at the rollout temperature, or greedy
     eval_every: int = 25
 
 

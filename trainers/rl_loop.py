@@ -144,9 +144,11 @@ class GRPORun:
         self.version = version
         return time.perf_counter() - t0
 
-    def evaluate(self) -> float:
-        """Greedy accuracy of the engines' current weights on the eval prompts."""
-        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
+    def evaluate(self, sampled: bool = False) -> float:
+        """Accuracy of the engines' current weights on the eval prompts: greedy, or one sample per prompt at the
+        rollout temperature (what GRPO's reward starts from)."""
+        temperature = self.cfg.rollout.temperature if sampled else 0.0
+        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=0)
         prompts = [p["prompt_ids"] for p in self.eval_prompts]
         generations = ray.get(self.rollout[0].generate.remote(prompts, params))
         scores = [
@@ -165,7 +167,11 @@ class GRPORun:
 
     # ---- the run -------------------------------------------------------------------------------------------
     def sft(self) -> float:
-        """Supervised warm-up until greedy accuracy reaches the target (or ``max_steps``); returns the accuracy."""
+        """Supervised warm-up until accuracy reaches the target (or ``max_steps``); returns the accuracy.
+
+        Stopping on *sampled* accuracy (the default) matters: at temperature 1 a model with 20% greedy accuracy
+        samples the right answer only ~8% of the time, and GRPO then needs several times more steps to take off.
+        """
         cfg = self.cfg.sft
         accuracy, done, t0 = 0.0, 0, time.perf_counter()
         with tqdm(total=cfg.max_steps, desc="SFT warm-up", unit="step", dynamic_ncols=True) as bar:
@@ -174,12 +180,12 @@ class GRPORun:
                 stats = ray.get([r.sft_steps.remote(done, k, cfg.lr, cfg.batch_size) for r in self.trainer])[0]
                 done += k
                 self.publish(0)
-                accuracy = self.evaluate()
+                accuracy = self.evaluate(sampled=cfg.target_metric == "sampled")
                 self.metrics.write(
                     {"kind": "sft", "step": done, "accuracy": accuracy, **stats, "elapsed_s": time.perf_counter() - t0}
                 )
                 bar.update(k)
-                bar.set_postfix(loss=f"{stats['sft_loss']:.3f}", greedy_acc=f"{accuracy:.2f}")
+                bar.set_postfix(loss=f"{stats['sft_loss']:.3f}", **{f"{cfg.target_metric}_acc": f"{accuracy:.2f}"})
                 if accuracy >= cfg.target_accuracy:
                     break
         ray.get([r.reset_optimizer.remote() for r in self.trainer])

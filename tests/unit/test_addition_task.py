@@ -90,10 +90,10 @@ def test_build_model_is_small_seeded_and_trains_on_sft_batches(tokenizer):
     assert all(torch.equal(value, same[name]) for name, value in model.state_dict().items())
     assert not torch.equal(model.state_dict()["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
 
-    batch = sft_batch(make_prompts(64, seed=0), tokenizer)
+    batch = sft_batch(make_prompts(16, seed=0), tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(5):
+    for _ in range(3):
         loss = model(**batch).loss
         optimizer.zero_grad()
         loss.backward()

@@ -19,9 +19,9 @@ class HFEngine(Engine):
     because the policy chose it and the trainer must credit it) and ``finish_reason`` is ``"stop"``; a response
     that reaches ``max_new_tokens`` has ``finish_reason`` ``"length"``.
 
-    A hand-written loop is used rather than ``model.generate``: it gives the log-probs of the sampled tokens
-    directly, samples from a private ``torch.Generator`` (a seeded call does not touch the global RNG) and was
-    faster for small models (see ``recipe/experiments/addition_single_process.py``).
+    A hand-written KV-cached loop is used rather than ``model.generate``: it was as fast for the tiny model (256
+    prompts x 4 tokens: 28 ms vs 27 ms on one CPU thread), returns the sampled tokens' log-probs directly and
+    samples from a private ``torch.Generator``, so a seeded call is reproducible and leaves the global RNG alone.
 
     The engine owns ``model``: it moves it to ``device``/``dtype``, puts it in eval mode and overwrites its weights
     in ``update_weights``. Pass a copy if the trainer keeps training the original.
