@@ -265,7 +265,7 @@ class PartitionState:
         limit = self.capacity if self.capacity is not None else end + num_rows
         free = np.ones(limit, dtype=bool)
         free[: self.num_rows] = self.state[: self.num_rows] == FREE
-        units = free.reshape(-1, unit).all(axis=1)
+        units = np.asarray(free.reshape(-1, unit).all(axis=1))
         if default_groups and self.group_members:
             taken = np.fromiter(self.group_members, dtype=np.int64)
             units[taken[(taken >= 0) & (taken < len(units))]] = False
@@ -453,6 +453,8 @@ class PartitionState:
         return self.block[rows, : len(self.fields)] >= 0
 
     def meta(self, rows: np.ndarray, names: list[str], task_name: str | None, extra: dict[str, Any]) -> BatchMeta:
+        if not len(rows):  # the end of a stream: a field nobody produced has no schema to name
+            names = [n for n in names if n in self.field_col]
         cols: list[int] = []
         for n in names:
             if n not in self.field_col:

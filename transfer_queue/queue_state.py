@@ -308,7 +308,6 @@ class QueueState:
             base = key * capacity
         else:
             capacity, base = None, 0
-            self.cleared_names.discard(key)
         part = PartitionState(key, self._next_uid, capacity, self.config.num_n_samples, base, keyed=keyed)
         self._next_uid += 1
         self.partitions[key] = part
@@ -352,6 +351,7 @@ class QueueState:
             )
         part = self._live(key, reopen=req.target_uid is None)
         if part is not None and req.target_uid is None:  # validate against what the partition holds before waiting
+            self._check_use(part, req.keys is not None)
             part.check_schema(req.fields)
             part.check_room(req.num_rows)
         job = (req, group_ids, lengths)
@@ -363,16 +363,30 @@ class QueueState:
         if req.target_uid is not None:
             return self._reserve_write(req, req.partition, lengths)
         key = req.partition
-        keyed = req.keys is not None
-        part = self._live(key, reopen=True) or self._open(key, keyed)
-        if part is None:
-            return WAIT
-        if part.keyed != keyed:
-            how = "by key (kv_*)" if part.keyed else "by row (put)"
-            raise InvalidRequest(f"{part.name} is used {how}; use one way per partition")
-        part.check_schema(req.fields)
         if self.bytes_held + req.nbytes > self._byte_budget:
             return WAIT
+        part = self._live(key, reopen=True)
+        opened = part is None
+        part = part or self._open(key, req.keys is not None)
+        if part is None:
+            return WAIT
+        try:
+            reservation = self._reserve_rows(part, req, group_ids, lengths)
+        except TransferQueueError:
+            if opened:  # refused before it took a row: leave no empty partition (or ring slot) behind
+                del self.partitions[key]
+            raise
+        if isinstance(key, str):
+            self.cleared_names.discard(key)
+        return reservation
+
+    def _reserve_rows(
+        self, part: PartitionState, req: p.Reserve, group_ids: np.ndarray | None, lengths: np.ndarray | None
+    ) -> p.Reservation:
+        """A put without metadata: new rows (or, by key, new and existing rows) for its fields."""
+        keyed = req.keys is not None
+        self._check_use(part, keyed)
+        part.check_schema(req.fields)
         if keyed:
             assert req.keys is not None
             rows = np.asarray([part.keys.get(k, -1) for k in req.keys], dtype=np.int64)
@@ -392,6 +406,12 @@ class QueueState:
         part.add_fields(req.fields)
         mask = part.begin_write(rows, list(req.fields), upsert=part.keyed)
         return self._reserve(part, req, rows, mask, new_rows, lengths)
+
+    @staticmethod
+    def _check_use(part: PartitionState, keyed: bool) -> None:
+        if part.keyed != keyed:
+            how = "by key (kv_*)" if part.keyed else "by row (put)"
+            raise InvalidRequest(f"{part.name} is used {how}; use one way per partition")
 
     def _reserve_write(self, req: p.Reserve, key: PartitionKey, lengths: np.ndarray | None) -> Any:
         """A put with metadata: write new fields into existing rows."""
@@ -644,8 +664,9 @@ class QueueState:
             )
             ready = np.asarray(ready, dtype=np.int64).reshape(-1)
             self._check_ready(part, task.consumption, ready, req.fields, "filter_ready_indices")
-            if job.whole_groups:
+            if job.whole_groups:  # whole groups only, members side by side: any prefix of whole groups is whole
                 ready = self._complete_groups(part, ready)
+                ready = ready[_groups_together(part.group[ready - part.base_index])]
             chosen = job.sampler.sample(ready, count, group_ids=part.group[ready - part.base_index], **kwargs)
             chosen_rows = np.asarray(chosen, dtype=np.int64).reshape(-1)
         except TransferQueueError:
@@ -662,9 +683,8 @@ class QueueState:
         rows = chosen_rows - part.base_index
         if job.whole_groups and len(self._complete_groups(part, chosen_rows)) != len(chosen_rows):
             raise SamplerError(f"{type(job.sampler).__name__}.sample split a GRPO group; whole groups were asked for")
-        if job.whole_groups and len(rows):  # members of a group side by side, as DP splits and consumers expect
-            _, first, inverse = np.unique(part.group[rows], return_index=True, return_inverse=True)
-            rows = rows[np.argsort(first[inverse], kind="stable")]
+        if job.whole_groups:  # members of a group side by side, as DP splits and consumers expect
+            rows = rows[_groups_together(part.group[rows])]
         return rows
 
     def _check_ready(
@@ -723,13 +743,14 @@ class QueueState:
     def _put_timeout(self, parked: Parked) -> QueueFull:
         req = parked.job[0]
         waited = parked.deadline - parked.started
-        if isinstance(req.partition, int) and req.partition not in self.partitions:
+        fits = self.bytes_held + req.nbytes <= self._byte_budget
+        if fits and isinstance(req.partition, int) and req.partition not in self.partitions:
             steps = sorted(k for k in self.partitions if isinstance(k, int))
             return QueueFull(
                 f"put to global_step={req.partition} waited {waited:.1f} s for a free slot in the step ring: "
                 f"num_global_batch={self.config.num_global_batch} steps are live ({steps}); clear one first"
             )
-        limit = self.config.storage_unit_bytes * self.config.num_storage_units
+        limit = self._byte_budget
         return QueueFull(
             f"put to {describe_partition(req.partition)} waited {waited:.1f} s for storage space: "
             f"{self.bytes_held} of {limit} bytes are held and the put needs {req.nbytes}"
@@ -845,6 +866,14 @@ class QueueState:
             part.row_keys.pop(row, None)
         dead = part.remove_rows(np.asarray(rows, dtype=np.int64))
         self._drop_blocks(part, dead)
+
+
+def _groups_together(groups: np.ndarray) -> np.ndarray:
+    """The order that puts members of a group side by side, groups in order of first appearance (stable)."""
+    if not len(groups):
+        return np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+    return np.argsort(first[inverse.reshape(-1)], kind="stable")
 
 
 def meta_from_wire(wire: p.MetaWire) -> BatchMeta:
