@@ -41,42 +41,113 @@ def describe_partition(key: PartitionKey) -> str:
 class ReadyIndex:
     """Rows of one partition ready for one task and one set of fields, in the order they became ready.
 
-    ``rows`` is an insertion-ordered dict used as an ordered set; ``groups`` holds the groups whose members are
-    all ready. ``produced`` counts committed rows that have every field of the set, consumed or not.
+    Rows live in a numpy FIFO with lazy deletion: ``pos[row]`` is the queue position of the row's live entry (-1:
+    not ready), an entry is live when its row's ``pos`` points back at it, and the queue is compacted once dead
+    entries outnumber live ones, so reading the first ``k`` ready rows costs O(k) however many rows were consumed
+    before. ``groups`` holds, in readiness order, the groups whose ``group_size`` members are all ready (compacted
+    the same way). ``produced`` counts committed rows having every field of the set, consumed or not.
     """
 
     def __init__(self, mask: int, group_size: int):
         self.mask = mask
         self.group_size = group_size
-        self.rows: dict[int, None] = {}
-        self.group_count: dict[int, int] = {}
-        self.groups: dict[int, None] = {}
         self.produced = 0
+        self.num_rows = 0
+        self.pos = np.full(64, -1, dtype=np.int64)
+        self.queue = np.zeros(64, dtype=np.int64)
+        self.head = 0
+        self.tail = 0
+        self.group_count: dict[int, int] = {}  # kept only when group_size > 1 (else rows are the groups)
+        self.groups: dict[int, None] = {}
+        self._groups_removed = 0
 
-    def add(self, rows: Iterable[int], group_of: np.ndarray) -> None:
-        for row in rows:
-            if row in self.rows:
-                continue
-            self.rows[row] = None
-            g = int(group_of[row])
-            count = self.group_count.get(g, 0) + 1
-            self.group_count[g] = count
-            if count == self.group_size:
-                self.groups[g] = None
+    def add(self, rows: np.ndarray, group_of: np.ndarray) -> None:
+        """Mark ``rows`` (distinct local rows) ready; rows already ready are ignored."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return
+        if rows.max() >= len(self.pos):
+            grown = np.full(max(int(rows.max()) + 1, 2 * len(self.pos)), -1, dtype=np.int64)
+            grown[: len(self.pos)] = self.pos
+            self.pos = grown
+        rows = rows[self.pos[rows] < 0]
+        if not len(rows):
+            return
+        if self.tail + len(rows) > len(self.queue):
+            self._compact(extra=len(rows))
+        self.queue[self.tail : self.tail + len(rows)] = rows
+        self.pos[rows] = np.arange(self.tail, self.tail + len(rows))
+        self.tail += len(rows)
+        self.num_rows += len(rows)
+        if self.group_size > 1:
+            ids, inverse, counts = np.unique(group_of[rows], return_inverse=True, return_counts=True)
+            last = np.zeros(len(ids), dtype=np.int64)
+            np.maximum.at(last, inverse, np.arange(len(rows)))
+            for j in np.argsort(last, kind="stable").tolist():  # a group is complete once its last member is
+                g = int(ids[j])
+                count = self.group_count.get(g, 0) + int(counts[j])
+                self.group_count[g] = count
+                if count == self.group_size:
+                    self.groups[g] = None
 
-    def remove(self, rows: Iterable[int], group_of: np.ndarray) -> None:
-        for row in rows:
-            if row not in self.rows:
-                continue
-            del self.rows[row]
-            g = int(group_of[row])
-            count = self.group_count[g]
-            if count == self.group_size:
-                del self.groups[g]
-            if count == 1:
-                del self.group_count[g]
-            else:
-                self.group_count[g] = count - 1
+    def remove(self, rows: np.ndarray, group_of: np.ndarray) -> None:
+        """Rows are no longer ready (consumed, or forgotten); rows not in the index are ignored."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[(rows >= 0) & (rows < len(self.pos))]
+        rows = rows[self.pos[rows] >= 0]
+        if not len(rows):
+            return
+        self.pos[rows] = -1
+        self.num_rows -= len(rows)
+        if self.group_size > 1:
+            for g, c in zip(*np.unique(group_of[rows], return_counts=True), strict=True):
+                count = self.group_count[int(g)]
+                if count == self.group_size:
+                    del self.groups[int(g)]
+                    self._groups_removed += 1
+                if count == int(c):
+                    del self.group_count[int(g)]
+                else:
+                    self.group_count[int(g)] = count - int(c)
+            if self._groups_removed > len(self.groups) + 1024:
+                self.groups = dict(self.groups)  # drop the dict's tombstones, which slow iteration from the front
+                self._groups_removed = 0
+        if (self.tail - self.head) - self.num_rows > self.num_rows + 1024:
+            self._compact()
+
+    def _compact(self, extra: int = 0) -> None:
+        entries = self.queue[self.head : self.tail]
+        live = entries[self.pos[entries] == np.arange(self.head, self.tail)]
+        size = max(64, 2 * (len(live) + extra))
+        if size > len(self.queue) or size < len(self.queue) // 4:
+            self.queue = np.zeros(size, dtype=np.int64)
+        self.queue[: len(live)] = live
+        self.pos[live] = np.arange(len(live))
+        self.head, self.tail = 0, len(live)
+
+    def first_rows(self, k: int) -> np.ndarray:
+        """The first ``k`` ready rows (fewer if fewer are ready), oldest first."""
+        picked, need, p = [], k, self.head
+        while need > 0 and p < self.tail:
+            stop = min(self.tail, p + max(2 * need, 64))
+            chunk = self.queue[p:stop]
+            live = self.pos[chunk] == np.arange(p, stop)
+            if p == self.head:  # leading dead entries are skipped for good
+                self.head += int(np.argmax(live)) if live.any() else len(chunk)
+            taken = chunk[live][:need]
+            picked.append(taken)
+            need -= len(taken)
+            p = stop
+        return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+
+    def first_groups(self, k: int) -> list[int]:
+        """The first ``k`` groups whose members are all ready, oldest first."""
+        return list(islice(self.groups, k))
+
+    @property
+    def rows(self) -> list[int]:
+        """Every ready row, oldest first (for inspection; O(ready rows))."""
+        return self.first_rows(self.num_rows).tolist()
 
 
 @dataclass
@@ -375,7 +446,7 @@ class PartitionState:
                 m = np.uint64(index.mask)
                 became = rows[((new_mask & m) == m) & ((old_mask & m) != m)]
                 index.produced += len(became)
-                index.add(became[task.consumption[became] == AVAILABLE].tolist(), self.group)
+                index.add(became[task.consumption[became] == AVAILABLE], self.group)
         return dead_blocks
 
     def _unref(self, blocks: np.ndarray) -> list[int]:
@@ -409,15 +480,14 @@ class PartitionState:
             m = np.uint64(mask)
             produced = committed[(self.produced_mask[committed] & m) == m]
             index.produced = len(produced)
-            index.add(produced[task.consumption[produced] == AVAILABLE].tolist(), self.group)
+            index.add(produced[task.consumption[produced] == AVAILABLE], self.group)
         return index
 
     def consume(self, task_name: str, rows: np.ndarray) -> None:
         task = self.task(task_name)
         task.consumption[rows] = CONSUMED
-        listed = rows.tolist()
         for index in task.ready.values():
-            index.remove(listed, self.group)
+            index.remove(rows, self.group)
 
     def release(self, task_name: str, rows: np.ndarray) -> None:
         """Hand rows back to a task: they are available (and ready, where produced) again."""
@@ -427,7 +497,7 @@ class PartitionState:
         task.consumption[rows] = AVAILABLE
         for index in task.ready.values():
             m = np.uint64(index.mask)
-            index.add(rows[(self.produced_mask[rows] & m) == m].tolist(), self.group)
+            index.add(rows[(self.produced_mask[rows] & m) == m], self.group)
 
     def reset_consumption(self, task_name: str | None) -> None:
         names = [task_name] if task_name is not None else list(self.tasks)
@@ -437,10 +507,12 @@ class PartitionState:
                 del self.rounds[round_key]
 
     def first_rows(self, index: ReadyIndex, k: int) -> np.ndarray:
-        return np.fromiter(islice(index.rows, k), dtype=np.int64)
+        return index.first_rows(k)
 
     def first_groups(self, index: ReadyIndex, k: int) -> np.ndarray:
-        groups = list(islice(index.groups, k))
+        if self.group_size == 1:  # every row is its own group
+            return index.first_rows(k)
+        groups = index.first_groups(k)
         if not groups:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([np.asarray(self.group_rows[g], dtype=np.int64) for g in groups])
@@ -484,7 +556,7 @@ class PartitionState:
             for index in task.ready.values():
                 m = np.uint64(index.mask)
                 index.produced -= int(np.count_nonzero((self.produced_mask[rows] & m) == m))
-                index.remove(rows.tolist(), self.group)
+                index.remove(rows, self.group)
             task.consumption[rows] = AVAILABLE
         for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
             members = self.group_rows.get(g)

@@ -108,10 +108,10 @@ class _ReadyView:
         self.group_size = self.part.group_size
 
     def num_rows(self) -> int:
-        return len(self.index.rows)
+        return self.index.num_rows
 
     def num_groups(self) -> int:
-        return len(self.index.groups)
+        return self.index.num_rows if self.group_size == 1 else len(self.index.groups)
 
     def first_rows(self, k: int) -> np.ndarray:
         return self.part.first_rows(self.index, k)
@@ -733,7 +733,7 @@ class QueueState:
             if lacking:
                 missing[f] = lacking
         index = part.ready_index(req.task_name, req.fields)
-        ready = 0 if index is None else len(index.rows)
+        ready = 0 if index is None else index.num_rows
         detail = ", ".join(f"{f!r} missing on {c} rows" for f, c in missing.items()) or "no field missing"
         return GetMetaTimeout(
             f"{ask}; {ready} rows are ready, {len(rows)} unconsumed rows exist ({detail}); "
