@@ -91,6 +91,28 @@ def from_buffer(buf: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.
     return raw.view(dtype).reshape(tuple(shape))
 
 
+def row_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A ``[rows, bytes per row]`` uint8 numpy view of a contiguous CPU tensor of any dtype (no copy)."""
+    rows = tensor.shape[0]
+    width = int(np.prod(tensor.shape[1:], dtype=np.int64)) * tensor.element_size()
+    if tensor.numel() == 0:
+        return np.zeros((rows, width), dtype=np.uint8)
+    return tensor.reshape(-1).view(torch.uint8).numpy().reshape(rows, width)
+
+
+def from_row_bytes(array: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The tensor ``[rows, *shape]`` of ``dtype`` over a ``[rows, bytes]`` uint8 array (no copy)."""
+    if array.size == 0:
+        return torch.empty((array.shape[0], *shape), dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(array).reshape(-1)).view(dtype).reshape(array.shape[0], *shape)
+
+
+def take_rows(tensor: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """``tensor[rows]`` as one numpy gather: numpy copies on the calling thread, where torch would wake its
+    intra-op thread pool (which fights the queue's servers for cores on small machines)."""
+    return from_row_bytes(np.take(row_bytes(tensor), rows, axis=0), tensor.dtype, tensor.shape[1:])
+
+
 @dataclass
 class Column:
     """One field's rows: a dense tensor, a (values, offsets) pair, or a list of objects."""
@@ -181,7 +203,9 @@ class Column:
             assert self.offsets is not None
             return np.diff(self.offsets.numpy())
         if self.schema.kind == "dense" and self.data is not None and self.data.dim() == 2:
-            return self.data.to(torch.int64).sum(dim=1).numpy()
+            if self.data.dtype in (torch.bfloat16, torch.float16):
+                return self.data.to(torch.int64).sum(dim=1).numpy()
+            return self.data.numpy().sum(axis=1, dtype=np.int64)  # numpy: no torch thread pool on the put path
         return None
 
     # ---- wire ---------------------------------------------------------------------------------------------
@@ -287,16 +311,22 @@ def concat_columns(parts: Sequence[Column], positions: Sequence[np.ndarray], num
     if schema.kind == "dense":
         first = parts[0].data
         assert first is not None
-        out = torch.empty((num_rows, *first.shape[1:]), dtype=first.dtype)
+        width = int(np.prod(first.shape[1:], dtype=np.int64)) * first.element_size()
+        out = np.empty((num_rows, width), dtype=np.uint8)
         for part, pos in zip(parts, positions, strict=True):
             assert part.data is not None
+            src = row_bytes(part.data)
             if len(pos) and pos[-1] - pos[0] == len(pos) - 1 and np.all(np.diff(pos) == 1):
-                out[int(pos[0]) : int(pos[-1]) + 1] = part.data
+                out[int(pos[0]) : int(pos[-1]) + 1] = src
             else:
-                out[torch.from_numpy(pos)] = part.data
-        return Column(schema, num_rows, data=out)
+                out[pos] = src
+        return Column(schema, num_rows, data=from_row_bytes(out, first.dtype, first.shape[1:]))
     # jagged: lay the parts end to end, then take rows in destination order with one gather
-    values = torch.cat([p.data for p in parts if p.data is not None])
+    first = parts[0].data
+    assert first is not None
+    values = from_row_bytes(
+        np.concatenate([row_bytes(p.data) for p in parts if p.data is not None]), first.dtype, first.shape[1:]
+    )
     part_offsets, base = [np.zeros(1, dtype=np.int64)], 0
     for part in parts:
         assert part.offsets is not None
@@ -316,4 +346,4 @@ def jagged_take(values: torch.Tensor, offsets: np.ndarray, rows: np.ndarray) -> 
     if len(rows) and np.all(np.diff(rows) == 1):  # one contiguous run: a view
         return values[int(starts[0]) : int(starts[0]) + int(new_offsets[-1])], torch.from_numpy(new_offsets)
     index = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(int(new_offsets[-1]), dtype=np.int64)
-    return values[torch.from_numpy(index)], torch.from_numpy(new_offsets)
+    return take_rows(values, index), torch.from_numpy(new_offsets)

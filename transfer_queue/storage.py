@@ -27,6 +27,7 @@ from transfer_queue import protocol as p
 from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
+    ProtocolMismatch,
     PutExpired,
     SessionMismatch,
     StaleBatchMeta,
@@ -190,7 +191,7 @@ class BlockStore:
 
 def _take(column: Column, rows: np.ndarray) -> Column:
     """Rows of a block's column; a view when they are one contiguous ascending run."""
-    from transfer_queue.columns import Column, jagged_take
+    from transfer_queue.columns import Column, jagged_take, take_rows
 
     n = len(rows)
     contiguous = n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool(np.all(np.diff(rows) == 1)))
@@ -201,9 +202,7 @@ def _take(column: Column, rows: np.ndarray) -> Column:
         return Column(column.schema, n, objects=[column.objects[i] for i in rows.tolist()])
     assert column.data is not None
     if column.schema.kind == "dense":
-        import torch
-
-        return Column(column.schema, n, data=column.data[torch.from_numpy(rows)])
+        return Column(column.schema, n, data=take_rows(column.data, rows))
     assert column.offsets is not None
     values, offsets = jagged_take(column.data, column.offsets.numpy(), rows)
     return Column(column.schema, n, data=values, offsets=offsets)
@@ -253,7 +252,10 @@ class StorageServer:
                 envelope = p.decode_envelope(frames[1].buffer)
                 request_id = envelope.request_id
                 if envelope.protocol_version != p.PROTOCOL_VERSION:
-                    raise SessionMismatch(f"protocol {envelope.protocol_version} != {p.PROTOCOL_VERSION}")
+                    raise ProtocolMismatch(
+                        f"the client speaks protocol {envelope.protocol_version}, this storage unit "
+                        f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
+                    )
                 if envelope.session_id != self.session_id:
                     raise SessionMismatch(
                         f"this storage unit serves session {self.session_id}, the request is for {envelope.session_id}"
