@@ -169,7 +169,7 @@ class GRPOTrainerRank:
         rows = cfg.prompts_per_step * cfg.n_samples // (self.world_size * rounds)
         totals: dict[str, float] = {}
         train_metrics: list[dict[str, float]] = []
-        queue_s = train_s = 0.0
+        queue_s = wait_s = train_s = 0.0
         version = self.version  # the engines' version when this step's samples are on-policy
         for k in range(rounds):
             t0 = time.perf_counter()
@@ -183,7 +183,9 @@ class GRPOTrainerRank:
                 timeout=cfg.queue_timeout,
             )
             data = self.client.get_data(meta)
-            queue_s += time.perf_counter() - t0
+            waited = meta.extra.get("wait_s", 0.0)  # time the rows were not rewarded yet: not queue overhead
+            wait_s += waited
+            queue_s += time.perf_counter() - t0 - waited
             t1 = time.perf_counter()
             batch = build_train_batch(
                 data,
@@ -206,7 +208,11 @@ class GRPOTrainerRank:
         for name in train_metrics[0] if train_metrics else ():
             out[name] = float(np.mean([m[name] for m in train_metrics]))
         out.update(
-            queue_s=queue_s, train_s=train_s, policy_version=float(self.version), optimizer_steps=len(train_metrics)
+            queue_s=queue_s,
+            wait_s=wait_s,
+            train_s=train_s,
+            policy_version=float(self.version),
+            optimizer_steps=len(train_metrics),
         )
         return out
 

@@ -267,6 +267,7 @@ class GRPORun:
             generate_s=total(rollout, "generate_s"),
             reward_s=total(reward, "reward_s"),
             queue_s=total(rollout, "queue_s") + total(reward, "queue_s") + train.get("queue_s", 0.0),
+            wait_s=total(rollout, "wait_s") + total(reward, "wait_s") + train.get("wait_s", 0.0),
             sync_s=sync_s,
             engine_restarts=total(rollout, "engine_restarts"),
             reward_failures=total(reward, "failed"),

@@ -86,6 +86,7 @@ class GetMetaJob:
     dp_size: int
     dp_rank: int
     dp_group_id: str | None
+    auto_round: tuple[tuple[PartitionKey, str, int], int] | None = None  # (counter, round) when numbered for it
 
 
 @dataclass
@@ -211,6 +212,7 @@ class QueueState:
             keep = []
             for parked in self.getters[key]:
                 if parked.deadline <= now:
+                    self._forget_auto_round(parked.job)
                     parked.respond(None, self._get_meta_timeout(parked))
                 else:
                     keep.append(parked)
@@ -231,6 +233,14 @@ class QueueState:
         self.next_deadline = min(deadlines, default=float("inf"))
         return None if self.next_deadline == float("inf") else self.next_deadline
 
+    def _forget_auto_round(self, job: GetMetaJob) -> None:
+        """A rank's auto-numbered round timed out: its next call takes the same round number again, so the rank
+        stays in step with its peers."""
+        if job.auto_round is not None:
+            counter, number = job.auto_round
+            if self.auto_rounds.get(counter) == number + 1:
+                self.auto_rounds[counter] = number
+
     def _retry_getters(self, key: PartitionKey) -> None:
         waiting = self.getters.pop(key, [])
         still = []
@@ -243,6 +253,8 @@ class QueueState:
             if result is WAIT:
                 still.append(parked)
             else:
+                # how long it waited for rows to be produced: callers tell queue overhead from upstream stages
+                result.extra["wait_s"] = self.clock() - parked.started
                 parked.respond(result, None)
         if still:
             self.getters.setdefault(key, []).extend(still)
@@ -566,12 +578,21 @@ class QueueState:
                 f"batch_size={req.batch_size} is not divisible by num_n_samples={n}; whole groups are served"
             )
         self._live(key)  # raises now if the partition was cleared
+        auto_round = None
         if dp_group_id is None and dp_size > 1:
             counter = (key, req.task_name, dp_rank)
-            dp_group_id = f"auto-{self.auto_rounds.get(counter, 0)}"
-            self.auto_rounds[counter] = self.auto_rounds.get(counter, 0) + 1
+            number = self.auto_rounds.get(counter, 0)
+            dp_group_id, auto_round = f"auto-{number}", (counter, number)
+            self.auto_rounds[counter] = number + 1
         job = GetMetaJob(
-            req, sampler, params, whole, dp_size, dp_rank, None if dp_group_id is None else str(dp_group_id)
+            req,
+            sampler,
+            params,
+            whole,
+            dp_size,
+            dp_rank,
+            None if dp_group_id is None else str(dp_group_id),
+            auto_round,
         )
         result = self._try_get_meta(job)
         return Wait(job) if result is WAIT else result

@@ -77,7 +77,7 @@ class RewardWorker:
 
     def score_step(self, step: int) -> dict[str, float]:
         fields = ["response_ids", *self.task.reward_fields]
-        stats = {"rows": 0.0, "queue_s": 0.0, "reward_s": 0.0, "failed": 0.0}
+        stats = {"rows": 0.0, "queue_s": 0.0, "wait_s": 0.0, "reward_s": 0.0, "failed": 0.0}
         while True:
             t0 = time.perf_counter()
             meta = self.client.get_meta(
@@ -88,11 +88,13 @@ class RewardWorker:
                 get_n_samples=True,
                 timeout=self.timeout,
             )
+            waited = meta.extra.get("wait_s", 0.0)  # time the responses were not produced yet
+            stats["wait_s"] += waited
             if len(meta) == 0:
-                stats["queue_s"] += time.perf_counter() - t0
+                stats["queue_s"] += time.perf_counter() - t0 - waited
                 return stats
             data = self.client.get_data(meta)
-            stats["queue_s"] += time.perf_counter() - t0
+            stats["queue_s"] += time.perf_counter() - t0 - waited
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}

@@ -111,7 +111,7 @@ class RolloutWorker:
     def generate_step(self, step: int, fields: list[str] | None = None) -> dict[str, float]:
         """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts."""
         fields = fields or ["prompt_ids"]
-        stats = {"rows": 0.0, "queue_s": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        stats = {"rows": 0.0, "queue_s": 0.0, "wait_s": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
         while True:
             t0 = time.perf_counter()
             meta = self.client.get_meta(
@@ -122,11 +122,13 @@ class RolloutWorker:
                 get_n_samples=True,
                 timeout=self.timeout,
             )
+            waited = meta.extra.get("wait_s", 0.0)  # time the rows were not produced yet: not queue overhead
+            stats["wait_s"] += waited
             if len(meta) == 0:
-                stats["queue_s"] += time.perf_counter() - t0
+                stats["queue_s"] += time.perf_counter() - t0 - waited
                 return stats
             data = self.client.get_data(meta.select_fields(["prompt_ids"]))
-            stats["queue_s"] += time.perf_counter() - t0
+            stats["queue_s"] += time.perf_counter() - t0 - waited
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()

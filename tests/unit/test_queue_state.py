@@ -538,6 +538,28 @@ def test_dp_sampler_defaults_make_automatic_rounds(make_queue):
     assert a0.extra["dp_group_id"] == "auto-0" and b1.extra["dp_group_id"] == "auto-1"
 
 
+def test_an_automatic_round_that_times_out_is_taken_again_by_the_next_call(make_queue):
+    q = make_queue(global_batch_size=8)
+    q.state.register_sampler("train", DPSampler(dp_rank=0, dp_size=2))
+    late = q.get_async(0, "x", 1, timeout=1.0)  # round auto-0 waits: nothing is put yet
+    q.advance(2.0)
+    with pytest.raises(GetMetaTimeout):
+        late.result()
+    q.put(0, 8, X)
+    again = q.get(0, "x", 1)  # still auto-0, so rank 0 stays in step with rank 1
+    peer = q.get(0, "x", 1, sampler_params={"dp_rank": 1})
+    assert again.extra["dp_group_id"] == peer.extra["dp_group_id"] == "auto-0"
+
+
+def test_a_get_meta_that_waited_says_how_long(make_queue):
+    q = make_queue()
+    waiting = q.get_async(0, "x", 2)
+    q.advance(1.5)
+    q.put(0, 2, X)
+    assert waiting.result().extra["wait_s"] == pytest.approx(1.5)
+    assert "wait_s" not in q.get(0, "x", 2, task="other").extra  # served at once: no wait to report
+
+
 def test_a_released_dp_share_goes_back_to_the_task_and_not_to_its_round(make_queue):
     q = make_queue(global_batch_size=4)
     q.put(0, 4, X)
