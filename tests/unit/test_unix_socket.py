@@ -1,0 +1,127 @@
+"""Framed messages over Unix sockets: round trips, partial reads and writes, hostile headers, parallel exchanges."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from transfer_queue.unix_socket import (
+    MAX_FRAMES,
+    FrameReader,
+    ProtocolViolation,
+    UnixServer,
+    connect,
+    exchange,
+    send_all,
+)
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
+def read_all(sock: socket.socket, reader: FrameReader, count: int = 1) -> list[list[bytearray]]:
+    got: list[list[bytearray]] = []
+    while len(got) < count:
+        socket_ready = [sock]
+        import select
+
+        select.select(socket_ready, [], [], 5)
+        messages, closed = reader.read(sock)
+        got += messages
+        assert not closed or len(got) >= count
+    return got
+
+
+def test_messages_round_trip_with_empty_and_large_frames():
+    a, b = pair()
+    payload = np.random.default_rng(0).integers(0, 255, size=3_000_000, dtype=np.uint8)  # > socket buffer
+    frames = [b"envelope", b"", payload, memoryview(b"tail")]
+    done = threading.Event()
+    threading.Thread(target=lambda: (send_all(a, frames, 10), send_all(a, [b"second"], 10), done.set())).start()
+    reader = FrameReader()
+    (first, second) = read_all(b, reader, 2)
+    assert done.wait(10)
+    assert [bytes(f[:8]) for f in first[:2]] == [b"envelope", b""]
+    assert np.array_equal(np.frombuffer(first[2], dtype=np.uint8), payload)
+    assert bytes(first[3]) == b"tail" and [bytes(f) for f in second] == [b"second"]
+    assert reader.idle
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (struct.pack("<I", 0), "1 to 4096 frames, the peer claims 0"),
+        (struct.pack("<I", MAX_FRAMES + 1), "the peer claims 4097"),
+        (struct.pack("<IQ", 1, 1 << 50), "over the 1099511627776-byte limit"),
+    ],
+)
+def test_hostile_headers_are_refused_before_anything_is_allocated(header, message):
+    a, b = pair()
+    a.send(header)
+    with pytest.raises(ProtocolViolation, match=message):
+        read_all(b, FrameReader())
+
+
+def test_a_closed_peer_is_reported():
+    a, b = pair()
+    a.send(struct.pack("<IQ", 1, 10) + b"abc")  # a message cut short
+    a.close()
+    messages, closed = FrameReader().read(b)
+    assert messages == [] and closed
+
+
+def echo_server(path: str, stop: threading.Event) -> None:
+    import select
+
+    server = UnixServer(path)
+    while not stop.is_set():
+        ready, _, _ = select.select(server.fds(), [], [], 0.05)
+        for fd in ready:
+            for conn, frames in server.on_ready(fd):
+                server.reply(conn, [bytes(frames[0]).upper(), *frames[1:]])
+    server.close()
+
+
+def test_exchange_talks_to_several_servers_at_once(tmp_path):
+    stop = threading.Event()
+    paths = [str(tmp_path / f"s{i}.sock") for i in range(2)]
+    threads = [threading.Thread(target=echo_server, args=(p, stop)) for p in paths]
+    for t in threads:
+        t.start()
+    try:
+        for p in paths:
+            for _ in range(200):
+                if os.path.exists(p):
+                    break
+                threading.Event().wait(0.01)
+        socks = [connect(p) for p in paths]
+        big = np.arange(2_000_000, dtype=np.int64)  # 16 MB to each server
+        replies, failed = exchange([(s, [b"hello", big]) for s in socks], timeout=20)
+        assert failed == []
+        for reply in replies:
+            assert reply is not None and bytes(reply[0]) == b"HELLO"
+            assert np.array_equal(np.frombuffer(reply[1], dtype=np.int64), big)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def test_exchange_reports_a_server_that_does_not_answer(tmp_path):
+    path = str(tmp_path / "silent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    sock = connect(path)
+    replies, failed = exchange([(sock, [b"anyone?"])], timeout=0.2)
+    assert replies == [None] and failed == [0]
+    listener.close()
