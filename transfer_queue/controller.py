@@ -128,11 +128,12 @@ class ControllerServer:
             self._reply(identity, request_id, {"session_id": self.session_id}, None)
             return
 
-        hold = isinstance(request, (p.Clear, p.KvClear))  # answered once the storage units dropped the bytes
+        # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
+        hold = [isinstance(request, (p.Clear, p.KvClear))]
         held: list[tuple[Any, BaseException | None]] = []
 
         def respond(value: Any, error: BaseException | None) -> None:
-            if hold:
+            if hold[0]:
                 held.append((value, error))
             else:
                 self._reply(identity, request_id, value, error)
@@ -142,6 +143,7 @@ class ControllerServer:
         except Exception as exc:  # a bug, not bad input: answer it and keep serving
             logger.exception("controller failed on %s", type(request).__name__)
             respond(None, exc)
+        hold[0] = False  # answers that come later (a parked request) go out at once
         for value, error in held:
             sent = self._flush_outbox() if error is None else []
             if sent:

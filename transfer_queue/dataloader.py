@@ -32,7 +32,8 @@ class StreamingDataset(IterableDataset):
         task_name: the consumer; every row is served once per task.
         dp_rank, dp_size: this rank and the DP world size (every rank must use the same ``batch_size``).
         micro_batch_size: yield each round's rows in micro-batches of this size (default: the whole share).
-        controller_info: the queue to read (default: the one ``transfer_queue.init`` started on this cluster).
+        controller_info: the queue to read (default: the one ``transfer_queue.init`` started on this cluster,
+            looked up now).
         get_n_samples: whole GRPO groups only.
         timeout: seconds to wait for one round.
         device: where tensors are delivered.
@@ -67,20 +68,21 @@ class StreamingDataset(IterableDataset):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.micro_batch_size = micro_batch_size
+        if controller_info is None:
+            # Looked up here, in the process that builds the dataset: DataLoader workers are forked from it, and a
+            # forked process cannot use Ray (the lookup there hangs).
+            import ray
+
+            from transfer_queue.runtime import get_controller
+
+            controller_info = ray.get(get_controller().get_info.remote())
         self.controller_info = controller_info
         self.get_n_samples = get_n_samples
         self.timeout = timeout
         self.device = device
 
     def _client(self) -> TransferQueueClient:
-        info = self.controller_info
-        if info is None:
-            import ray
-
-            from transfer_queue.runtime import get_controller
-
-            info = ray.get(get_controller().get_info.remote())
-        return TransferQueueClient(f"{default_client_id()}-dataset-rank{self.dp_rank}", info)
+        return TransferQueueClient(f"{default_client_id()}-dataset-rank{self.dp_rank}", self.controller_info)
 
     def __iter__(self) -> Iterator[tuple[TensorDict, BatchMeta]]:
         worker = get_worker_info()

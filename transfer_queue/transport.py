@@ -192,6 +192,7 @@ class AsyncioTransport:
         self._ids = itertools.count(1)
         self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
         self._readers: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._loops: dict[int, asyncio.AbstractEventLoop] = {}
         self._futures: dict[int, asyncio.Future[Frames]] = {}
 
     def next_request_id(self) -> int:
@@ -202,12 +203,23 @@ class AsyncioTransport:
         key = (id(loop), address)
         sock = self._sockets.get(key)
         if sock is None:
+            self._forget_closed_loops()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self._sockets[key] = sock
             self._readers[key] = loop.create_task(self._read(sock))
+            self._loops[id(loop)] = loop
         return sock
+
+    def _forget_closed_loops(self) -> None:
+        """Close the sockets of event loops that have ended: a client used through one ``asyncio.run`` per call
+        would otherwise keep a socket (and a dead loop) per call until it runs out of file descriptors."""
+        for loop_id in [i for i, loop in self._loops.items() if loop.is_closed()]:
+            del self._loops[loop_id]
+            for key in [k for k in self._sockets if k[0] == loop_id]:
+                self._sockets.pop(key).close(linger=0)
+                self._readers.pop(key, None)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -241,8 +253,10 @@ class AsyncioTransport:
 
     def close(self) -> None:
         for task in self._readers.values():
-            task.cancel()
+            if not task.get_loop().is_closed():
+                task.cancel()
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
         self._readers.clear()
+        self._loops.clear()

@@ -66,7 +66,7 @@ class FrameReader:
                         self._parse_head()
                 elif self._frame < len(self._frames):
                     frame = self._frames[self._frame]
-                    got = sock.recv_into(memoryview(frame)[self._offset :]) if len(frame) else 0
+                    got = sock.recv_into(frame.data[self._offset :]) if len(frame) else 0
                     if got == 0 and len(frame):
                         return done, True
                     self._offset += got

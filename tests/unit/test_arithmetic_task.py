@@ -100,7 +100,10 @@ def test_problems_are_a_pure_function_of_the_seed_and_correct():
     [
         ({"operators": "/"}, "operators='/' must be a non-empty string of"),
         ({"operators": ""}, "operators='' must be a non-empty string of"),
-        ({"min_operand": 5, "max_operand": 4}, "need 0 <= min_operand <= max_operand, got min_operand=5, max_operand=4"),
+        (
+            {"min_operand": 5, "max_operand": 4},
+            "need 0 <= min_operand <= max_operand, got min_operand=5, max_operand=4",
+        ),
     ],
 )
 def test_bad_task_arguments_are_rejected_when_built(kwargs, message):
