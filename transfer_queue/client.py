@@ -341,8 +341,11 @@ class AsyncTransferQueueClient:
         await self._control(request, Any, self.config.default_timeout)
 
     async def clear(self, global_step: int | None = None, partition_id: str | None = None) -> None:
-        """Drop a partition's rows and payload. Idempotent; BatchMetas of it become stale."""
-        await self._control(p.Clear(_partition(global_step, partition_id)), Any, self.config.default_timeout)
+        """Drop a partition's rows and payload. Idempotent. Returns once the storage units dropped the payload (a
+        unit that does not acknowledge is waited for at most half the default timeout): from then on every BatchMeta
+        of the partition is stale."""
+        request = p.Clear(_partition(global_step, partition_id))
+        await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)
 
     async def reset_consumption(
         self, task_name: str | None = None, global_step: int | None = None, partition_id: str | None = None
@@ -443,7 +446,7 @@ class AsyncTransferQueueClient:
     async def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         """Forget ``keys`` (None: the whole partition) and free their payload. Unknown keys are ignored."""
         request = p.KvClear(_kv_partition(partition_id), None if keys is None else [str(k) for k in keys])
-        await self._control(request, Any, self.config.default_timeout)
+        await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)  # answered as clear is
 
 
 def _sync(

@@ -1,0 +1,219 @@
+"""Shared pieces of the Ray tiers: one local Ray session, queues reused across tests, and ``wait_until``.
+
+Everything here is opt-in: tests that use no fixture below (the unit tier) never import Ray. Starting a queue costs
+seconds on these machines, so queues are started once per configuration and shared; each test gets a
+:class:`Queue` view that hands out fresh global steps and partition ids and clears them when the test ends, so
+tests never see each other's rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+
+# Before anything imports Ray: bind Ray to 127.0.0.1, so no test sends traffic outside loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> T:
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., Any]:
+    """:func:`wait_until`, for test modules (they cannot import this conftest by name reliably)."""
+    return wait_until
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """One local Ray session for the whole run, started on first use."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+@dataclass
+class StartedQueue:
+    """A hand-built controller (and the storage units it started), shared by every test with its configuration."""
+
+    controller: Any
+    info: Any
+    config: dict[str, Any]
+    steps: Iterator[int] = field(default_factory=itertools.count)
+
+
+class Queue:
+    """One test's view of a shared queue: clients, fresh steps and partition ids, all cleaned up afterwards."""
+
+    def __init__(self, started: StartedQueue, name: str):
+        self._started = started
+        self._name = name
+        self._clients: list[Any] = []
+        self._steps: list[int] = []
+        self._partitions: list[str] = []
+        self.client = self.new_client("main")
+
+    @property
+    def controller(self) -> Any:
+        return self._started.controller
+
+    @property
+    def info(self) -> Any:
+        return self._started.info
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._started.config
+
+    def new_client(self, client_id: str = "extra") -> Any:
+        from transfer_queue import TransferQueueClient
+
+        client = TransferQueueClient(client_id=f"{self._name}-{client_id}", controller_info=self.info)
+        self._clients.append(client)
+        return client
+
+    def step(self) -> int:
+        """A global step no test has used on this queue (steps are never reused once cleared)."""
+        step = next(self._started.steps)
+        self._steps.append(step)
+        return step
+
+    def partition(self, prefix: str = "p") -> str:
+        """A string partition id no test has used."""
+        name = f"{self._name}-{prefix}-{uuid.uuid4().hex[:8]}"
+        self._partitions.append(name)
+        return name
+
+    def storage_bytes(self) -> int:
+        import ray
+
+        return sum(s["bytes"] for s in ray.get(self.controller.storage_stats.remote()))
+
+    def close(self) -> None:
+        cleaner = self.new_client("cleanup")
+        for step in self._steps:
+            cleaner.clear(global_step=step)
+        for partition in self._partitions:
+            cleaner.clear(partition_id=partition)
+        for client in self._clients:
+            client.close()
+
+
+def stop_controller(controller: Any) -> None:
+    """Stop a hand-built controller and the storage units it started."""
+    import ray
+
+    try:
+        ray.get(controller.shutdown.remote(), timeout=30)
+    except Exception:  # already dead: killed below anyway
+        pass
+    ray.kill(controller)
+
+
+class QueuePool:
+    """Queues by configuration, started on first use and stopped when the session ends."""
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple, StartedQueue] = {}
+
+    def get(self, **config: Any) -> StartedQueue:
+        import ray
+
+        from transfer_queue import TransferQueueController
+
+        key = tuple(sorted((k, repr(v)) for k, v in config.items()))
+        started = self._queues.get(key)
+        if started is None:
+            controller = TransferQueueController.remote(**config)
+            started = StartedQueue(controller, ray.get(controller.get_info.remote()), config)
+            self._queues[key] = started
+        return started
+
+    def close(self) -> None:
+        for started in self._queues.values():
+            stop_controller(started.controller)
+        self._queues.clear()
+
+
+# The configurations tests share: plain rows over two storage units, and GRPO groups of 4. Every storage unit is a
+# process that imports torch (seconds here), so the queues that need no second unit get one.
+DEFAULT_QUEUE = {"global_batch_size": 16, "num_global_batch": 4, "num_n_samples": 1, "default_timeout": 15.0}
+GRPO_QUEUE = {
+    "global_batch_size": 4,
+    "num_global_batch": 4,
+    "num_n_samples": 4,
+    "default_timeout": 15.0,
+    "num_storage_units": 1,
+}
+# Small limits for fault and backpressure tests: operations give up within seconds, abandoned puts are aborted
+# quickly, two steps are live at most, and the storage holds 1 MiB.
+FAST_QUEUE = {
+    "global_batch_size": 8,
+    "num_global_batch": 2,
+    "num_n_samples": 1,
+    "default_timeout": 2.0,
+    "put_grace": 1.0,
+    "num_storage_units": 1,
+    "storage_unit_bytes": 1 << 20,
+}
+
+
+@pytest.fixture(scope="session")
+def queue_pool(ray_session: Any) -> Iterator[QueuePool]:
+    pool = QueuePool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def make_view(queue_pool: QueuePool, request: pytest.FixtureRequest) -> Iterator[Callable[..., Queue]]:
+    """``make_view(**config)``: this test's view of the shared queue with that configuration."""
+    views: list[Queue] = []
+
+    def make(**config: Any) -> Queue:
+        view = Queue(queue_pool.get(**config), request.node.name[:40])
+        views.append(view)
+        return view
+
+    yield make
+    for view in views:
+        view.close()
+
+
+@pytest.fixture
+def queue(make_view: Callable[..., Queue]) -> Queue:
+    """The shared plain queue: steps of 16 rows, groups of 1, four steps live."""
+    return make_view(**DEFAULT_QUEUE)
+
+
+@pytest.fixture
+def grpo_queue(make_view: Callable[..., Queue]) -> Queue:
+    """The shared GRPO queue: steps of 4 prompts x 4 responses, four steps live."""
+    return make_view(**GRPO_QUEUE)
+
+
+@pytest.fixture
+def fast_queue(make_view: Callable[..., Queue]) -> Queue:
+    """The shared queue with 2 s timeouts and a 1 s put grace."""
+    return make_view(**FAST_QUEUE)
