@@ -122,10 +122,10 @@ class AsyncTransferQueueClient:
             raise RequestTimeout(f"{who}: {exc}") from None
         out = []
         for frames in replies:
-            header = p.decode_reply_header(frames[0].buffer)
+            header = p.decode_reply_header(frames[0])
             if header.error_type is not None:
                 raise error_from_wire(header.error_type, header.error_message or "")
-            out.append((frames[1].buffer, [f.buffer for f in frames[2:]]))
+            out.append((frames[1], frames[2:]))
         return out
 
     async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:

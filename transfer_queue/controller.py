@@ -31,7 +31,7 @@ from transfer_queue.errors import (
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.storage import StorageUnit
-from transfer_queue.transport import bind_server, remove_ipc
+from transfer_queue.transport import Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
@@ -45,7 +45,7 @@ DROP_ACK_WAIT = 10.0
 class HeldReply:
     """A reply waiting for the storage units to acknowledge the drops its request caused."""
 
-    identity: zmq.Frame
+    reply: Reply
     request_id: int
     value: Any
     awaiting: set[int]
@@ -59,14 +59,15 @@ class ControllerServer:
         self.state = state
         self.session_id = session_id
         self.lock = threading.Lock()
-        self._ctx = zmq.Context()
-        self._sock, self.endpoint = bind_server(self._ctx, host)
+        self._sockets = ServerSockets(host)
+        self.endpoint = self._sockets.endpoint
         self._units = []
         for endpoint in storage:
-            dealer = self._ctx.socket(zmq.DEALER)
+            dealer = self._sockets.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(endpoint.address())
             self._units.append(dealer)
+            self._sockets.register(dealer)
         self._ids = itertools.count(1)
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
@@ -75,21 +76,12 @@ class ControllerServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        for dealer in self._units:
-            poller.register(dealer, zmq.POLLIN)
         while not self._stop.is_set():
             wait = min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
-            events = dict(poller.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1)))
+            events = self._sockets.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1))
             with self.lock:
-                if self._sock in events:
-                    for _ in range(MAX_BATCH):
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_message(frames)
+                for frames, reply in self._sockets.requests(events, MAX_BATCH):
+                    self._on_message(frames, reply)
                 if time.monotonic() >= self.state.next_deadline:
                     self.state.tick()
                 self._flush_outbox()
@@ -97,18 +89,16 @@ class ControllerServer:
                 if dealer in events:
                     self._drain_storage_replies(dealer)
             self._send_held(time.monotonic())
-        self._sock.close(linger=0)
         for dealer in self._units:
             dealer.close(linger=0)
-        remove_ipc(self.endpoint)
+        self._sockets.close()
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 3:
-            return  # not even an envelope: nothing to answer
-        identity = frames[0]
+    def _on_message(self, frames: list[Any], reply: Reply) -> None:
+        if len(frames) < 2:
+            return  # not even an envelope and a body: nothing to answer
         request_id = -1
         try:
-            envelope = p.decode_envelope(frames[1].buffer)
+            envelope = p.decode_envelope(frames[0])
             request_id = envelope.request_id
             if envelope.protocol_version != p.PROTOCOL_VERSION:
                 raise ProtocolMismatch(
@@ -120,12 +110,12 @@ class ControllerServer:
                     f"the client's controller_info is from session {envelope.session_id}, this controller runs "
                     f"session {self.session_id}; fetch a fresh controller_info (get_controller().get_info)"
                 )
-            request = p.decode_controller_request(frames[2].buffer)
+            request = p.decode_controller_request(frames[1])
         except TransferQueueError as exc:
-            self._reply(identity, request_id, None, exc)
+            self._reply(reply, request_id, None, exc)
             return
         if isinstance(request, p.Hello):
-            self._reply(identity, request_id, {"session_id": self.session_id}, None)
+            self._reply(reply, request_id, {"session_id": self.session_id}, None)
             return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
@@ -136,7 +126,7 @@ class ControllerServer:
             if hold[0]:
                 held.append((value, error))
             else:
-                self._reply(identity, request_id, value, error)
+                self._reply(reply, request_id, value, error)
 
         try:
             self.state.handle(request, respond)
@@ -148,19 +138,16 @@ class ControllerServer:
             sent = self._flush_outbox() if error is None else []
             if sent:
                 deadline = time.monotonic() + self._drop_ack_wait
-                self._held.append(HeldReply(identity, request_id, value, set(sent), deadline))
+                self._held.append(HeldReply(reply, request_id, value, set(sent), deadline))
             else:
-                self._reply(identity, request_id, value, error)
+                self._reply(reply, request_id, value, error)
 
-    def _reply(self, identity: zmq.Frame, request_id: int, value: Any, error: BaseException | None) -> None:
+    def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
         if error is not None:
             header, body = p.ReplyHeader(request_id, *error_to_wire(error)), b""
         else:
             header, body = p.ReplyHeader(request_id), p.encode(value)
-        try:
-            self._sock.send_multipart([identity, p.encode(header), body])
-        except zmq.ZMQError:  # the client went away
-            pass
+        reply([p.encode(header), body])
 
     def _flush_outbox(self) -> list[int]:
         """Send the state's messages to the storage units; returns the request ids sent."""
@@ -201,7 +188,7 @@ class ControllerServer:
             if held.awaiting and held.deadline > now:
                 keep.append(held)
             else:
-                self._reply(held.identity, held.request_id, held.value, None)
+                self._reply(held.reply, held.request_id, held.value, None)
         self._held = keep
 
     def stop(self) -> None:

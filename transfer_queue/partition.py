@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer_queue import protocol
 from transfer_queue.errors import (
     FieldAlreadyProduced,
     IncompleteGroups,
@@ -127,6 +128,11 @@ class ReadyIndex:
 
     def first_rows(self, k: int) -> np.ndarray:
         """The first ``k`` ready rows (fewer if fewer are ready), oldest first."""
+        stop = self.head + k
+        if stop <= self.tail:  # the common case: the queue's head is all live
+            head = self.queue[self.head : stop]
+            if np.array_equal(self.pos[head], np.arange(self.head, stop)):
+                return head.copy()
         picked, need, p = [], k, self.head
         while need > 0 and p < self.tail:
             stop = min(self.tail, p + max(2 * need, 64))
@@ -525,6 +531,12 @@ class PartitionState:
         return self.block[rows, : len(self.fields)] >= 0
 
     def meta(self, rows: np.ndarray, names: list[str], task_name: str | None, extra: dict[str, Any]) -> BatchMeta:
+        return self.meta_wire(rows, names, task_name, extra).to_meta()
+
+    def meta_wire(
+        self, rows: np.ndarray, names: list[str], task_name: str | None, extra: dict[str, Any]
+    ) -> protocol.MetaWire:
+        """The wire form of the BatchMeta of ``rows`` with fields ``names``, straight from the arrays."""
         if not len(rows):  # the end of a stream: a field nobody produced has no schema to name
             names = [n for n in names if n in self.field_col]
         cols: list[int] = []
@@ -532,14 +544,15 @@ class PartitionState:
             if n not in self.field_col:
                 raise UnknownField(f"field {n!r} is not in {self.name}; it has {list(self.fields)}")
             cols.append(self.field_col[n])
-        return BatchMeta(
+        cells = (rows[:, None], np.asarray(cols, dtype=np.int64))
+        return protocol.MetaWire(
             self.key,
             self.uid,
-            rows + self.base_index,
-            self.group[rows],
+            protocol.pack_indexes(rows + self.base_index),
+            protocol.pack_indexes(self.group[rows]),
             {n: self.fields[n] for n in names},
-            self.block[rows][:, cols],
-            self.offset[rows][:, cols],
+            protocol.pack_indexes(self.block[cells]),
+            protocol.pack_indexes(self.offset[cells]),
             task_name,
             extra,
         )

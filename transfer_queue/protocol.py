@@ -41,16 +41,21 @@ def unpack_indexes(raw: bytes | None) -> np.ndarray:
 
 
 class Endpoint(msgspec.Struct, frozen=True, array_like=True):
-    """Where a server listens: a TCP address and, for clients on the same host, an ipc path."""
+    """Where a server listens: a ZeroMQ TCP address (any host) and a Unix socket path (clients on its host)."""
 
     tcp: str
-    ipc: str | None = None
+    unix: str | None = None
     hostname: str = ""
 
     def address(self) -> str:
-        if self.ipc and self.hostname == socket.gethostname() and os.path.exists(self.ipc.removeprefix("ipc://")):
-            return self.ipc
+        """The ZeroMQ address."""
         return self.tcp
+
+    def local_path(self) -> str | None:
+        """The Unix socket path when this process runs on the server's host, else None."""
+        if self.unix and self.hostname == socket.gethostname() and os.path.exists(self.unix):
+            return self.unix
+        return None
 
 
 # ---- envelopes ------------------------------------------------------------------------------------------------
@@ -320,15 +325,19 @@ def decode_storage_request(raw: bytes | memoryview) -> Any:
     return _decode(_storage_decoder, raw, "storage request")
 
 
+_typed_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
 def decode_as(raw: bytes | memoryview, type_: Any) -> Any:
     """Decode a reply body into ``type_`` (``Any`` for plain msgpack values)."""
-    if type_ is Any:
-        return _decode(_any_decoder, raw, "reply body")
-    return _decode(msgspec.msgpack.Decoder(type_), raw, "reply body")
+    decoder = _typed_decoders.get(type_)
+    if decoder is None:
+        decoder = _typed_decoders[type_] = _any_decoder if type_ is Any else msgspec.msgpack.Decoder(type_)
+    return _decode(decoder, raw, "reply body")
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, raw: bytes | memoryview, what: str) -> Any:
     try:
         return decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise MalformedMessage(f"malformed {what}: {exc}") from None

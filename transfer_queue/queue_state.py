@@ -606,7 +606,7 @@ class QueueState:
             rows = self._select(part, job, req.batch_size)
             if rows is None:
                 return WAIT
-            return p.MetaWire.from_meta(part.meta(rows, req.fields, req.task_name, {}))
+            return part.meta_wire(rows, req.fields, req.task_name, {})
         round_key = (req.task_name, job.dp_group_id)
         dp_round = part.rounds.get(round_key)
         if dp_round is None:
@@ -633,7 +633,7 @@ class QueueState:
                 "ask again with a new dp_group_id"
             )
         extra = {"dp_rank": job.dp_rank, "dp_size": job.dp_size, "dp_group_id": job.dp_group_id}
-        return p.MetaWire.from_meta(part.meta(dp_round.shares[job.dp_rank], req.fields, req.task_name, extra))
+        return part.meta_wire(dp_round.shares[job.dp_rank], req.fields, req.task_name, extra)
 
     def _select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
         """Rows to hand out (and mark consumed), or ``None`` to wait. Short only when no more can come."""
@@ -861,7 +861,7 @@ class QueueState:
                     k for k, r in zip(req.keys, rows.tolist(), strict=True) if col is None or part.block[r, col] < 0
                 ]
                 raise UnknownField(f"field {n!r} is not set for keys {lacking[:10]} in {part.name}")
-        return p.MetaWire.from_meta(part.meta(rows, list(names), None, {"keys": list(req.keys)}))
+        return part.meta_wire(rows, list(names), None, {"keys": list(req.keys)})
 
     def _on_kv_list(self, req: p.KvList) -> list[str]:
         part = self._keyed(req.partition)

@@ -10,7 +10,6 @@ upserts) nothing references them any more; freed memory is handed back to the OS
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-import zmq
 
 from transfer_queue import protocol as p
 from transfer_queue.errors import (
@@ -35,7 +33,7 @@ from transfer_queue.errors import (
     UnknownField,
     error_to_wire,
 )
-from transfer_queue.transport import Endpoint, bind_server, remove_ipc
+from transfer_queue.transport import Endpoint, Reply, ServerSockets
 
 if TYPE_CHECKING:
     # torch loads with transfer_queue.columns; the controller imports this module only to start units, and never
@@ -217,65 +215,62 @@ def _rss_bytes() -> int:
 
 
 class StorageServer:
-    """Serves a BlockStore on a ROUTER socket from a background thread."""
+    """Serves a BlockStore from a background thread, over ZeroMQ (any host) and a Unix socket (this host)."""
 
     def __init__(self, store: BlockStore, host: str | None = None):
         self.store = store
         self.session_id: str | None = None
-        self._ctx = zmq.Context()
-        self._sock, self.endpoint = bind_server(self._ctx, host)
+        self._sockets = ServerSockets(host)
+        self.endpoint = self._sockets.endpoint
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"tq-storage-{store.unit}", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        handlers: dict[type, Any] = {
+        self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
             p.Read: lambda req, bufs: self.store.read(req),
             p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids),
             p.DropPartition: lambda req, bufs: self.store.drop_partition(req.partition_uid),
             p.StorageStats: lambda req, bufs: self.store.stats(),
         }
+        self._thread = threading.Thread(target=self._serve, name=f"tq-storage-{store.unit}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
-            if not self._sock.poll(200):
-                continue
-            try:
-                frames = self._sock.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                break
-            if len(frames) < 3:
-                continue  # not even an envelope: nothing to answer
-            identity, request_id, reply_body = frames[0], -1, b""
-            buffers: list[Any] = []
-            try:
-                envelope = p.decode_envelope(frames[1].buffer)
-                request_id = envelope.request_id
-                if envelope.protocol_version != p.PROTOCOL_VERSION:
-                    raise ProtocolMismatch(
-                        f"the client speaks protocol {envelope.protocol_version}, this storage unit "
-                        f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
-                    )
-                if envelope.session_id != self.session_id:
-                    raise SessionMismatch(
-                        f"this storage unit serves session {self.session_id}, the request is for {envelope.session_id}"
-                    )
-                request = p.decode_storage_request(frames[2].buffer)
-                with self._lock:
-                    result = handlers[type(request)](request, [f.buffer for f in frames[3:]])
-                if isinstance(result, tuple):
-                    result, buffers = result
-                header = p.ReplyHeader(request_id)
-                reply_body = p.encode(result)
-            except TransferQueueError as exc:
-                header = p.ReplyHeader(request_id, *error_to_wire(exc))
-            except Exception as exc:  # a bug, not bad input: answer it and keep serving
-                logger.exception("storage unit %d failed a request", self.store.unit)
-                header = p.ReplyHeader(request_id, *error_to_wire(exc))
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send_multipart([identity, p.encode(header), reply_body, *buffers], copy=False)
-        self._sock.close(linger=0)
-        remove_ipc(self.endpoint)
+            events = self._sockets.poll(200)
+            for frames, reply in self._sockets.requests(events):
+                self._on_message(frames, reply)
+        self._sockets.close()
+
+    def _on_message(self, frames: list[Any], reply: Reply) -> None:
+        if len(frames) < 2:
+            return  # not even an envelope and a body: nothing to answer
+        request_id, reply_body = -1, b""
+        buffers: list[Any] = []
+        try:
+            envelope = p.decode_envelope(frames[0])
+            request_id = envelope.request_id
+            if envelope.protocol_version != p.PROTOCOL_VERSION:
+                raise ProtocolMismatch(
+                    f"the client speaks protocol {envelope.protocol_version}, this storage unit "
+                    f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
+                )
+            if envelope.session_id != self.session_id:
+                raise SessionMismatch(
+                    f"this storage unit serves session {self.session_id}, the request is for {envelope.session_id}"
+                )
+            request = p.decode_storage_request(frames[1])
+            with self._lock:
+                result = self._handlers[type(request)](request, frames[2:])
+            if isinstance(result, tuple):
+                result, buffers = result
+            header = p.ReplyHeader(request_id)
+            reply_body = p.encode(result)
+        except TransferQueueError as exc:
+            header = p.ReplyHeader(request_id, *error_to_wire(exc))
+        except Exception as exc:  # a bug, not bad input: answer it and keep serving
+            logger.exception("storage unit %d failed a request", self.store.unit)
+            header = p.ReplyHeader(request_id, *error_to_wire(exc))
+        reply([p.encode(header), reply_body, *buffers])
 
     def stop(self) -> None:
         self._stop.set()

@@ -189,9 +189,11 @@ def listen(path: str) -> socket.socket:
     except FileNotFoundError:
         pass
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    os.chmod(path, 0o600)  # only this user's processes may talk to the queue
+    staging = f"{path}.{os.getpid()}.tmp"
+    sock.bind(staging)
+    os.chmod(staging, 0o600)  # only this user's processes may talk to the queue
     sock.listen(512)
+    os.replace(staging, path)  # the path appears only once connections are accepted
     sock.setblocking(False)
     return sock
 
