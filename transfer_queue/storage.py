@@ -94,6 +94,12 @@ class BlockStore:
             )
         if req.block_id in self.blocks:
             raise InvalidRequest(f"block {req.block_id} was already written")
+        for spec in req.columns:
+            if spec.nframes != nframes(spec.schema):
+                raise InvalidRequest(
+                    f"column {spec.name!r} declares {spec.nframes} frames; a {spec.schema.kind} column has "
+                    f"{nframes(spec.schema)}"
+                )
         expected = sum(nframes(c.schema) for c in req.columns)
         if expected != len(buffers):
             raise InvalidRequest(f"the write describes {expected} buffers and carries {len(buffers)}")

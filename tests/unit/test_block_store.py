@@ -172,11 +172,8 @@ def test_bad_writes_get_typed_errors_and_store_nothing(store):
         assert (store.blocks, store.nbytes) == snapshot, message
 
 
-@pytest.mark.xfail(
-    strict=True, reason="storage.py: BlockStore.write ignores ColumnSpec.nframes (reported to its owner)"
-)
 def test_a_column_spec_whose_frame_count_disagrees_with_its_schema_is_refused(store):
     specs, frames = frames_of(rows(0, 2))
     bad = [p.ColumnSpec(s.name, s.schema, s.num_rows, s.nframes + 1) for s in specs]
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest, match="declares 2 frames; a dense column has 1"):
         store.write(p.Write(UID, 6, 2, bad), frames)

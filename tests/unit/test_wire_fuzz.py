@@ -65,11 +65,6 @@ def decode_all(raw: bytes) -> None:
             decode(raw)
         except MalformedMessage:
             pass
-        except UnicodeDecodeError:
-            # Known bug, reported to protocol.py's owner and pinned by the strict xfail below: msgspec raises
-            # UnicodeDecodeError for invalid UTF-8 in a str and protocol._decode lets it through. Remove this
-            # clause when that test starts passing.
-            pass
 
 
 INVALID_UTF8 = {
@@ -80,12 +75,6 @@ INVALID_UTF8 = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeDecodeError,
-    reason="protocol._decode catches DecodeError and ValidationError, not the UnicodeDecodeError msgspec raises for "
-    "invalid UTF-8; the controller's _on_message then lets it escape its serving thread (reported)",
-)
 @pytest.mark.parametrize("what", sorted(INVALID_UTF8))
 def test_invalid_utf8_in_a_string_is_a_malformed_message(what):
     decode, raw = INVALID_UTF8[what]
