@@ -18,12 +18,14 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+if TYPE_CHECKING:  # tensordict (and the torch._dynamo it pulls in) loads only where TensorDicts are built:
+    # storage units move columns and never need it, and start seconds faster without it
+    from tensordict import TensorDict, TensorDictBase
 
 from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, UnsupportedValue
 from transfer_queue.metadata import FieldSchema
@@ -138,6 +140,8 @@ class Column:
                 )
             value = value.contiguous()
             return cls(FieldSchema("dense", dtype_name(value.dtype), tuple(value.shape[1:])), num_rows, data=value)
+        from tensordict import NonTensorData, NonTensorStack
+
         if isinstance(value, NonTensorData):
             return cls.from_objects(name, [value.data] * num_rows, num_rows)
         if isinstance(value, NonTensorStack):
@@ -249,6 +253,8 @@ class Column:
         if self.schema.kind == "jagged":
             assert self.data is not None and self.offsets is not None
             return torch.nested.nested_tensor_from_jagged(self.data, self.offsets)
+        from tensordict import NonTensorStack
+
         return NonTensorStack(*self.objects) if self.objects else NonTensorStack(batch_size=[0])
 
 
@@ -258,6 +264,8 @@ def nframes(schema: FieldSchema) -> int:
 
 def columns_from_tensordict(data: TensorDictBase | dict[str, Any]) -> tuple[int, dict[str, Column]]:
     """Split a TensorDict (or a dict of equally long fields) into columns; returns (rows, columns)."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
     if isinstance(data, TensorDictBase):
         if len(data.batch_size) < 1:
             raise InvalidRequest(
@@ -290,6 +298,8 @@ def _rows_of(value: Any) -> int:
 
 
 def tensordict_from_columns(columns: dict[str, Column], num_rows: int) -> TensorDict:
+    from tensordict import TensorDict
+
     return TensorDict({name: col.to_value() for name, col in columns.items()}, batch_size=[num_rows])
 
 
