@@ -80,6 +80,7 @@ class StreamingDataset(IterableDataset):
         self.get_n_samples = get_n_samples
         self.timeout = timeout
         self.device = device
+        self.epoch = 0  # passes over the stream so far: each pass's DP rounds are its own
 
     def _client(self) -> TransferQueueClient:
         return TransferQueueClient(f"{default_client_id()}-dataset-rank{self.dp_rank}", self.controller_info)
@@ -87,6 +88,9 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple[TensorDict, BatchMeta]]:
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        if worker is None:  # iterated directly; StreamingDataLoader bumps the epoch before its workers copy us
+            self.epoch += 1
+        epoch = self.epoch
         client = self._client()
         key = self.partition
         step = {"global_step": key} if isinstance(key, int) else {"partition_id": key}
@@ -99,7 +103,7 @@ class StreamingDataset(IterableDataset):
                     sampler_params={
                         "dp_rank": self.dp_rank,
                         "dp_size": self.dp_size,
-                        "dp_group_id": f"stream/{self.task_name}/{key}/{round_index}",
+                        "dp_group_id": f"stream/{self.task_name}/{key}/e{epoch}/{round_index}",
                     },
                     get_n_samples=self.get_n_samples,
                     timeout=self.timeout,
@@ -135,3 +139,9 @@ class StreamingDataLoader(DataLoader):
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             **kwargs,
         )
+
+    def __iter__(self) -> Any:
+        if self.num_workers > 0:  # workers copy the dataset as it is now: give this pass its own rounds
+            assert isinstance(self.dataset, StreamingDataset)
+            self.dataset.epoch += 1
+        return super().__iter__()

@@ -725,3 +725,16 @@ def test_streaming_dataloader_with_workers(queue: Any) -> None:
             seen[dp_rank] += data.get("text").tolist()
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == sorted(f"row{i}" for i in range(30))
+
+
+def test_a_second_pass_over_a_streaming_dataset_takes_new_rounds(queue: Any) -> None:
+    partition = closed_text_partition(queue, 6)
+    dataset = StreamingDataset(
+        ["text"], batch_size=2, partition_id=partition, task_name="epochs", controller_info=queue.info
+    )
+    first = [s for data, _ in dataset for s in data.get("text").tolist()]
+    assert [s for data, _ in dataset for s in data.get("text").tolist()] == []  # every row consumed by the task
+    queue.client.reset_consumption(task_name="epochs", partition_id=partition)
+    second = [s for data, _ in dataset for s in data.get("text").tolist()]
+    assert sorted(first) == sorted(second) == sorted(f"row{i}" for i in range(6))
+    assert dataset.epoch == 3
