@@ -22,7 +22,8 @@ sys.path.insert(0, HERE)
 from common import Results, loadavg, read_jsonl, run_metadata, table, write_jsonl  # noqa: E402
 
 # Heavy imports (torch, ray, the queue) live inside main(): spawned client processes re-import this file.
-ORDER = ["get_meta_state", "get_meta", "concurrent", "small", "grpo", "large"]
+ORDER = ["get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "demo"]
+SEPARATE = {"demo"}  # workloads that start their own queue (and Ray) in a subprocess, after the others
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = ray_actor_class().remote()
         bench = Bench(args.quick, args.reps, results, {0.0: client, SPIN: spin_client}, controller, raw, peer)
         print(f"(queue and baselines up in {time.monotonic() - started:.1f} s)", flush=True)
-        for name in [n for n in ORDER if n in args.only]:
+        for name in [n for n in ORDER if n in args.only and n not in SEPARATE]:
             t0 = time.monotonic()
             print(f"\n== {name} (load average {loadavg():.2f})", flush=True)
             try:
@@ -112,6 +113,17 @@ def main(argv: list[str] | None = None) -> int:
             raw.close()
         tq.shutdown()
         ray.shutdown()
+    if "demo" in args.only:
+        from demo_workload import bench_demo
+
+        t0 = time.monotonic()
+        print(f"\n== demo (load average {loadavg():.2f})", flush=True)
+        try:
+            bench_demo(args.quick, results)
+        except Exception:
+            traceback.print_exc()
+            print("!! workload demo failed", flush=True)
+        print(f"   (demo took {time.monotonic() - t0:.1f} s)", flush=True)
     meta["loadavg_end"] = loadavg()
     meta["seconds"] = round(time.monotonic() - started, 1)
     path = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S") + ".jsonl")

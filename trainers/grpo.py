@@ -169,10 +169,10 @@ class GRPOTrainerRank:
         rows = cfg.prompts_per_step * cfg.n_samples // (self.world_size * rounds)
         totals: dict[str, float] = {}
         train_metrics: list[dict[str, float]] = []
-        queue_s = wait_s = train_s = 0.0
+        queue_s = queue_cpu_s = wait_s = train_s = 0.0
         version = self.version  # the engines' version when this step's samples are on-policy
         for k in range(rounds):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             meta = self.client.get_meta(
                 TRAIN_FIELDS,
                 rows,
@@ -186,6 +186,7 @@ class GRPOTrainerRank:
             waited = meta.extra.get("wait_s", 0.0)  # time the rows were not rewarded yet: not queue overhead
             wait_s += waited
             queue_s += time.perf_counter() - t0 - waited
+            queue_cpu_s += time.thread_time() - c0
             t1 = time.perf_counter()
             batch = build_train_batch(
                 data,
@@ -209,6 +210,7 @@ class GRPOTrainerRank:
             out[name] = float(np.mean([m[name] for m in train_metrics]))
         out.update(
             queue_s=queue_s,
+            queue_cpu_s=queue_cpu_s,
             wait_s=wait_s,
             train_s=train_s,
             policy_version=float(self.version),

@@ -26,7 +26,6 @@ from typing import Any
 import ray
 import torch
 import yaml
-from tensordict import TensorDict
 from tqdm import tqdm
 
 import transfer_queue
@@ -121,7 +120,7 @@ class GRPORun:
         fields: dict[str, Any] = {"prompt_ids": jagged([p["prompt_ids"] for p in rows], torch.int64)}
         for name in self.task.reward_fields:
             fields[name] = [str(p[name]) for p in rows]
-        self.client.put(TensorDict(fields, batch_size=[len(rows)]), global_step=step)
+        self.client.put(fields, global_step=step)
 
     def launch(self, step: int) -> tuple[list[Any], list[Any]]:
         self.put_prompts(step)
@@ -200,6 +199,10 @@ class GRPORun:
         self.publish(self.version)
         pending: dict[int, tuple[list[Any], list[Any]]] = {}
         rows_out = []
+        controller = transfer_queue.get_controller()
+        idle_cpu_per_s = self._queue_idle_cpu(controller)
+        run_started = time.perf_counter()
+        queue_cpu_start = ray.get(controller.cpu_seconds.remote())
         bar = tqdm(
             range(start, cfg.steps), desc="GRPO", unit="step", dynamic_ncols=True, initial=start, total=cfg.steps
         )
@@ -223,6 +226,17 @@ class GRPORun:
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
         bar.close()
+        steps_run = max(len(rows_out), 1)
+        server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
+        idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
+        self.metrics.write(
+            {
+                "kind": "summary",
+                "steps": len(rows_out),
+                "queue_server_cpu_s_per_step": server_cpu / steps_run,
+                "queue_idle_cpu_s_per_step": idle_cpu / steps_run,
+            }
+        )
         self.save(cfg.steps)
         plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
         return rows_out
@@ -233,6 +247,13 @@ class GRPORun:
         accuracy = self.sft()
         logger.info("SFT reached greedy accuracy %.3f", accuracy)
         return self.save(0)
+
+    @staticmethod
+    def _queue_idle_cpu(controller: Any, seconds: float = 2.0) -> float:
+        """CPU seconds per second the controller and storage processes use while idle (Ray's own threads)."""
+        start = ray.get(controller.cpu_seconds.remote())
+        time.sleep(seconds)
+        return (ray.get(controller.cpu_seconds.remote()) - start) / seconds
 
     def _resume_or_warm_up(self) -> int:
         """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT."""
@@ -267,6 +288,10 @@ class GRPORun:
             generate_s=total(rollout, "generate_s"),
             reward_s=total(reward, "reward_s"),
             queue_s=total(rollout, "queue_s") + total(reward, "queue_s") + train.get("queue_s", 0.0),
+            queue_cpu_s=total(rollout, "queue_cpu_s") + total(reward, "queue_cpu_s") + train.get("queue_cpu_s", 0.0),
+            rollout_queue_s=total(rollout, "queue_s"),
+            reward_queue_s=total(reward, "queue_s"),
+            train_queue_s=train.get("queue_s", 0.0),
             wait_s=total(rollout, "wait_s") + total(reward, "wait_s") + train.get("wait_s", 0.0),
             sync_s=sync_s,
             engine_restarts=total(rollout, "engine_restarts"),

@@ -159,7 +159,7 @@ class AsyncTransferQueueClient:
     # ---- put -----------------------------------------------------------------------------------------------
     async def put(
         self,
-        data: TensorDictBase,
+        data: TensorDictBase | dict[str, Any],
         global_step: int | None = None,
         partition_id: str | None = None,
         metadata: BatchMeta | None = None,
@@ -169,7 +169,8 @@ class AsyncTransferQueueClient:
         """Store rows: append them to a partition, or (with ``metadata``) write new fields into existing rows.
 
         Args:
-            data: a TensorDict whose first batch dimension counts rows. Dense tensors, jagged nested tensors and
+            data: a TensorDict whose first batch dimension counts rows, or a dict of fields with the same number
+                of rows (cheaper to build: no TensorDict of nested tensors). Dense tensors, jagged nested tensors and
                 non-tensor data (str, bytes, msgpack-encodable values) are accepted; CUDA tensors are copied to host.
             global_step / partition_id: where to put (exactly one; implied by ``metadata``).
             metadata: a BatchMeta from ``get_meta``: write ``data``'s fields into its rows, in its order.

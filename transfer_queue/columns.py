@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 import torch
+
 if TYPE_CHECKING:  # tensordict (and the torch._dynamo it pulls in) loads only where TensorDicts are built:
     # storage units move columns and never need it, and start seconds faster without it
     from tensordict import TensorDict, TensorDictBase
@@ -129,11 +130,11 @@ class Column:
     @classmethod
     def from_value(cls, name: str, value: Any, num_rows: int) -> Column:
         if isinstance(value, torch.Tensor):
+            if value.is_nested:  # before detach(): every op on a nested tensor goes through a slow dispatcher
+                return cls._from_nested(name, value, num_rows)
             value = value.detach()
             if value.device.type != "cpu":
                 value = value.to("cpu")
-            if value.is_nested:
-                return cls._from_nested(name, value, num_rows)
             if value.dim() == 0 or value.shape[0] != num_rows:
                 raise BatchSizeMismatch(
                     f"field {name!r} has {value.shape[0] if value.dim() else 0} rows; the batch has {num_rows}"
@@ -170,8 +171,13 @@ class Column:
             raise BatchSizeMismatch(f"field {name!r} has {value.size(0)} rows; the batch has {num_rows}")
         if value._ragged_idx != 1:  # type: ignore[attr-defined]
             raise UnsupportedValue(f"field {name!r}: only nested tensors ragged in their first row dimension travel")
-        raw_offsets = value.offsets().to(torch.int64)  # type: ignore[attr-defined]
-        values = value.values()
+        # The jagged layout's own buffers (a plain values tensor and offsets), read without the nested dispatcher.
+        values = getattr(value, "_values", None)
+        raw_offsets = getattr(value, "_offsets", None)
+        if values is None or raw_offsets is None:
+            values, raw_offsets = value.values(), value.offsets()  # type: ignore[attr-defined]
+        values = values.detach().to("cpu")
+        raw_offsets = raw_offsets.detach().to("cpu", torch.int64)
         offsets = raw_offsets - raw_offsets[0]
         if int(raw_offsets[0]) != 0 or values.shape[0] != int(offsets[-1]):
             values = values[int(raw_offsets[0]) : int(raw_offsets[-1])]

@@ -277,6 +277,10 @@ class TransferQueueController:
         with self._server.lock:
             self._server.state.register_sampler(task_name, sampler)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds this controller process and its storage units have used so far (the queue's own cost)."""
+        return time.process_time() + sum(unit["cpu_s"] for unit in self.storage_stats())
+
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""
         return ray.get([u.stats.remote() for u in self._units])

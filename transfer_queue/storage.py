@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,6 +188,7 @@ class BlockStore:
         return {
             "unit": self.unit,
             "pid": os.getpid(),
+            "cpu_s": time.process_time(),  # this process (the unit serves from a thread of it)
             "blocks": len(self.blocks),
             "bytes": self.nbytes,
             "rss_bytes": _rss_bytes(),

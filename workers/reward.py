@@ -15,7 +15,6 @@ from typing import Any
 
 import ray
 import torch
-from tensordict import TensorDict
 
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.rollout import rows_of
@@ -77,9 +76,9 @@ class RewardWorker:
 
     def score_step(self, step: int) -> dict[str, float]:
         fields = ["response_ids", *self.task.reward_fields]
-        stats = {"rows": 0.0, "queue_s": 0.0, "wait_s": 0.0, "reward_s": 0.0, "failed": 0.0}
+        stats = {"rows": 0.0, "queue_s": 0.0, "queue_cpu_s": 0.0, "wait_s": 0.0, "reward_s": 0.0, "failed": 0.0}
         while True:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             meta = self.client.get_meta(
                 fields,
                 self.batch_rows,
@@ -92,9 +91,11 @@ class RewardWorker:
             stats["wait_s"] += waited
             if len(meta) == 0:
                 stats["queue_s"] += time.perf_counter() - t0 - waited
+                stats["queue_cpu_s"] += time.thread_time() - c0
                 return stats
             data = self.client.get_data(meta)
             stats["queue_s"] += time.perf_counter() - t0 - waited
+            stats["queue_cpu_s"] += time.thread_time() - c0
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
@@ -103,13 +104,10 @@ class RewardWorker:
                 logger.warning("reward worker %d: a reward function failed: %s", self.worker_id, message)
             stats["reward_s"] += time.perf_counter() - t1
             t2 = time.perf_counter()
-            scored = TensorDict(
-                {
-                    "reward": torch.tensor(rewards, dtype=torch.float32),
-                    "reward_failed": torch.tensor(failed, dtype=torch.bool),
-                },
-                batch_size=[len(meta)],
-            )
+            scored = {
+                "reward": torch.tensor(rewards, dtype=torch.float32),
+                "reward_failed": torch.tensor(failed, dtype=torch.bool),
+            }
             self.client.put(scored, metadata=meta)
             stats["queue_s"] += time.perf_counter() - t2
             stats["rows"] += len(meta)
