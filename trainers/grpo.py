@@ -29,6 +29,7 @@ from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
 from trainers.losses import policy_loss
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.prompts import PromptSource
+from workers.queue_clock import QueueClock
 from workers.rollout import rows_of
 from workers.tasks.base import Task, load_task
 
@@ -169,11 +170,11 @@ class GRPOTrainerRank:
         rows = cfg.prompts_per_step * cfg.n_samples // (self.world_size * rounds)
         totals: dict[str, float] = {}
         train_metrics: list[dict[str, float]] = []
-        queue_s = queue_cpu_s = wait_s = train_s = 0.0
+        clock, train_s = QueueClock(), 0.0
         version = self.version  # the engines' version when this step's samples are on-policy
         for k in range(rounds):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            meta = self.client.get_meta(
+            meta = clock.call(
+                self.client.get_meta,
                 TRAIN_FIELDS,
                 rows,
                 global_step=step,
@@ -182,11 +183,7 @@ class GRPOTrainerRank:
                 get_n_samples=True,
                 timeout=cfg.queue_timeout,
             )
-            data = self.client.get_data(meta)
-            waited = meta.extra.get("wait_s", 0.0)  # time the rows were not rewarded yet: not queue overhead
-            wait_s += waited
-            queue_s += time.perf_counter() - t0 - waited
-            queue_cpu_s += time.thread_time() - c0
+            data = clock.call(self.client.get_data, meta)
             t1 = time.perf_counter()
             batch = build_train_batch(
                 data,
@@ -209,9 +206,7 @@ class GRPOTrainerRank:
         for name in train_metrics[0] if train_metrics else ():
             out[name] = float(np.mean([m[name] for m in train_metrics]))
         out.update(
-            queue_s=queue_s,
-            queue_cpu_s=queue_cpu_s,
-            wait_s=wait_s,
+            **clock.stats(),
             train_s=train_s,
             policy_version=float(self.version),
             optimizer_steps=len(train_metrics),

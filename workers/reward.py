@@ -17,6 +17,7 @@ import ray
 import torch
 
 from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.queue_clock import QueueClock
 from workers.rollout import rows_of
 from workers.tasks.base import Task, load_reward_fn, load_task
 
@@ -76,10 +77,11 @@ class RewardWorker:
 
     def score_step(self, step: int) -> dict[str, float]:
         fields = ["response_ids", *self.task.reward_fields]
-        stats = {"rows": 0.0, "queue_s": 0.0, "queue_cpu_s": 0.0, "wait_s": 0.0, "reward_s": 0.0, "failed": 0.0}
+        stats = {"rows": 0.0, "reward_s": 0.0, "failed": 0.0}
+        clock = QueueClock()
         while True:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            meta = self.client.get_meta(
+            meta = clock.call(
+                self.client.get_meta,
                 fields,
                 self.batch_rows,
                 global_step=step,
@@ -87,15 +89,9 @@ class RewardWorker:
                 get_n_samples=True,
                 timeout=self.timeout,
             )
-            waited = meta.extra.get("wait_s", 0.0)  # time the responses were not produced yet
-            stats["wait_s"] += waited
             if len(meta) == 0:
-                stats["queue_s"] += time.perf_counter() - t0 - waited
-                stats["queue_cpu_s"] += time.thread_time() - c0
-                return stats
-            data = self.client.get_data(meta)
-            stats["queue_s"] += time.perf_counter() - t0 - waited
-            stats["queue_cpu_s"] += time.thread_time() - c0
+                return {**stats, **clock.stats()}
+            data = clock.call(self.client.get_data, meta)
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}

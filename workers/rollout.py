@@ -22,6 +22,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
+from workers.queue_clock import QueueClock
 
 logger = logging.getLogger(__name__)
 ROLLOUT_TASK = "rollout"
@@ -115,11 +116,11 @@ class RolloutWorker:
     def generate_step(self, step: int, fields: list[str] | None = None) -> dict[str, float]:
         """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts."""
         fields = fields or ["prompt_ids"]
-        stats = {"rows": 0.0, "queue_s": 0.0, "queue_cpu_s": 0.0, "wait_s": 0.0, "generate_s": 0.0, "tokens": 0.0}
-        stats["engine_restarts"] = 0.0
+        stats = {"rows": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        clock = QueueClock()
         while True:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            meta = self.client.get_meta(
+            meta = clock.call(
+                self.client.get_meta,
                 fields,
                 self.batch_rows,
                 global_step=step,
@@ -127,15 +128,9 @@ class RolloutWorker:
                 get_n_samples=True,
                 timeout=self.timeout,
             )
-            waited = meta.extra.get("wait_s", 0.0)  # time the rows were not produced yet: not queue overhead
-            stats["wait_s"] += waited
             if len(meta) == 0:
-                stats["queue_s"] += time.perf_counter() - t0 - waited
-                stats["queue_cpu_s"] += time.thread_time() - c0
-                return stats
-            data = self.client.get_data(meta.select_fields(["prompt_ids"]))
-            stats["queue_s"] += time.perf_counter() - t0 - waited
-            stats["queue_cpu_s"] += time.thread_time() - c0
+                return {**stats, **clock.stats()}
+            data = clock.call(self.client.get_data, meta.select_fields(["prompt_ids"]))
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
@@ -149,10 +144,7 @@ class RolloutWorker:
                 self.engine = self._start_engine()
                 continue
             stats["generate_s"] += time.perf_counter() - t1
-            t2, c2 = time.perf_counter(), time.thread_time()
-            self.client.put(self._responses(generations, version), metadata=meta)
-            stats["queue_s"] += time.perf_counter() - t2
-            stats["queue_cpu_s"] += time.thread_time() - c2
+            clock.call(self.client.put, self._responses(generations, version), metadata=meta)
             stats["rows"] += len(meta)
             stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
 
