@@ -20,6 +20,7 @@ RL = [
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "psutil>=5.9",  # the ray-job test stops exactly the head it started
     "hypothesis>=6.100",
     "ruff>=0.6",
     "mypy>=1.10",
