@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_readme_queue_example_runs(tmp_path):
     (block,) = re.findall(r"## Using the queue\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     script = tmp_path / "readme_example.py"
