@@ -149,10 +149,15 @@ def exchange(
     deadline = time.monotonic() + timeout
     poller = select.poll()
     index = {sock.fileno(): i for i, (sock, _) in enumerate(pairs)}
-    for i, (sock, _) in enumerate(pairs):
-        writers[i].write(sock)
-        poller.register(sock, select.POLLIN | (0 if writers[i].done else select.POLLOUT))
     pending = len(pairs)
+    for i, (sock, _) in enumerate(pairs):
+        try:
+            writers[i].write(sock)
+        except OSError:  # the server is gone (a broken pipe, a reset connection)
+            failed.add(i)
+            pending -= 1
+            continue
+        poller.register(sock, select.POLLIN | (0 if writers[i].done else select.POLLOUT))
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -163,8 +168,11 @@ def exchange(
             if event & (select.POLLERR | select.POLLHUP | select.POLLNVAL) and not event & select.POLLIN:
                 failed.add(i)
             if event & select.POLLOUT and i not in failed:
-                writers[i].write(sock)
-                if writers[i].done:
+                try:
+                    writers[i].write(sock)
+                except OSError:
+                    failed.add(i)
+                if writers[i].done and i not in failed:
                     poller.modify(sock, select.POLLIN)
             if event & select.POLLIN and i not in failed:
                 try:

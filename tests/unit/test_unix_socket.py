@@ -125,3 +125,10 @@ def test_exchange_reports_a_server_that_does_not_answer(tmp_path):
     replies, failed = exchange([(sock, [b"anyone?"])], timeout=0.2)
     assert replies == [None] and failed == [0]
     listener.close()
+
+
+def test_exchange_reports_a_server_that_went_away():
+    a, b = pair()
+    b.close()  # the peer died: writing gives a broken pipe, which must come back as a failure, not an OSError
+    replies, failed = exchange([(a, [b"x" * 1_000_000])], timeout=1.0)
+    assert replies == [None] and failed == [0]
