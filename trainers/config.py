@@ -198,5 +198,16 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def config_from_cli(description: str, default_config: str | Path, argv: list[str] | None = None) -> RLConfig:
+    """The config of a recipe run: ``[--config FILE] [key=value ...]`` on top of the recipe's default YAML."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(default_config), help="YAML config (see trainers/config.py)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=20 train.lr=1e-3")
+    args = parser.parse_args(argv)
+    return load_config(args.config, parse_overrides(args.overrides))
+
+
 def config_to_dict(config: RLConfig) -> dict[str, Any]:
     return msgspec.to_builtins(config)

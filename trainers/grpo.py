@@ -197,9 +197,15 @@ class GRPOTrainerRank:
                 totals[name] = totals.get(name, 0.0) + value
             if self.reference is not None:
                 t = batch.tensors
-                t["ref_logprobs"] = self.reference.compute_logprobs(t["input_ids"], t["attention_mask"])
+                t["ref_logprobs"] = self.reference.compute_logprobs(
+                    t["input_ids"], t["attention_mask"], temperature=cfg.rollout.temperature
+                )
             if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
-                train_metrics.append(self.policy.train_step(batch.tensors, self._loss_fn))
+                # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
+                # is off from the first step
+                train_metrics.append(
+                    self.policy.train_step(batch.tensors, self._loss_fn, temperature=cfg.rollout.temperature or 1.0)
+                )
             train_s += time.perf_counter() - t1
         self.version = version + 1
         out = _reduce_stats(totals, self.policy.device)

@@ -10,6 +10,7 @@ from typing import Any
 PLOTTED = [
     ("reward", "GRPO mean reward"),
     ("accuracy", "accuracy (reward >= 1)"),
+    ("eval_accuracy", "greedy eval accuracy"),
     ("loss", "loss"),
     ("kl", "KL to reference"),
     ("staleness_mean", "staleness (versions)"),

@@ -18,6 +18,7 @@ Everything a person needs to follow a run is written under ``output_dir``: ``met
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ import transfer_queue
 from trainers.checkpoint import checkpoint_path, latest_checkpoint
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metrics import MetricsLog, plot_metrics
+from trainers.metrics import MetricsLog, fifth_means, plot_metrics
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.prompts import PromptSource
@@ -308,3 +309,32 @@ class GRPORun:
         for actor in [*self.rollout, *self.reward, *self.trainer]:
             ray.kill(actor)
         transfer_queue.shutdown()
+
+
+def connect_ray(env_vars: dict[str, str] | None = None) -> None:
+    """Attach to the cluster of a ``ray job submit``; otherwise start a local one with room for every actor."""
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env={"env_vars": env_vars} if env_vars else None)
+    else:
+        ray.init(
+            num_cpus=max(16, os.cpu_count() or 1),
+            include_dashboard=False,
+            logging_level="WARNING",
+            runtime_env={"env_vars": env_vars} if env_vars else None,
+        )
+
+
+def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
+    """Run ``config`` (SFT if configured, then GRPO), stop its actors, and print how the reward moved."""
+    started = time.perf_counter()
+    run = GRPORun(config)
+    try:
+        rows = run.run()
+    finally:
+        run.shutdown()
+    first, last = fifth_means([r["reward"] for r in rows])
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\nGRPO mean reward: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
+    print(f"{len(rows)} steps in {minutes:.1f} min; metrics: {config.output_path / 'metrics.jsonl'}")
+    print(f"plot: {config.output_path / 'metrics.png'}")
+    return rows
