@@ -1,5 +1,7 @@
 """transfer_queue: a streaming data plane and RL loop for LLM post-training on Ray."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 CORE = [
@@ -32,10 +34,12 @@ setup(
     name="transfer_queue",
     version="0.1.0",
     description="Streaming data plane (controller + storage units + zero-copy ZeroMQ client) and GRPO loop on Ray",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["transfer_queue", "transfer_queue.*", "workers", "workers.*", "trainers", "trainers.*"]),
+    packages=find_packages(
+        include=["transfer_queue", "transfer_queue.*", "workers", "workers.*", "trainers", "trainers.*"]
+    ),
     package_data={"transfer_queue": ["py.typed"]},
     install_requires=CORE,
     extras_require={"rl": RL, "test": RL + TEST, "smollm2": RL + SMOLLM2},
