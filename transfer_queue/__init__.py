@@ -1,7 +1,8 @@
 """transfer_queue: a streaming data plane for RL post-training on Ray.
 
 A controller actor tracks which fields of which rows are produced and which tasks consumed them; storage actors
-hold the tensors; clients ``put``, ``get_meta``, ``get_data`` and ``clear`` over ZeroMQ with zero-copy frames.
+hold the tensors; clients ``put``, ``get_meta``, ``get_data`` and ``clear`` with zero-copy frames (a Unix socket
+on the same host, ZeroMQ across hosts).
 
 >>> import transfer_queue as tq
 >>> client = tq.init(global_batch_size=8, num_n_samples=4, sampler=tq.GRPOSampler(4))  # doctest: +SKIP
