@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -156,14 +157,23 @@ class BlockingTransport:
         self._local = threading.local()
         self._ids = itertools.count(1)
         self._spin = spin_seconds
-        self._all_sockets: list[Any] = []  # ZeroMQ and Unix sockets, to close them all
+        # Each thread's sockets live in its thread-local: when the thread ends they are closed, so a client used
+        # from short-lived threads (a thread pool, a thread per request) keeps no connection per thread it saw.
+        # Weak references let close() reach the sockets of threads still running.
+        self._all_sockets: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
+
+    def _thread_sockets(self, kind: str) -> dict[Any, Any]:
+        sockets = self._local.__dict__.get(kind)
+        if sockets is None:
+            sockets = self._local.__dict__[kind] = _ThreadSockets()
+        return sockets
 
     def next_request_id(self) -> int:
         return next(self._ids)
 
     def _socket(self, address: str) -> zmq.Socket:
-        sockets = self._local.__dict__.setdefault("sockets", {})
+        sockets = self._thread_sockets("sockets")
         sock = sockets.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
@@ -171,7 +181,7 @@ class BlockingTransport:
             sock.connect(address)
             sockets[address] = sock
             with self._lock:
-                self._all_sockets.append(sock)
+                self._all_sockets.add(sock)
         return sock
 
     def _discard(self, address: str) -> None:
@@ -186,12 +196,12 @@ class BlockingTransport:
         return routes[endpoint]
 
     def _unix_socket(self, path: str) -> socket.socket:
-        sockets = self._local.__dict__.setdefault("unix", {})
+        sockets = self._thread_sockets("unix")
         sock = sockets.get(path)
         if sock is None:
             sock = sockets[path] = connect(path)
             with self._lock:
-                self._all_sockets.append(sock)
+                self._all_sockets.add(sock)
         return sock
 
     def _unix_calls(self, calls: list[tuple[int, str, Frames, int]], timeout: float) -> list[tuple[int, Frames]]:
@@ -280,10 +290,25 @@ class BlockingTransport:
 
     def close(self) -> None:
         with self._lock:
-            for sock in self._all_sockets:
-                sock.close(linger=0) if isinstance(sock, zmq.Socket) else sock.close()
+            for sock in list(self._all_sockets):
+                _close(sock)
             self._all_sockets.clear()
         self._local = threading.local()
+
+
+def _close(sock: Any) -> None:
+    sock.close(linger=0) if isinstance(sock, zmq.Socket) else sock.close()
+
+
+class _ThreadSockets(dict):
+    """One thread's sockets by server; closes them when the thread ends (its thread-local goes away)."""
+
+    def __del__(self) -> None:
+        for sock in self.values():
+            try:
+                _close(sock)
+            except Exception:  # interpreter shutdown: nothing left to close cleanly
+                pass
 
 
 class AsyncioTransport:

@@ -4,6 +4,7 @@ across the wire, the async client, clients in other processes and event loops, k
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import pickle
@@ -549,13 +550,13 @@ def test_async_client_same_methods_as_coroutines(queue: Any) -> None:
     asyncio.run(main())
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def test_async_client_across_many_event_loops(queue: Any) -> None:
     """One ``asyncio.run`` per call: each loop's sockets are closed once a later loop starts, none pile up."""
     client = AsyncTransferQueueClient("many-loops", queue.info)
-
-    def open_fds() -> int:
-        return len(os.listdir("/proc/self/fd"))
-
     assert asyncio.run(client.ping())["session_id"] == queue.info.session_id
     before = open_fds()
     for _ in range(40):
@@ -584,6 +585,24 @@ def test_one_sync_client_shared_by_threads(queue: Any) -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert not failures, failures[0]
+
+
+def test_a_sync_client_used_from_short_lived_threads_keeps_no_socket_per_thread(queue: Any) -> None:
+    """Each thread gets its own connections; they close when the thread ends (else a thread pool leaks them on
+    both sides and every server poll walks them all)."""
+    client, partition = queue.new_client("threads"), queue.partition()
+    client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id=partition)
+    client.get_production_status(partition_id=partition)  # this thread's own connections exist before counting
+    before = open_fds()
+    for _ in range(30):
+        thread = threading.Thread(target=lambda: client.get_production_status(partition_id=partition))
+        thread.start()
+        thread.join(timeout=30)
+    gc.collect()
+    assert open_fds() - before < 5
+    meta = client.get_meta(["x"], 4, partition_id=partition, task_name="t")  # the client still works
+    assert client.get_data(meta)["x"].tolist() == [0, 1, 2, 3]
+    client.close()
 
 
 def test_sync_client_inside_a_running_event_loop(queue: Any) -> None:
