@@ -194,8 +194,11 @@ class Column:
             return Column(self.schema, n, data=self.data[start:stop])
         if self.schema.kind == "jagged":
             assert self.data is not None and self.offsets is not None
-            lo, hi = int(self.offsets[start]), int(self.offsets[stop])
-            return Column(self.schema, n, data=self.data[lo:hi], offsets=self.offsets[start : stop + 1] - lo)
+            offsets = self.offsets.numpy()  # numpy: a fraction of torch's per-op cost on these small arrays
+            lo, hi = int(offsets[start]), int(offsets[stop])
+            return Column(
+                self.schema, n, data=self.data[lo:hi], offsets=torch.from_numpy(offsets[start : stop + 1] - lo)
+            )
         assert self.objects is not None
         return Column(self.schema, n, objects=self.objects[start:stop])
 
