@@ -132,3 +132,30 @@ def test_exchange_reports_a_server_that_went_away():
     b.close()  # the peer died: writing gives a broken pipe, which must come back as a failure, not an OSError
     replies, failed = exchange([(a, [b"x" * 1_000_000])], timeout=1.0)
     assert replies == [None] and failed == [0]
+
+
+def test_a_stream_cut_anywhere_parses_to_the_same_messages():
+    """Messages back to back, delivered in random pieces: headers and frames cut anywhere, empty frames, frames
+    larger than one read, many small messages in one read."""
+    from transfer_queue.unix_socket import encode_header
+
+    rng = np.random.default_rng(1)
+    sizes = [0, 1, 7, 65_535, 65_536, 65_537, 200_000]
+    messages = [
+        [rng.integers(0, 255, size=int(rng.choice(sizes)), dtype=np.uint8).tobytes() for _ in range(rng.integers(1, 5))]
+        for _ in range(60)
+    ] + [[b"x"] for _ in range(2000)]
+    stream = b"".join(encode_header(m) + b"".join(m) for m in messages)
+    a, b = pair()
+    reader, got, pos = FrameReader(), [], 0
+    while len(got) < len(messages):
+        if pos < len(stream):
+            try:
+                pos += a.send(stream[pos : pos + int(rng.integers(1, 150_000))])
+            except BlockingIOError:
+                pass
+        received, closed = reader.read(b)
+        assert not closed
+        got += received
+    assert [[bytes(f) for f in m] for m in got] == messages
+    assert reader.idle
