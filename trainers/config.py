@@ -64,6 +64,10 @@ class TrainConfig:
     kl_kind: str = "k3"
     filters: FilterConfig = field(default_factory=FilterConfig)
     normalize_advantage_std: bool = True
+    # Over-sampling with dynamic filtering (DAPO): roll out prompts_per_step groups, train on at most this many of
+    # those the filters keep (e.g. filters.nonzero_std_groups); the others never reach the forward pass.
+    # None: train on every group of the step.
+    max_train_groups: int | None = None
 
 
 @dataclass
@@ -144,6 +148,17 @@ class RLConfig:
                 f"prompts_per_step={self.prompts_per_step} groups must split evenly over train.world_size="
                 f"{self.train.world_size} ranks x train.minibatches_per_step={self.train.minibatches_per_step}; "
                 f"use a multiple of {rounds}"
+            )
+        groups = self.train.max_train_groups
+        if groups is not None and (not isinstance(groups, int) or groups < rounds or groups % rounds):
+            raise ConfigError(
+                f"train.max_train_groups must be a multiple of train.world_size x train.minibatches_per_step = "
+                f"{rounds} (each rank's share of a round), got {groups!r}"
+            )
+        if groups is not None and groups > self.prompts_per_step:
+            raise ConfigError(
+                f"train.max_train_groups={groups} is more than the prompts_per_step={self.prompts_per_step} groups "
+                "rolled out per step; over-sampling rolls out more prompts than it trains on"
             )
         if self.train.loss not in LOSSES:
             raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")

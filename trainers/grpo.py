@@ -111,6 +111,32 @@ def build_train_batch(
     return TrainBatch(tensors, stats)
 
 
+def take_groups(tensors: dict[str, torch.Tensor], group_ids: np.ndarray, quota: int) -> tuple[np.ndarray, int]:
+    """Rows of the first ``quota`` groups that still have something to train on (a row with a non-zero
+    ``response_mask``, i.e. not dropped by the filters, the staleness bound or a failed reward), whole groups only.
+
+    Returns (row positions in order, number of groups taken). Over-sampling with dynamic filtering: the groups
+    left out never reach the forward pass.
+    """
+    trainable = (tensors["response_mask"] > 0).any(dim=1).numpy()
+    ids = np.asarray(group_ids)
+    kept = [g for g in dict.fromkeys(ids.tolist()) if trainable[ids == g].any()][:quota]
+    return np.flatnonzero(np.isin(ids, kept)), len(kept)
+
+
+def pad_rows(tensors: dict[str, torch.Tensor], rows: np.ndarray, total: int) -> dict[str, torch.Tensor]:
+    """``rows`` of every tensor, then filler rows up to ``total`` (other rows of the batch, masked out of the loss):
+    every FSDP rank must run the same number of micro-batches, whatever its filters kept."""
+    num_rows = next(iter(tensors.values())).shape[0]
+    if total > num_rows:
+        raise ValueError(f"cannot fill {total} rows from a batch of {num_rows}")
+    fill = np.setdiff1d(np.arange(num_rows), rows)[: total - len(rows)]
+    index = torch.from_numpy(np.concatenate([rows, fill]))
+    out = {name: value[index] for name, value in tensors.items()}
+    out["response_mask"][len(rows) :] = 0.0
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -193,6 +219,13 @@ class GRPOTrainerRank:
                 max_staleness=cfg.max_staleness,
                 config=cfg,
             )
+            if cfg.train.max_train_groups is not None:
+                quota = cfg.train.max_train_groups // (self.world_size * rounds)
+                rows_taken, groups_taken = take_groups(batch.tensors, meta.group_ids, quota)
+                width = int(_global_max(len(rows_taken), self.policy.device))
+                batch.tensors = pad_rows(batch.tensors, rows_taken, width)
+                batch.stats["trained_rows"] = float((batch.tensors["response_mask"] > 0).any(dim=1).sum())
+                batch.stats["trained_groups"] = float(groups_taken)
             for name, value in batch.stats.items():
                 totals[name] = totals.get(name, 0.0) + value
             if self.reference is not None:
@@ -306,6 +339,12 @@ def _global_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def _global_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum the per-rank counters over ranks (max for maxima) and turn sums into means."""
     names = sorted(n for n in totals if not n.endswith("_max"))
@@ -326,4 +365,5 @@ def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, f
         "staleness_mean": s["staleness_sum"] / rows,
         "staleness_max": float(peak.item()),
         "response_len": s["response_len_sum"] / rows,
+        **({"trained_groups": s["trained_groups"]} if "trained_groups" in s else {}),
     }

@@ -46,12 +46,13 @@ def rows(path: Path, kind: str) -> list[dict]:
 
 def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     out = tmp_path / "demo"
-    first = run_demo(out, "steps=2")
+    first = run_demo(out, "steps=2", "train.max_train_groups=4")  # over-sampling: 8 groups rolled out, 4 trained
 
     grpo = rows(out, "grpo")
     assert [r["step"] for r in grpo] == [0, 1]
     assert [r["policy_version"] for r in grpo] == [1.0, 2.0]  # weights published after every step
-    assert all(r["sync_s"] > 0 and r["rows"] == 32 and r["trained_rows"] > 0 for r in grpo)
+    assert all(r["sync_s"] > 0 and r["rows"] == 32 and r["trained_rows"] == 16 for r in grpo)
+    assert all(r["trained_groups"] == 4 for r in grpo)
     assert all(0.0 <= r["reward"] <= 1.0 and r["staleness_max"] == 0 for r in grpo)
     for key in ("loss", "accuracy", "samples_per_s", "generate_s", "train_s", "queue_s", "queue_cpu_s", "wait_s"):
         assert key in grpo[0], key

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
-from trainers.grpo import build_train_batch, pad_sequences
+from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups
 from trainers.metrics import MetricsLog, fifth_means, plot_metrics
 from workers.prompts import PromptSource
 from workers.reward import score_responses
@@ -149,6 +149,27 @@ def test_zero_variance_groups_are_filtered_when_asked():
     assert out.tensors["response_mask"].sum(1).tolist() == [0, 0, 3, 3]
 
 
+def test_over_sampling_trains_on_the_first_groups_the_filters_keep():
+    # four groups of two: group 0 all correct, group 2 all wrong (no signal); 1 and 3 carry signal
+    data = _rollout_data([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0] * 8)
+    group_ids = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    tensors = build_train_batch(
+        data, group_ids, pad_token_id=0, trainer_version=0, max_staleness=0, config=config
+    ).tensors
+    rows, taken = take_groups(tensors, group_ids, quota=1)
+    assert rows.tolist() == [2, 3] and taken == 1
+    rows, taken = take_groups(tensors, group_ids, quota=5)  # fewer groups with signal than the quota: all of them
+    assert rows.tolist() == [2, 3, 6, 7] and taken == 2
+    # another rank kept more: this one runs as many rows, the filler masked out of the loss
+    padded = pad_rows(tensors, rows, 6)
+    assert padded["input_ids"].shape[0] == 6
+    assert padded["response_mask"].sum(1).tolist() == [3, 3, 3, 3, 0, 0]
+    assert torch.equal(padded["advantages"][:4], tensors["advantages"][[2, 3, 6, 7]])
+    with pytest.raises(ValueError, match="cannot fill 9 rows from a batch of 8"):
+        pad_rows(tensors, rows, 9)
+
+
 def test_pad_sequences_handles_empty_responses():
     out = pad_sequences([[1, 2]], [[]], pad_token_id=9)
     assert out["input_ids"].tolist() == [[1, 2]] and out["response_mask"].tolist() == [[0, 0]]
@@ -169,6 +190,8 @@ def test_jagged_rows_round_trip():
         ({"train.loss": "dpo"}, "train.loss='dpo' is not one of"),
         ({"sync_every": 3}, "sync_every=3 leaves engines up to 2 versions behind, more than max_staleness=0"),
         ({"steps": 0}, "steps must be an int >= 1, got 0"),
+        ({"train.max_train_groups": 3}, "train.max_train_groups must be a multiple of train.world_size x"),
+        ({"train.max_train_groups": 64}, "train.max_train_groups=64 is more than the prompts_per_step=32 groups"),
     ],
 )
 def test_inconsistent_configs_fail_before_any_actor_starts(overrides, message):
