@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,6 @@ from transfer_queue.errors import (
     PartitionCleared,
     PutExpired,
     QueueFull,
-    SamplerError,
     StaleBatchMeta,
     TransferQueueError,
     UnknownField,
@@ -37,9 +36,10 @@ from transfer_queue.errors import (
     UnknownPartition,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey
-from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, ReadyIndex, describe_partition
+from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, describe_partition
 from transfer_queue.placement import place_rows
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
+from transfer_queue.selection import ReadyView, select_with_user_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -95,30 +95,6 @@ class Parked:
     respond: Respond
     started: float
     deadline: float
-
-
-@dataclass
-class _ReadyView:
-    """What built-in samplers see of a ready index (local rows)."""
-
-    part: PartitionState
-    index: ReadyIndex
-    group_size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.group_size = self.part.group_size
-
-    def num_rows(self) -> int:
-        return self.index.num_rows
-
-    def num_groups(self) -> int:
-        return self.index.num_rows if self.group_size == 1 else len(self.index.groups)
-
-    def first_rows(self, k: int) -> np.ndarray:
-        return self.part.first_rows(self.index, k)
-
-    def first_groups(self, k: int) -> np.ndarray:
-        return self.part.first_groups(self.index, k)
 
 
 class QueueState:
@@ -644,95 +620,21 @@ class QueueState:
         if job.sampler.uses_fast_path:
             if index is None:
                 return np.zeros(0, np.int64) if finished else None
-            view = _ReadyView(part, index)
+            view = ReadyView(part, index)
             group = part.group_size if job.whole_groups else 1
             available = view.num_groups() * group if job.whole_groups else view.num_rows()
             if available < count and not finished:
                 return None
             rows = job.sampler.select(view, min(count, available - available % group), job.whole_groups)
         else:
-            rows = self._select_user(part, job, count)
+            rows = select_with_user_sampler(
+                part, job.sampler, job.params, req.task_name, req.fields, job.whole_groups, count
+            )
             if len(rows) < count and not finished:
                 return None
         if len(rows):
             part.consume(req.task_name, rows)
         return rows
-
-    def _select_user(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray:
-        """The seed's two-method protocol, for samplers that override it (O(rows): they see the whole table)."""
-        req = job.request
-        committed = part.committed_rows()
-        all_indices = committed + part.base_index
-        unknown = [f for f in req.fields if f not in part.field_col]
-        if unknown:
-            return np.zeros(0, np.int64)
-        task = part.task(req.task_name)
-        kwargs = {
-            **job.params,
-            "task_name": req.task_name,
-            "partition_id": part.key,
-            "num_n_samples": part.group_size,
-        }
-        try:
-            ready = job.sampler.filter_ready_indices(
-                all_indices,
-                part.production_matrix(committed),
-                task.consumption[committed] != AVAILABLE,
-                list(req.fields),
-                dict(part.field_col),
-                group_ids=part.group[committed],
-                **kwargs,
-            )
-            ready = np.asarray(ready, dtype=np.int64).reshape(-1)
-            self._check_ready(part, task.consumption, ready, req.fields, "filter_ready_indices")
-            if job.whole_groups:  # whole groups only, members side by side: any prefix of whole groups is whole
-                ready = self._complete_groups(part, ready)
-                ready = ready[_groups_together(part.group[ready - part.base_index])]
-            chosen = job.sampler.sample(ready, count, group_ids=part.group[ready - part.base_index], **kwargs)
-            chosen_rows = np.asarray(chosen, dtype=np.int64).reshape(-1)
-        except TransferQueueError:
-            raise
-        except Exception as exc:
-            raise SamplerError(f"{type(job.sampler).__name__} raised {type(exc).__name__}: {exc}") from exc
-        self._check_ready(part, task.consumption, chosen_rows, req.fields, "sample")
-        if len(chosen_rows) > count:
-            raise SamplerError(
-                f"{type(job.sampler).__name__}.sample returned {len(chosen_rows)} rows for batch_size={count}"
-            )
-        if not np.isin(chosen_rows, ready).all():
-            raise SamplerError(f"{type(job.sampler).__name__}.sample returned indexes that were not in ready_indices")
-        rows = chosen_rows - part.base_index
-        if job.whole_groups and len(self._complete_groups(part, chosen_rows)) != len(chosen_rows):
-            raise SamplerError(f"{type(job.sampler).__name__}.sample split a GRPO group; whole groups were asked for")
-        if job.whole_groups:  # members of a group side by side, as DP splits and consumers expect
-            rows = rows[_groups_together(part.group[rows])]
-        return rows
-
-    def _check_ready(
-        self, part: PartitionState, consumption: np.ndarray, indexes: np.ndarray, fields: list[str], what: str
-    ) -> None:
-        rows = indexes - part.base_index
-        if len(rows) and (rows.min() < 0 or rows.max() >= part.num_rows):
-            raise SamplerError(f"{what} returned global indexes outside {part.name}")
-        if len(np.unique(rows)) != len(rows):
-            raise SamplerError(f"{what} returned the same global index twice")
-        mask = np.uint64(part.field_mask(fields))
-        ok = (part.state[rows] == COMMITTED) & ((part.produced_mask[rows] & mask) == mask)
-        ok &= consumption[rows] == AVAILABLE
-        if not ok.all():
-            bad = (indexes[~ok][:5]).tolist()
-            raise SamplerError(
-                f"{what} of the task's sampler returned rows that are not ready or already served: {bad}"
-            )
-
-    def _complete_groups(self, part: PartitionState, indexes: np.ndarray) -> np.ndarray:
-        """The indexes whose whole group is among ``indexes``."""
-        if part.group_size == 1 or not len(indexes):
-            return indexes
-        groups = part.group[indexes - part.base_index]
-        ids, counts = np.unique(groups, return_counts=True)
-        full = ids[counts == part.group_size]
-        return indexes[np.isin(groups, full)]
 
     def _get_meta_timeout(self, parked: Parked) -> GetMetaTimeout:
         req = parked.job.request
@@ -887,14 +789,6 @@ class QueueState:
             part.row_keys.pop(row, None)
         dead = part.remove_rows(np.asarray(rows, dtype=np.int64))
         self._drop_blocks(part, dead)
-
-
-def _groups_together(groups: np.ndarray) -> np.ndarray:
-    """The order that puts members of a group side by side, groups in order of first appearance (stable)."""
-    if not len(groups):
-        return np.zeros(0, dtype=np.int64)
-    _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
-    return np.argsort(first[inverse.reshape(-1)], kind="stable")
 
 
 def meta_from_wire(wire: p.MetaWire) -> BatchMeta:

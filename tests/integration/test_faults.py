@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import ray
 import torch
@@ -71,14 +72,20 @@ def values_of(client: TransferQueueClient, meta: Any, name: str = "x") -> list[f
     return client.get_data(meta)[name][:, 0].tolist()
 
 
-def is_dead(actor: Any) -> bool:
+def is_dead(actor: Any, pid: int) -> bool:
+    """Ray calls the actor dead, and its process is gone (Ray may report the death a moment before the process
+    exits, and until then the unit's socket threads still answer)."""
     try:
         ray.get(actor.stats.remote(), timeout=10)
+        return False
     except ray.exceptions.RayActorError:
-        return True
-    except ray.exceptions.GetTimeoutError:
         pass
-    return False
+    except ray.exceptions.GetTimeoutError:
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 # ---- a storage unit dies ---------------------------------------------------------------------------------------
@@ -96,8 +103,9 @@ def test_dead_storage_unit_gives_storage_unavailable_not_a_hang(
             meta = client.put(TensorDict({"x": torch.full((2, 256), value)}, batch_size=[2]), partition_id="p")
             on_unit[int(meta.blocks[0, 0]) % 2] = (meta, value)
         assert sorted(on_unit) == [0, 1]
+        pid = ray.get(units[0].stats.remote())["pid"]
         ray.kill(units[0])
-        wait_until(lambda: is_dead(units[0]), 60, what="storage unit 0 to die")  # ray.kill does not wait
+        wait_until(lambda: is_dead(units[0], pid), 60, what="storage unit 0 to die")  # ray.kill does not wait
         (dead, _), (alive, alive_value) = on_unit[0], on_unit[1]
         started = time.monotonic()
         with pytest.raises(
