@@ -31,9 +31,9 @@ class TransportLog:
     def __enter__(self) -> TransportLog:
         inner = self._transport.call_many
 
-        async def call_many(calls: Any, timeout: float) -> Any:
+        async def call_many(calls: Any, timeout: float, into: Any = None) -> Any:
             t0 = time.perf_counter()
-            out = await inner(calls, timeout)
+            out = await inner(calls, timeout, into)
             self.times.append(time.perf_counter() - t0)
             return out
 

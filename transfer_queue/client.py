@@ -12,6 +12,7 @@ in between is aborted: none of its rows ever becomes visible and its bytes are f
 from __future__ import annotations
 
 import functools
+import math
 import os
 import socket
 import time
@@ -23,7 +24,15 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from transfer_queue import protocol as p
-from transfer_queue.columns import Column, columns_from_tensordict, concat_columns, tensordict_from_columns
+from transfer_queue.columns import (
+    Column,
+    columns_from_tensordict,
+    concat_columns,
+    from_row_bytes,
+    nframes,
+    tensordict_from_columns,
+    torch_dtype,
+)
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
     BatchSizeMismatch,
@@ -36,7 +45,7 @@ from transfer_queue.errors import (
     UnknownField,
     error_from_wire,
 )
-from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
@@ -63,6 +72,10 @@ def _partition(global_step: int | None, partition_id: str | None, metadata: Batc
     if metadata is not None and metadata.partition_id != key:
         raise InvalidRequest(f"the metadata is of partition {metadata.partition_id!r}, not {key!r}")
     return key
+
+
+def _row_nbytes(schema: FieldSchema) -> int:
+    return math.prod(schema.shape) * torch.empty((), dtype=torch_dtype(schema.dtype)).element_size()
 
 
 def _kv_partition(partition_id: str) -> str:
@@ -108,7 +121,11 @@ class AsyncTransferQueueClient:
         return [p.encode(envelope), p.encode(body), *buffers], request_id
 
     async def _call(
-        self, calls: Sequence[tuple[p.Endpoint, Any, Sequence[Any]]], timeout: float, who: str
+        self,
+        calls: Sequence[tuple[p.Endpoint, Any, Sequence[Any]]],
+        timeout: float,
+        who: str,
+        into: Sequence[dict[int, Any]] | None = None,
     ) -> list[tuple[Any, list[Any]]]:
         if self._closed:
             raise ClientClosed(f"client {self.client_id!r} is closed")
@@ -117,7 +134,11 @@ class AsyncTransferQueueClient:
             frames, request_id = self._frames(body, buffers)
             wire.append((endpoint, frames, request_id))
         try:
-            replies = await self._transport.call_many(wire, timeout)
+            replies = await (
+                self._transport.call_many(wire, timeout)
+                if into is None
+                else self._transport.call_many(wire, timeout, into)
+            )
         except RequestTimeout as exc:
             raise RequestTimeout(f"{who}: {exc}") from None
         out = []
@@ -136,13 +157,19 @@ class AsyncTransferQueueClient:
         )
         return p.decode_as(reply, reply_type)
 
-    async def _storage(self, calls: Sequence[tuple[int, Any, Sequence[Any]]], timeout: float) -> list[tuple[Any, list]]:
+    async def _storage(
+        self,
+        calls: Sequence[tuple[int, Any, Sequence[Any]]],
+        timeout: float,
+        into: Sequence[dict[int, Any]] | None = None,
+    ) -> list[tuple[Any, list]]:
         units = self.controller_info.storage_units
         try:
             return await self._call(
                 [(units[u], body, bufs) for u, body, bufs in calls],
                 timeout,
                 f"storage units {[u for u, _, _ in calls]} did not answer",
+                into,
             )
         except RequestTimeout as exc:
             raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
@@ -307,28 +334,51 @@ class AsyncTransferQueueClient:
                 f"{batch_meta.global_indexes[row]}"
             )
         units = batch_meta.blocks % len(self.controller_info.storage_units)
-        calls, placed = [], []
+        calls, placed, into = [], [], []
+        # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
+        # output (over Unix sockets), so rows spread over units cost no second copy.
+        dense = {
+            name: np.empty((num_rows, _row_nbytes(schema)), dtype=np.uint8)
+            for name, schema in batch_meta.fields.items()
+            if schema.kind == "dense"
+        }
         for unit in np.unique(units).tolist():
-            fields, positions = [], []
+            fields, positions, targets = [], [], {}
+            frame = 2  # after the reply's header and body
             for j, name in enumerate(batch_meta.field_names):
                 pos = np.flatnonzero(units[:, j] == unit)
                 if len(pos):
                     blocks, offsets = batch_meta.blocks[pos, j], batch_meta.offsets[pos, j]
                     fields.append(p.ReadField(name, p.pack_indexes(blocks), p.pack_indexes(offsets)))
                     positions.append(pos)
+                    if name in dense and int(pos[-1]) - int(pos[0]) == len(pos) - 1:  # ascending: one run
+                        targets[frame] = dense[name][int(pos[0]) : int(pos[-1]) + 1].reshape(-1)
+                    frame += nframes(batch_meta.fields[name])
             calls.append((unit, p.Read(batch_meta.partition_uid, fields), ()))
             placed.append(positions)
-        replies = await self._storage(calls, self.config.default_timeout)
+            into.append(targets)
+        replies = await self._storage(calls, self.config.default_timeout, into if any(into) else None)
         parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
         where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
-        for (body, buffers), positions in zip(replies, placed, strict=True):
+        in_place = set(dense)
+        for (body, buffers), positions, targets in zip(replies, placed, into, strict=True):
             reply = p.decode_as(body, p.ReadReply)
             i = 0
             for spec, pos in zip(reply.columns, positions, strict=True):
-                parts[spec.name].append(Column.from_buffers(spec.schema, spec.num_rows, buffers[i : i + spec.nframes]))
+                frames = buffers[i : i + spec.nframes]
+                parts[spec.name].append(Column.from_buffers(spec.schema, spec.num_rows, frames))
                 where[spec.name].append(pos)
+                if targets.get(2 + i) is not frames[0]:
+                    in_place.discard(spec.name)  # not received in place (ZeroMQ, or sizes that disagree)
                 i += spec.nframes
-        columns = {name: concat_columns(parts[name], where[name], num_rows) for name in batch_meta.fields}
+        columns = {
+            name: (
+                Column(schema, num_rows, data=from_row_bytes(dense[name], torch_dtype(schema.dtype), schema.shape))
+                if name in in_place
+                else concat_columns(parts[name], where[name], num_rows)
+            )
+            for name, schema in batch_meta.fields.items()
+        }
         td = tensordict_from_columns(columns, num_rows)
         return td.to(device) if device is not None else td
 

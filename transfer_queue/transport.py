@@ -117,10 +117,15 @@ class ServerSockets:
             self.unix.close()
 
 
+Into = dict[int, Any]  # reply frame index -> a writable uint8 array to receive that frame into, if it fits
+
+
 class Transport(Protocol):
     def next_request_id(self) -> int: ...
 
-    async def call_many(self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float) -> list[Frames]: ...
+    async def call_many(
+        self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[Frames]: ...
 
     def close(self) -> None: ...
 
@@ -204,14 +209,17 @@ class BlockingTransport:
                 self._all_sockets.add(sock)
         return sock
 
-    def _unix_calls(self, calls: list[tuple[int, str, Frames, int]], timeout: float) -> list[tuple[int, Frames]]:
-        """Calls to servers on this host, over their Unix sockets, all interleaved."""
+    def _unix_calls(
+        self, calls: list[tuple[int, str, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[tuple[int, Frames]]:
+        """Calls to servers on this host, over their Unix sockets, all interleaved; replies land in ``into``'s
+        arrays where given (by position in ``calls``' original order)."""
         try:
             pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
         except OSError as exc:  # the server is gone (its socket file may linger)
             self._local.__dict__.get("routes", {}).clear()
             raise RequestTimeout(f"cannot reach {[path for _, path, _, _ in calls]}: {exc}") from None
-        replies, failed = exchange(pairs, timeout)
+        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None)
         for i in failed:  # a socket that timed out or closed may still carry a late reply: never reuse it
             sock = self._local.__dict__["unix"].pop(calls[i][1], None)
             if sock is not None:
@@ -227,7 +235,11 @@ class BlockingTransport:
             out.append((position, reply))
         return out
 
-    async def call_many(self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float) -> list[Frames]:
+    async def call_many(
+        self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[Frames]:
+        """Replies in order; over Unix sockets, frames named in ``into`` are received into its arrays (over ZeroMQ
+        they arrive as ZeroMQ's own buffers, and the caller copies)."""
         results: list[Frames] = [[] for _ in calls]
         local = []
         remote = []
@@ -244,7 +256,7 @@ class BlockingTransport:
             sock.send_multipart(frames, copy=False)
             waiting[request_id] = (i, address, sock)
         if local:
-            for i, reply in self._unix_calls(local, timeout):
+            for i, reply in self._unix_calls(local, timeout, into):
                 results[i] = reply
         deadline = time.monotonic() + timeout
         sockets = {id(s): s for _, _, s in waiting.values()}
@@ -361,7 +373,10 @@ class AsyncioTransport:
             if future is not None and not future.done():
                 future.set_result(frames)
 
-    async def call_many(self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float) -> list[Frames]:
+    async def call_many(
+        self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[Frames]:
+        """Replies in order (``into`` is not used: ZeroMQ hands back its own buffers)."""
         loop = asyncio.get_running_loop()
         futures = []
         for endpoint, frames, request_id in calls:

@@ -44,7 +44,10 @@ def encode_header(frames: Sequence[Any]) -> bytes:
 class FrameReader:
     """Incremental reader of framed messages from a non-blocking socket (one per connection)."""
 
-    def __init__(self) -> None:
+    def __init__(self, into: dict[int, np.ndarray] | None = None) -> None:
+        # Frame index -> a writable contiguous uint8 array the frame of the next message is received into (used
+        # when the sizes agree), so a reply can land where the caller wants it without another copy.
+        self._into = into
         self._head = bytearray()
         self._need_head = _COUNT.size
         self._lengths: list[int] | None = None
@@ -90,7 +93,10 @@ class FrameReader:
         if sum(lengths) > MAX_MESSAGE_BYTES:
             raise ProtocolViolation(f"a message of {sum(lengths)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
         self._lengths = lengths
-        self._frames = [np.empty(n, dtype=np.uint8) for n in lengths]  # not zero-filled: recv_into overwrites it
+        into = self._into or {}
+        self._frames = [  # not zero-filled: recv_into overwrites every byte
+            into[i] if i in into and into[i].nbytes == n else np.empty(n, dtype=np.uint8) for i, n in enumerate(lengths)
+        ]
 
     @property
     def idle(self) -> bool:
@@ -137,13 +143,16 @@ def send_all(sock: socket.socket, frames: Sequence[Any], timeout: float) -> None
 
 
 def exchange(
-    pairs: Sequence[tuple[socket.socket, Sequence[Any]]], timeout: float
+    pairs: Sequence[tuple[socket.socket, Sequence[Any]]],
+    timeout: float,
+    into: Sequence[dict[int, np.ndarray] | None] | None = None,
 ) -> tuple[list[list[Frame] | None], list[int]]:
     """Send one message on each socket and read one reply from each, all interleaved (a large put to several
-    servers moves over all sockets at once). Returns the replies (``None`` where none came in time) and the
-    positions of the sockets that failed (timed out or closed)."""
+    servers moves over all sockets at once). ``into[i]`` maps frame indexes of reply ``i`` to arrays to receive
+    them into (see :class:`FrameReader`). Returns the replies (``None`` where none came in time) and the positions
+    of the sockets that failed (timed out or closed)."""
     writers = [FrameWriter(frames) for _, frames in pairs]
-    readers = [FrameReader() for _ in pairs]
+    readers = [FrameReader(into[i] if into else None) for i in range(len(pairs))]
     replies: list[list[Frame] | None] = [None] * len(pairs)
     failed: set[int] = set()
     deadline = time.monotonic() + timeout

@@ -116,6 +116,23 @@ def test_exchange_talks_to_several_servers_at_once(tmp_path):
             t.join()
 
 
+def test_a_reply_frame_lands_in_the_array_given_for_it_when_the_sizes_agree():
+    a, b = pair()
+    payload = np.arange(1000, dtype=np.int64)
+    out = np.zeros(2 * payload.nbytes, dtype=np.uint8)  # frames 1 and 2 of the reply land in its two halves
+    first, second = out[: payload.nbytes], out[payload.nbytes :]
+    too_small = np.zeros(3, dtype=np.uint8)
+    reader = FrameReader({1: first, 2: second, 3: too_small})
+    send_all(a, [b"header", payload, payload[::-1].copy(), b"1234"], 5)
+    (reply,) = read_all(b, reader)
+    assert reply[1] is first and reply[2] is second  # received in place, no copy
+    assert np.array_equal(out.view(np.int64), np.concatenate([payload, payload[::-1]]))
+    assert bytes(reply[3]) == b"1234" and reply[3] is not too_small  # the size disagrees: a buffer of its own
+    send_all(a, [b"next", payload], 5)  # the targets are for the first message only
+    (later,) = read_all(b, reader)
+    assert later[1] is not first and np.array_equal(later[1].view(np.int64), payload)
+
+
 def test_exchange_reports_a_server_that_does_not_answer(tmp_path):
     path = str(tmp_path / "silent.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
