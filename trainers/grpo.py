@@ -120,7 +120,10 @@ def take_groups(tensors: dict[str, torch.Tensor], group_ids: np.ndarray, quota: 
     """
     trainable = (tensors["response_mask"] > 0).any(dim=1).numpy()
     ids = np.asarray(group_ids)
-    kept = [g for g in dict.fromkeys(ids.tolist()) if trainable[ids == g].any()][:quota]
+    groups, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    has_rows = np.bincount(inverse.reshape(-1), weights=trainable, minlength=len(groups)) > 0
+    in_order = np.argsort(first)  # groups in the order the batch holds them
+    kept = groups[in_order][has_rows[in_order]][:quota]
     return np.flatnonzero(np.isin(ids, kept)), len(kept)
 
 

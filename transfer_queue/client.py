@@ -12,7 +12,6 @@ in between is aborted: none of its rows ever becomes visible and its bytes are f
 from __future__ import annotations
 
 import functools
-import math
 import os
 import socket
 import time
@@ -29,6 +28,7 @@ from transfer_queue.columns import (
     columns_from_tensordict,
     concat_columns,
     from_row_bytes,
+    nbytes_of,
     nframes,
     tensordict_from_columns,
     torch_dtype,
@@ -45,7 +45,7 @@ from transfer_queue.errors import (
     UnknownField,
     error_from_wire,
 )
-from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
+from transfer_queue.metadata import BatchMeta, PartitionKey
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
@@ -72,10 +72,6 @@ def _partition(global_step: int | None, partition_id: str | None, metadata: Batc
     if metadata is not None and metadata.partition_id != key:
         raise InvalidRequest(f"the metadata is of partition {metadata.partition_id!r}, not {key!r}")
     return key
-
-
-def _row_nbytes(schema: FieldSchema) -> int:
-    return math.prod(schema.shape) * torch.empty((), dtype=torch_dtype(schema.dtype)).element_size()
 
 
 def _kv_partition(partition_id: str) -> str:
@@ -338,7 +334,7 @@ class AsyncTransferQueueClient:
         # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
         # output (over Unix sockets), so rows spread over units cost no second copy.
         dense = {
-            name: np.empty((num_rows, _row_nbytes(schema)), dtype=np.uint8)
+            name: np.empty((num_rows, nbytes_of(torch_dtype(schema.dtype), schema.shape)), dtype=np.uint8)
             for name, schema in batch_meta.fields.items()
             if schema.kind == "dense"
         }

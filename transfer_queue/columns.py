@@ -79,10 +79,15 @@ def as_buffer(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+def nbytes_of(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape`` (Python ints: no int64 wrap)."""
+    return math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def from_buffer(buf: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor over a received buffer, without a copy (the tensor keeps the buffer alive)."""
     view = memoryview(buf)
-    expected = math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()  # no int64 wrap
+    expected = nbytes_of(dtype, shape)
     if view.nbytes != expected:
         raise InvalidRequest(f"a {dtype} buffer of shape {list(shape)} needs {expected} bytes, got {view.nbytes}")
     if expected == 0:

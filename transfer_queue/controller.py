@@ -119,11 +119,11 @@ class ControllerServer:
             return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
-        hold = [isinstance(request, (p.Clear, p.KvClear))]
+        hold = isinstance(request, (p.Clear, p.KvClear))
         held: list[tuple[Any, BaseException | None]] = []
 
         def respond(value: Any, error: BaseException | None) -> None:
-            if hold[0]:
+            if hold:
                 held.append((value, error))
             else:
                 self._reply(reply, request_id, value, error)
@@ -133,7 +133,7 @@ class ControllerServer:
         except Exception as exc:  # a bug, not bad input: answer it and keep serving
             logger.exception("controller failed on %s", type(request).__name__)
             respond(None, exc)
-        hold[0] = False  # answers that come later (a parked request) go out at once
+        hold = False  # answers that come later (a parked request) go out at once
         for value, error in held:
             sent = self._flush_outbox() if error is None else []
             if sent:

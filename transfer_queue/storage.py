@@ -137,8 +137,7 @@ class BlockStore:
         if len(blocks) != len(offsets):
             raise InvalidRequest(f"field {spec.name!r}: {len(blocks)} block ids but {len(offsets)} offsets")
         parts, positions = [], []
-        single = len(blocks) > 0 and bool((blocks == blocks[0]).all())  # the usual case: one block per field
-        for block_id in [int(blocks[0])] if single else np.unique(blocks).tolist():
+        for block_id in np.unique(blocks).tolist():
             block = self.blocks.get(block_id)
             if block is None or block.partition_uid != uid:
                 raise StaleBatchMeta(
@@ -148,15 +147,15 @@ class BlockStore:
             column = block.columns.get(spec.name)
             if column is None:
                 raise UnknownField(f"field {spec.name!r} is not in block {block_id}; it has {list(block.columns)}")
-            pos = np.arange(len(blocks)) if single else np.flatnonzero(blocks == block_id)
-            rows = offsets if single else offsets[pos]
+            pos = np.flatnonzero(blocks == block_id)
+            rows = offsets[pos]
             if len(rows) and (rows.min() < 0 or rows.max() >= block.num_rows):
                 raise InvalidRequest(f"offsets of field {spec.name!r} lie outside block {block_id}")
             parts.append(_take(column, rows))
             positions.append(pos)
         if not parts:
             raise InvalidRequest(f"field {spec.name!r}: a read needs at least one row")
-        return parts[0] if single else concat_columns(parts, positions, len(blocks))
+        return concat_columns(parts, positions, len(blocks))
 
     def drop_blocks(self, uid: int, block_ids: Sequence[int]) -> None:
         self.dead_blocks.setdefault(uid, set()).update(block_ids)
