@@ -1,0 +1,1 @@
+"""Agents: environments behind the task-server HTTP protocol (server side) and the workflows that drive them."""
