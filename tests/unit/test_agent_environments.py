@@ -3,10 +3,13 @@ attempts while the server keeps serving, no orphans when the server is killed), 
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import wait_until
-from tests.unit.test_sandbox import running
+from tests.unit.test_sandbox import running, sleeping
 from tests.unit.test_task_server import served, start, step
 from workers.agents.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate, problem
 from workers.agents.envs.guess_number import GuessNumberEnvironment
@@ -77,7 +80,7 @@ def test_escapes_are_contained_and_the_server_keeps_serving(tmp_path: Path) -> N
         replies: list[dict[str, Any]] = []
         sleeper = threading.Thread(target=lambda: replies.append(step(client, episode, bash("sleep 86420")).json()))
         sleeper.start()
-        wait_until(lambda: running("sleep 86420"), what="the sandboxed sleep to start")
+        wait_until(lambda: sleeping("86420") == 1, what="the sandboxed sleep to start")
         started = time.monotonic()
         assert client.get("/health").json()["active_episodes"] == 1  # served while the command runs
         assert time.monotonic() - started < 0.5
@@ -98,9 +101,24 @@ def test_escapes_are_contained_and_the_server_keeps_serving(tmp_path: Path) -> N
 
 
 @needs_sandbox
-def test_no_sandboxed_process_outlives_a_killed_server() -> None:
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_no_sandboxed_process_outlives_its_server(stop: signal.Signals) -> None:
+    """SIGKILL: the sandbox dies with its parent. SIGTERM: after --shutdown-timeout every sandbox is closed."""
+    # the sandbox's own uid must be able to pass through its parents to reach it (pytest's tmp_path is 0700)
+    tmp_path = Path(tempfile.mkdtemp(prefix="tq-sandbox-test-"))
+    tmp_path.chmod(0o711)
     server = subprocess.Popen(
-        [sys.executable, "-m", "workers.agents.task_server", "os-interaction", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "workers.agents.task_server",
+            "os-interaction",
+            "--port",
+            "0",
+            "--shutdown-timeout",
+            "0.2",
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -114,14 +132,20 @@ def test_no_sandboxed_process_outlives_a_killed_server() -> None:
         episode = httpx.post(f"{url}/episode/start", json={"sample_id": 0}).json()["episode_id"]
         body = {"episode_id": episode, "action": {"type": "text", "content": bash("sleep 97531 & sleep 97531")}}
         threading.Thread(target=lambda: _post_quietly(f"{url}/episode/step", body), daemon=True).start()
-        wait_until(lambda: len(running("sleep 97531")) >= 2, what="the sandboxed sleeps to start")
-        server.send_signal(signal.SIGKILL)
-        server.wait(10)
+        wait_until(lambda: sleeping("97531") == 2, what="the sandboxed sleeps to start")
+        server.send_signal(stop)
+        assert server.wait(10) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
         wait_until(lambda: running("sleep 97531") == [], timeout=10, what="the sandbox to die with its server")
+        if stop == signal.SIGTERM:
+            assert list(tmp_path.iterdir()) == []  # every episode's directory tree removed
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
+        for pipe in (server.stdout, server.stderr):
+            if pipe is not None:
+                pipe.close()
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def _healthy(api: str) -> bool:

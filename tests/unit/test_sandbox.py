@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from workers.agents.sandbox import Sandbox, SandboxLimits, sandbox_unavailable_reason
+from workers.agents.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, sandbox_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     sandbox_unavailable_reason() is not None, reason=f"sandbox unavailable: {sandbox_unavailable_reason()}"
@@ -32,6 +33,11 @@ def running(token: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def sleeping(seconds: str) -> int:
+    """How many host processes run exactly ``sleep SECONDS``."""
+    return len([pid for pid in running(seconds) if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0")])
 
 
 def test_files_persist_across_commands_in_the_home_directory() -> None:
@@ -81,7 +87,7 @@ def test_own_pid_namespace_and_an_unprivileged_user() -> None:
     with Sandbox() as sandbox:
         result = sandbox.run("ls /proc | grep -c '^[0-9]'; id -u; hostname")
     processes, uid, hostname = result.output.split()
-    assert int(processes) <= 4 and hostname == "sandbox"
+    assert int(processes) <= 5 and hostname == "sandbox"
     assert int(uid) != 0 or os.geteuid() != 0
 
 
@@ -105,13 +111,14 @@ def test_a_command_that_sleeps_forever_is_killed_at_its_wall_time() -> None:
 
 
 def test_cpu_and_memory_limits() -> None:
-    with Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=10, memory_bytes=256 * 2**20)) as sandbox:
+    with Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=10)) as sandbox:
         started = time.monotonic()
         spin = sandbox.run("while :; do :; done")
         assert not spin.timed_out and spin.exit_code in (128 + 9, 128 + 24)  # SIGKILL or SIGXCPU
         assert time.monotonic() - started < 6
-        hog = sandbox.run("x=$(head -c 1000000000 /dev/zero | tr '\\0' a); echo ${#x}")
-        assert "cannot allocate" in hog.output and "1000000000" not in hog.output
+    with Sandbox(SandboxLimits(cpu_seconds=10, wall_seconds=10, memory_bytes=64 * 2**20)) as sandbox:
+        hog = sandbox.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}")
+        assert "cannot allocate" in hog.output and "200000000" not in hog.output
 
 
 def test_output_is_truncated_and_the_disk_quota_enforced() -> None:
@@ -130,7 +137,7 @@ def test_close_kills_a_running_command() -> None:
     results = []
     worker = threading.Thread(target=lambda: results.append(sandbox.run("sleep 45678.9")))
     worker.start()
-    wait_until(lambda: running("45678.9"), timeout=10, what="the command to start")
+    wait_until(lambda: sleeping("45678.9") == 1, timeout=10, what="the command to start")
     sandbox.close()
     worker.join(10)
     assert results and results[0].exit_code == 128 + 9
@@ -144,3 +151,14 @@ def test_close_kills_a_running_command() -> None:
 def test_limits_are_validated(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=rf"SandboxLimits.{next(iter(bad))}=.* must be > 0"):
         SandboxLimits(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs commands under a uid of their own")
+def test_a_temp_directory_the_sandbox_uid_cannot_reach_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    with pytest.raises(SandboxUnavailable, match=r"private is not searchable by other users \(mode 700\)"):
+        Sandbox()

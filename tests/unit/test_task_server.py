@@ -50,6 +50,7 @@ class Scripted(Environment):
     max_turns = 3
     closed: ClassVar[list[str]] = []
     release = threading.Event()
+    entered = threading.Event()
 
     @classmethod
     def sample_ids(cls) -> list[str]:
@@ -69,6 +70,7 @@ class Scripted(Environment):
         if action == "junk":
             return ("obs", float("nan"), False, {})
         if action == "wait":
+            self.entered.set()
             self.release.wait(10)
         return Step(
             None if action == "win" else f"echo {action}",
@@ -85,6 +87,7 @@ class Scripted(Environment):
 def scripted() -> Iterator[type[Scripted]]:
     Scripted.closed.clear()
     Scripted.release.clear()
+    Scripted.entered.clear()
     yield Scripted
     Scripted.release.set()
 
@@ -234,7 +237,7 @@ def test_a_cancel_during_a_step_closes_after_the_step(scripted: type[Scripted]) 
         episode = start(client, "a")["episode_id"]
         slow = threading.Thread(target=step, args=(client, episode, "wait"))
         slow.start()
-        wait_until(lambda: client.get("/health").json()["active_episodes"] == 1)
+        assert scripted.entered.wait(10), "the step never reached the environment"
         cancel = threading.Thread(
             target=client.post, args=("/episode/cancel",), kwargs={"json": {"episode_id": episode}}
         )
@@ -287,6 +290,9 @@ def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def test_cli_rejects_an_unknown_environment() -> None:

@@ -32,6 +32,7 @@ WORKDIR = "/home/agent"
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: read-only pieces of the host's /etc that ordinary commands need (dynamic linker cache, `awk` and friends)
 _QUOTA_POLL_SECONDS = 0.2
+_BACKSTOP_SECONDS = 2.0
 #: a directory tree with more entries than this counts as over its disk quota
 _MAX_WALKED_ENTRIES = 20000
 _ETC = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
@@ -101,9 +102,17 @@ class Sandbox:
                 "the sandbox needs bubblewrap (apt-get install bubblewrap) and prlimit (util-linux)"
             )
         self.limits = limits or SandboxLimits()
-        self.root = Path(tempfile.mkdtemp(prefix="tq-sandbox-"))
         # As root: a uid of our own (never a real account), so RLIMIT_NPROC counts only this sandbox's processes.
         self._uid = secrets.randbelow(2**30) + 2**20 if os.geteuid() == 0 else None
+        base = Path(tempfile.gettempdir()).resolve()
+        if self._uid is not None:
+            for folder in (base, *base.parents):
+                if not folder.stat().st_mode & 0o001:
+                    raise SandboxUnavailable(
+                        f"{folder} is not searchable by other users (mode {folder.stat().st_mode & 0o777:o}), so the "
+                        "sandbox's own uid cannot reach its directory; set TMPDIR to a directory that is"
+                    )
+        self.root = Path(tempfile.mkdtemp(prefix="tq-sandbox-", dir=base))
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
@@ -224,6 +233,11 @@ class Sandbox:
             "LANG",
             "C.UTF-8",
             "--",
+            # A backstop inside the sandbox for the wall time this process enforces: if this process dies in the
+            # instant before bwrap has tied itself to it (--die-with-parent), the command still ends.
+            "/usr/bin/timeout",
+            "--signal=KILL",
+            f"{limits.wall_seconds + _BACKSTOP_SECONDS:g}",
             "/bin/bash",
             "-c",
             command,

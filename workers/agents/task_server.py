@@ -1,6 +1,7 @@
 """The task server: one environment behind the task-server HTTP protocol (AReaL / AgentBench compatible).
 
     python -m workers.agents.task_server ENV_NAME --port P [--host 127.0.0.1] [--max-episodes N] [--idle-timeout S]
+                                         [--shutdown-timeout S]
 
 Endpoints, under ``/api``: ``GET /health``, ``GET /task/info``, ``GET /task/samples``, ``POST /episode/start``,
 ``POST /episode/step``, ``POST /episode/cancel``. Errors answer ``{"detail": "..."}`` with 400 (bad request, episode
@@ -117,11 +118,16 @@ def create_app(
     kwargs = dict(environment_kwargs or {})
     table = EpisodeTable(max_episodes=max_episodes, idle_timeout=idle_timeout)
 
+    #: every episode the server opened: shutdown closes what is still open, even an environment whose close was
+    #: interrupted (a request cancelled at the end of the graceful-shutdown period)
+    opened: dict[str, Episode] = {}
+
     async def close(episodes: list[Episode]) -> None:
         for episode in episodes:
             if not episode.closed:
                 episode.closed = True
-                await run_in_threadpool(_close_quietly, episode.environment)
+                await run_in_threadpool(_close_quietly, episode)
+                opened.pop(episode.episode_id, None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,7 +141,11 @@ def create_app(
             yield
         finally:
             sweeper.cancel()
-            await close(table.drain())
+            table.drain()
+            unfinished = [e for e in opened.values() if not e.close_returned]
+            for episode in unfinished:
+                episode.closed = False  # its close never ran or was cut off: run it (close() must be idempotent)
+            await close(unfinished)
 
     app = FastAPI(title=f"task server: {name}", lifespan=lifespan)
     app.state.episodes = table
@@ -180,6 +190,7 @@ def create_app(
         except EpisodeRefused:
             await run_in_threadpool(_close_quietly, new_environment)
             raise
+        opened[episode.episode_id] = episode
         async with episode.lock:
             try:
                 observation = await _call(episode.environment.reset, sample_id, body.config)
@@ -262,11 +273,14 @@ def _max_turns(config: dict[str, Any], default: int) -> int:
     return value
 
 
-def _close_quietly(environment: Environment) -> None:
+def _close_quietly(target: Episode | Environment) -> None:
+    environment = target.environment if isinstance(target, Episode) else target
     try:
         environment.close()
     except Exception:
         logger.exception("closing %s failed", type(environment).__name__)
+    if isinstance(target, Episode):
+        target.close_returned = True
 
 
 def banner(task_name: str, host: str, port: int) -> str:
@@ -329,6 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--max-episodes", type=int, default=None, help="most episodes at once (503 beyond)")
     parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle episode expires")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, seconds requests in flight get before every environment (and sandbox) is closed",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -345,7 +365,10 @@ def main(argv: list[str] | None = None) -> None:
     # signal under the handler it found: make that handler an ordinary exit, so a clean shutdown exits 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: sys.exit(0))
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on")).run(sockets=[sock])
+    config = uvicorn.Config(
+        app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout
+    )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":
