@@ -20,7 +20,15 @@ import httpx
 import pytest
 
 from tests.conftest import wait_until
-from workers.agents.environment import Environment, InvalidAction, Step, available_environments, environment_class
+from workers.agents.environment import (
+    Environment,
+    InvalidAction,
+    Step,
+    UnknownEnvironment,
+    available_environments,
+    environment_class,
+    register_environment,
+)
 from workers.agents.envs.guess_number import GuessNumberEnvironment
 from workers.agents.task_server import create_app, serve_in_background
 
@@ -311,3 +319,37 @@ def _get(url: str) -> Any:
         return httpx.get(url, timeout=2).json()
     except httpx.TransportError:
         return None
+
+
+def test_the_environment_in_docs_agents_md_serves() -> None:
+    page = (REPO / "docs" / "agents.md").read_text()
+    source = re.search(r"```python\n(# mytasks/echo.py\n.*?)```", page, re.DOTALL).group(1)  # type: ignore[union-attr]
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "docs/agents.md", "exec"), namespace)
+    with served(namespace["EchoEnvironment"]) as client:
+        assert client.get("/task/info").json()["name"] == "echo"
+        refused = client.post("/episode/start", json={"sample_id": "1", "config": {"shout": True}})
+        assert refused.status_code == 400 and refused.json()["detail"] == "config shout is not supported"
+        episode = start(client, "1")
+        assert episode["observation"]["content"] == "Say pear."
+        assert step(client, episode["episode_id"], "apple").json()["observation"]["content"] == "No. Say pear."
+        last = step(client, episode["episode_id"], "pear").json()
+        assert (last["reward"], last["done"], last["info"]["success"], last["info"]["num_turns"]) == (
+            1.0,
+            True,
+            True,
+            2,
+        )
+
+
+def test_environments_are_found_by_name_or_module_and_class() -> None:
+    assert environment_class("tests.unit.test_task_server:Scripted").description == "scripted"
+    assert {"os-interaction", "calculator", "guess-number"} <= set(available_environments())
+    with pytest.raises(UnknownEnvironment, match=r"no environment named 'nope'; registered: \[.*'calculator'"):
+        environment_class("nope")
+    with pytest.raises(UnknownEnvironment, match=r"cannot import environment 'no.such.module:X'"):
+        environment_class("no.such.module:X")
+    with pytest.raises(UnknownEnvironment, match=r"'tests.unit.test_task_server:served' is .*, not an Environment"):
+        environment_class("tests.unit.test_task_server:served")
+    with pytest.raises(ValueError, match=r"environment name 'calculator' is already registered by workers.agents"):
+        register_environment("calculator")(Scripted)
