@@ -179,8 +179,8 @@ class Sandbox:
     def _argv(self, command: str) -> list[str]:
         limits = self.limits
         nproc = limits.max_processes
-        if self._uid is None:  # our own uid: RLIMIT_NPROC counts every process we already run too
-            nproc += _processes_of_uid(os.getuid())
+        if self._uid is None:  # our own uid: RLIMIT_NPROC counts every thread we already run too
+            nproc += _tasks_of_uid(os.getuid())
         rlimits = [
             f"--cpu={limits.cpu_seconds}",
             f"--as={limits.memory_bytes}",
@@ -314,13 +314,15 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _processes_of_uid(uid: int) -> int:
+def _tasks_of_uid(uid: int) -> int:
+    """Threads run by ``uid`` now: what RLIMIT_NPROC counts on Linux."""
     count = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdecimal():
             try:
-                count += os.stat(entry.path).st_uid == uid
-            except FileNotFoundError:
+                if os.stat(entry.path).st_uid == uid:
+                    count += len(os.listdir(f"{entry.path}/task"))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
                 pass
     return count
 
