@@ -250,7 +250,8 @@ def test_a_cancel_during_a_step_closes_after_the_step(scripted: type[Scripted]) 
             target=client.post, args=("/episode/cancel",), kwargs={"json": {"episode_id": episode}}
         )
         cancel.start()
-        wait_until(lambda: step(client, episode, "x").status_code == 404, what="the cancel to take effect")
+        wait_until(lambda: client.get("/health").json()["active_episodes"] == 0, what="the cancel to take effect")
+        assert step(client, episode, "x").status_code == 404
         assert scripted.closed == []  # the step in flight still holds the environment
         scripted.release.set()
         slow.join(10)

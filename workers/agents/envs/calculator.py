@@ -52,7 +52,8 @@ def evaluate(expression: str) -> int | float:
 
 
 def _evaluate(node: ast.expr) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    value: int | float
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         value = node.value
     elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
