@@ -92,10 +92,9 @@ def test_own_pid_namespace_and_an_unprivileged_user() -> None:
 
 
 def test_a_fork_bomb_is_contained() -> None:
-    with Sandbox(SandboxLimits(max_processes=16, wall_seconds=5)) as sandbox:
-        started = time.monotonic()
+    with Sandbox(SandboxLimits(max_processes=16, wall_seconds=60)) as sandbox:
         result = sandbox.run("bomb() { bomb | bomb & }; bomb; sleep 0.5; echo survived")
-        assert time.monotonic() - started < 5
+        assert not result.timed_out and result.output.endswith("survived\n")  # stopped by the process limit
         assert "Resource temporarily unavailable" in result.output or "retry" in result.output
         assert sandbox.run("echo still works").output == "still works\n"
     assert running("bomb()") == []
@@ -105,17 +104,16 @@ def test_a_command_that_sleeps_forever_is_killed_at_its_wall_time() -> None:
     with Sandbox(SandboxLimits(wall_seconds=1.0)) as sandbox:
         started = time.monotonic()
         result = sandbox.run("echo before; sleep 98765.4321 & sleep 98765.4321")
-        assert 1.0 <= time.monotonic() - started < 4.0
+        assert 1.0 <= time.monotonic() - started < 30  # not 98765 s; the bound is loose for loaded hosts
         assert (result.output, result.exit_code, result.timed_out) == ("before\n", 124, True)
     wait_until(lambda: running("98765.4321") == [], timeout=5, what="the sleeping processes to be gone")
 
 
 def test_cpu_and_memory_limits() -> None:
-    with Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=10)) as sandbox:
-        started = time.monotonic()
+    # a wall limit far beyond the CPU limit: the loop must end by the CPU limit (a signal), however loaded the host
+    with Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=60)) as sandbox:
         spin = sandbox.run("while :; do :; done")
         assert not spin.timed_out and spin.exit_code in (128 + 9, 128 + 24)  # SIGKILL or SIGXCPU
-        assert time.monotonic() - started < 6
     with Sandbox(SandboxLimits(cpu_seconds=10, wall_seconds=10, memory_bytes=64 * 2**20)) as sandbox:
         hog = sandbox.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}")
         assert "cannot allocate" in hog.output and "200000000" not in hog.output

@@ -30,7 +30,7 @@ from workers.agents.environment import (
     register_environment,
 )
 from workers.agents.envs.guess_number import GuessNumberEnvironment
-from workers.agents.task_server import create_app, serve_in_background
+from workers.agents.task_server import create_app, main, serve_in_background
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,6 +89,13 @@ class Scripted(Environment):
 
     def close(self) -> None:
         Scripted.closed.append(self.sample_id)
+
+
+@pytest.fixture(scope="module")
+def guess_number() -> Iterator[httpx.Client]:
+    """One guess-number server shared by the tests that only read or are refused."""
+    with served(GuessNumberEnvironment) as client:
+        yield client
 
 
 @pytest.fixture()
@@ -182,17 +189,17 @@ def test_turn_limit_truncates_without_success() -> None:
         ("/episode/cancel", {"episode_id": "nope"}, 404, r"unknown episode_id='nope'"),
     ],
 )
-def test_error_statuses_carry_a_detail(path: str, body: dict[str, Any], status: int, detail: str) -> None:
-    with served(GuessNumberEnvironment) as client:
-        response = client.post(path, json=body)
-        assert response.status_code == status
-        assert re.search(detail, response.json()["detail"]), response.json()
+def test_error_statuses_carry_a_detail(
+    guess_number: httpx.Client, path: str, body: dict[str, Any], status: int, detail: str
+) -> None:
+    response = guess_number.post(path, json=body)
+    assert response.status_code == status
+    assert re.search(detail, response.json()["detail"]), response.json()
 
 
-def test_malformed_json_is_a_400() -> None:
-    with served(GuessNumberEnvironment) as client:
-        response = client.post("/episode/start", content=b"{not json", headers={"content-type": "application/json"})
-        assert response.status_code == 400 and response.json()["detail"].startswith("bad request: ")
+def test_malformed_json_is_a_400(guess_number: httpx.Client) -> None:
+    response = guess_number.post("/episode/start", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["detail"].startswith("bad request: ")
 
 
 def test_max_episodes_answers_503_until_one_ends() -> None:
@@ -304,15 +311,11 @@ def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
                 pipe.close()
 
 
-def test_cli_rejects_an_unknown_environment() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "workers.agents.task_server", "no-such-env", "--port", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "no environment named 'no-such-env'; registered: [" in done.stderr
+def test_cli_rejects_an_unknown_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["no-such-env", "--port", "0"])
+    assert exit_.value.code == 2
+    assert "no environment named 'no-such-env'; registered: [" in capsys.readouterr().err
 
 
 def _get(url: str) -> Any:
