@@ -81,7 +81,9 @@ def build_train_batch(
     tensors["old_logprobs"] = old_logprobs
 
     rewards = data["reward"].to(torch.float32).reshape(-1)
-    failed = data["reward_failed"].to(torch.bool).reshape(-1)
+    # a non-finite reward never passes the reward worker; should one arrive anyway it counts as a failure
+    failed = data["reward_failed"].to(torch.bool).reshape(-1) | ~torch.isfinite(rewards)
+    rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
     staleness = trainer_version - data["policy_version"].to(torch.int64).reshape(-1)
     valid = ~failed & (staleness <= max_staleness)
     groups = torch.tensor(np.asarray(group_ids), dtype=torch.int64)
@@ -91,7 +93,7 @@ def build_train_batch(
             rewards[valid], groups[valid], normalize_std=config.train.normalize_advantage_std
         )
     keep = valid & apply_filters(
-        config.train.filters, advantages=advantages, rewards=rewards, group_size=config.n_samples
+        config.train.filters, advantages=advantages, rewards=rewards, group_size=config.n_samples, valid=valid
     )
     tensors["advantages"] = advantages
     tensors["response_mask"] = tensors["response_mask"] * keep.to(torch.float32).unsqueeze(1)
@@ -180,16 +182,36 @@ class GRPOTrainerRank:
         return self.rank
 
     # ---- RL ------------------------------------------------------------------------------------------------
-    def init_reference(self) -> None:
-        """Freeze the current weights as the KL reference policy (after SFT, before RL)."""
+    def init_reference(self, path: str | None = None) -> None:
+        """The frozen KL reference policy: the weights of the checkpoint at ``path`` (a resumed run's original
+        reference, saved by :meth:`save_reference`), or else a copy of the current weights (after SFT, before
+        RL). It has no optimizer and no gradients."""
         assert self.policy is not None
-        state = self.policy.full_state_dict()
         model = self.task.build_policy()
-        if self.rank == 0:
-            model.load_state_dict(state)
+        if path is None:
+            state = self.policy.full_state_dict()
+            if self.rank == 0:
+                model.load_state_dict(state)
         self.reference = FSDPPolicy(
-            model, device=self.policy.device, micro_batch_size=self.config.train.micro_batch_size
+            model,
+            device=self.policy.device,
+            micro_batch_size=self.config.train.micro_batch_size,
+            trainable=False,
+            sync_module_states=path is None,
         )
+        if path is not None:
+            self.reference.load_weights(path)
+
+    def save_reference(self, path: str) -> None:
+        """Write the reference policy's weights (a collective) so a resumed run keeps the same reference."""
+        assert self.reference is not None, "init_reference first"
+        self.reference.save_checkpoint(path, {"reference": True}, overwrite=True)
+
+    def reference_fingerprint(self) -> float:
+        """Sum of the reference's weights on this rank's shards (for tests that a reference survives resume)."""
+        assert self.reference is not None
+        with torch.no_grad():
+            return float(sum(p.to_local().double().sum() for p in self.reference.model.parameters()))
 
     def train_step(self, step: int) -> dict[str, float]:
         """Train on global step ``step``: ``minibatches_per_step`` DP rounds, one optimizer step each."""
@@ -234,13 +256,15 @@ class GRPOTrainerRank:
             if self.reference is not None:
                 t = batch.tensors
                 t["ref_logprobs"] = self.reference.compute_logprobs(
-                    t["input_ids"], t["attention_mask"], temperature=cfg.rollout.temperature
+                    t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
                 )
             if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
                 # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
                 # is off from the first step
                 train_metrics.append(
-                    self.policy.train_step(batch.tensors, self._loss_fn, temperature=cfg.rollout.temperature or 1.0)
+                    self.policy.train_step(
+                        batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.rollout.temperature)
+                    )
                 )
             train_s += time.perf_counter() - t1
         self.version = version + 1
@@ -321,6 +345,12 @@ class GRPOTrainerRank:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature log-probs are scored at for a rollout at ``sampling_temperature``: the same, except greedy
+    decoding (0), whose engines report ``log_softmax(logits)`` (see ``workers.engines.base.Generation``)."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
 
 
 def _nll_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:

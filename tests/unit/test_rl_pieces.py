@@ -15,7 +15,7 @@ from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups
 from trainers.metrics import MetricsLog, fifth_means, plot_metrics
 from workers.prompts import PromptSource
-from workers.reward import score_responses
+from workers.reward import NonFiniteReward, score_responses
 from workers.rollout import jagged, rows_of
 from workers.tasks.addition import AdditionTask
 from workers.tasks.base import import_object, load_reward_fn, load_task
@@ -58,16 +58,19 @@ def test_a_failing_reward_function_marks_the_sample_and_the_rest_are_scored():
             raise RuntimeError("parser exploded")
         return float(text == answer)
 
-    rewards, failed, errors = score_responses(reward, ["1", "boom", "3"], {"answer": ["1", "2", "4"]})
-    assert rewards == [1.0, 0.0, 0.0]
-    assert failed == [False, True, False]
-    assert errors == ["RuntimeError: parser exploded"]
+    scores = score_responses(reward, ["1", "boom", "3"], {"answer": ["1", "2", "4"]})
+    assert scores.rewards == [1.0, 0.0, 0.0]
+    assert scores.failed == [False, True, False]
+    assert scores.errors == ["RuntimeError: parser exploded"]
+    assert scores.non_finite == 0
 
 
-def test_a_nan_reward_counts_as_a_failure():
-    rewards, failed, errors = score_responses(lambda text: float("nan"), ["x"], {})
-    assert (rewards, failed) == ([0.0], [True])
-    assert "NaN" in errors[0]
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_reward_is_rejected_naming_the_sample_and_counted(bad):
+    scores = score_responses(lambda text: bad if text == "x" else 1.0, ["ok", "x"], {}, sample_ids=[40, 41])
+    assert (scores.rewards, scores.failed, scores.non_finite) == ([1.0, 0.0], [False, True], 1)
+    assert scores.errors == [f"NonFiniteReward: sample global_index=41: the reward function returned {bad}"]
+    assert issubclass(NonFiniteReward, ValueError)
 
 
 def test_reward_functions_and_tasks_load_by_dotted_name():
@@ -147,6 +150,26 @@ def test_zero_variance_groups_are_filtered_when_asked():
         data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
     )
     assert out.tensors["response_mask"].sum(1).tolist() == [0, 0, 3, 3]
+
+
+def test_failed_rows_do_not_make_a_constant_group_look_informative():
+    # group 0: one correct answer and one failed reward (its placeholder 0 is no score) -> constant, dropped;
+    # group 1: scored 1 and 0 -> kept
+    data = _rollout_data([1.0, 0.0, 1.0, 0.0], [0] * 4, failed=[False, True, False, False])
+    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    out = build_train_batch(
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
+    )
+    assert out.tensors["response_mask"].sum(1).tolist() == [0, 0, 3, 3]
+
+
+def test_a_non_finite_reward_that_slips_through_counts_as_failed():
+    data = _rollout_data([float("inf"), 0.0, 1.0, 0.0], [0] * 4)
+    out = build_train_batch(
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+    )
+    assert torch.isfinite(out.tensors["advantages"]).all()
+    assert out.stats["failed_rows"] == 1.0 and out.tensors["response_mask"][0].sum() == 0
 
 
 def test_over_sampling_trains_on_the_first_groups_the_filters_keep():
