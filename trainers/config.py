@@ -68,6 +68,14 @@ class TrainConfig:
     # those the filters keep (e.g. filters.nonzero_std_groups); the others never reach the forward pass.
     # None: train on every group of the step.
     max_train_groups: int | None = None
+    # Score the sampled tokens with the training model before the update, and use those as the old (proximal)
+    # policy; the engine's log-probs are kept for the rollout correction. None: on when the trainer's and the
+    # engine's numerics differ (another engine or device, so another dtype), in async mode (decoupled PPO needs the
+    # proximal policy) and with several minibatches per step.
+    recompute_old_logprobs: bool | None = None
+    rollout_correction: Literal["none", "tis", "mis"] = "tis"  # trainer-vs-engine IS weights (with recompute)
+    rollout_is_high: float = 2.0  # TIS cap / MIS upper bound on exp(trainer - engine logprob)
+    rollout_is_low: float | None = None  # MIS lower bound; None: 1 / rollout_is_high
 
 
 @dataclass
@@ -164,8 +172,24 @@ class RLConfig:
             raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")
         if self.train.kl_coef < 0:
             raise ConfigError(f"train.kl_coef must be >= 0, got {self.train.kl_coef}")
+        if not self.train.rollout_is_high > 0:
+            raise ConfigError(f"train.rollout_is_high must be > 0, got {self.train.rollout_is_high}")
+        low = self.train.rollout_is_low
+        if low is not None and not 0 <= low < self.train.rollout_is_high:
+            raise ConfigError(
+                f"train.rollout_is_low must be in [0, train.rollout_is_high={self.train.rollout_is_high}), got {low}"
+            )
         if not self.rollout.temperature >= 0:
             raise ConfigError(f"rollout.temperature must be >= 0, got {self.rollout.temperature}")
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the trainer recomputes the old log-probs (``train.recompute_old_logprobs``, or its default)."""
+        if self.train.recompute_old_logprobs is not None:
+            return self.train.recompute_old_logprobs
+        trainer_device = "cuda" if self.train.num_gpus_per_rank > 0 else "cpu"
+        same_numerics = self.rollout.engine == "hf" and self.rollout.engine_device.split(":")[0] == trainer_device
+        return not same_numerics or self.mode == "async" or self.train.minibatches_per_step > 1
 
     @property
     def num_global_batch(self) -> int:

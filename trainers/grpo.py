@@ -27,6 +27,7 @@ from trainers.config import RLConfig
 from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
 from trainers.losses import policy_loss
+from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.prompts import PromptSource
 from workers.queue_clock import QueueClock
@@ -75,10 +76,12 @@ def build_train_batch(
     prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
     sampled_logprobs = rows_of(data["response_logprobs"])
     tensors = pad_sequences(prompts, responses, pad_token_id)
-    old_logprobs = torch.zeros_like(tensors["response_mask"])
+    rollout_logprobs = torch.zeros_like(tensors["response_mask"])
     for i, (p, lps) in enumerate(zip(prompts, sampled_logprobs, strict=True)):
-        old_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    tensors["old_logprobs"] = old_logprobs
+        rollout_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    # the engine's log-probs; the old (proximal) policy too unless the trainer recomputes it (see train_step)
+    tensors["rollout_logprobs"] = rollout_logprobs
+    tensors["old_logprobs"] = rollout_logprobs.clone()
 
     rewards = data["reward"].to(torch.float32).reshape(-1)
     # a non-finite reward never passes the reward worker; should one arrive anyway it counts as a failure
@@ -98,6 +101,7 @@ def build_train_batch(
     tensors["advantages"] = advantages
     tensors["response_mask"] = tensors["response_mask"] * keep.to(torch.float32).unsqueeze(1)
     response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
+    trained_tokens = tensors["response_mask"].sum(dim=1)
     stats = {
         "rows": float(len(rewards)),
         "reward_sum": float(rewards[~failed].sum()),
@@ -109,6 +113,8 @@ def build_train_batch(
         "staleness_sum": float(staleness.to(torch.float32).sum()),
         "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
         "response_len_sum": float(response_lengths.sum()),
+        "trained_tokens": float(trained_tokens.sum()),
+        "token_staleness_sum": float((trained_tokens * staleness.to(torch.float32)).sum()),
     }
     return TrainBatch(tensors, stats)
 
@@ -251,10 +257,11 @@ class GRPOTrainerRank:
                 batch.tensors = pad_rows(batch.tensors, rows_taken, width)
                 batch.stats["trained_rows"] = float((batch.tensors["response_mask"] > 0).any(dim=1).sum())
                 batch.stats["trained_groups"] = float(groups_taken)
-            for name, value in batch.stats.items():
-                totals[name] = totals.get(name, 0.0) + value
+            totals_add(totals, batch.stats)
+            t = batch.tensors
+            if cfg.recompute_old_logprobs:
+                totals_add(totals, self._recompute_old_logprobs(t))
             if self.reference is not None:
-                t = batch.tensors
                 t["ref_logprobs"] = self.reference.compute_logprobs(
                     t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
                 )
@@ -279,6 +286,27 @@ class GRPOTrainerRank:
         )
         return out
 
+    def _recompute_old_logprobs(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Replace ``old_logprobs`` with the training model's, weight tokens by the rollout correction, and return
+        the mismatch metrics as sums over this rank's response tokens."""
+        assert self.policy is not None
+        cfg = self.config
+        old = self.policy.compute_logprobs(
+            t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
+        )
+        t["old_logprobs"] = old * t["attention_mask"].to(old.dtype)
+        weights, metrics = rollout_correction(
+            t["old_logprobs"],
+            t["rollout_logprobs"],
+            t["response_mask"],
+            cfg.train.rollout_correction,
+            high=cfg.train.rollout_is_high,
+            low=cfg.train.rollout_is_low,
+        )
+        t["is_weights"] = weights
+        tokens = float((t["response_mask"] > 0).sum())
+        return {f"{name}_sum": value * tokens for name, value in metrics.items()} | {"mismatch_tokens": tokens}
+
     def _loss_fn(self, *, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         t = self.config.train
         knobs = {
@@ -293,6 +321,7 @@ class GRPOTrainerRank:
             batch["advantages"],
             batch["response_mask"],
             ref_logprobs=batch.get("ref_logprobs"),
+            token_weights=batch.get("is_weights"),
             kl_coef=t.kl_coef,
             kl_kind=t.kl_kind,
             **knobs,
@@ -378,6 +407,11 @@ def _global_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def totals_add(totals: dict[str, float], values: dict[str, float]) -> None:
+    for name, value in values.items():
+        totals[name] = totals.get(name, 0.0) + value
+
+
 def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum the per-rank counters over ranks (max for maxima) and turn sums into means."""
     names = sorted(n for n in totals if not n.endswith("_max"))
@@ -398,5 +432,12 @@ def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, f
         "staleness_mean": s["staleness_sum"] / rows,
         "staleness_max": float(peak.item()),
         "response_len": s["response_len_sum"] / rows,
+        # per trained token: how many versions behind the policy that sampled it was
+        "staleness_token_mean": s.get("token_staleness_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
         **({"trained_groups": s["trained_groups"]} if "trained_groups" in s else {}),
+        **{
+            name[: -len("_sum")]: s[name] / max(s["mismatch_tokens"], 1.0)
+            for name in s
+            if "mismatch_tokens" in s and name.endswith("_sum") and name.startswith(("mismatch_", "is_"))
+        },
     }

@@ -117,6 +117,29 @@ def test_the_batch_aligns_old_logprobs_and_masks_with_input_ids():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
     assert batch["old_logprobs"].tolist() == [[0, 0, -0.5, -0.5, -0.5], [0, 0, -1.5, 0, 0]]
+    assert torch.equal(batch["rollout_logprobs"], batch["old_logprobs"])  # the engine's, kept beside the old policy
+
+
+def test_old_logprobs_are_recomputed_where_trainer_and_engine_numerics_differ():
+    assert not _config().recompute_old_logprobs  # the demo: HF engine on CPU, trainer on CPU
+    assert RLConfig(
+        prompts_per_step=2, n_samples=2, train=TrainConfig(world_size=1, num_gpus_per_rank=1)
+    ).recompute_old_logprobs
+    assert RLConfig(mode="async", max_staleness=1, train=TrainConfig(world_size=1)).recompute_old_logprobs
+    assert not RLConfig(
+        mode="async", max_staleness=1, train=TrainConfig(recompute_old_logprobs=False)
+    ).recompute_old_logprobs
+    with pytest.raises(ConfigError, match=r"train.rollout_is_low must be in \[0, train.rollout_is_high=2.0\), got 3"):
+        RLConfig(train=TrainConfig(rollout_is_low=3))
+
+
+def test_staleness_is_counted_per_trained_token():
+    # rows of 3 tokens at staleness 1, 0, 2 (the last too stale: not trained) -> (3*1 + 3*0) / 6 tokens
+    data = _rollout_data([1.0, 0.0, 1.0], [4, 5, 3])
+    out = build_train_batch(
+        data, np.array([0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_config()
+    )
+    assert out.stats["token_staleness_sum"] / out.stats["trained_tokens"] == pytest.approx(0.5)
 
 
 def test_advantages_are_normalised_within_each_group():
