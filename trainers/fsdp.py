@@ -356,24 +356,12 @@ class FSDPPolicy:
         return self.optimizer
 
     def _logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
-        if not temperature > 0:  # also NaN
-            raise ValueError(
-                f"temperature must be > 0 to score tokens, got {temperature} "
-                "(greedy decoding reports log-probs at temperature 1: pass 1.0)"
-            )
         # Positions count real tokens, so left padding (if any) does not shift them.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs = {"use_cache": False} if self._is_hf else {}  # no KV cache to build during training
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else out.logits
-        logits = logits[:, :-1].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        targets = input_ids[:, 1:].unsqueeze(-1)
-        # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
-        shifted = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
-        logprobs = torch.nn.functional.pad(shifted, (1, 0))
-        return logprobs * attention_mask.to(logprobs.dtype)
+        return token_logprobs(logits, input_ids, attention_mask, temperature)
 
     def _split(self, batch: dict[str, Tensor]) -> list[dict[str, Tensor]]:
         missing = {"input_ids", "attention_mask", "response_mask"} - batch.keys()
@@ -413,6 +401,30 @@ class FSDPPolicy:
         if isinstance(norm, DTensor):  # sharded grads: the local norm is a partial, reduce it
             norm = norm.full_tensor()
         return float(norm.item())
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """``out[b, t] = log_softmax(logits[b, t - 1] / temperature)[input_ids[b, t]]``, 0 at t = 0 and on padding.
+
+    The full (untruncated) tempered distribution, the one the engines report for sampled tokens whatever their
+    top-k / top-p (docs/rl-conventions.md).
+
+    Raises:
+        ValueError: if ``temperature`` is not > 0 (greedy decoding reports log-probs at temperature 1).
+    """
+    if not temperature > 0:  # also NaN
+        raise ValueError(
+            f"temperature must be > 0 to score tokens, got {temperature} "
+            "(greedy decoding reports log-probs at temperature 1: pass 1.0)"
+        )
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
+    shifted = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
+    logprobs = torch.nn.functional.pad(shifted, (1, 0))
+    return logprobs * attention_mask.to(logprobs.dtype)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
