@@ -38,7 +38,18 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(
-        include=["transfer_queue", "transfer_queue.*", "workers", "workers.*", "trainers", "trainers.*"]
+        include=[
+            "transfer_queue",
+            "transfer_queue.*",
+            "rl_contracts",
+            "rl_contracts.*",
+            "workers",
+            "workers.*",
+            "trainers",
+            "trainers.*",
+            "orchestration",
+            "orchestration.*",
+        ]
     ),
     package_data={"transfer_queue": ["py.typed"]},
     install_requires=CORE,

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 class TaskConfig:
     """Which task (prompts, reward, tokenizer, starting policy) to train on."""
 
-    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a workers.tasks.base.Task
+    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a rl_contracts.task.Task
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the task's constructor
     reward_fn: str | None = None  # "module:function" replacing the task's own reward, fn(response_text, **fields)
     num_train_prompts: int = 4096  # prompts of the training split

@@ -22,6 +22,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rl_contracts.prompts import PromptSource
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import rows_of
+from rl_contracts.task import Task, load_task
 from trainers.advantages import group_advantages_by_id
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
@@ -29,10 +33,6 @@ from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
 from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
-from workers.prompts import PromptSource
-from workers.queue_clock import QueueClock
-from workers.rollout import rows_of
-from workers.tasks.base import Task, load_task
 
 TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]

@@ -19,31 +19,15 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import jagged, rows_of
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
-from workers.queue_clock import QueueClock
 
 logger = logging.getLogger(__name__)
 ROLLOUT_TASK = "rollout"
 ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-def jagged(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
-    """A jagged nested tensor from lists of different lengths, built as values + offsets in one pass (building it
-    from one small tensor per row costs milliseconds per batch)."""
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = torch.tensor([x for r in rows for x in r], dtype=dtype)
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
-
-
-def rows_of(nested: torch.Tensor) -> list[list[int]]:
-    """Lists of token ids from a jagged nested tensor (one gather for the whole batch)."""
-    offsets = nested.offsets().tolist()
-    values = nested.values().tolist()
-    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
 @ray.remote(concurrency_groups={"rollout": 1, "control": 1})

@@ -13,8 +13,8 @@ from typing import Any
 import ray
 import torch
 
+from rl_contracts.task import load_task
 from workers.engines.base import Engine, Generation, SamplingParams
-from workers.tasks.base import load_task
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,17 @@ import yaml
 from tqdm import tqdm
 
 import transfer_queue
+from rl_contracts.prompts import PromptSource
+from rl_contracts.rows import jagged
+from rl_contracts.task import Task, load_task
 from trainers.checkpoint import checkpoint_path, latest_checkpoint
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
 from trainers.metrics import MetricsLog, fifth_means, plot_metrics
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.prompts import PromptSource
 from workers.reward import RewardWorker
-from workers.rollout import RolloutWorker, jagged
-from workers.tasks.base import Task, load_task
+from workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
 
