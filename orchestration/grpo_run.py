@@ -33,7 +33,7 @@ import transfer_queue
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
 from rl_contracts.task import Task, load_task
-from trainers.checkpoint import checkpoint_path, latest_checkpoint
+from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
 from trainers.metrics import MetricsLog, fifth_means, plot_metrics
@@ -112,11 +112,16 @@ class GRPORun:
         self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.version = 0
+        self._prompts_before: dict[int, dict[str, int]] = {}
+        self._saved_step: int | None = None
+        self._resumed = False
 
     # ---- the pieces of a step ------------------------------------------------------------------------------
     def put_prompts(self, step: int) -> None:
         """The step's prompts, each repeated ``n_samples`` times: its group of rows."""
         n = self.cfg.n_samples
+        # where the prompt source stood before this step drew: what a run resumed at ``step`` must draw next
+        self._prompts_before[step] = self.prompts.state_dict()
         prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
         rows = [p for p in prompts for _ in range(n)]
         fields: dict[str, Any] = {"prompt_ids": jagged([p["prompt_ids"] for p in rows], torch.int64)}
@@ -159,12 +164,35 @@ class GRPORun:
         return sum(s >= 1.0 for s in scores) / len(scores)
 
     def save(self, step: int) -> Path:
-        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version."""
-        path = checkpoint_path(self.out / "checkpoints", step)
-        shutil.rmtree(path, ignore_errors=True)
-        extra = {"step": step, "prompt_source": self.prompts.state_dict(), "version": self.version}
-        ray.get([rank.save_checkpoint.remote(str(path), extra) for rank in self.trainer])
+        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version, then keep
+        the newest ``checkpoint_keep``. An existing checkpoint of ``step`` is replaced only once the new one is
+        complete and on disk.
+
+        The prompt position is the one before step ``step`` drew its prompts: in async mode rollout has already
+        drawn up to ``max_staleness`` steps ahead, and a resumed run must draw those again, not skip them.
+        """
+        root = self.out / "checkpoints"
+        path = checkpoint_path(root, step)
+        prompt_state = self._prompts_before.get(step, self.prompts.state_dict())
+        self._prompts_before = {s: v for s, v in self._prompts_before.items() if s > step}
+        extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
+        ray.get([rank.save_checkpoint.remote(str(path), extra, overwrite=True) for rank in self.trainer])
+        prune_checkpoints(root, self.cfg.checkpoint_keep)
+        self._saved_step = step
         return path
+
+    def init_reference(self, resumed: bool) -> None:
+        """The frozen KL reference: the run's original one (saved in ``output_dir/reference`` when the run began)
+        on resume, never the resumed weights; else the current weights, saved for later resumes."""
+        path = self.out / "reference"
+        if resumed and is_complete_checkpoint(path):
+            ray.get([r.init_reference.remote(str(path)) for r in self.trainer])
+            print(f"KL reference restored from {path}", flush=True)
+            return
+        if resumed:
+            logger.warning("no saved KL reference in %s: the resumed weights become the reference", path)
+        ray.get([r.init_reference.remote() for r in self.trainer])
+        ray.get([r.save_reference.remote(str(path)) for r in self.trainer])
 
     # ---- the run -------------------------------------------------------------------------------------------
     def sft(self) -> float:
@@ -197,7 +225,7 @@ class GRPORun:
         cfg = self.cfg
         start = self._resume_or_warm_up()
         if cfg.train.kl_coef > 0:
-            ray.get([r.init_reference.remote() for r in self.trainer])
+            self.init_reference(resumed=self._resumed)
         self.publish(self.version)
         pending: dict[int, tuple[list[Any], list[Any]]] = {}
         rows_out = []
@@ -239,7 +267,8 @@ class GRPORun:
                 "queue_idle_cpu_s_per_step": idle_cpu / steps_run,
             }
         )
-        self.save(cfg.steps)
+        if self._saved_step != cfg.steps:  # the last periodic checkpoint may already be this one
+            self.save(cfg.steps)
         plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
         return rows_out
 
@@ -260,11 +289,12 @@ class GRPORun:
     def _resume_or_warm_up(self) -> int:
         """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT."""
         latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
+        self._resumed = latest is not None
         if latest is not None:
             extra = ray.get([r.load_checkpoint.remote(str(latest)) for r in self.trainer])[0]
             self.prompts.load_state_dict(extra["prompt_source"])
             self.version = int(extra.get("version", extra.get("policy_version", 0)))
-            logger.info("resumed from %s at step %d", latest, extra["step"])
+            print(f"resumed from {latest} at step {extra['step']}", flush=True)
             return int(extra["step"])
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         if self.cfg.init_from:

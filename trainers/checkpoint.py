@@ -215,6 +215,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a complete checkpoint (manifest and DCP metadata written, i.e. the save finished)."""
+    return _is_complete(Path(path))
+
+
 def _is_complete(path: Path) -> bool:
     return (path / _MANIFEST).is_file() and (path / "dcp" / ".metadata").is_file()
 

@@ -362,9 +362,9 @@ class GRPOTrainerRank:
         assert self.policy is not None
         self.policy.save_hf_pretrained(path)
 
-    def save_checkpoint(self, path: str, extra_state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str, extra_state: dict[str, Any], overwrite: bool = False) -> None:
         assert self.policy is not None
-        self.policy.save_checkpoint(path, {**extra_state, "policy_version": self.version})
+        self.policy.save_checkpoint(path, {**extra_state, "policy_version": self.version}, overwrite=overwrite)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         assert self.policy is not None
