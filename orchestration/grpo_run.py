@@ -36,7 +36,7 @@ from rl_contracts.task import Task, load_task
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metrics import MetricsLog, fifth_means, plot_metrics
+from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
@@ -233,10 +233,9 @@ class GRPORun:
         idle_cpu_per_s = self._queue_idle_cpu(controller)
         run_started = time.perf_counter()
         queue_cpu_start = ray.get(controller.cpu_seconds.remote())
-        bar = tqdm(
-            range(start, cfg.steps), desc="GRPO", unit="step", dynamic_ncols=True, initial=start, total=cfg.steps
-        )
-        for step in bar:
+        progress = StepReporter(start, cfg.steps, every=cfg.log_every)
+        plot = PlotRefresher(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             for ahead in range(step, min(step + cfg.max_staleness + 1, cfg.steps)):
                 if ahead not in pending:
@@ -252,10 +251,11 @@ class GRPORun:
                 row["eval_accuracy"] = self.evaluate()
             self.metrics.write(row)
             rows_out.append(row)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row.get('loss', 0.0):+.3f}")
+            progress.update(step, row)
+            plot.maybe_refresh()
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
-        bar.close()
+        progress.close()
         steps_run = max(len(rows_out), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
@@ -269,7 +269,7 @@ class GRPORun:
         )
         if self._saved_step != cfg.steps:  # the last periodic checkpoint may already be this one
             self.save(cfg.steps)
-        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        plot.refresh()
         return rows_out
 
     def run_sft(self) -> Path:

@@ -122,6 +122,7 @@ class RLConfig:
     num_storage_units: int = 2  # the queue's storage actors
     queue_timeout: float = 300.0  # seconds a queue read waits for its rows
     eval_every: int = 0  # greedy accuracy on the eval prompts every k steps (0: never)
+    log_every: int = 10  # without a terminal: one plain line of metrics every k steps (a bar on a terminal)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -142,6 +143,7 @@ class RLConfig:
             "train.minibatches_per_step": self.train.minibatches_per_step,
             "sync_every": self.sync_every,
             "checkpoint_keep": self.checkpoint_keep,
+            "log_every": self.log_every,
             "num_storage_units": self.num_storage_units,
         }
         for name, value in positive.items():

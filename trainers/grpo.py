@@ -114,6 +114,8 @@ def build_train_batch(
         "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
         "response_len_sum": float(response_lengths.sum()),
         "trained_tokens": float(trained_tokens.sum()),
+        # -log mu of the sampled tokens: an unbiased estimate of the sampling policy's entropy per token
+        "neg_logprob_sum": float(-(rollout_logprobs * (tensors["response_mask"] > 0)).sum()),
         "token_staleness_sum": float((trained_tokens * staleness.to(torch.float32)).sum()),
     }
     return TrainBatch(tensors, stats)
@@ -434,6 +436,7 @@ def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, f
         "response_len": s["response_len_sum"] / rows,
         # per trained token: how many versions behind the policy that sampled it was
         "staleness_token_mean": s.get("token_staleness_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
+        "entropy": s.get("neg_logprob_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
         **({"trained_groups": s["trained_groups"]} if "trained_groups" in s else {}),
         **{
             name[: -len("_sum")]: s[name] / max(s["mismatch_tokens"], 1.0)

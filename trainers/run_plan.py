@@ -31,6 +31,7 @@ CHANGEABLE_ON_RESUME = (
     "checkpoint_every",
     "checkpoint_keep",
     "eval_every",
+    "log_every",
     "queue_timeout",
     "num_storage_units",
     "rollout.num_workers",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups
-from trainers.metrics import MetricsLog, fifth_means, plot_metrics
+from trainers.metrics import MetricsLog, StepReporter, fifth_means, plot_metrics
 from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
 
@@ -271,10 +272,29 @@ def test_the_shipped_configs_are_valid():
 def test_metrics_are_written_as_jsonl_and_plotted(tmp_path):
     log = MetricsLog(tmp_path / "m.jsonl")
     for step in range(12):
-        log.write({"kind": "grpo", "step": step, "reward": step / 12, "loss": float("nan")})
+        log.write(
+            {"kind": "grpo", "step": step, "reward": step / 12, "loss": float("nan"), "generate_s": 0.1, "train_s": 0.2}
+        )
     rows = log.rows("grpo")
     assert len(rows) == 12 and rows[0]["loss"] is None  # NaN becomes null: the file stays valid JSON
     json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     png = plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+    import matplotlib.image
+
+    # reward + the time-breakdown panel: two panels side by side (3.2 inches each at 120 dpi)
+    assert matplotlib.image.imread(png).shape[1] == 2 * 384
     assert fifth_means([0, 0, 1, 1, 1, 1, 1, 1, 2, 2]) == (0.0, 2.0)
+
+
+def test_without_a_terminal_progress_is_one_plain_line_of_health_metrics_every_n_steps():
+    out = io.StringIO()
+    reporter = StepReporter(0, 5, every=2, stream=out, terminal=False)
+    for step in range(5):
+        reporter.update(step, {"reward": 0.5, "kl": 0.001, "entropy": 1.25, "grad_norm": 0.5, "step_s": 0.2, "loss": 0})
+    reporter.close()
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        f"GRPO step {n}/5 | reward 0.500 | kl 0.0010 | entropy 1.250 | grad_norm 0.500 | step_s 0.20" for n in (2, 4, 5)
+    ]
+    assert "\r" not in out.getvalue()
