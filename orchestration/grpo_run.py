@@ -328,6 +328,7 @@ class GRPORun:
             sync_s=sync_s,
             engine_restarts=total(rollout, "engine_restarts"),
             reward_failures=total(reward, "failed"),
+            reward_non_finite=total(reward, "non_finite"),
             tokens=total(rollout, "tokens"),
         )
         return row
