@@ -215,12 +215,6 @@ class GRPOTrainerRank:
         assert self.reference is not None, "init_reference first"
         self.reference.save_checkpoint(path, {"reference": True}, overwrite=True)
 
-    def reference_fingerprint(self) -> float:
-        """Sum of the reference's weights on this rank's shards (for tests that a reference survives resume)."""
-        assert self.reference is not None
-        with torch.no_grad():
-            return float(sum(p.to_local().double().sum() for p in self.reference.model.parameters()))
-
     def train_step(self, step: int) -> dict[str, float]:
         """Train on global step ``step``: ``minibatches_per_step`` DP rounds, one optimizer step each."""
         assert self.policy is not None
