@@ -111,7 +111,10 @@ class RLConfig:
     n_samples: int = 8  # responses per prompt (the group size)
     mode: Literal["sync", "async"] = "sync"  # sync: on-policy; async: rollout runs up to max_staleness steps ahead
     max_staleness: int = 0  # async: steps rollout may run ahead of training; older samples are not trained on
-    weight_sync: Literal["memory", "disk"] = "memory"  # how weights reach the engines: object store or HF directory
+    # memory: via the object store; disk: a Hugging Face directory per version (engines off the cluster); shm: a
+    # WeightChannel in shared memory that engines on this host pull from (no driver round trip; lets the driver
+    # launch generation of step s+1 while step s trains, the engine waiting for the weights it needs)
+    weight_sync: Literal["memory", "disk", "shm"] = "memory"
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"  # metrics, plot, config and checkpoints of the run
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
