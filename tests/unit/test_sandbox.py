@@ -50,9 +50,16 @@ def test_files_persist_across_commands_in_the_home_directory() -> None:
     assert not sandbox.root.exists()
 
 
-def test_files_must_stay_inside_the_home_directory() -> None:
-    with pytest.raises(ValueError, match=r"sandbox file '../escape' is outside /home/agent"):
-        Sandbox(files={"../escape": "x"})
+def test_files_must_stay_inside_the_home_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = Path(tempfile.mkdtemp(prefix="tq-sandbox-test-"))
+    base.chmod(0o711)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    try:
+        with pytest.raises(ValueError, match=r"sandbox file '../escape' is outside /home/agent"):
+            Sandbox(files={"ok.txt": "fine", "../escape": "x"})
+        assert list(base.iterdir()) == []  # nothing left behind
+    finally:
+        base.rmdir()
 
 
 def test_writes_outside_the_sandbox_do_not_reach_the_host(tmp_path: Path) -> None:
