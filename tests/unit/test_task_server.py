@@ -276,7 +276,7 @@ def test_idle_episodes_expire(scripted: type[Scripted]) -> None:
         assert (
             expired.json()["detail"] == f"episode {episode!r} is no longer running: expired after 0.3 s without a call"
         )
-        assert scripted.closed == ["a"]
+        wait_until(lambda: scripted.closed == ["a"], what="the expired environment to be closed")  # in a thread
 
 
 def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
