@@ -99,7 +99,10 @@ class RLConfig:
     n_samples: int = 8
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0  # async: steps rollout may run ahead of training; older samples are not trained on
-    weight_sync: Literal["memory", "disk"] = "memory"
+    # memory: via the object store; disk: a Hugging Face directory per version (engines off the cluster); shm: a
+    # WeightChannel in shared memory that engines on this host pull from (no driver round trip; lets the driver
+    # launch generation of step s+1 while step s trains, the engine waiting for the weights it needs)
+    weight_sync: Literal["memory", "disk", "shm"] = "memory"
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"
     checkpoint_every: int = 0  # 0: only at the end

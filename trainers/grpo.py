@@ -26,6 +26,7 @@ from rl_contracts.prompts import PromptSource
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import Task, load_task
+from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
@@ -304,6 +305,16 @@ class GRPOTrainerRank:
         assert self.policy is not None
         state = self.policy.full_state_dict()
         return [ray.put(state)] if self.rank == 0 else None
+
+    def publish_weights(self, channel_path: str) -> float:
+        """A collective: gather the full weights; rank 0 writes them to the weight channel at ``channel_path`` as
+        this rank's policy version. Returns the seconds it took."""
+        assert self.policy is not None
+        started = time.perf_counter()
+        state = self.policy.full_state_dict()
+        if self.rank == 0:
+            WeightChannel(channel_path).write(self.version, state)
+        return time.perf_counter() - started
 
     def save_hf(self, path: str) -> None:
         assert self.policy is not None

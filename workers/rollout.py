@@ -97,10 +97,16 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "restarts": self.restarts, **ray.get(self.engine.health.remote())}
 
     @ray.method(concurrency_group="rollout")
-    def generate_step(self, step: int, fields: list[str] | None = None) -> dict[str, float]:
-        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts."""
+    def generate_step(
+        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+    ) -> dict[str, float]:
+        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts.
+
+        ``min_version``: with a weight channel, every generation waits for weights at least this new (the engine
+        pulls them itself), so the driver can launch a step before the training step it depends on has ended.
+        """
         fields = fields or ["prompt_ids"]
-        stats = {"rows": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        stats = {"rows": 0.0, "generate_s": 0.0, "weights_wait_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
         clock = QueueClock()
         while True:
             meta = clock.call(
@@ -119,7 +125,11 @@ class RolloutWorker:
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
             try:
-                version, generations = ray.get(self.engine.generate.remote(prompts, self.n, self.sampling))
+                if min_version is not None:  # timed apart: waiting for the trainer is not generating
+                    ray.get(self.engine.pull_weights.remote(min_version))
+                    stats["weights_wait_s"] += time.perf_counter() - t1
+                    t1 = time.perf_counter()
+                version, generations = ray.get(self.engine.generate.remote(prompts, self.n, self.sampling, min_version))
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
                 self.client.release(meta)
