@@ -48,7 +48,7 @@ def test_the_ids_trained_on_are_the_ids_sampled_even_when_decode_encode_does_not
     assert encode(decode([MERGED_AB, ALT_A])) != [MERGED_AB, ALT_A]  # the tokenizer really does not round-trip
     game = WordGame()
     turn1 = ([MERGED_AB, ALT_A, EOS], [-0.1, -0.2, -0.3])  # "aba": wrong
-    turn2 = (encode("cab") + [EOS], [-0.4, -0.5, -0.6, -0.7])  # right
+    turn2 = ([*encode("cab"), EOS], [-0.4, -0.5, -0.6, -0.7])  # right
     sampler = ScriptedSampler([turn1, turn2], version=3, stop_id=EOS)
     with serve(game.app()) as server:
         flow = workflow(server.url)
@@ -68,7 +68,7 @@ class ShapedWorkflow(TaskServerWorkflow):
     """The seed's CustomOSWorkflow."""
 
     def format_observation_to_messages(self, observation, history):
-        return history + [{"role": "user", "content": "obs " + observation["content"]}]
+        return history + [{"role": "user", "content": "obs " + observation["content"]}]  # noqa: RUF005 (the seed)
 
     def postprocess_reward(self, reward, num_turns, info):
         return reward + 1.0 / num_turns if info.get("success") else reward
@@ -113,7 +113,7 @@ def test_a_failed_start_is_retried_on_another_server():
     with serve(games[0].app()) as a, serve(games[1].app()) as b:
         t = run(workflow([a.url, b.url]).run_episode(sampler, "s:ab"))
         assert t.success and len(games[1].started) == 1
-        with pytest.raises(EpisodeStartError, match="no task server could start sample 's:ab'.*500"):
+        with pytest.raises(EpisodeStartError, match=r"no task server could start sample 's:ab'.*500"):
             run(workflow(a.url).run_episode(sampler, "s:ab"))
 
 

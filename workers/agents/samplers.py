@@ -58,7 +58,7 @@ class BatchingSampler:
         self.calls += 1
         try:
             version, generations = await asyncio.to_thread(self._generate, [ids for ids, _, _ in items], params)
-        except Exception as exc:  # noqa: BLE001 - handed to every waiting turn, which re-raises it
+        except Exception as exc:
             for _, _, future in items:
                 if not future.done():
                     future.set_exception(exc)

@@ -256,7 +256,7 @@ def samples_to_fields(samples: Sequence[Sample]) -> dict[str, Any]:
         "logprobs": jagged([s.logprobs or [0.0] * len(s.tokens) for s in samples], torch.float32),
         "reward": torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
         "num_turns": torch.tensor([int(m.get("num_turns", 1)) for m in meta], dtype=torch.int64),
-        "success": torch.tensor([bool(m.get("success", s.reward >= 1.0)) for m, s in zip(meta, samples)]),
+        "success": torch.tensor([bool(m.get("success", s.reward >= 1.0)) for m, s in zip(meta, samples, strict=True)]),
         "policy_version": torch.tensor([int(m.get("policy_version", 0)) for m in meta], dtype=torch.int64),
         "reward_failed": torch.zeros(len(samples), dtype=torch.bool),
     }

@@ -96,7 +96,7 @@ class TaskServerWorkflow:
     # ---- hooks (override in a subclass) ------------------------------------------------------------------------
     def format_observation_to_messages(self, observation: dict[str, Any], history: list[Message]) -> list[Message]:
         """The conversation after ``observation``: by default ``history`` plus one user message with its content."""
-        return history + [{"role": "user", "content": str(observation["content"])}]
+        return [*history, {"role": "user", "content": str(observation["content"])}]
 
     def postprocess_reward(self, reward: float, num_turns: int, info: dict[str, Any]) -> float:
         """The trajectory's reward from the sum of the environment's rewards; by default unchanged."""
@@ -134,7 +134,7 @@ class TaskServerWorkflow:
             fits = builder.add_model_turn(generation.token_ids, generation.logprobs, version)
             ids = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
             text = self.chat.decode(ids)
-            history = history + [{"role": "assistant", "content": text}]
+            history = [*history, {"role": "assistant", "content": text}]
             if not fits:
                 end = "max_tokens"
                 break
