@@ -28,6 +28,7 @@ from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
 from trainers.losses import policy_loss
 from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.agents.trajectory import split_trajectories
 from workers.prompts import PromptSource
 from workers.queue_clock import QueueClock
 from workers.rollout import rows_of
@@ -35,6 +36,8 @@ from workers.tasks.base import Task, load_task
 
 TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
+#: the fields of multi-turn trajectories (workers/agents) that training reads instead
+TRAJECTORY_TRAIN_FIELDS = ["tokens", "loss_mask", "logprobs", "policy_version", "reward", "reward_failed"]
 
 
 @dataclass
@@ -72,9 +75,19 @@ def build_train_batch(
     out of their group's advantage statistics and of the loss (their ``response_mask`` is zeroed); so are rows
     dropped by the configured filters.
     """
-    prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-    sampled_logprobs = rows_of(data["response_logprobs"])
+    response_loss_masks = None
+    if "tokens" in data.keys():  # noqa: SIM118 (a TensorDict has no `in`)
+        # Multi-turn trajectories (workers/agents): jagged tokens/loss_mask/logprobs. The response mask is built
+        # from loss_mask here, in this one place, so environment tokens (mask 0) never reach the loss or the KL.
+        prompts, responses, sampled_logprobs, response_loss_masks = split_trajectories(
+            rows_of(data["tokens"]), rows_of(data["loss_mask"]), rows_of(data["logprobs"])
+        )
+    else:
+        prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
+        sampled_logprobs = rows_of(data["response_logprobs"])
     tensors = pad_sequences(prompts, responses, pad_token_id)
+    for i, (p, m) in enumerate(zip(prompts, response_loss_masks or (), strict=False)):
+        tensors["response_mask"][i, len(p) : len(p) + len(m)] = torch.tensor(m, dtype=torch.float32)
     old_logprobs = torch.zeros_like(tensors["response_mask"])
     for i, (p, lps) in enumerate(zip(prompts, sampled_logprobs, strict=True)):
         old_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
