@@ -8,20 +8,17 @@ anything else answers ``"no: <action>"``. It records cancelled episodes so tests
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from workers.engines.base import Generation, SamplingParams
+from workers.openai_api import BackgroundServer
 
 
 class StartBody(BaseModel):
@@ -111,37 +108,10 @@ class WordGame:
         return app
 
 
-class ServedApp:
-    """A uvicorn server on 127.0.0.1 with a port chosen by the OS, in a daemon thread."""
-
-    def __init__(self, app: Any):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        )
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the test server did not start in 10 s")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @contextmanager
-def serve(app: Any) -> Iterator[ServedApp]:
-    served = ServedApp(app)
-    try:
+def serve(app: Any) -> Iterator[BackgroundServer]:
+    with BackgroundServer(app) as served:
         yield served
-    finally:
-        served.stop()
 
 
 class ScriptedSampler:
