@@ -1,4 +1,5 @@
-"""Agents: multi-turn episodes against task servers (issue 9), token in / token out."""
+"""Agents: environments behind the task-server HTTP protocol (server side) and the workflows that drive them
+(client side: multi-turn episodes, token in / token out)."""
 
 from workers.agents.trajectory import HFChatFormat, PlainChatFormat, Sample, Trajectory
 from workers.agents.workflow import TaskServerWorkflow
