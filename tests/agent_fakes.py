@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
@@ -18,7 +16,6 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from workers.engines.base import Generation, SamplingParams
-from workers.openai_api import BackgroundServer
 
 
 class StartBody(BaseModel):
@@ -75,7 +72,7 @@ class WordGame:
             self.actions.append(action)
             episode["turn"] += 1
             if action == "SLEEP":
-                await asyncio.sleep(3)
+                await asyncio.sleep(1.5)
             if action == "GARBAGE":
                 return PlainTextResponse("<html>oops</html>")
             turn = episode["turn"]
@@ -106,12 +103,6 @@ class WordGame:
             return {"episode_id": body.episode_id, "cancelled": True}
 
         return app
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[BackgroundServer]:
-    with BackgroundServer(app) as served:
-        yield served
 
 
 class ScriptedSampler:

@@ -9,19 +9,16 @@ log-probs, as vLLM's ``return_token_ids``); the response carries ``prompt_token_
 the ``openai`` client they are ``choice.model_extra["token_ids"]`` and so on.
 
     app = create_app(sampler, chat, model="policy")   # a TokenSampler over the engines, a ChatFormat
-    server = BackgroundServer(app)                     # 127.0.0.1, a port the OS picks: server.url
+    with serve_in_background(app) as url: ...          # (workers.agents.task_server) 127.0.0.1, a free port
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 import uuid
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -170,36 +167,3 @@ def _choice(index: int, generation: Generation, chat: ChatFormat, stops: list[st
 def _error(status: int, message: str) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "detail": message}, status)
-
-
-class BackgroundServer:
-    """Serves an ASGI app with uvicorn in a daemon thread on ``host`` and a port the OS picks (``port=0``).
-
-    Raises:
-        RuntimeError: if the server does not come up within ``start_timeout`` seconds.
-    """
-
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 10.0):
-        sock = socket.socket()
-        sock.bind((host, port))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + start_timeout
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError(f"the server on {self.url} did not start within {start_timeout} s")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    def __enter__(self) -> BackgroundServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -5,15 +5,18 @@ server) ending the episode with a typed error and dropping its group whole."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import pytest
 
-from tests.agent_fakes import ScriptedSampler, WordGame, serve
-from workers.agents.servers import EpisodeStartError, MalformedResponse, StepTimeout, TaskServerPool
+from tests.agent_fakes import ScriptedSampler, WordGame
+from workers.agents.environment import environment_class
+from workers.agents.servers import EpisodeStartError, MalformedResponse, ServerUnavailable, StepTimeout, TaskServerPool
+from workers.agents.task_server import create_app, serve_in_background
 from workers.agents.trajectory import PlainChatFormat
 from workers.agents.workflow import TaskServerWorkflow
-from workers.engines.base import SamplingParams
+from workers.engines.base import Generation, SamplingParams
 
 EOS = 1
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789:\n"
@@ -50,8 +53,8 @@ def test_the_ids_trained_on_are_the_ids_sampled_even_when_decode_encode_does_not
     turn1 = ([MERGED_AB, ALT_A, EOS], [-0.1, -0.2, -0.3])  # "aba": wrong
     turn2 = ([*encode("cab"), EOS], [-0.4, -0.5, -0.6, -0.7])  # right
     sampler = ScriptedSampler([turn1, turn2], version=3, stop_id=EOS)
-    with serve(game.app()) as server:
-        flow = workflow(server.url)
+    with serve_in_background(game.app()) as url:
+        flow = workflow(url)
         t = run(flow.run_episode(sampler, "s:cab"))
     prompt = encode("user: guess 3\nassistant: ")
     reply = encode("\nuser: no: aba\nassistant: ")
@@ -76,8 +79,8 @@ class ShapedWorkflow(TaskServerWorkflow):
 
 def test_a_subclass_overriding_the_hooks_changes_the_rollouts():
     sampler = ScriptedSampler([(encode("x"), [-1.0]), (encode("ab"), [-1.0, -1.0])])
-    with serve(WordGame().app()) as server:
-        flow = ShapedWorkflow(server.url, CHAT, PARAMS, timeout=5.0)
+    with serve_in_background(WordGame().app()) as url:
+        flow = ShapedWorkflow(url, CHAT, PARAMS, timeout=5.0)
         t = run(flow.run_episode(sampler, "s:ab"))
     assert CHAT.decode(t.tokens[: t.prompt_len]) == "user: obs guess 2\nassistant: "
     assert "user: obs no: x" in CHAT.decode(t.tokens)
@@ -87,10 +90,10 @@ def test_a_subclass_overriding_the_hooks_changes_the_rollouts():
 def test_max_turns_and_max_total_tokens_end_the_trajectory_and_say_why():
     sampler = ScriptedSampler([(encode("zz"), [-1.0, -1.0])])
     game = WordGame(max_turns=10)
-    with serve(game.app()) as server:
-        t = run(workflow(server.url, max_turns=2).run_episode(sampler, "s:ab"))
+    with serve_in_background(game.app()) as url:
+        t = run(workflow(url, max_turns=2).run_episode(sampler, "s:ab"))
         assert (t.end, t.num_turns, t.reward, t.success) == ("max_turns", 2, 0.0, False)
-        short = run(workflow(server.url, max_total_tokens=30).run_episode(sampler, "s:ab"))
+        short = run(workflow(url, max_total_tokens=30).run_episode(sampler, "s:ab"))
     assert len(short.tokens) == 30 and short.end == "max_tokens"
     assert len(game.cancelled) == 2  # neither episode was done on the server: both were cancelled
 
@@ -98,23 +101,23 @@ def test_max_turns_and_max_total_tokens_end_the_trajectory_and_say_why():
 def test_episodes_balance_over_servers_least_busy_and_stay_on_their_server():
     games = [WordGame(), WordGame()]
     sampler = ScriptedSampler([(encode("no"), [-1.0, -1.0]), (encode("ab"), [-1.0, -1.0])])
-    with serve(games[0].app()) as a, serve(games[1].app()) as b:
-        flow = workflow([a.url, b.url])
+    with serve_in_background(games[0].app()) as a, serve_in_background(games[1].app()) as b:
+        flow = workflow([a, b])
         groups = run(flow.run_groups(sampler, ["s:ab", "t:ab"], n=4))
     assert all(g.trajectories is not None and len(g.trajectories) == 4 for g in groups)
     assert [len(g.started) for g in games] == [4, 4]
     assert [len(g.actions) for g in games] == [8, 8]  # each episode's two steps went to the server that started it
-    assert flow.pool.active == {a.url: 0, b.url: 0}
+    assert flow.pool.active == {a: 0, b: 0}
 
 
 def test_a_failed_start_is_retried_on_another_server():
     games = [WordGame(fail_starts=100), WordGame()]
     sampler = ScriptedSampler([(encode("ab"), [-1.0, -1.0])])
-    with serve(games[0].app()) as a, serve(games[1].app()) as b:
-        t = run(workflow([a.url, b.url]).run_episode(sampler, "s:ab"))
+    with serve_in_background(games[0].app()) as a, serve_in_background(games[1].app()) as b:
+        t = run(workflow([a, b]).run_episode(sampler, "s:ab"))
         assert t.success and len(games[1].started) == 1
         with pytest.raises(EpisodeStartError, match=r"no task server could start sample 's:ab'.*500"):
-            run(workflow(a.url).run_episode(sampler, "s:ab"))
+            run(workflow(a).run_episode(sampler, "s:ab"))
 
 
 @pytest.mark.parametrize(
@@ -126,9 +129,9 @@ def test_a_step_timeout_or_malformed_json_ends_the_episode_with_a_typed_error_an
 ):
     game = WordGame()
     sampler = ScriptedSampler([(encode("x"), [-1.0])])
-    with serve(game.app()) as server:
+    with serve_in_background(game.app()) as url:
         # the model "says" the action whatever it sampled: the fake server misbehaves on it
-        flow = TaskServerWorkflow(server.url, PlainChatFormat(encode, lambda ids: action), PARAMS, timeout=0.5)
+        flow = TaskServerWorkflow(url, PlainChatFormat(encode, lambda ids: action), PARAMS, timeout=0.5)
         with pytest.raises(error, match=match):
             run(flow.run_episode(sampler, "s:ab"))
         group = run(flow.run_group(sampler, "s:ab", n=3))
@@ -141,23 +144,48 @@ def test_a_step_timeout_or_malformed_json_ends_the_episode_with_a_typed_error_an
 def test_a_server_that_dies_is_skipped_and_its_episodes_end_their_groups():
     games = [WordGame(), WordGame()]
     sampler = ScriptedSampler([(encode("no"), [-1.0, -1.0]), (encode("ab"), [-1.0, -1.0])])
-    with serve(games[0].app()) as a, serve(games[1].app()) as b:
-        flow = workflow([a.url, b.url])
+    with serve_in_background(games[0].app()) as a, contextlib.ExitStack() as dying:
+        b = dying.enter_context(serve_in_background(games[1].app()))
+        flow = workflow([a, b])
         pool: TaskServerPool = flow.pool
 
         async def scenario():
             first = await pool.start("s:ab")
             second = await pool.start("s:ab")
-            assert {first.server, second.server} == {a.url, b.url}
-            dead = next(e for e in (first, second) if e.server == b.url)
-            b.stop()
-            from workers.agents.servers import ServerUnavailable
-
-            with pytest.raises(ServerUnavailable, match=f"{b.url}/api/episode/step failed"):
+            assert {first.server, second.server} == {a, b}
+            dead = next(e for e in (first, second) if e.server == b)
+            dying.close()  # server b goes away mid-episode
+            with pytest.raises(ServerUnavailable, match=f"{b}/api/episode/step failed"):
                 await pool.step(dead, {"type": "text", "content": "x"})
             await pool.finish(dead, cancel=True)
-            assert pool.healthy == {a.url: True, b.url: False}
+            assert pool.healthy == {a: True, b: False}
             return await flow.run_groups(sampler, ["s:ab"], n=3)
 
         groups = run(scenario())
     assert groups[0].trajectories is not None and len(games[0].started) == 4
+
+
+class BinarySearchPolicy:
+    """A TokenSampler that plays guess-number perfectly: it reads the feedback in its prompt and bisects."""
+
+    async def sample(self, prompt_ids, params):
+        lo, hi = 1, 16
+        lines = decode(prompt_ids).split("\n")
+        for said, heard in zip(lines[1::2], lines[2::2], strict=False):
+            guess = int(said.removeprefix("assistant: "))
+            lo, hi = (guess + 1, hi) if heard == "user: higher" else (lo, guess - 1)
+        ids = encode(str((lo + hi) // 2))
+        return 0, Generation([*ids, EOS], [-0.5] * (len(ids) + 1), "stop")
+
+
+def test_the_workflow_plays_the_real_guess_number_server_to_the_end():
+    app = create_app(environment_class("guess-number"))
+    with serve_in_background(app) as url:
+        flow = workflow(url, max_turns=6)
+        groups = run(flow.run_groups(BinarySearchPolicy(), ["game-00", "game-05", "game-11"], n=2))
+    trajectories = [t for g in groups for t in g.trajectories]
+    assert all(t.success and t.reward == 1.0 and t.end == "done" for t in trajectories)
+    assert all(1 <= t.num_turns <= 5 for t in trajectories) and max(t.num_turns for t in trajectories) > 1
+    for t in trajectories:  # every model turn is its guess's digits then EOS, with mask 1; the rest mask 0
+        trained = [tok for tok, m in zip(t.tokens, t.loss_mask, strict=True) if m]
+        assert trained.count(EOS) == t.num_turns and decode(trained).isdigit()

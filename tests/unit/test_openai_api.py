@@ -7,8 +7,8 @@ import openai
 import pytest
 import torch
 
-from tests.agent_fakes import serve
 from workers.agents.samplers import BatchingSampler, engine_generate
+from workers.agents.task_server import serve_in_background
 from workers.agents.trajectory import PlainChatFormat
 from workers.engines.hf import HFEngine
 from workers.models import build_tiny_causal_lm
@@ -34,8 +34,8 @@ def endpoint():
     model = build_tiny_causal_lm(BASE + len(CHARS), max_position_embeddings=128, seed=1)
     engine = HFEngine(model, pad_token_id=PAD, eos_token_id=EOS)
     app = create_app(BatchingSampler(engine_generate(engine)), PlainChatFormat(encode, decode), model="tiny")
-    with serve(app) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), engine
+    with serve_in_background(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), engine
 
 
 def test_models_lists_the_policy(endpoint):
