@@ -217,7 +217,7 @@ class GRPOTrainerRank:
         for k in range(rounds):
             meta = clock.call(
                 self.client.get_meta,
-                TRAIN_FIELDS,
+                TRAJECTORY_TRAIN_FIELDS if cfg.rollout.generate_fn else TRAIN_FIELDS,
                 rows,
                 global_step=step,
                 task_name=TRAIN_TASK,
