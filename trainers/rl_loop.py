@@ -72,8 +72,24 @@ class GRPORun:
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p
         )
+        self.rollout, self.reward = self.start_workers(info, spec)
+        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
+        self.trainer = [
+            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
+            for r in range(cfg.train.world_size)
+        ]
+        master = ray.get(self.trainer[0].address.remote())
+        ray.get([rank.setup.remote(*master) for rank in self.trainer])
+        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
+        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.version = 0
+
+    def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
+        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others)."""
+        cfg = self.cfg
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
-        self.rollout = [
+        rollout = [
             RolloutWorker.remote(
                 i,
                 info,
@@ -87,7 +103,7 @@ class GRPORun:
             )
             for i in range(cfg.rollout.num_workers)
         ]
-        self.reward = [
+        reward = [
             RewardWorker.remote(
                 i,
                 info,
@@ -100,17 +116,7 @@ class GRPORun:
             )
             for i in range(cfg.rollout.num_reward_workers)
         ]
-        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
-        self.trainer = [
-            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
-            for r in range(cfg.train.world_size)
-        ]
-        master = ray.get(self.trainer[0].address.remote())
-        ray.get([rank.setup.remote(*master) for rank in self.trainer])
-        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
-        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl")
-        self.version = 0
+        return rollout, reward
 
     # ---- the pieces of a step ------------------------------------------------------------------------------
     def put_prompts(self, step: int) -> None:
