@@ -44,6 +44,7 @@ class AgentGRPORun(GRPORun):
             AgentRolloutWorker.remote(
                 i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                 cfg.rollout.generate_fn, kwargs, cfg.rollout.filter_fn, cfg.rollout.reward_fn, cfg.queue_timeout,
+                cfg.seed + i,
             )
             for i in range(cfg.rollout.num_workers)
         ]  # fmt: skip

@@ -44,6 +44,8 @@ class AgentRolloutWorker:
         n_samples: episodes per sample id (the queue's group size).
         groups_per_request: GRPO groups taken from the queue at a time.
         generate_fn, generate_fn_kwargs, filter_fn, reward_fn: see ``workers/rollout_fns.py``.
+        timeout: seconds one wait for rows may take.
+        seed: seeds this process's sampling.
     """
 
     def __init__(
@@ -59,7 +61,9 @@ class AgentRolloutWorker:
         filter_fn: str | None = None,
         reward_fn: str | None = None,
         timeout: float = 300.0,
+        seed: int = 0,
     ):
+        torch.manual_seed(seed)  # the engine samples from the global generator
         self.worker_id = worker_id
         self.client = TransferQueueClient(f"agent-rollout-{worker_id}", controller_info)
         self.engine = engine_spec.build()
