@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for _ in range(config.rollout.num_task_servers)
         ]
-        print(f"task servers: {[s.url for s in servers]}", flush=True)
+        print(f"task servers: {[s.url for s in servers]} pids {[s.process.pid for s in servers]}", flush=True)
         connect_ray()
         run = AgentGRPORun(config, [str(s.url) for s in servers])
         try:
