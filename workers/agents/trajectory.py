@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 #: why a trajectory ended: the environment said done, the turn or token budget ran out, or the episode failed
-EpisodeEnd = Literal["done", "max_turns", "max_tokens", "error"]
+FinishReason = Literal["done", "max_turns", "max_tokens", "error"]
 Message = dict[str, str]
 
 
@@ -111,7 +111,7 @@ class Trajectory:
         num_turns: model turns taken.
         success: the environment's terminal ``info["success"]`` (False when it gave none).
         policy_version: the oldest policy version that sampled any of its turns (-1 before the first turn).
-        end: why it ended (:data:`EpisodeEnd`).
+        finish_reason: why it ended (:data:`FinishReason`).
     """
 
     tokens: list[int]
@@ -122,7 +122,7 @@ class Trajectory:
     num_turns: int = 0
     success: bool = False
     policy_version: int = -1
-    end: EpisodeEnd | None = None
+    finish_reason: FinishReason | None = None
     sample_id: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -237,7 +237,7 @@ def trajectory_to_sample(trajectory: Trajectory, chat: ChatFormat) -> Sample:
             "num_turns": t.num_turns,
             "success": t.success,
             "policy_version": t.policy_version,
-            "end": t.end,
+            "finish_reason": t.finish_reason,
             "sample_id": t.sample_id,
         },
         logprobs=t.logprobs,

@@ -127,7 +127,7 @@ class TaskServerWorkflow:
         history = self.format_observation_to_messages(episode.observation, start)
         builder = TrajectoryBuilder(self.chat.prompt_ids(history), self.max_total_tokens)
         max_turns = min(self.max_turns, int(episode.info.get("max_turns") or self.max_turns))
-        total, info, done, end = 0.0, dict(episode.info), False, "max_turns"
+        total, info, done, reason = 0.0, dict(episode.info), False, "max_turns"
         while builder.num_turns < max_turns:
             params = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, builder.room))
             version, generation = await sampler.sample(builder.tokens, params)
@@ -136,13 +136,13 @@ class TaskServerWorkflow:
             text = self.chat.decode(ids)
             history = [*history, {"role": "assistant", "content": text}]
             if not fits:
-                end = "max_tokens"
+                reason = "max_tokens"
                 break
             result = await self.pool.step(episode, self.format_action(text))
             total += result.reward
             info = result.info
             if result.done:
-                done, end = True, "done"
+                done, reason = True, "done"
                 break
             if result.observation is None:
                 raise MalformedResponse(
@@ -151,11 +151,11 @@ class TaskServerWorkflow:
             updated = self.format_observation_to_messages(result.observation, history)
             appended, history = updated[len(history) :], updated
             if not builder.add_env_reply(self.chat.append_ids(appended)):
-                end = "max_tokens"
+                reason = "max_tokens"
                 break
         reward = self.postprocess_reward(total, builder.num_turns, info)
         success = bool(info.get("success", False))
-        return builder.build(reward=float(reward), success=success, end=end, sample_id=sample_id, info=info), done
+        return builder.build(reward=float(reward), success=success, finish_reason=reason, sample_id=sample_id, info=info), done
 
     async def run_group(self, sampler: TokenSampler, sample_id: str, n: int) -> GroupResult:
         """``n`` episodes of ``sample_id`` at once; the whole group is dropped when any of them fails."""
