@@ -64,7 +64,7 @@ def test_the_ids_trained_on_are_the_ids_sampled_even_when_decode_encode_does_not
     assert t.logprobs == [0.0] * len(prompt) + turn1[1] + [0.0] * len(reply) + turn2[1]
     # the history is never re-tokenised: turn 2 was sampled from exactly the tokens of turn 1 plus the reply
     assert sampler.prompts == [prompt, prompt + turn1[0] + reply]
-    assert (t.reward, t.num_turns, t.success, t.policy_version, t.end) == (1.0, 2, True, 3, "done")
+    assert (t.reward, t.num_turns, t.success, t.policy_version, t.finish_reason) == (1.0, 2, True, 3, "done")
 
 
 class ShapedWorkflow(TaskServerWorkflow):
@@ -92,9 +92,9 @@ def test_max_turns_and_max_total_tokens_end_the_trajectory_and_say_why():
     game = WordGame(max_turns=10)
     with serve_in_background(game.app()) as url:
         t = run(workflow(url, max_turns=2).run_episode(sampler, "s:ab"))
-        assert (t.end, t.num_turns, t.reward, t.success) == ("max_turns", 2, 0.0, False)
+        assert (t.finish_reason, t.num_turns, t.reward, t.success) == ("max_turns", 2, 0.0, False)
         short = run(workflow(url, max_total_tokens=30).run_episode(sampler, "s:ab"))
-    assert len(short.tokens) == 30 and short.end == "max_tokens"
+    assert len(short.tokens) == 30 and short.finish_reason == "max_tokens"
     assert len(game.cancelled) == 2  # neither episode was done on the server: both were cancelled
 
 
@@ -184,7 +184,7 @@ def test_the_workflow_plays_the_real_guess_number_server_to_the_end():
         flow = workflow(url, max_turns=6)
         groups = run(flow.run_groups(BinarySearchPolicy(), ["game-00", "game-05", "game-11"], n=2))
     trajectories = [t for g in groups for t in g.trajectories]
-    assert all(t.success and t.reward == 1.0 and t.end == "done" for t in trajectories)
+    assert all(t.success and t.reward == 1.0 and t.finish_reason == "done" for t in trajectories)
     assert all(1 <= t.num_turns <= 5 for t in trajectories) and max(t.num_turns for t in trajectories) > 1
     for t in trajectories:  # every model turn is its guess's digits then EOS, with mask 1; the rest mask 0
         trained = [tok for tok, m in zip(t.tokens, t.loss_mask, strict=True) if m]

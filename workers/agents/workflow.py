@@ -155,7 +155,10 @@ class TaskServerWorkflow:
                 break
         reward = self.postprocess_reward(total, builder.num_turns, info)
         success = bool(info.get("success", False))
-        return builder.build(reward=float(reward), success=success, finish_reason=reason, sample_id=sample_id, info=info), done
+        trajectory = builder.build(
+            reward=float(reward), success=success, finish_reason=reason, sample_id=sample_id, info=info
+        )
+        return trajectory, done
 
     async def run_group(self, sampler: TokenSampler, sample_id: str, n: int) -> GroupResult:
         """``n`` episodes of ``sample_id`` at once; the whole group is dropped when any of them fails."""
