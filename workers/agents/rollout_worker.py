@@ -78,6 +78,7 @@ class AgentRolloutWorker:
         self.filter_fn = load_rollout_fn(filter_fn) if filter_fn else None
         self.reward_fn = load_rollout_fn(reward_fn) if reward_fn else None
         self.sampler = BatchingSampler(self._generate_batch)
+        self.task_label = engine_spec.task_name.rsplit(":", 1)[-1]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[int, list[Generation]]:
         with self._lock:
@@ -91,6 +92,20 @@ class AgentRolloutWorker:
         with self._lock:
             self.engine.update_weights(version, state_dict=weights, path=path)
             return self.engine.version
+
+    @ray.method(concurrency_group="control")
+    def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve the OpenAI-compatible endpoint (``workers/openai_api.py``) over this worker's engine, in a thread of
+        this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the rollout."""
+        import contextlib
+
+        from workers.agents.task_server import serve_in_background
+        from workers.openai_api import create_app
+        from workers.rollout_fns import chat_format
+
+        app = create_app(BatchingSampler(self._generate_batch), chat_format(self.task), model=self.task_label)
+        self._endpoint = contextlib.ExitStack()
+        return self._endpoint.enter_context(serve_in_background(app, host, port))
 
     @ray.method(concurrency_group="rollout")
     def generate_step(self, step: int) -> dict[str, float]:
