@@ -82,3 +82,42 @@ def test_losses_and_kl_honour_the_loss_mask_on_a_two_turn_trajectory():
     assert metrics["pg_loss"] == pytest.approx(pg, abs=1e-6)
     assert metrics["kl"] == pytest.approx(kl, abs=1e-6)
     assert loss.item() == pytest.approx(pg + 0.5 * kl, abs=1e-6)
+
+
+class ByteChatTokenizer:
+    """A tokenizer with a ChatML chat template (rendered by jinja2, as transformers does) over raw bytes."""
+
+    chat_template = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        import jinja2
+
+        assert not tokenize
+        return jinja2.Template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text, add_special_tokens):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode()
+
+
+def test_hf_chat_format_templates_the_first_prompt_once_and_appends_only_the_new_turns():
+    from workers.agents.trajectory import HFChatFormat
+
+    chat = HFChatFormat(ByteChatTokenizer())
+    first = chat.decode(chat.prompt_ids([{"role": "user", "content": "count files"}]))
+    assert (
+        first
+        == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\ncount files<|im_end|>\n<|im_start|>assistant\n"
+    )
+    reply = chat.decode(chat.append_ids([{"role": "user", "content": "3"}]))
+    assert reply == "<|im_start|>user\n3<|im_end|>\n<|im_start|>assistant\n"  # no second system prompt
+    with pytest.raises(ValueError, match="has no chat_template; use PlainChatFormat"):
+        HFChatFormat(object())
