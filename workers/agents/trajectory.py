@@ -44,7 +44,9 @@ class HFChatFormat:
 
     The tokens of appended messages are the template's text for ``[u, a] + messages`` minus its text for
     ``[u, a]`` (a fixed two-turn stand-in), tokenised on their own: the same construction as verl's agent loop, so
-    templates that add a system prompt or a BOS only at the start do not repeat them at every turn.
+    templates that add a system prompt or a BOS only at the start do not repeat them at every turn. What a template
+    puts between the model's end-of-turn token and the next message (ChatML's ``"\n"``) is not in the stream: the
+    model's turn is exactly what it sampled, as in verl's and slime's token-in/token-out loops.
     """
 
     _BASE: tuple[Message, ...] = ({"role": "user", "content": "u"}, {"role": "assistant", "content": "a"})
