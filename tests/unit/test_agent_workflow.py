@@ -189,3 +189,26 @@ def test_the_workflow_plays_the_real_guess_number_server_to_the_end():
     for t in trajectories:  # every model turn is its guess's digits then EOS, with mask 1; the rest mask 0
         trained = [tok for tok, m in zip(t.tokens, t.loss_mask, strict=True) if m]
         assert trained.count(EOS) == t.num_turns and decode(trained).isdigit()
+
+
+def test_a_broken_connection_to_a_live_server_fails_the_call_but_does_not_mark_the_server_dead():
+    import httpx
+
+    with serve_in_background(WordGame().app()) as url:
+        pool = TaskServerPool(url, timeout=5.0)
+
+        async def scenario():
+            episode = await pool.start("s:ab")
+            real = pool.client.request
+
+            async def broken_once(method, endpoint, **kwargs):
+                pool.client.request = real
+                raise httpx.ReadError("")  # what reusing a connection the server just closed looks like
+
+            pool.client.request = broken_once
+            with pytest.raises(ServerUnavailable, match="episode/step failed: ReadError"):
+                await pool.step(episode, {"type": "text", "content": "x"})
+            return pool.healthy[url], await pool.step(episode, {"type": "text", "content": "ab"})
+
+        healthy, result = run(scenario())
+    assert healthy and result.done and result.reward == 1.0

@@ -81,7 +81,10 @@ class TaskServerPool:
         # Made inside the event loop that uses it (again when a later asyncio.run brings a new loop).
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
-            self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=256))
+            # Idle connections are dropped after 2 s, before the server's keep-alive (uvicorn: 5 s) closes them:
+            # reusing one the server is closing fails the request with a ReadError although the server is fine.
+            limits = httpx.Limits(max_connections=256, keepalive_expiry=2.0)
+            self._client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
             self._loop = loop
         return self._client
 
@@ -93,14 +96,7 @@ class TaskServerPool:
     async def check_health(self) -> dict[str, bool]:
         """Ask every server ``GET /api/health``; a server is healthy when it answers ``status: healthy``."""
 
-        async def one(url: str) -> bool:
-            try:
-                body = await self._call(url, "GET", "/health")
-                return body.get("status") == "healthy"
-            except TaskServerError:
-                return False
-
-        results = await asyncio.gather(*(one(u) for u in self.urls))
+        results = await asyncio.gather(*(self._answers_health(u) for u in self.urls))
         for url, ok in zip(self.urls, results, strict=True):
             if ok and not self.healthy[url]:
                 logger.info("task server %s is healthy again", url)
@@ -171,6 +167,14 @@ class TaskServerPool:
             except TaskServerError as exc:
                 logger.info("cancelling episode %s on %s failed: %s", episode.episode_id, episode.server, exc)
 
+    async def _answers_health(self, url: str) -> bool:
+        """Whether ``url`` answers ``/api/health`` now: one failed call is not a dead server (a connection can
+        break under a live one)."""
+        try:
+            return (await self._call(url, "GET", "/health")).get("status") == "healthy"
+        except TaskServerError:
+            return False
+
     async def _call(self, url: str, method: str, path: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         endpoint = f"{url.rstrip('/')}/api{path}"
         try:
@@ -178,7 +182,8 @@ class TaskServerPool:
         except httpx.TimeoutException:
             raise StepTimeout(f"{method} {endpoint} timed out after {self.timeout} s") from None
         except httpx.TransportError as exc:
-            self.mark_dead(url, repr(exc))
+            if path == "/health" or not await self._answers_health(url):
+                self.mark_dead(url, repr(exc))
             raise ServerUnavailable(f"{method} {endpoint} failed: {exc!r}") from None
         if response.status_code >= 400:
             detail = _detail(response)
