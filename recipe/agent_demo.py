@@ -20,9 +20,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+from orchestration import GRPORun, connect_ray
 from trainers.config import RLConfig, config_from_cli
 from trainers.metrics import fifth_means
-from trainers.rl_loop import GRPORun, connect_ray
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.agents.server_process import TaskServerProcess
 from workers.engines.host import EngineSpec
@@ -53,6 +53,7 @@ class AgentGRPORun(GRPORun):
     def put_prompts(self, step: int) -> None:
         """The step's sample ids, each repeated ``n_samples`` times: its group of rows."""
         n = self.cfg.n_samples
+        self.prompt_states[step] = self.prompts.state_dict()
         prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
         self.client.put({"sample_id": [str(p["sample_id"]) for p in prompts for _ in range(n)]}, global_step=step)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+from orchestration import connect_ray, train_and_report
 from trainers.config import config_from_cli
-from trainers.rl_loop import connect_ray, train_and_report
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 

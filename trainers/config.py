@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 class TaskConfig:
     """Which task (prompts, reward, tokenizer, starting policy) to train on."""
 
-    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a workers.tasks.base.Task
+    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a rl_contracts.task.Task
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the task's constructor
     reward_fn: str | None = None  # "module:function" replacing the task's own reward, fn(response_text, **fields)
     num_train_prompts: int = 4096
@@ -110,7 +110,10 @@ class RLConfig:
     n_samples: int = 8
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0  # async: steps rollout may run ahead of training; older samples are not trained on
-    weight_sync: Literal["memory", "disk"] = "memory"
+    # memory: via the object store; disk: a Hugging Face directory per version (engines off the cluster); shm: a
+    # WeightChannel in shared memory that engines on this host pull from (no driver round trip; lets the driver
+    # launch generation of step s+1 while step s trains, the engine waiting for the weights it needs)
+    weight_sync: Literal["memory", "disk", "shm"] = "memory"
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"
     checkpoint_every: int = 0  # 0: only at the end

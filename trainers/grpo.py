@@ -22,22 +22,21 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rl_contracts.prompts import PromptSource
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import rows_of
+from rl_contracts.task import Task, load_task
+from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
+from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
 from trainers.losses import policy_loss
 from transfer_queue import ControllerInfo, TransferQueueClient
-from workers.agents.trajectory import split_trajectories
-from workers.prompts import PromptSource
-from workers.queue_clock import QueueClock
-from workers.rollout import rows_of
-from workers.tasks.base import Task, load_task
 
 TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
-#: the fields of multi-turn trajectories (workers/agents) that training reads instead
-TRAJECTORY_TRAIN_FIELDS = ["tokens", "loss_mask", "logprobs", "policy_version", "reward", "reward_failed"]
 
 
 @dataclass
@@ -217,7 +216,7 @@ class GRPOTrainerRank:
         for k in range(rounds):
             meta = clock.call(
                 self.client.get_meta,
-                TRAJECTORY_TRAIN_FIELDS if cfg.rollout.generate_fn else TRAIN_FIELDS,
+                TRAJECTORY_FIELDS if cfg.rollout.generate_fn else TRAIN_FIELDS,
                 rows,
                 global_step=step,
                 task_name=TRAIN_TASK,
@@ -317,6 +316,16 @@ class GRPOTrainerRank:
         assert self.policy is not None
         state = self.policy.full_state_dict()
         return [ray.put(state)] if self.rank == 0 else None
+
+    def publish_weights(self, channel_path: str) -> float:
+        """A collective: gather the full weights; rank 0 writes them to the weight channel at ``channel_path`` as
+        this rank's policy version. Returns the seconds it took."""
+        assert self.policy is not None
+        started = time.perf_counter()
+        state = self.policy.full_state_dict()
+        if self.rank == 0:
+            WeightChannel(channel_path).write(self.version, state)
+        return time.perf_counter() - started
 
     def save_hf(self, path: str) -> None:
         assert self.policy is not None

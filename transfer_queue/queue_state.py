@@ -608,7 +608,15 @@ class QueueState:
                 f"the share of dp_rank={job.dp_rank} in dp_group_id {job.dp_group_id!r} was released; "
                 "ask again with a new dp_group_id"
             )
-        extra = {"dp_rank": job.dp_rank, "dp_size": job.dp_size, "dp_group_id": job.dp_group_id}
+        shares = dp_round.shares
+        extra = {
+            "dp_rank": job.dp_rank,
+            "dp_size": job.dp_size,
+            "dp_group_id": job.dp_group_id,
+            # what every rank of the round needs to yield the same number of batches (a short last round)
+            "round_rows": int(sum(len(share) for share in shares)),
+            "round_max_share": int(max(len(share) for share in shares)),
+        }
         return part.meta_wire(dp_round.shares[job.dp_rank], req.fields, req.task_name, extra)
 
     def _select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:

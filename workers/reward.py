@@ -16,10 +16,10 @@ from typing import Any
 import ray
 import torch
 
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import rows_of
+from rl_contracts.task import Task, load_reward_fn, load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
-from workers.queue_clock import QueueClock
-from workers.rollout import rows_of
-from workers.tasks.base import Task, load_reward_fn, load_task
 
 logger = logging.getLogger(__name__)
 REWARD_TASK = "reward"

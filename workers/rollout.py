@@ -19,31 +19,15 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import jagged, rows_of
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
-from workers.queue_clock import QueueClock
 
 logger = logging.getLogger(__name__)
 ROLLOUT_TASK = "rollout"
 ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-def jagged(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
-    """A jagged nested tensor from lists of different lengths, built as values + offsets in one pass (building it
-    from one small tensor per row costs milliseconds per batch)."""
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = torch.tensor([x for r in rows for x in r], dtype=dtype)
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
-
-
-def rows_of(nested: torch.Tensor) -> list[list[int]]:
-    """Lists of token ids from a jagged nested tensor (one gather for the whole batch)."""
-    offsets = nested.offsets().tolist()
-    values = nested.values().tolist()
-    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
 @ray.remote(concurrency_groups={"rollout": 1, "control": 1})
@@ -113,10 +97,16 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "restarts": self.restarts, **ray.get(self.engine.health.remote())}
 
     @ray.method(concurrency_group="rollout")
-    def generate_step(self, step: int, fields: list[str] | None = None) -> dict[str, float]:
-        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts."""
+    def generate_step(
+        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+    ) -> dict[str, float]:
+        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts.
+
+        ``min_version``: with a weight channel, every generation waits for weights at least this new (the engine
+        pulls them itself), so the driver can launch a step before the training step it depends on has ended.
+        """
         fields = fields or ["prompt_ids"]
-        stats = {"rows": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        stats = {"rows": 0.0, "generate_s": 0.0, "weights_wait_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
         clock = QueueClock()
         while True:
             meta = clock.call(
@@ -135,7 +125,11 @@ class RolloutWorker:
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
             try:
-                version, generations = ray.get(self.engine.generate.remote(prompts, self.n, self.sampling))
+                if min_version is not None:  # timed apart: waiting for the trainer is not generating
+                    ray.get(self.engine.pull_weights.remote(min_version))
+                    stats["weights_wait_s"] += time.perf_counter() - t1
+                    t1 = time.perf_counter()
+                version, generations = ray.get(self.engine.generate.remote(prompts, self.n, self.sampling, min_version))
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
                 self.client.release(meta)

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rl_contracts.task import Task, import_object
 from workers.agents.trajectory import HFChatFormat, PlainChatFormat, Sample, trajectory_to_sample
 from workers.agents.workflow import TaskServerWorkflow, TokenSampler
 from workers.engines.base import SamplingParams
-from workers.tasks.base import Task, import_object
 
 GenerateFn = Callable[..., Awaitable[list[Sample]]]
 

@@ -9,12 +9,12 @@ import pytest
 import ray
 
 import transfer_queue as tq
+from rl_contracts.rows import rows_of
 from workers.agents.environment import environment_class
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.agents.task_server import create_app, serve_in_background
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.rollout import rows_of
 
 N = 2
 TASK = "workers.tasks.guess_number:GuessNumberTask"

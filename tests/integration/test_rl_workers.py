@@ -12,10 +12,11 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from rl_contracts.rows import jagged, rows_of
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
-from workers.rollout import RolloutWorker, jagged, rows_of
+from workers.rollout import RolloutWorker
 from workers.tasks.addition import AdditionTask
 
 N = 2

@@ -10,11 +10,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rl_contracts.rows import rows_of
+from rl_contracts.trajectories import split_trajectories
 from trainers.config import RLConfig, TrainConfig
 from trainers.grpo import build_train_batch
 from trainers.losses import policy_loss
-from workers.agents.trajectory import Sample, TrajectoryBuilder, samples_to_fields, split_trajectories
-from workers.rollout import rows_of
+from workers.agents.trajectory import Sample, TrajectoryBuilder, samples_to_fields
 
 # prompt [11, 12] | model turn 1 [21, 22] | env reply [31, 32] | model turn 2 [23]
 TOKENS = [11, 12, 21, 22, 31, 32, 23]

@@ -212,3 +212,28 @@ def test_a_broken_connection_to_a_live_server_fails_the_call_but_does_not_mark_t
 
         healthy, result = run(scenario())
     assert healthy and result.done and result.reward == 1.0
+
+
+def test_a_step_reply_missing_the_protocols_fields_is_malformed():
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/api/episode/start")
+    async def start(body: dict) -> dict:
+        return {"episode_id": "e1", "observation": {"type": "text", "content": "hi"}, "reward": 0, "done": False,
+                "info": {}}  # fmt: skip
+
+    @app.post("/api/episode/step")
+    async def step(body: dict) -> dict:
+        return {"episode_id": "e1", "observation": None, "done": False}  # no reward, no info
+
+    with serve_in_background(app) as url:
+        pool = TaskServerPool(url, timeout=5.0)
+
+        async def scenario():
+            episode = await pool.start("s")
+            await pool.step(episode, {"type": "text", "content": "x"})
+
+        with pytest.raises(MalformedResponse, match=r"a step of episode e1 that is not the protocol's EpisodeResponse"):
+            run(scenario())

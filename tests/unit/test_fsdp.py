@@ -22,7 +22,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.checkpoint import checkpoint_path, latest_checkpoint
-from trainers.fsdp import AdamWConfig, FSDPPolicy, decoder_layers, init_process_group
+from trainers.fsdp import AdamWConfig, FSDPPolicy, _shard_rows, decoder_layers, init_process_group
 
 WORLD_SIZE = 2
 VOCAB = 32
@@ -413,3 +413,11 @@ def test_decoder_layers_finds_hf_layers_or_no_split_modules():
     outer, inner = model.h[0], model.h[0].inner
     layers = decoder_layers(model)
     assert len(layers) == 4 and layers.index(inner) < layers.index(outer)  # nested blocks before their parents
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 64, 65])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_shard_rows_follow_torch_chunk(rows, world_size):
+    # FSDP2 shards dim 0 with torch.chunk; the one-collective full_state_dict lays shards out by these counts
+    chunks = [c.shape[0] for c in torch.empty(rows).chunk(world_size)] if rows else []
+    assert _shard_rows(rows, world_size) == chunks + [0] * (world_size - len(chunks))

@@ -473,7 +473,7 @@ def test_a_dp_round_serves_every_rank_its_share_however_often_it_asks(make_queue
     for _ in range(3):  # TP/PP peers of a rank ask again
         assert indexes(q.get(0, "x", 2, sampler_params=dp(1))) == [2, 3]
         assert indexes(q.get(0, "x", 2, sampler_params=dp(0))) == [0, 1]
-    assert r1.extra == {"dp_rank": 1, "dp_size": 2, "dp_group_id": "g0"}
+    assert r1.extra == {"dp_rank": 1, "dp_size": 2, "dp_group_id": "g0", "round_rows": 4, "round_max_share": 2}
     n0 = q.get(0, "x", 2, sampler_params=dp(0, group="g1"))
     n1 = q.get(0, "x", 2, sampler_params=dp(1, group="g1"))
     assert sorted(indexes(n0) + indexes(n1)) == [4, 5, 6, 7]  # a new round never overlaps an old one

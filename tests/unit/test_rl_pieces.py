@@ -10,15 +10,15 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rl_contracts.prompts import PromptSource
+from rl_contracts.rows import jagged, rows_of
+from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups
 from trainers.metrics import MetricsLog, fifth_means, plot_metrics
-from workers.prompts import PromptSource
 from workers.reward import score_responses
-from workers.rollout import jagged, rows_of
 from workers.tasks.addition import AdditionTask
-from workers.tasks.base import import_object, load_reward_fn, load_task
 
 
 # ---- prompt source ------------------------------------------------------------------------------------------
@@ -77,8 +77,8 @@ def test_reward_functions_and_tasks_load_by_dotted_name():
         import_object("no_such_module:f")
     with pytest.raises(ValueError, match="has no 'nope'"):
         import_object("workers.tasks.addition:nope")
-    with pytest.raises(ValueError, match=r"expected a workers\.tasks\.base\.Task"):
-        load_task("workers.prompts:PromptSource", {"prompts": [1]})
+    with pytest.raises(ValueError, match=r"expected a rl_contracts\.task\.Task"):
+        load_task("rl_contracts.prompts:PromptSource", {"prompts": [1]})
 
 
 # ---- training batch -----------------------------------------------------------------------------------------

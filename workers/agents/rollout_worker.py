@@ -19,15 +19,15 @@ from typing import Any
 import ray
 import torch
 
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.agents.samplers import BatchingSampler
 from workers.agents.trajectory import Sample, samples_to_fields
 from workers.engines.base import Generation, SamplingParams
 from workers.engines.host import EngineSpec
-from workers.queue_clock import QueueClock
 from workers.rollout import ROLLOUT_TASK
 from workers.rollout_fns import collect_groups, load_rollout_fn
-from workers.tasks.base import load_task
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,18 @@ class AgentRolloutWorker:
         return self._endpoint.enter_context(serve_in_background(app, host, port))
 
     @ray.method(concurrency_group="rollout")
-    def generate_step(self, step: int) -> dict[str, float]:
-        """Episodes for every group of ``step`` this worker gets; returns counts for the step's metrics row."""
+    def generate_step(
+        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+    ) -> dict[str, float]:
+        """Episodes for every group of ``step`` this worker gets; returns counts for the step's metrics row.
+
+        ``fields`` and ``min_version`` are ``RolloutWorker.generate_step``'s; weights arrive by ``update_weights``
+        (``weight_sync`` memory or disk), so a ``min_version`` (the shm weight channel) is refused."""
+        if min_version is not None:
+            raise ValueError(
+                f"AgentRolloutWorker takes weights by update_weights; got min_version={min_version} "
+                "(weight_sync='shm' is not supported for agent rollouts)"
+            )
         stats = dict.fromkeys(
             ("rows", "generate_s", "tokens", "groups", "dropped_groups", "filtered_groups", "episodes",
              "success_sum", "num_turns_sum", "env_reward_sum"), 0.0,

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from workers.agents.protocol import EpisodeResponse
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +128,11 @@ class TaskServerPool:
             self.active[url] += 1  # taken before the call, so concurrent starts spread over the servers
             try:
                 body = await self._call(url, "POST", "/episode/start", {"sample_id": sample_id, "config": config or {}})
-                episode = Episode(str(body["episode_id"]), url, _observation(body, url), dict(body.get("info") or {}))
-            except (TaskServerError, KeyError, TypeError) as exc:
+                reply = EpisodeResponse.model_validate(body)
+                if reply.observation is None:
+                    raise MalformedResponse(f"{url} started an episode without an observation")
+                episode = Episode(reply.episode_id, url, reply.observation.model_dump(), reply.info)
+            except (TaskServerError, ValidationError) as exc:
                 self.active[url] -= 1
                 last = exc
                 logger.warning("starting sample %r on %s failed (%s); trying another server", sample_id, url, exc)
@@ -147,15 +153,15 @@ class TaskServerPool:
             episode.server, "POST", "/episode/step", {"episode_id": episode.episode_id, "action": action}
         )
         try:
-            observation = body["observation"]
-            if observation is not None and not isinstance(observation, dict):
-                raise TypeError(f"observation is a {type(observation).__name__}")
-            return StepResult(observation, float(body["reward"]), bool(body["done"]), dict(body.get("info") or {}))
-        except (KeyError, TypeError, ValueError) as exc:
+            reply = EpisodeResponse.model_validate(body)
+        except ValidationError as exc:
             raise MalformedResponse(
-                f"{episode.server} answered a step of episode {episode.episode_id} without the protocol's fields "
-                f"(expected observation, reward, done, info; {exc!r}): {str(body)[:200]}"
+                f"{episode.server} answered a step of episode {episode.episode_id} that is not the protocol's "
+                f"EpisodeResponse ({exc.error_count()} errors: {exc.errors()[0]['loc']} {exc.errors()[0]['msg']}): "
+                f"{str(body)[:200]}"
             ) from None
+        observation = reply.observation.model_dump() if reply.observation is not None else None
+        return StepResult(observation, reply.reward, reply.done, reply.info)
 
     async def finish(self, episode: Episode, cancel: bool) -> None:
         """The episode is over for the workflow: free its slot, and ``POST /api/episode/cancel`` if it is not done
@@ -196,13 +202,6 @@ class TaskServerPool:
         if not isinstance(body, dict):
             raise MalformedResponse(f"{method} {endpoint} answered a JSON {type(body).__name__}, expected an object")
         return body
-
-
-def _observation(body: dict[str, Any], url: str) -> dict[str, Any]:
-    observation = body["observation"]
-    if not isinstance(observation, dict) or "content" not in observation:
-        raise MalformedResponse(f"{url} started an episode without an observation {{type, content}}: {observation!r}")
-    return observation
 
 
 def _detail(response: httpx.Response) -> str:

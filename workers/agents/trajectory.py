@@ -19,6 +19,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from rl_contracts.rows import jagged
+
 #: why a trajectory ended: the environment said done, the turn or token budget ran out, or the episode failed
 FinishReason = Literal["done", "max_turns", "max_tokens", "error"]
 Message = dict[str, str]
@@ -249,8 +251,6 @@ def trajectory_to_sample(trajectory: Trajectory, chat: ChatFormat) -> Sample:
 def samples_to_fields(samples: Sequence[Sample]) -> dict[str, Any]:
     """The queue fields of samples: jagged ``tokens``, ``loss_mask``, ``logprobs`` plus ``reward``, ``num_turns``,
     ``success``, ``policy_version`` (and ``reward_failed``, False: the reward came with the sample)."""
-    from workers.rollout import jagged
-
     meta = [s.metadata for s in samples]
     return {
         "tokens": jagged([s.tokens for s in samples], torch.int64),
@@ -262,19 +262,3 @@ def samples_to_fields(samples: Sequence[Sample]) -> dict[str, Any]:
         "policy_version": torch.tensor([int(m.get("policy_version", 0)) for m in meta], dtype=torch.int64),
         "reward_failed": torch.zeros(len(samples), dtype=torch.bool),
     }
-
-
-def split_trajectories(
-    tokens: list[list[int]], loss_mask: list[list[float]], logprobs: list[list[float]]
-) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
-    """Trajectories as the trainer's prompt/response pairs: the prompt is everything before the first trained
-    token, the response everything after, with its own loss mask (0 on environment tokens) and log-probs."""
-    prompts, responses, response_logprobs, response_masks = [], [], [], []
-    for ids, mask, lps in zip(tokens, loss_mask, logprobs, strict=True):
-        start = next((i for i, m in enumerate(mask) if m > 0), len(ids))
-        start = max(start, 1)  # the trainer predicts a token from the one before: at least one prompt token
-        prompts.append(ids[:start])
-        responses.append(ids[start:])
-        response_logprobs.append(lps[start:])
-        response_masks.append(mask[start:])
-    return prompts, responses, response_logprobs, response_masks

@@ -10,9 +10,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from rl_contracts.task import Task
 from workers.agents.trajectory import PlainChatFormat
 from workers.models import build_tiny_causal_lm
-from workers.tasks.base import Task
 
 WORDS = ["guess", "a", "number", "from", "to", "higher", "lower", "correct", "invalid", "user:", "assistant:"]
 NUMBERS = [str(i) for i in range(1, 17)]
