@@ -191,27 +191,33 @@ def test_the_workflow_plays_the_real_guess_number_server_to_the_end():
         assert trained.count(EOS) == t.num_turns and decode(trained).isdigit()
 
 
-def test_a_broken_connection_to_a_live_server_fails_the_call_but_does_not_mark_the_server_dead():
+def test_a_broken_connection_to_a_live_server_is_retried_once_and_does_not_mark_it_dead():
     import httpx
 
     with serve_in_background(WordGame().app()) as url:
         pool = TaskServerPool(url, timeout=5.0)
 
-        async def scenario():
+        async def scenario(breaks: int):
             episode = await pool.start("s:ab")
-            real = pool.client.request
+            real, left = pool.client.request, [breaks]
 
-            async def broken_once(method, endpoint, **kwargs):
+            async def breaking(method, endpoint, **kwargs):
+                if "/episode/step" in endpoint and left[0] > 0:
+                    left[0] -= 1
+                    raise httpx.ReadError("")  # what reusing a connection the server just closed looks like
+                return await real(method, endpoint, **kwargs)
+
+            pool.client.request = breaking
+            try:
+                return await pool.step(episode, {"type": "text", "content": "ab"})
+            finally:
                 pool.client.request = real
-                raise httpx.ReadError("")  # what reusing a connection the server just closed looks like
 
-            pool.client.request = broken_once
-            with pytest.raises(ServerUnavailable, match="episode/step failed: ReadError"):
-                await pool.step(episode, {"type": "text", "content": "x"})
-            return pool.healthy[url], await pool.step(episode, {"type": "text", "content": "ab"})
-
-        healthy, result = run(scenario())
-    assert healthy and result.done and result.reward == 1.0
+        result = run(scenario(breaks=1))
+        assert result.done and result.reward == 1.0 and pool.healthy[url]
+        with pytest.raises(ServerUnavailable, match="episode/step failed: ReadError"):
+            run(scenario(breaks=2))
+        assert pool.healthy[url]
 
 
 def test_a_step_reply_missing_the_protocols_fields_is_malformed():

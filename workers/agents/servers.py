@@ -181,15 +181,26 @@ class TaskServerPool:
         except TaskServerError:
             return False
 
-    async def _call(self, url: str, method: str, path: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _call(
+        self, url: str, method: str, path: str, payload: dict[str, Any] | None = None, retry: bool = True
+    ) -> dict[str, Any]:
+        """One call; a broken connection to a server that still answers ``/health`` is retried once.
+
+        The retry is safe for a step too: uvicorn closes only idle keep-alive connections, so a connection that
+        breaks before any response (``ReadError('')``, seen under load) carried a request the server never began.
+        """
         endpoint = f"{url.rstrip('/')}/api{path}"
         try:
             response = await self.client.request(method, endpoint, json=payload)
         except httpx.TimeoutException:
             raise StepTimeout(f"{method} {endpoint} timed out after {self.timeout} s") from None
         except httpx.TransportError as exc:
-            if path == "/health" or not await self._answers_health(url):
+            alive = path != "/health" and await self._answers_health(url)
+            if not alive:
                 self.mark_dead(url, repr(exc))
+            elif retry:
+                logger.info("%s %s: connection broke (%r); the server is alive, retrying once", method, endpoint, exc)
+                return await self._call(url, method, path, payload, retry=False)
             raise ServerUnavailable(f"{method} {endpoint} failed: {exc!r}") from None
         if response.status_code >= 400:
             detail = _detail(response)
