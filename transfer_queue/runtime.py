@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from transfer_queue.client import TransferQueueClient, default_client_id
+from transfer_queue.client import TransferQueueClient, default_client_id, mark_queue_closed
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.errors import ConfigMismatch, QueueNotFound
@@ -134,6 +134,10 @@ def shutdown(timeout: float = 30.0) -> None:
     handle = _find()
     if handle is None:
         return
+    try:  # this process's clients of the queue fail at once from now on (QueueClosed), not at their timeout
+        mark_queue_closed(ray.get(handle.get_info.remote(), timeout=min(timeout, 10.0)).session_id)
+    except Exception:  # a dead or stuck controller: its clients learn it from the transport (ServerGone)
+        pass
     try:
         ray.get(handle.shutdown.remote(), timeout=timeout)
     except Exception:  # a dead or stuck controller is killed below anyway

@@ -32,8 +32,9 @@ from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
-from transfer_queue.errors import MalformedMessage, RequestTimeout
+from transfer_queue.errors import MalformedMessage, RequestTimeout, ServerGone
 from transfer_queue.protocol import Endpoint, decode_reply_header
 from transfer_queue.unix_socket import UnixServer, connect, exchange
 
@@ -117,6 +118,24 @@ class ServerSockets:
             self.unix.close()
 
 
+# What a DEALER's monitor reports that means the server is gone: the connection closed (the process died: its
+# kernel closes the socket at once; a silent host is caught by the heartbeat), or nothing listens any more.
+_GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_HEARTBEAT_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 20_000
+
+
+def _gone_event(monitor: zmq.Socket) -> bool:
+    """Read what the monitor has; True if any event says the server is gone."""
+    gone = False
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return gone
+        gone = gone or bool(event["event"] & _GONE_EVENTS)
+
+
 Into = dict[int, Any]  # reply frame index -> a writable uint8 array to receive that frame into, if it fits
 
 
@@ -183,16 +202,22 @@ class BlockingTransport:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            monitor = sock.get_monitor_socket(_GONE_EVENTS)  # before connect: no event is missed
             sock.connect(address)
             sockets[address] = sock
+            self._thread_sockets("monitors")[address] = monitor
             with self._lock:
                 self._all_sockets.add(sock)
+                self._all_sockets.add(monitor)
         return sock
 
     def _discard(self, address: str) -> None:
-        sock = self._local.__dict__.get("sockets", {}).pop(address, None)
-        if sock is not None:
-            sock.close(linger=0)
+        for kind in ("sockets", "monitors"):
+            sock = self._local.__dict__.get(kind, {}).pop(address, None)
+            if sock is not None:
+                sock.close(linger=0)
 
     def _local_path(self, endpoint: Endpoint) -> str | None:
         routes = self._local.__dict__.setdefault("routes", {})
@@ -216,16 +241,24 @@ class BlockingTransport:
         arrays where given (by position in ``calls``' original order)."""
         try:
             pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
-        except OSError as exc:  # the server is gone (its socket file may linger)
+        except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
             self._local.__dict__.get("routes", {}).clear()
-            raise RequestTimeout(f"cannot reach {[path for _, path, _, _ in calls]}: {exc}") from None
-        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None)
+            raise ServerGone(
+                f"cannot reach {[path for _, path, _, _ in calls]}: {exc} (nothing listens there: the server is gone)"
+            ) from None
+        gone: set[int] = set()
+        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None, gone)
         for i in failed:  # a socket that timed out or closed may still carry a late reply: never reuse it
             sock = self._local.__dict__["unix"].pop(calls[i][1], None)
             if sock is not None:
                 sock.close()
         if failed:
             self._local.__dict__.get("routes", {}).clear()
+        if gone:
+            raise ServerGone(
+                f"{sorted({calls[i][1] for i in gone})} closed the connection before replying (the server is gone)"
+            )
+        if failed:
             raise RequestTimeout(f"no reply within {timeout:.1f} s from {sorted({calls[i][1] for i in failed})}")
         out = []
         for (position, _, _, request_id), reply in zip(calls, replies, strict=True):
@@ -250,9 +283,11 @@ class BlockingTransport:
             else:
                 remote.append((i, endpoint, frames, request_id))
         waiting: dict[int, tuple[int, str, zmq.Socket]] = {}
+        monitors = self._thread_sockets("monitors")
         for i, endpoint, frames, request_id in remote:
             address = endpoint.address()
             sock = self._socket(address)
+            _gone_event(monitors[address])  # what happened before this request says nothing about it
             sock.send_multipart(frames, copy=False)
             waiting[request_id] = (i, address, sock)
         if local:
@@ -262,13 +297,17 @@ class BlockingTransport:
         sockets = {id(s): s for _, _, s in waiting.values()}
         spin_until = time.monotonic() + self._spin
         while waiting:
-            ready = self._ready(list(sockets.values()), deadline, spin_until)
+            watched = {monitors[address]: address for _, address, _ in waiting.values()}
+            ready = self._ready([*sockets.values(), *watched], deadline, spin_until)
             if not ready:
                 for _, address, _ in waiting.values():
                     self._discard(address)  # late replies die with the socket
                 missing = sorted({address for _, address, _ in waiting.values()})
                 raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}")
+            self._raise_if_gone([watched[s] for s in ready if s in watched and _gone_event(s)])
             for sock in ready:
+                if sock in watched:
+                    continue
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -284,6 +323,15 @@ class BlockingTransport:
                         break
             sockets = {id(s): s for _, _, s in waiting.values()}
         return results
+
+    def _raise_if_gone(self, addresses: list[str]) -> None:
+        """A server whose connection dropped will not answer what it was sent: say so now, not at the timeout."""
+        if addresses:
+            for address in addresses:
+                self._discard(address)
+            raise ServerGone(
+                f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone)"
+            )
 
     def _ready(self, sockets: list[zmq.Socket], deadline: float, spin_until: float) -> list[zmq.Socket]:
         while time.monotonic() < spin_until:
