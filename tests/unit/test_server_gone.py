@@ -50,7 +50,7 @@ def server() -> Iterator[tuple[subprocess.Popen, p.Endpoint]]:
         proc.wait()
 
 
-def call(transport: BlockingTransport, endpoint: p.Endpoint, body: bytes, timeout: float = 30.0) -> Any:
+def call(transport: BlockingTransport, endpoint: p.Endpoint, body: bytes, timeout: float = 60.0) -> Any:
     request_id = transport.next_request_id()
     return run_sync(transport.call_many([(endpoint, [str(request_id).encode(), body], request_id)], timeout))
 
@@ -60,17 +60,19 @@ def by(endpoint: p.Endpoint, route: str) -> p.Endpoint:
     return endpoint if route == "unix" else p.Endpoint(endpoint.tcp, None, endpoint.hostname)
 
 
+@pytest.mark.parametrize("connected", [True, False], ids=["after-a-reply", "before-any-request"])
 @pytest.mark.parametrize("route", ["unix", "tcp"])
-def test_a_server_killed_between_requests_is_reported_at_once(server: Any, route: str) -> None:
+def test_a_server_killed_between_requests_is_reported_at_once(server: Any, route: str, connected: bool) -> None:
     proc, endpoint = server
     transport = BlockingTransport()
-    assert call(transport, by(endpoint, route), b"hi")  # connected, answered
+    if connected:
+        assert call(transport, by(endpoint, route), b"hi")  # connected, answered
     proc.kill()
     proc.wait()
     started = time.monotonic()
     with pytest.raises(ServerGone, match=r"the server is gone"):
         call(transport, by(endpoint, route), b"hi")
-    assert time.monotonic() - started < 5.0  # not the 30 s timeout
+    assert time.monotonic() - started < 15.0  # not the 60 s timeout (slack for a loaded machine)
     transport.close()
 
 
@@ -82,20 +84,7 @@ def test_a_server_that_dies_while_handling_a_request_is_reported_at_once(server:
     started = time.monotonic()
     with pytest.raises(ServerGone, match=r"closed the connection.*the server is gone"):
         call(transport, by(endpoint, route), b"die")
-    assert time.monotonic() - started < 5.0
-    transport.close()
-
-
-@pytest.mark.parametrize("route", ["unix", "tcp"])
-def test_a_server_that_never_started_listening_is_reported_at_once(server: Any, route: str) -> None:
-    proc, endpoint = server
-    proc.kill()
-    proc.wait()
-    transport = BlockingTransport()
-    started = time.monotonic()
-    with pytest.raises(ServerGone, match=r"the server is gone"):
-        call(transport, by(endpoint, route), b"hi")
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 15.0
     transport.close()
 
 
