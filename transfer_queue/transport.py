@@ -20,12 +20,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import os
 import socket
-import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -36,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue.errors import MalformedMessage, RequestTimeout, ServerGone
 from transfer_queue.protocol import Endpoint, decode_reply_header
+from transfer_queue.socket_dirs import SocketDir
 from transfer_queue.unix_socket import UnixServer, connect, exchange
 
 T = TypeVar("T")
@@ -69,9 +67,9 @@ class ServerSockets:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         host = host or node_ip()
         port = self.router.bind_to_random_port(f"tcp://{host}")
-        path = os.path.join(tempfile.gettempdir(), f"tq-{uuid.uuid4().hex[:16]}.sock") if unix else None
-        self.unix = UnixServer(path) if path else None
-        self.endpoint = Endpoint(f"tcp://{host}:{port}", path, socket.gethostname())
+        self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
+        self.unix = UnixServer(self._socket_dir.socket_path("server.sock")) if self._socket_dir else None
+        self.endpoint = Endpoint(f"tcp://{host}:{port}", self.unix.path if self.unix else None, socket.gethostname())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self._fds: set[int] = set()
@@ -116,6 +114,8 @@ class ServerSockets:
         self.router.close(linger=0)
         if self.unix is not None:
             self.unix.close()
+        if self._socket_dir is not None:
+            self._socket_dir.remove()
 
 
 # What a DEALER's monitor reports that means the server is gone: the connection closed (the process died: its

@@ -197,3 +197,31 @@ def test_hand_built_controller_with_my_storage_units(ray_session: Any) -> None:
         ray.kill(controller)
         for unit in units:
             ray.kill(unit)
+
+
+DRIVER_WITHOUT_SHUTDOWN = r"""
+import json, ray, transfer_queue
+ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+client = transfer_queue.init(global_batch_size=4, num_storage_units=1)
+info = client.controller_info
+print(json.dumps([info.controller.unix] + [unit.unix for unit in info.storage_units]), flush=True)
+"""  # and exits without transfer_queue.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_driver_that_exits_without_shutdown_leaves_no_socket_directories() -> None:
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.getcwd()
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER_WITHOUT_SHUTDOWN], env=env, capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(paths) == 2 and all(paths)
+    for path in paths:
+        assert not os.path.exists(os.path.dirname(path)), path
