@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from transfer_queue.errors import MalformedMessage, RequestTimeout, ServerGone
 from transfer_queue.protocol import Endpoint, decode_reply_header
@@ -372,13 +372,16 @@ class _ThreadSockets(dict):
 
 
 class AsyncioTransport:
-    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id."""
+    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id and
+    a watcher task that fails the requests waiting on a server at once when its monitor says the server is gone."""
 
     def __init__(self) -> None:
         self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
         self._ids = itertools.count(1)
         self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
         self._readers: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._monitors: dict[tuple[int, str], zmq.asyncio.Socket] = {}
+        self._pending: dict[tuple[int, str], set[int]] = {}  # request ids waiting on each socket
         self._loops: dict[int, asyncio.AbstractEventLoop] = {}
         self._futures: dict[int, asyncio.Future[Frames]] = {}
 
@@ -393,11 +396,30 @@ class AsyncioTransport:
             self._forget_closed_loops()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            monitor = self._monitors[key] = sock.get_monitor_socket(_GONE_EVENTS)
             sock.connect(address)
             self._sockets[key] = sock
+            self._pending[key] = set()
             self._readers[key] = loop.create_task(self._read(sock))
+            self._readers[(key[0], f"{address}#monitor")] = loop.create_task(self._watch(monitor, key))
             self._loops[id(loop)] = loop
         return sock
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, key: tuple[int, str]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if not event["event"] & _GONE_EVENTS:
+                continue
+            error = ServerGone(f"['{key[1]}'] closed the connection or stopped listening (the server is gone)")
+            for request_id in list(self._pending.get(key, ())):
+                future = self._futures.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(error)
 
     def _forget_closed_loops(self) -> None:
         """Close the sockets of event loops that have ended: a client used through one ``asyncio.run`` per call
@@ -406,7 +428,10 @@ class AsyncioTransport:
             del self._loops[loop_id]
             for key in [k for k in self._sockets if k[0] == loop_id]:
                 self._sockets.pop(key).close(linger=0)
+                self._monitors.pop(key).close(linger=0)
+                self._pending.pop(key, None)
                 self._readers.pop(key, None)
+                self._readers.pop((key[0], f"{key[1]}#monitor"), None)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -431,22 +456,27 @@ class AsyncioTransport:
             future: asyncio.Future[Frames] = loop.create_future()
             self._futures[request_id] = future
             futures.append(future)
-            await self._socket(endpoint.address()).send_multipart(frames, copy=False)
+            sock = self._socket(endpoint.address())
+            self._pending[(id(loop), endpoint.address())].add(request_id)
+            await sock.send_multipart(frames, copy=False)
         try:
             return [_buffers(frames) for frames in await asyncio.wait_for(asyncio.gather(*futures), timeout)]
         except TimeoutError:
             missing = sorted({e.address() for (e, _, _), f in zip(calls, futures, strict=True) if not f.done()})
             raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}") from None
         finally:
-            for _, _, request_id in calls:
+            for endpoint, _, request_id in calls:
                 self._futures.pop(request_id, None)
+                self._pending.get((id(loop), endpoint.address()), set()).discard(request_id)
 
     def close(self) -> None:
         for task in self._readers.values():
             if not task.get_loop().is_closed():
                 task.cancel()
-        for sock in self._sockets.values():
+        for sock in [*self._sockets.values(), *self._monitors.values()]:
             sock.close(linger=0)
         self._sockets.clear()
+        self._monitors.clear()
+        self._pending.clear()
         self._readers.clear()
         self._loops.clear()

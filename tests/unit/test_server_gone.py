@@ -16,7 +16,7 @@ import pytest
 
 from transfer_queue import protocol as p
 from transfer_queue.errors import RequestTimeout, ServerGone
-from transfer_queue.transport import BlockingTransport, run_sync
+from transfer_queue.transport import AsyncioTransport, BlockingTransport, run_sync
 
 # Answers every request with an empty reply carrying its request id; a request whose body is b"die" kills the
 # server before it answers, b"slow" is never answered.
@@ -95,4 +95,29 @@ def test_a_live_server_that_does_not_answer_is_still_a_timeout(server: Any, rout
     with pytest.raises(RequestTimeout, match=r"no reply within 0\.5 s"):
         call(transport, by(endpoint, route), b"slow", timeout=0.5)
     assert call(transport, by(endpoint, route), b"hi")  # a new connection after the timeout: served
+    transport.close()
+
+
+def test_the_asyncio_transport_reports_a_dead_server_at_once(server: Any) -> None:
+    """AsyncTransferQueueClient's transport (ZeroMQ only): a server that dies while handling a request, and then
+    one that is gone before the next request, both end in ServerGone well before the timeout."""
+    import asyncio
+
+    proc, endpoint = server
+    transport = AsyncioTransport()
+
+    async def ask(body: bytes) -> Any:
+        request_id = transport.next_request_id()
+        return await transport.call_many([(endpoint, [str(request_id).encode(), body], request_id)], 60.0)
+
+    async def scenario() -> None:
+        assert await ask(b"hi")
+        for _ in range(2):  # dies while handling "die"; then nothing listens any more
+            started = time.monotonic()
+            with pytest.raises(ServerGone, match=r"the server is gone"):
+                await ask(b"die")
+            assert time.monotonic() - started < 15.0
+        proc.wait()
+
+    asyncio.run(scenario())
     transport.close()
