@@ -47,7 +47,7 @@ from transfer_queue.errors import (
     UnknownField,
     error_from_wire,
 )
-from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
@@ -463,7 +463,7 @@ class AsyncTransferQueueClient:
         ``tags`` (one msgpack-encodable value per key, e.g. a dict) are stored as the non-tensor field ``tags``.
         """
         timeout = self._timeout(timeout)
-        keys = [str(k) for k in keys]
+        keys = as_names(keys)
         if isinstance(fields, dict):
             fields = TensorDict(dict(fields), batch_size=[len(keys)]) if fields else fields
         num_rows, columns = columns_from_tensordict(fields)
@@ -498,8 +498,8 @@ class AsyncTransferQueueClient:
         """The rows of ``keys`` (in that order) with ``select_fields`` (default: every field all of them have)."""
         request = p.KvLookup(
             _kv_partition(partition_id),
-            [str(k) for k in keys],
-            None if select_fields is None else list(select_fields),
+            as_names(keys),
+            None if select_fields is None else as_names(select_fields),
         )
         wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
         return await self.get_data(wire.to_meta())
@@ -509,8 +509,9 @@ class AsyncTransferQueueClient:
         return await self._control(p.KvList(_kv_partition(partition_id)), Any, self.config.default_timeout)
 
     async def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
-        """Forget ``keys`` (None: the whole partition) and free their payload. Unknown keys are ignored."""
-        request = p.KvClear(_kv_partition(partition_id), None if keys is None else [str(k) for k in keys])
+        """Forget ``keys`` (a str is one key; None: the whole partition) and free their payload. Unknown keys are
+        ignored."""
+        request = p.KvClear(_kv_partition(partition_id), None if keys is None else as_names(keys))
         await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)  # answered as clear is
 
 
