@@ -39,7 +39,9 @@ from transfer_queue.errors import (
     ClientClosed,
     InvalidRequest,
     ProtocolMismatch,
+    QueueClosed,
     RequestTimeout,
+    ServerGone,
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
@@ -51,6 +53,15 @@ from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transp
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+# Sessions of queues this process shut down (``transfer_queue.shutdown``): their clients fail at once.
+_closed_sessions: set[str] = set()
+
+
+def mark_queue_closed(session_id: str) -> None:
+    """Tell every client of this process that the queue of ``session_id`` is shut down: they raise QueueClosed."""
+    _closed_sessions.add(session_id)
 
 
 def _partition(global_step: int | None, partition_id: str | None, metadata: BatchMeta | None = None) -> PartitionKey:
@@ -125,6 +136,11 @@ class AsyncTransferQueueClient:
     ) -> list[tuple[Any, list[Any]]]:
         if self._closed:
             raise ClientClosed(f"client {self.client_id!r} is closed")
+        if self.controller_info.session_id in _closed_sessions:
+            raise QueueClosed(
+                f"client {self.client_id!r}: its queue was shut down (transfer_queue.shutdown); "
+                "call transfer_queue.init to start a new one"
+            )
         wire = []
         for endpoint, body, buffers in calls:
             frames, request_id = self._frames(body, buffers)
@@ -137,6 +153,8 @@ class AsyncTransferQueueClient:
             )
         except RequestTimeout as exc:
             raise RequestTimeout(f"{who}: {exc}") from None
+        except ServerGone as exc:
+            raise ServerGone(f"{who}: {exc}") from None
         out = []
         for frames in replies:
             header = p.decode_reply_header(frames[0])
@@ -167,7 +185,7 @@ class AsyncTransferQueueClient:
                 f"storage units {[u for u, _, _ in calls]} did not answer",
                 into,
             )
-        except RequestTimeout as exc:
+        except (RequestTimeout, ServerGone) as exc:
             raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
 
     def _row_lengths(self, columns: dict[str, Column], num_rows: int) -> np.ndarray:

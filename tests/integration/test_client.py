@@ -683,7 +683,10 @@ def test_kv_insert_upsert_tags_get_list_clear(queue: Any) -> None:
         tags=[{"v": 1}, {"v": 1}, {"v": 1}],
     )
     assert meta.keys == ["a", "b", "c"]
+    before_d = client.get_production_status(partition_id=partition)["bytes"]
     client.kv_put("d", partition, {"score": torch.tensor(4.0), "text": "td"}, tag={"v": 2})
+    bytes_of_d = client.get_production_status(partition_id=partition)["bytes"] - before_d
+    assert bytes_of_d > 0
     assert client.kv_list(partition) == ["a", "b", "c", "d"]
     # Upsert: existing keys get new values, a new key gets a new row.
     client.kv_batch_put(["c", "e", "a"], partition, {"score": torch.tensor([30.0, 50.0, 10.0])}, tags=[{"v": 3}] * 3)
@@ -701,8 +704,12 @@ def test_kv_insert_upsert_tags_get_list_clear(queue: Any) -> None:
     held = client.get_production_status(partition_id=partition)["bytes"]
     client.kv_clear(["b", "zz"], partition)  # unknown keys are ignored
     assert client.kv_list(partition) == ["a", "c", "d", "e"]
-    assert client.get_production_status(partition_id=partition)["bytes"] <= held
+    # Bytes are freed block by block: b's block still holds a and c, so nothing is freed yet ...
+    assert client.get_production_status(partition_id=partition)["bytes"] == held
     assert client.kv_batch_get(["d"], partition)["score"].tolist() == [4.0]
+    client.kv_clear(["d"], partition)  # ... d's block held d alone: exactly its bytes are freed
+    assert client.get_production_status(partition_id=partition)["bytes"] == held - bytes_of_d
+    assert client.kv_list(partition) == ["a", "c", "e"]
     client.kv_clear(None, partition)  # the whole partition
     with pytest.raises(UnknownPartition):
         client.kv_list(partition)
