@@ -38,10 +38,10 @@ from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
-from trainers.checkpoint import checkpoint_path, latest_checkpoint
+from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metrics import MetricsLog, fifth_means, plot_metrics
+from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
@@ -83,8 +83,27 @@ class GRPORun:
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p
         )
+        self.rollout, self.reward = self.start_workers(info, spec)
+        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
+        self.trainer = [
+            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
+            for r in range(cfg.train.world_size)
+        ]
+        master = ray.get(self.trainer[0].address.remote())
+        ray.get([rank.setup.remote(*master) for rank in self.trainer])
+        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
+        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.version = 0  # the version the engines were last sent
+        self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
+        self._saved_step: int | None = None
+        self._resumed = False
+
+    def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
+        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others)."""
+        cfg = self.cfg
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
-        self.rollout = [
+        rollout = [
             RolloutWorker.remote(
                 i,
                 info,
@@ -98,7 +117,7 @@ class GRPORun:
             )
             for i in range(cfg.rollout.num_workers)
         ]
-        self.reward = [
+        reward = [
             RewardWorker.remote(
                 i,
                 info,
@@ -111,23 +130,13 @@ class GRPORun:
             )
             for i in range(cfg.rollout.num_reward_workers)
         ]
-        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
-        self.trainer = [
-            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
-            for r in range(cfg.train.world_size)
-        ]
-        master = ray.get(self.trainer[0].address.remote())
-        ray.get([rank.setup.remote(*master) for rank in self.trainer])
-        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
-        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl")
-        self.version = 0  # the version the engines were last sent
-        self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
+        return rollout, reward
 
     # ---- the pieces of a step ------------------------------------------------------------------------------
     def put_prompts(self, step: int) -> None:
         """The step's prompts, each repeated ``n_samples`` times: its group of rows."""
         n = self.cfg.n_samples
+        # where the prompt source stood before this step drew: what a run resumed at ``step`` must draw next
         self.prompt_states[step] = self.prompts.state_dict()
         prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
         rows = [p for p in prompts for _ in range(n)]
@@ -175,14 +184,34 @@ class GRPORun:
         return sum(s >= 1.0 for s in scores) / len(scores)
 
     def save(self, step: int) -> Path:
-        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version."""
-        path = checkpoint_path(self.out / "checkpoints", step)
-        shutil.rmtree(path, ignore_errors=True)
-        # the prompt position before this step's draw: steps launched ahead are drawn again on resume
-        prompt_source = self.prompt_states.get(step, self.prompts.state_dict())
-        extra = {"step": step, "prompt_source": prompt_source, "version": self.version}
-        ray.get([rank.save_checkpoint.remote(str(path), extra) for rank in self.trainer])
+        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version, then keep
+        the newest ``checkpoint_keep``. An existing checkpoint of ``step`` is replaced only once the new one is
+        complete and on disk.
+
+        The prompt position is the one before step ``step`` drew its prompts: in async mode rollout has already
+        drawn up to ``max_staleness`` steps ahead, and a resumed run must draw those again, not skip them.
+        """
+        root = self.out / "checkpoints"
+        path = checkpoint_path(root, step)
+        prompt_state = self.prompt_states.get(step, self.prompts.state_dict())
+        extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
+        ray.get([rank.save_checkpoint.remote(str(path), extra, overwrite=True) for rank in self.trainer])
+        prune_checkpoints(root, self.cfg.checkpoint_keep)
+        self._saved_step = step
         return path
+
+    def init_reference(self, resumed: bool) -> None:
+        """The frozen KL reference: the run's original one (saved in ``output_dir/reference`` when the run began)
+        on resume, never the resumed weights; else the current weights, saved for later resumes."""
+        path = self.out / "reference"
+        if resumed and is_complete_checkpoint(path):
+            ray.get([r.init_reference.remote(str(path)) for r in self.trainer])
+            print(f"KL reference restored from {path}", flush=True)
+            return
+        if resumed:
+            logger.warning("no saved KL reference in %s: the resumed weights become the reference", path)
+        ray.get([r.init_reference.remote() for r in self.trainer])
+        ray.get([r.save_reference.remote(str(path)) for r in self.trainer])
 
     # ---- the run -------------------------------------------------------------------------------------------
     def sft(self) -> float:
@@ -215,7 +244,7 @@ class GRPORun:
         cfg = self.cfg
         start = self._resume_or_warm_up()
         if cfg.train.kl_coef > 0:
-            ray.get([r.init_reference.remote() for r in self.trainer])
+            self.init_reference(resumed=self._resumed)
         self.publish(self.version)
         # the trainer's own version (what the channel holds; a resumed run may have published an older one)
         newest = self.channel.newest_version() if self.channel is not None else None
@@ -226,20 +255,20 @@ class GRPORun:
         idle_cpu_per_s = self._queue_idle_cpu(controller)
         run_started = time.perf_counter()
         queue_cpu_start = ray.get(controller.cpu_seconds.remote())
-        bar = tqdm(
-            range(start, cfg.steps), desc="GRPO", unit="step", dynamic_ncols=True, initial=start, total=cfg.steps
-        )
-        for step in bar:
+        progress = StepReporter(start, cfg.steps, every=cfg.log_every)
+        plot = PlotRefresher(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        for step in range(start, cfg.steps):
             row = self._global_step(step, pending, start, first_version)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 row["eval_accuracy"] = self.evaluate()
             self.metrics.write(row)
             rows_out.append(row)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row.get('loss', 0.0):+.3f}")
+            progress.update(step, row)
+            plot.maybe_refresh()
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
             self.prompt_states.pop(step, None)
-        bar.close()
+        progress.close()
         steps_run = max(len(rows_out), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
@@ -252,8 +281,9 @@ class GRPORun:
                 "queue_idle_cpu_s_per_step": idle_cpu / steps_run,
             }
         )
-        self.save(cfg.steps)
-        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        if self._saved_step != cfg.steps:  # the last periodic checkpoint may already be this one
+            self.save(cfg.steps)
+        plot.refresh()
         return rows_out
 
     def run_sft(self) -> Path:
@@ -313,11 +343,12 @@ class GRPORun:
     def _resume_or_warm_up(self) -> int:
         """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT."""
         latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
+        self._resumed = latest is not None
         if latest is not None:
             extra = ray.get([r.load_checkpoint.remote(str(latest)) for r in self.trainer])[0]
             self.prompts.load_state_dict(extra["prompt_source"])
             self.version = int(extra.get("version", extra.get("policy_version", 0)))
-            logger.info("resumed from %s at step %d", latest, extra["step"])
+            print(f"resumed from {latest} at step {extra['step']}", flush=True)
             return int(extra["step"])
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         if self.cfg.init_from:
@@ -352,6 +383,7 @@ class GRPORun:
             weights_wait_s=total(rollout, "weights_wait_s"),
             engine_restarts=total(rollout, "engine_restarts"),
             reward_failures=total(reward, "failed"),
+            reward_non_finite=total(reward, "non_finite"),
             tokens=total(rollout, "tokens"),
         )
         return row

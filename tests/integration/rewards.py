@@ -6,3 +6,8 @@ def picky_reward(response_text: str, answer: str) -> float:
     if response_text == "99":
         raise ValueError(f"cannot parse {response_text!r}")
     return float(response_text == answer)
+
+
+def overflowing_reward(response_text: str, answer: str) -> float:
+    """1 for the right answer; +inf for "99", like a log-likelihood reward that overflows."""
+    return float("inf") if response_text == "99" else float(response_text == answer)

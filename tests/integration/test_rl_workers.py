@@ -82,24 +82,28 @@ def test_weights_reach_the_engine_with_their_version(queue, rollout_worker):
     client.clear(global_step=1)
 
 
-def test_reward_failures_are_marked_and_the_rest_is_scored(queue):
+@pytest.mark.parametrize(
+    ("reward_fn", "non_finite", "step"), [("picky_reward", 0.0, 2), ("overflowing_reward", 4.0, 3)]
+)
+def test_reward_failures_are_marked_and_the_rest_is_scored(queue, reward_fn, non_finite, step):
     _, info, client = queue
-    rows = put_prompts(client, step=2)
-    meta = client.get_meta(["prompt_ids"], 8, global_step=2, task_name="fake-rollout")
+    rows = put_prompts(client, step=step)
+    meta = client.get_meta(["prompt_ids"], 8, global_step=step, task_name="fake-rollout")
     # half the responses are the right answer, the other half a string the reward function chokes on
     responses = [AdditionTask().tokenizer.encode(row["answer"] if i % 2 == 0 else "99") for i, row in enumerate(rows)]
     client.put(TensorDict({"response_ids": jagged(responses, torch.int64)}, batch_size=[8]), metadata=meta)
     worker = RewardWorker.remote(
-        0, info, "workers.tasks.addition:AdditionTask", {}, "tests.integration.rewards:picky_reward", N, 2, 30.0
+        0, info, "workers.tasks.addition:AdditionTask", {}, f"tests.integration.rewards:{reward_fn}", N, 2, 30.0
     )
 
-    stats = ray.get(worker.score_step.remote(2))
+    stats = ray.get(worker.score_step.remote(step))
 
-    assert (stats["rows"], stats["failed"]) == (8.0, 4.0)
-    scored = client.get_data(client.get_meta(["reward", "reward_failed"], 8, global_step=2, task_name="check"))
+    # a raising function and a non-finite reward both fail the sample; the non-finite ones are counted apart
+    assert (stats["rows"], stats["failed"], stats["non_finite"]) == (8.0, 4.0, non_finite)
+    scored = client.get_data(client.get_meta(["reward", "reward_failed"], 8, global_step=step, task_name="check"))
     assert scored["reward"].tolist() == [1.0, 0.0] * 4
     assert scored["reward_failed"].tolist() == [False, True] * 4
-    client.clear(global_step=2)
+    client.clear(global_step=step)
 
 
 def test_with_a_weight_channel_the_engine_waits_for_the_version_it_needs(queue, tmp_path):
@@ -108,23 +112,23 @@ def test_with_a_weight_channel_the_engine_waits_for_the_version_it_needs(queue, 
     channel.write(4, AdditionTask(model_seed=4).build_policy().state_dict())
     spec = EngineSpec(weights_channel=str(channel.path), weights_timeout=60.0)
     worker = RolloutWorker.remote(1, info, spec, SamplingParams(max_new_tokens=4), N, 2, timeout=30.0)
-    put_prompts(client, step=3)
+    put_prompts(client, step=5)
 
-    pending = worker.generate_step.remote(3, None, 5)  # launched before version 5 exists: it must wait for it
+    pending = worker.generate_step.remote(5, None, 5)  # launched before version 5 exists: it must wait for it
     time.sleep(0.5)
     channel.write(5, AdditionTask(model_seed=5).build_policy().state_dict())
     stats = ray.get(pending)
 
     assert stats["rows"] == 8.0
-    meta = client.get_meta(["policy_version"], 8, global_step=3, task_name="check")
+    meta = client.get_meta(["policy_version"], 8, global_step=5, task_name="check")
     assert client.get_data(meta)["policy_version"].tolist() == [5] * 8
-    client.clear(global_step=3)
+    client.clear(global_step=5)
     # a restarted engine starts from the channel's newest weights, not the task's initial ones
     os.kill(ray.get(worker.engine_pid.remote()), signal.SIGKILL)
-    put_prompts(client, step=4)
-    stats = ray.get(worker.generate_step.remote(4))
+    put_prompts(client, step=6)
+    stats = ray.get(worker.generate_step.remote(6))
     assert stats["engine_restarts"] == 1.0
-    meta = client.get_meta(["policy_version"], 8, global_step=4, task_name="check")
+    meta = client.get_meta(["policy_version"], 8, global_step=6, task_name="check")
     assert client.get_data(meta)["policy_version"].tolist() == [5] * 8
-    client.clear(global_step=4)
+    client.clear(global_step=6)
     ray.kill(worker)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,9 +21,17 @@ import httpx
 import pytest
 
 from tests.conftest import wait_until
-from workers.agents.environment import Environment, InvalidAction, Step, available_environments, environment_class
+from workers.agents.environment import (
+    Environment,
+    InvalidAction,
+    Step,
+    UnknownEnvironment,
+    available_environments,
+    environment_class,
+    register_environment,
+)
 from workers.agents.envs.guess_number import GuessNumberEnvironment
-from workers.agents.task_server import create_app, serve_in_background
+from workers.agents.task_server import create_app, main, serve_in_background
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +59,7 @@ class Scripted(Environment):
     max_turns = 3
     closed: ClassVar[list[str]] = []
     release = threading.Event()
+    entered = threading.Event()
 
     @classmethod
     def sample_ids(cls) -> list[str]:
@@ -69,6 +79,7 @@ class Scripted(Environment):
         if action == "junk":
             return ("obs", float("nan"), False, {})
         if action == "wait":
+            self.entered.set()
             self.release.wait(10)
         return Step(
             None if action == "win" else f"echo {action}",
@@ -81,10 +92,18 @@ class Scripted(Environment):
         Scripted.closed.append(self.sample_id)
 
 
+@pytest.fixture(scope="module")
+def guess_number() -> Iterator[httpx.Client]:
+    """One guess-number server shared by the tests that only read or are refused."""
+    with served(GuessNumberEnvironment) as client:
+        yield client
+
+
 @pytest.fixture()
 def scripted() -> Iterator[type[Scripted]]:
     Scripted.closed.clear()
     Scripted.release.clear()
+    Scripted.entered.clear()
     yield Scripted
     Scripted.release.set()
 
@@ -171,17 +190,17 @@ def test_turn_limit_truncates_without_success() -> None:
         ("/episode/cancel", {"episode_id": "nope"}, 404, r"unknown episode_id='nope'"),
     ],
 )
-def test_error_statuses_carry_a_detail(path: str, body: dict[str, Any], status: int, detail: str) -> None:
-    with served(GuessNumberEnvironment) as client:
-        response = client.post(path, json=body)
-        assert response.status_code == status
-        assert re.search(detail, response.json()["detail"]), response.json()
+def test_error_statuses_carry_a_detail(
+    guess_number: httpx.Client, path: str, body: dict[str, Any], status: int, detail: str
+) -> None:
+    response = guess_number.post(path, json=body)
+    assert response.status_code == status
+    assert re.search(detail, response.json()["detail"]), response.json()
 
 
-def test_malformed_json_is_a_400() -> None:
-    with served(GuessNumberEnvironment) as client:
-        response = client.post("/episode/start", content=b"{not json", headers={"content-type": "application/json"})
-        assert response.status_code == 400 and response.json()["detail"].startswith("bad request: ")
+def test_malformed_json_is_a_400(guess_number: httpx.Client) -> None:
+    response = guess_number.post("/episode/start", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["detail"].startswith("bad request: ")
 
 
 def test_max_episodes_answers_503_until_one_ends() -> None:
@@ -234,12 +253,13 @@ def test_a_cancel_during_a_step_closes_after_the_step(scripted: type[Scripted]) 
         episode = start(client, "a")["episode_id"]
         slow = threading.Thread(target=step, args=(client, episode, "wait"))
         slow.start()
-        wait_until(lambda: client.get("/health").json()["active_episodes"] == 1)
+        assert scripted.entered.wait(10), "the step never reached the environment"
         cancel = threading.Thread(
             target=client.post, args=("/episode/cancel",), kwargs={"json": {"episode_id": episode}}
         )
         cancel.start()
-        wait_until(lambda: step(client, episode, "x").status_code == 404, what="the cancel to take effect")
+        wait_until(lambda: client.get("/health").json()["active_episodes"] == 0, what="the cancel to take effect")
+        assert step(client, episode, "x").status_code == 404
         assert scripted.closed == []  # the step in flight still holds the environment
         scripted.release.set()
         slow.join(10)
@@ -256,7 +276,7 @@ def test_idle_episodes_expire(scripted: type[Scripted]) -> None:
         assert (
             expired.json()["detail"] == f"episode {episode!r} is no longer running: expired after 0.3 s without a call"
         )
-        assert scripted.closed == ["a"]
+        wait_until(lambda: scripted.closed == ["a"], what="the expired environment to be closed")  # in a thread
 
 
 def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
@@ -287,17 +307,26 @@ def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
-def test_cli_rejects_an_unknown_environment() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "workers.agents.task_server", "no-such-env", "--port", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "no environment named 'no-such-env'; registered: [" in done.stderr
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["no-such-env", "--port", "0"], "no environment named 'no-such-env'; registered: ["),
+        (["guess-number", "--port", "0", "--max-episodes", "0"], "max_episodes=0 must be >= 1"),
+        (["guess-number", "--port", "{taken}"], "cannot listen on 127.0.0.1:{taken}: Address already in use"),
+    ],
+)
+def test_cli_refuses_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        with pytest.raises(SystemExit) as exit_:
+            main([arg.format(taken=port) for arg in argv])
+    assert exit_.value.code == 2
+    assert message.format(taken=port) in capsys.readouterr().err
 
 
 def _get(url: str) -> Any:
@@ -305,3 +334,37 @@ def _get(url: str) -> Any:
         return httpx.get(url, timeout=2).json()
     except httpx.TransportError:
         return None
+
+
+def test_the_environment_in_docs_agents_md_serves() -> None:
+    page = (REPO / "docs" / "agents.md").read_text()
+    source = re.search(r"```python\n(# mytasks/echo.py\n.*?)```", page, re.DOTALL).group(1)  # type: ignore[union-attr]
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "docs/agents.md", "exec"), namespace)
+    with served(namespace["EchoEnvironment"]) as client:
+        assert client.get("/task/info").json()["name"] == "echo"
+        refused = client.post("/episode/start", json={"sample_id": "1", "config": {"shout": True}})
+        assert refused.status_code == 400 and refused.json()["detail"] == "config shout is not supported"
+        episode = start(client, "1")
+        assert episode["observation"]["content"] == "Say pear."
+        assert step(client, episode["episode_id"], "apple").json()["observation"]["content"] == "No. Say pear."
+        last = step(client, episode["episode_id"], "pear").json()
+        assert (last["reward"], last["done"], last["info"]["success"], last["info"]["num_turns"]) == (
+            1.0,
+            True,
+            True,
+            2,
+        )
+
+
+def test_environments_are_found_by_name_or_module_and_class() -> None:
+    assert environment_class("tests.unit.test_task_server:Scripted").description == "scripted"
+    assert {"os-interaction", "calculator", "guess-number"} <= set(available_environments())
+    with pytest.raises(UnknownEnvironment, match=r"no environment named 'nope'; registered: \[.*'calculator'"):
+        environment_class("nope")
+    with pytest.raises(UnknownEnvironment, match=r"cannot import environment 'no.such.module:X'"):
+        environment_class("no.such.module:X")
+    with pytest.raises(UnknownEnvironment, match=r"'tests.unit.test_task_server:served' is .*, not an Environment"):
+        environment_class("tests.unit.test_task_server:served")
+    with pytest.raises(ValueError, match=r"environment name 'calculator' is already registered by workers.agents"):
+        register_environment("calculator")(Scripted)

@@ -103,7 +103,11 @@ class Environment(ABC):
         """Take one action and return what follows from it."""
 
     def close(self) -> None:  # noqa: B027  (optional hook: most environments hold nothing)
-        """Release what the episode holds (a sandbox, files). Called once; must not raise."""
+        """Release what the episode holds (a sandbox, files). Must not raise.
+
+        Called once when the episode ends; called again only at server shutdown if that first call was cut off, so
+        it must be idempotent (and may run while a ``step`` is still in its thread: kill, do not wait).
+        """
 
     @classmethod
     def resolve_sample_id(cls, sample_id: str) -> str:

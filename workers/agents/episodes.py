@@ -59,6 +59,8 @@ class Episode:
     turn: int = 0
     #: set once the environment's close() has been called (it is called once)
     closed: bool = False
+    #: set when that close() call has returned (the server's shutdown retries one cut off by a cancelled request)
+    close_returned: bool = False
     #: held while a reset/step runs, so one episode's calls never overlap and a busy episode never expires
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

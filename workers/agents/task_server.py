@@ -1,10 +1,12 @@
 """The task server: one environment behind the task-server HTTP protocol (AReaL / AgentBench compatible).
 
     python -m workers.agents.task_server ENV_NAME --port P [--host 127.0.0.1] [--max-episodes N] [--idle-timeout S]
+                                         [--shutdown-timeout S]
 
 Endpoints, under ``/api``: ``GET /health``, ``GET /task/info``, ``GET /task/samples``, ``POST /episode/start``,
-``POST /episode/step``, ``POST /episode/cancel``. Errors answer ``{"detail": "..."}`` with 400 (bad request, episode
-already done), 404 (unknown sample or episode), 503 (``--max-episodes`` running) or 500 (the environment failed).
+``POST /episode/step``, ``POST /episode/cancel`` (bodies in :mod:`workers.agents.protocol`). Errors answer
+``{"detail": "..."}`` with 400 (bad request, episode already done), 404 (unknown sample or episode), 503
+(``--max-episodes`` running) or 500 (the environment failed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
 
 from workers.agents.environment import Environment, EpisodeError, InvalidAction, UnknownSample, environment_class
 from workers.agents.episodes import (
@@ -36,66 +37,162 @@ from workers.agents.episodes import (
     EpisodeTable,
     NotFound,
 )
+from workers.agents.protocol import (
+    CancelRequest,
+    CancelResponse,
+    EpisodeResponse,
+    HealthResponse,
+    Observation,
+    SampleList,
+    StartRequest,
+    StepRequest,
+    TaskInfo,
+)
 
 logger = logging.getLogger(__name__)
 
-_STATUS_OF_ENVIRONMENT_ERROR: dict[type[EpisodeError], int] = {UnknownSample: 404, InvalidAction: 400}
+#: an environment's deliberate errors, as the protocol answers them
+_REFUSAL_OF_ENVIRONMENT_ERROR: dict[type[EpisodeError], type[EpisodeRefused]] = {
+    UnknownSample: NotFound,
+    InvalidAction: BadRequest,
+}
 
 
-class Observation(BaseModel):
-    type: str = "text"
-    content: str
+class TaskServer:
+    """The protocol's handlers over one environment class: plain async methods, wired to routes by :func:`create_app`.
 
+    The environment runs in worker threads (its calls may block); one episode's calls never overlap.
+    """
 
-class StartRequest(BaseModel):
-    sample_id: str | int
-    config: dict[str, Any] = Field(default_factory=dict)
+    def __init__(
+        self,
+        environment: type[Environment],
+        task_name: str,
+        table: EpisodeTable,
+        environment_kwargs: dict[str, Any],
+    ) -> None:
+        self.environment = environment
+        self.task_name = task_name
+        self.table = table
+        self.environment_kwargs = environment_kwargs
+        #: every episode whose environment is not closed yet: shutdown closes them, even one whose close was cut off
+        #: (a request cancelled at the end of the graceful-shutdown period)
+        self._opened: dict[str, Episode] = {}
 
+    async def health(self) -> HealthResponse:
+        return HealthResponse(status="healthy", active_episodes=len(self.table), task_name=self.task_name)
 
-class Action(BaseModel):
-    type: str = "text"
-    content: str
+    async def task_info(self) -> TaskInfo:
+        env = self.environment
+        return TaskInfo(
+            name=self.task_name,
+            num_samples=len(env.sample_ids()),
+            max_episode_length=env.max_turns,
+            observation_type=env.observation_type,
+            action_type=env.action_type,
+            description=env.description,
+        )
 
+    async def task_samples(self) -> SampleList:
+        return SampleList(sample_ids=list(self.environment.sample_ids()))
 
-class StepRequest(BaseModel):
-    episode_id: str
-    action: Action
+    async def start(self, body: StartRequest) -> EpisodeResponse:
+        sample_id = str(body.sample_id)
+        max_turns = _max_turns(body.config, self.environment.max_turns)
+        await self.close(self.table.expire_idle())
+        self.table.check_capacity()
+        new_environment = await _call(lambda: self.environment(**self.environment_kwargs))
+        try:
+            episode = self.table.open(sample_id, new_environment, max_turns)
+        except EpisodeRefused:
+            await run_in_threadpool(_close_quietly, new_environment)
+            raise
+        self._opened[episode.episode_id] = episode
+        async with episode.lock:
+            try:
+                observation = await _call(episode.environment.reset, sample_id, body.config)
+                if not isinstance(observation, str):
+                    raise EnvironmentFailure(f"environment reset returned {observation!r}; expected a str")
+                with contextlib.suppress(UnknownSample):  # an environment may accept ids beyond sample_ids()
+                    episode.sample_id = self.environment.resolve_sample_id(sample_id)
+            except BaseException:
+                self.table.end(episode, "failed at start")
+                await self.close([episode])
+                raise
+        logger.info("episode %s started on sample %s", episode.episode_id, episode.sample_id)
+        return EpisodeResponse(
+            episode_id=episode.episode_id,
+            observation=self._observation(observation),
+            reward=0.0,
+            done=False,
+            info={"max_turns": max_turns, "sample_id": episode.sample_id, "turn": 0},
+        )
 
+    async def step(self, body: StepRequest) -> EpisodeResponse:
+        expected = self.environment.action_type
+        if body.action.type != expected:
+            raise BadRequest(f"action type {body.action.type!r} is not supported; expected {expected!r}")
+        episode = self.table.get(body.episode_id)
+        async with episode.lock:
+            episode = self.table.get(body.episode_id)  # it may have ended while this call waited for the lock
+            try:
+                result = await _call(episode.environment.step, body.action.content)
+                done, info = self.table.record_step(episode, result)
+            except BaseException:
+                self.table.end(episode, "failed: the environment raised")
+                await self.close([episode])
+                raise
+        if done:
+            await self.close([episode])
+            logger.info("episode %s done: reward %s, %s", episode.episode_id, result.reward, info)
+        return EpisodeResponse(
+            episode_id=episode.episode_id,
+            observation=self._observation(result.observation),
+            reward=float(result.reward),
+            done=done,
+            info=info,
+        )
 
-class CancelRequest(BaseModel):
-    episode_id: str
+    async def cancel(self, body: CancelRequest) -> CancelResponse:
+        try:
+            episode = self.table.get(body.episode_id)
+        except BadRequest:  # already done: cancelling is idempotent
+            return CancelResponse(episode_id=body.episode_id, cancelled=False)
+        cancelled = self.table.end(episode, "cancelled") is not None
+        async with episode.lock:  # let a call in flight finish before closing the environment under it
+            await self.close([episode])
+        return CancelResponse(episode_id=body.episode_id, cancelled=cancelled)
 
+    async def close(self, episodes: list[Episode]) -> None:
+        """Close the environments of ``episodes`` (each once)."""
+        for episode in episodes:
+            if not episode.closed:
+                episode.closed = True
+                await run_in_threadpool(_close_quietly, episode)
+                self._opened.pop(episode.episode_id, None)
 
-class EpisodeResponse(BaseModel):
-    episode_id: str
-    observation: Observation | None
-    reward: float
-    done: bool
-    info: dict[str, Any]
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """Expire idle episodes while serving; at shutdown, end every episode and close every environment."""
 
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(min(self.table.idle_timeout / 4, 5.0))
+                await self.close(self.table.expire_idle())
 
-class CancelResponse(BaseModel):
-    episode_id: str
-    cancelled: bool
+        sweeper = asyncio.create_task(sweep())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            self.table.drain()
+            unfinished = [e for e in self._opened.values() if not e.close_returned]
+            for episode in unfinished:
+                episode.closed = False  # its close never ran or was cut off: run it (close() must be idempotent)
+            await self.close(unfinished)
 
-
-class HealthResponse(BaseModel):
-    status: str
-    active_episodes: int
-    task_name: str
-
-
-class TaskInfo(BaseModel):
-    name: str
-    num_samples: int
-    max_episode_length: int
-    observation_type: str
-    action_type: str
-    description: str
-
-
-class SampleList(BaseModel):
-    sample_ids: list[str]
+    def _observation(self, content: str | None) -> Observation | None:
+        return None if content is None else Observation(type=self.environment.observation_type, content=content)
 
 
 def create_app(
@@ -112,133 +209,32 @@ def create_app(
         task_name: reported by ``/health`` and ``/task/info`` (default: the environment's registered name).
         max_episodes: most episodes running at once; ``/episode/start`` answers 503 beyond it.
         idle_timeout: seconds without a call after which an episode expires (its environment closed).
+
+    >>> app = create_app(environment_class("guess-number"), max_episodes=64)
     """
-    name = task_name or environment.name or environment.__name__
-    kwargs = dict(environment_kwargs or {})
     table = EpisodeTable(max_episodes=max_episodes, idle_timeout=idle_timeout)
-
-    async def close(episodes: list[Episode]) -> None:
-        for episode in episodes:
-            if not episode.closed:
-                episode.closed = True
-                await run_in_threadpool(_close_quietly, episode.environment)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async def sweep() -> None:
-            while True:
-                await asyncio.sleep(min(idle_timeout / 4, 5.0))
-                await close(table.expire_idle())
-
-        sweeper = asyncio.create_task(sweep())
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            await close(table.drain())
-
-    app = FastAPI(title=f"task server: {name}", lifespan=lifespan)
-    app.state.episodes = table
-
-    @app.exception_handler(EpisodeRefused)
-    async def refused(request: Request, err: EpisodeRefused) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
-        return JSONResponse({"detail": "bad request: " + "; ".join(parts)}, status_code=400)
-
-    @app.get("/api/health")
-    async def health() -> HealthResponse:
-        return HealthResponse(status="healthy", active_episodes=len(table), task_name=name)
-
-    @app.get("/api/task/info")
-    async def task_info() -> TaskInfo:
-        return TaskInfo(
-            name=name,
-            num_samples=len(environment.sample_ids()),
-            max_episode_length=environment.max_turns,
-            observation_type=environment.observation_type,
-            action_type=environment.action_type,
-            description=environment.description,
-        )
-
-    @app.get("/api/task/samples")
-    async def task_samples() -> SampleList:
-        return SampleList(sample_ids=list(environment.sample_ids()))
-
-    @app.post("/api/episode/start")
-    async def start(body: StartRequest) -> EpisodeResponse:
-        sample_id = str(body.sample_id)
-        max_turns = _max_turns(body.config, environment.max_turns)
-        await close(table.expire_idle())
-        table.check_capacity()
-        new_environment = await _call(lambda: environment(**kwargs))
-        try:
-            episode = table.open(sample_id, new_environment, max_turns)
-        except EpisodeRefused:
-            await run_in_threadpool(_close_quietly, new_environment)
-            raise
-        async with episode.lock:
-            try:
-                observation = await _call(episode.environment.reset, sample_id, body.config)
-                if not isinstance(observation, str):
-                    raise EnvironmentFailure(f"environment reset returned {observation!r}; expected a str")
-                with contextlib.suppress(UnknownSample):  # an environment may accept ids beyond sample_ids()
-                    episode.sample_id = environment.resolve_sample_id(sample_id)
-            except BaseException:
-                table.end(episode, "failed at start")
-                await close([episode])
-                raise
-        info = {"max_turns": max_turns, "sample_id": episode.sample_id, "turn": 0}
-        logger.info("episode %s started on sample %s", episode.episode_id, episode.sample_id)
-        return EpisodeResponse(
-            episode_id=episode.episode_id,
-            observation=Observation(type=environment.observation_type, content=observation),
-            reward=0.0,
-            done=False,
-            info=info,
-        )
-
-    @app.post("/api/episode/step")
-    async def step(body: StepRequest) -> EpisodeResponse:
-        if body.action.type != environment.action_type:
-            raise BadRequest(f"action type {body.action.type!r} is not supported; expected {environment.action_type!r}")
-        episode = table.get(body.episode_id)
-        async with episode.lock:
-            episode = table.get(body.episode_id)  # it may have ended while this call waited for the lock
-            try:
-                result = await _call(episode.environment.step, body.action.content)
-                done, info = table.record_step(episode, result)
-            except BaseException:
-                table.end(episode, "failed: the environment raised")
-                await close([episode])
-                raise
-        if done:
-            await close([episode])
-            logger.info("episode %s done: reward %s, %s", episode.episode_id, result.reward, info)
-        observation = (
-            None
-            if result.observation is None
-            else Observation(type=environment.observation_type, content=result.observation)
-        )
-        return EpisodeResponse(
-            episode_id=episode.episode_id, observation=observation, reward=float(result.reward), done=done, info=info
-        )
-
-    @app.post("/api/episode/cancel")
-    async def cancel(body: CancelRequest) -> CancelResponse:
-        try:
-            episode = table.get(body.episode_id)
-        except BadRequest:  # already done: cancelling is idempotent
-            return CancelResponse(episode_id=body.episode_id, cancelled=False)
-        cancelled = table.end(episode, "cancelled") is not None
-        async with episode.lock:  # let a call in flight finish before closing the environment under it
-            await close([episode])
-        return CancelResponse(episode_id=body.episode_id, cancelled=cancelled)
-
+    name = task_name or environment.name or environment.__name__
+    server = TaskServer(environment, name, table, dict(environment_kwargs or {}))
+    app = FastAPI(title=f"task server: {name}", lifespan=server.lifespan)
+    app.state.task_server = server
+    app.add_exception_handler(EpisodeRefused, _refused)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.get("/api/health")(server.health)
+    app.get("/api/task/info")(server.task_info)
+    app.get("/api/task/samples")(server.task_samples)
+    app.post("/api/episode/start")(server.start)
+    app.post("/api/episode/step")(server.step)
+    app.post("/api/episode/cancel")(server.cancel)
     return app
+
+
+async def _refused(request: Request, err: EpisodeRefused) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=err.status)
+
+
+async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+    return JSONResponse({"detail": "bad request: " + "; ".join(parts)}, status_code=400)
 
 
 async def _call(fn: Any, *args: Any) -> Any:
@@ -248,8 +244,8 @@ async def _call(fn: Any, *args: Any) -> Any:
     except EpisodeRefused:
         raise
     except EpisodeError as err:
-        status = next(s for cls, s in _STATUS_OF_ENVIRONMENT_ERROR.items() if isinstance(err, cls))
-        raise (NotFound if status == 404 else BadRequest)(str(err)) from err
+        refusal = next(r for cls, r in _REFUSAL_OF_ENVIRONMENT_ERROR.items() if isinstance(err, cls))
+        raise refusal(str(err)) from err
     except Exception as err:
         logger.exception("environment call %s failed", getattr(fn, "__qualname__", fn))
         raise EnvironmentFailure(f"environment failure: {type(err).__name__}: {err}") from err
@@ -262,11 +258,14 @@ def _max_turns(config: dict[str, Any], default: int) -> int:
     return value
 
 
-def _close_quietly(environment: Environment) -> None:
+def _close_quietly(target: Episode | Environment) -> None:
+    environment = target.environment if isinstance(target, Episode) else target
     try:
         environment.close()
     except Exception:
         logger.exception("closing %s failed", type(environment).__name__)
+    if isinstance(target, Episode):
+        target.close_returned = True
 
 
 def banner(task_name: str, host: str, port: int) -> str:
@@ -329,6 +328,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--max-episodes", type=int, default=None, help="most episodes at once (503 beyond)")
     parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle episode expires")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, seconds requests in flight get before every environment (and sandbox) is closed",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -339,14 +344,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (LookupError, ValueError) as err:
         parser.error(str(err))
-    sock = bind(args.host, args.port)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as err:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
     print(banner(args.env_name, args.host, sock.getsockname()[1]), flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT (episodes drained, environments closed), then re-raises the
     # signal under the handler it found: make that handler an ordinary exit, so a clean shutdown exits 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: sys.exit(0))
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on")).run(sockets=[sock])
+    config = uvicorn.Config(
+        app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout
+    )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

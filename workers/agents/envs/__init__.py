@@ -1,5 +1,5 @@
 """The environments that ship: importing this package registers them."""
 
-from workers.agents.envs import guess_number
+from workers.agents.envs import calculator, guess_number, os_interaction
 
-__all__ = ["guess_number"]
+__all__ = ["calculator", "guess_number", "os_interaction"]
