@@ -83,34 +83,7 @@ class GRPORun:
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p
         )
-        engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
-        self.rollout = [
-            RolloutWorker.remote(
-                i,
-                info,
-                spec,
-                self.sampling,
-                cfg.n_samples,
-                cfg.rollout.groups_per_request,
-                cfg.queue_timeout,
-                engine_options,
-                cfg.seed + i,
-            )
-            for i in range(cfg.rollout.num_workers)
-        ]
-        self.reward = [
-            RewardWorker.remote(
-                i,
-                info,
-                cfg.task.name,
-                cfg.task.kwargs,
-                cfg.task.reward_fn,
-                cfg.n_samples,
-                cfg.rollout.reward_groups_per_request,
-                cfg.queue_timeout,
-            )
-            for i in range(cfg.rollout.num_reward_workers)
-        ]
+        self.rollout, self.reward = self.start_workers(info, spec)
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         self.trainer = [
             GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
@@ -125,6 +98,39 @@ class GRPORun:
         self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
         self._saved_step: int | None = None
         self._resumed = False
+
+    def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
+        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others)."""
+        cfg = self.cfg
+        engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
+        rollout = [
+            RolloutWorker.remote(
+                i,
+                info,
+                spec,
+                self.sampling,
+                cfg.n_samples,
+                cfg.rollout.groups_per_request,
+                cfg.queue_timeout,
+                engine_options,
+                cfg.seed + i,
+            )
+            for i in range(cfg.rollout.num_workers)
+        ]
+        reward = [
+            RewardWorker.remote(
+                i,
+                info,
+                cfg.task.name,
+                cfg.task.kwargs,
+                cfg.task.reward_fn,
+                cfg.n_samples,
+                cfg.rollout.reward_groups_per_request,
+                cfg.queue_timeout,
+            )
+            for i in range(cfg.rollout.num_reward_workers)
+        ]
+        return rollout, reward
 
     # ---- the pieces of a step ------------------------------------------------------------------------------
     def put_prompts(self, step: int) -> None:

@@ -46,6 +46,14 @@ class RolloutConfig:
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
     num_reward_workers: int = 1  # reward worker actors
     reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
+    # Custom rollouts (workers/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
+    generate_fn: str | None = None  # "module:fn", an async generate(prompts, engine, **kwargs) -> list[Sample]
+    generate_fn_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments given to generate_fn
+    filter_fn: str | None = None  # "module:fn", a group filter fn(samples) -> bool (False drops the group)
+    reward_fn: str | None = None  # "module:fn", a per-sample reward fn(sample) -> float
+    task_server_env: str | None = None  # environment the run serves (python -m workers.agents.task_server ENV)
+    num_task_servers: int = 1  # task servers started; their URLs go to generate_fn as task_server_url
+    task_server_max_episodes: int | None = None  # --max-episodes of each task server (None: unbounded)
 
 
 @dataclass

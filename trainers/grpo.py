@@ -26,6 +26,7 @@ from rl_contracts.prompts import PromptSource
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import Task, load_task
+from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
 from trainers.config import RLConfig
@@ -74,9 +75,19 @@ def build_train_batch(
     out of their group's advantage statistics and of the loss (their ``response_mask`` is zeroed); so are rows
     dropped by the configured filters.
     """
-    prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-    sampled_logprobs = rows_of(data["response_logprobs"])
+    response_loss_masks = None
+    if "tokens" in data.keys():  # noqa: SIM118 (a TensorDict has no `in`)
+        # Multi-turn trajectories (workers/agents): jagged tokens/loss_mask/logprobs. The response mask is built
+        # from loss_mask here, in this one place, so environment tokens (mask 0) never reach the loss or the KL.
+        prompts, responses, sampled_logprobs, response_loss_masks = split_trajectories(
+            rows_of(data["tokens"]), rows_of(data["loss_mask"]), rows_of(data["logprobs"])
+        )
+    else:
+        prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
+        sampled_logprobs = rows_of(data["response_logprobs"])
     tensors = pad_sequences(prompts, responses, pad_token_id)
+    for i, (p, m) in enumerate(zip(prompts, response_loss_masks or (), strict=False)):
+        tensors["response_mask"][i, len(p) : len(p) + len(m)] = torch.tensor(m, dtype=torch.float32)
     rollout_logprobs = torch.zeros_like(tensors["response_mask"])
     for i, (p, lps) in enumerate(zip(prompts, sampled_logprobs, strict=True)):
         rollout_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
@@ -229,7 +240,7 @@ class GRPOTrainerRank:
         for k in range(rounds):
             meta = clock.call(
                 self.client.get_meta,
-                TRAIN_FIELDS,
+                TRAJECTORY_FIELDS if cfg.rollout.generate_fn else TRAIN_FIELDS,
                 rows,
                 global_step=step,
                 task_name=TRAIN_TASK,

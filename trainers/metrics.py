@@ -12,6 +12,9 @@ from typing import Any, TextIO
 PLOTTED = [
     ("reward", "GRPO mean reward"),
     ("accuracy", "accuracy (reward >= 1)"),
+    ("success", "episode success rate"),
+    ("num_turns", "turns per episode"),
+    ("dropped_groups", "dropped groups"),
     ("eval_accuracy", "greedy eval accuracy"),
     ("loss", "loss"),
     ("kl", "KL to reference"),

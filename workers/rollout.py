@@ -26,6 +26,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
+from transfer_queue.errors import StaleBatchMeta
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
 
@@ -192,7 +193,10 @@ class RolloutWorker:
                 version, generations = ray.get(engine.generate.remote(prompts, self.n, self.sampling, min_version))
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
-                self.client.release(meta)
+                try:
+                    self.client.release(meta)
+                except StaleBatchMeta:  # the step was cleared meanwhile: nothing is left to generate for it
+                    pass
                 self.slot.restart(engine)
                 stats["engine_restarts"] += 1
                 continue

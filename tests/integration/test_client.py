@@ -529,7 +529,8 @@ def test_stale_batch_meta_never_reads_other_bytes(queue: Any) -> None:
         client.put(TensorDict({"b": torch.zeros(4)}, batch_size=[4]), metadata=old)
     new = client.get_meta(["a"], 4, partition_id=partition, task_name="t")
     assert client.get_data(new)["a"].tolist() == [2.0] * 4
-    client.release(old)  # releasing a stale meta is a harmless no-op
+    with pytest.raises(StaleBatchMeta, match="was cleared"):  # releasing a stale meta is an error like any use
+        client.release(old)
 
 
 # ---- the async client, event loops, other processes ------------------------------------------------------------
@@ -663,6 +664,16 @@ def test_client_in_a_plain_subprocess(queue: Any) -> None:
 
 
 # ---- kv ------------------------------------------------------------------------------------------------------------
+def test_kv_calls_take_a_bare_str_as_one_key(queue: Any) -> None:
+    client, partition = queue.client, queue.partition("kv-str")
+    client.kv_batch_put(["a", "b", "ab"], partition, {"score": torch.tensor([1.0, 2.0, 3.0])})
+    client.kv_batch_put("b", partition, {"score": torch.tensor([20.0])})  # one key, one row
+    assert client.kv_batch_get("ab", partition, select_fields="score")["score"].tolist() == [3.0]
+    client.kv_clear("ab", partition)  # only the key 'ab': never 'a' and 'b'
+    assert client.kv_list(partition) == ["a", "b"]
+    assert client.kv_batch_get(["a", "b"], partition)["score"].tolist() == [1.0, 20.0]
+
+
 def test_kv_insert_upsert_tags_get_list_clear(queue: Any) -> None:
     client, partition = queue.client, queue.partition("kv")
     meta = client.kv_batch_put(
@@ -672,7 +683,10 @@ def test_kv_insert_upsert_tags_get_list_clear(queue: Any) -> None:
         tags=[{"v": 1}, {"v": 1}, {"v": 1}],
     )
     assert meta.keys == ["a", "b", "c"]
+    before_d = client.get_production_status(partition_id=partition)["bytes"]
     client.kv_put("d", partition, {"score": torch.tensor(4.0), "text": "td"}, tag={"v": 2})
+    bytes_of_d = client.get_production_status(partition_id=partition)["bytes"] - before_d
+    assert bytes_of_d > 0
     assert client.kv_list(partition) == ["a", "b", "c", "d"]
     # Upsert: existing keys get new values, a new key gets a new row.
     client.kv_batch_put(["c", "e", "a"], partition, {"score": torch.tensor([30.0, 50.0, 10.0])}, tags=[{"v": 3}] * 3)
@@ -690,8 +704,12 @@ def test_kv_insert_upsert_tags_get_list_clear(queue: Any) -> None:
     held = client.get_production_status(partition_id=partition)["bytes"]
     client.kv_clear(["b", "zz"], partition)  # unknown keys are ignored
     assert client.kv_list(partition) == ["a", "c", "d", "e"]
-    assert client.get_production_status(partition_id=partition)["bytes"] <= held
+    # Bytes are freed block by block: b's block still holds a and c, so nothing is freed yet ...
+    assert client.get_production_status(partition_id=partition)["bytes"] == held
     assert client.kv_batch_get(["d"], partition)["score"].tolist() == [4.0]
+    client.kv_clear(["d"], partition)  # ... d's block held d alone: exactly its bytes are freed
+    assert client.get_production_status(partition_id=partition)["bytes"] == held - bytes_of_d
+    assert client.kv_list(partition) == ["a", "c", "e"]
     client.kv_clear(None, partition)  # the whole partition
     with pytest.raises(UnknownPartition):
         client.kv_list(partition)

@@ -80,6 +80,32 @@ def test_os_tasks_are_solved_by_their_reference_command_and_failed_by_a_wrong_an
 
 
 @needs_sandbox
+@pytest.mark.parametrize(
+    ("action", "success"),
+    [
+        ("Think: counted.\nAct: answer( 7 )\nThat is all (I hope).", True),
+        ("Act: answer('7.')", True),
+        ("Act: answer(7 files)", False),
+        ("Act: finish", False),  # a question wants an answer
+        ("I think it is 7", None),  # no action: told how to act, the episode goes on
+    ],
+)
+def test_os_answers_are_parsed_and_normalised(action: str, success: bool | None) -> None:
+    env = OsInteractionEnvironment(FAST["limits"])
+    try:
+        env.reset("count-logs-000", {})
+        assert env.task.answer == "7"
+        reply = env.step(action)
+        if success is None:
+            assert not reply.done and reply.info == {"invalid_action": True}
+            assert reply.observation.startswith("Invalid action: use 'Act: bash'")  # type: ignore[union-attr]
+        else:
+            assert reply.done and reply.info == {"success": success} and reply.reward == float(success)
+    finally:
+        env.close()
+
+
+@needs_sandbox
 def test_escapes_are_contained_and_the_server_keeps_serving(tmp_path: Path) -> None:
     sentinel = tmp_path / "sentinel"
     sentinel.write_text("host\n")

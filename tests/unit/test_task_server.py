@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -275,7 +276,7 @@ def test_idle_episodes_expire(scripted: type[Scripted]) -> None:
         assert (
             expired.json()["detail"] == f"episode {episode!r} is no longer running: expired after 0.3 s without a call"
         )
-        assert scripted.closed == ["a"]
+        wait_until(lambda: scripted.closed == ["a"], what="the expired environment to be closed")  # in a thread
 
 
 def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
@@ -311,11 +312,21 @@ def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
                 pipe.close()
 
 
-def test_cli_rejects_an_unknown_environment(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(["no-such-env", "--port", "0"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["no-such-env", "--port", "0"], "no environment named 'no-such-env'; registered: ["),
+        (["guess-number", "--port", "0", "--max-episodes", "0"], "max_episodes=0 must be >= 1"),
+        (["guess-number", "--port", "{taken}"], "cannot listen on 127.0.0.1:{taken}: Address already in use"),
+    ],
+)
+def test_cli_refuses_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        with pytest.raises(SystemExit) as exit_:
+            main([arg.format(taken=port) for arg in argv])
     assert exit_.value.code == 2
-    assert "no environment named 'no-such-env'; registered: [" in capsys.readouterr().err
+    assert message.format(taken=port) in capsys.readouterr().err
 
 
 def _get(url: str) -> Any:

@@ -116,8 +116,15 @@ class Sandbox:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
+        try:
+            self._populate(files or {})
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+
+    def _populate(self, files: dict[str, str]) -> None:
         self.home.mkdir(mode=0o755)
-        for relative, content in (files or {}).items():
+        for relative, content in files.items():
             path = (self.home / relative).resolve()
             if not path.is_relative_to(self.home):
                 raise ValueError(f"sandbox file {relative!r} is outside {WORKDIR}")

@@ -344,7 +344,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (LookupError, ValueError) as err:
         parser.error(str(err))
-    sock = bind(args.host, args.port)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as err:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
     print(banner(args.env_name, args.host, sock.getsockname()[1]), flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT (episodes drained, environments closed), then re-raises the
     # signal under the handler it found: make that handler an ordinary exit, so a clean shutdown exits 0.

@@ -50,7 +50,8 @@ Now, my problem is:
 
 """
 _BASH = re.compile(r"```(?:bash|sh)?\s*\n(.*?)```", re.DOTALL)
-_ANSWER = re.compile(r"Act:\s*answer\((.*)\)", re.DOTALL)
+#: on one line, up to its last ")": an answer may hold parentheses, and text may follow on later lines
+_ANSWER = re.compile(r"Act:\s*answer\((.*)\)")
 _FINISH = re.compile(r"Act:\s*finish\b")
 #: output shown to the agent per command (AgentBench truncates similarly)
 _SHOWN_CHARS = 800
