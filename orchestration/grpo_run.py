@@ -258,32 +258,7 @@ class GRPORun:
         progress = StepReporter(start, cfg.steps, every=cfg.log_every)
         plot = PlotRefresher(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
         for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            if step not in pending:
-                pending[step] = self.launch(step, self._min_version(step, start, first_version))
-            train_refs = [rank.train_step.remote(step) for rank in self.trainer]
-            version = first_version + step - start + 1  # the trainer's after this step
-            publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
-            publish_refs = []
-            if publish and self.channel is not None:  # queued right behind the step on the ranks: no round trip
-                publish_refs = [rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer]
-            for ahead in range(step + 1, min(step + self.lookahead + 1, cfg.steps)):
-                if ahead not in pending:
-                    pending[ahead] = self.launch(ahead, self._min_version(ahead, start, first_version))
-            train = ray.get(train_refs)[0]
-            rollout_refs, reward_refs = pending.pop(step)
-            rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
-            if self.channel is not None:
-                if int(train["policy_version"]) != version:  # the rollouts launched ahead wait for `version`
-                    raise RuntimeError(f"the trainer is at version {train['policy_version']}, expected {version}")
-                sync_s = float(ray.get(publish_refs)[0]) if publish_refs else 0.0
-                self.version = version if publish_refs else self.version
-            else:
-                version = int(train["policy_version"])
-                publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
-                sync_s = self.publish(version) if publish else 0.0
-            self.client.clear(global_step=step)
-            row = self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
+            row = self._global_step(step, pending, start, first_version)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 row["eval_accuracy"] = self.evaluate()
             self.metrics.write(row)
@@ -317,6 +292,38 @@ class GRPORun:
         accuracy = self.sft()
         logger.info("SFT reached greedy accuracy %.3f", accuracy)
         return self.save(0)
+
+    def _global_step(
+        self, step: int, pending: dict[int, tuple[list[Any], list[Any]]], start: int, first_version: int
+    ) -> dict[str, Any]:
+        """Train on ``step`` and publish the weights; launches the rollouts of the steps ahead; its metrics row."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if step not in pending:
+            pending[step] = self.launch(step, self._min_version(step, start, first_version))
+        train_refs = [rank.train_step.remote(step) for rank in self.trainer]
+        version = first_version + step - start + 1  # the trainer's after this step
+        publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
+        publish_refs = []
+        if publish and self.channel is not None:  # queued right behind the step on the ranks: no round trip
+            publish_refs = [rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer]
+        for ahead in range(step + 1, min(step + self.lookahead + 1, cfg.steps)):
+            if ahead not in pending:
+                pending[ahead] = self.launch(ahead, self._min_version(ahead, start, first_version))
+        train = ray.get(train_refs)[0]
+        rollout_refs, reward_refs = pending.pop(step)
+        rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
+        if self.channel is not None:
+            if int(train["policy_version"]) != version:  # the rollouts launched ahead wait for `version`
+                raise RuntimeError(f"the trainer is at version {train['policy_version']}, expected {version}")
+            sync_s = float(ray.get(publish_refs)[0]) if publish_refs else 0.0
+            self.version = version if publish_refs else self.version
+        else:
+            version = int(train["policy_version"])
+            publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
+            sync_s = self.publish(version) if publish else 0.0
+        self.client.clear(global_step=step)
+        return self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
 
     def _min_version(self, step: int, start: int, first_version: int) -> int | None:
         """The oldest policy version the rollout of ``step`` may use (weight channel only; else None): the newest

@@ -61,6 +61,11 @@ def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     assert all(r["sync_s"] > 0 and r["rows"] == 32 and r["trained_rows"] == 16 for r in grpo)
     assert all(r["trained_groups"] == 4 for r in grpo)
     assert all(0.0 <= r["reward"] <= 1.0 and r["staleness_max"] == 0 for r in grpo)
+    # sync mode is on-policy: the trainer's log-probs of the sampled tokens (before its optimizer step) are the
+    # engine's, so the importance ratio is ~1 and the approximate KL ~0 (weights, version, temperature and token
+    # alignment all agree between the engine and the trainer)
+    for r in grpo:
+        assert abs(r["ratio_mean"] - 1.0) < 1e-3 and abs(r["approx_kl"]) < 1e-4, r
     for key in ("loss", "accuracy", "samples_per_s", "generate_s", "train_s", "queue_s", "queue_cpu_s", "wait_s"):
         assert key in grpo[0], key
     assert rows(out, "sft"), "the SFT warm-up logged nothing"
