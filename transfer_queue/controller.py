@@ -23,13 +23,12 @@ from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
     InvalidRequest,
-    ProtocolMismatch,
-    SessionMismatch,
     TransferQueueError,
     error_to_wire,
 )
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
+from transfer_queue.server import check_envelope
 from transfer_queue.storage import StorageUnit
 from transfer_queue.transport import Reply, ServerSockets
 
@@ -100,16 +99,7 @@ class ControllerServer:
         try:
             envelope = p.decode_envelope(frames[0])
             request_id = envelope.request_id
-            if envelope.protocol_version != p.PROTOCOL_VERSION:
-                raise ProtocolMismatch(
-                    f"the client speaks protocol {envelope.protocol_version}, this controller {p.PROTOCOL_VERSION}; "
-                    "install the same transfer_queue version on both sides"
-                )
-            if envelope.session_id != self.session_id:
-                raise SessionMismatch(
-                    f"the client's controller_info is from session {envelope.session_id}, this controller runs "
-                    f"session {self.session_id}; fetch a fresh controller_info (get_controller().get_info)"
-                )
+            check_envelope(envelope, self.session_id, "controller")
             request = p.decode_controller_request(frames[1])
         except TransferQueueError as exc:
             self._reply(reply, request_id, None, exc)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,15 +25,12 @@ from transfer_queue import protocol as p
 from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
-    ProtocolMismatch,
     PutExpired,
-    SessionMismatch,
     StaleBatchMeta,
-    TransferQueueError,
     UnknownField,
-    error_to_wire,
 )
-from transfer_queue.transport import Endpoint, Reply, ServerSockets
+from transfer_queue.server import Responder, Server
+from transfer_queue.transport import Endpoint
 
 if TYPE_CHECKING:
     # torch loads with transfer_queue.columns; the controller imports this module only to start units, and never
@@ -222,67 +218,34 @@ def _rss_bytes() -> int:
         return 0
 
 
-class StorageServer:
+class StorageServer(Server):
     """Serves a BlockStore from a background thread, over ZeroMQ (any host) and a Unix socket (this host)."""
 
+    what = "storage unit"
+
     def __init__(self, store: BlockStore, host: str | None = None):
+        super().__init__(f"tq-storage-{store.unit}", p.decode_storage_request, None, host)
         self.store = store
-        self.session_id: str | None = None
-        self._sockets = ServerSockets(host)
-        self.endpoint = self._sockets.endpoint
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
             p.Read: lambda req, bufs: self.store.read(req),
             p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids),
             p.DropPartition: lambda req, bufs: self.store.drop_partition(req.partition_uid),
-            p.StorageStats: lambda req, bufs: self.store.stats(),
+            p.StorageStats: lambda req, bufs: self.stats(),
         }
-        self._thread = threading.Thread(target=self._serve, name=f"tq-storage-{store.unit}", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            events = self._sockets.poll(200)
-            for frames, reply in self._sockets.requests(events):
-                self._on_message(frames, reply)
-        self._sockets.close()
+    def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
+        result = self._handlers[type(request)](request, buffers)
+        if isinstance(result, tuple):
+            responder.ok(*result)
+        else:
+            responder.ok(result)
 
-    def _on_message(self, frames: list[Any], reply: Reply) -> None:
-        if len(frames) < 2:
-            return  # not even an envelope and a body: nothing to answer
-        request_id, reply_body = -1, b""
-        buffers: list[Any] = []
-        try:
-            envelope = p.decode_envelope(frames[0])
-            request_id = envelope.request_id
-            if envelope.protocol_version != p.PROTOCOL_VERSION:
-                raise ProtocolMismatch(
-                    f"the client speaks protocol {envelope.protocol_version}, this storage unit "
-                    f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
-                )
-            if envelope.session_id != self.session_id:
-                raise SessionMismatch(
-                    f"this storage unit serves session {self.session_id}, the request is for {envelope.session_id}"
-                )
-            request = p.decode_storage_request(frames[1])
-            with self._lock:
-                result = self._handlers[type(request)](request, frames[2:])
-            if isinstance(result, tuple):
-                result, buffers = result
-            header = p.ReplyHeader(request_id)
-            reply_body = p.encode(result)
-        except TransferQueueError as exc:
-            header = p.ReplyHeader(request_id, *error_to_wire(exc))
-        except Exception as exc:  # a bug, not bad input: answer it and keep serving
-            logger.exception("storage unit %d failed a request", self.store.unit)
-            header = p.ReplyHeader(request_id, *error_to_wire(exc))
-        reply([p.encode(header), reply_body, *buffers])
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def stats(self) -> dict[str, Any]:
+        """The store's figures and the serving loop's counters (``server`` key)."""
+        with self.lock:
+            return {**self.store.stats(), "server": dict(self.counters)}
 
 
 @ray.remote
@@ -298,7 +261,7 @@ class StorageUnit:
 
     def attach(self, session_id: str, unit: int, num_units: int) -> Endpoint:
         """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens."""
-        with self._server._lock:
+        with self._server.lock:
             if self._server.store.blocks:
                 raise InvalidRequest("a storage unit that holds data cannot join another session")
             self._server.store = BlockStore(unit, num_units)
@@ -306,8 +269,7 @@ class StorageUnit:
         return self._server.endpoint
 
     def stats(self) -> dict[str, Any]:
-        with self._server._lock:
-            return self._server.store.stats()
+        return self._server.stats()
 
     def shutdown(self) -> None:
         self._server.stop()

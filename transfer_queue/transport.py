@@ -28,10 +28,12 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue.errors import MalformedMessage, RequestTimeout
 from transfer_queue.protocol import Endpoint, decode_reply_header
@@ -56,10 +58,37 @@ def node_ip() -> str:
 Reply = Callable[[Sequence[Any]], None]
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a message: one connection. ``transport`` is ``"tcp"`` (``key``: the ZeroMQ routing id) or
+    ``"unix"`` (``key``: the connection's serial number). A client has one connection per (thread, server)."""
+
+    transport: str
+    key: bytes | int
+
+    def __repr__(self) -> str:
+        key = self.key.hex() if isinstance(self.key, bytes) else self.key
+        return f"Peer({self.transport}:{key})"
+
+
+@dataclass
+class Incoming:
+    """One received message: its frames (buffers), who sent it, and how to answer on the way it came."""
+
+    frames: list[Any]
+    peer: Peer
+    reply: Reply
+
+
 class ServerSockets:
     """Where a server listens: a ROUTER on ``host`` (default: the node's address) on a free port, and a Unix
-    socket for clients on this host. :meth:`requests` yields each incoming message as ``(frames, reply)``, where
-    ``frames`` are buffers and ``reply(frames)`` answers on the way the message came."""
+    socket for clients on this host. :meth:`router_messages` and :meth:`unix_messages` return what arrived as
+    :class:`Incoming` messages; :meth:`take_disconnects` the peers whose connection closed since the last call (the
+    ROUTER reports connects and disconnects through ``ZMQ_ROUTER_NOTIFY``; a Unix connection on EOF or error).
+
+    Replies never block the serving thread: ZeroMQ queues them in its I/O thread, the Unix socket server queues what
+    a slow reader does not take at once (:meth:`poll` waits for those sockets to drain too).
+    """
 
     def __init__(self, host: str | None = None, unix: bool = True):
         self.ctx = zmq.Context()
@@ -73,37 +102,121 @@ class ServerSockets:
         self.endpoint = Endpoint(f"tcp://{host}:{port}", path, socket.gethostname())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self._fds: set[int] = set()
+        # ZMQ_ROUTER_NOTIFY is a draft API (not in the released libzmq builds), so connections are followed with a
+        # socket monitor: it reports accepted and closed TCP connections by fd, and every message names the fd it
+        # came on (ZMQ_SRCFD), which ties an fd to the routing id of its peer.
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.poller.register(self._monitor, zmq.POLLIN)
+        self._tcp_by_fd: dict[int, bytes] = {}  # connection fd -> routing id of its peer
+        self._fds: dict[int, int] = {}  # Unix fd -> the poll flags it is registered with
+        self._disconnected: list[Peer] = []
 
     def register(self, sock: zmq.Socket) -> None:
         """Poll another socket (e.g. the controller's connections to its storage units) with these."""
         self.poller.register(sock, zmq.POLLIN)
 
+    def limit(self, max_message_bytes: int) -> None:
+        """Refuse messages over ``max_message_bytes``: ZeroMQ drops the connection of a peer that sends a larger
+        frame (``ZMQ_MAXMSGSIZE``), the Unix socket server one whose header claims more, before allocating."""
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if self.unix is not None:
+            self.unix.max_message_bytes = max_message_bytes
+
     def poll(self, timeout_ms: int) -> dict[Any, int]:
-        wanted = set(self.unix.fds()) if self.unix else set()
-        for fd in wanted - self._fds:
-            self.poller.register(fd, zmq.POLLIN)
-        for fd in self._fds - wanted:
+        wanted: dict[int, int] = {}
+        if self.unix is not None:
+            wanted = dict.fromkeys(self.unix.fds(), zmq.POLLIN)
+            for fd in self.unix.writable_fds():
+                wanted[fd] = zmq.POLLIN | zmq.POLLOUT
+        for fd in self._fds.keys() - wanted.keys():
             self.poller.unregister(fd)
+        for fd, flags in wanted.items():
+            if self._fds.get(fd) != flags:
+                self.poller.register(fd, flags)  # registering again modifies
         self._fds = wanted
         return dict(self.poller.poll(timeout_ms))
 
-    def requests(self, events: dict[Any, int], limit: int = 256) -> Iterator[tuple[list[Any], Reply]]:
-        if self.router in events:
-            for _ in range(limit):
-                try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                yield [f.buffer for f in frames[1:]], functools.partial(self._send_router, frames[0])
+    def router_messages(self, events: dict[Any, int], limit: int = 256) -> list[Incoming]:
+        """Up to ``limit`` messages waiting on the ROUTER (connect/disconnect notifications are taken in passing)."""
+        out: list[Incoming] = []
+        if self._monitor in events:  # before the messages: an fd accepted anew must not unmap its new peer
+            self._read_monitor()
+        if self.router not in events:
+            return out
+        while len(out) < limit:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            identity = frames[0].bytes
+            fd = frames[-1].get(zmq.SRCFD)
+            known = self._tcp_by_fd.get(fd)
+            if known != identity:
+                if known is not None:  # the fd was reused: its previous peer is gone
+                    self._disconnected.append(Peer("tcp", known))
+                self._tcp_by_fd[fd] = identity
+            reply = functools.partial(self._send_router, frames[0])
+            out.append(Incoming([f.buffer for f in frames[1:]], Peer("tcp", identity), reply))
+        return out
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = self._tcp_by_fd.pop(int(event["value"]), None)
+            if identity is not None:  # closed, or accepted anew (the close went unseen): that peer is gone
+                self._disconnected.append(Peer("tcp", identity))
+
+    def unix_ready(self, events: dict[Any, int]) -> list[int]:
+        """Unix connections (and the listener) with something to read; writes that can go on are made here."""
+        if self.unix is None:
+            return []
+        ready = []
+        for fd in self._fds.keys() & events.keys():
+            if events[fd] & zmq.POLLOUT:
+                self.unix.on_writable(fd)
+            if events[fd] & (zmq.POLLIN | zmq.POLLERR):
+                ready.append(fd)
+        return ready
+
+    def unix_messages(self, fd: int) -> list[Incoming]:
+        """The complete messages that arrived on Unix socket ``fd`` (accepting connections on the listener)."""
+        assert self.unix is not None
+        peer = Peer("unix", self.unix.serial(fd)) if fd in self.unix.connections else None
+        out = []
+        for conn, received in self.unix.on_ready(fd):
+            assert peer is not None
+            out.append(Incoming(list(received), peer, functools.partial(self._send_unix, conn)))
+        return out
+
+    def drop_unix(self, fd: int) -> None:
+        """Close a Unix connection (its peer is reported by :meth:`take_disconnects`)."""
         if self.unix is not None:
-            for fd in self._fds & events.keys():
-                for conn, received in self.unix.on_ready(fd):
-                    yield list(received), functools.partial(self._send_unix, conn)
+            self.unix.drop(fd)
+
+    def take_disconnects(self, now: float | None = None) -> list[Peer]:
+        """Peers whose connection closed since the last call (Unix peers that took no reply for the send timeout
+        are dropped here first)."""
+        if self.unix is not None:
+            self.unix.drop_stalled(time.monotonic() if now is None else now)
+            self._disconnected.extend(Peer("unix", serial) for serial in self.unix.take_closed())
+        gone, self._disconnected = self._disconnected, []
+        return gone
+
+    def requests(self, events: dict[Any, int], limit: int = 256) -> Iterator[tuple[list[Any], Reply]]:
+        """Every message as ``(frames, reply)`` (the interface before :class:`~transfer_queue.server.Server`)."""
+        for incoming in self.router_messages(events, limit):
+            yield incoming.frames, incoming.reply
+        for fd in self.unix_ready(events):
+            for incoming in self.unix_messages(fd):
+                yield incoming.frames, incoming.reply
+        self.take_disconnects()  # nobody asks for them on this interface: do not let them pile up
 
     def _send_unix(self, conn: int, frames: Sequence[Any]) -> None:
         assert self.unix is not None
-        self.unix.reply(conn, frames)  # a peer that is gone or stuck is dropped
+        self.unix.reply(conn, frames)  # a peer that is gone is dropped; a slow one gets it queued
 
     def _send_router(self, identity: zmq.Frame, frames: Sequence[Any]) -> None:
         try:
@@ -112,9 +225,12 @@ class ServerSockets:
             pass
 
     def close(self) -> None:
+        self.router.disable_monitor()
+        self._monitor.close(linger=0)
         self.router.close(linger=0)
         if self.unix is not None:
             self.unix.close()
+        self.ctx.destroy(linger=0)
 
 
 Into = dict[int, Any]  # reply frame index -> a writable uint8 array to receive that frame into, if it fits
