@@ -20,6 +20,7 @@ import ray
 import zmq
 
 from transfer_queue import protocol as p
+from transfer_queue.auth import new_secret, secure_client
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
     InvalidRequest,
@@ -28,8 +29,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
-from transfer_queue.server import check_envelope
-from transfer_queue.storage import StorageUnit
+from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
 from transfer_queue.transport import Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
@@ -54,16 +54,25 @@ class HeldReply:
 class ControllerServer:
     """Serves a QueueState on a ROUTER socket from a background thread."""
 
-    def __init__(self, state: QueueState, session_id: str, storage: list[p.Endpoint], host: str | None = None):
+    def __init__(
+        self,
+        state: QueueState,
+        session_id: str,
+        storage: list[p.Endpoint],
+        host: str | None = None,
+        secret: bytes = b"",
+    ):
         self.state = state
         self.session_id = session_id
         self.lock = threading.Lock()
-        self._sockets = ServerSockets(host)
+        self._sockets = ServerSockets(host, secret=secret)
+        self._sockets.limit(DEFAULT_MAX_MESSAGE_BYTES)
         self.endpoint = self._sockets.endpoint
         self._units = []
         for endpoint in storage:
             dealer = self._sockets.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            secure_client(dealer, secret)
             dealer.connect(endpoint.address())
             self._units.append(dealer)
             self._sockets.register(dealer)
@@ -105,7 +114,8 @@ class ControllerServer:
             self._reply(reply, request_id, None, exc)
             return
         if isinstance(request, p.Hello):
-            self._reply(reply, request_id, {"session_id": self.session_id}, None)
+            hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
+            self._reply(reply, request_id, hello, None)
             return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
@@ -237,21 +247,20 @@ class TransferQueueController:
         )
         state = QueueState(self._config, sampler)
         self._session_id = uuid.uuid4().hex
+        self._secret = new_secret()  # handed out through Ray only (get_info, attach); proven on every connection
         self._owns_units = storage_units is None
         if storage_units is None:
-            options = storage_unit_options or {}
-            per_unit = options if isinstance(options, list) else [options] * units
-            if len(per_unit) != units:
-                raise InvalidRequest(f"storage_unit_options has {len(per_unit)} entries for {units} storage units")
-            storage_units = [
-                StorageUnit.options(**per_unit[i]).remote(i, units, bind_host)  # type: ignore[attr-defined]
-                for i in range(units)
-            ]
+            from transfer_queue.runtime import start_storage_units  # runtime imports this module
+
+            storage_units = start_storage_units(units, storage_unit_options, bind_host)
         self._units = storage_units
-        endpoints = ray.get([u.attach.remote(self._session_id, i, units) for i, u in enumerate(storage_units)])
-        self._server = ControllerServer(state, self._session_id, endpoints, bind_host)
+        limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more than the units do
+        endpoints = ray.get(
+            [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
+        )
+        self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
         self._info = p.ControllerInfo(
-            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict()
+            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
 
     def get_info(self) -> p.ControllerInfo:
@@ -270,6 +279,11 @@ class TransferQueueController:
     def cpu_seconds(self) -> float:
         """CPU seconds this controller process and its storage units have used so far (the queue's own cost)."""
         return time.process_time() + sum(unit["cpu_s"] for unit in self.storage_stats())
+
+    def server_stats(self) -> dict[str, int]:
+        """The controller's socket counters: ``dropped.unauthenticated`` counts connections refused because they did
+        not prove the queue's secret (none of their frames was read)."""
+        return {"dropped.unauthenticated": self._server._sockets.unauthenticated()}
 
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""

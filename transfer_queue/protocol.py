@@ -285,8 +285,10 @@ class ReadReply(msgspec.Struct, array_like=True):
 class ControllerInfo(msgspec.Struct, frozen=True):
     """Everything a client needs to reach a queue: ``TransferQueueClient(client_id=..., controller_info=...)``.
 
-    It travels through Ray (``ray.get(controller.get_info.remote())``), not over ZeroMQ. ``session_id``
+    It travels through Ray (``ray.get(controller.get_info.remote())``), never over a socket. ``session_id``
     identifies one controller's lifetime: a client holding the info of a previous session gets SessionMismatch.
+    ``secret`` is the queue's secret: every connection proves it (see :mod:`transfer_queue.auth`); it is left
+    out of ``repr`` so that logging an info does not leak it.
     """
 
     protocol_version: int
@@ -294,6 +296,14 @@ class ControllerInfo(msgspec.Struct, frozen=True):
     controller: Endpoint
     storage_units: list[Endpoint]
     config: dict[str, Any]
+    secret: bytes = b""
+
+    def __repr__(self) -> str:
+        return (
+            f"ControllerInfo(protocol_version={self.protocol_version}, session_id=<hidden>, "
+            f"controller={self.controller!r}, storage_units={self.storage_units!r}, config={self.config!r}, "
+            "secret=<hidden>)"
+        )
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------

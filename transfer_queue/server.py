@@ -31,6 +31,7 @@ from transfer_queue.transport import Incoming, Peer, Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # the longest a loop sleeps without looking at its periodic work
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # control messages; storage units accept what their byte budget holds
 
 
 class Responder:
@@ -67,6 +68,7 @@ class Server:
         decode: decodes a request body (raises MalformedMessage).
         session_id: the session this server serves (None: none yet, every request is refused until it is set).
         host: the address the ROUTER binds (default: the node's).
+        secret: the queue's secret; every connection must prove it before a frame is read (transfer_queue.auth).
         max_message_bytes: the largest message accepted (see :meth:`ServerSockets.limit`).
 
     Call :meth:`start` once the subclass is ready to serve.
@@ -80,14 +82,14 @@ class Server:
         decode: Callable[[Any], Any],
         session_id: str | None = None,
         host: str | None = None,
-        max_message_bytes: int | None = None,
+        secret: bytes = b"",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
         self.name = name
         self.session_id = session_id
         self._decode = decode
-        self.sockets = ServerSockets(host)
-        if max_message_bytes is not None:
-            self.sockets.limit(max_message_bytes)
+        self.sockets = ServerSockets(host, secret=secret)
+        self.sockets.limit(max_message_bytes)
         self.endpoint = self.sockets.endpoint
         self.lock = threading.RLock()  # held while the subclass's code runs; Ray actor methods take it too
         self.counters: Counter[str] = Counter()
@@ -123,9 +125,10 @@ class Server:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def stats(self) -> dict[str, int]:
-        """The loop's counters: requests served, failures by place, frames dropped, disconnects."""
+        """The loop's counters: requests served, failures by place, messages dropped (``dropped.unauthenticated``:
+        connections that did not prove the secret, none of their frames read), disconnects."""
         with self.lock:
-            return dict(self.counters)
+            return {**self.counters, "dropped.unauthenticated": self.sockets.unauthenticated()}
 
     def _serve(self) -> None:
         try:

@@ -29,7 +29,7 @@ from transfer_queue.errors import (
     StaleBatchMeta,
     UnknownField,
 )
-from transfer_queue.server import Responder, Server
+from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, Responder, Server
 from transfer_queue.transport import Endpoint
 
 if TYPE_CHECKING:
@@ -223,8 +223,17 @@ class StorageServer(Server):
 
     what = "storage unit"
 
-    def __init__(self, store: BlockStore, host: str | None = None):
-        super().__init__(f"tq-storage-{store.unit}", p.decode_storage_request, None, host)
+    def __init__(
+        self,
+        store: BlockStore,
+        host: str | None = None,
+        session_id: str | None = None,
+        secret: bytes = b"",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        super().__init__(
+            f"tq-storage-{store.unit}", p.decode_storage_request, session_id, host, secret, max_message_bytes
+        )
         self.store = store
         self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
@@ -245,7 +254,7 @@ class StorageServer(Server):
     def stats(self) -> dict[str, Any]:
         """The store's figures and the serving loop's counters (``server`` key)."""
         with self.lock:
-            return {**self.store.stats(), "server": dict(self.counters)}
+            return {**self.store.stats(), "server": super().stats()}
 
 
 @ray.remote
@@ -257,19 +266,33 @@ class StorageUnit:
         import transfer_queue.columns  # noqa: F401  (torch loads now, not during the first write)
 
         _mmap_large_allocations()
-        self._server = StorageServer(BlockStore(unit, num_units), bind_host)
+        self._bind_host = bind_host
+        self._server: StorageServer | None = None  # serves from attach on: it needs the queue's secret first
 
-    def attach(self, session_id: str, unit: int, num_units: int) -> Endpoint:
-        """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens."""
-        with self._server.lock:
-            if self._server.store.blocks:
-                raise InvalidRequest("a storage unit that holds data cannot join another session")
-            self._server.store = BlockStore(unit, num_units)
-            self._server.session_id = session_id
+    def attach(
+        self, session_id: str, unit: int, num_units: int, secret: bytes = b"", max_message_bytes: int | None = None
+    ) -> Endpoint:
+        """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens.
+
+        Args:
+            secret: the queue's secret (through Ray, never a socket): every connection must prove it.
+            max_message_bytes: the largest message a client may send (a write holds at most what the units hold).
+        """
+        old = self._server
+        if old is not None:
+            with old.lock:
+                if old.store.blocks:
+                    raise InvalidRequest("a storage unit that holds data cannot join another session")
+            old.stop()
+        limit = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
+        self._server = StorageServer(BlockStore(unit, num_units), self._bind_host, session_id, secret, limit)
         return self._server.endpoint
 
     def stats(self) -> dict[str, Any]:
+        if self._server is None:
+            raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
         return self._server.stats()
 
     def shutdown(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()

@@ -35,12 +35,26 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer_queue.errors import MalformedMessage, RequestTimeout
+from transfer_queue.auth import ZapHandler, secure_client, secure_server
+from transfer_queue.errors import AuthenticationFailed, InvalidRequest, MalformedMessage, RequestTimeout
 from transfer_queue.protocol import Endpoint, decode_reply_header
-from transfer_queue.unix_socket import UnixServer, connect, exchange
+from transfer_queue.unix_socket import MAX_MESSAGE_BYTES, UnixServer, connect, exchange
 
 T = TypeVar("T")
 Frames = list[Any]
+
+
+TRANSPORT_ENV = "TRANSFER_QUEUE_TRANSPORT"
+
+
+def force_tcp_default() -> bool:
+    """Whether sync clients skip the Unix socket by default: ``TRANSFER_QUEUE_TRANSPORT=tcp`` in the environment
+    (``auto``, the default, takes the Unix socket to servers on this host). Tests use it to run the cross-host path
+    on one host; ``TransferQueueClient(..., force_tcp=True)`` does the same for one client."""
+    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower()
+    if value not in ("auto", "tcp"):
+        raise InvalidRequest(f"{TRANSPORT_ENV} must be 'auto' or 'tcp', got {value!r}")
+    return value == "tcp"
 
 
 def node_ip() -> str:
@@ -56,6 +70,7 @@ def node_ip() -> str:
 
 
 Reply = Callable[[Sequence[Any]], None]
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 @dataclass(frozen=True)
@@ -90,26 +105,39 @@ class ServerSockets:
     a slow reader does not take at once (:meth:`poll` waits for those sockets to drain too).
     """
 
-    def __init__(self, host: str | None = None, unix: bool = True):
+    def __init__(self, host: str | None = None, unix: bool = True, secret: bytes = b""):
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        secure_server(self.router, secret)  # CURVE with keys from the queue's secret (see transfer_queue.auth)
+        self.zap = ZapHandler(self.ctx, secret) if secret else None
         host = host or node_ip()
         port = self.router.bind_to_random_port(f"tcp://{host}")
         path = os.path.join(tempfile.gettempdir(), f"tq-{uuid.uuid4().hex[:16]}.sock") if unix else None
-        self.unix = UnixServer(path) if path else None
+        self.unix = UnixServer(path, secret=secret) if path else None
         self.endpoint = Endpoint(f"tcp://{host}:{port}", path, socket.gethostname())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
+        if self.zap is not None:
+            self.poller.register(self.zap.sock, zmq.POLLIN)
         # ZMQ_ROUTER_NOTIFY is a draft API (not in the released libzmq builds), so connections are followed with a
         # socket monitor: it reports accepted and closed TCP connections by fd, and every message names the fd it
-        # came on (ZMQ_SRCFD), which ties an fd to the routing id of its peer.
-        self._monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # came on (ZMQ_SRCFD), which ties an fd to the routing id of its peer. Failed handshakes are counted.
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.poller.register(self._monitor, zmq.POLLIN)
         self._tcp_by_fd: dict[int, bytes] = {}  # connection fd -> routing id of its peer
         self._fds: dict[int, int] = {}  # Unix fd -> the poll flags it is registered with
         self._disconnected: list[Peer] = []
+        self._failed_handshakes = 0
+
+    def unauthenticated(self) -> int:
+        """Connections refused so far because they did not prove the queue's secret (their frames were never read):
+        failed CURVE handshakes, client keys ZAP refused, Unix connections with a wrong or missing answer."""
+        zap = self.zap.refused if self.zap is not None else 0
+        unix = self.unix.unauthenticated if self.unix is not None else 0
+        return self._failed_handshakes + zap + unix
 
     def register(self, sock: zmq.Socket) -> None:
         """Poll another socket (e.g. the controller's connections to its storage units) with these."""
@@ -139,6 +167,8 @@ class ServerSockets:
     def router_messages(self, events: dict[Any, int], limit: int = 256) -> list[Incoming]:
         """Up to ``limit`` messages waiting on the ROUTER (connect/disconnect notifications are taken in passing)."""
         out: list[Incoming] = []
+        if self.zap is not None and self.zap.sock in events:
+            self.zap.serve()
         if self._monitor in events:  # before the messages: an fd accepted anew must not unmap its new peer
             self._read_monitor()
         if self.router not in events:
@@ -165,6 +195,9 @@ class ServerSockets:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if event["event"] & _HANDSHAKE_FAILED:
+                self._failed_handshakes += 1
+                continue
             identity = self._tcp_by_fd.pop(int(event["value"]), None)
             if identity is not None:  # closed, or accepted anew (the close went unseen): that peer is gone
                 self._disconnected.append(Peer("tcp", identity))
@@ -200,7 +233,9 @@ class ServerSockets:
         """Peers whose connection closed since the last call (Unix peers that took no reply for the send timeout
         are dropped here first)."""
         if self.unix is not None:
-            self.unix.drop_stalled(time.monotonic() if now is None else now)
+            now = time.monotonic() if now is None else now
+            self.unix.drop_stalled(now)
+            self.unix.drop_unproven(now)
             self._disconnected.extend(Peer("unix", serial) for serial in self.unix.take_closed())
         gone, self._disconnected = self._disconnected, []
         return gone
@@ -228,6 +263,8 @@ class ServerSockets:
         self.router.disable_monitor()
         self._monitor.close(linger=0)
         self.router.close(linger=0)
+        if self.zap is not None:
+            self.zap.close()
         if self.unix is not None:
             self.unix.close()
         self.ctx.destroy(linger=0)
@@ -271,9 +308,13 @@ class BlockingTransport:
     Args:
         spin_seconds: over ZeroMQ, poll without sleeping for up to this long before blocking on a reply (trades
             CPU for latency; it only pays on hosts with spare cores).
+        secret: the queue's secret (``ControllerInfo.secret``): CURVE over TCP, the HMAC handshake over Unix sockets.
+        force_tcp: never use the Unix socket, even to servers on this host (see :func:`force_tcp_default`).
     """
 
-    def __init__(self, spin_seconds: float = 0.0):
+    def __init__(self, spin_seconds: float = 0.0, secret: bytes = b"", force_tcp: bool | None = None):
+        self._secret = secret
+        self.force_tcp = force_tcp_default() if force_tcp is None else force_tcp
         self._ctx: zmq.Context = zmq.Context.instance()
         self._local = threading.local()
         self._ids = itertools.count(1)
@@ -299,6 +340,7 @@ class BlockingTransport:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._secret)
             sock.connect(address)
             sockets[address] = sock
             with self._lock:
@@ -311,6 +353,8 @@ class BlockingTransport:
             sock.close(linger=0)
 
     def _local_path(self, endpoint: Endpoint) -> str | None:
+        if self.force_tcp:
+            return None
         routes = self._local.__dict__.setdefault("routes", {})
         if endpoint not in routes:
             routes[endpoint] = endpoint.local_path()
@@ -320,7 +364,7 @@ class BlockingTransport:
         sockets = self._thread_sockets("unix")
         sock = sockets.get(path)
         if sock is None:
-            sock = sockets[path] = connect(path)
+            sock = sockets[path] = connect(path, self._secret)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
@@ -332,6 +376,8 @@ class BlockingTransport:
         arrays where given (by position in ``calls``' original order)."""
         try:
             pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
+        except AuthenticationFailed as exc:
+            raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
         except OSError as exc:  # the server is gone (its socket file may linger)
             self._local.__dict__.get("routes", {}).clear()
             raise RequestTimeout(f"cannot reach {[path for _, path, _, _ in calls]}: {exc}") from None
@@ -442,7 +488,8 @@ class _ThreadSockets(dict):
 class AsyncioTransport:
     """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes = b"") -> None:
+        self._secret = secret
         self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
         self._ids = itertools.count(1)
         self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
@@ -461,6 +508,7 @@ class AsyncioTransport:
             self._forget_closed_loops()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._secret)
             sock.connect(address)
             self._sockets[key] = sock
             self._readers[key] = loop.create_task(self._read(sock))

@@ -25,6 +25,15 @@ from typing import Any
 
 import numpy as np
 
+from transfer_queue.auth import (
+    ACCEPTED,
+    HANDSHAKE_TIMEOUT,
+    PROOF_BYTES,
+    answer_unix_challenge,
+    check_unix_proof,
+    new_nonce,
+)
+
 MAX_FRAMES = 4096
 MAX_MESSAGE_BYTES = 1 << 40  # 1 TiB: a claimed size beyond this is hostile, never allocated
 _COUNT = struct.Struct("<I")
@@ -217,9 +226,17 @@ def listen(path: str) -> socket.socket:
     return sock
 
 
-def connect(path: str) -> socket.socket:
+def connect(path: str, secret: bytes = b"") -> socket.socket:
+    """A non-blocking connection to the server at ``path``, authenticated with ``secret`` when given (see
+    :mod:`transfer_queue.auth`; AuthenticationFailed if the server does not challenge in time)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
+    try:
+        sock.connect(path)
+        if secret:
+            answer_unix_challenge(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
 
@@ -228,9 +245,12 @@ class Connection:
     """One accepted client connection: its reader, its queued replies, and its serial number (fds are reused after
     a close, serials never)."""
 
-    def __init__(self, sock: socket.socket, serial: int):
+    def __init__(self, sock: socket.socket, serial: int, nonce: bytes = b""):
         self.sock = sock
         self.serial = serial
+        self.nonce = nonce  # the challenge sent on accept; b"" once answered (or when the server has no secret)
+        self.proof = b""
+        self.accepted_at = time.monotonic()
         self.reader = FrameReader()
         self.outbox: list[FrameWriter] = []
         self.stalled_since: float | None = None  # when the oldest queued reply stopped moving
@@ -257,8 +277,12 @@ class UnixServer:
     (:meth:`drop_stalled`). Closed connections are reported once by :meth:`take_closed` (their serials).
     """
 
-    def __init__(self, path: str, send_timeout: float = 30.0, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(
+        self, path: str, send_timeout: float = 30.0, max_message_bytes: int = MAX_MESSAGE_BYTES, secret: bytes = b""
+    ):
         self.path = path
+        self.secret = secret
+        self.unauthenticated = 0  # connections dropped because they did not prove the secret
         self.listener = listen(path)
         self.send_timeout = send_timeout
         self.max_message_bytes = max_message_bytes
@@ -283,6 +307,8 @@ class UnixServer:
         conn = self.connections.get(fd)
         if conn is None:
             return []
+        if conn.nonce and not self._read_proof(fd, conn):
+            return []
         try:
             messages, closed = conn.reader.read(conn.sock, self.max_message_bytes)
         except (ProtocolViolation, OSError):
@@ -290,6 +316,36 @@ class UnixServer:
         if closed:
             self.drop(fd)
         return [(fd, frames) for frames in messages]
+
+    def _read_proof(self, fd: int, conn: Connection) -> bool:
+        """Read the client's answer to the challenge; True once it is proven (frames may follow at once)."""
+        try:
+            chunk = conn.sock.recv(PROOF_BYTES - len(conn.proof))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            chunk = b""
+        conn.proof += chunk
+        if chunk and len(conn.proof) < PROOF_BYTES:
+            return False
+        if chunk and check_unix_proof(self.secret, conn.nonce, conn.proof):
+            conn.nonce = b""
+            try:
+                conn.sock.send(ACCEPTED)  # tells the client at connect time, not by a later silent hang-up
+            except OSError:
+                self.drop(fd)
+                return False
+            return True
+        self.unauthenticated += 1  # a wrong answer, or the peer hung up before answering
+        self.drop(fd)
+        return False
+
+    def drop_unproven(self, now: float) -> None:
+        """Drop connections that have not answered the challenge within the handshake timeout."""
+        late = [fd for fd, c in self.connections.items() if c.nonce and now - c.accepted_at > HANDSHAKE_TIMEOUT]
+        for fd in late:
+            self.unauthenticated += 1
+            self.drop(fd)
 
     def on_writable(self, fd: int) -> None:
         conn = self.connections.get(fd)
@@ -306,7 +362,15 @@ class UnixServer:
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(False)
-            self.connections[sock.fileno()] = Connection(sock, next(self._serials))
+            nonce = b""
+            if self.secret:
+                nonce = new_nonce()
+                try:
+                    sock.send(nonce)  # 32 bytes into an empty socket buffer: never blocks
+                except OSError:
+                    sock.close()
+                    continue
+            self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce)
 
     def reply(self, fd: int, frames: Sequence[Any]) -> bool:
         """Queue a reply on connection ``fd`` and write what the socket takes now; False (and the connection

@@ -24,6 +24,7 @@ from tensordict import TensorDict
 
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
 from transfer_queue import protocol as p
+from transfer_queue.auth import secure_client
 from transfer_queue.errors import GetMetaTimeout, PartitionOverfilled, StorageUnavailable
 from transfer_queue.metadata import FieldSchema
 
@@ -36,10 +37,11 @@ X = FieldSchema("dense", "float32", (256,))
 class RawPeer:
     """A bare DEALER socket speaking (or abusing) the wire format to one server."""
 
-    def __init__(self, endpoint: p.Endpoint, session_id: str):
+    def __init__(self, endpoint: p.Endpoint, session_id: str, secret: bytes = b""):
         self.session_id = session_id
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, secret)  # an authenticated peer (b"": a stranger, refused before any frame is read)
         self.sock.connect(endpoint.tcp)
         self.ids = iter(range(1000, 10**9))
 
@@ -206,7 +208,7 @@ def test_client_killed_mid_put_leaves_nothing_visible(fast_queue: Any, wait_unti
     wait_until(lambda: fast_queue.storage_bytes() == bytes_before, 30, what="the storage units to drop its bytes")
     assert client.get_production_status(global_step=step)["rows"] == 0
     # A late commit of the dead put is refused.
-    peer = RawPeer(fast_queue.info.controller, fast_queue.info.session_id)
+    peer = RawPeer(fast_queue.info.controller, fast_queue.info.session_id, fast_queue.info.secret)
     header, _ = peer.call(p.Commit(put_id))
     peer.close()
     assert header.error_type == "PutExpired" and "none of its rows are visible" in (header.error_message or "")
@@ -233,7 +235,7 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
         assert values_of(client, good) == [5.0] * 4
 
     for name, endpoint in targets.items():
-        peer = RawPeer(endpoint, info.session_id)
+        peer = RawPeer(endpoint, info.session_id, info.secret)
         # Too few frames to hold an envelope: dropped without an answer.
         peer.send(b"garbage")
         assert peer.reply(timeout=0.5) is None
@@ -264,7 +266,7 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
         still_serving()
         peer.close()
 
-    controller = RawPeer(info.controller, info.session_id)
+    controller = RawPeer(info.controller, info.session_id, info.secret)
     # Huge claimed sizes: refused before anything is allocated.
     for reserve, error in (
         (p.Reserve(partition, 10**12, {"x": X}, 10**6, timeout=1.0), "InvalidRequest"),
@@ -281,7 +283,7 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
     controller.close()
 
     # Writes and reads whose buffers lie about their sizes.
-    storage = RawPeer(info.storage_units[0], info.session_id)
+    storage = RawPeer(info.storage_units[0], info.session_id, info.secret)
     bytes_before = queue.storage_bytes()
     uid = good.partition_uid
     jagged = FieldSchema("jagged", "int64", ())

@@ -3,6 +3,7 @@ and the Unix-socket reader; the peer of every request; disconnects reported; a s
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,8 @@ import pytest
 import zmq
 
 from transfer_queue import protocol as p
-from transfer_queue.errors import InvalidRequest
+from transfer_queue.auth import secure_client
+from transfer_queue.errors import AuthenticationFailed, InvalidRequest
 from transfer_queue.server import Responder, Server
 from transfer_queue.transport import Peer
 from transfer_queue.unix_socket import connect, exchange, send_all
@@ -27,8 +29,8 @@ class Probe(Server):
 
     what = "probe"
 
-    def __init__(self) -> None:
-        super().__init__("tq-probe", p.decode_storage_request, SESSION, "127.0.0.1")
+    def __init__(self, secret: bytes = b"") -> None:
+        super().__init__("tq-probe", p.decode_storage_request, SESSION, "127.0.0.1", secret)
         self.peers: list[Peer] = []
         self.gone: list[Peer] = []
         self.periodic_error: Exception | None = None
@@ -165,3 +167,68 @@ def test_a_reader_that_never_reads_delays_no_other_client(server: Probe) -> None
     assert time.monotonic() - started < 5.0
     assert server.sockets.unix is not None and server.sockets.unix.writable_fds()  # the big reply is still queued
     stuck.close()
+
+
+# ---- authentication ------------------------------------------------------------------------------------------------
+SECRET = b"k" * 32
+
+
+@pytest.fixture
+def guarded() -> Any:
+    server = Probe(secret=SECRET)
+    yield server
+    server.stop()
+
+
+def curve_dealer(server: Server, server_secret: bytes, client_keys: tuple[bytes, bytes] | None = None) -> zmq.Socket:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, server_secret)
+    if client_keys is not None:  # the server's true key, but a client key pair of its own
+        dealer.curve_publickey, dealer.curve_secretkey = client_keys
+    dealer.connect(server.endpoint.tcp)
+    return dealer
+
+
+def test_clients_with_the_secret_are_served_over_both_transports(guarded: Probe) -> None:
+    assert guarded.endpoint.unix is not None
+    header, _ = call_unix(guarded.endpoint.unix, p.StorageStats(), connect(guarded.endpoint.unix, SECRET))
+    assert header.error_type is None
+    dealer = curve_dealer(guarded, SECRET)
+    assert call_tcp(dealer, p.StorageStats())[0].error_type is None
+    dealer.close()
+    assert guarded.stats()["dropped.unauthenticated"] == 0
+
+
+def test_strangers_are_refused_before_any_frame_is_read_and_counted(guarded: Probe) -> None:
+    assert guarded.endpoint.unix is not None
+    with pytest.raises(AuthenticationFailed, match="refused this queue's secret"):
+        connect(guarded.endpoint.unix, b"w" * 32)
+    raw = connect(guarded.endpoint.unix)  # no handshake at all: valid frames where the proof belongs
+    send_all(raw, frames(p.StorageStats()), timeout=5)
+    (reply,), failed = exchange([(raw, frames(p.StorageStats()))], timeout=2)
+    assert reply is None and failed == [0]
+    strangers = [
+        curve_dealer(guarded, b""),  # plain ZMTP to a CURVE server
+        curve_dealer(guarded, b"w" * 32),  # keys from another secret
+        curve_dealer(guarded, SECRET, zmq.curve_keypair()),  # the server's key, but not the queue's client key
+    ]
+    for dealer in strangers:
+        dealer.send_multipart(frames(p.StorageStats()))
+    for dealer in strangers:
+        assert not dealer.poll(300), "a stranger got a reply"
+        dealer.close()
+    wait_for(lambda: guarded.stats()["dropped.unauthenticated"] >= 5)
+    assert guarded.stats().get("requests", 0) == 0
+    header, _ = call_unix(guarded.endpoint.unix, p.StorageStats(), connect(guarded.endpoint.unix, SECRET))
+    assert header.error_type is None  # and the queue's own clients are still served
+
+
+def test_a_header_claiming_more_than_the_limit_is_refused_before_allocating(guarded: Probe) -> None:
+    assert guarded.endpoint.unix is not None
+    sock = connect(guarded.endpoint.unix, SECRET)
+    sock.send(struct.pack("<IQ", 1, 1 << 40))  # 12 bytes claiming a 1 TiB frame
+    wait_for(lambda: guarded.stats()["disconnects"] == 1)
+    assert not guarded.stats().get("failures.unix reader")  # refused by the limit, not by a MemoryError
+    header, _ = call_unix(guarded.endpoint.unix, p.StorageStats(), connect(guarded.endpoint.unix, SECRET))
+    assert header.error_type is None
