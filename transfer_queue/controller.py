@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue import protocol as p
 from transfer_queue.auth import new_secret, secure_client
@@ -69,6 +70,7 @@ class ControllerServer:
         self._sockets.limit(DEFAULT_MAX_MESSAGE_BYTES)
         self.endpoint = self._sockets.endpoint
         self._units = []
+        self._unit_monitors: dict[zmq.Socket, int] = {}
         for endpoint in storage:
             dealer = self._sockets.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
@@ -76,6 +78,10 @@ class ControllerServer:
             dealer.connect(endpoint.address())
             self._units.append(dealer)
             self._sockets.register(dealer)
+            # The connection to a unit drops when it dies: new puts are placed on the others until it is back.
+            monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._unit_monitors[monitor] = len(self._units) - 1
+            self._sockets.register(monitor)
         self._ids = itertools.count(1)
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
@@ -96,7 +102,12 @@ class ControllerServer:
             for dealer in self._units:
                 if dealer in events:
                     self._drain_storage_replies(dealer)
+            for monitor, unit in self._unit_monitors.items():
+                if monitor in events:
+                    self._follow_unit(monitor, unit)
             self._send_held(time.monotonic())
+        for monitor in self._unit_monitors:
+            monitor.close(linger=0)
         for dealer in self._units:
             dealer.close(linger=0)
         self._sockets.close()
@@ -163,6 +174,20 @@ class ControllerServer:
                 continue
             sent.append(request_id)
         return sent
+
+    def _follow_unit(self, monitor: zmq.Socket, unit: int) -> None:
+        """Mark a storage unit down when the connection to it drops, up when it is connected again."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with self.lock:
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    logger.warning("storage unit %d is unreachable; new puts go to the others", unit)
+                    self.state.down_units.add(unit)
+                else:
+                    self.state.down_units.discard(unit)
 
     def _drain_storage_replies(self, dealer: zmq.Socket) -> None:
         while True:
@@ -280,10 +305,13 @@ class TransferQueueController:
         """CPU seconds this controller process and its storage units have used so far (the queue's own cost)."""
         return time.process_time() + sum(unit["cpu_s"] for unit in self.storage_stats())
 
-    def server_stats(self) -> dict[str, int]:
+    def server_stats(self) -> dict[str, Any]:
         """The controller's socket counters: ``dropped.unauthenticated`` counts connections refused because they did
-        not prove the queue's secret (none of their frames was read)."""
-        return {"dropped.unauthenticated": self._server._sockets.unauthenticated()}
+        not prove the queue's secret (none of their frames was read); ``storage_units_down`` the units it lost its
+        connection to (placement skips them)."""
+        with self._server.lock:
+            down = sorted(self._server.state.down_units)
+        return {"dropped.unauthenticated": self._server._sockets.unauthenticated(), "storage_units_down": down}
 
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""

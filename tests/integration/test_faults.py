@@ -116,24 +116,20 @@ def test_dead_storage_unit_gives_storage_unavailable_not_a_hang(
             client.get_data(dead)
         assert time.monotonic() - started < 3.0 + 30  # the reader's timeout, plus slack for a loaded machine
         assert values_of(client, alive) == [alive_value] * 2  # the other unit still serves
-        # Writers: every put that lands on the dead unit fails typed; none of its rows becomes visible.
-        outcomes = {}
+        # Writers: once the controller has seen the unit go, puts are placed on the live unit only (defect 10).
+        wait_until(
+            lambda: ray.get(controller.server_stats.remote())["storage_units_down"] == [0], 30, what="unit 0 down"
+        )
         for value in (3.0, 4.0):
-            try:
-                client.put(TensorDict({"x": torch.full((2, 256), value)}, batch_size=[2]), partition_id="p")
-                outcomes[value] = "ok"
-            except StorageUnavailable as exc:
-                assert "did not answer" in str(exc)
-                outcomes[value] = "unavailable"
-        assert sorted(outcomes.values()) == ["ok", "unavailable"]
-        stored = next(value for value, outcome in outcomes.items() if outcome == "ok")
+            meta = client.put(TensorDict({"x": torch.full((2, 256), value)}, batch_size=[2]), partition_id="p")
+            assert set((meta.blocks[:, 0] % 2).tolist()) == {1}
         status = client.get_production_status(partition_id="p")
-        assert status["rows"] == 6 and status["rows_in_flight"] == 0
+        assert status["rows"] == 8 and status["rows_in_flight"] == 0
         # The controller keeps serving: metadata of every committed row, reads from the live unit.
-        meta = client.get_meta(["x"], 6, partition_id="p", task_name="t")
-        assert len(meta) == 6
+        meta = client.get_meta(["x"], 8, partition_id="p", task_name="t")
+        assert len(meta) == 8
         live = meta.select_samples(np.flatnonzero(meta.blocks[:, 0] % 2 == 1))
-        assert sorted(values_of(client, live)) == sorted([alive_value] * 2 + [stored] * 2)
+        assert sorted(values_of(client, live)) == sorted([alive_value] * 2 + [3.0] * 2 + [4.0] * 2)
         client.clear(partition_id="p")  # answered even though one unit cannot acknowledge the drop
         assert "p" not in client.list_partitions()
     finally:
@@ -149,11 +145,13 @@ import os, pickle, signal, sys
 import numpy as np
 import zmq
 from transfer_queue import protocol as p
+from transfer_queue.auth import secure_client
 from transfer_queue.metadata import FieldSchema
 
 info, step = pickle.load(sys.stdin.buffer)
 X = FieldSchema("dense", "float32", (256,))
 sock = zmq.Context.instance().socket(zmq.DEALER)
+secure_client(sock, info.secret)
 ids = iter(range(1, 100))
 
 def call(endpoint, body, *buffers):

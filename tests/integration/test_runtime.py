@@ -17,6 +17,7 @@ from tensordict import TensorDict
 import transfer_queue
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
 from transfer_queue import protocol as p
+from transfer_queue.auth import secure_client
 from transfer_queue.errors import ConfigMismatch, ProtocolMismatch, QueueNotFound, SessionMismatch
 
 # Remote functions defined here run in Ray workers, which cannot import this file: pickle them by value.
@@ -103,6 +104,7 @@ def test_wrong_protocol_version(started: TransferQueueClient) -> None:
     # A client of another version that sends anyway gets a typed refusal from the controller.
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, info.secret)  # it holds the queue's secret, only its version differs
     sock.connect(info.controller.tcp)
     try:
         sock.send_multipart([p.encode(p.Envelope(99, info.session_id, 7)), p.encode(p.Hello("future"))])
