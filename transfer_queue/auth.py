@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import os
 import socket
+import struct
 import time
 
 import zmq
@@ -57,6 +58,13 @@ def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
 
 def unix_proof(secret: bytes, nonce: bytes) -> bytes:
     return _derive(secret, _UNIX_LABEL + nonce)
+
+
+def write_token(secret: bytes, partition_uid: int, block_id: int, num_rows: int, max_bytes: int) -> bytes:
+    """The controller's word that a put reserved ``max_bytes`` for block ``block_id`` of ``num_rows`` rows: a storage
+    unit refuses a write without it, or carrying more bytes (the budget never trusts a client's declared size)."""
+    fields = struct.pack("<qqqq", partition_uid, block_id, num_rows, max_bytes)
+    return _derive(secret, b"transfer_queue write " + fields)
 
 
 def new_nonce() -> bytes:

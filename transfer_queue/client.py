@@ -249,7 +249,8 @@ class AsyncTransferQueueClient:
                 parts = {name: c.slice(place.start, place.stop) for name, c in columns.items()}
                 specs = [p.ColumnSpec(n, c.schema, c.num_rows, len(c.buffers())) for n, c in parts.items()]
                 buffers = [b for c in parts.values() for b in c.buffers()]
-                body = p.Write(reservation.partition_uid, place.block_id, place.stop - place.start, specs)
+                rows = place.stop - place.start
+                body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
                 writes.append((place.unit, body, buffers))
             await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
             wire: p.MetaWire = await self._control(

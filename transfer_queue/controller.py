@@ -16,12 +16,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import ray
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue import protocol as p
-from transfer_queue.auth import new_secret, secure_client
+from transfer_queue.auth import new_secret, secure_client, write_token
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
     InvalidRequest,
@@ -65,6 +66,7 @@ class ControllerServer:
     ):
         self.state = state
         self.session_id = session_id
+        self._secret = secret
         self.lock = threading.Lock()
         self._sockets = ServerSockets(host, secret=secret)
         self._sockets.limit(DEFAULT_MAX_MESSAGE_BYTES)
@@ -134,6 +136,8 @@ class ControllerServer:
         held: list[tuple[Any, BaseException | None]] = []
 
         def respond(value: Any, error: BaseException | None) -> None:
+            if isinstance(value, p.Reservation) and isinstance(request, p.Reserve):
+                self._vouch(value, request.nbytes)
             if hold:
                 held.append((value, error))
             else:
@@ -152,6 +156,19 @@ class ControllerServer:
                 self._held.append(HeldReply(reply, request_id, value, set(sent), deadline))
             else:
                 self._reply(reply, request_id, value, error)
+
+    def _vouch(self, reservation: p.Reservation, nbytes: int) -> None:
+        """Sign what the put reserved into each placement, so storage units check what arrives (defect 11)."""
+        reservation.placements = [
+            msgspec.structs.replace(
+                place,
+                max_bytes=nbytes,
+                token=write_token(
+                    self._secret, reservation.partition_uid, place.block_id, place.stop - place.start, nbytes
+                ),
+            )
+            for place in reservation.placements
+        ]
 
     def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
         if error is not None:

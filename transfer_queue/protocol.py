@@ -183,6 +183,8 @@ class Placement(msgspec.Struct, array_like=True, frozen=True):
     block_id: int
     start: int
     stop: int
+    max_bytes: int = 0  # the bytes the put reserved: the unit refuses a write of this block that carries more
+    token: bytes = b""  # the controller's HMAC over (partition, block, rows, max_bytes), checked by the unit
 
 
 class Reservation(msgspec.Struct, array_like=True):
@@ -248,6 +250,8 @@ class Write(msgspec.Struct, tag="write"):
     block_id: int
     num_rows: int
     columns: list[ColumnSpec]
+    max_bytes: int = 0  # from the Placement: what was reserved, vouched for by ``token``
+    token: bytes = b""
 
 
 class ReadField(msgspec.Struct, array_like=True):

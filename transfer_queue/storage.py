@@ -11,6 +11,7 @@ upserts) nothing references them any more; freed memory is handed back to the OS
 from __future__ import annotations
 
 import ctypes
+import hmac
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ import numpy as np
 import ray
 
 from transfer_queue import protocol as p
+from transfer_queue.auth import write_token
 from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
@@ -68,9 +70,10 @@ def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
 class BlockStore:
     """Blocks of one storage unit, by block id, with tombstones so late writes of dead puts are refused."""
 
-    def __init__(self, unit: int, num_units: int):
+    def __init__(self, unit: int, num_units: int, secret: bytes = b""):
         self.unit = unit
         self.num_units = num_units
+        self.secret = secret  # checks each write's reservation token (b"": no check, unit tests of the store)
         self.blocks: dict[int, Block] = {}
         self.by_partition: dict[int, set[int]] = {}
         self.dead_partitions: set[int] = set()
@@ -109,9 +112,26 @@ class BlockStore:
             columns[spec.name] = Column.from_buffers(spec.schema, spec.num_rows, buffers[i : i + k])
             i += k
         nbytes = sum(memoryview(b).nbytes for b in buffers)
+        self._check_reserved(req, nbytes)
         self.blocks[req.block_id] = Block(req.partition_uid, req.num_rows, columns, nbytes)
         self.by_partition.setdefault(req.partition_uid, set()).add(req.block_id)
         self.nbytes += nbytes
+
+    def _check_reserved(self, req: p.Write, nbytes: int) -> None:
+        """The write must carry the controller's token for what its put reserved, and no more bytes than that."""
+        if not self.secret:
+            return
+        expected = write_token(self.secret, req.partition_uid, req.block_id, req.num_rows, req.max_bytes)
+        if not hmac.compare_digest(req.token, expected):
+            raise InvalidRequest(
+                f"block {req.block_id}: the write does not carry the controller's reservation for it (a put must "
+                "reserve before it writes)"
+            )
+        if nbytes > req.max_bytes:
+            raise InvalidRequest(
+                f"block {req.block_id} carries {nbytes} bytes; its put reserved {req.max_bytes} (declared sizes must "
+                "match the data)"
+            )
 
     def read(self, req: p.Read) -> tuple[p.ReadReply, list[Any]]:
         from transfer_queue.columns import nframes
@@ -285,7 +305,8 @@ class StorageUnit:
                     raise InvalidRequest("a storage unit that holds data cannot join another session")
             old.stop()
         limit = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
-        self._server = StorageServer(BlockStore(unit, num_units), self._bind_host, session_id, secret, limit)
+        store = BlockStore(unit, num_units, secret)
+        self._server = StorageServer(store, self._bind_host, session_id, secret, limit)
         return self._server.endpoint
 
     def stats(self) -> dict[str, Any]:

@@ -170,7 +170,8 @@ reserve = p.Reserve(step, 8, {"x": X}, payload.nbytes, timeout=8.0)
 reservation = p.decode_as(call(info.controller, reserve), p.Reservation)
 for place in reservation.placements:
     rows = place.stop - place.start
-    write = p.Write(reservation.partition_uid, place.block_id, rows, [p.ColumnSpec("x", X, rows, 1)])
+    spec = [p.ColumnSpec("x", X, rows, 1)]
+    write = p.Write(reservation.partition_uid, place.block_id, rows, spec, place.max_bytes, place.token)
     call(info.storage_units[place.unit], write, payload[place.start : place.stop].tobytes())
 print(reservation.put_id, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # dies between the write and the commit
@@ -312,6 +313,34 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
     for request, buffers, message in lies:
         header, _ = storage.call(request, *buffers)
         assert header.error_type is not None and message in (header.error_message or ""), (request, header)
+    # Sizes that lie to the byte budget (defect 11): a put declaring 16 bytes writes 4 KiB; a write with no
+    # reservation of the controller's; a reservation's token replayed for another block.
+    controller = RawPeer(info.controller, info.session_id, info.secret)
+    header, (body, *_) = controller.call(p.Reserve(partition, 4, {"x": X}, 16, timeout=5.0))
+    reservation = p.decode_as(body, p.Reservation)
+    place = reservation.placements[0]
+    writer = RawPeer(info.storage_units[place.unit], info.session_id, info.secret)
+    columns = [p.ColumnSpec("x", X, 4, 1)]
+    payload = np.zeros((4, 256), dtype=np.float32).tobytes()
+    for write, message in (
+        (
+            p.Write(reservation.partition_uid, place.block_id, 4, columns, place.max_bytes, place.token),
+            "its put reserved 16",
+        ),
+        (
+            p.Write(reservation.partition_uid, place.block_id, 4, columns, 10**6, place.token),
+            "does not carry the controller's",
+        ),
+        (
+            p.Write(reservation.partition_uid, place.block_id + 2, 4, columns, 16, place.token),
+            "does not carry the controller's",
+        ),
+    ):
+        header, _ = writer.call(write, payload)
+        assert header.error_type == "InvalidRequest" and message in (header.error_message or ""), header
+    assert controller.call(p.Abort(reservation.put_id))[0].error_type is None
+    writer.close()
+    controller.close()
     assert queue.storage_bytes() == bytes_before  # nothing of the lies was stored
     still_serving()
     storage.close()
