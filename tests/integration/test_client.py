@@ -574,10 +574,10 @@ def open_fds() -> int:
 def test_async_client_across_many_event_loops(queue: Any) -> None:
     """One ``asyncio.run`` per call: each loop's sockets are closed once a later loop starts, none pile up."""
     client = AsyncTransferQueueClient("many-loops", queue.info)
-    assert asyncio.run(client.ping())["session_id"] == queue.info.session_id
+    assert asyncio.run(client.ping())["client_id"] == client.client_id
     before = open_fds()
     for _ in range(40):
-        assert asyncio.run(client.ping())["session_id"] == queue.info.session_id
+        assert asyncio.run(client.ping())["client_id"] == client.client_id
     assert open_fds() - before < 10
     client.close()
 
