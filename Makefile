@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 # Tests bind Ray to 127.0.0.1 (Linux Ray otherwise picks the machine's own address).
 TEST_ENV := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0
 
-.PHONY: setup demo test test-slow bench lint typecheck format clean
+.PHONY: setup demo agent-demo test test-slow bench bench-demo lint typecheck format clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): setup.py pyproject.toml
 demo: setup
 	$(TEST_ENV) $(BIN)/python recipe/demo.py
 
+agent-demo: setup
+	$(TEST_ENV) $(BIN)/python recipe/agent_demo.py
+
 test: setup
 	$(TEST_ENV) $(BIN)/python -m pytest tests
 
@@ -30,6 +33,10 @@ test-slow: setup
 
 bench: setup
 	$(TEST_ENV) $(BIN)/python benchmarks/run.py
+
+# the demo's GRPO phase against one plain process on the same 1000 steps; last lines: ratio and last-fifth reward
+bench-demo: setup
+	$(TEST_ENV) $(BIN)/python benchmarks/demo_vs_single.py --steps 1000 --seed 0
 
 lint: setup
 	$(BIN)/ruff check .

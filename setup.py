@@ -19,6 +19,12 @@ RL = [
     "matplotlib>=3.8",
     "pyyaml>=6",
 ]
+AGENTS = [
+    # the task server (workers/agents/task_server.py) and its clients; the sandbox needs bubblewrap (apt) too
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "httpx==0.28.1",
+]
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
@@ -38,9 +44,20 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(
-        include=["transfer_queue", "transfer_queue.*", "workers", "workers.*", "trainers", "trainers.*"]
+        include=[
+            "transfer_queue",
+            "transfer_queue.*",
+            "rl_contracts",
+            "rl_contracts.*",
+            "workers",
+            "workers.*",
+            "trainers",
+            "trainers.*",
+            "orchestration",
+            "orchestration.*",
+        ]
     ),
     package_data={"transfer_queue": ["py.typed"]},
     install_requires=CORE,
-    extras_require={"rl": RL, "test": RL + TEST, "smollm2": RL + SMOLLM2},
+    extras_require={"rl": RL, "agents": AGENTS, "test": RL + AGENTS + TEST, "smollm2": RL + SMOLLM2},
 )

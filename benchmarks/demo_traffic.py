@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transfer_queue as tq
+from rl_contracts.rows import jagged
 from transfer_queue import TransferQueueClient
-from workers.rollout import jagged
 
 PROMPTS, N = 32, 8
 ROWS = PROMPTS * N

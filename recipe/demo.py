@@ -5,7 +5,9 @@
     3. GRPO: 32 prompts x 8 samples per step; reward 1 for the exact sum
     4. metrics.jsonl + metrics.png under outputs/demo; the mean reward rises over the run
 
-Run it with ``make demo`` (or ``python recipe/demo.py [--config FILE] [key=value ...]``), or submit it to a running
+Run it with ``make demo`` (or ``python recipe/demo.py [--config FILE] [--new] [--print-config] [key=value ...]``;
+``--help`` lists every key). Run again into the same output_dir, it resumes: a larger ``steps`` extends the run, a
+changed training setting is refused (``--new`` starts over). Or submit it to a running
 cluster: ``RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- python
 recipe/demo.py`` (see docs/rl.md).
 """
@@ -17,14 +19,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-from trainers.config import config_from_cli
-from trainers.rl_loop import connect_ray, train_and_report
+from orchestration import connect_ray, train_and_report
+from trainers.config import ConfigError, config_from_cli
+from trainers.run_plan import plan_run
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
+    try:
+        config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
+        plan = plan_run(config)
+    except ConfigError as exc:
+        print(f"demo.py: error: {exc}", file=sys.stderr)
+        return 2
+    print(plan.message, flush=True)
     connect_ray()
     train_and_report(config)
     return 0

@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+from orchestration import GRPORun
 from recipe.demo import DEFAULT_CONFIG, connect_ray
 from trainers.config import load_config, parse_overrides
-from trainers.rl_loop import GRPORun
 
 
 def main(argv: list[str] | None = None) -> int:

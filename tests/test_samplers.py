@@ -162,7 +162,13 @@ def test_dp_sampler_params_recommended(queue: Any) -> None:
     )
     # ---
     assert len(batch_meta) == 4
-    assert batch_meta.extra == {"dp_rank": 0, "dp_size": 4, "dp_group_id": "group_step0"}
+    assert batch_meta.extra == {
+        "dp_rank": 0,
+        "dp_size": 4,
+        "dp_group_id": "group_step0",
+        "round_rows": 16,
+        "round_max_share": 4,
+    }
     client.close()
 
 

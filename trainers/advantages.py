@@ -77,34 +77,53 @@ def group_advantages_by_id(
     return torch.where(constant, torch.zeros_like(advantages), advantages).to(rewards.dtype)
 
 
-def group_reward_std(rewards: Tensor, group_size: int) -> Tensor:
+def group_reward_std(rewards: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
     """Unbiased standard deviation of the rewards of each group (rows laid out group by group).
 
     Used by dynamic sampling (``trainers.filters.nonzero_std_groups``) to drop groups that carry no signal.
 
     Args:
-        rewards: ``[N]`` scalar reward per row, finite; ``N`` a multiple of ``group_size``.
+        rewards: ``[N]`` scalar reward per row, finite where ``valid``; ``N`` a multiple of ``group_size``.
         group_size: number of responses per prompt, ``>= 1``.
+        valid: ``[N]`` bool, the rows that count (e.g. not failed, not stale); all when None. The others are left
+            out of their group's statistics, whatever their reward holds.
 
     Returns:
-        ``[N // group_size]`` std per group, exactly 0 for a group whose rewards are all equal.
+        ``[N // group_size]`` std per group over its valid rows, exactly 0 for a group whose valid rewards are
+        all equal or that has fewer than two valid rows.
 
     Raises:
-        ValueError: on a non-1-D or non-finite ``rewards`` or a bad ``group_size``.
+        ValueError: on a non-1-D or non-finite ``rewards``, a bad ``group_size`` or a mismatched ``valid``.
 
     >>> group_reward_std(torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
     tensor([0.7071, 0.0000])
+    >>> group_reward_std(torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2, valid=torch.tensor([1, 0, 1, 1]).bool())
+    tensor([0., 0.])
     """
+    if valid is not None:
+        if valid.shape != rewards.shape or valid.dtype != torch.bool:
+            raise ValueError(
+                f"valid must be a bool tensor of the rewards' shape {tuple(rewards.shape)}, "
+                f"got {valid.dtype} {tuple(valid.shape)}"
+            )
+        rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
     rewards = _check_rewards(rewards)
     _check_group_size(rewards, group_size)
+    num_groups = rewards.numel() // group_size
     inverse = torch.arange(rewards.numel(), device=rewards.device) // group_size
-    _, std = _group_stats(rewards.double(), inverse)
+    r = rewards.double()
+    if valid is not None:
+        r, inverse = r[valid], inverse[valid]
+    _, std = _group_stats(r, inverse, num_groups)
     return std.to(rewards.dtype)
 
 
-def _group_stats(r: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-group mean and unbiased std of float64 ``r``; ``inverse[i]`` in ``[0, G)`` is row ``i``'s group."""
-    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+def _group_stats(r: Tensor, inverse: Tensor, num_groups: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per-group mean and unbiased std of float64 ``r``; ``inverse[i]`` in ``[0, G)`` is row ``i``'s group.
+
+    A group with fewer than two rows has std 0."""
+    if num_groups is None:
+        num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     counts = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
     mean = torch.zeros_like(counts).index_add_(0, inverse, r) / counts.clamp(min=1)
     squares = torch.zeros_like(counts).index_add_(0, inverse, (r - mean[inverse]) ** 2)

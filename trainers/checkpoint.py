@@ -7,10 +7,14 @@ A checkpoint is a directory::
         rng/rank_00000.pt     torch (and CUDA), numpy and python ``random`` states of each rank
         checkpoint.json       {"extra_state": ..., "world_size": ..., "has_optimizer_state": ...}
 
-It is written under ``.step_00000012.tmp`` and renamed when every rank has finished, so a crash never leaves a
-directory that :func:`latest_checkpoint` would take for a complete one. DCP reshards on load: a checkpoint saved
-by N ranks loads on M ranks (RNG states then come back only for ranks that existed, with a warning). All ranks
-must see the same filesystem.
+It is written under ``.step_00000012.tmp``, fsynced (files and directories) and renamed when every rank has
+finished, so a crash never leaves a directory that :func:`latest_checkpoint` would take for a complete one.
+Replacing an existing checkpoint (``overwrite=True``) writes the new one completely first, then swaps: the old one
+is renamed to ``.step_00000012.old``, the new one into place, and only then is the old one deleted; a crash between
+the two renames is repaired by :func:`latest_checkpoint`. :func:`prune_checkpoints` keeps the newest K.
+
+DCP reshards on load: a checkpoint saved by N ranks loads on M ranks (RNG states then come back only for ranks that
+existed, with a warning). All ranks must see the same filesystem.
 """
 
 from __future__ import annotations
@@ -45,29 +49,35 @@ def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, extra_state: dict[str, Any]
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra_state: dict[str, Any],
+    *,
+    overwrite: bool = False,
 ) -> None:
     """Save a sharded model + optimizer, every rank's RNG states and ``extra_state``; a collective.
 
     Args:
         path: the checkpoint directory to create, e.g. ``checkpoint_path(root, step)``.
         model: the (FSDP-sharded or plain) model.
-        optimizer: its optimizer; an optimizer that has not stepped yet is not saved (saving it would make
-            DCP take a zero-learning-rate step that advances Adam's step counter).
+        optimizer: its optimizer, or None for a frozen model; an optimizer that has not stepped yet is not saved
+            (saving it would make DCP take a zero-learning-rate step that advances Adam's step counter).
         extra_state: JSON-serialisable caller state (policy version, prompt-source position, step, ...).
+        overwrite: replace an existing checkpoint at ``path``, only once the new one is complete and on disk.
 
     Raises:
         TypeError: if ``extra_state`` is not JSON-serialisable (before anything is written).
-        FileExistsError: if ``path`` exists.
+        FileExistsError: if ``path`` exists and not ``overwrite``.
     """
     path = Path(path)
-    has_optimizer_state = bool(optimizer.state)
+    has_optimizer_state = optimizer is not None and bool(optimizer.state)
     manifest = json.dumps(
         {"extra_state": extra_state, "world_size": dist.get_world_size(), "has_optimizer_state": has_optimizer_state},
         indent=2,
     )
-    if path.exists():
-        raise FileExistsError(f"checkpoint {path} already exists")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint {path} already exists (pass overwrite=True to replace it)")
     tmp = path.with_name(f".{path.name}.tmp")
     rank = dist.get_rank()
     if rank == 0:
@@ -76,7 +86,7 @@ def save_checkpoint(
     dist.barrier()
 
     state = {"model": get_model_state_dict(model)}
-    if has_optimizer_state:
+    if optimizer is not None and has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=tmp / "dcp")
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
@@ -84,12 +94,18 @@ def save_checkpoint(
         (tmp / _MANIFEST).write_text(manifest)
     dist.barrier()
     if rank == 0:
-        tmp.rename(path)
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, path)
     dist.barrier()
 
 
-def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``; a collective.
+
+    With ``optimizer=None`` only the model weights are loaded (a frozen reference model); RNG states are left as
+    they are.
 
     Returns:
         The ``extra_state`` it was saved with.
@@ -103,13 +119,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     manifest = json.loads((path / _MANIFEST).read_text())
 
     # DCP loads in place into tensors of the right (sharded) shapes, so ask the live objects for them first.
+    with_optimizer = optimizer is not None and manifest["has_optimizer_state"]
     state = {"model": get_model_state_dict(model)}
-    if manifest["has_optimizer_state"]:
+    if with_optimizer:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=path / "dcp")
     set_model_state_dict(model, state["model"])
-    if manifest["has_optimizer_state"]:
+    if with_optimizer:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if optimizer is None:
+        dist.barrier()
+        return manifest["extra_state"]
 
     rank = dist.get_rank()
     rng_file = path / "rng" / f"rank_{rank:05d}.pt"
@@ -126,11 +146,78 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The complete checkpoint under ``root`` with the largest trailing step number in its name, or ``None``."""
+    return max(complete_checkpoints(root), key=_step_key, default=None)
+
+
+def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest step first.
+
+    A checkpoint left as ``.NAME.old`` by a crash in the middle of an overwrite's swap, with no ``NAME`` beside
+    it, is renamed back first.
+    """
     root = Path(root)
     if not root.is_dir():
-        return None
-    complete = [p for p in root.iterdir() if not p.name.startswith(".") and _is_complete(p)]
-    return max(complete, key=_step_key, default=None)
+        return []
+    for old in root.glob(".*.old"):
+        name = old.name[1 : -len(".old")]
+        if not (root / name).exists() and _is_complete(old):
+            old.rename(root / name)
+    return sorted((p for p in root.iterdir() if not p.name.startswith(".") and _is_complete(p)), key=_step_key)
+
+
+def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, *, pattern: str = "step_*") -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints named like ``pattern``; return the deleted.
+
+    Incomplete leftovers of crashed saves (``.NAME.tmp``, ``.NAME.old`` whose ``NAME`` is complete) go too.
+    Checkpoints with other names (an SFT or reference checkpoint) are never touched.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    kept = [p for p in complete_checkpoints(root) if p.match(pattern)]
+    doomed = kept[:-keep_last]
+    root = Path(root)
+    doomed += [p for p in root.glob(".*.tmp")]
+    doomed += [p for p in root.glob(".*.old") if _is_complete(root / p.name[1 : -len(".old")])]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _swap_into_place(new: Path, path: Path) -> None:
+    """Rename the complete, synced ``new`` to ``path``; an existing ``path`` is deleted only afterwards."""
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    new.rename(path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (data first, then the directory entries naming it)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+    _fsync_dir(root.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a complete checkpoint (manifest and DCP metadata written, i.e. the save finished)."""
+    return _is_complete(Path(path))
 
 
 def _is_complete(path: Path) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import inspect
+import re
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,12 +25,12 @@ class ConfigError(ValueError):
 class TaskConfig:
     """Which task (prompts, reward, tokenizer, starting policy) to train on."""
 
-    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a workers.tasks.base.Task
+    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a rl_contracts.task.Task
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the task's constructor
     reward_fn: str | None = None  # "module:function" replacing the task's own reward, fn(response_text, **fields)
-    num_train_prompts: int = 4096
-    num_eval_prompts: int = 256
-    seed: int = 0
+    num_train_prompts: int = 4096  # prompts of the training split
+    num_eval_prompts: int = 256  # held-out prompts for the accuracy evaluations
+    seed: int = 0  # which prompts the task draws
 
 
 @dataclass
@@ -35,52 +39,68 @@ class RolloutConfig:
 
     num_workers: int = 1  # rollout worker actors, each with one engine
     engine: Literal["hf"] = "hf"  # the Engine interface is token in / token out; vLLM and SGLang engines plug in next
-    engine_device: str = "cpu"
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    engine_device: str = "cpu"  # where each engine runs: cpu, cuda, cuda:1
+    max_new_tokens: int = 8  # longest response, in tokens
+    temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)
+    top_p: float = 1.0  # nucleus sampling; log-probs stay those of the untruncated distribution
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
-    num_reward_workers: int = 1
-    reward_groups_per_request: int = 16
+    num_reward_workers: int = 1  # reward worker actors
+    reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
+    # Custom rollouts (workers/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
+    generate_fn: str | None = None  # "module:fn", an async generate(prompts, engine, **kwargs) -> list[Sample]
+    generate_fn_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments given to generate_fn
+    filter_fn: str | None = None  # "module:fn", a group filter fn(samples) -> bool (False drops the group)
+    reward_fn: str | None = None  # "module:fn", a per-sample reward fn(sample) -> float
+    task_server_env: str | None = None  # environment the run serves (python -m workers.agents.task_server ENV)
+    num_task_servers: int = 1  # task servers started; their URLs go to generate_fn as task_server_url
+    task_server_max_episodes: int | None = None  # --max-episodes of each task server (None: unbounded)
 
 
 @dataclass
 class TrainConfig:
     """The FSDP2 trainer: ranks, optimisation, loss and filters."""
 
-    world_size: int = 2
+    world_size: int = 2  # FSDP2 trainer ranks
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
-    num_gpus_per_rank: float = 0.0
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 128
+    num_gpus_per_rank: float = 0.0  # GPUs per trainer rank (0: CPU)
+    lr: float = 5e-4  # AdamW learning rate of RL
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm
+    micro_batch_size: int = 128  # rows per forward/backward pass (gradients accumulate over them)
     minibatches_per_step: int = 1  # optimizer steps per global step (one DP round each)
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
-    clip_high: float | None = None
-    loss_agg: str | None = None
+    clip_high: float | None = None  # upper clip range (clip-higher); None: the loss's own default
+    loss_agg: str | None = None  # token-mean, seq-mean-token-mean or seq-mean-token-sum; None: the loss's own
     kl_coef: float = 0.0  # > 0 keeps a frozen reference policy and adds beta * KL
-    kl_kind: str = "k3"
+    kl_kind: str = "k3"  # KL estimator: k1, k2 or k3
     filters: FilterConfig = field(default_factory=FilterConfig)
-    normalize_advantage_std: bool = True
+    normalize_advantage_std: bool = True  # divide advantages by the group's std (GRPO) or not (Dr. GRPO)
     # Over-sampling with dynamic filtering (DAPO): roll out prompts_per_step groups, train on at most this many of
     # those the filters keep (e.g. filters.nonzero_std_groups); the others never reach the forward pass.
     # None: train on every group of the step.
     max_train_groups: int | None = None
+    # Score the sampled tokens with the training model before the update, and use those as the old (proximal)
+    # policy; the engine's log-probs are kept for the rollout correction. None: on when the trainer's and the
+    # engine's numerics differ (another engine or device, so another dtype), in async mode (decoupled PPO needs the
+    # proximal policy) and with several minibatches per step.
+    recompute_old_logprobs: bool | None = None
+    rollout_correction: Literal["none", "tis", "mis"] = "tis"  # trainer-vs-engine IS weights (with recompute)
+    rollout_is_high: float = 2.0  # TIS cap / MIS upper bound on exp(trainer - engine logprob)
+    rollout_is_low: float | None = None  # MIS lower bound; None: 1 / rollout_is_high
 
 
 @dataclass
 class SFTConfig:
     """The supervised warm-up before RL (the SFT -> RL pipeline)."""
 
-    enabled: bool = True
-    lr: float = 1e-3
-    batch_size: int = 64
-    max_steps: int = 2000
+    enabled: bool = True  # warm up with SFT before RL (unless resuming or init_from)
+    lr: float = 1e-3  # SFT learning rate
+    batch_size: int = 64  # SFT rows per step
+    max_steps: int = 2000  # SFT steps at most
     target_accuracy: float = 0.2  # stop once accuracy on the eval prompts reaches this
     target_metric: Literal["sampled", "greedy"] = "sampled"  # sampled at the rollout temperature, or greedy
-    eval_every: int = 25
+    eval_every: int = 25  # SFT steps between accuracy evaluations
 
 
 @dataclass
@@ -94,21 +114,26 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    steps: int = 200
-    prompts_per_step: int = 32
-    n_samples: int = 8
-    mode: Literal["sync", "async"] = "sync"
+    steps: int = 200  # GRPO steps of the run (a resumed run with more steps extends it)
+    prompts_per_step: int = 32  # prompts (GRPO groups) per step
+    n_samples: int = 8  # responses per prompt (the group size)
+    mode: Literal["sync", "async"] = "sync"  # sync: on-policy; async: rollout runs up to max_staleness steps ahead
     max_staleness: int = 0  # async: steps rollout may run ahead of training; older samples are not trained on
-    weight_sync: Literal["memory", "disk"] = "memory"
+    # memory: via the object store; disk: a Hugging Face directory per version (engines off the cluster); shm: a
+    # WeightChannel in shared memory that engines on this host pull from (no driver round trip; lets the driver
+    # launch generation of step s+1 while step s trains, the engine waiting for the weights it needs)
+    weight_sync: Literal["memory", "disk", "shm"] = "memory"
     sync_every: int = 1  # publish weights every k optimizer steps
-    output_dir: str = "outputs/grpo"
-    checkpoint_every: int = 0  # 0: only at the end
+    output_dir: str = "outputs/grpo"  # metrics, plot, config and checkpoints of the run
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    checkpoint_keep: int = 2  # newest step checkpoints kept in output_dir/checkpoints
     resume: bool = True  # go on from the latest checkpoint in output_dir/checkpoints, if any
     init_from: str | None = None  # start RL from this checkpoint's weights (e.g. an SFT run's), fresh optimizer
-    seed: int = 0
-    num_storage_units: int = 2
-    queue_timeout: float = 300.0
+    seed: int = 0  # seeds the weights, the prompt order and sampling
+    num_storage_units: int = 2  # the queue's storage actors
+    queue_timeout: float = 300.0  # seconds a queue read waits for its rows
     eval_every: int = 0  # greedy accuracy on the eval prompts every k steps (0: never)
+    log_every: int = 10  # without a terminal: one plain line of metrics every k steps (a bar on a terminal)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +153,8 @@ class RLConfig:
             "train.micro_batch_size": self.train.micro_batch_size,
             "train.minibatches_per_step": self.train.minibatches_per_step,
             "sync_every": self.sync_every,
+            "checkpoint_keep": self.checkpoint_keep,
+            "log_every": self.log_every,
             "num_storage_units": self.num_storage_units,
         }
         for name, value in positive.items():
@@ -164,8 +191,24 @@ class RLConfig:
             raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")
         if self.train.kl_coef < 0:
             raise ConfigError(f"train.kl_coef must be >= 0, got {self.train.kl_coef}")
+        if not self.train.rollout_is_high > 0:
+            raise ConfigError(f"train.rollout_is_high must be > 0, got {self.train.rollout_is_high}")
+        low = self.train.rollout_is_low
+        if low is not None and not 0 <= low < self.train.rollout_is_high:
+            raise ConfigError(
+                f"train.rollout_is_low must be in [0, train.rollout_is_high={self.train.rollout_is_high}), got {low}"
+            )
         if not self.rollout.temperature >= 0:
             raise ConfigError(f"rollout.temperature must be >= 0, got {self.rollout.temperature}")
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the trainer recomputes the old log-probs (``train.recompute_old_logprobs``, or its default)."""
+        if self.train.recompute_old_logprobs is not None:
+            return self.train.recompute_old_logprobs
+        trainer_device = "cuda" if self.train.num_gpus_per_rank > 0 else "cpu"
+        same_numerics = self.rollout.engine == "hf" and self.rollout.engine_device.split(":")[0] == trainer_device
+        return not same_numerics or self.mode == "async" or self.train.minibatches_per_step > 1
 
     @property
     def num_global_batch(self) -> int:
@@ -180,6 +223,9 @@ class RLConfig:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RLConfig:
     """An RLConfig from a YAML file (nested sections as in the dataclasses), with dotted ``overrides`` on top.
 
+    Unknown keys are refused, naming the closest valid ones; a bad value names where it came from (the override
+    ``key=value`` or the file).
+
     >>> load_config(None, {"steps": 10, "train.lr": 1e-3}).train.lr
     0.001
     """
@@ -188,7 +234,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping at the top level, got {type(raw).__name__}")
-    for dotted, value in (overrides or {}).items():
+        _check_keys(raw, RLConfig, "", f" in {path}")
+    overrides = overrides or {}
+    for dotted, value in overrides.items():
+        _check_keys(_nest(dotted, value), RLConfig, "", f" in the override {dotted}={value!r}")
         node = raw
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -197,7 +246,89 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return msgspec.convert(raw, RLConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid config{f' in {path}' if path else ''}: {exc}") from None
+        raise ConfigError(f"invalid config: {exc}{_source(str(exc), overrides, path)}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{_source(str(exc), overrides, path)}") from None
+
+
+def config_keys(cls: type = RLConfig, prefix: str = "") -> dict[str, tuple[Any, str]]:
+    """Every dotted key of a config dataclass: ``{key: (default, one-line help)}``, the help from the comment on
+    the field's line (the dataclasses are the one source of truth).
+
+    >>> config_keys()["train.lr"][0]
+    0.0005
+    """
+    comments = _field_comments(cls)
+    out: dict[str, tuple[Any, str]] = {}
+    instance = cls() if cls is not RLConfig else None
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        if is_dataclass(f.type if isinstance(f.type, type) else _field_type(cls, f.name)):
+            out.update(config_keys(_field_type(cls, f.name), f"{key}."))
+            continue
+        default = getattr(instance, f.name) if instance is not None else _default_of(f)
+        out[key] = (default, comments.get(f.name, ""))
+    return out
+
+
+def _default_of(f: Any) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """``name: comment`` for the fields of ``cls`` with a trailing ``# comment`` (or one on the line above)."""
+    out, pending = {}, ""
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending = f"{pending} {stripped.lstrip('# ')}".strip()
+            continue
+        match = re.match(r"\s+(\w+):[^#]*?(?:#\s*(.*))?$", line)
+        if match and not stripped.startswith(('"""', "def ", "@")):
+            out[match.group(1)] = match.group(2) or pending
+        pending = ""
+    return out
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    node: Any = value
+    for part in reversed(dotted.split(".")):
+        node = {part: node}
+    return node
+
+
+def _check_keys(raw: dict[str, Any], cls: type, prefix: str, where: str) -> None:
+    """Refuse keys that are not fields of ``cls`` (recursively into nested config sections)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            valid = list(config_keys())
+            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6) or difflib.get_close_matches(
+                name, [k.rsplit(".", 1)[-1] for k in valid], n=3, cutoff=0.6
+            )
+            hint = f"; did you mean {', '.join(close)}?" if close else "; see --help for every key"
+            raise ConfigError(f"unknown config key {key!r}{where}{hint}")
+        if is_dataclass(hints[name]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} is a section: expected a mapping of its keys{where}, got {value!r}")
+            _check_keys(value, hints[name], f"{key}.", where)
+
+
+def _source(message: str, overrides: dict[str, Any], path: str | Path | None) -> str:
+    """Where the offending value came from: the overrides whose key the message names, else the YAML file."""
+    named = [
+        f"{key}={value!r}"
+        for key, value in overrides.items()
+        if re.search(rf"(?<![\w.]){re.escape(key)}\b", message) or f"$.{key}" in message
+    ]
+    if named:
+        return f" (from the override {', '.join(named)})"
+    return f" (from {path})" if path else ""
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -212,15 +343,55 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def config_from_cli(description: str, default_config: str | Path, argv: list[str] | None = None) -> RLConfig:
-    """The config of a recipe run: ``[--config FILE] [key=value ...]`` on top of the recipe's default YAML."""
+    """The config of a recipe run: ``[--config FILE] [--new] [--print-config] [key=value ...]`` on top of the
+    recipe's default YAML. ``--help`` lists every key with its default and meaning; ``--print-config`` prints the
+    resolved config as YAML and exits; ``--new`` starts over instead of resuming (``resume=False``)."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(default_config), help="YAML config (see trainers/config.py)")
+    try:
+        defaults: RLConfig | None = load_config(default_config)
+    except ConfigError:
+        defaults = None  # the help lists the dataclasses' defaults; the error comes when the config is loaded
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help(defaults)
+    )
+    parser.add_argument("--config", default=str(default_config), help="YAML config (keys below)")
+    parser.add_argument(
+        "--new", action="store_true", help="start over in output_dir (the previous run there is moved aside)"
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=20 train.lr=1e-3")
     args = parser.parse_args(argv)
-    return load_config(args.config, parse_overrides(args.overrides))
+    overrides = parse_overrides(args.overrides)
+    if args.new:
+        overrides["resume"] = False
+    config = load_config(args.config, overrides)
+    if args.print_config:
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        raise SystemExit(0)
+    return config
+
+
+def keys_help(defaults: RLConfig | None = None) -> str:
+    """Every config key with its default (``defaults``' value, e.g. the recipe's YAML) and meaning."""
+    lines = ["config keys (KEY=VALUE overrides, values parsed as YAML), with this recipe's defaults:"]
+    values = flatten_dict(config_to_dict(defaults)) if defaults is not None else {}
+    for key, (default, meaning) in config_keys().items():
+        lines.append(f"  {key} = {values.get(key, default)!r}" + (f"\n      {meaning}" if meaning else ""))
+    return "\n".join(lines)
 
 
 def config_to_dict(config: RLConfig) -> dict[str, Any]:
+    """The config as plain nested dicts (what ``config.yaml`` holds)."""
     return msgspec.to_builtins(config)
+
+
+def flatten_dict(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``; free-form mappings (``task.kwargs``) stay whole."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "kwargs":
+            out.update(flatten_dict(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

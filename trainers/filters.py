@@ -85,22 +85,25 @@ def max_trained_count(trained_counts: Tensor, max_count: int) -> Tensor:
     return trained_counts < max_count
 
 
-def nonzero_std_groups(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+def nonzero_std_groups(rewards: Tensor, group_size: int, eps: float = 1e-6, valid: Tensor | None = None) -> Tensor:
     """Keep whole groups whose rewards are not all equal (group std > ``eps``): DAPO dynamic sampling.
 
-    A group where every response scored the same has zero advantage everywhere and teaches nothing.
+    A group where every response scored the same has zero advantage everywhere and teaches nothing. Rows outside
+    ``valid`` (a failed reward, too stale) are left out of the statistics: their placeholder reward is no score, so
+    a group whose scored rows all agree is constant however many of its rows failed.
 
     Args:
         rewards: ``[N]`` scalar reward per row, laid out group by group; ``N`` a multiple of ``group_size``.
         group_size: number of responses per prompt, ``>= 1``.
         eps: std at or below which a group counts as constant, ``>= 0``.
+        valid: ``[N]`` bool, the rows whose reward counts; all when None.
 
     Returns:
         ``[N]`` bool keep-mask, constant within each group.
     """
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    keep_group = group_reward_std(rewards, group_size) > eps
+    keep_group = group_reward_std(rewards, group_size, valid) > eps
     return keep_group.repeat_interleave(group_size)
 
 
@@ -134,6 +137,7 @@ def apply_filters(
     rewards: Tensor | None = None,
     group_size: int | None = None,
     trained_counts: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """AND together the keep-masks of every filter ``config`` switches on.
 
@@ -143,6 +147,7 @@ def apply_filters(
         rewards: ``[N]`` laid out group by group, needed by ``nonzero_std_groups``.
         group_size: responses per prompt, needed by ``nonzero_std_groups``.
         trained_counts: ``[N]`` integer, needed by ``max_trained_count``.
+        valid: ``[N]`` bool, rows whose reward counts in ``nonzero_std_groups``'s statistics; all when None.
 
     Returns:
         ``[N]`` bool keep-mask (all True when no filter is on).
@@ -169,7 +174,7 @@ def apply_filters(
         rewards = _require("rewards", rewards, "nonzero_std_groups")
         if group_size is None:
             raise ValueError("FilterConfig.nonzero_std_groups needs group_size, got None")
-        masks.append(nonzero_std_groups(rewards, group_size, config.zero_std_eps))
+        masks.append(nonzero_std_groups(rewards, group_size, config.zero_std_eps, valid))
 
     given = [t for t in (advantages, rewards, trained_counts) if t is not None]
     if not given:

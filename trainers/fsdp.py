@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from trainers.checkpoint import load_checkpoint, save_checkpoint
 
@@ -154,6 +154,12 @@ class FSDPPolicy:
             on for CUDA, off on CPU.
         sync_module_states: broadcast rank 0's weights before sharding, so ranks that built different random
             weights agree. Skip it (``False``) when every rank loaded the same checkpoint.
+        trainable: ``False`` for a frozen model (a KL reference): no optimizer, no gradients; only
+            :meth:`compute_logprobs` and the state-dict methods apply.
+
+    Gradient synchronisation: over the micro-batches of one ``train_step`` gradients accumulate unsharded on each
+    rank (``set_requires_gradient_sync(False)``), and are reduce-scattered once, in the last micro-batch's
+    backward, as DDP's ``no_sync`` does.
 
     Raises:
         ValueError: on a non-positive ``micro_batch_size`` or ``grad_clip``, or an unknown ``loss_weighting``.
@@ -171,6 +177,7 @@ class FSDPPolicy:
         loss_weighting: Literal["tokens", "rows"] = "tokens",
         mixed_precision: bool | None = None,
         sync_module_states: bool = True,
+        trainable: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -205,10 +212,15 @@ class FSDPPolicy:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         fully_shard(module, mesh=mesh, mp_policy=mp_policy)
         self.model = module
-        cfg = self.optimizer_config
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps
-        )
+        self.trainable = trainable
+        self.optimizer: torch.optim.Optimizer | None = None
+        if trainable:
+            cfg = self.optimizer_config
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps
+            )
+        else:
+            self.model.requires_grad_(False)
 
     @torch.no_grad()
     def compute_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
@@ -251,6 +263,7 @@ class FSDPPolicy:
             ValueError: on missing keys, tensors with different row counts, ranks whose row counts give
                 different numbers of micro-batches, or a global batch with nothing to train on.
         """
+        optimizer = self._require_optimizer("train_step")
         micro_batches = self._split(batch)
         weights = [self._weight(mb) for mb in micro_batches]
         total_weight = _all_reduce_sum(torch.tensor(sum(weights), dtype=torch.float64, device=self.device)).item()
@@ -260,7 +273,10 @@ class FSDPPolicy:
 
         self.model.train()
         sums: dict[str, Tensor] = {}
-        for mb, weight in zip(micro_batches, weights, strict=True):
+        last = len(micro_batches) - 1
+        for i, (mb, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+            # reduce-scatter the accumulated gradients once, in the last micro-batch's backward
+            self.model.set_requires_gradient_sync(i == last)
             mb = {name: value.to(self.device, non_blocking=True) for name, value in mb.items()}
             logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
             loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
@@ -273,13 +289,13 @@ class FSDPPolicy:
         grad_norm = self._clip_grad_norm()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
         names = sorted(sums)
         reduced = _all_reduce_sum(torch.stack([sums[name] for name in names])) / total_weight
         result = dict(zip(names, reduced.tolist(), strict=True))
-        result.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]), skipped=float(skipped))
+        result.update(grad_norm=grad_norm, lr=float(optimizer.param_groups[0]["lr"]), skipped=float(skipped))
         return result
 
     def full_state_dict(self) -> dict[str, Tensor]:
@@ -289,7 +305,10 @@ class FSDPPolicy:
         Tied weights appear under each of their names, so an unsharded model of the same architecture can
         ``load_state_dict`` the result directly.
         """
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = self.model.state_dict()
+        if not _all_row_sharded(state.values(), self.world_size):
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _gather_row_shards(state, self.rank, self.world_size)
 
     def save_hf_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Write the full weights as a Hugging Face model directory (config + safetensors), from rank 0.
@@ -317,13 +336,27 @@ class FSDPPolicy:
             tmp.rename(path)
         dist.barrier()
 
-    def save_checkpoint(self, path: str | os.PathLike[str], extra_state: dict) -> None:
-        """Save model, optimizer, RNG states and ``extra_state``; see :func:`trainers.checkpoint.save_checkpoint`."""
-        save_checkpoint(path, self.model, self.optimizer, extra_state)
+    def save_checkpoint(self, path: str | os.PathLike[str], extra_state: dict, *, overwrite: bool = False) -> None:
+        """Save model, optimizer (if trainable), RNG states and ``extra_state``; see
+        :func:`trainers.checkpoint.save_checkpoint`."""
+        save_checkpoint(path, self.model, self.optimizer, extra_state, overwrite=overwrite)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict:
         """Restore what :meth:`save_checkpoint` saved and return its ``extra_state``."""
         return load_checkpoint(path, self.model, self.optimizer)
+
+    def load_weights(self, path: str | os.PathLike[str]) -> dict:
+        """Load only the model weights of a :meth:`save_checkpoint` checkpoint (no optimizer, no RNG); a collective.
+
+        Works for frozen models too: this is how a KL reference is restored. Returns the checkpoint's
+        ``extra_state``.
+        """
+        return load_checkpoint(path, self.model, None)
+
+    def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} needs a trainable policy; this one was built with trainable=False")
+        return self.optimizer
 
     def _logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
         # Positions count real tokens, so left padding (if any) does not shift them.
@@ -331,14 +364,7 @@ class FSDPPolicy:
         kwargs = {"use_cache": False} if self._is_hf else {}  # no KV cache to build during training
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else out.logits
-        logits = logits[:, :-1].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        targets = input_ids[:, 1:].unsqueeze(-1)
-        # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
-        shifted = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
-        logprobs = torch.nn.functional.pad(shifted, (1, 0))
-        return logprobs * attention_mask.to(logprobs.dtype)
+        return token_logprobs(logits, input_ids, attention_mask, temperature)
 
     def _split(self, batch: dict[str, Tensor]) -> list[dict[str, Tensor]]:
         missing = {"input_ids", "attention_mask", "response_mask"} - batch.keys()
@@ -380,6 +406,30 @@ class FSDPPolicy:
         return float(norm.item())
 
 
+def token_logprobs(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """``out[b, t] = log_softmax(logits[b, t - 1] / temperature)[input_ids[b, t]]``, 0 at t = 0 and on padding.
+
+    The full (untruncated) tempered distribution, the one the engines report for sampled tokens whatever their
+    top-k / top-p (docs/rl-conventions.md).
+
+    Raises:
+        ValueError: if ``temperature`` is not > 0 (greedy decoding reports log-probs at temperature 1).
+    """
+    if not temperature > 0:  # also NaN
+        raise ValueError(
+            f"temperature must be > 0 to score tokens, got {temperature} "
+            "(greedy decoding reports log-probs at temperature 1: pass 1.0)"
+        )
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
+    shifted = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
+    logprobs = torch.nn.functional.pad(shifted, (1, 0))
+    return logprobs * attention_mask.to(logprobs.dtype)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The blocks to shard one by one: ``model.model.layers`` (HF Llama, Qwen, Mistral), else every module whose
     class is named in the model's ``_no_split_modules`` (HF's list of blocks not to cut), innermost first.
@@ -408,6 +458,48 @@ def _broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
             dist.broadcast(staged, src=0)
             if staged.data_ptr() != tensor.data_ptr():
                 tensor.copy_(staged)
+
+
+def _all_row_sharded(values: Iterable[Tensor], world_size: int) -> bool:
+    """Whether every DTensor is sharded by rows over one mesh dimension of ``world_size``, all of one dtype."""
+    dtensors = [v for v in values if isinstance(v, DTensor)]
+    return len({v.dtype for v in dtensors}) <= 1 and all(
+        v.placements == (Shard(0),) and v.device_mesh.size() == world_size for v in dtensors
+    )
+
+
+def _shard_rows(rows: int, world_size: int) -> list[int]:
+    """Rows each rank holds of a tensor sharded on dim 0 (``torch.chunk``: ceil-sized chunks, the last ones short
+    or empty)."""
+    chunk = -(-rows // world_size)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
+
+
+def _gather_row_shards(state: dict[str, Tensor], rank: int, world_size: int) -> dict[str, Tensor]:
+    """The full tensors of a row-sharded state dict on rank 0 (``{}`` elsewhere), on CPU, in ONE all-gather of
+    every rank's shards laid end to end (one collective per parameter costs ~1 ms each on gloo)."""
+    unique = list({id(v): v for v in state.values() if isinstance(v, DTensor)}.values())
+    if not unique:
+        return {name: v.detach().cpu() for name, v in state.items()} if rank == 0 else {}
+    rows = [_shard_rows(v.shape[0], world_size) for v in unique]
+    row_numel = [math.prod(v.shape[1:]) for v in unique]
+    lengths = [sum(r[k] * n for r, n in zip(rows, row_numel, strict=True)) for k in range(world_size)]
+    local = torch.cat([v.to_local().reshape(-1) for v in unique])
+    padded = torch.zeros(max(lengths), dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded)
+    if rank != 0:
+        return {}
+    parts = [g.cpu() for g in gathered]
+    offsets, full = [0] * world_size, {}
+    for v, r, n in zip(unique, rows, row_numel, strict=True):
+        pieces = []
+        for k in range(world_size):
+            pieces.append(parts[k][offsets[k] : offsets[k] + r[k] * n].view(r[k], *v.shape[1:]))
+            offsets[k] += r[k] * n
+        full[id(v)] = torch.cat(pieces)
+    return {name: full[id(v)] if id(v) in full else v.detach().cpu() for name, v in state.items()}
 
 
 def _all_reduce_sum(tensor: Tensor) -> Tensor:

@@ -22,16 +22,19 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rl_contracts.prompts import PromptSource
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import rows_of
+from rl_contracts.task import Task, load_task
+from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
+from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
 from trainers.losses import policy_loss
+from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
-from workers.prompts import PromptSource
-from workers.queue_clock import QueueClock
-from workers.rollout import rows_of
-from workers.tasks.base import Task, load_task
 
 TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
@@ -72,16 +75,30 @@ def build_train_batch(
     out of their group's advantage statistics and of the loss (their ``response_mask`` is zeroed); so are rows
     dropped by the configured filters.
     """
-    prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-    sampled_logprobs = rows_of(data["response_logprobs"])
+    response_loss_masks = None
+    if "tokens" in data.keys():  # noqa: SIM118 (a TensorDict has no `in`)
+        # Multi-turn trajectories (workers/agents): jagged tokens/loss_mask/logprobs. The response mask is built
+        # from loss_mask here, in this one place, so environment tokens (mask 0) never reach the loss or the KL.
+        prompts, responses, sampled_logprobs, response_loss_masks = split_trajectories(
+            rows_of(data["tokens"]), rows_of(data["loss_mask"]), rows_of(data["logprobs"])
+        )
+    else:
+        prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
+        sampled_logprobs = rows_of(data["response_logprobs"])
     tensors = pad_sequences(prompts, responses, pad_token_id)
-    old_logprobs = torch.zeros_like(tensors["response_mask"])
+    for i, (p, m) in enumerate(zip(prompts, response_loss_masks or (), strict=False)):
+        tensors["response_mask"][i, len(p) : len(p) + len(m)] = torch.tensor(m, dtype=torch.float32)
+    rollout_logprobs = torch.zeros_like(tensors["response_mask"])
     for i, (p, lps) in enumerate(zip(prompts, sampled_logprobs, strict=True)):
-        old_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    tensors["old_logprobs"] = old_logprobs
+        rollout_logprobs[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    # the engine's log-probs; the old (proximal) policy too unless the trainer recomputes it (see train_step)
+    tensors["rollout_logprobs"] = rollout_logprobs
+    tensors["old_logprobs"] = rollout_logprobs.clone()
 
     rewards = data["reward"].to(torch.float32).reshape(-1)
-    failed = data["reward_failed"].to(torch.bool).reshape(-1)
+    # a non-finite reward never passes the reward worker; should one arrive anyway it counts as a failure
+    failed = data["reward_failed"].to(torch.bool).reshape(-1) | ~torch.isfinite(rewards)
+    rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
     staleness = trainer_version - data["policy_version"].to(torch.int64).reshape(-1)
     valid = ~failed & (staleness <= max_staleness)
     groups = torch.tensor(np.asarray(group_ids), dtype=torch.int64)
@@ -91,11 +108,12 @@ def build_train_batch(
             rewards[valid], groups[valid], normalize_std=config.train.normalize_advantage_std
         )
     keep = valid & apply_filters(
-        config.train.filters, advantages=advantages, rewards=rewards, group_size=config.n_samples
+        config.train.filters, advantages=advantages, rewards=rewards, group_size=config.n_samples, valid=valid
     )
     tensors["advantages"] = advantages
     tensors["response_mask"] = tensors["response_mask"] * keep.to(torch.float32).unsqueeze(1)
     response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
+    trained_tokens = tensors["response_mask"].sum(dim=1)
     stats = {
         "rows": float(len(rewards)),
         "reward_sum": float(rewards[~failed].sum()),
@@ -107,6 +125,10 @@ def build_train_batch(
         "staleness_sum": float(staleness.to(torch.float32).sum()),
         "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
         "response_len_sum": float(response_lengths.sum()),
+        "trained_tokens": float(trained_tokens.sum()),
+        # -log mu of the sampled tokens: an unbiased estimate of the sampling policy's entropy per token
+        "neg_logprob_sum": float(-(rollout_logprobs * (tensors["response_mask"] > 0)).sum()),
+        "token_staleness_sum": float((trained_tokens * staleness.to(torch.float32)).sum()),
     }
     return TrainBatch(tensors, stats)
 
@@ -180,16 +202,30 @@ class GRPOTrainerRank:
         return self.rank
 
     # ---- RL ------------------------------------------------------------------------------------------------
-    def init_reference(self) -> None:
-        """Freeze the current weights as the KL reference policy (after SFT, before RL)."""
+    def init_reference(self, path: str | None = None) -> None:
+        """The frozen KL reference policy: the weights of the checkpoint at ``path`` (a resumed run's original
+        reference, saved by :meth:`save_reference`), or else a copy of the current weights (after SFT, before
+        RL). It has no optimizer and no gradients."""
         assert self.policy is not None
-        state = self.policy.full_state_dict()
         model = self.task.build_policy()
-        if self.rank == 0:
-            model.load_state_dict(state)
+        if path is None:
+            state = self.policy.full_state_dict()
+            if self.rank == 0:
+                model.load_state_dict(state)
         self.reference = FSDPPolicy(
-            model, device=self.policy.device, micro_batch_size=self.config.train.micro_batch_size
+            model,
+            device=self.policy.device,
+            micro_batch_size=self.config.train.micro_batch_size,
+            trainable=False,
+            sync_module_states=path is None,
         )
+        if path is not None:
+            self.reference.load_weights(path)
+
+    def save_reference(self, path: str) -> None:
+        """Write the reference policy's weights (a collective) so a resumed run keeps the same reference."""
+        assert self.reference is not None, "init_reference first"
+        self.reference.save_checkpoint(path, {"reference": True}, overwrite=True)
 
     def train_step(self, step: int) -> dict[str, float]:
         """Train on global step ``step``: ``minibatches_per_step`` DP rounds, one optimizer step each."""
@@ -204,7 +240,7 @@ class GRPOTrainerRank:
         for k in range(rounds):
             meta = clock.call(
                 self.client.get_meta,
-                TRAIN_FIELDS,
+                TRAJECTORY_FIELDS if cfg.rollout.generate_fn else TRAIN_FIELDS,
                 rows,
                 global_step=step,
                 task_name=TRAIN_TASK,
@@ -229,18 +265,21 @@ class GRPOTrainerRank:
                 batch.tensors = pad_rows(batch.tensors, rows_taken, width)
                 batch.stats["trained_rows"] = float((batch.tensors["response_mask"] > 0).any(dim=1).sum())
                 batch.stats["trained_groups"] = float(groups_taken)
-            for name, value in batch.stats.items():
-                totals[name] = totals.get(name, 0.0) + value
+            totals_add(totals, batch.stats)
+            t = batch.tensors
+            if cfg.recompute_old_logprobs:
+                totals_add(totals, self._recompute_old_logprobs(t))
             if self.reference is not None:
-                t = batch.tensors
                 t["ref_logprobs"] = self.reference.compute_logprobs(
-                    t["input_ids"], t["attention_mask"], temperature=cfg.rollout.temperature
+                    t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
                 )
             if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
                 # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
                 # is off from the first step
                 train_metrics.append(
-                    self.policy.train_step(batch.tensors, self._loss_fn, temperature=cfg.rollout.temperature or 1.0)
+                    self.policy.train_step(
+                        batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.rollout.temperature)
+                    )
                 )
             train_s += time.perf_counter() - t1
         self.version = version + 1
@@ -254,6 +293,27 @@ class GRPOTrainerRank:
             optimizer_steps=len(train_metrics),
         )
         return out
+
+    def _recompute_old_logprobs(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Replace ``old_logprobs`` with the training model's, weight tokens by the rollout correction, and return
+        the mismatch metrics as sums over this rank's response tokens."""
+        assert self.policy is not None
+        cfg = self.config
+        old = self.policy.compute_logprobs(
+            t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
+        )
+        t["old_logprobs"] = old * t["attention_mask"].to(old.dtype)
+        weights, metrics = rollout_correction(
+            t["old_logprobs"],
+            t["rollout_logprobs"],
+            t["response_mask"],
+            cfg.train.rollout_correction,
+            high=cfg.train.rollout_is_high,
+            low=cfg.train.rollout_is_low,
+        )
+        t["is_weights"] = weights
+        tokens = float((t["response_mask"] > 0).sum())
+        return {f"{name}_sum": value * tokens for name, value in metrics.items()} | {"mismatch_tokens": tokens}
 
     def _loss_fn(self, *, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         t = self.config.train
@@ -269,6 +329,7 @@ class GRPOTrainerRank:
             batch["advantages"],
             batch["response_mask"],
             ref_logprobs=batch.get("ref_logprobs"),
+            token_weights=batch.get("is_weights"),
             kl_coef=t.kl_coef,
             kl_kind=t.kl_kind,
             **knobs,
@@ -305,13 +366,23 @@ class GRPOTrainerRank:
         state = self.policy.full_state_dict()
         return [ray.put(state)] if self.rank == 0 else None
 
+    def publish_weights(self, channel_path: str) -> float:
+        """A collective: gather the full weights; rank 0 writes them to the weight channel at ``channel_path`` as
+        this rank's policy version. Returns the seconds it took."""
+        assert self.policy is not None
+        started = time.perf_counter()
+        state = self.policy.full_state_dict()
+        if self.rank == 0:
+            WeightChannel(channel_path).write(self.version, state)
+        return time.perf_counter() - started
+
     def save_hf(self, path: str) -> None:
         assert self.policy is not None
         self.policy.save_hf_pretrained(path)
 
-    def save_checkpoint(self, path: str, extra_state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str, extra_state: dict[str, Any], overwrite: bool = False) -> None:
         assert self.policy is not None
-        self.policy.save_checkpoint(path, {**extra_state, "policy_version": self.version})
+        self.policy.save_checkpoint(path, {**extra_state, "policy_version": self.version}, overwrite=overwrite)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         assert self.policy is not None
@@ -321,6 +392,12 @@ class GRPOTrainerRank:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature log-probs are scored at for a rollout at ``sampling_temperature``: the same, except greedy
+    decoding (0), whose engines report ``log_softmax(logits)`` (see ``workers.engines.base.Generation``)."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
 
 
 def _nll_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -348,6 +425,11 @@ def _global_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def totals_add(totals: dict[str, float], values: dict[str, float]) -> None:
+    for name, value in values.items():
+        totals[name] = totals.get(name, 0.0) + value
+
+
 def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum the per-rank counters over ranks (max for maxima) and turn sums into means."""
     names = sorted(n for n in totals if not n.endswith("_max"))
@@ -368,5 +450,13 @@ def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, f
         "staleness_mean": s["staleness_sum"] / rows,
         "staleness_max": float(peak.item()),
         "response_len": s["response_len_sum"] / rows,
+        # per trained token: how many versions behind the policy that sampled it was
+        "staleness_token_mean": s.get("token_staleness_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
+        "entropy": s.get("neg_logprob_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
         **({"trained_groups": s["trained_groups"]} if "trained_groups" in s else {}),
+        **{
+            name[: -len("_sum")]: s[name] / max(s["mismatch_tokens"], 1.0)
+            for name in s
+            if "mismatch_tokens" in s and name.endswith("_sum") and name.startswith(("mismatch_", "is_"))
+        },
     }

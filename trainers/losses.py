@@ -199,6 +199,46 @@ def cispo_loss(
     return _finish(loss_mat, mask, loss_agg, token_weights, log_ratio, ratio, clipped)
 
 
+def minirl_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    loss_agg: str = "token-mean",
+    token_weights: Tensor | None = None,
+) -> LossOutput:
+    """MiniRL (Qwen, "Stabilizing Reinforcement Learning with LLMs: Formulation and Practices", arXiv 2512.01374).
+
+    Token-level policy gradient ``-w_t * M_t * A * r_t`` with ``r_t = exp(logprobs - old_logprobs)`` (the current
+    policy over the trainer's old/proximal policy), where
+
+    - ``w_t`` is the rollout-trainer importance weight ``pi_old / mu_old`` (the trainer's over the inference
+      engine's probability of the sampled token), passed as ``token_weights`` (``rollout_correction``); 1 when
+      the trainer did not recompute the old log-probs;
+    - ``M_t`` masks the tokens PPO's clip would stop: ``A > 0`` and ``r_t > 1 + clip_high``, or ``A < 0`` and
+      ``r_t < 1 - clip_low``. Unlike PPO's ``min``, a masked token contributes neither value nor gradient.
+
+    On-policy (``r = 1``) the gradient is ``-w_t * A * grad(logprob_t)``, REINFORCE with the IS correction.
+
+    Args:
+        logprobs, old_logprobs, advantages, response_mask, loss_agg, token_weights: as in ``ppo_clip_loss``.
+        clip_low, clip_high: the masking band ``[1 - clip_low, 1 + clip_high]`` on ``r_t``.
+
+    Returns:
+        ``(loss, metrics)``; ``clip_frac`` is the fraction of response tokens masked.
+    """
+    mask, adv = _check_inputs(logprobs, old_logprobs, advantages, response_mask, loss_agg, token_weights)
+    _check_clip(clip_low, clip_high)
+    log_ratio = _log_ratio(logprobs, old_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    masked = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
+    loss_mat = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
+    return _finish(loss_mat, mask, loss_agg, token_weights, log_ratio, ratio, masked)
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimate of KL(policy || reference) from tokens sampled by the policy (Schulman's k1/k2/k3).
 
@@ -252,6 +292,7 @@ LOSSES: dict[str, Callable[..., LossOutput]] = {
     "grpo": grpo_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
+    "minirl": minirl_loss,
 }
 _DEFAULT_LOSS_AGG = {name: inspect.signature(fn).parameters["loss_agg"].default for name, fn in LOSSES.items()}
 

@@ -4,18 +4,92 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 PLOTTED = [
     ("reward", "GRPO mean reward"),
     ("accuracy", "accuracy (reward >= 1)"),
+    ("success", "episode success rate"),
+    ("num_turns", "turns per episode"),
+    ("dropped_groups", "dropped groups"),
     ("eval_accuracy", "greedy eval accuracy"),
     ("loss", "loss"),
     ("kl", "KL to reference"),
     ("staleness_mean", "staleness (versions)"),
     ("samples_per_s", "samples / s"),
 ]
+# where a step's time goes: stacked in the last panel of metrics.png
+TIME_PARTS = [("generate_s", "generate"), ("train_s", "train"), ("reward_s", "reward"), ("sync_s", "weight sync")]
+# what tells a person the run is healthy: (metric, label, format), on the bar or the plain lines
+HEALTH = [
+    ("reward", "reward", ".3f"),
+    ("kl", "kl", ".4f"),
+    ("entropy", "entropy", ".3f"),
+    ("grad_norm", "grad_norm", ".3f"),
+    ("step_s", "step_s", ".2f"),
+]
+
+
+def health_line(row: dict[str, Any]) -> str:
+    """``reward 0.512 | kl 0.0012 | ...`` for the metrics of ``HEALTH`` present in ``row``."""
+    return " | ".join(f"{label} {row[key]:{fmt}}" for key, label, fmt in HEALTH if row.get(key) is not None)
+
+
+class StepReporter:
+    """Progress of the GRPO steps: a tqdm bar on a terminal; without one (``ray job logs``, a file) one plain line
+    every ``every`` steps, instead of tqdm's carriage-return redraws that become two lines per step.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> r = StepReporter(0, 4, every=2, stream=out, terminal=False)
+    >>> for s in range(4): r.update(s, {"reward": 0.5, "step_s": 0.25})
+    >>> print(out.getvalue(), end="")
+    GRPO step 2/4 | reward 0.500 | step_s 0.25
+    GRPO step 4/4 | reward 0.500 | step_s 0.25
+    """
+
+    def __init__(
+        self, start: int, total: int, every: int = 10, stream: TextIO | None = None, terminal: bool | None = None
+    ):
+        self.total, self.every, self.stream = total, max(every, 1), stream or sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.bar = None
+        if self.terminal:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True, file=self.stream)
+
+    def update(self, step: int, row: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(health_line(row), refresh=True)
+        elif (step + 1) % self.every == 0 or step + 1 == self.total:
+            print(f"GRPO step {step + 1}/{self.total} | {health_line(row)}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class PlotRefresher:
+    """Redraw ``metrics.png`` during the run, at most every ``min_interval_s`` seconds (plotting takes ~0.5 s)."""
+
+    def __init__(self, jsonl: str | Path, png: str | Path, title: str, min_interval_s: float = 60.0):
+        self.jsonl, self.png, self.title, self.min_interval_s = jsonl, png, title, min_interval_s
+        self._last = time.monotonic()
+
+    def maybe_refresh(self) -> bool:
+        if time.monotonic() - self._last < self.min_interval_s:
+            return False
+        self.refresh()
+        return True
+
+    def refresh(self) -> Path:
+        self._last = time.monotonic()
+        return plot_metrics(self.jsonl, self.png, title=self.title)
 
 
 class MetricsLog:
@@ -48,8 +122,12 @@ def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: 
 
     rows = MetricsLog(jsonl).rows(kind)
     panels = [(key, label) for key, label in PLOTTED if any(r.get(key) is not None for r in rows)]
+    parts = [(key, label) for key, label in TIME_PARTS if any(r.get(key) is not None for r in rows)]
     png = Path(png)
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.2 * max(len(panels), 1), 2.8), squeeze=False)
+    count = max(len(panels) + bool(parts), 1)
+    fig, axes = plt.subplots(1, count, figsize=(3.2 * count, 2.8), squeeze=False)
+    if parts:
+        _plot_time_breakdown(axes[0][-1], rows, parts)
     for ax, (key, label) in zip(axes[0], panels, strict=False):
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         xs, ys = zip(*points, strict=True) if points else ((), ())
@@ -68,6 +146,19 @@ def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: 
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return png
+
+
+def _plot_time_breakdown(ax: Any, rows: list[dict[str, Any]], parts: list[tuple[str, str]]) -> None:
+    """Stacked seconds per step by part, and the step's wall time (the parts can overlap in async mode)."""
+    steps = [r["step"] for r in rows]
+    ax.stackplot(steps, *[[r.get(key) or 0.0 for r in rows] for key, _ in parts], labels=[lb for _, lb in parts])
+    if any(r.get("step_s") is not None for r in rows):
+        ax.plot(steps, [r.get("step_s") or 0.0 for r in rows], color="black", lw=0.8, label="step wall time")
+    ax.set_title("seconds per step", fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6, loc="upper right")
+    ax.grid(alpha=0.3)
 
 
 def fifth_means(values: list[float]) -> tuple[float, float]:

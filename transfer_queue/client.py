@@ -39,18 +39,29 @@ from transfer_queue.errors import (
     ClientClosed,
     InvalidRequest,
     ProtocolMismatch,
+    QueueClosed,
     RequestTimeout,
+    ServerGone,
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
     error_from_wire,
 )
-from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+# Sessions of queues this process shut down (``transfer_queue.shutdown``): their clients fail at once.
+_closed_sessions: set[str] = set()
+
+
+def mark_queue_closed(session_id: str) -> None:
+    """Tell every client of this process that the queue of ``session_id`` is shut down: they raise QueueClosed."""
+    _closed_sessions.add(session_id)
 
 
 def _partition(global_step: int | None, partition_id: str | None, metadata: BatchMeta | None = None) -> PartitionKey:
@@ -125,6 +136,11 @@ class AsyncTransferQueueClient:
     ) -> list[tuple[Any, list[Any]]]:
         if self._closed:
             raise ClientClosed(f"client {self.client_id!r} is closed")
+        if self.controller_info.session_id in _closed_sessions:
+            raise QueueClosed(
+                f"client {self.client_id!r}: its queue was shut down (transfer_queue.shutdown); "
+                "call transfer_queue.init to start a new one"
+            )
         wire = []
         for endpoint, body, buffers in calls:
             frames, request_id = self._frames(body, buffers)
@@ -137,6 +153,8 @@ class AsyncTransferQueueClient:
             )
         except RequestTimeout as exc:
             raise RequestTimeout(f"{who}: {exc}") from None
+        except ServerGone as exc:
+            raise ServerGone(f"{who}: {exc}") from None
         out = []
         for frames in replies:
             header = p.decode_reply_header(frames[0])
@@ -167,7 +185,7 @@ class AsyncTransferQueueClient:
                 f"storage units {[u for u, _, _ in calls]} did not answer",
                 into,
             )
-        except RequestTimeout as exc:
+        except (RequestTimeout, ServerGone) as exc:
             raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
 
     def _row_lengths(self, columns: dict[str, Column], num_rows: int) -> np.ndarray:
@@ -446,7 +464,7 @@ class AsyncTransferQueueClient:
         ``tags`` (one msgpack-encodable value per key, e.g. a dict) are stored as the non-tensor field ``tags``.
         """
         timeout = self._timeout(timeout)
-        keys = [str(k) for k in keys]
+        keys = as_names(keys)
         if isinstance(fields, dict):
             fields = TensorDict(dict(fields), batch_size=[len(keys)]) if fields else fields
         num_rows, columns = columns_from_tensordict(fields)
@@ -481,8 +499,8 @@ class AsyncTransferQueueClient:
         """The rows of ``keys`` (in that order) with ``select_fields`` (default: every field all of them have)."""
         request = p.KvLookup(
             _kv_partition(partition_id),
-            [str(k) for k in keys],
-            None if select_fields is None else list(select_fields),
+            as_names(keys),
+            None if select_fields is None else as_names(select_fields),
         )
         wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
         return await self.get_data(wire.to_meta())
@@ -492,8 +510,9 @@ class AsyncTransferQueueClient:
         return await self._control(p.KvList(_kv_partition(partition_id)), Any, self.config.default_timeout)
 
     async def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
-        """Forget ``keys`` (None: the whole partition) and free their payload. Unknown keys are ignored."""
-        request = p.KvClear(_kv_partition(partition_id), None if keys is None else [str(k) for k in keys])
+        """Forget ``keys`` (a str is one key; None: the whole partition) and free their payload. Unknown keys are
+        ignored."""
+        request = p.KvClear(_kv_partition(partition_id), None if keys is None else as_names(keys))
         await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)  # answered as clear is
 
 

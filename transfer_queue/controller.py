@@ -335,9 +335,10 @@ class TransferQueueController:
         return ray.get([u.stats.remote() for u in self._units])
 
     def shutdown(self) -> None:
-        """Stop serving and stop the storage units this controller started."""
+        """Stop serving and stop the storage units this controller started (again: a no-op)."""
         self._server.stop()
         if self._owns_units:
+            self._owns_units = False
             ray.get([u.shutdown.remote() for u in self._units])
             for unit in self._units:
                 ray.kill(unit)

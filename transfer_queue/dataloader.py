@@ -3,23 +3,56 @@
 Batches are yielded as ``(TensorDict, BatchMeta)`` as soon as they are ready, and the iteration ends at the end of
 the stream (the partition closed, or its step full, and everything consumed). Every rank of a data-parallel world
 iterates its own dataset with its own ``dp_rank``; round ``k`` of every rank is one DP round of the queue, so the
-ranks share rows without overlap. With ``num_workers > 0``, worker ``w`` of every rank takes rounds
-``w, w + W, ...`` and the DataLoader yields them in round order.
+ranks share rows without overlap, and every rank yields the same number of batches (a collective in the training
+step never waits for a rank that stopped early): the last round, when the stream ends short of a full one, is
+dropped on every rank (``drop_last=True``) or yielded by every rank with empty batches where a rank's share has
+no rows (``drop_last=False``).
+
+With ``num_workers > 0`` (:class:`StreamingDataLoader`), worker ``w`` takes rounds ``w, w + W, ...``; the workers
+ask the queue for their rounds strictly in round order (a turn shared between them), fetch the data in parallel,
+and hand each round over whole, so the loader yields batches in round order and a round's micro-batches are never
+held back behind a later round that is still waiting for rows.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from transfer_queue.client import TransferQueueClient, _partition, default_client_id
 from transfer_queue.errors import InvalidRequest
 from transfer_queue.metadata import BatchMeta
 from transfer_queue.protocol import ControllerInfo
+
+
+class RoundTurns:
+    """Whose turn it is to ask the queue for a round, shared by the worker processes of one pass: the worker of
+    round ``r`` asks only once round ``r - 1`` was asked (and answered), so the rounds take rows in round order.
+
+    Created in the loader's process before its workers start (they inherit it, fork or spawn alike)."""
+
+    def __init__(self, context: Any = None):
+        ctx = context if context is not None else multiprocessing.get_context()
+        self._next = ctx.Value("q", 0, lock=False)
+        self._changed = ctx.Condition()
+
+    @contextmanager
+    def turn(self, round_index: int) -> Iterator[None]:
+        """Wait for round ``round_index``'s turn, and pass it on when the block ends (also when it raises)."""
+        with self._changed:
+            while self._next.value < round_index:
+                self._changed.wait(timeout=1.0)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._next.value = max(self._next.value, round_index + 1)
+                self._changed.notify_all()
 
 
 class StreamingDataset(IterableDataset):
@@ -37,6 +70,13 @@ class StreamingDataset(IterableDataset):
         get_n_samples: whole GRPO groups only.
         timeout: seconds to wait for one round.
         device: where tensors are delivered.
+        drop_last: what happens to the last round when the stream ends short of ``dp_size * batch_size`` rows
+            (its shares are uneven, some may be empty). ``True`` (default): every rank drops it (its rows count as
+            served to the task, as ``torch``'s ``drop_last`` drops them), so every rank yields only full rounds.
+            ``False``: every rank yields it as ``ceil(largest share / micro_batch_size)`` batches (one without
+            micro-batches), padding with batches of **zero rows** where its own share runs out; a training step
+            must then accept an empty batch (weight its loss by the rows it has, e.g. sum / global row count).
+            Either way every rank yields the same number of batches.
     """
 
     def __init__(
@@ -53,6 +93,7 @@ class StreamingDataset(IterableDataset):
         get_n_samples: bool = False,
         timeout: float | None = None,
         device: str | torch.device | None = None,
+        drop_last: bool = True,
     ):
         super().__init__()
         self.partition = _partition(global_step, partition_id)
@@ -62,12 +103,15 @@ class StreamingDataset(IterableDataset):
             raise InvalidRequest(f"batch_size must be an int >= 1, got {batch_size!r}")
         if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
             raise InvalidRequest(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+        if not isinstance(drop_last, bool):
+            raise InvalidRequest(f"drop_last must be a bool, got {drop_last!r}")
         self.data_fields = list(data_fields)
         self.batch_size = batch_size
         self.task_name = task_name
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.micro_batch_size = micro_batch_size
+        self.drop_last = drop_last
         if controller_info is None:
             # Looked up here, in the process that builds the dataset: DataLoader workers are forked from it, and a
             # forked process cannot use Ray (the lookup there hangs).
@@ -81,41 +125,66 @@ class StreamingDataset(IterableDataset):
         self.timeout = timeout
         self.device = device
         self.epoch = 0  # passes over the stream so far: each pass's DP rounds are its own
+        self.turns: RoundTurns | None = None  # set by StreamingDataLoader for its workers: rounds asked in order
 
     def _client(self) -> TransferQueueClient:
         return TransferQueueClient(f"{default_client_id()}-dataset-rank{self.dp_rank}", self.controller_info)
 
-    def __iter__(self) -> Iterator[tuple[TensorDict, BatchMeta]]:
+    def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
         if worker is None:  # iterated directly; StreamingDataLoader bumps the epoch before its workers copy us
             self.epoch += 1
-        epoch = self.epoch
         client = self._client()
-        key = self.partition
-        step = {"global_step": key} if isinstance(key, int) else {"partition_id": key}
         try:
             for round_index in range(worker_id, 1 << 62, num_workers):
-                meta = client.get_meta(
-                    self.data_fields,
-                    self.batch_size,
-                    task_name=self.task_name,
-                    sampler_params={
-                        "dp_rank": self.dp_rank,
-                        "dp_size": self.dp_size,
-                        "dp_group_id": f"stream/{self.task_name}/{key}/e{epoch}/{round_index}",
-                    },
-                    get_n_samples=self.get_n_samples,
-                    timeout=self.timeout,
-                    **step,
-                )
-                if len(meta) == 0:
+                if self.turns is None:
+                    meta = self._round_meta(client, round_index)
+                else:
+                    with self.turns.turn(round_index):
+                        meta = self._round_meta(client, round_index)
+                pieces = self._pieces(meta)
+                if not pieces:  # the end of the stream (or its short last round, dropped on every rank)
                     return
-                pieces = meta.chunk(-(-len(meta) // self.micro_batch_size)) if self.micro_batch_size else [meta]
-                for piece in pieces:
-                    yield client.get_data(piece, device=self.device), piece
+                batches = [(client.get_data(piece, device=self.device), piece) for piece in pieces]
+                if self.turns is not None:  # StreamingDataLoader's worker: the whole round is one item
+                    yield batches
+                else:
+                    yield from batches
         finally:
             client.close()
+
+    def _round_meta(self, client: TransferQueueClient, round_index: int) -> BatchMeta:
+        key = self.partition
+        step = {"global_step": key} if isinstance(key, int) else {"partition_id": key}
+        return client.get_meta(
+            self.data_fields,
+            self.batch_size,
+            task_name=self.task_name,
+            sampler_params={
+                "dp_rank": self.dp_rank,
+                "dp_size": self.dp_size,
+                "dp_group_id": f"stream/{self.task_name}/{self.partition}/e{self.epoch}/{round_index}",
+            },
+            get_n_samples=self.get_n_samples,
+            timeout=self.timeout,
+            **step,
+        )
+
+    def _pieces(self, meta: BatchMeta) -> list[BatchMeta]:
+        """This rank's batches of one round: as many as every other rank yields for it (none: the stream ended)."""
+        round_rows = meta.extra.get("round_rows", len(meta))
+        if round_rows == 0:
+            return []
+        short = round_rows < self.dp_size * self.batch_size
+        if short and self.drop_last:
+            return []
+        largest = meta.extra.get("round_max_share", len(meta)) if short else max(len(meta), self.batch_size)
+        count = -(-largest // self.micro_batch_size) if self.micro_batch_size else 1
+        if not len(meta):
+            return [meta] * count
+        pieces = meta.chunk(-(-len(meta) // self.micro_batch_size)) if self.micro_batch_size else [meta]
+        return pieces + [meta.select_samples([])] * (count - len(pieces))
 
 
 def _identity(batch: Any) -> Any:
@@ -124,13 +193,18 @@ def _identity(batch: Any) -> Any:
 
 class StreamingDataLoader(DataLoader):
     """A DataLoader over a :class:`StreamingDataset`, yielding ``(TensorDict, BatchMeta)`` tuples; ``num_workers``
-    and ``prefetch_factor`` fetch rounds ahead in worker processes."""
+    and ``prefetch_factor`` fetch rounds ahead in worker processes, and batches still come in round order."""
 
     def __init__(
         self, dataset: StreamingDataset, num_workers: int = 0, prefetch_factor: int | None = None, **kwargs: Any
     ):
         if not isinstance(dataset, StreamingDataset):
             raise InvalidRequest(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+        if kwargs.get("persistent_workers"):
+            raise InvalidRequest(
+                "StreamingDataLoader does not keep workers between passes (persistent_workers=True): every pass "
+                "takes new DP rounds, which the workers learn when they start"
+            )
         super().__init__(
             dataset,
             batch_size=None,
@@ -141,7 +215,14 @@ class StreamingDataLoader(DataLoader):
         )
 
     def __iter__(self) -> Any:
-        if self.num_workers > 0:  # workers copy the dataset as it is now: give this pass its own rounds
-            assert isinstance(self.dataset, StreamingDataset)
-            self.dataset.epoch += 1
-        return super().__iter__()
+        if self.num_workers == 0:
+            return super().__iter__()
+        # Workers copy the dataset as it is now: give this pass its own rounds, and one turn for its workers.
+        assert isinstance(self.dataset, StreamingDataset)
+        self.dataset.epoch += 1
+        self.dataset.turns = RoundTurns(self.multiprocessing_context)
+        try:
+            rounds = super().__iter__()
+        finally:
+            self.dataset.turns = None  # the workers have their copy; a direct iteration must not wait on it
+        return (batch for batches in rounds for batch in batches)

@@ -113,6 +113,15 @@ class ClientClosed(TransferQueueError, RuntimeError):
     """The client was closed; create a new one."""
 
 
+class QueueClosed(TransferQueueError, ConnectionError):
+    """The queue this client talks to was shut down (``transfer_queue.shutdown``); ``init`` starts a new one."""
+
+
+class ServerGone(TransferQueueError, ConnectionError):
+    """A server (the controller or a storage unit) closed its connection or no longer listens: its process died or
+    it was shut down. Raised as soon as the transport sees it, not after the request's timeout."""
+
+
 class MalformedMessage(TransferQueueError, ValueError):
     """A frame received over ZeroMQ could not be decoded; the server replied with this and kept serving."""
 
@@ -145,6 +154,8 @@ _BY_NAME: dict[str, type[TransferQueueError]] = {
         ConfigMismatch,
         QueueNotFound,
         ClientClosed,
+        QueueClosed,
+        ServerGone,
         MalformedMessage,
     )
 }

@@ -50,6 +50,13 @@ class FieldSchema(msgspec.Struct, frozen=True, array_like=True):
         return f"{self.kind} {self.dtype}{row}"
 
 
+def as_names(names: str | Iterable[Any]) -> list[str]:
+    """Field names or keys as a list of str: a bare ``str`` is ONE name (never iterated character by character)."""
+    if isinstance(names, str):
+        return [names]
+    return [str(n) for n in names]
+
+
 def _int64(values: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
 
@@ -152,8 +159,8 @@ class BatchMeta:
         )
 
     def select_fields(self, names: Iterable[str]) -> BatchMeta:
-        """The same rows with only the fields ``names``."""
-        names = list(dict.fromkeys(names))
+        """The same rows with only the fields ``names`` (a str is one field)."""
+        names = list(dict.fromkeys(as_names(names)))
         missing = [n for n in names if n not in self.fields]
         if missing:
             raise UnknownField(f"fields {missing} are not in this batch; it has {self.field_names}")

@@ -35,6 +35,12 @@ AVAILABLE, LEASED, CONSUMED = 0, 1, 2
 MAX_FIELDS = 64
 
 
+def unique_in_order(rows: np.ndarray) -> np.ndarray:
+    """``rows`` without repeats, each kept where it first appears."""
+    _, first = np.unique(rows, return_index=True)
+    return rows[np.sort(first)]
+
+
 def describe_partition(key: PartitionKey) -> str:
     return f"global_step={key}" if isinstance(key, int) else f"partition_id={key!r}"
 
@@ -498,7 +504,7 @@ class PartitionState:
     def release(self, task_name: str, rows: np.ndarray) -> None:
         """Hand rows back to a task: they are available (and ready, where produced) again."""
         task = self.task(task_name)
-        rows = rows[(rows >= 0) & (rows < self.num_rows)]
+        rows = unique_in_order(rows[(rows >= 0) & (rows < self.num_rows)])  # a row named twice is released once
         rows = rows[task.consumption[rows] != AVAILABLE]
         task.consumption[rows] = AVAILABLE
         for index in task.ready.values():

@@ -29,6 +29,7 @@ from transfer_queue.errors import (
     PartitionCleared,
     PutExpired,
     QueueFull,
+    SamplerError,
     StaleBatchMeta,
     TransferQueueError,
     UnknownField,
@@ -39,7 +40,7 @@ from transfer_queue.metadata import BatchMeta, PartitionKey
 from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, describe_partition
 from transfer_queue.placement import place_rows
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
-from transfer_queue.selection import ReadyView, select_with_user_sampler
+from transfer_queue.selection import ReadyView, checked_shares, select_with_user_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,17 @@ class QueueState:
                 result = self._try_get_meta(parked.job)
             except TransferQueueError as exc:
                 parked.respond(None, exc)
+                continue
+            except Exception as exc:  # a bug in a task's sampler: only that task's getter hears of it
+                job = parked.job
+                logger.exception("the sampler of task %r failed serving a waiting get_meta", job.request.task_name)
+                parked.respond(
+                    None,
+                    SamplerError(
+                        f"the sampler {type(job.sampler).__name__} of task {job.request.task_name!r} raised "
+                        f"{type(exc).__name__}: {exc}"
+                    ),
+                )
                 continue
             if result is WAIT:
                 still.append(parked)
@@ -603,13 +615,35 @@ class QueueState:
             if rows is None:
                 return WAIT
             group = part.group_size if job.whole_groups else 1
-            dp_round.shares = job.sampler.split(rows, job.dp_size, part.length[rows], group)
+            try:
+                shares = job.sampler.split(rows, job.dp_size, part.length[rows], group)
+                group_of = part.group if job.whole_groups else None
+                dp_round.shares = checked_shares(shares, rows, job.dp_size, group_of, type(job.sampler).__name__)
+            except Exception as exc:
+                # the rows go back to the task untouched and the round is forgotten: only this call fails
+                part.release(req.task_name, rows)
+                del part.rounds[round_key]
+                self._forget_auto_round(job)
+                if isinstance(exc, TransferQueueError):
+                    raise
+                raise SamplerError(
+                    f"{type(job.sampler).__name__}.split raised {type(exc).__name__}: {exc}; "
+                    f"the {len(rows)} rows it was given are ready again"
+                ) from exc
         if job.dp_rank in dp_round.released:
             raise InvalidRequest(
                 f"the share of dp_rank={job.dp_rank} in dp_group_id {job.dp_group_id!r} was released; "
                 "ask again with a new dp_group_id"
             )
-        extra = {"dp_rank": job.dp_rank, "dp_size": job.dp_size, "dp_group_id": job.dp_group_id}
+        shares = dp_round.shares
+        extra = {
+            "dp_rank": job.dp_rank,
+            "dp_size": job.dp_size,
+            "dp_group_id": job.dp_group_id,
+            # what every rank of the round needs to yield the same number of batches (a short last round)
+            "round_rows": int(sum(len(share) for share in shares)),
+            "round_max_share": int(max(len(share) for share in shares)),
+        }
         return part.meta_wire(dp_round.shares[job.dp_rank], req.fields, req.task_name, extra)
 
     def _select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
@@ -684,7 +718,10 @@ class QueueState:
     def _on_release(self, req: p.Release) -> None:
         part = self._by_uid(req.partition_uid)
         if part is None:
-            return  # its partition was cleared: nothing to hand back
+            raise StaleBatchMeta(
+                f"release of a BatchMeta whose partition (uid {req.partition_uid}) was cleared: its rows no longer "
+                "exist; get a fresh BatchMeta"
+            )
         rows = p.unpack_indexes(req.global_indexes) - part.base_index
         part.release(req.task_name, rows)
         released = set(rows.tolist())
@@ -698,15 +735,15 @@ class QueueState:
     def _on_clear(self, req: p.Clear) -> None:
         key = self._check_key(req.partition)
         part = self.partitions.pop(key, None)
+        if part is None:
+            return  # never opened, or already cleared: a no-op (it must not mark steps up to ``key`` as cleared)
         if isinstance(key, int):
             self.max_cleared_step = max(self.max_cleared_step, key)
         else:
             self.cleared_names.add(key)
-        for waiting in [k for k in self.getters if k != key or part is None]:
+        for waiting in [k for k in self.getters if k != key]:
             if waiting not in self.partitions:  # waits for a partition to open: fails if it now never can
                 self._retry_getters(waiting)
-        if part is None:
-            return
         for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
             del self.open_puts[put.put_id]  # its bytes are counted in part.nbytes
         self.bytes_held -= part.nbytes

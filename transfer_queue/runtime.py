@@ -7,6 +7,7 @@ by the process that created them, so they live as long as its job (right for ``r
 
 from __future__ import annotations
 
+import atexit
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.controller import TransferQueueController
 from transfer_queue.errors import ConfigMismatch, InvalidRequest, QueueNotFound
 from transfer_queue.samplers import SamplerSpec, make_sampler
+from transfer_queue.socket_dirs import sweep_stale
 from transfer_queue.storage import StorageUnit
 
 if TYPE_CHECKING:  # the client loads torch; the controller imports this module (to start storage units) without
@@ -90,6 +92,7 @@ def init(
     wanted_sampler = type(make_sampler(sampler)).__name__
     if not ray.is_initialized():
         ray.init()
+    sweep_stale()  # socket directories of queues whose processes died without cleaning up (on this host)
     handle = _find()
     if handle is None:
         try:
@@ -105,6 +108,8 @@ def init(
                 **config,
             )
             ray.get(handle.get_info.remote())
+            if not _started:  # a driver that exits without shutdown() still stops its queue (and its sockets)
+                atexit.register(_shutdown_at_exit)
             _started.append(handle)
         except ValueError:  # another process created it first: attach below
             handle = _find()
@@ -153,6 +158,15 @@ def get_client(client_id: str | None = None, spin_seconds: float = 0.0) -> Trans
     return TransferQueueClient(client_id or default_client_id(), info, spin_seconds=spin_seconds)
 
 
+def _shutdown_at_exit() -> None:
+    """Stop the queue this process started, if it still runs (registered by ``init``; runs before Ray's own exit)."""
+    if _started:
+        try:
+            shutdown(timeout=10.0)
+        except Exception:  # exiting anyway: Ray kills the actors, the next init sweeps their socket directories
+            pass
+
+
 def shutdown(timeout: float = 30.0) -> None:
     """Stop the queue ``init`` started; returns once its name is free, so ``init`` may follow at once."""
     if not ray.is_initialized():
@@ -160,12 +174,19 @@ def shutdown(timeout: float = 30.0) -> None:
     handle = _find()
     if handle is None:
         return
+    try:  # this process's clients of the queue fail at once from now on (QueueClosed), not at their timeout
+        from transfer_queue.client import mark_queue_closed
+
+        mark_queue_closed(ray.get(handle.get_info.remote(), timeout=min(timeout, 10.0)).session_id)
+    except Exception:  # a dead or stuck controller: its clients learn it from the transport (ServerGone)
+        pass
     try:
         ray.get(handle.shutdown.remote(), timeout=timeout)
     except Exception:  # a dead or stuck controller is killed below anyway
         pass
     ray.kill(handle)
     _started.clear()
+    atexit.unregister(_shutdown_at_exit)
     deadline = time.monotonic() + timeout
     while _find() is not None:
         if time.monotonic() > deadline:

@@ -126,3 +126,29 @@ def groups_together(groups: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
     return np.argsort(first[inverse.reshape(-1)], kind="stable")
+
+
+def checked_shares(
+    shares: Any, rows: np.ndarray, num_shares: int, group_of: np.ndarray | None, sampler: str
+) -> list[np.ndarray]:
+    """What a sampler's ``split`` returned, checked: ``num_shares`` int arrays that partition ``rows`` exactly
+    (every row in exactly one share) and, where ``group_of`` (row -> group id) is given, never put members of one
+    group into two shares; else :class:`SamplerError`."""
+    where = f"{sampler}.split"
+    if not isinstance(shares, (list, tuple)) or len(shares) != num_shares:
+        got = len(shares) if isinstance(shares, (list, tuple)) else type(shares).__name__
+        raise SamplerError(f"{where} must return {num_shares} shares (one per DP rank), got {got}")
+    arrays = [np.asarray(share, dtype=np.int64).reshape(-1) for share in shares]
+    joined = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    if len(joined) != len(rows) or not np.array_equal(np.sort(joined), np.sort(rows)):
+        twice = len(joined) - len(np.unique(joined))
+        raise SamplerError(
+            f"{where} must split the round's {len(rows)} rows into disjoint shares that cover them all; its shares "
+            f"hold {len(joined)} rows ({twice} given twice, {len(np.setdiff1d(rows, joined))} left out, "
+            f"{len(np.setdiff1d(joined, rows))} not in the round)"
+        )
+    if group_of is not None:
+        per_share = [np.unique(group_of[share]) for share in arrays]
+        if sum(len(g) for g in per_share) != len(np.unique(group_of[joined])):
+            raise SamplerError(f"{where} put members of one GRPO group into two shares; whole groups were asked for")
+    return arrays

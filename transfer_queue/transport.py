@@ -22,10 +22,8 @@ import functools
 import itertools
 import os
 import socket
-import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,11 +31,12 @@ from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from transfer_queue.auth import ZapHandler, secure_client, secure_server
-from transfer_queue.errors import AuthenticationFailed, InvalidRequest, MalformedMessage, RequestTimeout
+from transfer_queue.errors import AuthenticationFailed, InvalidRequest, MalformedMessage, RequestTimeout, ServerGone
 from transfer_queue.protocol import Endpoint, decode_reply_header
+from transfer_queue.socket_dirs import SocketDir
 from transfer_queue.unix_socket import MAX_MESSAGE_BYTES, UnixServer, connect, exchange
 
 T = TypeVar("T")
@@ -115,9 +114,9 @@ class ServerSockets:
         self.zap = ZapHandler(self.ctx, secret) if secret else None
         host = host or node_ip()
         port = self.router.bind_to_random_port(f"tcp://{host}")
-        path = os.path.join(tempfile.gettempdir(), f"tq-{uuid.uuid4().hex[:16]}.sock") if unix else None
-        self.unix = UnixServer(path, secret=secret) if path else None
-        self.endpoint = Endpoint(f"tcp://{host}:{port}", path, socket.gethostname())
+        self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
+        self.unix = UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret) if self._socket_dir else None
+        self.endpoint = Endpoint(f"tcp://{host}:{port}", self.unix.path if self.unix else None, socket.gethostname())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         if self.zap is not None:
@@ -267,7 +266,27 @@ class ServerSockets:
             self.zap.close()
         if self.unix is not None:
             self.unix.close()
+        if self._socket_dir is not None:
+            self._socket_dir.remove()
         self.ctx.destroy(linger=0)
+
+
+# What a DEALER's monitor reports that means the server is gone: the connection closed (the process died: its
+# kernel closes the socket at once; a silent host is caught by the heartbeat), or nothing listens any more.
+_GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_HEARTBEAT_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 20_000
+
+
+def _gone_event(monitor: zmq.Socket) -> bool:
+    """Read what the monitor has; True if any event says the server is gone."""
+    gone = False
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return gone
+        gone = gone or bool(event["event"] & _GONE_EVENTS)
 
 
 Into = dict[int, Any]  # reply frame index -> a writable uint8 array to receive that frame into, if it fits
@@ -341,16 +360,22 @@ class BlockingTransport:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             secure_client(sock, self._secret)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            monitor = sock.get_monitor_socket(_GONE_EVENTS)  # before connect: no event is missed
             sock.connect(address)
             sockets[address] = sock
+            self._thread_sockets("monitors")[address] = monitor
             with self._lock:
                 self._all_sockets.add(sock)
+                self._all_sockets.add(monitor)
         return sock
 
     def _discard(self, address: str) -> None:
-        sock = self._local.__dict__.get("sockets", {}).pop(address, None)
-        if sock is not None:
-            sock.close(linger=0)
+        for kind in ("sockets", "monitors"):
+            sock = self._local.__dict__.get(kind, {}).pop(address, None)
+            if sock is not None:
+                sock.close(linger=0)
 
     def _local_path(self, endpoint: Endpoint) -> str | None:
         if self.force_tcp:
@@ -376,18 +401,26 @@ class BlockingTransport:
         arrays where given (by position in ``calls``' original order)."""
         try:
             pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
-        except AuthenticationFailed as exc:
+        except AuthenticationFailed as exc:  # the server refused our secret: another queue's controller_info
             raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
-        except OSError as exc:  # the server is gone (its socket file may linger)
+        except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
             self._local.__dict__.get("routes", {}).clear()
-            raise RequestTimeout(f"cannot reach {[path for _, path, _, _ in calls]}: {exc}") from None
-        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None)
+            raise ServerGone(
+                f"cannot reach {[path for _, path, _, _ in calls]}: {exc} (nothing listens there: the server is gone)"
+            ) from None
+        gone: set[int] = set()
+        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None, gone)
         for i in failed:  # a socket that timed out or closed may still carry a late reply: never reuse it
             sock = self._local.__dict__["unix"].pop(calls[i][1], None)
             if sock is not None:
                 sock.close()
         if failed:
             self._local.__dict__.get("routes", {}).clear()
+        if gone:
+            raise ServerGone(
+                f"{sorted({calls[i][1] for i in gone})} closed the connection before replying (the server is gone)"
+            )
+        if failed:
             raise RequestTimeout(f"no reply within {timeout:.1f} s from {sorted({calls[i][1] for i in failed})}")
         out = []
         for (position, _, _, request_id), reply in zip(calls, replies, strict=True):
@@ -412,9 +445,11 @@ class BlockingTransport:
             else:
                 remote.append((i, endpoint, frames, request_id))
         waiting: dict[int, tuple[int, str, zmq.Socket]] = {}
+        monitors = self._thread_sockets("monitors")
         for i, endpoint, frames, request_id in remote:
             address = endpoint.address()
             sock = self._socket(address)
+            _gone_event(monitors[address])  # what happened before this request says nothing about it
             sock.send_multipart(frames, copy=False)
             waiting[request_id] = (i, address, sock)
         if local:
@@ -424,13 +459,17 @@ class BlockingTransport:
         sockets = {id(s): s for _, _, s in waiting.values()}
         spin_until = time.monotonic() + self._spin
         while waiting:
-            ready = self._ready(list(sockets.values()), deadline, spin_until)
+            watched = {monitors[address]: address for _, address, _ in waiting.values()}
+            ready = self._ready([*sockets.values(), *watched], deadline, spin_until)
             if not ready:
                 for _, address, _ in waiting.values():
                     self._discard(address)  # late replies die with the socket
                 missing = sorted({address for _, address, _ in waiting.values()})
                 raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}")
+            self._raise_if_gone([watched[s] for s in ready if s in watched and _gone_event(s)])
             for sock in ready:
+                if sock in watched:
+                    continue
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -446,6 +485,15 @@ class BlockingTransport:
                         break
             sockets = {id(s): s for _, _, s in waiting.values()}
         return results
+
+    def _raise_if_gone(self, addresses: list[str]) -> None:
+        """A server whose connection dropped will not answer what it was sent: say so now, not at the timeout."""
+        if addresses:
+            for address in addresses:
+                self._discard(address)
+            raise ServerGone(
+                f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone)"
+            )
 
     def _ready(self, sockets: list[zmq.Socket], deadline: float, spin_until: float) -> list[zmq.Socket]:
         while time.monotonic() < spin_until:
@@ -486,7 +534,8 @@ class _ThreadSockets(dict):
 
 
 class AsyncioTransport:
-    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id."""
+    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id and
+    a watcher task that fails the requests waiting on a server at once when its monitor says the server is gone."""
 
     def __init__(self, secret: bytes = b"") -> None:
         self._secret = secret
@@ -494,6 +543,8 @@ class AsyncioTransport:
         self._ids = itertools.count(1)
         self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
         self._readers: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._monitors: dict[tuple[int, str], zmq.asyncio.Socket] = {}
+        self._pending: dict[tuple[int, str], set[int]] = {}  # request ids waiting on each socket
         self._loops: dict[int, asyncio.AbstractEventLoop] = {}
         self._futures: dict[int, asyncio.Future[Frames]] = {}
 
@@ -509,11 +560,30 @@ class AsyncioTransport:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             secure_client(sock, self._secret)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            monitor = self._monitors[key] = sock.get_monitor_socket(_GONE_EVENTS)
             sock.connect(address)
             self._sockets[key] = sock
+            self._pending[key] = set()
             self._readers[key] = loop.create_task(self._read(sock))
+            self._readers[(key[0], f"{address}#monitor")] = loop.create_task(self._watch(monitor, key))
             self._loops[id(loop)] = loop
         return sock
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, key: tuple[int, str]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if not event["event"] & _GONE_EVENTS:
+                continue
+            error = ServerGone(f"['{key[1]}'] closed the connection or stopped listening (the server is gone)")
+            for request_id in list(self._pending.get(key, ())):
+                future = self._futures.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(error)
 
     def _forget_closed_loops(self) -> None:
         """Close the sockets of event loops that have ended: a client used through one ``asyncio.run`` per call
@@ -522,7 +592,10 @@ class AsyncioTransport:
             del self._loops[loop_id]
             for key in [k for k in self._sockets if k[0] == loop_id]:
                 self._sockets.pop(key).close(linger=0)
+                self._monitors.pop(key).close(linger=0)
+                self._pending.pop(key, None)
                 self._readers.pop(key, None)
+                self._readers.pop((key[0], f"{key[1]}#monitor"), None)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -547,22 +620,27 @@ class AsyncioTransport:
             future: asyncio.Future[Frames] = loop.create_future()
             self._futures[request_id] = future
             futures.append(future)
-            await self._socket(endpoint.address()).send_multipart(frames, copy=False)
+            sock = self._socket(endpoint.address())
+            self._pending[(id(loop), endpoint.address())].add(request_id)
+            await sock.send_multipart(frames, copy=False)
         try:
             return [_buffers(frames) for frames in await asyncio.wait_for(asyncio.gather(*futures), timeout)]
         except TimeoutError:
             missing = sorted({e.address() for (e, _, _), f in zip(calls, futures, strict=True) if not f.done()})
             raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}") from None
         finally:
-            for _, _, request_id in calls:
+            for endpoint, _, request_id in calls:
                 self._futures.pop(request_id, None)
+                self._pending.get((id(loop), endpoint.address()), set()).discard(request_id)
 
     def close(self) -> None:
         for task in self._readers.values():
             if not task.get_loop().is_closed():
                 task.cancel()
-        for sock in self._sockets.values():
+        for sock in [*self._sockets.values(), *self._monitors.values()]:
             sock.close(linger=0)
         self._sockets.clear()
+        self._monitors.clear()
+        self._pending.clear()
         self._readers.clear()
         self._loops.clear()

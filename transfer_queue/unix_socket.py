@@ -157,11 +157,13 @@ def exchange(
     pairs: Sequence[tuple[socket.socket, Sequence[Any]]],
     timeout: float,
     into: Sequence[dict[int, np.ndarray] | None] | None = None,
+    gone: set[int] | None = None,
 ) -> tuple[list[list[Frame] | None], list[int]]:
     """Send one message on each socket and read one reply from each, all interleaved (a large put to several
     servers moves over all sockets at once). ``into[i]`` maps frame indexes of reply ``i`` to arrays to receive
     them into (see :class:`FrameReader`). Returns the replies (``None`` where none came in time) and the positions
-    of the sockets that failed (timed out or closed)."""
+    of the sockets that failed (timed out or closed); those the peer closed are also added to ``gone``."""
+    gone = set() if gone is None else gone
     writers = [FrameWriter(frames) for _, frames in pairs]
     readers = [FrameReader(into[i] if into else None) for i in range(len(pairs))]
     replies: list[list[Frame] | None] = [None] * len(pairs)
@@ -175,6 +177,7 @@ def exchange(
             writers[i].write(sock)
         except OSError:  # the server is gone (a broken pipe, a reset connection)
             failed.add(i)
+            gone.add(i)
             pending -= 1
             continue
         poller.register(sock, select.POLLIN | (0 if writers[i].done else select.POLLOUT))
@@ -187,11 +190,13 @@ def exchange(
             sock = pairs[i][0]
             if event & (select.POLLERR | select.POLLHUP | select.POLLNVAL) and not event & select.POLLIN:
                 failed.add(i)
+                gone.add(i)
             if event & select.POLLOUT and i not in failed:
                 try:
                     writers[i].write(sock)
                 except OSError:
                     failed.add(i)
+                    gone.add(i)
                 if writers[i].done and i not in failed:
                     poller.modify(sock, select.POLLIN)
             if event & select.POLLIN and i not in failed:
@@ -203,6 +208,7 @@ def exchange(
                     replies[i] = messages[0]
                 elif closed:
                     failed.add(i)
+                    gone.add(i)
             if replies[i] is not None or i in failed:
                 poller.unregister(sock)
                 pending -= 1

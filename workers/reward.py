@@ -3,45 +3,77 @@
 A reward function is pure: ``fn(response_text, **fields) -> float`` where ``fields`` are the task's reward fields
 of the row (e.g. ``answer``). The task's own ``reward`` is the default; ``reward_fn="module:function"`` replaces it.
 A function that raises marks that sample failed (``reward_failed``, reward 0) and logs why; the run goes on, and
-the trainer leaves failed samples out of advantages and loss.
+the trainer leaves failed samples out of advantages and loss. A reward that is NaN or +-inf is rejected here, at the
+reward worker, as a :class:`NonFiniteReward` naming the sample: it is marked failed and counted (``non_finite``),
+never written into the queue where it would turn a whole group's advantages into NaN.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import rows_of
+from rl_contracts.task import Task, load_reward_fn, load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
-from workers.queue_clock import QueueClock
-from workers.rollout import rows_of
-from workers.tasks.base import Task, load_reward_fn, load_task
 
 logger = logging.getLogger(__name__)
 REWARD_TASK = "reward"
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or +-inf for a sample; the message names the sample and the value."""
+
+
+@dataclass
+class Scores:
+    """What :func:`score_responses` found: one reward and failure flag per response, and why samples failed."""
+
+    rewards: list[float] = field(default_factory=list)
+    failed: list[bool] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    non_finite: int = 0  # how many of the failures were NaN / inf rewards
+
+
 def score_responses(
-    reward_fn: Callable[..., float], texts: Sequence[str], fields: dict[str, Sequence[Any]]
-) -> tuple[list[float], list[bool], list[str]]:
-    """Rewards, failure flags and failure messages for decoded responses (pure)."""
-    rewards, failed, errors = [], [], []
+    reward_fn: Callable[..., float],
+    texts: Sequence[str],
+    fields: dict[str, Sequence[Any]],
+    sample_ids: Sequence[int] | None = None,
+) -> Scores:
+    """Rewards, failure flags and failure messages for decoded responses (pure).
+
+    Args:
+        reward_fn: ``fn(text, **fields) -> float``.
+        texts: the decoded responses.
+        fields: the task's reward fields, one column per name.
+        sample_ids: the samples' ids for messages (the queue's ``global_index``); positions when None.
+
+    A function that raises, or returns NaN / +-inf (:class:`NonFiniteReward`), fails that sample only.
+    """
+    ids = list(range(len(texts))) if sample_ids is None else list(sample_ids)
+    out = Scores()
     for i, text in enumerate(texts):
         try:
             value = float(reward_fn(text, **{name: column[i] for name, column in fields.items()}))
-            if value != value:  # NaN
-                raise ValueError("the reward function returned NaN")
-            rewards.append(value)
-            failed.append(False)
+            if not math.isfinite(value):
+                out.non_finite += 1
+                raise NonFiniteReward(f"sample global_index={ids[i]}: the reward function returned {value}")
+            out.rewards.append(value)
+            out.failed.append(False)
         except Exception as exc:  # a user function's bug must not stop the run: mark the sample, log it
-            rewards.append(0.0)
-            failed.append(True)
-            errors.append(f"{type(exc).__name__}: {exc}")
-    return rewards, failed, errors
+            out.rewards.append(0.0)
+            out.failed.append(True)
+            out.errors.append(f"{type(exc).__name__}: {exc}")
+    return out
 
 
 @ray.remote
@@ -77,7 +109,7 @@ class RewardWorker:
 
     def score_step(self, step: int) -> dict[str, float]:
         fields = ["response_ids", *self.task.reward_fields]
-        stats = {"rows": 0.0, "reward_s": 0.0, "failed": 0.0}
+        stats = {"rows": 0.0, "reward_s": 0.0, "failed": 0.0, "non_finite": 0.0}
         clock = QueueClock()
         while True:
             meta = clock.call(
@@ -95,14 +127,15 @@ class RewardWorker:
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
-            rewards, failed, errors = score_responses(self.reward_fn, texts, columns)
-            for message in errors[:3]:
+            scores = score_responses(self.reward_fn, texts, columns, sample_ids=meta.global_indexes.tolist())
+            for message in scores.errors[:3]:
                 logger.warning("reward worker %d: a reward function failed: %s", self.worker_id, message)
             stats["reward_s"] += time.perf_counter() - t1
             scored = {
-                "reward": torch.tensor(rewards, dtype=torch.float32),
-                "reward_failed": torch.tensor(failed, dtype=torch.bool),
+                "reward": torch.tensor(scores.rewards, dtype=torch.float32),
+                "reward_failed": torch.tensor(scores.failed, dtype=torch.bool),
             }
             clock.call(self.client.put, scored, metadata=meta)
             stats["rows"] += len(meta)
-            stats["failed"] += sum(failed)
+            stats["failed"] += sum(scores.failed)
+            stats["non_finite"] += scores.non_finite

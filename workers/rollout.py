@@ -5,13 +5,17 @@ For a global step it loops: ``get_meta(["prompt_ids", ...], whole groups)`` -> g
 ``finish_reason`` into those same rows -> until the step's rows are all taken (end of stream).
 
 The engine lives in its own actor. If it dies mid-call, the worker hands the rows back to the queue (``release``),
-starts a new engine with the latest weights, and carries on: no prompt is lost.
+starts a new engine with the latest weights, and carries on: no prompt is lost. Restarts and weight updates go
+through one :class:`EngineSlot`, so a weight update that arrives while an engine restarts lands in the new engine:
+a restarted engine never serves older weights than the last published version.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,31 +23,69 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import jagged, rows_of
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
+from transfer_queue.errors import StaleBatchMeta
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
-from workers.queue_clock import QueueClock
 
 logger = logging.getLogger(__name__)
 ROLLOUT_TASK = "rollout"
 ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
-def jagged(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
-    """A jagged nested tensor from lists of different lengths, built as values + offsets in one pass (building it
-    from one small tensor per row costs milliseconds per batch)."""
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = torch.tensor([x for r in rows for x in r], dtype=dtype)
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+WeightsUpdate = tuple[int, Any, str | None]  # (version, weights, path), as EngineActor.update_weights takes them
 
 
-def rows_of(nested: torch.Tensor) -> list[list[int]]:
-    """Lists of token ids from a jagged nested tensor (one gather for the whole batch)."""
-    offsets = nested.offsets().tolist()
-    values = nested.values().tolist()
-    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+class EngineSlot:
+    """The rollout worker's current engine and the newest weights a replacement must start with.
+
+    Plain bookkeeping, no Ray: ``start(restart_count) -> engine`` builds an engine and ``load(engine, update)``
+    loads weights into it (raising one of ``failures`` if the engine is dead). Weight updates (the control thread)
+    and restarts (the generation thread) are serialised by one lock, so an update either reaches the engine that
+    serves next or is loaded into its replacement: never an engine with old weights after a newer publish.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[int], Any],
+        load: Callable[[Any, WeightsUpdate], int],
+        failures: tuple[type[BaseException], ...],
+    ):
+        self._start, self._load, self._failures = start, load, failures
+        self._lock = threading.Lock()
+        self.latest: WeightsUpdate | None = None
+        self.restarts = 0
+        self.engine = self._new_engine()
+
+    def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
+        """Remember ``version`` for restarts and load it into the engine (a new one if it died); returns it."""
+        with self._lock:
+            self.latest = (version, weights, path)
+            try:
+                return self._load(self.engine, self.latest)
+            except self._failures:
+                self._replace()
+                return version
+
+    def restart(self, dead: Any) -> bool:
+        """Replace ``dead`` with a new engine holding the latest weights; False if it was already replaced."""
+        with self._lock:
+            if self.engine is not dead:
+                return False
+            self._replace()
+            return True
+
+    def _replace(self) -> None:
+        self.restarts += 1
+        self.engine = self._new_engine()
+
+    def _new_engine(self) -> Any:
+        engine = self._start(self.restarts)
+        if self.latest is not None:
+            self._load(engine, self.latest)
+        return engine
 
 
 @ray.remote(concurrency_groups={"rollout": 1, "control": 1})
@@ -82,22 +124,24 @@ class RolloutWorker:
         self.timeout = timeout
         self.engine_options = engine_options or {}
         self.seed = seed
-        self.restarts = 0
-        self.latest: tuple[int, Any, str | None] | None = None  # (version, weights, path) to give a new engine
-        self.engine = self._start_engine()
+        self.slot = EngineSlot(
+            lambda restarts: EngineActor.options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts),
+            lambda engine, update: ray.get(engine.update_weights.remote(*update)),
+            ENGINE_FAILURES,
+        )
 
-    def _start_engine(self) -> Any:
-        engine = EngineActor.options(**self.engine_options).remote(self.spec, self.seed + 1000 * self.restarts)
-        if self.latest is not None:
-            version, weights, path = self.latest
-            ray.get(engine.update_weights.remote(version, weights, path))
-        return engine
+    @property
+    def engine(self) -> Any:
+        return self.slot.engine
+
+    @property
+    def restarts(self) -> int:
+        return self.slot.restarts
 
     @ray.method(concurrency_group="control")
     def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
         """Queue new weights for the engine (they land between two generations) and remember them for restarts."""
-        self.latest = (version, weights, path)
-        return ray.get(self.engine.update_weights.remote(version, weights, path))
+        return self.slot.update_weights(version, weights, path)
 
     @ray.method(concurrency_group="control")
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Any]]:
@@ -113,10 +157,16 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "restarts": self.restarts, **ray.get(self.engine.health.remote())}
 
     @ray.method(concurrency_group="rollout")
-    def generate_step(self, step: int, fields: list[str] | None = None) -> dict[str, float]:
-        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts."""
+    def generate_step(
+        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+    ) -> dict[str, float]:
+        """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts.
+
+        ``min_version``: with a weight channel, every generation waits for weights at least this new (the engine
+        pulls them itself), so the driver can launch a step before the training step it depends on has ended.
+        """
         fields = fields or ["prompt_ids"]
-        stats = {"rows": 0.0, "generate_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        stats = {"rows": 0.0, "generate_s": 0.0, "weights_wait_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
         clock = QueueClock()
         while True:
             meta = clock.call(
@@ -134,14 +184,21 @@ class RolloutWorker:
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
+            engine = self.engine
             try:
-                version, generations = ray.get(self.engine.generate.remote(prompts, self.n, self.sampling))
+                if min_version is not None:  # timed apart: waiting for the trainer is not generating
+                    ray.get(engine.pull_weights.remote(min_version))
+                    stats["weights_wait_s"] += time.perf_counter() - t1
+                    t1 = time.perf_counter()
+                version, generations = ray.get(engine.generate.remote(prompts, self.n, self.sampling, min_version))
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
-                self.client.release(meta)
-                self.restarts += 1
+                try:
+                    self.client.release(meta)
+                except StaleBatchMeta:  # the step was cleared meanwhile: nothing is left to generate for it
+                    pass
+                self.slot.restart(engine)
                 stats["engine_restarts"] += 1
-                self.engine = self._start_engine()
                 continue
             stats["generate_s"] += time.perf_counter() - t1
             clock.call(self.client.put, self._responses(generations, version), metadata=meta)

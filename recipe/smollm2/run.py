@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model file is local; never reach for a hub
 
+from orchestration import connect_ray, train_and_report
 from trainers.config import config_from_cli
-from trainers.rl_loop import connect_ray, train_and_report
 from workers.hf_models import prepare_smollm2
 
 DEFAULT_CONFIG = Path(__file__).parent / "config.yaml"

@@ -4,6 +4,7 @@ protocol versions, and controllers wired by hand."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,14 @@ import transfer_queue
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
 from transfer_queue import protocol as p
 from transfer_queue.auth import secure_client
-from transfer_queue.errors import ConfigMismatch, ProtocolMismatch, QueueNotFound, SessionMismatch
+from transfer_queue.errors import (
+    ConfigMismatch,
+    ProtocolMismatch,
+    QueueClosed,
+    QueueNotFound,
+    ServerGone,
+    SessionMismatch,
+)
 
 # Remote functions defined here run in Ray workers, which cannot import this file: pickle them by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -130,9 +138,18 @@ def test_streaming_dataloader_workers_find_the_queue_init_started(started: Trans
 
 def test_shutdown_then_init_at_once(started: TransferQueueClient) -> None:
     old = started.controller_info
+    other = TransferQueueClient("other", old)
     transfer_queue.shutdown()
     with pytest.raises(QueueNotFound, match=r"call transfer_queue\.init first"):
         transfer_queue.get_controller()
+    # The clients of the queue that was shut down fail at once and say why (not a RequestTimeout 65 s later).
+    began = time.monotonic()
+    with pytest.raises(QueueClosed, match=r"client '.*': its queue was shut down \(transfer_queue\.shutdown\)"):
+        started.get_meta(["x"], 4, partition_id="after-shutdown", task_name="t")
+    with pytest.raises(QueueClosed, match="its queue was shut down"):
+        other.ping()
+    assert time.monotonic() - began < 2.0
+    other.close()
     client = transfer_queue.init(**{**CONFIG, "global_batch_size": 8})  # another config: no mismatch, it is gone
     try:
         assert client.controller_info.session_id != old.session_id
@@ -152,9 +169,14 @@ def test_hand_built_controller_with_storage_unit_options(ray_session: Any) -> No
         assert round_trip(client, "hand-built", 6) == list(range(6))
         stats = ray.get(controller.storage_stats.remote())
         assert [s["unit"] for s in stats] == [0] and stats[0]["bytes"] == 6 * 8
+        ray.get(controller.shutdown.remote())
+        began = time.monotonic()  # this client did not shut it down: it learns from the connection, at once
+        with pytest.raises(ServerGone, match=r"the controller at tcp://.*\(the server is gone\)"):
+            client.ping()
+        assert time.monotonic() - began < 5.0
         client.close()
     finally:
-        ray.get(controller.shutdown.remote())
+        ray.get(controller.shutdown.remote())  # twice is harmless
         ray.kill(controller)
 
 
@@ -176,3 +198,31 @@ def test_hand_built_controller_with_my_storage_units(ray_session: Any) -> None:
         ray.kill(controller)
         for unit in units:
             ray.kill(unit)
+
+
+DRIVER_WITHOUT_SHUTDOWN = r"""
+import json, ray, transfer_queue
+ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+client = transfer_queue.init(global_batch_size=4, num_storage_units=1)
+info = client.controller_info
+print(json.dumps([info.controller.unix] + [unit.unix for unit in info.storage_units]), flush=True)
+"""  # and exits without transfer_queue.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_driver_that_exits_without_shutdown_leaves_no_socket_directories() -> None:
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.getcwd()
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER_WITHOUT_SHUTDOWN], env=env, capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(paths) == 2 and all(paths)
+    for path in paths:
+        assert not os.path.exists(os.path.dirname(path)), path

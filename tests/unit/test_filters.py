@@ -108,3 +108,12 @@ def test_bad_filter_inputs_raise():
         nonzero_std_groups(torch.zeros(3), group_size=2)
     with pytest.raises(ValueError, match=r"threshold must be >= 0, got -1"):
         minimal_advantage(torch.zeros(2), threshold=-1)
+
+
+def test_nonzero_std_groups_leaves_invalid_rows_out_of_the_statistics():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, float("nan")])
+    valid = torch.tensor([True, False, True, True, True, False])
+    # group 0: only one valid row -> constant; group 1: 1 vs 0 -> kept; group 2: one valid row (the NaN is invalid)
+    assert nonzero_std_groups(rewards, 2, valid=valid).tolist() == [False, False, True, True, False, False]
+    with pytest.raises(ValueError, match=r"valid must be a bool tensor of the rewards' shape \(6,\)"):
+        nonzero_std_groups(rewards, 2, valid=torch.ones(3, dtype=torch.bool))

@@ -9,6 +9,7 @@ than rank 1's (one of which has none), so any weighting by rows instead of token
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from pathlib import Path
@@ -21,8 +22,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainers.checkpoint import checkpoint_path, latest_checkpoint
-from trainers.fsdp import AdamWConfig, FSDPPolicy, decoder_layers, init_process_group
+from trainers.checkpoint import checkpoint_path, latest_checkpoint, prune_checkpoints
+from trainers.fsdp import AdamWConfig, FSDPPolicy, _shard_rows, decoder_layers, init_process_group
 
 WORLD_SIZE = 2
 VOCAB = 32
@@ -129,7 +130,9 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     out: dict = {}
 
     policy = _policy(workdir, micro_batch_size=1)
-    out["metrics1"] = policy.train_step(batch1, token_mean_nll)
+    with _counting_reduce_scatters() as calls:
+        out["metrics1"] = policy.train_step(batch1, token_mean_nll)
+    out["reduce_scatters_mb1"] = calls[0]
     out["step1"] = policy.full_state_dict()
     with torch.no_grad():
         out["logits"] = policy.model(input_ids=ids, attention_mask=mask).logits
@@ -142,8 +145,22 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     out["step2"] = policy.full_state_dict()
 
     policy_mb4 = _policy(workdir, micro_batch_size=4)
-    policy_mb4.train_step(batch1, token_mean_nll)
+    with _counting_reduce_scatters() as calls:
+        policy_mb4.train_step(batch1, token_mean_nll)
+    out["reduce_scatters_mb4"] = calls[0]
     out["step1_mb4"] = policy_mb4.full_state_dict()
+
+    # a frozen reference: a copy of step 1's weights, saved and reloaded into other random weights
+    reference = FSDPPolicy(lambda: tiny_model(0), micro_batch_size=4, trainable=False)
+    reference.load_weights(checkpoint_path(workdir / "ckpt", 1))
+    reference.save_checkpoint(workdir / "reference", {"reference": True})
+    reference.save_checkpoint(workdir / "reference", {"reference": True}, overwrite=True)
+    reloaded = FSDPPolicy(lambda: tiny_model(5), micro_batch_size=4, trainable=False, sync_module_states=False)
+    reloaded.load_weights(workdir / "reference")
+    out["reference_weights"] = reloaded.full_state_dict()
+    out["reference_optimizer"] = reloaded.optimizer
+    out["reference_requires_grad"] = any(p.requires_grad for p in reloaded.model.parameters())
+    out["reference_logprobs"] = reloaded.compute_logprobs(ids, mask)
 
     policy_rows = _policy(workdir, micro_batch_size=1, loss_weighting="rows")
     policy_rows.train_step(batch1, seq_mean_nll)
@@ -183,6 +200,7 @@ def _errors(rank: int, world_size: int, port: int, policy: FSDPPolicy, batch: di
         "other_init": lambda: init_process_group(rank, world_size + 1, "127.0.0.1", port, backend="gloo"),
         "missing_key": lambda: policy.train_step({"input_ids": batch["input_ids"]}, token_mean_nll),
         "uneven_ranks": lambda: policy.train_step(rank_rows(batch, 0, 2 + rank), token_mean_nll),
+        "temperature_0": lambda: policy.compute_logprobs(batch["input_ids"], batch["attention_mask"], 0.0),
     }
     errors = {}
     for name, call in calls.items():
@@ -192,6 +210,23 @@ def _errors(rank: int, world_size: int, port: int, policy: FSDPPolicy, batch: di
         except (ValueError, RuntimeError) as error:
             errors[name] = f"{type(error).__name__}: {error}"
     return errors
+
+
+@contextlib.contextmanager
+def _counting_reduce_scatters():
+    """Count FSDP2's gradient reduce-scatters (``dist.reduce_scatter_single``) inside the block."""
+    calls = [0]
+    original = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield calls
+    finally:
+        dist.reduce_scatter_single = original
 
 
 def nan_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
@@ -344,6 +379,30 @@ def test_checkpoint_directory_is_atomic(run):
     assert latest_checkpoint(run["workdir"] / "missing") is None
 
 
+def test_gradients_are_reduced_once_per_step_not_per_micro_batch(run):
+    for result in run["ranks"]:
+        # 4 micro-batches of one row accumulate locally: as many reduce-scatters as one micro-batch of four
+        assert result["reduce_scatters_mb1"] == result["reduce_scatters_mb4"] > 0
+    assert_weights_close(run["ranks"][0]["step1_mb4"], run["ranks"][0]["step1"], atol=1e-6)
+
+
+def test_a_frozen_reference_has_no_optimizer_and_round_trips_its_weights(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["reference_weights"], rank0["step1"], atol=0)
+    for result in run["ranks"]:
+        assert result["reference_optimizer"] is None
+        assert not result["reference_requires_grad"]
+    assert latest_checkpoint(run["workdir"]) == run["workdir"] / "reference"  # the overwrite left one, complete
+    assert not [p.name for p in run["workdir"].iterdir() if p.name.startswith(".reference")]
+    model = tiny_model(3)
+    model.load_state_dict(rank0["step1"])
+    batch = rank_rows(run["batch1"], 0, WORLD_SIZE)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = manual_logprobs(logits, batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(rank0["reference_logprobs"], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_compute_logprobs_is_aligned_with_input_ids(run):
     for rank, result in enumerate(run["ranks"]):
         batch = rank_rows(run["batch1"], rank, WORLD_SIZE)
@@ -370,6 +429,7 @@ def test_bad_input_raises_the_same_error_on_every_rank(run):
             "ValueError: ranks disagree on the number of micro-batches (between 1 and 2; "
             f"this rank has {2 - rank} rows at micro_batch_size=1): give every rank the same number of rows"
         )
+        assert errors["temperature_0"].startswith("ValueError: temperature must be > 0 to score tokens, got 0.0")
 
 
 def test_a_non_finite_gradient_skips_the_update(run):
@@ -393,6 +453,32 @@ def test_latest_checkpoint_orders_by_step_number(tmp_path):
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
 
 
+def _fake_checkpoint(path):
+    (path / "dcp").mkdir(parents=True)
+    (path / "dcp" / ".metadata").touch()
+    (path / "checkpoint.json").write_text("{}")
+
+
+def test_prune_keeps_the_newest_k_and_clears_crash_leftovers(tmp_path):
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(checkpoint_path(tmp_path, step))
+    _fake_checkpoint(tmp_path / "reference")
+    _fake_checkpoint(tmp_path / ".step_00000005.tmp")
+    deleted = prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference", "step_00000003", "step_00000004"]
+    assert len(deleted) == 3
+    with pytest.raises(ValueError, match="keep_last must be >= 1, got 0"):
+        prune_checkpoints(tmp_path, keep_last=0)
+
+
+def test_a_crash_mid_swap_leaves_the_old_checkpoint_found(tmp_path):
+    # the overwrite renamed step 4 aside and died before the new one took its name
+    _fake_checkpoint(checkpoint_path(tmp_path, 3))
+    _fake_checkpoint(tmp_path / ".step_00000004.old")
+    _fake_checkpoint(tmp_path / ".step_00000004.tmp")
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 4)
+
+
 def test_decoder_layers_finds_hf_layers_or_no_split_modules():
     llama = tiny_model(0)
     assert decoder_layers(llama) == list(llama.model.layers)
@@ -413,3 +499,11 @@ def test_decoder_layers_finds_hf_layers_or_no_split_modules():
     outer, inner = model.h[0], model.h[0].inner
     layers = decoder_layers(model)
     assert len(layers) == 4 and layers.index(inner) < layers.index(outer)  # nested blocks before their parents
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 64, 65])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_shard_rows_follow_torch_chunk(rows, world_size):
+    # FSDP2 shards dim 0 with torch.chunk; the one-collective full_state_dict lays shards out by these counts
+    chunks = [c.shape[0] for c in torch.empty(rows).chunk(world_size)] if rows else []
+    assert _shard_rows(rows, world_size) == chunks + [0] * (world_size - len(chunks))

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from trainers.fsdp import token_logprobs
+from trainers.grpo import logprob_temperature
 from workers.engines import Engine, HFEngine, SamplingParams
 from workers.models import build_tiny_causal_lm
 
@@ -227,3 +229,24 @@ def test_health(engine):
     assert health["ok"] is True
     assert health["version"] == 0 and health["device"] == "cpu"
     assert health["model"] == "LlamaForCausalLM" and health["num_parameters"] > 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=8, temperature=0.7, top_k=3, seed=4),
+        SamplingParams(max_new_tokens=8, temperature=1.2, top_p=0.6, seed=5),
+        SamplingParams(max_new_tokens=8, temperature=0.0),
+    ],
+    ids=["top-k", "top-p", "greedy"],
+)
+def test_the_trainer_scores_sampled_tokens_under_the_engines_distribution(engine, params):
+    # The engine samples from the truncated distribution but reports log-probs of the full tempered one; the
+    # trainer scores the same tokens the same way (at temperature 1 for greedy): the ratio starts at exactly 1.
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, n=2, params=params), strict=True):
+        for g in group:
+            ids = torch.tensor([prompt + g.token_ids])
+            with torch.no_grad():
+                logits = engine.model(ids).logits
+            trainer = token_logprobs(logits, ids, torch.ones_like(ids), logprob_temperature(params.temperature))
+            torch.testing.assert_close(trainer[0, len(prompt) :], torch.tensor(g.logprobs), atol=1e-5, rtol=0)

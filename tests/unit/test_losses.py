@@ -15,10 +15,12 @@ from trainers.losses import (
     cispo_loss,
     gspo_loss,
     kl_penalty,
+    minirl_loss,
     policy_loss,
     ppo_clip_loss,
     truncated_is_weights,
 )
+from trainers.rollout_correction import rollout_correction
 
 MASK = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
 LOGPROBS = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
@@ -227,3 +229,50 @@ def test_policy_loss_validates_name_and_kl():
         policy_loss("dpo", LOGPROBS, LOGPROBS, torch.zeros(2), MASK)
     with pytest.raises(ValueError, match=r"kl_coef=0.1 needs ref_logprobs \[B, T\], got None"):
         policy_loss("grpo", LOGPROBS, LOGPROBS, torch.zeros(2), MASK, kl_coef=0.1)
+
+
+def test_minirl_masks_the_tokens_the_clip_would_stop_and_weights_by_the_rollout_gap():
+    # one response token per row (position 1), old logprob 0, r = exp(logprob); clip band [0.8, 1.28]:
+    #   row 0: A=+1, r=1.5 -> masked (A>0, r>1.28)       loss 0
+    #   row 1: A=+1, r=0.5 -> kept, w=2   -> -w*A*r = -1.0, grad d/dlogp = -2*0.5 = -1.0
+    #   row 2: A=-1, r=1.5 -> kept, w=1   -> +1.5,          grad +1.5
+    #   row 3: A=-1, r=0.5 -> masked (A<0, r<0.8)        loss 0
+    # token-mean over 4 tokens: (0 - 1 + 1.5 + 0) / 4 = 0.125; gradients / 4
+    logprobs = leaf([[0.0, math.log(1.5)], [0.0, math.log(0.5)], [0.0, math.log(1.5)], [0.0, math.log(0.5)]])
+    mask = torch.tensor([[0.0, 1.0]] * 4)
+    weights = torch.tensor([[1.0, 1.0], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0]])
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, metrics = minirl_loss(logprobs, torch.zeros(4, 2), advantages, mask, token_weights=weights)
+    assert loss.item() == pytest.approx(0.125)
+    assert metrics["clip_frac"] == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad[:, 1], torch.tensor([0.0, -0.25, 0.375, 0.0]))
+    # on-policy it is REINFORCE: grad -A / N per token
+    on_policy = leaf([[0.0, -1.0], [0.0, -2.0]])
+    loss, _ = policy_loss("minirl", on_policy, on_policy.detach(), torch.tensor([2.0, -1.0]), MASK[:, :2])
+    loss.backward()
+    torch.testing.assert_close(on_policy.grad, torch.tensor([[0.0, -1.0], [0.0, 0.5]]))
+
+
+def test_rollout_correction_truncates_or_masks_and_measures_the_gap():
+    # trainer (old) vs engine (rollout) log-probs on 3 response tokens: rho = exp(old - rollout) = [e, 1, e^-1]
+    old = torch.tensor([[0.0, -1.0, -1.0, -2.0]])
+    rollout = torch.tensor([[0.0, -2.0, -1.0, -1.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    e = math.e
+    weights, metrics = rollout_correction(old, rollout, mask, "tis", high=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 1.0, 1 / e]]))
+    assert metrics["mismatch_abs_dlogp"] == pytest.approx(2 / 3)
+    # k3 of d = log rho: (e - 1 - 1) + 0 + (1/e - 1 + 1) = e - 2 + 1/e, over 3 tokens
+    assert metrics["mismatch_kl"] == pytest.approx((e - 2 + 1 / e) / 3)
+    assert metrics["is_weight_mean"] == pytest.approx((e + 1 + 1 / e) / 3)
+    assert (metrics["is_truncated_frac"], metrics["is_masked_frac"]) == (pytest.approx(1 / 3), 0.0)
+    weights, metrics = rollout_correction(old, rollout, mask, "mis", high=2.0, low=0.5)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
+    assert metrics["is_masked_frac"] == pytest.approx(2 / 3)
+    weights, _ = rollout_correction(old, rollout, mask, "none")
+    assert torch.equal(weights, torch.ones(1, 4))
+    with pytest.raises(ValueError, match=r"unknown rollout correction mode='icepop', expected one of"):
+        rollout_correction(old, rollout, mask, "icepop")
+    with pytest.raises(ValueError, match=r"the MIS band needs 0 <= low < high, got low=3\.0 high=2\.0"):
+        rollout_correction(old, rollout, mask, "mis", high=2.0, low=3.0)

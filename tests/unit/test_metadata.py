@@ -105,6 +105,13 @@ def test_select_fields_keeps_rows_and_picks_columns():
         m.select_fields(["a", "z"])
 
 
+def test_a_bare_str_is_one_field_name():
+    m = meta(fields=("a", "b", "ab"))
+    assert m.select_fields("ab").field_names == ["ab"]  # not the fields 'a' and 'b'
+    with pytest.raises(UnknownField, match=r"fields \['ba'\] are not in this batch"):
+        m.select_fields("ba")
+
+
 # ---- chunk ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", range(0, 9))
 @pytest.mark.parametrize("chunks", range(1, 6))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 from transfer_queue import protocol as p
@@ -21,6 +20,7 @@ from transfer_queue.errors import (
     PartitionOverfilled,
     PutExpired,
     QueueFull,
+    SamplerError,
     SchemaMismatch,
     StaleBatchMeta,
     UnknownField,
@@ -145,12 +145,14 @@ def test_a_waiting_get_meta_fails_when_its_partition_is_cleared(make_queue):
     q.clear(0)
     with pytest.raises(PartitionCleared, match="global_step=0 was cleared while get_meta waited for it"):
         on_open.result()
-    q.clear(1)  # never opened: the waiter cannot be served any more
-    with pytest.raises(PartitionCleared, match="global_step=1 was cleared"):
-        not_opened.result()
+    # clearing a partition never opened is a no-op (issue 8, defect 5): its waiters go on waiting for its first put
+    q.clear(1)
     q.clear("val")
-    with pytest.raises(PartitionCleared, match="partition_id='val' was cleared"):
-        named.result()
+    assert not not_opened.done and not named.done
+    q.put(1, 4, X)
+    q.put("val", 4, X)
+    assert indexes(not_opened.result().to_meta()) == [4, 5, 6, 7]
+    assert indexes(named.result().to_meta()) == [0, 1, 2, 3]
     assert q.state.getters == {}
 
 
@@ -473,7 +475,7 @@ def test_a_dp_round_serves_every_rank_its_share_however_often_it_asks(make_queue
     for _ in range(3):  # TP/PP peers of a rank ask again
         assert indexes(q.get(0, "x", 2, sampler_params=dp(1))) == [2, 3]
         assert indexes(q.get(0, "x", 2, sampler_params=dp(0))) == [0, 1]
-    assert r1.extra == {"dp_rank": 1, "dp_size": 2, "dp_group_id": "g0"}
+    assert r1.extra == {"dp_rank": 1, "dp_size": 2, "dp_group_id": "g0", "round_rows": 4, "round_max_share": 2}
     n0 = q.get(0, "x", 2, sampler_params=dp(0, group="g1"))
     n1 = q.get(0, "x", 2, sampler_params=dp(1, group="g1"))
     assert sorted(indexes(n0) + indexes(n1)) == [4, 5, 6, 7]  # a new round never overlaps an old one
@@ -589,7 +591,27 @@ def test_released_rows_are_served_again(make_queue):
     meta = q.get(0, "x", 4)
     q.release(meta.select_samples([2, 0]))
     assert indexes(q.get(0, "x", 2)) == [2, 0]
-    q.ok(p.Release(999, "train", p.pack_indexes(np.arange(2))))  # a cleared partition: nothing to hand back
+
+
+def test_a_release_naming_a_row_twice_releases_it_once(make_queue):
+    q = make_queue(global_batch_size=2, num_n_samples=2, sampler=GRPOSampler(2))
+    q.put(0, 4, X)
+    meta = q.get(0, "x", 4)
+    q.release(meta.select_samples([0, 0]))  # row 0 named twice: it must not count as its whole group of 2
+    assert consumed(q, 0) == 3
+    # row 1 of group 0 is still held, so no group is complete: nothing is served (was [0, 1]: row 1 twice)
+    assert indexes(q.get(0, "x", 2)) == []
+    q.release(meta.select_samples([1]))
+    assert indexes(q.get(0, "x", 2)) == [0, 1]
+
+
+def test_a_release_after_its_partition_was_cleared_is_stale(make_queue):
+    q = make_queue()
+    q.put(0, 4, X)
+    meta = q.get(0, "x", 4)
+    q.clear(0)
+    with pytest.raises(StaleBatchMeta, match=r"release of a BatchMeta whose partition \(uid 1\) was cleared"):
+        q.release(meta)
 
 
 def test_clears_are_idempotent(make_queue):
@@ -603,6 +625,24 @@ def test_clears_are_idempotent(make_queue):
     assert len(q.state.outbox) == 2
     with pytest.raises(UnknownPartition, match=r"global_step=0 not found; live partitions: \[\]"):
         q.ok(p.ProductionStatus(0))
+
+
+def test_clearing_a_step_never_opened_is_a_no_op(make_queue):
+    q = make_queue()
+    q.clear(1)  # before step 1 exists: it must not mark steps 0 and 1 as cleared
+    q.put(0, 4, X)
+    q.put(1, 4, X)
+    assert indexes(q.get(1, "x", 4)) == [4, 5, 6, 7]
+    assert q.state.outbox == []  # nothing to drop anywhere
+
+
+def test_clearing_a_string_partition_before_its_first_put_is_a_no_op(make_queue):
+    q = make_queue()
+    q.clear("later")
+    waiting = q.get_async("later", "x", 2)
+    assert not waiting.done  # it waits for the partition to open, as for any partition not opened yet
+    q.put("later", 2, X)
+    assert indexes(waiting.result().to_meta()) == [0, 1]
 
 
 def test_reset_consumption_serves_the_data_again(make_queue):
@@ -896,3 +936,39 @@ def test_a_closed_partition_that_never_got_a_row_is_at_its_end(make_queue):
     q.ok(p.ClosePartition("val"))
     end = q.get("val", ["x", "never"], 2)
     assert len(end) == 0
+
+
+class _OverlappingSplit(DPSampler):
+    def split(self, rows, num_shares, lengths, group_size):
+        return [rows, rows]  # every row to both ranks
+
+
+class _FailingSplit(DPSampler):
+    def split(self, rows, num_shares, lengths, group_size):
+        raise ValueError("split broke")
+
+
+def test_a_split_that_serves_a_row_to_two_ranks_fails_that_call_and_keeps_the_rows(make_queue):
+    q = make_queue(global_batch_size=8)
+    q.state.register_sampler("train", _OverlappingSplit(dp_rank=0, dp_size=2))
+    q.put(0, 8, X)
+    with pytest.raises(
+        SamplerError,
+        match=r"_OverlappingSplit.split must split the round's 4 rows into disjoint shares .*\(4 given twice",
+    ):
+        q.get(0, "x", 2, sampler_params=dp(0))
+    assert consumed(q, 0) == 0  # nothing was lost: the rows are ready for the task again
+    assert indexes(q.get(0, "x", 4, "other")) == [0, 1, 2, 3]
+
+
+def test_a_split_that_raises_fails_only_its_waiting_getter_and_the_put_commits(make_queue):
+    q = make_queue(global_batch_size=8)
+    q.state.register_sampler("train", _FailingSplit(dp_rank=0, dp_size=2))
+    broken = q.get_async(0, "x", 2, sampler_params=dp(0))
+    other = q.get_async(0, "x", 4, "other")
+    assert not broken.done and not other.done
+    q.put(0, 4, X)  # the commit retries both waiting getters: it must succeed whatever the sampler does
+    with pytest.raises(SamplerError, match=r"_FailingSplit.split raised ValueError: split broke; the 4 rows"):
+        broken.result()
+    assert indexes(other.result().to_meta()) == [0, 1, 2, 3]
+    assert consumed(q, 0) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -10,15 +11,15 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rl_contracts.prompts import PromptSource
+from rl_contracts.rows import jagged, rows_of
+from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups
-from trainers.metrics import MetricsLog, fifth_means, plot_metrics
-from workers.prompts import PromptSource
-from workers.reward import score_responses
-from workers.rollout import jagged, rows_of
+from trainers.metrics import MetricsLog, StepReporter, fifth_means, plot_metrics
+from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
-from workers.tasks.base import import_object, load_reward_fn, load_task
 
 
 # ---- prompt source ------------------------------------------------------------------------------------------
@@ -58,16 +59,19 @@ def test_a_failing_reward_function_marks_the_sample_and_the_rest_are_scored():
             raise RuntimeError("parser exploded")
         return float(text == answer)
 
-    rewards, failed, errors = score_responses(reward, ["1", "boom", "3"], {"answer": ["1", "2", "4"]})
-    assert rewards == [1.0, 0.0, 0.0]
-    assert failed == [False, True, False]
-    assert errors == ["RuntimeError: parser exploded"]
+    scores = score_responses(reward, ["1", "boom", "3"], {"answer": ["1", "2", "4"]})
+    assert scores.rewards == [1.0, 0.0, 0.0]
+    assert scores.failed == [False, True, False]
+    assert scores.errors == ["RuntimeError: parser exploded"]
+    assert scores.non_finite == 0
 
 
-def test_a_nan_reward_counts_as_a_failure():
-    rewards, failed, errors = score_responses(lambda text: float("nan"), ["x"], {})
-    assert (rewards, failed) == ([0.0], [True])
-    assert "NaN" in errors[0]
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_reward_is_rejected_naming_the_sample_and_counted(bad):
+    scores = score_responses(lambda text: bad if text == "x" else 1.0, ["ok", "x"], {}, sample_ids=[40, 41])
+    assert (scores.rewards, scores.failed, scores.non_finite) == ([1.0, 0.0], [False, True], 1)
+    assert scores.errors == [f"NonFiniteReward: sample global_index=41: the reward function returned {bad}"]
+    assert issubclass(NonFiniteReward, ValueError)
 
 
 def test_reward_functions_and_tasks_load_by_dotted_name():
@@ -77,8 +81,8 @@ def test_reward_functions_and_tasks_load_by_dotted_name():
         import_object("no_such_module:f")
     with pytest.raises(ValueError, match="has no 'nope'"):
         import_object("workers.tasks.addition:nope")
-    with pytest.raises(ValueError, match=r"expected a workers\.tasks\.base\.Task"):
-        load_task("workers.prompts:PromptSource", {"prompts": [1]})
+    with pytest.raises(ValueError, match=r"expected a rl_contracts\.task\.Task"):
+        load_task("rl_contracts.prompts:PromptSource", {"prompts": [1]})
 
 
 # ---- training batch -----------------------------------------------------------------------------------------
@@ -114,6 +118,29 @@ def test_the_batch_aligns_old_logprobs_and_masks_with_input_ids():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
     assert batch["old_logprobs"].tolist() == [[0, 0, -0.5, -0.5, -0.5], [0, 0, -1.5, 0, 0]]
+    assert torch.equal(batch["rollout_logprobs"], batch["old_logprobs"])  # the engine's, kept beside the old policy
+
+
+def test_old_logprobs_are_recomputed_where_trainer_and_engine_numerics_differ():
+    assert not _config().recompute_old_logprobs  # the demo: HF engine on CPU, trainer on CPU
+    assert RLConfig(
+        prompts_per_step=2, n_samples=2, train=TrainConfig(world_size=1, num_gpus_per_rank=1)
+    ).recompute_old_logprobs
+    assert RLConfig(mode="async", max_staleness=1, train=TrainConfig(world_size=1)).recompute_old_logprobs
+    assert not RLConfig(
+        mode="async", max_staleness=1, train=TrainConfig(recompute_old_logprobs=False)
+    ).recompute_old_logprobs
+    with pytest.raises(ConfigError, match=r"train.rollout_is_low must be in \[0, train.rollout_is_high=2.0\), got 3"):
+        RLConfig(train=TrainConfig(rollout_is_low=3))
+
+
+def test_staleness_is_counted_per_trained_token():
+    # rows of 3 tokens at staleness 1, 0, 2 (the last too stale: not trained) -> (3*1 + 3*0) / 6 tokens
+    data = _rollout_data([1.0, 0.0, 1.0], [4, 5, 3])
+    out = build_train_batch(
+        data, np.array([0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_config()
+    )
+    assert out.stats["token_staleness_sum"] / out.stats["trained_tokens"] == pytest.approx(0.5)
 
 
 def test_advantages_are_normalised_within_each_group():
@@ -147,6 +174,26 @@ def test_zero_variance_groups_are_filtered_when_asked():
         data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
     )
     assert out.tensors["response_mask"].sum(1).tolist() == [0, 0, 3, 3]
+
+
+def test_failed_rows_do_not_make_a_constant_group_look_informative():
+    # group 0: one correct answer and one failed reward (its placeholder 0 is no score) -> constant, dropped;
+    # group 1: scored 1 and 0 -> kept
+    data = _rollout_data([1.0, 0.0, 1.0, 0.0], [0] * 4, failed=[False, True, False, False])
+    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    out = build_train_batch(
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
+    )
+    assert out.tensors["response_mask"].sum(1).tolist() == [0, 0, 3, 3]
+
+
+def test_a_non_finite_reward_that_slips_through_counts_as_failed():
+    data = _rollout_data([float("inf"), 0.0, 1.0, 0.0], [0] * 4)
+    out = build_train_batch(
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+    )
+    assert torch.isfinite(out.tensors["advantages"]).all()
+    assert out.stats["failed_rows"] == 1.0 and out.tensors["response_mask"][0].sum() == 0
 
 
 def test_over_sampling_trains_on_the_first_groups_the_filters_keep():
@@ -225,10 +272,29 @@ def test_the_shipped_configs_are_valid():
 def test_metrics_are_written_as_jsonl_and_plotted(tmp_path):
     log = MetricsLog(tmp_path / "m.jsonl")
     for step in range(12):
-        log.write({"kind": "grpo", "step": step, "reward": step / 12, "loss": float("nan")})
+        log.write(
+            {"kind": "grpo", "step": step, "reward": step / 12, "loss": float("nan"), "generate_s": 0.1, "train_s": 0.2}
+        )
     rows = log.rows("grpo")
     assert len(rows) == 12 and rows[0]["loss"] is None  # NaN becomes null: the file stays valid JSON
     json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     png = plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+    import matplotlib.image
+
+    # reward + the time-breakdown panel: two panels side by side (3.2 inches each at 120 dpi)
+    assert matplotlib.image.imread(png).shape[1] == 2 * 384
     assert fifth_means([0, 0, 1, 1, 1, 1, 1, 1, 2, 2]) == (0.0, 2.0)
+
+
+def test_without_a_terminal_progress_is_one_plain_line_of_health_metrics_every_n_steps():
+    out = io.StringIO()
+    reporter = StepReporter(0, 5, every=2, stream=out, terminal=False)
+    for step in range(5):
+        reporter.update(step, {"reward": 0.5, "kl": 0.001, "entropy": 1.25, "grad_norm": 0.5, "step_s": 0.2, "loss": 0})
+    reporter.close()
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        f"GRPO step {n}/5 | reward 0.500 | kl 0.0010 | entropy 1.250 | grad_norm 0.500 | step_s 0.20" for n in (2, 4, 5)
+    ]
+    assert "\r" not in out.getvalue()

@@ -20,6 +20,7 @@ from transfer_queue.errors import (
     InvalidRequest,
     PartitionOverfilled,
     SamplerError,
+    StaleBatchMeta,
 )
 from transfer_queue.metadata import BatchMeta, FieldSchema
 from transfer_queue.partition import AVAILABLE, COMMITTED
@@ -172,7 +173,11 @@ def test_sampler_contract(make_queue, name, seed):
                 metas += [(task, m) for m in got if len(m)]
         elif op < 0.95 and metas:  # release a batch: its rows are the task's again
             task, meta = metas.pop(rng.randrange(len(metas)))
-            q.release(meta, task)  # a no-op when its partition was cleared since
+            if q.state._by_uid(meta.partition_uid) is None:  # its partition was cleared since: the meta is stale
+                with pytest.raises(StaleBatchMeta, match="was cleared"):
+                    q.release(meta, task)
+            else:
+                q.release(meta, task)
             held[task] -= {(meta.partition_uid, i) for i in meta.global_indexes.tolist()}
         elif op >= 0.95 and key == 0:
             q.clear(0)

@@ -101,11 +101,19 @@ def test_decoders_name_what_was_malformed():
             assert str(exc).startswith(f"malformed {what}: ")
         else:
             raise AssertionError("decoded garbage")
-    bad_schema = p.encode({"type": "reserve", "partition": 0, "num_rows": 1, "fields": {"x": ["dense", "f4", [-1]]}})
-    try:
-        p.decode_controller_request(bad_schema)
-    except MalformedMessage as exc:
-        assert "a field's shape has no negative dimension, got [-1]" in str(exc)
+
+
+def test_a_negative_dimension_in_a_schema_is_malformed():
+    def reserve(shape: list[int]) -> bytes:
+        fields = {"x": ["dense", "float32", shape]}
+        return p.encode({"type": "reserve", "partition": 0, "num_rows": 1, "fields": fields, "nbytes": 4})
+
+    assert p.decode_controller_request(reserve([2])).fields["x"] == FieldSchema("dense", "float32", (2,))  # control
+    with pytest.raises(
+        MalformedMessage,
+        match=r"^malformed controller request: a field's shape has no negative dimension, got \[-1\]",
+    ):
+        p.decode_controller_request(reserve([-1]))
 
 
 # ---- hostile requests to the controller's state ----------------------------------------------------------------

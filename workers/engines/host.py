@@ -2,7 +2,8 @@
 
 The actor runs one call at a time, so a weight update queued behind a generation lands between generations and a
 batch never mixes two policy versions. Weights arrive from memory (an ObjectRef of a state dict, or the dict) or
-from a Hugging Face directory, each with the policy version they are.
+from a Hugging Face directory, each with the policy version they are; or, with a weight channel on this host
+(``EngineSpec.weights_channel``), the engine pulls the newest published weights itself before each generation.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 import ray
 import torch
 
+from rl_contracts.task import load_task
+from rl_contracts.weight_channel import WeightChannel
 from workers.engines.base import Engine, Generation, SamplingParams
-from workers.tasks.base import load_task
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class EngineSpec:
     model_path: str | None = None
     device: str = "cpu"
     max_batch_size: int = 256
+    weights_channel: str | None = None  # a WeightChannel directory on this host to pull published weights from
+    weights_timeout: float = 300.0  # seconds a generation may wait for the policy version it needs
 
     def build(self) -> Engine:
         task = load_task(self.task_name, self.task_kwargs)
@@ -61,11 +65,37 @@ class EngineActor:
         self._engine = spec.build()
         self._calls = 0
         self._seed = seed
+        self._channel = WeightChannel(spec.weights_channel) if spec.weights_channel else None
+        self._weights_timeout = spec.weights_timeout
+        self._serial = -1  # the channel write these weights came from
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> tuple[int, list[list[Generation]]]:
-        """``(policy version, generations)``: the version is the one every generation of the call came from."""
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, min_version: int | None = None
+    ) -> tuple[int, list[list[Generation]]]:
+        """``(policy version, generations)``: the version is the one every generation of the call came from.
+
+        With a weight channel, the newest published weights are loaded first; ``min_version`` makes the call wait
+        until weights at least that new are published (on-policy generation right after a training step).
+        """
         self._calls += 1
+        self.pull_weights(min_version)
         return self._engine.version, self._engine.generate(prompts, n, params)
+
+    def pull_weights(self, min_version: int | None = None) -> int:
+        """Load the channel's newest weights if they are newer than the engine's (waiting for ``min_version``);
+        returns the engine's version. Without a channel, the engine's version (``min_version`` must hold)."""
+        if self._channel is None:
+            if min_version is not None and self._engine.version < min_version:
+                raise RuntimeError(
+                    f"the engine has version {self._engine.version}, needs {min_version}, and has no weight channel"
+                )
+            return self._engine.version
+        channel = self._channel
+        newest = channel.newest() if min_version is None else channel.wait(min_version, self._weights_timeout)
+        if newest is not None and newest[0] > self._serial:
+            self._serial, version, state = channel.load(newest[1], self._weights_timeout)
+            self._engine.update_weights(version, state_dict=state)
+        return self._engine.version
 
     def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
         """Load weights (a state dict, or a list holding one ObjectRef of it, or a directory); returns the version."""

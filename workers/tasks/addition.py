@@ -14,8 +14,8 @@ import random
 import torch
 from transformers import LlamaForCausalLM
 
+from rl_contracts.task import Task
 from workers.models import build_tiny_causal_lm
-from workers.tasks.base import Task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 ANSWER_DIGITS = 3
@@ -154,7 +154,7 @@ def build_model(
 
 
 class AdditionTask(Task):
-    """Two-digit addition as a :class:`~workers.tasks.base.Task`: prompts, reward, tokenizer and the tiny Llama.
+    """Two-digit addition as a :class:`~rl_contracts.task.Task`: prompts, reward, tokenizer and the tiny Llama.
 
     Args:
         hidden_size, num_layers, num_heads: the policy's shape (about 100k parameters by default).

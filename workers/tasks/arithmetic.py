@@ -17,8 +17,8 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
+from rl_contracts.task import Task
 from workers.hf_models import require_prepared, smollm2_path
-from workers.tasks.base import Task
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 QUESTION = "What is {a} {op} {b}? Answer with just the number."
@@ -93,7 +93,7 @@ def chat_prompt_ids(tokenizer: ChatTokenizer, question: str) -> list[int]:
 
 
 class ArithmeticTask(Task):
-    """Arithmetic questions for SmolLM2-135M-Instruct as a :class:`~workers.tasks.base.Task`.
+    """Arithmetic questions for SmolLM2-135M-Instruct as a :class:`~rl_contracts.task.Task`.
 
     Args:
         operators: the operators to draw from, e.g. ``"+"`` or ``"+*"``.

@@ -11,6 +11,10 @@
         trainer ranks stream complete groups (DP rounds) and step
         publish weights to the engines (every sync_every steps), clear the step, log, checkpoint
 
+With ``weight_sync: shm`` the trainer writes each version into a WeightChannel on this host and engines pull it
+themselves, so the driver launches step s+1's rollout while step s trains: the rollout waits inside the engine for
+the version it needs (sync: the one step s produces) and starts the moment it is written, with no driver round trip.
+
 Everything a person needs to follow a run is written under ``output_dir``: ``metrics.jsonl`` (one row per step),
 ``metrics.png``, ``config.yaml`` and ``checkpoints/``.
 """
@@ -30,16 +34,18 @@ import yaml
 from tqdm import tqdm
 
 import transfer_queue
-from trainers.checkpoint import checkpoint_path, latest_checkpoint
+from rl_contracts.prompts import PromptSource
+from rl_contracts.rows import jagged
+from rl_contracts.task import Task, load_task
+from rl_contracts.weight_channel import WeightChannel
+from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metrics import MetricsLog, fifth_means, plot_metrics
+from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.prompts import PromptSource
 from workers.reward import RewardWorker
-from workers.rollout import RolloutWorker, jagged
-from workers.tasks.base import Task, load_task
+from workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +60,13 @@ class GRPORun:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         self.task: Task = load_task(cfg.task.name, cfg.task.kwargs)
+        self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
+        # with a weight channel, producers run one step further ahead: the queue holds that step too
+        self.lookahead = cfg.max_staleness + (1 if self.channel is not None else 0)
         self.client = transfer_queue.init(
             global_batch_size=cfg.prompts_per_step,
             num_n_samples=cfg.n_samples,
-            num_global_batch=cfg.num_global_batch,
+            num_global_batch=self.lookahead + 1,
             sampler=transfer_queue.GRPOSampler(cfg.n_samples),
             num_storage_units=cfg.num_storage_units,
             default_timeout=cfg.queue_timeout,
@@ -68,12 +77,33 @@ class GRPORun:
             task_name=cfg.task.name,
             task_kwargs=cfg.task.kwargs,
             device=cfg.rollout.engine_device,
+            weights_channel=str(self.channel.path) if self.channel is not None else None,
+            weights_timeout=cfg.queue_timeout,
         )
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p
         )
+        self.rollout, self.reward = self.start_workers(info, spec)
+        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
+        self.trainer = [
+            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
+            for r in range(cfg.train.world_size)
+        ]
+        master = ray.get(self.trainer[0].address.remote())
+        ray.get([rank.setup.remote(*master) for rank in self.trainer])
+        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
+        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.version = 0  # the version the engines were last sent
+        self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
+        self._saved_step: int | None = None
+        self._resumed = False
+
+    def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
+        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others)."""
+        cfg = self.cfg
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
-        self.rollout = [
+        rollout = [
             RolloutWorker.remote(
                 i,
                 info,
@@ -87,7 +117,7 @@ class GRPORun:
             )
             for i in range(cfg.rollout.num_workers)
         ]
-        self.reward = [
+        reward = [
             RewardWorker.remote(
                 i,
                 info,
@@ -100,22 +130,14 @@ class GRPORun:
             )
             for i in range(cfg.rollout.num_reward_workers)
         ]
-        rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
-        self.trainer = [
-            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
-            for r in range(cfg.train.world_size)
-        ]
-        master = ray.get(self.trainer[0].address.remote())
-        ray.get([rank.setup.remote(*master) for rank in self.trainer])
-        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
-        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl")
-        self.version = 0
+        return rollout, reward
 
     # ---- the pieces of a step ------------------------------------------------------------------------------
     def put_prompts(self, step: int) -> None:
         """The step's prompts, each repeated ``n_samples`` times: its group of rows."""
         n = self.cfg.n_samples
+        # where the prompt source stood before this step drew: what a run resumed at ``step`` must draw next
+        self.prompt_states[step] = self.prompts.state_dict()
         prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
         rows = [p for p in prompts for _ in range(n)]
         fields: dict[str, Any] = {"prompt_ids": jagged([p["prompt_ids"] for p in rows], torch.int64)}
@@ -123,17 +145,21 @@ class GRPORun:
             fields[name] = [str(p[name]) for p in rows]
         self.client.put(fields, global_step=step)
 
-    def launch(self, step: int) -> tuple[list[Any], list[Any]]:
+    def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
+        """Put the step's prompts and start its rollout and reward; ``min_version`` (weight channel only): the
+        policy version the rollout waits for."""
         self.put_prompts(step)
         return (
-            [w.generate_step.remote(step) for w in self.rollout],
+            [w.generate_step.remote(step, None, min_version) for w in self.rollout],
             [w.score_step.remote(step) for w in self.reward],
         )
 
     def publish(self, version: int) -> float:
         """Send the trainer's weights to every engine as ``version``; returns the seconds it took."""
         t0 = time.perf_counter()
-        if self.cfg.weight_sync == "memory":
+        if self.channel is not None:  # engines pull it before their next generation
+            ray.get([rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer])
+        elif self.cfg.weight_sync == "memory":
             weights = ray.get([rank.weights.remote() for rank in self.trainer])[0]
             ray.get([w.update_weights.remote(version, weights) for w in self.rollout])
         else:
@@ -158,12 +184,34 @@ class GRPORun:
         return sum(s >= 1.0 for s in scores) / len(scores)
 
     def save(self, step: int) -> Path:
-        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version."""
-        path = checkpoint_path(self.out / "checkpoints", step)
-        shutil.rmtree(path, ignore_errors=True)
-        extra = {"step": step, "prompt_source": self.prompts.state_dict(), "version": self.version}
-        ray.get([rank.save_checkpoint.remote(str(path), extra) for rank in self.trainer])
+        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version, then keep
+        the newest ``checkpoint_keep``. An existing checkpoint of ``step`` is replaced only once the new one is
+        complete and on disk.
+
+        The prompt position is the one before step ``step`` drew its prompts: in async mode rollout has already
+        drawn up to ``max_staleness`` steps ahead, and a resumed run must draw those again, not skip them.
+        """
+        root = self.out / "checkpoints"
+        path = checkpoint_path(root, step)
+        prompt_state = self.prompt_states.get(step, self.prompts.state_dict())
+        extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
+        ray.get([rank.save_checkpoint.remote(str(path), extra, overwrite=True) for rank in self.trainer])
+        prune_checkpoints(root, self.cfg.checkpoint_keep)
+        self._saved_step = step
         return path
+
+    def init_reference(self, resumed: bool) -> None:
+        """The frozen KL reference: the run's original one (saved in ``output_dir/reference`` when the run began)
+        on resume, never the resumed weights; else the current weights, saved for later resumes."""
+        path = self.out / "reference"
+        if resumed and is_complete_checkpoint(path):
+            ray.get([r.init_reference.remote(str(path)) for r in self.trainer])
+            print(f"KL reference restored from {path}", flush=True)
+            return
+        if resumed:
+            logger.warning("no saved KL reference in %s: the resumed weights become the reference", path)
+        ray.get([r.init_reference.remote() for r in self.trainer])
+        ray.get([r.save_reference.remote(str(path)) for r in self.trainer])
 
     # ---- the run -------------------------------------------------------------------------------------------
     def sft(self) -> float:
@@ -196,37 +244,31 @@ class GRPORun:
         cfg = self.cfg
         start = self._resume_or_warm_up()
         if cfg.train.kl_coef > 0:
-            ray.get([r.init_reference.remote() for r in self.trainer])
+            self.init_reference(resumed=self._resumed)
         self.publish(self.version)
+        # the trainer's own version (what the channel holds; a resumed run may have published an older one)
+        newest = self.channel.newest_version() if self.channel is not None else None
+        first_version = newest if newest is not None else self.version
         pending: dict[int, tuple[list[Any], list[Any]]] = {}
         rows_out = []
         controller = transfer_queue.get_controller()
         idle_cpu_per_s = self._queue_idle_cpu(controller)
         run_started = time.perf_counter()
         queue_cpu_start = ray.get(controller.cpu_seconds.remote())
-        bar = tqdm(
-            range(start, cfg.steps), desc="GRPO", unit="step", dynamic_ncols=True, initial=start, total=cfg.steps
-        )
-        for step in bar:
-            t0 = time.perf_counter()
-            for ahead in range(step, min(step + cfg.max_staleness + 1, cfg.steps)):
-                if ahead not in pending:
-                    pending[ahead] = self.launch(ahead)
-            train = ray.get([rank.train_step.remote(step) for rank in self.trainer])[0]
-            rollout_refs, reward_refs = pending.pop(step)
-            rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
-            version = int(train["policy_version"])
-            sync_s = self.publish(version) if version % cfg.sync_every == 0 or step == cfg.steps - 1 else 0.0
-            self.client.clear(global_step=step)
-            row = self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
+        progress = StepReporter(start, cfg.steps, every=cfg.log_every)
+        plot = PlotRefresher(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        for step in range(start, cfg.steps):
+            row = self._global_step(step, pending, start, first_version)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 row["eval_accuracy"] = self.evaluate()
             self.metrics.write(row)
             rows_out.append(row)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row.get('loss', 0.0):+.3f}")
+            progress.update(step, row)
+            plot.maybe_refresh()
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
-        bar.close()
+            self.prompt_states.pop(step, None)
+        progress.close()
         steps_run = max(len(rows_out), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
@@ -234,12 +276,14 @@ class GRPORun:
             {
                 "kind": "summary",
                 "steps": len(rows_out),
+                "grpo_wall_s": time.perf_counter() - run_started,
                 "queue_server_cpu_s_per_step": server_cpu / steps_run,
                 "queue_idle_cpu_s_per_step": idle_cpu / steps_run,
             }
         )
-        self.save(cfg.steps)
-        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        if self._saved_step != cfg.steps:  # the last periodic checkpoint may already be this one
+            self.save(cfg.steps)
+        plot.refresh()
         return rows_out
 
     def run_sft(self) -> Path:
@@ -248,6 +292,46 @@ class GRPORun:
         accuracy = self.sft()
         logger.info("SFT reached greedy accuracy %.3f", accuracy)
         return self.save(0)
+
+    def _global_step(
+        self, step: int, pending: dict[int, tuple[list[Any], list[Any]]], start: int, first_version: int
+    ) -> dict[str, Any]:
+        """Train on ``step`` and publish the weights; launches the rollouts of the steps ahead; its metrics row."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if step not in pending:
+            pending[step] = self.launch(step, self._min_version(step, start, first_version))
+        train_refs = [rank.train_step.remote(step) for rank in self.trainer]
+        version = first_version + step - start + 1  # the trainer's after this step
+        publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
+        publish_refs = []
+        if publish and self.channel is not None:  # queued right behind the step on the ranks: no round trip
+            publish_refs = [rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer]
+        for ahead in range(step + 1, min(step + self.lookahead + 1, cfg.steps)):
+            if ahead not in pending:
+                pending[ahead] = self.launch(ahead, self._min_version(ahead, start, first_version))
+        train = ray.get(train_refs)[0]
+        rollout_refs, reward_refs = pending.pop(step)
+        rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
+        if self.channel is not None:
+            if int(train["policy_version"]) != version:  # the rollouts launched ahead wait for `version`
+                raise RuntimeError(f"the trainer is at version {train['policy_version']}, expected {version}")
+            sync_s = float(ray.get(publish_refs)[0]) if publish_refs else 0.0
+            self.version = version if publish_refs else self.version
+        else:
+            version = int(train["policy_version"])
+            publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
+            sync_s = self.publish(version) if publish else 0.0
+        self.client.clear(global_step=step)
+        return self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
+
+    def _min_version(self, step: int, start: int, first_version: int) -> int | None:
+        """The oldest policy version the rollout of ``step`` may use (weight channel only; else None): the newest
+        one published by then that keeps its samples within ``max_staleness`` (sync: the weights after step - 1)."""
+        if self.channel is None:
+            return None
+        target = first_version + (step - start) - self.cfg.max_staleness
+        return max(first_version, target - target % self.cfg.sync_every)
 
     @staticmethod
     def _queue_idle_cpu(controller: Any, seconds: float = 2.0) -> float:
@@ -259,11 +343,12 @@ class GRPORun:
     def _resume_or_warm_up(self) -> int:
         """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT."""
         latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
+        self._resumed = latest is not None
         if latest is not None:
             extra = ray.get([r.load_checkpoint.remote(str(latest)) for r in self.trainer])[0]
             self.prompts.load_state_dict(extra["prompt_source"])
             self.version = int(extra.get("version", extra.get("policy_version", 0)))
-            logger.info("resumed from %s at step %d", latest, extra["step"])
+            print(f"resumed from {latest} at step {extra['step']}", flush=True)
             return int(extra["step"])
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         if self.cfg.init_from:
@@ -295,8 +380,10 @@ class GRPORun:
             train_queue_s=train.get("queue_s", 0.0),
             wait_s=total(rollout, "wait_s") + total(reward, "wait_s") + train.get("wait_s", 0.0),
             sync_s=sync_s,
+            weights_wait_s=total(rollout, "weights_wait_s"),
             engine_restarts=total(rollout, "engine_restarts"),
             reward_failures=total(reward, "failed"),
+            reward_non_finite=total(reward, "non_finite"),
             tokens=total(rollout, "tokens"),
         )
         return row
@@ -309,6 +396,8 @@ class GRPORun:
         for actor in [*self.rollout, *self.reward, *self.trainer]:
             ray.kill(actor)
         transfer_queue.shutdown()
+        if self.channel is not None:
+            self.channel.close()
 
 
 def connect_ray(env_vars: dict[str, str] | None = None) -> None:

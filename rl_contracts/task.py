@@ -76,7 +76,7 @@ def load_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
     cls = import_object(name)
     task = cls(**(kwargs or {}))
     if not isinstance(task, Task):
-        raise ValueError(f"{name!r} built a {type(task).__name__}, expected a workers.tasks.base.Task")
+        raise ValueError(f"{name!r} built a {type(task).__name__}, expected a rl_contracts.task.Task")
     return task
 
 

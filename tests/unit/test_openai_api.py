@@ -1,0 +1,86 @@
+"""The OpenAI-compatible endpoint, driven by the real ``openai`` client over 127.0.0.1: completions come back with
+the sampled token ids and log-probs, and those ids are exactly what the model scores with those log-probs."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from workers.agents.samplers import BatchingSampler, engine_generate
+from workers.agents.task_server import serve_in_background
+from workers.agents.trajectory import PlainChatFormat
+from workers.engines.hf import HFEngine
+from workers.models import build_tiny_causal_lm
+from workers.openai_api import create_app
+
+CHARS = "\n abcdefghijklmnopqrstuvwxyz:."
+PAD, EOS, BASE = 0, 1, 2
+
+
+def encode(text: str) -> list[int]:
+    unknown = sorted(set(text) - set(CHARS))
+    if unknown:
+        raise ValueError(f"characters {unknown} are not in the vocabulary")
+    return [BASE + CHARS.index(c) for c in text]
+
+
+def decode(ids) -> str:
+    return "".join(CHARS[i - BASE] if i >= BASE else "" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    model = build_tiny_causal_lm(BASE + len(CHARS), max_position_embeddings=128, seed=1)
+    engine = HFEngine(model, pad_token_id=PAD, eos_token_id=EOS)
+    app = create_app(BatchingSampler(engine_generate(engine)), PlainChatFormat(encode, decode), model="tiny")
+    with serve_in_background(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), engine
+
+
+def test_models_lists_the_policy(endpoint):
+    client, _ = endpoint
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_chat_completions_return_the_sampled_ids_and_their_logprobs(endpoint):
+    client, engine = endpoint
+    messages = [{"role": "user", "content": "hi there"}]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, n=3, max_tokens=6, temperature=1.0, logprobs=True, seed=7
+    )
+    prompt = encode("user: hi there\nassistant: ")
+    assert out.model_extra["prompt_token_ids"] == prompt and out.model_extra["policy_version"] == 0
+    assert len(out.choices) == 3 and out.usage.prompt_tokens == len(prompt)
+    with torch.no_grad():
+        for choice in out.choices:
+            ids, lps = choice.model_extra["token_ids"], choice.model_extra["token_logprobs"]
+            assert 1 <= len(ids) <= 6 and choice.finish_reason in ("stop", "length")
+            assert choice.message.content == decode(ids)
+            assert [t.logprob for t in choice.logprobs.content] == pytest.approx(lps)
+            # the ids are the sampled ids: the model gives them exactly the log-probs the endpoint returned
+            logits = engine.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            assert expected.tolist() == pytest.approx(lps, abs=1e-4)
+    same = client.chat.completions.create(model="tiny", messages=messages, n=3, max_tokens=6, seed=7)
+    assert [c.model_extra["token_ids"] for c in same.choices] == [c.model_extra["token_ids"] for c in out.choices]
+
+
+def test_a_stop_string_cuts_the_completion_and_bad_requests_get_openai_errors(endpoint):
+    client, _ = endpoint
+    free = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=12, seed=3
+    )
+    text = free.choices[0].message.content
+    if len(text) < 3:
+        pytest.skip(f"the tiny model ended after {text!r}; no room for a stop string")
+    stop = text[1]
+    cut = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=12, seed=3, stop=[stop]
+    )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], temperature=-1)
+    with pytest.raises(openai.BadRequestError, match=r"characters \['\?', 'A'\] are not in the vocabulary"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A?"}])

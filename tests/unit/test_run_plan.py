@@ -1,0 +1,120 @@
+"""The run as its user drives it: config keys checked by name, --help/--print-config, and what a run does with an
+output_dir that already holds one (resume, extend, refuse, --new), decided before any actor starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from trainers.checkpoint import checkpoint_path
+from trainers.config import ConfigError, config_from_cli, config_keys, config_to_dict, load_config
+from trainers.run_plan import plan_run
+
+DEMO_YAML = "recipe/configs/demo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"stepz": 3}, r"unknown config key 'stepz' in the override stepz=3; did you mean steps\?"),
+        ({"train.lrr": 1}, r"unknown config key 'train.lrr' in the override train.lrr=1; did you mean train.lr,"),
+        ({"train.filters.nonzero_std": True}, r"did you mean train.filters.nonzero_std_groups"),
+        ({"train": 3}, r"train is a section: expected a mapping of its keys in the override train=3, got 3"),
+    ],
+)
+def test_unknown_keys_are_refused_naming_the_closest_valid_ones(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_unknown_keys_in_a_yaml_file_name_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  temprature: 0.5\n")
+    with pytest.raises(ConfigError, match=rf"unknown config key 'rollout.temprature' in {path}; did you mean"):
+        load_config(path)
+
+
+def test_a_bad_value_names_the_override_that_carried_it(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"Expected `float`, got `str` - at `\$.train.lr` \(from the override train.lr='x'\)"
+    ):
+        load_config(DEMO_YAML, {"train.lr": "x"})
+    with pytest.raises(ConfigError, match=r"steps must be an int >= 1, got 0 \(from the override steps=0\)"):
+        load_config(DEMO_YAML, {"steps": 0})
+    path = tmp_path / "bad.yaml"
+    path.write_text("steps: 0\n")
+    with pytest.raises(ConfigError, match=rf"steps must be an int >= 1, got 0 \(from {path}\)"):
+        load_config(path)
+
+
+def test_help_lists_every_key_with_default_and_meaning(capsys):
+    keys = config_keys()
+    assert all(meaning for _, meaning in keys.values()), [k for k, (_, m) in keys.items() if not m]
+    with pytest.raises(SystemExit):
+        config_from_cli("demo", DEMO_YAML, ["--help"])
+    out = capsys.readouterr().out
+    for key in keys:
+        assert f"  {key} = " in out, key
+    assert "  output_dir = 'outputs/demo'" in out  # the recipe's YAML value, not the dataclass default
+
+
+def test_print_config_prints_the_resolved_config(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_cli("demo", DEMO_YAML, ["--print-config", "steps=7", "train.lr=0.01"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["steps"] == 7 and printed["train"]["lr"] == 0.01
+    assert printed == config_to_dict(load_config(DEMO_YAML, {"steps": 7, "train.lr": 0.01}))
+
+
+def _finished_run(out, steps: int, **overrides):
+    """What a run leaves in its output_dir: config.yaml and a complete checkpoint at ``steps``."""
+    config = load_config(DEMO_YAML, {"output_dir": str(out), "steps": steps, **overrides})
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    path = checkpoint_path(out / "checkpoints", steps)
+    (path / "dcp").mkdir(parents=True)
+    (path / "dcp" / ".metadata").touch()
+    (path / "checkpoint.json").write_text(json.dumps({"extra_state": {"step": steps}}))
+    return config
+
+
+def test_a_fresh_output_dir_starts_a_new_run(tmp_path):
+    plan = plan_run(load_config(DEMO_YAML, {"output_dir": str(tmp_path / "x")}))
+    assert (plan.kind, plan.start_step) == ("fresh", 0)
+
+
+def test_the_same_steps_again_is_refused_not_a_silent_no_op(tmp_path):
+    out = tmp_path / "demo"
+    _finished_run(out, 5)
+    with pytest.raises(ConfigError, match=r"already finished 5 steps; steps=5 would train nothing\. Pass steps="):
+        plan_run(load_config(DEMO_YAML, {"output_dir": str(out), "steps": 5}))
+
+
+def test_more_steps_extend_the_run_and_say_so(tmp_path):
+    out = tmp_path / "demo"
+    _finished_run(out, 5)
+    plan = plan_run(load_config(DEMO_YAML, {"output_dir": str(out), "steps": 8, "eval_every": 2}))
+    assert (plan.kind, plan.start_step) == ("resume", 5)
+    assert plan.message == f"resuming {out} from its checkpoint at step 5, on to step 8"
+
+
+def test_a_changed_training_setting_is_refused_naming_it(tmp_path):
+    out = tmp_path / "demo"
+    _finished_run(out, 5)
+    # README's follow-up after `make demo`: more steps at another learning rate
+    with pytest.raises(
+        ConfigError, match=r"other settings \(train.lr: 0.0005 -> 0.0003\), which cannot apply on resume"
+    ):
+        plan_run(load_config(DEMO_YAML, {"output_dir": str(out), "steps": 200, "train.lr": 3e-4}))
+
+
+def test_new_moves_the_old_run_aside_and_starts_over(tmp_path):
+    out = tmp_path / "demo"
+    _finished_run(out, 5)
+    config = config_from_cli("demo", DEMO_YAML, ["--new", f"output_dir={out}", "train.lr=3e-4"])
+    plan = plan_run(config)
+    assert (plan.kind, plan.moved_to) == ("new", tmp_path / "demo.prev-1")
+    assert not out.exists() and (tmp_path / "demo.prev-1" / "config.yaml").exists()

@@ -1,0 +1,84 @@
+"""The task-server protocol's bodies: what crosses HTTP between a task server and its clients, on one page.
+
+Every path is under ``/api``. Errors answer ``{"detail": "..."}`` with 400 (bad request, episode already done), 404
+(unknown sample or episode), 503 (``--max-episodes`` running) or 500 (the environment failed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class Observation(BaseModel):
+    type: str = "text"
+    content: str
+
+
+class Action(BaseModel):
+    type: str = "text"
+    content: str
+
+
+class StartRequest(BaseModel):
+    """``POST /episode/start``. A decimal ``sample_id`` may also name the sample at that index."""
+
+    sample_id: str | int
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class StepRequest(BaseModel):
+    """``POST /episode/step``."""
+
+    episode_id: str
+    action: Action
+
+
+class CancelRequest(BaseModel):
+    """``POST /episode/cancel``."""
+
+    episode_id: str
+
+
+class EpisodeResponse(BaseModel):
+    """The answer to a start or a step. ``info`` holds ``turn``; at start also ``max_turns`` and ``sample_id``; when
+    ``done``, ``success`` and ``num_turns`` (and ``truncated`` at the turn limit)."""
+
+    episode_id: str
+    observation: Observation | None
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+
+class CancelResponse(BaseModel):
+    """``cancelled`` is false for an episode that was already done (a cancel is idempotent)."""
+
+    episode_id: str
+    cancelled: bool
+
+
+class HealthResponse(BaseModel):
+    """``GET /health``."""
+
+    status: str
+    active_episodes: int
+    task_name: str
+
+
+class TaskInfo(BaseModel):
+    """``GET /task/info``."""
+
+    name: str
+    num_samples: int
+    max_episode_length: int
+    observation_type: str
+    action_type: str
+    description: str
+
+
+class SampleList(BaseModel):
+    """``GET /task/samples``: every sample id, in order."""
+
+    sample_ids: list[str]

@@ -1,0 +1,166 @@
+"""AgentRolloutWorker: runs a ``rollout.generate_fn`` over the prompt rows of global steps, writes trajectories.
+
+For a global step it loops: ``get_meta(["sample_id"], whole groups)`` -> ``collect_groups(generate_fn, ...)`` over
+the worker's engine -> ``put`` ``tokens``, ``loss_mask``, ``logprobs``, ``reward``, ``num_turns``, ``success``,
+``policy_version`` into those same rows. A dropped group (an episode failed) or a filtered one is written with
+``reward_failed`` set and an empty loss mask, so its rows complete the step but never reach the loss.
+
+The engine lives in this actor, behind a lock: weight updates land between two batched generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from rl_contracts.queue_clock import QueueClock
+from rl_contracts.task import load_task
+from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.agents.samplers import BatchingSampler
+from workers.agents.trajectory import Sample, samples_to_fields
+from workers.engines.base import Generation, SamplingParams
+from workers.engines.host import EngineSpec
+from workers.rollout import ROLLOUT_TASK
+from workers.rollout_fns import collect_groups, load_rollout_fn
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(concurrency_groups={"rollout": 1, "control": 1})
+class AgentRolloutWorker:
+    """See the module docstring.
+
+    Args:
+        worker_id: a name for logs.
+        controller_info: the queue.
+        engine_spec: how to build the engine (in this actor).
+        sampling: sampling parameters of every turn.
+        n_samples: episodes per sample id (the queue's group size).
+        groups_per_request: GRPO groups taken from the queue at a time.
+        generate_fn, generate_fn_kwargs, filter_fn, reward_fn: see ``workers/rollout_fns.py``.
+        timeout: seconds one wait for rows may take.
+        seed: seeds this process's sampling.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        controller_info: ControllerInfo,
+        engine_spec: EngineSpec,
+        sampling: SamplingParams,
+        n_samples: int,
+        groups_per_request: int,
+        generate_fn: str,
+        generate_fn_kwargs: dict[str, Any] | None = None,
+        filter_fn: str | None = None,
+        reward_fn: str | None = None,
+        timeout: float = 300.0,
+        seed: int = 0,
+    ):
+        torch.manual_seed(seed)  # the engine samples from the global generator
+        self.worker_id = worker_id
+        self.client = TransferQueueClient(f"agent-rollout-{worker_id}", controller_info)
+        self.engine = engine_spec.build()
+        self.task = load_task(engine_spec.task_name, engine_spec.task_kwargs)
+        self.n = n_samples
+        self.batch_rows = groups_per_request * n_samples
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self.generate = load_rollout_fn(
+            generate_fn, generate_fn_kwargs, n_samples=n_samples, sampling=sampling, task=self.task
+        )
+        self.filter_fn = load_rollout_fn(filter_fn) if filter_fn else None
+        self.reward_fn = load_rollout_fn(reward_fn) if reward_fn else None
+        self.sampler = BatchingSampler(self._generate_batch)
+        self.task_label = engine_spec.task_name.rsplit(":", 1)[-1]
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[int, list[Generation]]:
+        with self._lock:
+            return self.engine.version, [g[0] for g in self.engine.generate(prompts, 1, params)]
+
+    @ray.method(concurrency_group="control")
+    def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
+        """Load new weights between two generations (a state dict, a list holding its ObjectRef, or a directory)."""
+        if isinstance(weights, list) and weights and isinstance(weights[0], ray.ObjectRef):
+            weights = ray.get(weights[0])
+        with self._lock:
+            self.engine.update_weights(version, state_dict=weights, path=path)
+            return self.engine.version
+
+    @ray.method(concurrency_group="control")
+    def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve the OpenAI-compatible endpoint (``workers/openai_api.py``) over this worker's engine, in a thread of
+        this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the rollout."""
+        import contextlib
+
+        from workers.agents.task_server import serve_in_background
+        from workers.openai_api import create_app
+        from workers.rollout_fns import chat_format
+
+        app = create_app(BatchingSampler(self._generate_batch), chat_format(self.task), model=self.task_label)
+        self._endpoint = contextlib.ExitStack()
+        return self._endpoint.enter_context(serve_in_background(app, host, port))
+
+    @ray.method(concurrency_group="rollout")
+    def generate_step(
+        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+    ) -> dict[str, float]:
+        """Episodes for every group of ``step`` this worker gets; returns counts for the step's metrics row.
+
+        ``fields`` and ``min_version`` are ``RolloutWorker.generate_step``'s; weights arrive by ``update_weights``
+        (``weight_sync`` memory or disk), so a ``min_version`` (the shm weight channel) is refused."""
+        if min_version is not None:
+            raise ValueError(
+                f"AgentRolloutWorker takes weights by update_weights; got min_version={min_version} "
+                "(weight_sync='shm' is not supported for agent rollouts)"
+            )
+        stats = dict.fromkeys(
+            ("rows", "generate_s", "tokens", "groups", "dropped_groups", "filtered_groups", "episodes",
+             "success_sum", "num_turns_sum", "env_reward_sum"), 0.0,
+        )  # fmt: skip
+        clock = QueueClock()
+        while True:
+            meta = clock.call(
+                self.client.get_meta, ["sample_id"], self.batch_rows, global_step=step, task_name=ROLLOUT_TASK,
+                get_n_samples=True, timeout=self.timeout,
+            )  # fmt: skip
+            if len(meta) == 0:
+                return {**stats, **clock.stats()}
+            data = clock.call(self.client.get_data, meta)
+            sample_ids = list(data.get("sample_id").tolist())[:: self.n]
+            t0 = time.perf_counter()
+            groups, group_stats = asyncio.run(
+                collect_groups(
+                    self.generate, [{"sample_id": s} for s in sample_ids], self.sampler, self.n,
+                    self.reward_fn, self.filter_fn,
+                )
+            )  # fmt: skip
+            stats["generate_s"] += time.perf_counter() - t0
+            samples = [s for group in groups for s in (group or self._placeholders())]
+            clock.call(self.client.put, self._fields(samples, groups), metadata=meta)
+            kept = [s for group in groups if group for s in group]
+            stats["rows"] += len(meta)
+            stats["groups"] += group_stats.groups
+            stats["dropped_groups"] += group_stats.dropped_groups
+            stats["filtered_groups"] += group_stats.filtered_groups
+            stats["episodes"] += len(kept)
+            stats["success_sum"] += sum(bool(s.metadata.get("success")) for s in kept)
+            stats["num_turns_sum"] += sum(int(s.metadata.get("num_turns", 1)) for s in kept)
+            stats["env_reward_sum"] += sum(s.reward for s in kept)
+            stats["tokens"] += sum(sum(1 for m in s.loss_mask if m) for s in kept)
+
+    def _placeholders(self) -> list[Sample]:
+        pad = self.task.tokenizer.pad_token_id
+        return [Sample("", "", [pad], [0.0], 0.0, {"policy_version": self.engine.version}) for _ in range(self.n)]
+
+    def _fields(self, samples: list[Sample], groups: list[list[Sample] | None]) -> dict[str, Any]:
+        fields = samples_to_fields(samples)
+        failed = [group is None for group in groups for _ in range(self.n)]
+        fields["reward_failed"] = fields["reward_failed"] | torch.tensor(failed)
+        return fields

@@ -1,0 +1,111 @@
+"""A task server in its own process, owned: started with a deadline to become healthy, stopped with its group.
+
+    with TaskServerProcess("guess-number") as server:      # python -m workers.agents.task_server ... --port 0
+        workflow = TaskServerWorkflow(server.url, ...)
+
+The server binds a free port on 127.0.0.1 and prints the seed's banner; its URL is read from the banner. The
+process leads its own process group, so stopping it (SIGTERM, then SIGKILL after ``stop_timeout``) also ends
+whatever it started; an ``atexit`` hook stops it if the parent exits without doing so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class TaskServerError(RuntimeError):
+    """The task server process did not come up; the message holds its last log lines."""
+
+
+class TaskServerProcess:
+    """See the module docstring.
+
+    Args:
+        env_name: a registered environment (``guess-number``) or ``"module:Class"``.
+        host: the address to bind.
+        max_episodes: the server's ``--max-episodes`` (None: unbounded).
+        start_timeout: seconds to print its URL and answer ``/api/health``.
+    """
+
+    def __init__(
+        self,
+        env_name: str,
+        host: str = "127.0.0.1",
+        max_episodes: int | None = None,
+        start_timeout: float = 60.0,
+        stop_timeout: float = 5.0,
+    ):
+        self.env_name = env_name
+        self.stop_timeout = stop_timeout
+        self.url: str | None = None
+        self.lines: collections.deque[str] = collections.deque(maxlen=40)
+        cmd = [sys.executable, "-m", "workers.agents.task_server", env_name, "--port", "0", "--host", host]
+        if max_episodes is not None:
+            cmd += ["--max-episodes", str(max_episodes)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        atexit.register(self.stop)
+        self._found = threading.Event()
+        threading.Thread(target=self._read, name=f"task-server-{env_name}-log", daemon=True).start()
+        try:
+            self._wait_healthy(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip())
+            if self.url is None and line.startswith("Server URL:"):
+                self.url = line.split(":", 1)[1].strip()
+                self._found.set()
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if self._found.wait(0.05):
+                try:
+                    if httpx.get(f"{self.url}/api/health", timeout=2).json().get("status") == "healthy":
+                        return
+                except (httpx.HTTPError, ValueError):
+                    pass
+        log = "\n".join(self.lines)
+        state = f"exited with {self.process.returncode}" if self.process.poll() is not None else "still starting"
+        raise TaskServerError(
+            f"task server {self.env_name!r} not healthy within {timeout} s ({state}); last lines:\n{log}"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``stop_timeout``; idempotent."""
+        atexit.unregister(self.stop)
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> TaskServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

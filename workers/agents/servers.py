@@ -1,0 +1,222 @@
+"""The client half of the task-server protocol: the calls, their typed failures, and a pool of servers.
+
+:class:`TaskServerPool` keeps one ``httpx.AsyncClient``, knows which servers are healthy and how many episodes each
+runs, starts each episode on the least busy healthy server (another one when a start fails) and keeps every later
+call of that episode on the server that started it. A server that stops answering is marked dead and skipped until
+a health check finds it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from workers.agents.protocol import EpisodeResponse
+
+logger = logging.getLogger(__name__)
+
+
+class TaskServerError(RuntimeError):
+    """An episode could not go on because of its task server; the message says which server and what happened."""
+
+
+class ServerUnavailable(TaskServerError):
+    """No healthy task server could take the call (connection refused, 5xx, or all marked dead)."""
+
+
+class EpisodeStartError(TaskServerError):
+    """Every healthy task server refused or failed to start the episode."""
+
+
+class StepTimeout(TaskServerError):
+    """A call to the task server took longer than the workflow's ``timeout``."""
+
+
+class MalformedResponse(TaskServerError):
+    """The task server answered something that is not the protocol's JSON."""
+
+
+@dataclass
+class Episode:
+    """A started episode: its id and the server that holds it (every later call goes there)."""
+
+    episode_id: str
+    server: str
+    observation: dict[str, Any]
+    info: dict[str, Any]
+
+
+@dataclass
+class StepResult:
+    observation: dict[str, Any] | None
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+
+class TaskServerPool:
+    """Task servers behind one client; see the module docstring.
+
+    Args:
+        urls: server base URLs (``http://127.0.0.1:5000``); the API lives under ``/api``.
+        timeout: seconds each call may take.
+    """
+
+    def __init__(self, urls: str | Sequence[str], timeout: float = 60.0):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("task_server_url is empty; expected a URL or a list of URLs")
+        self.timeout = timeout
+        self.active = {url: 0 for url in self.urls}
+        self.healthy = {url: True for url in self.urls}
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        # Made inside the event loop that uses it (again when a later asyncio.run brings a new loop).
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            # Idle connections are dropped after 2 s, before the server's keep-alive (uvicorn: 5 s) closes them:
+            # reusing one the server is closing fails the request with a ReadError although the server is fine.
+            limits = httpx.Limits(max_connections=256, keepalive_expiry=2.0)
+            self._client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
+            self._loop = loop
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def check_health(self) -> dict[str, bool]:
+        """Ask every server ``GET /api/health``; a server is healthy when it answers ``status: healthy``."""
+
+        results = await asyncio.gather(*(self._answers_health(u) for u in self.urls))
+        for url, ok in zip(self.urls, results, strict=True):
+            if ok and not self.healthy[url]:
+                logger.info("task server %s is healthy again", url)
+            self.healthy[url] = ok
+        return dict(self.healthy)
+
+    def mark_dead(self, url: str, reason: str) -> None:
+        if self.healthy.get(url):
+            logger.warning("task server %s marked dead: %s", url, reason)
+        self.healthy[url] = False
+
+    def least_busy(self, exclude: set[str]) -> str | None:
+        candidates = [u for u in self.urls if self.healthy[u] and u not in exclude]
+        return min(candidates, key=lambda u: self.active[u]) if candidates else None
+
+    async def start(self, sample_id: str, config: dict[str, Any] | None = None) -> Episode:
+        """Start an episode on the least busy healthy server, trying the next one when a start fails.
+
+        Raises:
+            EpisodeStartError: when every healthy server failed (the last failure chained).
+        """
+        tried: set[str] = set()
+        last: Exception | None = None
+        while (url := self.least_busy(tried)) is not None:
+            tried.add(url)
+            self.active[url] += 1  # taken before the call, so concurrent starts spread over the servers
+            try:
+                body = await self._call(url, "POST", "/episode/start", {"sample_id": sample_id, "config": config or {}})
+                reply = EpisodeResponse.model_validate(body)
+                if reply.observation is None:
+                    raise MalformedResponse(f"{url} started an episode without an observation")
+                episode = Episode(reply.episode_id, url, reply.observation.model_dump(), reply.info)
+            except (TaskServerError, ValidationError) as exc:
+                self.active[url] -= 1
+                last = exc
+                logger.warning("starting sample %r on %s failed (%s); trying another server", sample_id, url, exc)
+                continue
+            return episode
+        raise EpisodeStartError(
+            f"no task server could start sample {sample_id!r} (tried {sorted(tried)}; healthy: "
+            f"{[u for u in self.urls if self.healthy[u]]}); last error: {last}"
+        ) from last
+
+    async def step(self, episode: Episode, action: dict[str, Any]) -> StepResult:
+        """``POST /api/episode/step`` on the episode's server.
+
+        Raises:
+            StepTimeout, MalformedResponse, ServerUnavailable, TaskServerError: typed, naming server and episode.
+        """
+        body = await self._call(
+            episode.server, "POST", "/episode/step", {"episode_id": episode.episode_id, "action": action}
+        )
+        try:
+            reply = EpisodeResponse.model_validate(body)
+        except ValidationError as exc:
+            raise MalformedResponse(
+                f"{episode.server} answered a step of episode {episode.episode_id} that is not the protocol's "
+                f"EpisodeResponse ({exc.error_count()} errors: {exc.errors()[0]['loc']} {exc.errors()[0]['msg']}): "
+                f"{str(body)[:200]}"
+            ) from None
+        observation = reply.observation.model_dump() if reply.observation is not None else None
+        return StepResult(observation, reply.reward, reply.done, reply.info)
+
+    async def finish(self, episode: Episode, cancel: bool) -> None:
+        """The episode is over for the workflow: free its slot, and ``POST /api/episode/cancel`` if it is not done
+        on the server (best effort: a dead server cannot be told)."""
+        self.active[episode.server] = max(0, self.active[episode.server] - 1)
+        if cancel and self.healthy.get(episode.server):
+            try:
+                await self._call(episode.server, "POST", "/episode/cancel", {"episode_id": episode.episode_id})
+            except TaskServerError as exc:
+                logger.info("cancelling episode %s on %s failed: %s", episode.episode_id, episode.server, exc)
+
+    async def _answers_health(self, url: str) -> bool:
+        """Whether ``url`` answers ``/api/health`` now: one failed call is not a dead server (a connection can
+        break under a live one)."""
+        try:
+            return (await self._call(url, "GET", "/health")).get("status") == "healthy"
+        except TaskServerError:
+            return False
+
+    async def _call(
+        self, url: str, method: str, path: str, payload: dict[str, Any] | None = None, retry: bool = True
+    ) -> dict[str, Any]:
+        """One call; a broken connection to a server that still answers ``/health`` is retried once.
+
+        The retry is safe for a step too: uvicorn closes only idle keep-alive connections, so a connection that
+        breaks before any response (``ReadError('')``, seen under load) carried a request the server never began.
+        """
+        endpoint = f"{url.rstrip('/')}/api{path}"
+        try:
+            response = await self.client.request(method, endpoint, json=payload)
+        except httpx.TimeoutException:
+            raise StepTimeout(f"{method} {endpoint} timed out after {self.timeout} s") from None
+        except httpx.TransportError as exc:
+            alive = path != "/health" and await self._answers_health(url)
+            if not alive:
+                self.mark_dead(url, repr(exc))
+            elif retry:
+                logger.info("%s %s: connection broke (%r); the server is alive, retrying once", method, endpoint, exc)
+                return await self._call(url, method, path, payload, retry=False)
+            raise ServerUnavailable(f"{method} {endpoint} failed: {exc!r}") from None
+        if response.status_code >= 400:
+            detail = _detail(response)
+            error = ServerUnavailable if response.status_code in (502, 503, 504) else TaskServerError
+            raise error(f"{method} {endpoint} answered {response.status_code}: {detail}")
+        try:
+            body = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise MalformedResponse(f"{method} {endpoint} answered non-JSON: {response.text[:200]!r}") from None
+        if not isinstance(body, dict):
+            raise MalformedResponse(f"{method} {endpoint} answered a JSON {type(body).__name__}, expected an object")
+        return body
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))[:300]
+    except (ValueError, AttributeError):
+        return response.text[:300]

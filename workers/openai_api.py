@@ -1,0 +1,169 @@
+"""An OpenAI-compatible endpoint in front of the run's engines: agent code written against the ``openai`` client
+works unchanged, and its turns still come back as the exact token ids sampled.
+
+    POST /v1/chat/completions   messages, n, temperature, top_p, max_tokens, stop, logprobs (+ seed)
+    GET  /v1/models
+
+Each choice carries, besides the OpenAI fields, ``token_ids`` and ``token_logprobs`` (the sampled ids and their
+log-probs, as vLLM's ``return_token_ids``); the response carries ``prompt_token_ids`` and ``policy_version``. With
+the ``openai`` client they are ``choice.model_extra["token_ids"]`` and so on.
+
+    app = create_app(sampler, chat, model="policy")   # a TokenSampler over the engines, a ChatFormat
+    with serve_in_background(app) as url: ...          # (workers.agents.task_server) 127.0.0.1, a free port
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from workers.agents.trajectory import ChatFormat
+from workers.agents.workflow import TokenSampler
+from workers.engines.base import Generation, SamplingParams
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset of OpenAI's chat completion request that the engines can honour (other fields are ignored)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=64)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    seed: int | None = None
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[dict[str, Any]]
+
+
+class Choice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int]
+    token_logprobs: list[float]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: dict[str, int]
+    prompt_token_ids: list[int]
+    policy_version: int
+
+
+def create_app(sampler: TokenSampler, chat: ChatFormat, model: str = "policy", max_tokens: int = 256) -> FastAPI:
+    """The endpoint's app over ``sampler`` (e.g. a ``BatchingSampler`` over the run's engine actors).
+
+    Args:
+        sampler: where completions are sampled; ``n`` choices are ``n`` concurrent samples (batched together).
+        chat: renders ``messages`` to prompt ids (the chat template) and decodes sampled ids.
+        model: the model id ``/v1/models`` lists and responses name.
+        max_tokens: the completion length when a request gives none.
+    """
+    app = FastAPI(title="transfer_queue OpenAI-compatible endpoint")
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {exc.errors()}")
+
+    @app.exception_handler(ValueError)
+    async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "tq"}]}
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion)
+    async def chat_completions(body: ChatCompletionRequest) -> ChatCompletion:
+        prompt = chat.prompt_ids([m.model_dump() for m in body.messages])
+        params = SamplingParams(
+            max_new_tokens=body.max_completion_tokens or body.max_tokens or max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+        )
+        results = await asyncio.gather(*(sampler.sample(prompt, _seeded(params, i)) for i in range(body.n)))
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        choices = [_choice(i, generation, chat, stops, body.logprobs) for i, (_, generation) in enumerate(results)]
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=body.model or model,
+            choices=choices,
+            usage={
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt) * body.n + completion_tokens,
+            },
+            prompt_token_ids=prompt,
+            policy_version=min(version for version, _ in results),
+        )
+
+    return app
+
+
+def _seeded(params: SamplingParams, index: int) -> SamplingParams:
+    # n choices with one seed must still differ from each other
+    if params.seed is None:
+        return params
+    return SamplingParams(
+        params.max_new_tokens, params.temperature, params.top_p, params.top_k, (), params.seed + index
+    )
+
+
+def _choice(index: int, generation: Generation, chat: ChatFormat, stops: list[str], logprobs: bool) -> Choice:
+    """One choice; a stop string cuts the ids after the first token whose text completes it (the stop string is
+    not in ``content``, as in OpenAI's API; the ids keep the token that held it, since the model sampled it)."""
+    ids, lps, reason = generation.token_ids, generation.logprobs, generation.finish_reason
+    text = chat.decode(ids[:-1] if reason == "stop" else ids)
+    if stops:
+        for end in range(1, len(ids) + 1):
+            piece = chat.decode(ids[:end])
+            hit = min((piece.find(s) for s in stops if s in piece), default=-1)
+            if hit >= 0:
+                ids, lps, reason, text = ids[:end], lps[:end], "stop", piece[:hit]
+                break
+    content = None
+    if logprobs:
+        content = [
+            {"token": chat.decode([t]), "logprob": lp, "bytes": list(chat.decode([t]).encode()), "top_logprobs": []}
+            for t, lp in zip(ids, lps, strict=True)
+        ]
+    return Choice(
+        index=index,
+        message=ChatMessage(role="assistant", content=text),
+        finish_reason=reason,
+        logprobs=ChoiceLogprobs(content=content) if content is not None else None,
+        token_ids=list(ids),
+        token_logprobs=list(lps),
+    )
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "detail": message}, status)
