@@ -191,7 +191,7 @@ def load_unit(root: str, unit: int) -> list[SavedBlock]:
             buffers = []
             for entry in column.buffers:
                 view = payload[entry.offset : entry.offset + entry.nbytes]
-                if view.nbytes != entry.nbytes or zlib.crc32(view) != entry.crc32:
+                if view.nbytes != entry.nbytes or zlib.crc32(view.data) != entry.crc32:
                     raise CheckpointError(
                         f"{path}: block {block.block_id} field {column.name!r} is damaged (size or CRC-32 differs)"
                     )

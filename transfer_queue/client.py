@@ -111,7 +111,7 @@ class AsyncTransferQueueClient:
         self.client_id = client_id
         self.controller_info = controller_info
         self.config = QueueConfig.from_dict(controller_info.config)
-        self._transport = transport or AsyncioTransport()
+        self._transport = transport or AsyncioTransport(secret=controller_info.secret)
         self._closed = False
 
     # ---- plumbing ------------------------------------------------------------------------------------------
@@ -267,7 +267,8 @@ class AsyncTransferQueueClient:
                 parts = {name: c.slice(place.start, place.stop) for name, c in columns.items()}
                 specs = [p.ColumnSpec(n, c.schema, c.num_rows, len(c.buffers())) for n, c in parts.items()]
                 buffers = [b for c in parts.values() for b in c.buffers()]
-                body = p.Write(reservation.partition_uid, place.block_id, place.stop - place.start, specs)
+                rows = place.stop - place.start
+                body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
                 writes.append((place.unit, body, buffers))
             await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
             wire: p.MetaWire = await self._control(
@@ -534,14 +535,25 @@ class TransferQueueClient:
         controller_info: from ``ray.get(get_controller().get_info.remote())`` or ``transfer_queue.init``.
         spin_seconds: poll without sleeping for up to this long while waiting for a reply (lower latency for
             small requests at the price of some CPU); 0 disables it.
+        force_tcp: talk ZeroMQ over TCP even to servers on this host, instead of their Unix sockets (the path
+            clients on other hosts take). Default: the ``TRANSFER_QUEUE_TRANSPORT`` environment variable
+            (``tcp`` forces it, ``auto``, the default, does not).
 
     >>> client = TransferQueueClient(client_id="trainer-0", controller_info=info)  # doctest: +SKIP
     """
 
-    def __init__(self, client_id: str, controller_info: p.ControllerInfo, *, spin_seconds: float = 0.0):
-        self._client = AsyncTransferQueueClient(
-            client_id, controller_info, transport=BlockingTransport(spin_seconds=spin_seconds)
-        )
+    def __init__(
+        self,
+        client_id: str,
+        controller_info: p.ControllerInfo,
+        *,
+        spin_seconds: float = 0.0,
+        force_tcp: bool | None = None,
+    ):
+        if not isinstance(controller_info, p.ControllerInfo):
+            raise InvalidRequest(f"controller_info must be a ControllerInfo, got {type(controller_info).__name__}")
+        transport = BlockingTransport(spin_seconds, controller_info.secret, force_tcp)
+        self._client = AsyncTransferQueueClient(client_id, controller_info, transport=transport)
 
     @property
     def client_id(self) -> str:

@@ -14,6 +14,7 @@ Buffers are views of the tensors' memory (no copy on the way out) and tensors ar
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -54,6 +55,15 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 _OBJECT_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _drop_fx_tracing_notice(record: logging.LogRecord) -> bool:
+    return "is_fx_tracing will return true" not in record.getMessage()
+
+
+# torch's own jagged constructor (nested_tensor_from_jagged) calls its deprecated is_fx_tracing, which logs a
+# warning once per process: every actor printed it. Nothing here traces; drop exactly that notice.
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_drop_fx_tracing_notice)
 _OBJECT_DECODER = msgspec.msgpack.Decoder()
 
 

@@ -16,21 +16,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import ray
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue import protocol as p
+from transfer_queue.auth import new_secret, secure_client, write_token
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
     InvalidRequest,
-    ProtocolMismatch,
-    SessionMismatch,
     TransferQueueError,
     error_to_wire,
 )
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
-from transfer_queue.storage import StorageUnit
+from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
 from transfer_queue.transport import Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
@@ -55,19 +56,34 @@ class HeldReply:
 class ControllerServer:
     """Serves a QueueState on a ROUTER socket from a background thread."""
 
-    def __init__(self, state: QueueState, session_id: str, storage: list[p.Endpoint], host: str | None = None):
+    def __init__(
+        self,
+        state: QueueState,
+        session_id: str,
+        storage: list[p.Endpoint],
+        host: str | None = None,
+        secret: bytes = b"",
+    ):
         self.state = state
         self.session_id = session_id
+        self._secret = secret
         self.lock = threading.Lock()
-        self._sockets = ServerSockets(host)
+        self._sockets = ServerSockets(host, secret=secret)
+        self._sockets.limit(DEFAULT_MAX_MESSAGE_BYTES)
         self.endpoint = self._sockets.endpoint
         self._units = []
+        self._unit_monitors: dict[zmq.Socket, int] = {}
         for endpoint in storage:
             dealer = self._sockets.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            secure_client(dealer, secret)
             dealer.connect(endpoint.address())
             self._units.append(dealer)
             self._sockets.register(dealer)
+            # The connection to a unit drops when it dies: new puts are placed on the others until it is back.
+            monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._unit_monitors[monitor] = len(self._units) - 1
+            self._sockets.register(monitor)
         self._ids = itertools.count(1)
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
@@ -88,7 +104,12 @@ class ControllerServer:
             for dealer in self._units:
                 if dealer in events:
                     self._drain_storage_replies(dealer)
+            for monitor, unit in self._unit_monitors.items():
+                if monitor in events:
+                    self._follow_unit(monitor, unit)
             self._send_held(time.monotonic())
+        for monitor in self._unit_monitors:
+            monitor.close(linger=0)
         for dealer in self._units:
             dealer.close(linger=0)
         self._sockets.close()
@@ -100,22 +121,14 @@ class ControllerServer:
         try:
             envelope = p.decode_envelope(frames[0])
             request_id = envelope.request_id
-            if envelope.protocol_version != p.PROTOCOL_VERSION:
-                raise ProtocolMismatch(
-                    f"the client speaks protocol {envelope.protocol_version}, this controller {p.PROTOCOL_VERSION}; "
-                    "install the same transfer_queue version on both sides"
-                )
-            if envelope.session_id != self.session_id:
-                raise SessionMismatch(
-                    f"the client's controller_info is from session {envelope.session_id}, this controller runs "
-                    f"session {self.session_id}; fetch a fresh controller_info (get_controller().get_info)"
-                )
+            check_envelope(envelope, self.session_id, "controller")
             request = p.decode_controller_request(frames[1])
         except TransferQueueError as exc:
             self._reply(reply, request_id, None, exc)
             return
         if isinstance(request, p.Hello):
-            self._reply(reply, request_id, {"session_id": self.session_id}, None)
+            hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
+            self._reply(reply, request_id, hello, None)
             return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
@@ -123,6 +136,8 @@ class ControllerServer:
         held: list[tuple[Any, BaseException | None]] = []
 
         def respond(value: Any, error: BaseException | None) -> None:
+            if isinstance(value, p.Reservation) and isinstance(request, p.Reserve):
+                self._vouch(value, request.nbytes)
             if hold:
                 held.append((value, error))
             else:
@@ -141,6 +156,19 @@ class ControllerServer:
                 self._held.append(HeldReply(reply, request_id, value, set(sent), deadline))
             else:
                 self._reply(reply, request_id, value, error)
+
+    def _vouch(self, reservation: p.Reservation, nbytes: int) -> None:
+        """Sign what the put reserved into each placement, so storage units check what arrives (defect 11)."""
+        reservation.placements = [
+            msgspec.structs.replace(
+                place,
+                max_bytes=nbytes,
+                token=write_token(
+                    self._secret, reservation.partition_uid, place.block_id, place.stop - place.start, nbytes
+                ),
+            )
+            for place in reservation.placements
+        ]
 
     def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
         if error is not None:
@@ -163,6 +191,20 @@ class ControllerServer:
                 continue
             sent.append(request_id)
         return sent
+
+    def _follow_unit(self, monitor: zmq.Socket, unit: int) -> None:
+        """Mark a storage unit down when the connection to it drops, up when it is connected again."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with self.lock:
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    logger.warning("storage unit %d is unreachable; new puts go to the others", unit)
+                    self.state.down_units.add(unit)
+                else:
+                    self.state.down_units.discard(unit)
 
     def _drain_storage_replies(self, dealer: zmq.Socket) -> None:
         while True:
@@ -247,21 +289,20 @@ class TransferQueueController:
         )
         state = QueueState(self._config, sampler)
         self._session_id = uuid.uuid4().hex
+        self._secret = new_secret()  # handed out through Ray only (get_info, attach); proven on every connection
         self._owns_units = storage_units is None
         if storage_units is None:
-            options = storage_unit_options or {}
-            per_unit = options if isinstance(options, list) else [options] * units
-            if len(per_unit) != units:
-                raise InvalidRequest(f"storage_unit_options has {len(per_unit)} entries for {units} storage units")
-            storage_units = [
-                StorageUnit.options(**per_unit[i]).remote(i, units, bind_host)  # type: ignore[attr-defined]
-                for i in range(units)
-            ]
+            from transfer_queue.runtime import start_storage_units  # runtime imports this module
+
+            storage_units = start_storage_units(units, storage_unit_options, bind_host)
         self._units = storage_units
-        endpoints = ray.get([u.attach.remote(self._session_id, i, units) for i, u in enumerate(storage_units)])
-        self._server = ControllerServer(state, self._session_id, endpoints, bind_host)
+        limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more than the units do
+        endpoints = ray.get(
+            [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
+        )
+        self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
         self._info = p.ControllerInfo(
-            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict()
+            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
 
     def get_info(self) -> p.ControllerInfo:
@@ -280,6 +321,14 @@ class TransferQueueController:
     def cpu_seconds(self) -> float:
         """CPU seconds this controller process and its storage units have used so far (the queue's own cost)."""
         return time.process_time() + sum(unit["cpu_s"] for unit in self.storage_stats())
+
+    def server_stats(self) -> dict[str, Any]:
+        """The controller's socket counters: ``dropped.unauthenticated`` counts connections refused because they did
+        not prove the queue's secret (none of their frames was read); ``storage_units_down`` the units it lost its
+        connection to (placement skips them)."""
+        with self._server.lock:
+            down = sorted(self._server.state.down_units)
+        return {"dropped.unauthenticated": self._server._sockets.unauthenticated(), "storage_units_down": down}
 
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""

@@ -89,6 +89,10 @@ class StorageUnavailable(TransferQueueError, ConnectionError):
     """A storage unit did not answer; its rows cannot be read or written."""
 
 
+class AuthenticationFailed(TransferQueueError, ConnectionError):
+    """A connection did not prove the queue's secret (a stale or foreign controller_info, or not a client at all)."""
+
+
 class ProtocolMismatch(TransferQueueError, RuntimeError):
     """Client and controller speak different protocol versions."""
 
@@ -144,6 +148,7 @@ _BY_NAME: dict[str, type[TransferQueueError]] = {
         PutExpired,
         RequestTimeout,
         StorageUnavailable,
+        AuthenticationFailed,
         ProtocolMismatch,
         SessionMismatch,
         ConfigMismatch,

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from transfer_queue.errors import StorageUnavailable
+
 MIN_BYTES_PER_UNIT = 1 << 20
 
 
 def place_rows(
-    num_rows: int, nbytes: int, num_units: int, first_unit: int, min_bytes_per_unit: int = MIN_BYTES_PER_UNIT
+    num_rows: int,
+    nbytes: int,
+    num_units: int,
+    first_unit: int,
+    min_bytes_per_unit: int = MIN_BYTES_PER_UNIT,
+    down: Collection[int] = (),
 ) -> list[tuple[int, int, int]]:
     """Split rows ``[0, num_rows)`` of a put into contiguous chunks, one per storage unit used.
 
     A put is spread over as many units as its size justifies (at least ``min_bytes_per_unit`` each), so a large
     put moves over several sockets in parallel while a small one costs a single message. Units are taken round
-    robin from ``first_unit`` so that successive small puts spread out.
+    robin from ``first_unit`` so that successive small puts spread out. Units in ``down`` (their connection to
+    the controller is lost: dead or unreachable) are skipped.
 
     Returns:
         ``(unit, start, stop)`` per chunk, chunks in row order.
+
+    Raises:
+        StorageUnavailable: every unit is down.
 
     >>> place_rows(8, 100, 2, 1)
     [(1, 0, 8)]
@@ -24,6 +37,10 @@ def place_rows(
     """
     if num_rows < 1 or num_units < 1:
         raise ValueError(f"place_rows needs num_rows >= 1 and num_units >= 1, got {num_rows} and {num_units}")
-    chunks = max(1, min(num_units, num_rows, nbytes // max(1, min_bytes_per_unit)))
+    start = first_unit % num_units
+    live = [u for u in (*range(start, num_units), *range(start)) if u not in down]  # round robin from first_unit
+    if not live:
+        raise StorageUnavailable(f"every storage unit is down ({sorted(down)}); no put can be placed")
+    chunks = max(1, min(len(live), num_rows, nbytes // max(1, min_bytes_per_unit)))
     bounds = [i * num_rows // chunks for i in range(chunks + 1)]
-    return [((first_unit + i) % num_units, bounds[i], bounds[i + 1]) for i in range(chunks)]
+    return [(live[i], bounds[i], bounds[i + 1]) for i in range(chunks)]

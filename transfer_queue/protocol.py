@@ -183,6 +183,8 @@ class Placement(msgspec.Struct, array_like=True, frozen=True):
     block_id: int
     start: int
     stop: int
+    max_bytes: int = 0  # the bytes the put reserved: the unit refuses a write of this block that carries more
+    token: bytes = b""  # the controller's HMAC over (partition, block, rows, max_bytes), checked by the unit
 
 
 class Reservation(msgspec.Struct, array_like=True):
@@ -248,6 +250,8 @@ class Write(msgspec.Struct, tag="write"):
     block_id: int
     num_rows: int
     columns: list[ColumnSpec]
+    max_bytes: int = 0  # from the Placement: what was reserved, vouched for by ``token``
+    token: bytes = b""
 
 
 class ReadField(msgspec.Struct, array_like=True):
@@ -285,8 +289,10 @@ class ReadReply(msgspec.Struct, array_like=True):
 class ControllerInfo(msgspec.Struct, frozen=True):
     """Everything a client needs to reach a queue: ``TransferQueueClient(client_id=..., controller_info=...)``.
 
-    It travels through Ray (``ray.get(controller.get_info.remote())``), not over ZeroMQ. ``session_id``
+    It travels through Ray (``ray.get(controller.get_info.remote())``), never over a socket. ``session_id``
     identifies one controller's lifetime: a client holding the info of a previous session gets SessionMismatch.
+    ``secret`` is the queue's secret: every connection proves it (see :mod:`transfer_queue.auth`); it is left
+    out of ``repr`` so that logging an info does not leak it.
     """
 
     protocol_version: int
@@ -294,6 +300,14 @@ class ControllerInfo(msgspec.Struct, frozen=True):
     controller: Endpoint
     storage_units: list[Endpoint]
     config: dict[str, Any]
+    secret: bytes = b""
+
+    def __repr__(self) -> str:
+        return (
+            f"ControllerInfo(protocol_version={self.protocol_version}, session_id=<hidden>, "
+            f"controller={self.controller!r}, storage_units={self.storage_units!r}, config={self.config!r}, "
+            "secret=<hidden>)"
+        )
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------

@@ -114,6 +114,7 @@ class QueueState:
         self.open_puts: dict[int, OpenPut] = {}
         self.getters: dict[PartitionKey, list[Parked]] = {}
         self.putters: list[Parked] = []
+        self.down_units: set[int] = set()  # storage units the controller lost its connection to: placement skips them
         self.outbox: list[tuple[int, Any]] = []  # (storage unit, request) to send
         self.bytes_held = 0
         self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
@@ -441,7 +442,7 @@ class QueueState:
     ) -> p.Reservation:
         units = self.config.num_storage_units
         placements, blocks, offsets = [], np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
-        for unit, start, stop in place_rows(len(rows), req.nbytes, units, self._next_put % units):
+        for unit, start, stop in place_rows(len(rows), req.nbytes, units, self._next_put % units, down=self.down_units):
             block_id = self._next_block * units + unit
             self._next_block += 1
             placements.append(p.Placement(unit, block_id, start, stop))

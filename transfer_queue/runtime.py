@@ -9,22 +9,44 @@ from __future__ import annotations
 
 import atexit
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from transfer_queue.client import TransferQueueClient, default_client_id, mark_queue_closed
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller import TransferQueueController
-from transfer_queue.errors import ConfigMismatch, QueueNotFound
+from transfer_queue.errors import ConfigMismatch, InvalidRequest, QueueNotFound
 from transfer_queue.samplers import SamplerSpec, make_sampler
 from transfer_queue.socket_dirs import sweep_stale
+from transfer_queue.storage import StorageUnit
+
+if TYPE_CHECKING:  # the client loads torch; the controller imports this module (to start storage units) without
+    from transfer_queue.client import TransferQueueClient
 
 NAMESPACE = "transfer_queue"
 CONTROLLER_NAME = "TransferQueueController"
 # A non-detached actor dies when its owner drops the last handle, even when it has a name: the process that
 # started the queue keeps this one until shutdown(), so the queue lives exactly as long as its job.
 _started: list[Any] = []
+
+
+def start_storage_units(
+    num_units: int, options: dict[str, Any] | list[dict[str, Any]] | None = None, bind_host: str | None = None
+) -> list[Any]:
+    """Start ``num_units`` StorageUnit actors (a controller that was given no handles calls this).
+
+    Args:
+        options: Ray ``.options(...)`` for all units, or one dict per unit.
+        bind_host: the address their sockets bind (default: their node's).
+    """
+    options = options or {}
+    per_unit = options if isinstance(options, list) else [options] * num_units
+    if len(per_unit) != num_units:
+        raise InvalidRequest(f"storage_unit_options has {len(per_unit)} entries for {num_units} storage units")
+    return [
+        StorageUnit.options(**per_unit[i]).remote(i, num_units, bind_host)  # type: ignore[attr-defined]
+        for i in range(num_units)
+    ]
 
 
 def _config_of(handle: Any) -> dict[str, Any]:
@@ -104,6 +126,8 @@ def init(
             "call transfer_queue.shutdown() first or use the same configuration"
         )
     info = ray.get(handle.get_info.remote())
+    from transfer_queue.client import TransferQueueClient, default_client_id
+
     return TransferQueueClient(client_id or default_client_id(), info, spin_seconds=spin_seconds)
 
 
@@ -129,6 +153,8 @@ def get_controller() -> Any:
 def get_client(client_id: str | None = None, spin_seconds: float = 0.0) -> TransferQueueClient:
     """A new client of the queue running on this cluster."""
     info = ray.get(get_controller().get_info.remote())
+    from transfer_queue.client import TransferQueueClient, default_client_id
+
     return TransferQueueClient(client_id or default_client_id(), info, spin_seconds=spin_seconds)
 
 
@@ -149,6 +175,8 @@ def shutdown(timeout: float = 30.0) -> None:
     if handle is None:
         return
     try:  # this process's clients of the queue fail at once from now on (QueueClosed), not at their timeout
+        from transfer_queue.client import mark_queue_closed
+
         mark_queue_closed(ray.get(handle.get_info.remote(), timeout=min(timeout, 10.0)).session_id)
     except Exception:  # a dead or stuck controller: its clients learn it from the transport (ServerGone)
         pass

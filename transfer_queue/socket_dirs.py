@@ -56,7 +56,7 @@ def _owner_alive(directory: str) -> bool:
 def sweep_stale(root: str | None = None) -> list[str]:
     """Remove the socket directories of dead servers under ``root`` (default: :func:`socket_root`); returns them."""
     root = root or socket_root()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:

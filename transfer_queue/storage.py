@@ -11,9 +11,9 @@ upserts) nothing references them any more; freed memory is handed back to the OS
 from __future__ import annotations
 
 import ctypes
+import hmac
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,18 +23,16 @@ import numpy as np
 import ray
 
 from transfer_queue import protocol as p
+from transfer_queue.auth import write_token
 from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
-    ProtocolMismatch,
     PutExpired,
-    SessionMismatch,
     StaleBatchMeta,
-    TransferQueueError,
     UnknownField,
-    error_to_wire,
 )
-from transfer_queue.transport import Endpoint, Reply, ServerSockets
+from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, Responder, Server
+from transfer_queue.transport import Endpoint
 
 if TYPE_CHECKING:
     # torch loads with transfer_queue.columns; the controller imports this module only to start units, and never
@@ -72,9 +70,10 @@ def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
 class BlockStore:
     """Blocks of one storage unit, by block id, with tombstones so late writes of dead puts are refused."""
 
-    def __init__(self, unit: int, num_units: int):
+    def __init__(self, unit: int, num_units: int, secret: bytes = b""):
         self.unit = unit
         self.num_units = num_units
+        self.secret = secret  # checks each write's reservation token (b"": no check, unit tests of the store)
         self.blocks: dict[int, Block] = {}
         self.by_partition: dict[int, set[int]] = {}
         self.dead_partitions: set[int] = set()
@@ -113,9 +112,26 @@ class BlockStore:
             columns[spec.name] = Column.from_buffers(spec.schema, spec.num_rows, buffers[i : i + k])
             i += k
         nbytes = sum(memoryview(b).nbytes for b in buffers)
+        self._check_reserved(req, nbytes)
         self.blocks[req.block_id] = Block(req.partition_uid, req.num_rows, columns, nbytes)
         self.by_partition.setdefault(req.partition_uid, set()).add(req.block_id)
         self.nbytes += nbytes
+
+    def _check_reserved(self, req: p.Write, nbytes: int) -> None:
+        """The write must carry the controller's token for what its put reserved, and no more bytes than that."""
+        if not self.secret:
+            return
+        expected = write_token(self.secret, req.partition_uid, req.block_id, req.num_rows, req.max_bytes)
+        if not hmac.compare_digest(req.token, expected):
+            raise InvalidRequest(
+                f"block {req.block_id}: the write does not carry the controller's reservation for it (a put must "
+                "reserve before it writes)"
+            )
+        if nbytes > req.max_bytes:
+            raise InvalidRequest(
+                f"block {req.block_id} carries {nbytes} bytes; its put reserved {req.max_bytes} (declared sizes must "
+                "match the data)"
+            )
 
     def read(self, req: p.Read) -> tuple[p.ReadReply, list[Any]]:
         from transfer_queue.columns import nframes
@@ -222,67 +238,43 @@ def _rss_bytes() -> int:
         return 0
 
 
-class StorageServer:
+class StorageServer(Server):
     """Serves a BlockStore from a background thread, over ZeroMQ (any host) and a Unix socket (this host)."""
 
-    def __init__(self, store: BlockStore, host: str | None = None):
+    what = "storage unit"
+
+    def __init__(
+        self,
+        store: BlockStore,
+        host: str | None = None,
+        session_id: str | None = None,
+        secret: bytes = b"",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        super().__init__(
+            f"tq-storage-{store.unit}", p.decode_storage_request, session_id, host, secret, max_message_bytes
+        )
         self.store = store
-        self.session_id: str | None = None
-        self._sockets = ServerSockets(host)
-        self.endpoint = self._sockets.endpoint
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
             p.Read: lambda req, bufs: self.store.read(req),
             p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids),
             p.DropPartition: lambda req, bufs: self.store.drop_partition(req.partition_uid),
-            p.StorageStats: lambda req, bufs: self.store.stats(),
+            p.StorageStats: lambda req, bufs: self.stats(),
         }
-        self._thread = threading.Thread(target=self._serve, name=f"tq-storage-{store.unit}", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            events = self._sockets.poll(200)
-            for frames, reply in self._sockets.requests(events):
-                self._on_message(frames, reply)
-        self._sockets.close()
+    def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
+        result = self._handlers[type(request)](request, buffers)
+        if isinstance(result, tuple):
+            responder.ok(*result)
+        else:
+            responder.ok(result)
 
-    def _on_message(self, frames: list[Any], reply: Reply) -> None:
-        if len(frames) < 2:
-            return  # not even an envelope and a body: nothing to answer
-        request_id, reply_body = -1, b""
-        buffers: list[Any] = []
-        try:
-            envelope = p.decode_envelope(frames[0])
-            request_id = envelope.request_id
-            if envelope.protocol_version != p.PROTOCOL_VERSION:
-                raise ProtocolMismatch(
-                    f"the client speaks protocol {envelope.protocol_version}, this storage unit "
-                    f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
-                )
-            if envelope.session_id != self.session_id:
-                raise SessionMismatch(
-                    f"this storage unit serves session {self.session_id}, the request is for {envelope.session_id}"
-                )
-            request = p.decode_storage_request(frames[1])
-            with self._lock:
-                result = self._handlers[type(request)](request, frames[2:])
-            if isinstance(result, tuple):
-                result, buffers = result
-            header = p.ReplyHeader(request_id)
-            reply_body = p.encode(result)
-        except TransferQueueError as exc:
-            header = p.ReplyHeader(request_id, *error_to_wire(exc))
-        except Exception as exc:  # a bug, not bad input: answer it and keep serving
-            logger.exception("storage unit %d failed a request", self.store.unit)
-            header = p.ReplyHeader(request_id, *error_to_wire(exc))
-        reply([p.encode(header), reply_body, *buffers])
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def stats(self) -> dict[str, Any]:
+        """The store's figures and the serving loop's counters (``server`` key)."""
+        with self.lock:
+            return {**self.store.stats(), "server": super().stats()}
 
 
 @ray.remote
@@ -294,20 +286,34 @@ class StorageUnit:
         import transfer_queue.columns  # noqa: F401  (torch loads now, not during the first write)
 
         _mmap_large_allocations()
-        self._server = StorageServer(BlockStore(unit, num_units), bind_host)
+        self._bind_host = bind_host
+        self._server: StorageServer | None = None  # serves from attach on: it needs the queue's secret first
 
-    def attach(self, session_id: str, unit: int, num_units: int) -> Endpoint:
-        """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens."""
-        with self._server._lock:
-            if self._server.store.blocks:
-                raise InvalidRequest("a storage unit that holds data cannot join another session")
-            self._server.store = BlockStore(unit, num_units)
-            self._server.session_id = session_id
+    def attach(
+        self, session_id: str, unit: int, num_units: int, secret: bytes = b"", max_message_bytes: int | None = None
+    ) -> Endpoint:
+        """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens.
+
+        Args:
+            secret: the queue's secret (through Ray, never a socket): every connection must prove it.
+            max_message_bytes: the largest message a client may send (a write holds at most what the units hold).
+        """
+        old = self._server
+        if old is not None:
+            with old.lock:
+                if old.store.blocks:
+                    raise InvalidRequest("a storage unit that holds data cannot join another session")
+            old.stop()
+        limit = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
+        store = BlockStore(unit, num_units, secret)
+        self._server = StorageServer(store, self._bind_host, session_id, secret, limit)
         return self._server.endpoint
 
     def stats(self) -> dict[str, Any]:
-        with self._server._lock:
-            return self._server.store.stats()
+        if self._server is None:
+            raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
+        return self._server.stats()
 
     def shutdown(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()

@@ -20,24 +20,40 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
 import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from transfer_queue.errors import MalformedMessage, RequestTimeout, ServerGone
+from transfer_queue.auth import ZapHandler, secure_client, secure_server
+from transfer_queue.errors import AuthenticationFailed, InvalidRequest, MalformedMessage, RequestTimeout, ServerGone
 from transfer_queue.protocol import Endpoint, decode_reply_header
 from transfer_queue.socket_dirs import SocketDir
-from transfer_queue.unix_socket import UnixServer, connect, exchange
+from transfer_queue.unix_socket import MAX_MESSAGE_BYTES, UnixServer, connect, exchange
 
 T = TypeVar("T")
 Frames = list[Any]
+
+
+TRANSPORT_ENV = "TRANSFER_QUEUE_TRANSPORT"
+
+
+def force_tcp_default() -> bool:
+    """Whether sync clients skip the Unix socket by default: ``TRANSFER_QUEUE_TRANSPORT=tcp`` in the environment
+    (``auto``, the default, takes the Unix socket to servers on this host). Tests use it to run the cross-host path
+    on one host; ``TransferQueueClient(..., force_tcp=True)`` does the same for one client."""
+    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower()
+    if value not in ("auto", "tcp"):
+        raise InvalidRequest(f"{TRANSPORT_ENV} must be 'auto' or 'tcp', got {value!r}")
+    return value == "tcp"
 
 
 def node_ip() -> str:
@@ -53,56 +69,188 @@ def node_ip() -> str:
 
 
 Reply = Callable[[Sequence[Any]], None]
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a message: one connection. ``transport`` is ``"tcp"`` (``key``: the ZeroMQ routing id) or
+    ``"unix"`` (``key``: the connection's serial number). A client has one connection per (thread, server)."""
+
+    transport: str
+    key: bytes | int
+
+    def __repr__(self) -> str:
+        key = self.key.hex() if isinstance(self.key, bytes) else self.key
+        return f"Peer({self.transport}:{key})"
+
+
+@dataclass
+class Incoming:
+    """One received message: its frames (buffers), who sent it, and how to answer on the way it came."""
+
+    frames: list[Any]
+    peer: Peer
+    reply: Reply
 
 
 class ServerSockets:
     """Where a server listens: a ROUTER on ``host`` (default: the node's address) on a free port, and a Unix
-    socket for clients on this host. :meth:`requests` yields each incoming message as ``(frames, reply)``, where
-    ``frames`` are buffers and ``reply(frames)`` answers on the way the message came."""
+    socket for clients on this host. :meth:`router_messages` and :meth:`unix_messages` return what arrived as
+    :class:`Incoming` messages; :meth:`take_disconnects` the peers whose connection closed since the last call (the
+    ROUTER reports connects and disconnects through ``ZMQ_ROUTER_NOTIFY``; a Unix connection on EOF or error).
 
-    def __init__(self, host: str | None = None, unix: bool = True):
+    Replies never block the serving thread: ZeroMQ queues them in its I/O thread, the Unix socket server queues what
+    a slow reader does not take at once (:meth:`poll` waits for those sockets to drain too).
+    """
+
+    def __init__(self, host: str | None = None, unix: bool = True, secret: bytes = b""):
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        secure_server(self.router, secret)  # CURVE with keys from the queue's secret (see transfer_queue.auth)
+        self.zap = ZapHandler(self.ctx, secret) if secret else None
         host = host or node_ip()
         port = self.router.bind_to_random_port(f"tcp://{host}")
         self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
-        self.unix = UnixServer(self._socket_dir.socket_path("server.sock")) if self._socket_dir else None
+        self.unix = UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret) if self._socket_dir else None
         self.endpoint = Endpoint(f"tcp://{host}:{port}", self.unix.path if self.unix else None, socket.gethostname())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self._fds: set[int] = set()
+        if self.zap is not None:
+            self.poller.register(self.zap.sock, zmq.POLLIN)
+        # ZMQ_ROUTER_NOTIFY is a draft API (not in the released libzmq builds), so connections are followed with a
+        # socket monitor: it reports accepted and closed TCP connections by fd, and every message names the fd it
+        # came on (ZMQ_SRCFD), which ties an fd to the routing id of its peer. Failed handshakes are counted.
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self.poller.register(self._monitor, zmq.POLLIN)
+        self._tcp_by_fd: dict[int, bytes] = {}  # connection fd -> routing id of its peer
+        self._fds: dict[int, int] = {}  # Unix fd -> the poll flags it is registered with
+        self._disconnected: list[Peer] = []
+        self._failed_handshakes = 0
+
+    def unauthenticated(self) -> int:
+        """Connections refused so far because they did not prove the queue's secret (their frames were never read):
+        failed CURVE handshakes, client keys ZAP refused, Unix connections with a wrong or missing answer."""
+        zap = self.zap.refused if self.zap is not None else 0
+        unix = self.unix.unauthenticated if self.unix is not None else 0
+        return self._failed_handshakes + zap + unix
 
     def register(self, sock: zmq.Socket) -> None:
         """Poll another socket (e.g. the controller's connections to its storage units) with these."""
         self.poller.register(sock, zmq.POLLIN)
 
+    def limit(self, max_message_bytes: int) -> None:
+        """Refuse messages over ``max_message_bytes``: ZeroMQ drops the connection of a peer that sends a larger
+        frame (``ZMQ_MAXMSGSIZE``), the Unix socket server one whose header claims more, before allocating."""
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if self.unix is not None:
+            self.unix.max_message_bytes = max_message_bytes
+
     def poll(self, timeout_ms: int) -> dict[Any, int]:
-        wanted = set(self.unix.fds()) if self.unix else set()
-        for fd in wanted - self._fds:
-            self.poller.register(fd, zmq.POLLIN)
-        for fd in self._fds - wanted:
+        wanted: dict[int, int] = {}
+        if self.unix is not None:
+            wanted = dict.fromkeys(self.unix.fds(), zmq.POLLIN)
+            for fd in self.unix.writable_fds():
+                wanted[fd] = zmq.POLLIN | zmq.POLLOUT
+        for fd in self._fds.keys() - wanted.keys():
             self.poller.unregister(fd)
+        for fd, flags in wanted.items():
+            if self._fds.get(fd) != flags:
+                self.poller.register(fd, flags)  # registering again modifies
         self._fds = wanted
         return dict(self.poller.poll(timeout_ms))
 
-    def requests(self, events: dict[Any, int], limit: int = 256) -> Iterator[tuple[list[Any], Reply]]:
-        if self.router in events:
-            for _ in range(limit):
-                try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                yield [f.buffer for f in frames[1:]], functools.partial(self._send_router, frames[0])
+    def router_messages(self, events: dict[Any, int], limit: int = 256) -> list[Incoming]:
+        """Up to ``limit`` messages waiting on the ROUTER (connect/disconnect notifications are taken in passing)."""
+        out: list[Incoming] = []
+        if self.zap is not None and self.zap.sock in events:
+            self.zap.serve()
+        if self._monitor in events:  # before the messages: an fd accepted anew must not unmap its new peer
+            self._read_monitor()
+        if self.router not in events:
+            return out
+        while len(out) < limit:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            identity = frames[0].bytes
+            fd = frames[-1].get(zmq.SRCFD)
+            known = self._tcp_by_fd.get(fd)
+            if known != identity:
+                if known is not None:  # the fd was reused: its previous peer is gone
+                    self._disconnected.append(Peer("tcp", known))
+                self._tcp_by_fd[fd] = identity
+            reply = functools.partial(self._send_router, frames[0])
+            out.append(Incoming([f.buffer for f in frames[1:]], Peer("tcp", identity), reply))
+        return out
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] & _HANDSHAKE_FAILED:
+                self._failed_handshakes += 1
+                continue
+            identity = self._tcp_by_fd.pop(int(event["value"]), None)
+            if identity is not None:  # closed, or accepted anew (the close went unseen): that peer is gone
+                self._disconnected.append(Peer("tcp", identity))
+
+    def unix_ready(self, events: dict[Any, int]) -> list[int]:
+        """Unix connections (and the listener) with something to read; writes that can go on are made here."""
+        if self.unix is None:
+            return []
+        ready = []
+        for fd in self._fds.keys() & events.keys():
+            if events[fd] & zmq.POLLOUT:
+                self.unix.on_writable(fd)
+            if events[fd] & (zmq.POLLIN | zmq.POLLERR):
+                ready.append(fd)
+        return ready
+
+    def unix_messages(self, fd: int) -> list[Incoming]:
+        """The complete messages that arrived on Unix socket ``fd`` (accepting connections on the listener)."""
+        assert self.unix is not None
+        peer = Peer("unix", self.unix.serial(fd)) if fd in self.unix.connections else None
+        out = []
+        for conn, received in self.unix.on_ready(fd):
+            assert peer is not None
+            out.append(Incoming(list(received), peer, functools.partial(self._send_unix, conn)))
+        return out
+
+    def drop_unix(self, fd: int) -> None:
+        """Close a Unix connection (its peer is reported by :meth:`take_disconnects`)."""
         if self.unix is not None:
-            for fd in self._fds & events.keys():
-                for conn, received in self.unix.on_ready(fd):
-                    yield list(received), functools.partial(self._send_unix, conn)
+            self.unix.drop(fd)
+
+    def take_disconnects(self, now: float | None = None) -> list[Peer]:
+        """Peers whose connection closed since the last call (Unix peers that took no reply for the send timeout
+        are dropped here first)."""
+        if self.unix is not None:
+            now = time.monotonic() if now is None else now
+            self.unix.drop_stalled(now)
+            self.unix.drop_unproven(now)
+            self._disconnected.extend(Peer("unix", serial) for serial in self.unix.take_closed())
+        gone, self._disconnected = self._disconnected, []
+        return gone
+
+    def requests(self, events: dict[Any, int], limit: int = 256) -> Iterator[tuple[list[Any], Reply]]:
+        """Every message as ``(frames, reply)`` (the interface before :class:`~transfer_queue.server.Server`)."""
+        for incoming in self.router_messages(events, limit):
+            yield incoming.frames, incoming.reply
+        for fd in self.unix_ready(events):
+            for incoming in self.unix_messages(fd):
+                yield incoming.frames, incoming.reply
+        self.take_disconnects()  # nobody asks for them on this interface: do not let them pile up
 
     def _send_unix(self, conn: int, frames: Sequence[Any]) -> None:
         assert self.unix is not None
-        self.unix.reply(conn, frames)  # a peer that is gone or stuck is dropped
+        self.unix.reply(conn, frames)  # a peer that is gone is dropped; a slow one gets it queued
 
     def _send_router(self, identity: zmq.Frame, frames: Sequence[Any]) -> None:
         try:
@@ -111,11 +259,16 @@ class ServerSockets:
             pass
 
     def close(self) -> None:
+        self.router.disable_monitor()
+        self._monitor.close(linger=0)
         self.router.close(linger=0)
+        if self.zap is not None:
+            self.zap.close()
         if self.unix is not None:
             self.unix.close()
         if self._socket_dir is not None:
             self._socket_dir.remove()
+        self.ctx.destroy(linger=0)
 
 
 # What a DEALER's monitor reports that means the server is gone: the connection closed (the process died: its
@@ -174,9 +327,13 @@ class BlockingTransport:
     Args:
         spin_seconds: over ZeroMQ, poll without sleeping for up to this long before blocking on a reply (trades
             CPU for latency; it only pays on hosts with spare cores).
+        secret: the queue's secret (``ControllerInfo.secret``): CURVE over TCP, the HMAC handshake over Unix sockets.
+        force_tcp: never use the Unix socket, even to servers on this host (see :func:`force_tcp_default`).
     """
 
-    def __init__(self, spin_seconds: float = 0.0):
+    def __init__(self, spin_seconds: float = 0.0, secret: bytes = b"", force_tcp: bool | None = None):
+        self._secret = secret
+        self.force_tcp = force_tcp_default() if force_tcp is None else force_tcp
         self._ctx: zmq.Context = zmq.Context.instance()
         self._local = threading.local()
         self._ids = itertools.count(1)
@@ -202,6 +359,7 @@ class BlockingTransport:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._secret)
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             monitor = sock.get_monitor_socket(_GONE_EVENTS)  # before connect: no event is missed
@@ -220,6 +378,8 @@ class BlockingTransport:
                 sock.close(linger=0)
 
     def _local_path(self, endpoint: Endpoint) -> str | None:
+        if self.force_tcp:
+            return None
         routes = self._local.__dict__.setdefault("routes", {})
         if endpoint not in routes:
             routes[endpoint] = endpoint.local_path()
@@ -229,7 +389,7 @@ class BlockingTransport:
         sockets = self._thread_sockets("unix")
         sock = sockets.get(path)
         if sock is None:
-            sock = sockets[path] = connect(path)
+            sock = sockets[path] = connect(path, self._secret)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
@@ -241,6 +401,8 @@ class BlockingTransport:
         arrays where given (by position in ``calls``' original order)."""
         try:
             pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
+        except AuthenticationFailed as exc:  # the server refused our secret: another queue's controller_info
+            raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
         except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
             self._local.__dict__.get("routes", {}).clear()
             raise ServerGone(
@@ -375,7 +537,8 @@ class AsyncioTransport:
     """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id and
     a watcher task that fails the requests waiting on a server at once when its monitor says the server is gone."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes = b"") -> None:
+        self._secret = secret
         self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
         self._ids = itertools.count(1)
         self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
@@ -396,6 +559,7 @@ class AsyncioTransport:
             self._forget_closed_loops()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._secret)
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             monitor = self._monitors[key] = sock.get_monitor_socket(_GONE_EVENTS)

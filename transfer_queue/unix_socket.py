@@ -14,6 +14,7 @@ Limits on frame count and sizes are checked before anything is allocated; a peer
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 import socket
@@ -23,6 +24,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from transfer_queue.auth import (
+    ACCEPTED,
+    HANDSHAKE_TIMEOUT,
+    PROOF_BYTES,
+    answer_unix_challenge,
+    check_unix_proof,
+    new_nonce,
+)
 
 MAX_FRAMES = 4096
 MAX_MESSAGE_BYTES = 1 << 40  # 1 TiB: a claimed size beyond this is hostile, never allocated
@@ -55,8 +65,9 @@ class FrameReader:
         self._frame = 0
         self._offset = 0
 
-    def read(self, sock: socket.socket) -> tuple[list[list[Frame]], bool]:
-        """Read what the socket has; returns (complete messages, whether the peer closed)."""
+    def read(self, sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[list[list[Frame]], bool]:
+        """Read what the socket has; returns (complete messages, whether the peer closed). A header that claims
+        more than ``max_bytes`` in all raises ProtocolViolation before anything is allocated."""
         done: list[list[Frame]] = []
         while True:
             try:
@@ -66,7 +77,7 @@ class FrameReader:
                         return done, True
                     self._head += chunk
                     if len(self._head) == self._need_head:
-                        self._parse_head()
+                        self._parse_head(max_bytes)
                 elif self._frame < len(self._frames):
                     frame = self._frames[self._frame]
                     got = sock.recv_into(frame.data[self._offset :]) if len(frame) else 0
@@ -81,7 +92,7 @@ class FrameReader:
             except (BlockingIOError, InterruptedError):
                 return done, False
 
-    def _parse_head(self) -> None:
+    def _parse_head(self, max_bytes: int) -> None:
         (count,) = _COUNT.unpack_from(self._head)
         if self._need_head == _COUNT.size:
             if not 1 <= count <= MAX_FRAMES:
@@ -90,8 +101,8 @@ class FrameReader:
             if len(self._head) < self._need_head:
                 return
         lengths = [_LENGTH.unpack_from(self._head, _COUNT.size + i * _LENGTH.size)[0] for i in range(count)]
-        if sum(lengths) > MAX_MESSAGE_BYTES:
-            raise ProtocolViolation(f"a message of {sum(lengths)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+        if sum(lengths) > max_bytes:
+            raise ProtocolViolation(f"a message of {sum(lengths)} bytes is over the {max_bytes}-byte limit")
         self._lengths = lengths
         into = self._into or {}
         self._frames = [  # not zero-filled: recv_into overwrites every byte
@@ -221,44 +232,134 @@ def listen(path: str) -> socket.socket:
     return sock
 
 
-def connect(path: str) -> socket.socket:
+def connect(path: str, secret: bytes = b"") -> socket.socket:
+    """A non-blocking connection to the server at ``path``, authenticated with ``secret`` when given (see
+    :mod:`transfer_queue.auth`; AuthenticationFailed if the server does not challenge in time)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
+    try:
+        sock.connect(path)
+        if secret:
+            answer_unix_challenge(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
 
 
-class UnixServer:
-    """The server side: accepts connections, reads whole messages, writes replies.
+class Connection:
+    """One accepted client connection: its reader, its queued replies, and its serial number (fds are reused after
+    a close, serials never)."""
 
-    The owning thread polls :meth:`fds` and calls :meth:`on_ready` for each ready one; complete messages come
-    back as ``(connection, frames)``; :meth:`reply` answers on a connection.
+    def __init__(self, sock: socket.socket, serial: int, nonce: bytes = b""):
+        self.sock = sock
+        self.serial = serial
+        self.nonce = nonce  # the challenge sent on accept; b"" once answered (or when the server has no secret)
+        self.proof = b""
+        self.accepted_at = time.monotonic()
+        self.reader = FrameReader()
+        self.outbox: list[FrameWriter] = []
+        self.stalled_since: float | None = None  # when the oldest queued reply stopped moving
+
+    def flush(self) -> None:
+        """Write queued replies as far as the socket takes them, without blocking."""
+        while self.outbox:
+            self.outbox[0].write(self.sock)
+            if not self.outbox[0].done:
+                if self.stalled_since is None:
+                    self.stalled_since = time.monotonic()
+                return
+            self.outbox.pop(0)
+            self.stalled_since = None
+
+
+class UnixServer:
+    """The server side: accepts connections, reads whole messages, queues replies; never blocks on a peer.
+
+    The owning thread polls :meth:`fds` (and :meth:`writable_fds` for POLLOUT) and calls :meth:`on_ready` for each
+    ready one; complete messages come back as ``(connection, frames)``; :meth:`reply` answers on a connection. A
+    reply the peer does not take at once is queued and written as the socket drains (:meth:`on_writable`), so one
+    slow or stuck reader delays nobody else; a peer that takes nothing for ``send_timeout`` seconds is dropped
+    (:meth:`drop_stalled`). Closed connections are reported once by :meth:`take_closed` (their serials).
     """
 
-    def __init__(self, path: str, send_timeout: float = 30.0):
+    def __init__(
+        self, path: str, send_timeout: float = 30.0, max_message_bytes: int = MAX_MESSAGE_BYTES, secret: bytes = b""
+    ):
         self.path = path
+        self.secret = secret
+        self.unauthenticated = 0  # connections dropped because they did not prove the secret
         self.listener = listen(path)
         self.send_timeout = send_timeout
-        self.connections: dict[int, tuple[socket.socket, FrameReader]] = {}
+        self.max_message_bytes = max_message_bytes
+        self.connections: dict[int, Connection] = {}
+        self._serials = itertools.count(1)
+        self._closed: list[int] = []
 
     def fds(self) -> list[int]:
         return [self.listener.fileno(), *self.connections]
+
+    def writable_fds(self) -> list[int]:
+        """Connections with replies waiting for room in the socket."""
+        return [fd for fd, conn in self.connections.items() if conn.outbox]
+
+    def serial(self, fd: int) -> int:
+        return self.connections[fd].serial
 
     def on_ready(self, fd: int) -> list[tuple[int, list[Frame]]]:
         if fd == self.listener.fileno():
             self._accept()
             return []
-        entry = self.connections.get(fd)
-        if entry is None:
+        conn = self.connections.get(fd)
+        if conn is None:
             return []
-        sock, reader = entry
+        if conn.nonce and not self._read_proof(fd, conn):
+            return []
         try:
-            messages, closed = reader.read(sock)
+            messages, closed = conn.reader.read(conn.sock, self.max_message_bytes)
         except (ProtocolViolation, OSError):
             messages, closed = [], True
         if closed:
             self.drop(fd)
         return [(fd, frames) for frames in messages]
+
+    def _read_proof(self, fd: int, conn: Connection) -> bool:
+        """Read the client's answer to the challenge; True once it is proven (frames may follow at once)."""
+        try:
+            chunk = conn.sock.recv(PROOF_BYTES - len(conn.proof))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            chunk = b""
+        conn.proof += chunk
+        if chunk and len(conn.proof) < PROOF_BYTES:
+            return False
+        if chunk and check_unix_proof(self.secret, conn.nonce, conn.proof):
+            conn.nonce = b""
+            try:
+                conn.sock.send(ACCEPTED)  # tells the client at connect time, not by a later silent hang-up
+            except OSError:
+                self.drop(fd)
+                return False
+            return True
+        self.unauthenticated += 1  # a wrong answer, or the peer hung up before answering
+        self.drop(fd)
+        return False
+
+    def drop_unproven(self, now: float) -> None:
+        """Drop connections that have not answered the challenge within the handshake timeout."""
+        late = [fd for fd, c in self.connections.items() if c.nonce and now - c.accepted_at > HANDSHAKE_TIMEOUT]
+        for fd in late:
+            self.unauthenticated += 1
+            self.drop(fd)
+
+    def on_writable(self, fd: int) -> None:
+        conn = self.connections.get(fd)
+        if conn is not None:
+            try:
+                conn.flush()
+            except OSError:
+                self.drop(fd)
 
     def _accept(self) -> None:
         while True:
@@ -267,28 +368,56 @@ class UnixServer:
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(False)
-            self.connections[sock.fileno()] = (sock, FrameReader())
+            nonce = b""
+            if self.secret:
+                nonce = new_nonce()
+                try:
+                    sock.send(nonce)  # 32 bytes into an empty socket buffer: never blocks
+                except OSError:
+                    sock.close()
+                    continue
+            self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce)
 
     def reply(self, fd: int, frames: Sequence[Any]) -> bool:
-        """Send a reply on connection ``fd``; False (and the connection dropped) if the peer is gone or stuck."""
-        entry = self.connections.get(fd)
-        if entry is None:
+        """Queue a reply on connection ``fd`` and write what the socket takes now; False (and the connection
+        dropped) if the peer is gone."""
+        conn = self.connections.get(fd)
+        if conn is None:
             return False
+        conn.outbox.append(FrameWriter(frames))
         try:
-            send_all(entry[0], frames, self.send_timeout)
+            conn.flush()
             return True
-        except (OSError, TimeoutError):
+        except OSError:
             self.drop(fd)
             return False
 
+    def drop_stalled(self, now: float) -> list[int]:
+        """Drop connections whose queued reply has not moved for ``send_timeout`` seconds; returns their fds."""
+        stalled = [
+            fd
+            for fd, conn in self.connections.items()
+            if conn.stalled_since is not None and now - conn.stalled_since > self.send_timeout
+        ]
+        for fd in stalled:
+            self.drop(fd)
+        return stalled
+
     def drop(self, fd: int) -> None:
-        entry = self.connections.pop(fd, None)
-        if entry is not None:
-            entry[0].close()
+        conn = self.connections.pop(fd, None)
+        if conn is not None:
+            conn.sock.close()
+            self._closed.append(conn.serial)
+
+    def take_closed(self) -> list[int]:
+        """Serials of the connections closed since the last call."""
+        closed, self._closed = self._closed, []
+        return closed
 
     def close(self) -> None:
         for fd in list(self.connections):
             self.drop(fd)
+        self._closed.clear()
         self.listener.close()
         try:
             os.unlink(self.path)

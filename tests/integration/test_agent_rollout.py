@@ -16,6 +16,9 @@ from workers.agents.task_server import create_app, serve_in_background
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 
+# ~15 s on a loaded 2-core machine (an actor that builds a model, a queue, a task server): the slow tier, to keep the
+# default tier's budget; the workflow itself is tested against live servers in tests/unit/test_agent_workflow.py.
+pytestmark = pytest.mark.slow
 N = 2
 TASK = "workers.tasks.guess_number:GuessNumberTask"
 

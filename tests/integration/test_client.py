@@ -20,6 +20,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from transfer_queue import AsyncTransferQueueClient, BatchMeta, StreamingDataLoader, StreamingDataset
+from transfer_queue import protocol as p
 from transfer_queue.errors import (
     BatchSizeMismatch,
     ClientClosed,
@@ -269,7 +270,7 @@ def test_status_listing_and_unknown_partitions(queue: Any) -> None:
         client.put(TensorDict({"a": torch.ones(1, 2)}, batch_size=[1]))
     with pytest.raises(InvalidRequest, match="global_step must be an int >= 0, got -1"):
         client.clear(global_step=-1)
-    assert client.ping() == {"session_id": queue.info.session_id}
+    assert client.ping() == {"client_id": client.client_id, "protocol_version": p.PROTOCOL_VERSION}
 
 
 def test_release_and_reset_consumption(queue: Any) -> None:
@@ -331,7 +332,7 @@ def test_close_partition_final_short_batch_then_empty(queue: Any) -> None:
 
 def test_closed_client_raises_client_closed(queue: Any) -> None:
     client = queue.new_client("closing")
-    assert client.ping()["session_id"] == queue.info.session_id
+    assert client.ping()["client_id"] == client.client_id
     client.close()
     with pytest.raises(ClientClosed, match="is closed"):
         client.ping()
@@ -539,7 +540,7 @@ def test_async_client_same_methods_as_coroutines(queue: Any) -> None:
 
     async def main() -> None:
         client = AsyncTransferQueueClient("async", queue.info)
-        assert (await client.ping())["session_id"] == queue.info.session_id
+        assert (await client.ping())["client_id"] == client.client_id
         # A get_meta parked before the data exists is served by a put on the same client and loop.
         waiting = asyncio.ensure_future(client.get_meta(["a"], 4, partition_id=partition, task_name="t"))
         await asyncio.sleep(0)
@@ -574,10 +575,10 @@ def open_fds() -> int:
 def test_async_client_across_many_event_loops(queue: Any) -> None:
     """One ``asyncio.run`` per call: each loop's sockets are closed once a later loop starts, none pile up."""
     client = AsyncTransferQueueClient("many-loops", queue.info)
-    assert asyncio.run(client.ping())["session_id"] == queue.info.session_id
+    assert asyncio.run(client.ping())["client_id"] == client.client_id
     before = open_fds()
     for _ in range(40):
-        assert asyncio.run(client.ping())["session_id"] == queue.info.session_id
+        assert asyncio.run(client.ping())["client_id"] == client.client_id
     assert open_fds() - before < 10
     client.close()
 

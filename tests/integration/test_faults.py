@@ -24,6 +24,7 @@ from tensordict import TensorDict
 
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
 from transfer_queue import protocol as p
+from transfer_queue.auth import secure_client
 from transfer_queue.errors import GetMetaTimeout, PartitionOverfilled, StorageUnavailable
 from transfer_queue.metadata import FieldSchema
 
@@ -36,10 +37,11 @@ X = FieldSchema("dense", "float32", (256,))
 class RawPeer:
     """A bare DEALER socket speaking (or abusing) the wire format to one server."""
 
-    def __init__(self, endpoint: p.Endpoint, session_id: str):
+    def __init__(self, endpoint: p.Endpoint, session_id: str, secret: bytes = b""):
         self.session_id = session_id
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, secret)  # an authenticated peer (b"": a stranger, refused before any frame is read)
         self.sock.connect(endpoint.tcp)
         self.ids = iter(range(1000, 10**9))
 
@@ -114,24 +116,20 @@ def test_dead_storage_unit_gives_storage_unavailable_not_a_hang(
             client.get_data(dead)
         assert time.monotonic() - started < 3.0 + 30  # the reader's timeout, plus slack for a loaded machine
         assert values_of(client, alive) == [alive_value] * 2  # the other unit still serves
-        # Writers: every put that lands on the dead unit fails typed; none of its rows becomes visible.
-        outcomes = {}
+        # Writers: once the controller has seen the unit go, puts are placed on the live unit only (defect 10).
+        wait_until(
+            lambda: ray.get(controller.server_stats.remote())["storage_units_down"] == [0], 30, what="unit 0 down"
+        )
         for value in (3.0, 4.0):
-            try:
-                client.put(TensorDict({"x": torch.full((2, 256), value)}, batch_size=[2]), partition_id="p")
-                outcomes[value] = "ok"
-            except StorageUnavailable as exc:
-                assert "did not answer" in str(exc)
-                outcomes[value] = "unavailable"
-        assert sorted(outcomes.values()) == ["ok", "unavailable"]
-        stored = next(value for value, outcome in outcomes.items() if outcome == "ok")
+            meta = client.put(TensorDict({"x": torch.full((2, 256), value)}, batch_size=[2]), partition_id="p")
+            assert set((meta.blocks[:, 0] % 2).tolist()) == {1}
         status = client.get_production_status(partition_id="p")
-        assert status["rows"] == 6 and status["rows_in_flight"] == 0
+        assert status["rows"] == 8 and status["rows_in_flight"] == 0
         # The controller keeps serving: metadata of every committed row, reads from the live unit.
-        meta = client.get_meta(["x"], 6, partition_id="p", task_name="t")
-        assert len(meta) == 6
+        meta = client.get_meta(["x"], 8, partition_id="p", task_name="t")
+        assert len(meta) == 8
         live = meta.select_samples(np.flatnonzero(meta.blocks[:, 0] % 2 == 1))
-        assert sorted(values_of(client, live)) == sorted([alive_value] * 2 + [stored] * 2)
+        assert sorted(values_of(client, live)) == sorted([alive_value] * 2 + [3.0] * 2 + [4.0] * 2)
         client.clear(partition_id="p")  # answered even though one unit cannot acknowledge the drop
         assert "p" not in client.list_partitions()
     finally:
@@ -147,11 +145,13 @@ import os, pickle, signal, sys
 import numpy as np
 import zmq
 from transfer_queue import protocol as p
+from transfer_queue.auth import secure_client
 from transfer_queue.metadata import FieldSchema
 
 info, step = pickle.load(sys.stdin.buffer)
 X = FieldSchema("dense", "float32", (256,))
 sock = zmq.Context.instance().socket(zmq.DEALER)
+secure_client(sock, info.secret)
 ids = iter(range(1, 100))
 
 def call(endpoint, body, *buffers):
@@ -170,7 +170,8 @@ reserve = p.Reserve(step, 8, {"x": X}, payload.nbytes, timeout=8.0)
 reservation = p.decode_as(call(info.controller, reserve), p.Reservation)
 for place in reservation.placements:
     rows = place.stop - place.start
-    write = p.Write(reservation.partition_uid, place.block_id, rows, [p.ColumnSpec("x", X, rows, 1)])
+    spec = [p.ColumnSpec("x", X, rows, 1)]
+    write = p.Write(reservation.partition_uid, place.block_id, rows, spec, place.max_bytes, place.token)
     call(info.storage_units[place.unit], write, payload[place.start : place.stop].tobytes())
 print(reservation.put_id, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # dies between the write and the commit
@@ -206,7 +207,7 @@ def test_client_killed_mid_put_leaves_nothing_visible(fast_queue: Any, wait_unti
     wait_until(lambda: fast_queue.storage_bytes() == bytes_before, 30, what="the storage units to drop its bytes")
     assert client.get_production_status(global_step=step)["rows"] == 0
     # A late commit of the dead put is refused.
-    peer = RawPeer(fast_queue.info.controller, fast_queue.info.session_id)
+    peer = RawPeer(fast_queue.info.controller, fast_queue.info.session_id, fast_queue.info.secret)
     header, _ = peer.call(p.Commit(put_id))
     peer.close()
     assert header.error_type == "PutExpired" and "none of its rows are visible" in (header.error_message or "")
@@ -233,7 +234,7 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
         assert values_of(client, good) == [5.0] * 4
 
     for name, endpoint in targets.items():
-        peer = RawPeer(endpoint, info.session_id)
+        peer = RawPeer(endpoint, info.session_id, info.secret)
         # Too few frames to hold an envelope: dropped without an answer.
         peer.send(b"garbage")
         assert peer.reply(timeout=0.5) is None
@@ -252,7 +253,8 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
         envelope, request_id = peer.envelope(session_id="f" * 32)
         peer.send(envelope, p.encode(p.Hello("x") if name == "controller" else p.StorageStats()))
         header, _ = peer.reply() or pytest.fail(f"{name}: no reply to a wrong session")
-        assert header.error_type == "SessionMismatch" and "f" * 32 in (header.error_message or ""), (name, header)
+        assert header.error_type == "SessionMismatch" and "another session" in (header.error_message or ""), name
+        assert "f" * 32 not in header.error_message and info.session_id not in header.error_message, (name, header)
         # Another protocol version.
         peer.send(p.encode(p.Envelope(99, info.session_id, 5)), p.encode(p.Hello("x")))
         header, _ = peer.reply() or pytest.fail(f"{name}: no reply to another protocol version")
@@ -263,7 +265,7 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
         still_serving()
         peer.close()
 
-    controller = RawPeer(info.controller, info.session_id)
+    controller = RawPeer(info.controller, info.session_id, info.secret)
     # Huge claimed sizes: refused before anything is allocated.
     for reserve, error in (
         (p.Reserve(partition, 10**12, {"x": X}, 10**6, timeout=1.0), "InvalidRequest"),
@@ -280,7 +282,7 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
     controller.close()
 
     # Writes and reads whose buffers lie about their sizes.
-    storage = RawPeer(info.storage_units[0], info.session_id)
+    storage = RawPeer(info.storage_units[0], info.session_id, info.secret)
     bytes_before = queue.storage_bytes()
     uid = good.partition_uid
     jagged = FieldSchema("jagged", "int64", ())
@@ -311,6 +313,34 @@ def test_hostile_frames_get_an_error_or_are_dropped(queue: Any) -> None:
     for request, buffers, message in lies:
         header, _ = storage.call(request, *buffers)
         assert header.error_type is not None and message in (header.error_message or ""), (request, header)
+    # Sizes that lie to the byte budget (defect 11): a put declaring 16 bytes writes 4 KiB; a write with no
+    # reservation of the controller's; a reservation's token replayed for another block.
+    controller = RawPeer(info.controller, info.session_id, info.secret)
+    header, (body, *_) = controller.call(p.Reserve(partition, 4, {"x": X}, 16, timeout=5.0))
+    reservation = p.decode_as(body, p.Reservation)
+    place = reservation.placements[0]
+    writer = RawPeer(info.storage_units[place.unit], info.session_id, info.secret)
+    columns = [p.ColumnSpec("x", X, 4, 1)]
+    payload = np.zeros((4, 256), dtype=np.float32).tobytes()
+    for write, message in (
+        (
+            p.Write(reservation.partition_uid, place.block_id, 4, columns, place.max_bytes, place.token),
+            "its put reserved 16",
+        ),
+        (
+            p.Write(reservation.partition_uid, place.block_id, 4, columns, 10**6, place.token),
+            "does not carry the controller's",
+        ),
+        (
+            p.Write(reservation.partition_uid, place.block_id + 2, 4, columns, 16, place.token),
+            "does not carry the controller's",
+        ),
+    ):
+        header, _ = writer.call(write, payload)
+        assert header.error_type == "InvalidRequest" and message in (header.error_message or ""), header
+    assert controller.call(p.Abort(reservation.put_id))[0].error_type is None
+    writer.close()
+    controller.close()
     assert queue.storage_bytes() == bytes_before  # nothing of the lies was stored
     still_serving()
     storage.close()

@@ -177,3 +177,25 @@ def test_a_column_spec_whose_frame_count_disagrees_with_its_schema_is_refused(st
     bad = [p.ColumnSpec(s.name, s.schema, s.num_rows, s.nframes + 1) for s in specs]
     with pytest.raises(InvalidRequest, match="declares 2 frames; a dense column has 1"):
         store.write(p.Write(UID, 6, 2, bad), frames)
+
+
+def test_a_write_must_carry_its_reservation_and_no_more_bytes_than_reserved() -> None:
+    from transfer_queue.auth import write_token
+
+    secret = b"s" * 32
+    store = BlockStore(0, 1, secret)
+    specs, frames = frames_of(rows(0, 4))
+    nbytes = sum(f.nbytes for f in frames)
+
+    def write(block_id: int, max_bytes: int, token: bytes) -> None:
+        store.write(p.Write(UID, block_id, 4, specs, max_bytes, token), frames)
+
+    with pytest.raises(InvalidRequest, match="block 1: the write does not carry the controller's reservation"):
+        write(1, nbytes, b"")
+    with pytest.raises(InvalidRequest, match="block 2: the write does not carry the controller's reservation"):
+        write(2, nbytes, write_token(secret, UID, 1, 4, nbytes))  # a token of another block
+    with pytest.raises(InvalidRequest, match=f"block 3 carries {nbytes} bytes; its put reserved {nbytes - 1}"):
+        write(3, nbytes - 1, write_token(secret, UID, 3, 4, nbytes - 1))  # the put declared less than it sends
+    assert store.nbytes == 0 and not store.blocks
+    write(4, nbytes, write_token(secret, UID, 4, 4, nbytes))
+    assert store.nbytes == nbytes

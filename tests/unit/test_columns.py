@@ -336,3 +336,14 @@ def test_cuda_tensors_are_copied_to_host():
     nested = jagged([torch.arange(2, device="cuda"), torch.arange(1, device="cuda")])
     back = wire(Column.from_value("n", nested, 2)).to_value()
     assert [r.tolist() for r in rows_of(back)] == [[0, 1], [0]]
+
+
+def test_building_a_jagged_tensor_logs_no_torch_fx_notice(caplog):
+    import logging
+
+    import torch.fx._symbolic_trace as fx_trace
+
+    fx_trace.is_fx_tracing_warning.cache_clear()  # torch logs it once per process: make this call the first
+    with caplog.at_level(logging.WARNING):
+        torch.nested.nested_tensor_from_jagged(torch.arange(6), torch.tensor([0, 2, 6]))
+    assert not [r for r in caplog.records if "is_fx_tracing" in r.getMessage()]

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from transfer_queue.errors import StorageUnavailable
 from transfer_queue.placement import MIN_BYTES_PER_UNIT, place_rows
 
 
@@ -47,3 +48,27 @@ def test_place_rows_examples():
 def test_place_rows_needs_rows_and_units(num_rows, num_units):
     with pytest.raises(ValueError, match=f"place_rows needs num_rows >= 1 and num_units >= 1, got {num_rows} and"):
         place_rows(num_rows, 10, num_units, 0)
+
+
+@given(
+    num_rows=st.integers(1, 1000),
+    nbytes=st.integers(0, 64 * MIN_BYTES_PER_UNIT),
+    num_units=st.integers(2, 16),
+    first_unit=st.integers(0, 100),
+    data=st.data(),
+)
+def test_units_that_are_down_are_skipped(num_rows, nbytes, num_units, first_unit, data):
+    down = data.draw(st.sets(st.integers(0, num_units - 1), max_size=num_units - 1))
+    chunks = place_rows(num_rows, nbytes, num_units, first_unit, down=down)
+    units = [unit for unit, _, _ in chunks]
+    assert not set(units) & down and len(set(units)) == len(units)
+    assert chunks[0][1] == 0 and chunks[-1][2] == num_rows
+    assert len(chunks) == max(1, min(num_units - len(down), num_rows, nbytes // MIN_BYTES_PER_UNIT))
+
+
+def test_place_rows_skips_down_units_examples():
+    assert place_rows(8, 100, 3, 1, down={1}) == [(2, 0, 8)]  # the next live unit in turn
+    assert place_rows(8, 100, 3, 2, down={2}) == [(0, 0, 8)]
+    assert place_rows(4, 8 * MIN_BYTES_PER_UNIT, 3, 0, down={1}) == [(0, 0, 2), (2, 2, 4)]
+    with pytest.raises(StorageUnavailable, match=r"every storage unit is down \(\[0, 1\]\); no put can be placed"):
+        place_rows(8, 100, 2, 0, down={0, 1})

@@ -84,7 +84,9 @@ def echo_server(path: str, stop: threading.Event) -> None:
 
     server = UnixServer(path)
     while not stop.is_set():
-        ready, _, _ = select.select(server.fds(), [], [], 0.05)
+        ready, writable, _ = select.select(server.fds(), server.writable_fds(), [], 0.05)
+        for fd in writable:  # replies a reader did not take at once are queued, never waited for
+            server.on_writable(fd)
         for fd in ready:
             for conn, frames in server.on_ready(fd):
                 server.reply(conn, [bytes(frames[0]).upper(), *frames[1:]])

@@ -1,0 +1,92 @@
+"""The integration tier's core cases over both transports: the Unix socket (same host) and ZeroMQ over TCP with
+CURVE (the path clients on other hosts take), forced on one host with ``force_tcp`` / TRANSFER_QUEUE_TRANSPORT."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from transfer_queue import TransferQueueClient
+from transfer_queue.errors import InvalidRequest
+from transfer_queue.transport import TRANSPORT_ENV, BlockingTransport
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def over(request: pytest.FixtureRequest) -> Any:
+    """``over(queue)``: a client of that queue talking over this test's transport; closed at the end."""
+    clients: list[TransferQueueClient] = []
+
+    def make(queue: Any) -> TransferQueueClient:
+        client = TransferQueueClient(
+            client_id=f"over-{request.param}", controller_info=queue.info, force_tcp=request.param == "tcp"
+        )
+        clients.append(client)
+        return client
+
+    make.transport = request.param  # type: ignore[attr-defined]
+    yield make
+    for client in clients:
+        transport = client._client._transport
+        assert isinstance(transport, BlockingTransport)
+        used_unix = bool(transport._local.__dict__.get("unix"))  # this thread's Unix connections
+        assert used_unix == (request.param == "unix"), "the client did not take the transport under test"
+        client.close()
+
+
+def test_put_get_meta_get_data(queue: Any, over: Any) -> None:
+    client, step = over(queue), queue.step()
+    data = TensorDict(
+        {"x": torch.arange(8, dtype=torch.float32).unsqueeze(1).expand(8, 256).contiguous(), "t": list("abcdefgh")},
+        batch_size=[8],
+    )
+    client.put(data, global_step=step)
+    meta = client.get_meta(["x", "t"], 8, global_step=step, task_name="core")
+    got = client.get_data(meta)
+    assert torch.equal(got["x"], data["x"]) and list(got["t"]) == list("abcdefgh")
+
+
+def test_grpo_groups(grpo_queue: Any, over: Any) -> None:
+    client, step = over(grpo_queue), grpo_queue.step()
+    client.put(TensorDict({"x": torch.arange(8)}, batch_size=[8]), global_step=step, group_ids=[1, 2] * 4)
+    meta = client.get_meta(["x"], 4, global_step=step, task_name="g", get_n_samples=True)
+    groups = meta.group_ids.tolist()
+    assert len(set(groups)) == 1 and sorted(client.get_data(meta)["x"].tolist()) == [
+        i for i in range(8) if [1, 2][i % 2] == groups[0]
+    ]
+
+
+def test_dp_round(queue: Any, over: Any) -> None:
+    client, partition = over(queue), queue.partition()
+    client.put(TensorDict({"x": torch.arange(8)}, batch_size=[8]), partition_id=partition)
+    shares = [
+        client.get_meta(
+            ["x"],
+            4,
+            partition_id=partition,
+            task_name="dp",
+            sampler_params={"dp_rank": r, "dp_size": 2, "dp_group_id": "r"},
+        )
+        for r in (0, 1, 0)
+    ]
+    assert shares[0].global_indexes.tolist() == shares[2].global_indexes.tolist()  # a TP peer gets the same share
+    assert sorted(shares[0].global_indexes.tolist() + shares[1].global_indexes.tolist()) == list(range(8))
+
+
+def test_kv(queue: Any, over: Any) -> None:
+    client, partition = over(queue), queue.partition("kv")
+    client.kv_batch_put(["a", "b"], partition, {"score": torch.tensor([1.0, 2.0])})
+    client.kv_put("a", partition, {"score": torch.tensor(10.0)})
+    assert client.kv_batch_get(["b", "a"], partition)["score"].tolist() == [2.0, 10.0]
+
+
+def test_the_environment_variable_forces_tcp(queue: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRANSPORT_ENV, "tcp")
+    client = TransferQueueClient(client_id="env-tcp", controller_info=queue.info)
+    assert client._client._transport.force_tcp and client.ping()["client_id"] == "env-tcp"  # type: ignore[attr-defined]
+    client.close()
+    monkeypatch.setenv(TRANSPORT_ENV, "shm")
+    with pytest.raises(InvalidRequest, match="TRANSFER_QUEUE_TRANSPORT must be 'auto' or 'tcp', got 'shm'"):
+        TransferQueueClient(client_id="env-bad", controller_info=queue.info)
