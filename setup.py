@@ -24,12 +24,14 @@ AGENTS = [
     "fastapi==0.165.0",
     "uvicorn==0.54.0",
     "httpx==0.28.1",
+    "pydantic>=2",  # every request and response body of the task server and the OpenAI-compatible endpoint
 ]
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
     "psutil>=5.9",  # the ray-job test stops exactly the head it started
     "hypothesis>=6.100",
+    "openai==3.54.0",  # the OpenAI-compatible endpoint is tested with the real client
     "ruff>=0.6",
     "mypy>=1.10",
     "pre-commit>=3",
