@@ -128,7 +128,8 @@ class Server:
         """The loop's counters: requests served, failures by place, messages dropped (``dropped.unauthenticated``:
         connections that did not prove the secret, none of their frames read), disconnects."""
         with self.lock:
-            return {**self.counters, "dropped.unauthenticated": self.sockets.unauthenticated()}
+            base = {"requests": 0, "disconnects": 0}  # present from the start: readers poll them before any event
+            return {**base, **self.counters, "dropped.unauthenticated": self.sockets.unauthenticated()}
 
     def _serve(self) -> None:
         try:
