@@ -188,7 +188,8 @@ def test_dp_sampler_params_four_ranks_share_one_round(queue: Any) -> None:
         assert indexes(dp_get_meta(ranks[r], step, r)) == shares[r]
     # The round took all 16 rows for the task; other tasks still see them.
     status = queue.client.get_consumption_status(global_step=step, task_name="training_task")
-    assert status["tasks"]["training_task"] == {"consumed": 16, "rows": 16}
+    states = {"ready": 0, "leased": 16, "acknowledged": 0, "dead_lettered": 0}  # leased to the round until acked
+    assert status["tasks"]["training_task"] == {"consumed": 16, "rows": 16, **states}
     other = queue.client.get_meta(["prompts"], batch_size=16, global_step=step, task_name="eval")
     assert len(other) == 16
 

@@ -11,10 +11,14 @@ in between is aborted: none of its rows ever becomes visible and its bytes are f
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import itertools
+import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -50,6 +54,7 @@ from transfer_queue.errors import (
 from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
+logger = logging.getLogger(__name__)
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -113,6 +118,9 @@ class AsyncTransferQueueClient:
         self.config = QueueConfig.from_dict(controller_info.config)
         self._transport = transport or AsyncioTransport(secret=controller_info.secret)
         self._closed = False
+        # who holds this client's leases: unique per client instance (client_id is a name and may repeat)
+        self.owner = f"{client_id}#{uuid.uuid4().hex[:12]}"
+        self._calls = itertools.count(1)
 
     # ---- plumbing ------------------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
@@ -293,13 +301,18 @@ class AsyncTransferQueueClient:
         sampler_params: dict[str, Any] | None = None,
         get_n_samples: bool = False,
         timeout: float | None = None,
+        lease_s: float | None = None,
     ) -> BatchMeta:
-        """Rows ready for ``task_name`` (all ``data_fields`` produced, not yet consumed by the task), chosen by the
-        task's sampler; they count as consumed by the task from now on (``release`` hands them back).
+        """Rows ready for ``task_name`` (all ``data_fields`` produced, not yet handed to the task), chosen by the
+        task's sampler and **leased** to this client: no other consumer of the task gets them while the lease
+        lasts. ``get_data`` of the meta acknowledges them (or, for a task with ``ack="explicit"``, ``ack``); a lease
+        that runs out (``lease_s``) or whose client goes away hands its rows back, first in line (see
+        docs/api.md "Delivery"). ``release`` hands them back at once.
 
         Waits (up to ``timeout``) until ``batch_size`` rows are ready; returns a shorter batch only when no more
         can come (the partition is closed or its step is full and everything produced), and an empty one at the
-        end of the stream.
+        end of the stream. A wait that is cancelled (asyncio) or times out on the client is withdrawn: its rows go
+        to nobody.
 
         Args:
             data_fields: fields the rows must have.
@@ -309,6 +322,8 @@ class AsyncTransferQueueClient:
             sampler_params: passed to the sampler; ``dp_rank``, ``dp_size``, ``dp_group_id`` make this call part of
                 a DP round shared by the ranks of a data-parallel world.
             get_n_samples: serve whole GRPO groups only (``batch_size`` must be a multiple of ``num_n_samples``).
+            lease_s: seconds the rows stay leased without an acknowledgement (None: the task's
+                ``set_task_options(lease_s=...)``, else the queue's ``lease_s``, 600 s by default).
 
         Raises:
             GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared.
@@ -317,6 +332,7 @@ class AsyncTransferQueueClient:
         """
         timeout = self._timeout(timeout)
         fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        call_id = next(self._calls)
         request = p.GetMeta(
             _partition(global_step, partition_id),
             fields,
@@ -325,9 +341,24 @@ class AsyncTransferQueueClient:
             sampler_params,
             bool(get_n_samples),
             timeout,
+            lease_s,
+            self.owner,
+            call_id,
         )
-        wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
+        try:
+            wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
+        except (asyncio.CancelledError, RequestTimeout, KeyboardInterrupt):
+            await self._withdraw(call_id)
+            raise
         return wire.to_meta()
+
+    async def _withdraw(self, call_id: int) -> None:
+        """Tell the controller this client stopped waiting on get_meta ``call_id`` (best effort: a client that
+        cannot reach it is taken for gone anyway once its connections close)."""
+        try:
+            await self._control(p.CancelGetMeta(self.owner, call_id), Any, 2.0)
+        except (TransferQueueError, asyncio.CancelledError):
+            pass
 
     async def get_data(self, batch_meta: BatchMeta, device: str | torch.device | None = None) -> TensorDict:
         """The rows of ``batch_meta`` as a TensorDict, in its order: dense fields as tensors, jagged fields as
@@ -341,6 +372,7 @@ class AsyncTransferQueueClient:
         num_rows = len(batch_meta)
         if num_rows == 0 or not batch_meta.fields:
             td = TensorDict({}, batch_size=[num_rows])
+            await self._auto_ack(batch_meta)
             return td.to(device) if device is not None else td
         if np.any(batch_meta.blocks < 0):
             row, col = np.argwhere(batch_meta.blocks < 0)[0]
@@ -395,15 +427,78 @@ class AsyncTransferQueueClient:
             for name, schema in batch_meta.fields.items()
         }
         td = tensordict_from_columns(columns, num_rows)
+        await self._auto_ack(batch_meta)
         return td.to(device) if device is not None else td
+
+    async def _auto_ack(self, batch_meta: BatchMeta) -> None:
+        """A get_data acknowledges the rows of a get_meta's meta (unless its task acknowledges explicitly). If the
+        controller cannot be told, the lease runs out and the rows are delivered again: never lost."""
+        if batch_meta.task_name is None or not len(batch_meta):
+            return
+        request = p.Ack(
+            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
+        )
+        try:
+            await self._control(request, Any, self.config.default_timeout)
+        except TransferQueueError as exc:
+            logger.warning("get_data could not acknowledge %d rows (delivered again later): %s", len(batch_meta), exc)
+
+    # ---- delivery ------------------------------------------------------------------------------------------
+    async def ack(self, batch_meta: BatchMeta) -> None:
+        """Acknowledge the rows of ``batch_meta`` for its task: they are done and never delivered again. Needed
+        only for tasks with ``ack="explicit"`` (see :meth:`set_task_options`), e.g. a trainer after its optimizer
+        step; other tasks are acknowledged by ``get_data``.
+
+        Raises:
+            NotLeased: some rows are not held by this client (leased to another, already acknowledged, or handed
+                back because their lease expired or they were released); the message names them. Nothing is
+                acknowledged then.
+            StaleBatchMeta: the partition was cleared.
+        """
+        if batch_meta.task_name is None:
+            raise InvalidRequest("ack needs a BatchMeta from get_meta (it names the task that leased it)")
+        request = p.Ack(
+            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner, True
+        )
+        await self._control(request, Any, self.config.default_timeout)
+
+    async def set_task_options(
+        self, task_name: str, ack: str = "auto", lease_s: float | None = None, max_deliveries: int | None = None
+    ) -> None:
+        """How ``task_name`` is delivered, for every client of the queue (set it before the task's first get_meta).
+
+        Args:
+            ack: ``"auto"`` (default): ``get_data`` of a meta acknowledges its rows; ``"explicit"``: only
+                :meth:`ack` does (get_data leaves them leased).
+            lease_s: seconds a lease of this task lasts (None: the queue's ``lease_s``); a get_meta's own
+                ``lease_s`` wins over it.
+            max_deliveries: deliveries after which rows coming back go to the dead letters (None: the queue's).
+
+        >>> client.set_task_options("train", ack="explicit", lease_s=120)  # doctest: +SKIP
+        """
+        request = p.SetTaskOptions(task_name, ack, lease_s, max_deliveries)
+        await self._control(request, Any, self.config.default_timeout)
+
+    async def dead_letters(
+        self, global_step: int | None = None, partition_id: str | None = None, task_name: str = "default"
+    ) -> list[dict[str, Any]]:
+        """Rows of a partition that ``task_name`` gave up on after ``max_deliveries``: a list of
+        ``{"global_index", "deliveries", "reason"}`` (the last reason they came back: ``"lease expired"``,
+        ``"client disconnected"``, ``"released"``, ``"cancelled"``). Raises UnknownPartition."""
+        request = p.DeadLetters(_partition(global_step, partition_id), task_name)
+        return await self._control(request, Any, self.config.default_timeout)
 
     # ---- consumption and lifecycle -------------------------------------------------------------------------
     async def release(self, batch_meta: BatchMeta) -> None:
         """Hand the rows of ``batch_meta`` back to the task that got them (e.g. its consumer failed): they are
-        served again. A DP share handed back this way is not served to its rank again under the same round."""
+        served again. Only rows this client holds (leased or acknowledged by it, or held by a DP round) go back;
+        others, and rows named twice or released before, are ignored. A DP share handed back this way is not
+        served to its rank again under the same round."""
         if batch_meta.task_name is None:
             raise InvalidRequest("release needs a BatchMeta from get_meta (it names the task that consumed it)")
-        request = p.Release(batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes))
+        request = p.Release(
+            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
+        )
         await self._control(request, Any, self.config.default_timeout)
 
     async def clear(self, global_step: int | None = None, partition_id: str | None = None) -> None:
@@ -567,6 +662,11 @@ class TransferQueueClient:
     def config(self) -> QueueConfig:
         return self._client.config
 
+    @property
+    def owner(self) -> str:
+        """Who holds this client's leases (unique per client instance)."""
+        return self._client.owner
+
     def close(self) -> None:
         self._client.close()
 
@@ -574,6 +674,9 @@ class TransferQueueClient:
     get_meta = _sync(AsyncTransferQueueClient.get_meta)
     get_data = _sync(AsyncTransferQueueClient.get_data)
     release = _sync(AsyncTransferQueueClient.release)
+    ack = _sync(AsyncTransferQueueClient.ack)
+    set_task_options = _sync(AsyncTransferQueueClient.set_task_options)
+    dead_letters = _sync(AsyncTransferQueueClient.dead_letters)
     clear = _sync(AsyncTransferQueueClient.clear)
     reset_consumption = _sync(AsyncTransferQueueClient.reset_consumption)
     get_production_status = _sync(AsyncTransferQueueClient.get_production_status)

@@ -22,6 +22,11 @@ class QueueConfig:
         default_timeout: seconds an operation waits when the caller passes ``timeout=None`` (finite, never forever).
         put_grace: extra seconds a put's reservation outlives its timeout before it is aborted (client died).
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
+        lease_s: seconds rows handed out by ``get_meta`` stay leased without an acknowledgement before they go back
+            to ready (a task's ``set_task_options(lease_s=...)`` or a call's ``lease_s`` overrides it).
+        max_deliveries: times a row is handed out to a task before, coming back once more, it is dead-lettered.
+        disconnect_grace: seconds after a client's last connection closed before its leases go back (a client that
+            reconnects within it keeps them).
     """
 
     global_batch_size: int
@@ -32,6 +37,9 @@ class QueueConfig:
     default_timeout: float = 60.0
     put_grace: float = 30.0
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
+    lease_s: float = 600.0
+    max_deliveries: int = 5
+    disconnect_grace: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "num_global_batch", "num_n_samples", "num_storage_units"):
@@ -40,7 +48,9 @@ class QueueConfig:
                 raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.storage_unit_bytes, int) or self.storage_unit_bytes < 1:
             raise InvalidRequest(f"storage_unit_bytes must be an int >= 1, got {self.storage_unit_bytes!r}")
-        for name in ("default_timeout", "put_grace"):
+        if not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1:
+            raise InvalidRequest(f"max_deliveries must be an int >= 1, got {self.max_deliveries!r}")
+        for name in ("default_timeout", "put_grace", "lease_s", "disconnect_grace"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")

@@ -32,7 +32,7 @@ from transfer_queue.errors import (
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
-from transfer_queue.transport import Reply, ServerSockets
+from transfer_queue.transport import Incoming, Peer, Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
@@ -96,8 +96,13 @@ class ControllerServer:
             wait = min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
             events = self._sockets.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1))
             with self.lock:
-                for frames, reply in self._sockets.requests(events, MAX_BATCH):
-                    self._on_message(frames, reply)
+                for incoming in self._incoming(events):
+                    self._on_message(incoming.frames, incoming.reply, incoming.peer)
+                for peer in self._sockets.take_disconnects():
+                    try:  # a client's connection closed: its waits are dropped, its leases go back after a grace
+                        self.state.on_disconnect(peer)
+                    except Exception:
+                        logger.exception("controller failed handling the disconnect of %s; still serving", peer)
                 if time.monotonic() >= self.state.next_deadline:
                     self.state.tick()
                 self._flush_outbox()
@@ -114,7 +119,18 @@ class ControllerServer:
             dealer.close(linger=0)
         self._sockets.close()
 
-    def _on_message(self, frames: list[Any], reply: Reply) -> None:
+    def _incoming(self, events: dict[Any, int]) -> list[Incoming]:
+        """What arrived on the ROUTER and the Unix sockets, each with the connection it came on."""
+        out = self._sockets.router_messages(events, MAX_BATCH)
+        for fd in self._sockets.unix_ready(events):
+            try:
+                out += self._sockets.unix_messages(fd)
+            except Exception:  # one bad connection must not stop the others
+                logger.exception("controller: reading Unix connection %d failed; dropping it", fd)
+                self._sockets.drop_unix(fd)
+        return out
+
+    def _on_message(self, frames: list[Any], reply: Reply, peer: Peer | None = None) -> None:
         if len(frames) < 2:
             return  # not even an envelope and a body: nothing to answer
         request_id = -1
@@ -144,7 +160,7 @@ class ControllerServer:
                 self._reply(reply, request_id, value, error)
 
         try:
-            self.state.handle(request, respond)
+            self.state.handle(request, respond, peer)
         except Exception as exc:  # a bug, not bad input: answer it and keep serving
             logger.exception("controller failed on %s", type(request).__name__)
             respond(None, exc)

@@ -69,6 +69,11 @@ class SamplerError(TransferQueueError, RuntimeError):
     """A sampler broke its contract (returned rows that are not ready, already served, or split a group)."""
 
 
+class NotLeased(TransferQueueError, LookupError):
+    """``ack`` names rows the caller does not hold for the task (leased to another client, already acknowledged,
+    or handed back: their lease expired, their client was taken for gone, or they were released)."""
+
+
 class GetMetaTimeout(TransferQueueError, TimeoutError):
     """``get_meta`` waited its whole timeout for rows that did not become ready; the message names what is missing."""
 
@@ -143,6 +148,7 @@ _BY_NAME: dict[str, type[TransferQueueError]] = {
         PartitionCleared,
         StaleBatchMeta,
         SamplerError,
+        NotLeased,
         GetMetaTimeout,
         QueueFull,
         PutExpired,

@@ -5,9 +5,11 @@ Rows are numbered 0.. within a partition (``global_index = base_index + row``). 
 block and offset of its payload (``block = -1``: not produced). A row's produced fields are also kept as a 64-bit
 mask, so "ready for these fields" is one integer comparison.
 
-Per task, a consumption state per row (available / leased / consumed; leases are the next step) and, per set of
-requested fields, a :class:`ReadyIndex`: the rows ready for that task and those fields, kept incrementally as puts
-commit and rows are consumed or released. Built-in samplers read these indexes and never scan the table.
+Per task, a delivery state per row (available / leased / acknowledged / dead-lettered, see docs/architecture.md
+"Delivery"), who holds it and how often it was delivered, and, per set of requested fields, a :class:`ReadyIndex`:
+the rows ready for that task and those fields, kept incrementally as puts commit and rows are leased, acknowledged
+or handed back. Built-in samplers read these indexes and never scan the table. Who leased what until when lives in
+:mod:`transfer_queue.delivery`; this module only keeps the per-row arrays.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from transfer_queue.errors import (
 from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
-AVAILABLE, LEASED, CONSUMED = 0, 1, 2
+AVAILABLE, LEASED, CONSUMED, DEAD = 0, 1, 2, 3  # CONSUMED: acknowledged
+ACKNOWLEDGED = CONSUMED
+NO_HOLDER = -1
 MAX_FIELDS = 64
 
 
@@ -122,6 +126,42 @@ class ReadyIndex:
         if (self.tail - self.head) - self.num_rows > self.num_rows + 1024:
             self._compact()
 
+    def add_front(self, rows: np.ndarray, group_of: np.ndarray) -> None:
+        """Mark ``rows`` ready ahead of every row ready now (rows handed back by an expired or orphaned lease are
+        first in line); their groups that become complete go ahead of the other complete groups."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return
+        if rows.max() >= len(self.pos):
+            grown = np.full(max(int(rows.max()) + 1, 2 * len(self.pos)), -1, dtype=np.int64)
+            grown[: len(self.pos)] = self.pos
+            self.pos = grown
+        rows = rows[self.pos[rows] < 0]
+        k = len(rows)
+        if not k:
+            return
+        if self.head < k:  # make room in front of the live entries
+            entries = self.queue[self.head : self.tail]
+            live = entries[self.pos[entries] == np.arange(self.head, self.tail)]
+            queue = np.zeros(max(64, 2 * (len(live) + k), len(self.queue)), dtype=np.int64)
+            queue[k : k + len(live)] = live
+            self.pos[live] = np.arange(k, k + len(live))
+            self.queue, self.head, self.tail = queue, k, k + len(live)
+        self.head -= k
+        self.queue[self.head : self.head + k] = rows
+        self.pos[rows] = np.arange(self.head, self.head + k)
+        self.num_rows += k
+        if self.group_size > 1:
+            completed = []
+            for g, c in zip(*np.unique(group_of[rows], return_counts=True), strict=True):
+                count = self.group_count.get(int(g), 0) + int(c)
+                self.group_count[int(g)] = count
+                if count == self.group_size:
+                    completed.append(int(g))
+            if completed:
+                self.groups = {**dict.fromkeys(completed), **self.groups}
+                self._groups_removed = 0
+
     def _compact(self, extra: int = 0) -> None:
         entries = self.queue[self.head : self.tail]
         live = entries[self.pos[entries] == np.arange(self.head, self.tail)]
@@ -164,10 +204,34 @@ class ReadyIndex:
 
 @dataclass
 class TaskState:
-    """One task's consumption of a partition: a state per row and the ready indexes by field mask."""
+    """One task's delivery state of a partition, per row: ``consumption`` (AVAILABLE / LEASED / CONSUMED, i.e.
+    acknowledged / DEAD), ``lease`` (the id of the lease that holds or last held it, 0: none), ``holder`` (the
+    owner id of that lease, NO_HOLDER: none), ``deliveries`` (times handed out); the dead letters (row -> last
+    reason); and the ready indexes by field mask."""
 
     consumption: np.ndarray
     ready: dict[int, ReadyIndex] = field(default_factory=dict)
+    lease: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    holder: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    deliveries: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    dead: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of_size(cls, rows: int) -> TaskState:
+        return cls(
+            np.zeros(rows, dtype=np.int8),
+            lease=np.zeros(rows, dtype=np.int64),
+            holder=np.full(rows, NO_HOLDER, dtype=np.int64),
+            deliveries=np.zeros(rows, dtype=np.int32),
+        )
+
+    def grow(self, rows: int) -> None:
+        extra = rows - len(self.consumption)
+        if extra > 0:
+            self.consumption = np.concatenate([self.consumption, np.zeros(extra, dtype=np.int8)])
+            self.lease = np.concatenate([self.lease, np.zeros(extra, dtype=np.int64)])
+            self.holder = np.concatenate([self.holder, np.full(extra, NO_HOLDER, dtype=np.int64)])
+            self.deliveries = np.concatenate([self.deliveries, np.zeros(extra, dtype=np.int32)])
 
 
 @dataclass
@@ -179,6 +243,9 @@ class DPRound:
     fields: tuple[str, ...]
     shares: list[np.ndarray] | None = None  # local rows per dp rank, once the round is served
     released: set[int] = field(default_factory=set)
+    lease_id: int = 0  # the lease that holds the round's rows until every rank acknowledged its share
+    lease_s: float = 0.0
+    expired: bool = False  # the lease ran out: unacknowledged rows went back to the task; the round is over
 
 
 class PartitionState:
@@ -250,7 +317,7 @@ class PartitionState:
         self.block = np.concatenate([self.block, np.full((new - cap, cols), -1, dtype=np.int64)])
         self.offset = np.concatenate([self.offset, np.zeros((new - cap, cols), dtype=np.int64)])
         for task in self.tasks.values():
-            task.consumption = np.concatenate([task.consumption, np.zeros(new - cap, dtype=np.int8)])
+            task.grow(new)
 
     def field_mask(self, names: Iterable[str]) -> int:
         mask = 0
@@ -476,7 +543,7 @@ class PartitionState:
     def task(self, task_name: str) -> TaskState:
         task = self.tasks.get(task_name)
         if task is None:
-            task = self.tasks[task_name] = TaskState(np.zeros(len(self.state), dtype=np.int8))
+            task = self.tasks[task_name] = TaskState.of_size(len(self.state))
         return task
 
     def ready_index(self, task_name: str, names: Iterable[str]) -> ReadyIndex | None:
@@ -496,17 +563,55 @@ class PartitionState:
         return index
 
     def consume(self, task_name: str, rows: np.ndarray) -> None:
+        """Mark rows acknowledged for a task at once (no lease)."""
         task = self.task(task_name)
         task.consumption[rows] = CONSUMED
         for index in task.ready.values():
             index.remove(rows, self.group)
 
-    def release(self, task_name: str, rows: np.ndarray) -> None:
-        """Hand rows back to a task: they are available (and ready, where produced) again."""
+    def lease(self, task_name: str, rows: np.ndarray, lease_id: int, holder: int) -> None:
+        """Hand ``rows`` (distinct, ready) to lease ``lease_id`` of owner ``holder``: no longer ready, one more
+        delivery."""
         task = self.task(task_name)
-        rows = unique_in_order(rows[(rows >= 0) & (rows < self.num_rows)])  # a row named twice is released once
-        rows = rows[task.consumption[rows] != AVAILABLE]
+        task.consumption[rows] = LEASED
+        task.lease[rows] = lease_id
+        task.holder[rows] = holder
+        task.deliveries[rows] += 1
+        for index in task.ready.values():
+            index.remove(rows, self.group)
+
+    def acknowledge(self, task_name: str, rows: np.ndarray) -> None:
+        """Leased rows are done for the task (they keep their lease id and holder, for a later release)."""
+        self.task(task_name).consumption[rows] = CONSUMED
+
+    def give_back(self, task_name: str, rows: np.ndarray, reason: str, max_deliveries: int) -> np.ndarray:
+        """Rows of a lease that expired, whose client went away or that were released: ready again, first in line,
+        unless they were delivered ``max_deliveries`` times already: those are dead-lettered with ``reason``.
+        Returns the rows dead-lettered."""
+        task = self.task(task_name)
+        rows = unique_in_order(rows)
+        dead = rows[task.deliveries[rows] >= max_deliveries]
+        back = rows[task.deliveries[rows] < max_deliveries]
+        task.lease[rows] = 0
+        task.holder[rows] = NO_HOLDER
+        task.consumption[dead] = DEAD
+        for row in dead.tolist():
+            task.dead[row] = reason
+        task.consumption[back] = AVAILABLE
+        for index in task.ready.values():
+            m = np.uint64(index.mask)
+            index.add_front(back[(self.produced_mask[back] & m) == m], self.group)
+        return dead
+
+    def release(self, task_name: str, rows: np.ndarray) -> None:
+        """Hand rows back to a task: they are available (and ready, where produced) again, behind the rows ready
+        now. Rows already available are ignored (a row named twice, or released twice, is released once)."""
+        task = self.task(task_name)
+        rows = unique_in_order(rows[(rows >= 0) & (rows < self.num_rows)])
+        rows = rows[(task.consumption[rows] == LEASED) | (task.consumption[rows] == CONSUMED)]
         task.consumption[rows] = AVAILABLE
+        task.lease[rows] = 0
+        task.holder[rows] = NO_HOLDER
         for index in task.ready.values():
             m = np.uint64(index.mask)
             index.add(rows[(self.produced_mask[rows] & m) == m], self.group)
@@ -577,6 +682,11 @@ class PartitionState:
                 index.produced -= int(np.count_nonzero((self.produced_mask[rows] & m) == m))
                 index.remove(rows, self.group)
             task.consumption[rows] = AVAILABLE
+            task.lease[rows] = 0
+            task.holder[rows] = NO_HOLDER
+            task.deliveries[rows] = 0
+            for row in rows.tolist():
+                task.dead.pop(row, None)
         for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
             members = self.group_rows.get(g)
             if members is not None:
@@ -611,11 +721,38 @@ class PartitionState:
             },
         }
 
+    def row_state_counts(self, task_name: str) -> dict[str, int]:
+        """Committed rows of the partition by delivery state for ``task_name``: ``ready`` (not handed out; ready
+        for a request whose fields they all have), ``leased``, ``acknowledged``, ``dead_lettered``."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return {"ready": self.num_committed, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
+        states = task.consumption[: self.num_rows][self.state[: self.num_rows] == COMMITTED]
+        counts = np.bincount(states, minlength=4)
+        return {
+            "ready": int(counts[AVAILABLE]),
+            "leased": int(counts[LEASED]),
+            "acknowledged": int(counts[CONSUMED]),
+            "dead_lettered": int(counts[DEAD]),
+        }
+
+    def dead_letters(self, task_name: str) -> list[dict[str, Any]]:
+        """The rows dead-lettered for ``task_name``: global index, deliveries, and the last reason they came back."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return []
+        return [
+            {"global_index": self.base_index + row, "deliveries": int(task.deliveries[row]), "reason": reason}
+            for row, reason in task.dead.items()
+        ]
+
     def consumption_status(self, task_name: str | None) -> dict[str, Any]:
+        """Per task: ``consumed`` (rows handed out: leased, acknowledged or dead-lettered), ``rows`` (committed),
+        and the row counts by delivery state (:meth:`row_state_counts`)."""
         names = [task_name] if task_name is not None else list(self.tasks)
         out = {}
         for name in names:
-            task = self.tasks.get(name)
-            consumed = 0 if task is None else int(np.count_nonzero(task.consumption[: self.num_rows] == CONSUMED))
-            out[name] = {"consumed": consumed, "rows": self.num_committed}
+            counts = self.row_state_counts(name)
+            consumed = counts["leased"] + counts["acknowledged"] + counts["dead_lettered"]
+            out[name] = {"consumed": consumed, "rows": self.num_committed, **counts}
         return {"partition_id": self.key, "tasks": out}

@@ -100,6 +100,10 @@ class Abort(msgspec.Struct, tag="abort"):
 
 
 class GetMeta(msgspec.Struct, tag="get_meta"):
+    """Lease ready rows of a task. ``owner`` names the client instance (its leases go back when its connections
+    close); ``call_id`` names this call, so a cancel can find it; ``lease_s`` (None: the task's or the queue's
+    default) is how long the rows stay leased without an acknowledgement."""
+
     partition: Partition
     fields: list[str]
     batch_size: int
@@ -107,12 +111,46 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
     sampler_params: dict[str, Any] | None = None
     get_n_samples: bool = False
     timeout: float = 30.0
+    lease_s: float | None = None
+    owner: str = ""
+    call_id: int = 0
 
 
 class Release(msgspec.Struct, tag="release"):
     partition_uid: int
     task_name: str
     global_indexes: bytes
+    owner: str = ""
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    """Acknowledge leased rows. ``explicit``: the user called ``ack`` (rows the owner does not hold are an error);
+    otherwise a ``get_data`` sent it (ignored for tasks that acknowledge explicitly, and for rows not held)."""
+
+    partition_uid: int
+    task_name: str
+    global_indexes: bytes
+    owner: str = ""
+    explicit: bool = False
+
+
+class CancelGetMeta(msgspec.Struct, tag="cancel_get_meta"):
+    """The client gave up waiting on get_meta ``call_id``: drop it, or hand back what it was served."""
+
+    owner: str
+    call_id: int
+
+
+class SetTaskOptions(msgspec.Struct, tag="set_task_options"):
+    task_name: str
+    ack: str = "auto"
+    lease_s: float | None = None
+    max_deliveries: int | None = None
+
+
+class DeadLetters(msgspec.Struct, tag="dead_letters"):
+    partition: Partition
+    task_name: str
 
 
 class Clear(msgspec.Struct, tag="clear"):
@@ -163,6 +201,10 @@ ControllerRequest = (
     | Abort
     | GetMeta
     | Release
+    | Ack
+    | CancelGetMeta
+    | SetTaskOptions
+    | DeadLetters
     | Clear
     | ResetConsumption
     | ProductionStatus

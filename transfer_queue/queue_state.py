@@ -5,6 +5,11 @@ either answers at once or, when the request cannot be served yet (rows not ready
 parked requests are retried when something they wait for changes (a commit, a clear, a release) and answered with
 a timeout error at their deadline. Nothing here blocks, so one waiting reader never stalls another client.
 
+Delivery (see docs/architecture.md "Delivery"): rows a get_meta hands out are leased to the calling client (its
+``owner``), not consumed; an ``Ack`` (sent by the client after ``get_data``, or by ``ack``) acknowledges them; a
+lease that expires, or whose client's connections all closed, hands its rows back first in line, and after
+``max_deliveries`` to the task's dead letters. The leases themselves live in :mod:`transfer_queue.delivery`.
+
 Messages for storage units (drop a cleared partition, drop an aborted put's blocks) are queued in ``outbox``
 for the actor to send.
 """
@@ -21,11 +26,13 @@ import numpy as np
 
 from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
+from transfer_queue.delivery import ROUND_OWNER, Lease, LeaseBook, TaskOptions, check_lease_s
 from transfer_queue.errors import (
     FieldAlreadyProduced,
     GetMetaTimeout,
     IncompleteGroups,
     InvalidRequest,
+    NotLeased,
     PartitionCleared,
     PutExpired,
     QueueFull,
@@ -37,7 +44,17 @@ from transfer_queue.errors import (
     UnknownPartition,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey
-from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, describe_partition
+from transfer_queue.partition import (
+    AVAILABLE,
+    COMMITTED,
+    CONSUMED,
+    DEAD,
+    LEASED,
+    DPRound,
+    PartitionState,
+    describe_partition,
+    unique_in_order,
+)
 from transfer_queue.placement import place_rows
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
 from transfer_queue.selection import ReadyView, checked_shares, select_with_user_sampler
@@ -96,6 +113,7 @@ class Parked:
     respond: Respond
     started: float
     deadline: float
+    peer: Any = None  # the connection it came on: a parked get_meta whose connection closed is dropped
 
 
 class QueueState:
@@ -119,6 +137,8 @@ class QueueState:
         self.bytes_held = 0
         self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
         self.auto_rounds: dict[tuple[PartitionKey, str, int], int] = {}
+        self.leases = LeaseBook()
+        self.task_options: dict[str, TaskOptions] = {}
         self._next_uid = 1
         self._next_put = 1
         self._next_block = 0
@@ -128,6 +148,10 @@ class QueueState:
             p.Abort: self._on_abort,
             p.GetMeta: self._on_get_meta,
             p.Release: self._on_release,
+            p.Ack: self._on_ack,
+            p.CancelGetMeta: self._on_cancel_get_meta,
+            p.SetTaskOptions: self._on_set_task_options,
+            p.DeadLetters: self._on_dead_letters,
             p.Clear: self._on_clear,
             p.ResetConsumption: self._on_reset_consumption,
             p.ProductionStatus: self._on_production_status,
@@ -158,8 +182,12 @@ class QueueState:
         return self.samplers.get(task_name, self.default_sampler)
 
     # ---- dispatch ------------------------------------------------------------------------------------------
-    def handle(self, request: Any, respond: Respond) -> None:
-        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later."""
+    def handle(self, request: Any, respond: Respond, peer: Any = None) -> None:
+        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later. ``peer`` is the connection
+        it came on (None: unknown); requests that name an ``owner`` tie that connection to their client."""
+        owner = getattr(request, "owner", "")
+        if owner and peer is not None:
+            self.leases.connected(owner, peer)
         handler = self._handlers.get(type(request))
         if handler is None:
             respond(None, InvalidRequest(f"the controller does not handle {type(request).__name__} requests"))
@@ -171,7 +199,7 @@ class QueueState:
             return
         if isinstance(result, Wait):
             now = self.clock()
-            parked = Parked(result.job, respond, now, now + request.timeout)
+            parked = Parked(result.job, respond, now, now + request.timeout, peer)
             self.next_deadline = min(self.next_deadline, parked.deadline)
             if isinstance(request, p.Reserve):
                 self.putters.append(parked)
@@ -205,7 +233,13 @@ class QueueState:
             else:
                 keep.append(parked)
         self.putters = keep
-        deadlines = [put.deadline for put in self.open_puts.values()]
+        for lease in self.leases.expired(now):
+            self._give_back(lease, "lease expired")
+        for owner in self.leases.take_orphans(now):
+            for lease in self.leases.of_owner(owner):
+                self._give_back(lease, "client disconnected")
+        deadlines = [self.leases.next_deadline()]
+        deadlines += [put.deadline for put in self.open_puts.values()]
         deadlines += [w.deadline for ws in self.getters.values() for w in ws]
         deadlines += [w.deadline for w in self.putters]
         self.next_deadline = min(deadlines, default=float("inf"))
@@ -548,6 +582,7 @@ class QueueState:
             raise InvalidRequest(f"task_name must be a non-empty str, got {req.task_name!r}")
         if not 0 < req.timeout < float("inf"):
             raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {req.timeout}")
+        check_lease_s(req.lease_s)
         sampler = self.sampler_for(req.task_name)
         params = {**sampler.default_sampler_params(), **(req.sampler_params or {})}
         dp_size, dp_rank, dp_group_id = params.get("dp_size", 1), params.get("dp_rank", 0), params.get("dp_group_id")
@@ -595,6 +630,8 @@ class QueueState:
             rows = self._select(part, job, req.batch_size)
             if rows is None:
                 return WAIT
+            if len(rows):
+                self._lease(part, req.task_name, rows, req.owner, self._lease_s(req), req.call_id)
             return part.meta_wire(rows, req.fields, req.task_name, {})
         round_key = (req.task_name, job.dp_group_id)
         dp_round = part.rounds.get(round_key)
@@ -620,8 +657,7 @@ class QueueState:
                 group_of = part.group if job.whole_groups else None
                 dp_round.shares = checked_shares(shares, rows, job.dp_size, group_of, type(job.sampler).__name__)
             except Exception as exc:
-                # the rows go back to the task untouched and the round is forgotten: only this call fails
-                part.release(req.task_name, rows)
+                # no row was leased yet and the round is forgotten: only this call fails
                 del part.rounds[round_key]
                 self._forget_auto_round(job)
                 if isinstance(exc, TransferQueueError):
@@ -630,6 +666,16 @@ class QueueState:
                     f"{type(job.sampler).__name__}.split raised {type(exc).__name__}: {exc}; "
                     f"the {len(rows)} rows it was given are ready again"
                 ) from exc
+            if len(rows):  # the round holds the shares until every rank acknowledged its own, or its lease expires
+                owner = f"{ROUND_OWNER}{req.task_name}:{job.dp_group_id}"
+                lease_s = self._lease_s(req)
+                lease = self._lease(part, req.task_name, rows, owner, lease_s, 0, round_key)
+                dp_round.lease_id, dp_round.lease_s = lease.lease_id, lease_s
+        if dp_round.expired:
+            raise InvalidRequest(
+                f"the lease of dp_group_id {job.dp_group_id!r} expired ({dp_round.lease_s:g} s) before every rank "
+                "acknowledged its share; its unacknowledged rows are ready again: ask again with a new dp_group_id"
+            )
         if job.dp_rank in dp_round.released:
             raise InvalidRequest(
                 f"the share of dp_rank={job.dp_rank} in dp_group_id {job.dp_group_id!r} was released; "
@@ -647,7 +693,7 @@ class QueueState:
         return part.meta_wire(dp_round.shares[job.dp_rank], req.fields, req.task_name, extra)
 
     def _select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
-        """Rows to hand out (and mark consumed), or ``None`` to wait. Short only when no more can come."""
+        """Rows to hand out (the caller leases them), or ``None`` to wait. Short only when no more can come."""
         req = job.request
         index = part.ready_index(req.task_name, req.fields)
         in_flight = any(put.uid == part.uid for put in self.open_puts.values())
@@ -667,9 +713,164 @@ class QueueState:
             )
             if len(rows) < count and not finished:
                 return None
-        if len(rows):
-            part.consume(req.task_name, rows)
         return rows
+
+    # ---- delivery: leases, acknowledgements, dead letters ---------------------------------------------------
+    def options(self, task_name: str) -> TaskOptions:
+        return self.task_options.get(task_name) or TaskOptions()
+
+    def _lease_s(self, req: p.GetMeta) -> float:
+        if req.lease_s is not None:
+            return float(req.lease_s)
+        task_lease = self.options(req.task_name).lease_s
+        return float(task_lease) if task_lease is not None else self.config.lease_s
+
+    def _max_deliveries(self, task_name: str) -> int:
+        task_max = self.options(task_name).max_deliveries
+        return task_max if task_max is not None else self.config.max_deliveries
+
+    def _lease(
+        self,
+        part: PartitionState,
+        task_name: str,
+        rows: np.ndarray,
+        owner: str,
+        lease_s: float,
+        call_id: int,
+        round_key: tuple[str, str] | None = None,
+    ) -> Lease:
+        deadline = self.clock() + lease_s
+        lease = self.leases.open(owner, part.key, part.uid, task_name, rows, deadline, call_id)
+        lease.round_key = round_key
+        part.lease(task_name, rows, lease.lease_id, self.leases.owner_id(owner))
+        self.next_deadline = min(self.next_deadline, deadline)
+        return lease
+
+    def _give_back(self, lease: Lease, reason: str) -> None:
+        """The rows ``lease`` still holds go back to ready for its task, first in line (or to the dead letters)."""
+        self.leases.close(lease)
+        part = self.partitions.get(lease.key)
+        if part is None or part.uid != lease.uid:
+            return
+        task = part.tasks.get(lease.task_name)
+        if task is None:  # its consumption was reset since
+            return
+        rows = lease.rows[(task.lease[lease.rows] == lease.lease_id) & (task.consumption[lease.rows] == LEASED)]
+        if lease.round_key is not None:
+            dp_round = part.rounds.get(lease.round_key)
+            if dp_round is not None and dp_round.lease_id == lease.lease_id:
+                dp_round.expired = True
+        if not len(rows):
+            return
+        dead = part.give_back(lease.task_name, rows, reason, self._max_deliveries(lease.task_name))
+        if len(dead):
+            logger.warning(
+                "%d rows of task %r in %s were delivered %d times; dead-lettered (%s)",
+                len(dead),
+                lease.task_name,
+                part.name,
+                self._max_deliveries(lease.task_name),
+                reason,
+            )
+        self._retry_getters(part.key)
+
+    def _held_rows(self, req: p.Ack | p.Release) -> tuple[PartitionState, np.ndarray, np.ndarray, np.ndarray]:
+        """The partition, the distinct rows named, and per row: held by the caller (or by a DP round), and the
+        caller's id."""
+        part = self._by_uid(req.partition_uid)
+        if part is None:
+            what = "ack" if isinstance(req, p.Ack) else "release"
+            raise StaleBatchMeta(
+                f"{what} of a BatchMeta whose partition (uid {req.partition_uid}) was cleared: its rows no longer "
+                "exist; get a fresh BatchMeta"
+            )
+        rows = p.unpack_indexes(req.global_indexes) - part.base_index
+        rows = unique_in_order(rows[(rows >= 0) & (rows < part.num_rows)])
+        task = part.task(req.task_name)
+        holder = task.holder[rows]
+        caller = self.leases.owner_id(req.owner)
+        rounds = np.fromiter((self.leases.is_round(h) for h in holder.tolist()), dtype=bool, count=len(rows))
+        return part, rows, holder == caller, rounds
+
+    def _on_ack(self, req: p.Ack) -> dict[str, int] | None:
+        if not req.explicit and (
+            self.options(req.task_name).ack == "explicit" or self._by_uid(req.partition_uid) is None
+        ):
+            return None  # a get_data's acknowledgement: the task acknowledges by itself / the meta is stale
+        part, rows, mine, rounds = self._held_rows(req)
+        task = part.task(req.task_name)
+        state = task.consumption[rows]
+        take = (state == LEASED) & (mine | rounds)
+        if req.explicit:
+            again = (state == CONSUMED) & rounds  # TP peers of a DP rank acknowledge the same share: once counts
+            bad = ~(take | again)
+            if bad.any():
+                raise NotLeased(self._not_leased_message(part, req.task_name, rows[bad], state[bad], mine[bad]))
+        acked = rows[take]
+        if len(acked):
+            self.leases.settled(task.lease[acked])
+            part.acknowledge(req.task_name, acked)
+        return {"acknowledged": len(acked)}
+
+    def _not_leased_message(
+        self, part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray
+    ) -> str:
+        index = rows + part.base_index
+        why = {
+            "leased to another client": index[(state == LEASED) & ~mine],
+            "already acknowledged": index[state == CONSUMED],
+            "not leased (never handed out, or handed back: lease expired, client gone, released)": index[
+                state == AVAILABLE
+            ],
+            "dead-lettered": index[state == DEAD],
+        }
+        detail = "; ".join(f"{what}: {idx[:20].tolist()}" for what, idx in why.items() if len(idx))
+        return (
+            f"ack of {len(rows)} rows of task {task_name!r} in {part.name} that this client does not hold "
+            f"(global indexes {index[:20].tolist()}): {detail}"
+        )
+
+    def _on_cancel_get_meta(self, req: p.CancelGetMeta) -> None:
+        """The client gave up a get_meta: drop it if it still waits, else hand back what it was served."""
+        for key in list(self.getters):
+            keep = []
+            for parked in self.getters[key]:
+                r = parked.job.request
+                if r.owner == req.owner and r.call_id == req.call_id:
+                    self._forget_auto_round(parked.job)  # never answered: the client stopped listening
+                else:
+                    keep.append(parked)
+            if keep:
+                self.getters[key] = keep
+            else:
+                del self.getters[key]
+        for lease in self.leases.of_owner(req.owner):
+            if lease.call_id == req.call_id and req.call_id:
+                self._give_back(lease, "cancelled")
+
+    def on_disconnect(self, peer: Any) -> None:
+        """Connection ``peer`` closed: its parked get_metas are dropped (nobody reads their answer); if it was its
+        client's last connection, the client's leases go back after ``disconnect_grace``."""
+        for key in list(self.getters):
+            keep = [parked for parked in self.getters[key] if parked.peer != peer]
+            for parked in self.getters[key]:
+                if parked.peer == peer:
+                    self._forget_auto_round(parked.job)
+            if keep:
+                self.getters[key] = keep
+            else:
+                del self.getters[key]
+        when = self.clock() + self.config.disconnect_grace
+        if self.leases.disconnected(peer, when) is not None:
+            self.next_deadline = min(self.next_deadline, when)
+
+    def _on_set_task_options(self, req: p.SetTaskOptions) -> None:
+        if not isinstance(req.task_name, str) or not req.task_name:
+            raise InvalidRequest(f"task_name must be a non-empty str, got {req.task_name!r}")
+        self.task_options[req.task_name] = TaskOptions(req.ack, req.lease_s, req.max_deliveries)
+
+    def _on_dead_letters(self, req: p.DeadLetters) -> list[dict[str, Any]]:
+        return self._known(req.partition).dead_letters(req.task_name)
 
     def _get_meta_timeout(self, parked: Parked) -> GetMetaTimeout:
         req = parked.job.request
@@ -716,17 +917,22 @@ class QueueState:
 
     # ---- release, clear, reset -----------------------------------------------------------------------------
     def _on_release(self, req: p.Release) -> None:
-        part = self._by_uid(req.partition_uid)
-        if part is None:
-            raise StaleBatchMeta(
-                f"release of a BatchMeta whose partition (uid {req.partition_uid}) was cleared: its rows no longer "
-                "exist; get a fresh BatchMeta"
-            )
-        rows = p.unpack_indexes(req.global_indexes) - part.base_index
+        """Hand back rows the caller holds (leased or acknowledged by it, or held by a DP round), behind the rows
+        ready now; rows it does not hold, or names twice, are ignored. A row delivered ``max_deliveries`` times is
+        dead-lettered instead."""
+        part, rows, mine, rounds = self._held_rows(req)
+        task = part.task(req.task_name)
+        state = task.consumption[rows]
+        rows = rows[((state == LEASED) | (state == CONSUMED)) & (mine | rounds)]
+        leased = rows[task.consumption[rows] == LEASED]
+        self.leases.settled(task.lease[leased])
+        worn = rows[task.deliveries[rows] >= self._max_deliveries(req.task_name)]
+        if len(worn):
+            part.give_back(req.task_name, worn, "released", self._max_deliveries(req.task_name))
         part.release(req.task_name, rows)
         released = set(rows.tolist())
-        for (task, _), dp_round in part.rounds.items():
-            if task == req.task_name and dp_round.shares is not None:
+        for (task_name, _), dp_round in part.rounds.items():
+            if task_name == req.task_name and dp_round.shares is not None:
                 for rank, share in enumerate(dp_round.shares):
                     if not released.isdisjoint(share.tolist()):
                         dp_round.released.add(rank)

@@ -257,7 +257,8 @@ def test_status_listing_and_unknown_partitions(queue: Any) -> None:
     assert status["fields"] == {"a": {"schema": "dense float32[2]", "produced": 4}}
     client.get_meta(["a"], 3, global_step=step, task_name="t1")
     consumption = client.get_consumption_status(global_step=step)
-    assert consumption["tasks"] == {"t1": {"consumed": 3, "rows": 4}}
+    states = {"ready": 1, "leased": 3, "acknowledged": 0, "dead_lettered": 0}
+    assert consumption["tasks"] == {"t1": {"consumed": 3, "rows": 4, **states}}
     assert client.get_consumption_status(global_step=step, task_name="t2")["tasks"]["t2"]["consumed"] == 0
     assert client.get_production_status(partition_id=partition)["capacity"] is None
     with pytest.raises(UnknownPartition, match="partition_id='never-seen' not found; live partitions"):

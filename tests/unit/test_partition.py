@@ -221,7 +221,9 @@ def test_consume_release_and_reset():
     part.release("t", np.array([3, 0, 99, -1]))  # rows outside the partition are ignored
     assert list(index.rows)[-2:] == [3, 0] and list(index.groups) == [2, 3, 1, 0]
     part.release("t", np.array([3]))  # releasing an available row is a no-op
-    assert part.consumption_status("t")["tasks"]["t"] == {"consumed": 0, "rows": 8}
+    counts = {"ready": 8, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
+    assert part.consumption_status("t")["tasks"]["t"] == {"consumed": 0, "rows": 8, **counts}
+    assert part.row_state_counts("t") == counts
     part.consume("t", np.arange(8))
     part.reset_consumption("t")
     assert "t" not in part.tasks

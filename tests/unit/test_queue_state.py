@@ -720,7 +720,7 @@ def test_get_meta_timeout_names_missing_fields_and_counts(make_queue):
     q.advance(1.0)
     with pytest.raises(GetMetaTimeout, match=r"global_step=1 .*; the partition was never opened"):
         never.result()
-    assert q.state.getters == {} and q.state.tick() is None
+    assert q.state.getters == {} and q.state.tick() == q.config.lease_s  # only the lease of the row taken is due
 
 
 def test_status_queries(make_queue):
@@ -738,8 +738,10 @@ def test_status_queries(make_queue):
         "bytes": 100,
         "fields": {"x": {"schema": "dense float32[]", "produced": 4}},
     }
-    assert q.ok(p.ConsumptionStatus(0, None)) == {"partition_id": 0, "tasks": {"a": {"consumed": 3, "rows": 4}}}
-    assert q.ok(p.ConsumptionStatus(0, "b"))["tasks"] == {"b": {"consumed": 0, "rows": 4}}
+    a = {"consumed": 3, "rows": 4, "ready": 1, "leased": 3, "acknowledged": 0, "dead_lettered": 0}
+    assert q.ok(p.ConsumptionStatus(0, None)) == {"partition_id": 0, "tasks": {"a": a}}
+    b = {"consumed": 0, "rows": 4, "ready": 4, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
+    assert q.ok(p.ConsumptionStatus(0, "b"))["tasks"] == {"b": b}
     with pytest.raises(UnknownPartition, match=r"partition_id='x' not found; live partitions: \[0\]"):
         q.ok(p.ConsumptionStatus("x", None))
 
