@@ -233,10 +233,11 @@ class QueueState:
             else:
                 keep.append(parked)
         self.putters = keep
-        for lease in self.leases.expired(now):
+        # rows handed back go in front of the ready ones: the latest lease first, so the oldest ends up in front
+        for lease in reversed(self.leases.expired(now)):
             self._give_back(lease, "lease expired")
         for owner in self.leases.take_orphans(now):
-            for lease in self.leases.of_owner(owner):
+            for lease in reversed(self.leases.of_owner(owner)):
                 self._give_back(lease, "client disconnected")
         deadlines = [self.leases.next_deadline()]
         deadlines += [put.deadline for put in self.open_puts.values()]

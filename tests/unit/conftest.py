@@ -58,14 +58,15 @@ class QueueHarness:
         return self.state.config
 
     # ---- raw requests ------------------------------------------------------------------------------------
-    def send(self, request: Any) -> Reply:
+    def send(self, request: Any, peer: Any = None) -> Reply:
+        """Hand ``request`` to the state as if it came on connection ``peer`` (None: unknown)."""
         reply = Reply()
 
         def respond(value: Any, error: BaseException | None) -> None:
             reply.value, reply.error = value, error
             reply.calls += 1
 
-        self.state.handle(request, respond)
+        self.state.handle(request, respond, peer)
         return reply
 
     def ok(self, request: Any) -> Any:

@@ -161,6 +161,14 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "partition_uid": mostly(st.integers(1, 4), HUGE),
     "global_indexes": INDEX_BYTES,
     "client_id": st.text(max_size=4),
+    "lease_s": mostly(
+        st.none() | st.sampled_from([1.0, 600.0]), st.sampled_from([float("nan"), float("inf"), -1.0, 0.0])
+    ),
+    "owner": st.sampled_from(["", "a", "b"]),
+    "call_id": mostly(st.integers(0, 3), HUGE),
+    "explicit": st.booleans(),
+    "ack": mostly(st.sampled_from(["auto", "explicit"]), st.text(max_size=3)),
+    "max_deliveries": mostly(st.none() | st.integers(1, 3), st.integers(-1, 0) | HUGE),
 }
 FIELD_VALUES_BY_TAG: dict[tuple[str, str], st.SearchStrategy] = {
     ("reserve", "fields"): mostly(
