@@ -45,9 +45,11 @@ class TransportLog:
 
 
 def _put_get_reps(bench: Bench, client: tq.TransferQueueClient, td: TensorDict, per_rep: int) -> tuple:
-    """Per repetition: ``per_rep`` puts then ``per_rep`` get_datas of their metas (p50 each), then a clear.
-    Also returns the median split of a put (reserve, write, commit, client) and a get (storage, client), in ms."""
-    puts, gets, put_split, get_split = [], [], [], []
+    """Per repetition: ``per_rep`` puts then ``per_rep`` get_datas of their metas (p50 each), then ``per_rep``
+    get_datas of get_meta's metas of the same rows (the consumer's path: get_data then acknowledges them), then a
+    clear. Also returns the median split of a put (reserve, write, commit, client) and a get (storage, client), in
+    ms."""
+    puts, gets, put_split, get_split, leased_gets = [], [], [], [], []
     pid = bench.fresh("payload")
     meta = client.put(td, partition_id=pid)  # warm up, and check the round trip once
     back = client.get_data(meta)
@@ -70,11 +72,17 @@ def _put_get_reps(bench: Bench, client: tq.TransferQueueClient, td: TensorDict, 
                 t, _ = timed(lambda m=m: client.get_data(m))
             get_times.append(t)
             get_split.append([*log.times, t - sum(log.times)])
+        leased_times = []  # the consumer's path: a get_meta's meta, which get_data also acknowledges
+        for m in metas:
+            leased = client.get_meta(list(td.keys()), len(m), partition_id=pid, task_name="bench")
+            t, _ = timed(lambda m=leased: client.get_data(m))
+            leased_times.append(t)
         puts.append(p50_ms(put_times))
         gets.append(p50_ms(get_times))
+        leased_gets.append(p50_ms(leased_times))
         client.clear(partition_id=pid)
     put_ms = _split(("reserve", "write", "commit", "client"), put_split)
-    return puts, gets, put_ms, _split(("storage", "client"), get_split)
+    return puts, gets, put_ms, _split(("storage", "client"), get_split), leased_gets
 
 
 def _split(names: tuple[str, ...], rows: list[list[float]]) -> dict[str, float]:
@@ -125,8 +133,10 @@ def bench_small(bench: Bench) -> None:
     raw_send = bench.results.value("raw_zmq.send.small.ipc")
     raw_fetch = bench.results.value("raw_zmq.fetch.small.ipc")
     for spin in sorted(bench.clients):
-        puts, gets, put_ms, get_ms = _put_get_reps(bench, bench.clients[spin], td, per_rep)
+        puts, gets, put_ms, get_ms, leased = _put_get_reps(bench, bench.clients[spin], td, per_rep)
         tag = spin_label(spin)
+        bench.add(f"get_data.small.get_meta.{tag}", "small", "ms", leased, baseline="raw zmq fetch",
+                  baseline_value=raw_fetch)  # fmt: skip
         bench.add(
             f"put.small.{tag}",
             "small",
@@ -156,7 +166,7 @@ def bench_grpo(bench: Bench) -> None:
     td = grpo_batch(256)
     per_rep = 8
     _raw_payload(bench, td, "grpo", per_rep, ("ipc", "tcp"))
-    puts, gets, put_ms, get_ms = _put_get_reps(bench, bench.client, td, per_rep)
+    puts, gets, put_ms, get_ms, leased = _put_get_reps(bench, bench.client, td, per_rep)
     raw_send = min(bench.results.value(f"raw_zmq.send.grpo.{t}") for t in ("ipc", "tcp"))
     raw_fetch = min(bench.results.value(f"raw_zmq.fetch.grpo.{t}") for t in ("ipc", "tcp"))
     mb = payload_bytes(td) / 1e6
@@ -176,6 +186,7 @@ def bench_grpo(bench: Bench) -> None:
             met=ratio <= 1.3,
             extra={"MB": round(mb, 2), "split_ms": split},
         )
+    bench.add("get_data.grpo.get_meta", "grpo", "ms", leased, baseline="raw zmq fetch (best)", baseline_value=raw_fetch)
     _ray_and_memcpy(bench, td, "grpo", 5)
 
 

@@ -177,6 +177,8 @@ class GRPOTrainerRank:
         self.world_size = world_size
         self.config = config
         self.client = TransferQueueClient(f"trainer-{rank}", controller_info)
+        # a batch is done once the optimizer stepped on it: a rank that dies mid-step gets its rows redelivered
+        self.client.set_task_options(TRAIN_TASK, ack="explicit")
         self.task: Task = load_task(config.task.name, config.task.kwargs)
         self.version = 0
         self.policy: FSDPPolicy | None = None
@@ -281,6 +283,7 @@ class GRPOTrainerRank:
                         batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.rollout.temperature)
                     )
                 )
+            self.client.ack(meta)  # after the optimizer step (explicit acks: get_data left the rows leased)
             train_s += time.perf_counter() - t1
         self.version = version + 1
         out = _reduce_stats(totals, self.policy.device)

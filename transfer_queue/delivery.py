@@ -26,7 +26,7 @@ from transfer_queue.errors import InvalidRequest
 from transfer_queue.metadata import PartitionKey
 
 ACK_MODES = ("auto", "explicit")
-ROUND_OWNER = "dp-round:"  # owners of DP rounds' leases start with this (client owners never do)
+ROUND_OWNER = "\x00dp-round"  # the owner of every DP round's lease (a client's owner never starts with a NUL)
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,14 @@ class LeaseBook:
             self.owner_names.append(owner)
         return oid
 
-    def is_round(self, holder: int) -> bool:
-        return 0 <= holder < len(self.owner_names) and self.owner_names[holder].startswith(ROUND_OWNER)
+    @property
+    def round_holder(self) -> int:
+        """The holder id of rows leased to a DP round (any rank of the round may acknowledge them)."""
+        return self.owner_id(ROUND_OWNER)
 
     def connected(self, owner: str, peer: Hashable | None) -> None:
         """``owner`` spoke through connection ``peer`` (None: unknown, e.g. in tests)."""
-        if not owner or peer is None:
+        if not owner or peer is None or owner == ROUND_OWNER:
             return
         self.orphaned.pop(owner, None)
         if self.owner_of_peer.get(peer) != owner:

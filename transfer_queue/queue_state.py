@@ -668,9 +668,8 @@ class QueueState:
                     f"the {len(rows)} rows it was given are ready again"
                 ) from exc
             if len(rows):  # the round holds the shares until every rank acknowledged its own, or its lease expires
-                owner = f"{ROUND_OWNER}{req.task_name}:{job.dp_group_id}"
                 lease_s = self._lease_s(req)
-                lease = self._lease(part, req.task_name, rows, owner, lease_s, 0, round_key)
+                lease = self._lease(part, req.task_name, rows, ROUND_OWNER, lease_s, 0, round_key)
                 dp_round.lease_id, dp_round.lease_s = lease.lease_id, lease_s
         if dp_round.expired:
             raise InvalidRequest(
@@ -789,9 +788,7 @@ class QueueState:
         rows = unique_in_order(rows[(rows >= 0) & (rows < part.num_rows)])
         task = part.task(req.task_name)
         holder = task.holder[rows]
-        caller = self.leases.owner_id(req.owner)
-        rounds = np.fromiter((self.leases.is_round(h) for h in holder.tolist()), dtype=bool, count=len(rows))
-        return part, rows, holder == caller, rounds
+        return part, rows, holder == self.leases.owner_id(req.owner), holder == self.leases.round_holder
 
     def _on_ack(self, req: p.Ack) -> dict[str, int] | None:
         if not req.explicit and (
@@ -833,6 +830,8 @@ class QueueState:
 
     def _on_cancel_get_meta(self, req: p.CancelGetMeta) -> None:
         """The client gave up a get_meta: drop it if it still waits, else hand back what it was served."""
+        if not req.owner or not req.call_id or req.owner == ROUND_OWNER:
+            return
         for key in list(self.getters):
             keep = []
             for parked in self.getters[key]:
