@@ -438,6 +438,13 @@ class AsyncTransferQueueClient:
         request = p.Ack(
             batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
         )
+        post = getattr(self._transport, "post", None)
+        if post is not None and not self._closed:  # over a Unix socket: sent, not waited for (ordered before the
+            request.reply = False  # next request on this connection, delivered even if this process dies next)
+            frames, _ = self._frames(request)
+            if post(self.controller_info.controller, frames):
+                return
+            request.reply = True
         try:
             await self._control(request, Any, self.config.default_timeout)
         except TransferQueueError as exc:

@@ -151,7 +151,13 @@ class ControllerServer:
         hold = isinstance(request, (p.Clear, p.KvClear))
         held: list[tuple[Any, BaseException | None]] = []
 
+        quiet = isinstance(request, p.Ack) and not request.reply  # the client does not read an answer
+
         def respond(value: Any, error: BaseException | None) -> None:
+            if quiet:
+                if error is not None:
+                    logger.info("an acknowledgement nobody waits for failed: %s", error)
+                return
             if isinstance(value, p.Reservation) and isinstance(request, p.Reserve):
                 self._vouch(value, request.nbytes)
             if hold:

@@ -132,6 +132,7 @@ class Ack(msgspec.Struct, tag="ack"):
     global_indexes: bytes
     owner: str = ""
     explicit: bool = False
+    reply: bool = True  # False: the client does not wait for an answer (get_data's ack over a Unix socket)
 
 
 class CancelGetMeta(msgspec.Struct, tag="cancel_get_meta"):

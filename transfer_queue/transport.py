@@ -34,10 +34,17 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from transfer_queue.auth import ZapHandler, secure_client, secure_server
-from transfer_queue.errors import AuthenticationFailed, InvalidRequest, MalformedMessage, RequestTimeout, ServerGone
+from transfer_queue.errors import (
+    AuthenticationFailed,
+    InvalidRequest,
+    MalformedMessage,
+    RequestTimeout,
+    ServerGone,
+    TransferQueueError,
+)
 from transfer_queue.protocol import Endpoint, decode_reply_header
 from transfer_queue.socket_dirs import SocketDir
-from transfer_queue.unix_socket import MAX_MESSAGE_BYTES, UnixServer, connect, exchange
+from transfer_queue.unix_socket import MAX_MESSAGE_BYTES, UnixServer, connect, exchange, send_all
 
 T = TypeVar("T")
 Frames = list[Any]
@@ -429,6 +436,25 @@ class BlockingTransport:
                 raise MalformedMessage(f"a reply to request {_request_id(reply)} came for request {request_id}")
             out.append((position, reply))
         return out
+
+    def post(self, endpoint: Endpoint, frames: Frames, timeout: float = 5.0) -> bool:
+        """Send a request that the server does not answer, if that is safe: over this thread's Unix socket to a
+        server on this host (what the kernel took is delivered even if this process dies or closes the socket next).
+        Returns False where it sent nothing (a server on another host, or the socket failed): the caller makes a
+        call instead."""
+        path = self._local_path(endpoint)
+        if path is None:
+            return False
+        try:
+            sock = self._unix_socket(path)
+            send_all(sock, frames, timeout)
+        except (OSError, TransferQueueError):  # a half-written message spoils the socket: never reuse it
+            stale = self._local.__dict__.get("unix", {}).pop(path, None)
+            if stale is not None:
+                stale.close()
+            self._local.__dict__.get("routes", {}).clear()
+            return False
+        return True
 
     async def call_many(
         self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None

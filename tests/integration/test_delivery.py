@@ -58,6 +58,8 @@ def test_a_consumer_killed_while_holding_a_lease_hands_its_rows_to_another(
     meta = other.get_meta(["x"], 5, partition_id=partition, task_name="t", timeout=10)
     assert meta.global_indexes.tolist() == [0, 1, 2, 3, 4]
     assert other.get_data(meta)["x"].tolist() == [0, 1, 2, 3, 4]
+    # get_data's acknowledgement is not waited for over a Unix socket: another client sees it a moment later
+    wait_until(lambda: status()["acknowledged"] == 5, 10, what="get_data's acknowledgement")
     assert status() == {"consumed": 5, "rows": 5, "ready": 0, "leased": 0, "acknowledged": 5, "dead_lettered": 0}
 
 
@@ -90,6 +92,21 @@ def test_explicit_acks_and_lease_expiry(queue: Any, wait_until: Callable[..., An
         (2, 2, "lease expired"),
         (3, 2, "lease expired"),
     ]
+
+
+@pytest.mark.parametrize("force_tcp", [False, True], ids=["unix", "tcp"])
+def test_get_data_acknowledges_over_either_transport(queue: Any, force_tcp: bool) -> None:
+    from transfer_queue import TransferQueueClient
+
+    consumer = TransferQueueClient("consumer", queue.info, force_tcp=force_tcp)
+    partition = queue.partition()
+    queue.client.put(TensorDict({"x": torch.arange(3)}, batch_size=[3]), partition_id=partition)
+    meta = consumer.get_meta(["x"], 3, partition_id=partition, task_name="t")
+    consumer.get_data(meta)
+    # the same client asks next: its acknowledgement went first on the same connection
+    status = consumer.get_consumption_status(partition_id=partition, task_name="t")["tasks"]["t"]
+    assert (status["acknowledged"], status["leased"]) == (3, 0)
+    consumer.close()
 
 
 def test_a_cancelled_get_meta_is_never_served(queue: Any) -> None:
