@@ -95,8 +95,8 @@ class LeaseBook:
         """A small int for an owner, stored per row (ids are never reused)."""
         oid = self._owner_ids.get(owner)
         if oid is None:
-            oid = self._owner_ids[owner] = len(self.owner_names)
             self.owner_names.append(owner)
+            oid = self._owner_ids[owner] = len(self.owner_names)  # from 1: 0 means no holder
         return oid
 
     @property
@@ -164,6 +164,11 @@ class LeaseBook:
             owned.discard(lease.lease_id)
             if not owned:
                 del self.by_owner[lease.owner]
+
+    def drop_partition(self, uid: int) -> None:
+        """Forget the leases of a cleared partition (their rows are gone)."""
+        for lease in [lease for lease in self.leases.values() if lease.uid == uid]:
+            self.close(lease)
 
     def of_owner(self, owner: str) -> list[Lease]:
         return [self.leases[i] for i in sorted(self.by_owner.get(owner, ()))]

@@ -35,7 +35,7 @@ from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
 FREE, RESERVED, COMMITTED = 0, 1, 2
 AVAILABLE, LEASED, CONSUMED, DEAD = 0, 1, 2, 3  # CONSUMED: acknowledged
 ACKNOWLEDGED = CONSUMED
-NO_HOLDER = -1
+NO_HOLDER = 0  # owner ids start at 1, so fresh (zeroed) rows have no holder
 MAX_FIELDS = 64
 
 
@@ -212,7 +212,7 @@ class TaskState:
     consumption: np.ndarray
     ready: dict[int, ReadyIndex] = field(default_factory=dict)
     lease: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    holder: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    holder: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     deliveries: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     dead: dict[int, str] = field(default_factory=dict)
 
@@ -221,7 +221,7 @@ class TaskState:
         return cls(
             np.zeros(rows, dtype=np.int8),
             lease=np.zeros(rows, dtype=np.int64),
-            holder=np.full(rows, NO_HOLDER, dtype=np.int64),
+            holder=np.zeros(rows, dtype=np.int32),
             deliveries=np.zeros(rows, dtype=np.int32),
         )
 
@@ -230,7 +230,7 @@ class TaskState:
         if extra > 0:
             self.consumption = np.concatenate([self.consumption, np.zeros(extra, dtype=np.int8)])
             self.lease = np.concatenate([self.lease, np.zeros(extra, dtype=np.int64)])
-            self.holder = np.concatenate([self.holder, np.full(extra, NO_HOLDER, dtype=np.int64)])
+            self.holder = np.concatenate([self.holder, np.zeros(extra, dtype=np.int32)])
             self.deliveries = np.concatenate([self.deliveries, np.zeros(extra, dtype=np.int32)])
 
 

@@ -950,6 +950,7 @@ class QueueState:
         for waiting in [k for k in self.getters if k != key]:
             if waiting not in self.partitions:  # waits for a partition to open: fails if it now never can
                 self._retry_getters(waiting)
+        self.leases.drop_partition(part.uid)
         for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
             del self.open_puts[put.put_id]  # its bytes are counted in part.nbytes
         self.bytes_held -= part.nbytes
