@@ -51,6 +51,7 @@ from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
+COMMIT_RETRIES = 1  # a commit whose reply did not come is asked again this often (by put id: idempotent)
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -188,14 +189,19 @@ class AsyncTransferQueueClient:
         except (RequestTimeout, ServerGone) as exc:
             raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
 
-    def _row_lengths(self, columns: dict[str, Column], num_rows: int) -> np.ndarray:
-        lengths = np.zeros(num_rows, dtype=np.int64)
+    def _field_lengths(self, columns: dict[str, Column], num_rows: int) -> tuple[bytes | None, list[str] | None]:
+        """Per-row lengths of each length-bearing field (jagged, or in ``seqlen_fields``): ``Reserve.lengths`` and
+        ``Reserve.length_fields``. Per field, so overwriting a field replaces its share of the row's length."""
+        names, per_field = [], []
         for name, column in columns.items():
             if column.schema.kind == "jagged" or name in self.config.seqlen_fields:
                 row = column.row_lengths()
                 if row is not None:
-                    lengths += row
-        return lengths
+                    names.append(name)
+                    per_field.append(np.asarray(row, dtype=np.int64))
+        if not names:
+            return None, None
+        return p.pack_indexes(np.stack(per_field, axis=1).reshape(-1)), names
 
     # ---- put -----------------------------------------------------------------------------------------------
     async def put(
@@ -244,6 +250,7 @@ class AsyncTransferQueueClient:
             if groups.dtype.kind not in "iu" or len(groups) != num_rows:
                 raise InvalidRequest(f"group_ids must be {num_rows} ints, got {len(groups)} of dtype {groups.dtype}")
             packed_groups = p.pack_indexes(groups)
+        lengths, length_fields = self._field_lengths(columns, num_rows)
         reserve = p.Reserve(
             key,
             num_rows,
@@ -252,9 +259,10 @@ class AsyncTransferQueueClient:
             packed_groups,
             target_uid,
             target_indexes,
-            p.pack_indexes(self._row_lengths(columns, num_rows)),
+            lengths,
             None,
             timeout,
+            length_fields,
         )
         return await self._put(reserve, columns, timeout)
 
@@ -271,9 +279,7 @@ class AsyncTransferQueueClient:
                 body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
                 writes.append((place.unit, body, buffers))
             await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
-            wire: p.MetaWire = await self._control(
-                p.Commit(reservation.put_id), p.MetaWire, self.config.default_timeout
-            )
+            wire = await self._commit(reservation.put_id, started + timeout)
         except BaseException:
             try:
                 await self._control(p.Abort(reservation.put_id), Any, 5.0)
@@ -281,6 +287,18 @@ class AsyncTransferQueueClient:
                 pass  # the controller aborts it at its deadline anyway
             raise
         return wire.to_meta()
+
+    async def _commit(self, put_id: int, deadline: float) -> p.MetaWire:
+        """Commit a put, waiting until the put's own deadline; a commit whose reply did not come is asked again
+        (a commit is idempotent by put id: the controller answers a retry with the same meta, never new rows)."""
+        for attempt in range(1 + COMMIT_RETRIES):
+            wait = max(1.0, deadline - time.monotonic()) if attempt == 0 else REPLY_SLACK
+            try:
+                return await self._control(p.Commit(put_id), p.MetaWire, wait)
+            except RequestTimeout:
+                if attempt == COMMIT_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     # ---- get -----------------------------------------------------------------------------------------------
     async def get_meta(
@@ -472,14 +490,16 @@ class AsyncTransferQueueClient:
             raise BatchSizeMismatch(f"{len(keys)} keys but {num_rows} rows of fields")
         if tags is not None:
             columns["tags"] = Column.from_objects("tags", list(tags), num_rows)
+        lengths, length_fields = self._field_lengths(columns, num_rows)
         reserve = p.Reserve(
             _kv_partition(partition_id),
             num_rows,
             {name: c.schema for name, c in columns.items()},
             sum(c.nbytes for c in columns.values()),
-            lengths=p.pack_indexes(self._row_lengths(columns, num_rows)),
+            lengths=lengths,
             keys=keys,
             timeout=timeout,
+            length_fields=length_fields,
         )
         return await self._put(reserve, columns, timeout)
 

@@ -21,6 +21,10 @@ class QueueConfig:
         storage_unit_bytes: payload bytes one storage unit may hold; puts beyond it wait for a clear.
         default_timeout: seconds an operation waits when the caller passes ``timeout=None`` (finite, never forever).
         put_grace: extra seconds a put's reservation outlives its timeout before it is aborted (client died).
+        max_reservation_s: the longest a put's reservation lives, whatever timeout the put asked for (plus
+            ``put_grace``): a producer that died with a huge timeout holds rows, bytes and groups no longer.
+        disconnect_grace: seconds the open puts of a client whose connection closed stay open (it may commit over a
+            new connection) before they are aborted and their rows, bytes and groups freed.
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
     """
 
@@ -31,6 +35,8 @@ class QueueConfig:
     storage_unit_bytes: int = 8 << 30
     default_timeout: float = 60.0
     put_grace: float = 30.0
+    max_reservation_s: float = 600.0
+    disconnect_grace: float = 5.0
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
 
     def __post_init__(self) -> None:
@@ -40,7 +46,7 @@ class QueueConfig:
                 raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.storage_unit_bytes, int) or self.storage_unit_bytes < 1:
             raise InvalidRequest(f"storage_unit_bytes must be an int >= 1, got {self.storage_unit_bytes!r}")
-        for name in ("default_timeout", "put_grace"):
+        for name in ("default_timeout", "put_grace", "max_reservation_s", "disconnect_grace"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")

@@ -32,7 +32,7 @@ from transfer_queue.errors import (
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
-from transfer_queue.transport import Reply, ServerSockets
+from transfer_queue.transport import Peer, Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
@@ -96,8 +96,13 @@ class ControllerServer:
             wait = min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
             events = self._sockets.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1))
             with self.lock:
-                for frames, reply in self._sockets.requests(events, MAX_BATCH):
-                    self._on_message(frames, reply)
+                for incoming in self._sockets.router_messages(events, MAX_BATCH):
+                    self._on_message(incoming.frames, incoming.reply, incoming.peer)
+                for fd in self._sockets.unix_ready(events):
+                    for incoming in self._sockets.unix_messages(fd):
+                        self._on_message(incoming.frames, incoming.reply, incoming.peer)
+                for peer in self._sockets.take_disconnects():
+                    self.state.on_disconnect(peer)  # its open puts are aborted (after a grace), defect 4
                 if time.monotonic() >= self.state.next_deadline:
                     self.state.tick()
                 self._flush_outbox()
@@ -114,7 +119,7 @@ class ControllerServer:
             dealer.close(linger=0)
         self._sockets.close()
 
-    def _on_message(self, frames: list[Any], reply: Reply) -> None:
+    def _on_message(self, frames: list[Any], reply: Reply, peer: Peer | None = None) -> None:
         if len(frames) < 2:
             return  # not even an envelope and a body: nothing to answer
         request_id = -1
@@ -144,7 +149,7 @@ class ControllerServer:
                 self._reply(reply, request_id, value, error)
 
         try:
-            self.state.handle(request, respond)
+            self.state.handle(request, respond, peer)
         except Exception as exc:  # a bug, not bad input: answer it and keep serving
             logger.exception("controller failed on %s", type(request).__name__)
             respond(None, exc)

@@ -220,7 +220,8 @@ class PartitionState:
         cap = capacity or 64
         self.state = np.zeros(cap, dtype=np.int8)
         self.group = np.full(cap, -1, dtype=np.int64)
-        self.length = np.zeros(cap, dtype=np.int64)
+        self.length = np.zeros(cap, dtype=np.int64)  # a row's length: the sum of its cells' lengths
+        self.cell_length = np.zeros((cap, 4), dtype=np.int64)  # what each (row, field) adds to its row's length
         self.produced_mask = np.zeros(cap, dtype=np.uint64)
         self.inflight_mask = np.zeros(cap, dtype=np.uint64)
         self.block = np.full((cap, 4), -1, dtype=np.int64)
@@ -249,6 +250,7 @@ class PartitionState:
         cols = self.block.shape[1]
         self.block = np.concatenate([self.block, np.full((new - cap, cols), -1, dtype=np.int64)])
         self.offset = np.concatenate([self.offset, np.zeros((new - cap, cols), dtype=np.int64)])
+        self.cell_length = np.concatenate([self.cell_length, np.zeros((new - cap, cols), dtype=np.int64)])
         for task in self.tasks.values():
             task.consumption = np.concatenate([task.consumption, np.zeros(new - cap, dtype=np.int8)])
 
@@ -286,6 +288,9 @@ class PartitionState:
                 extra = self.block.shape[1]
                 self.block = np.concatenate([self.block, np.full((len(self.state), extra), -1, np.int64)], axis=1)
                 self.offset = np.concatenate([self.offset, np.zeros((len(self.state), extra), np.int64)], axis=1)
+                self.cell_length = np.concatenate(
+                    [self.cell_length, np.zeros((len(self.state), extra), np.int64)], axis=1
+                )
 
     # ---- rows of a put -------------------------------------------------------------------------------------
     def check_room(self, num_rows: int) -> None:
@@ -425,6 +430,9 @@ class PartitionState:
         new_rows: np.ndarray,
     ) -> list[int]:
         """Make a put visible: all its rows and fields at once (``new_rows`` marks rows the put created).
+
+        ``lengths``: (rows x names) what each written cell adds to its row's length (None: nothing). A cell written
+        again replaces its length, so a row's length never grows by being overwritten.
         Returns the blocks no longer referenced (kv upserts)."""
         cols = [self.field_col[n] for n in names]
         mask = 0
@@ -443,8 +451,10 @@ class PartitionState:
         for b, c in zip(*np.unique(blocks, return_counts=True), strict=True):
             self.block_refs[int(b)] = self.block_refs.get(int(b), 0) + int(c) * len(cols)
         self.produced_mask[rows] |= np.uint64(mask)
-        if lengths is not None:
-            self.length[rows] += lengths
+        cells = (rows[:, None], np.asarray(cols, dtype=np.int64))
+        new_lengths = np.zeros((len(rows), len(cols)), np.int64) if lengths is None else lengths
+        self.length[rows] += (new_lengths - self.cell_length[cells]).sum(axis=1)
+        self.cell_length[cells] = new_lengths
         fresh = rows[new_rows]
         if len(fresh):
             self.state[fresh] = COMMITTED
@@ -591,6 +601,7 @@ class PartitionState:
         self.block[rows] = -1
         self.produced_mask[rows] = 0
         self.length[rows] = 0
+        self.cell_length[rows] = 0
         self.state[rows] = FREE
         self.group[rows] = -1
         self.num_committed -= len(rows)

@@ -89,6 +89,8 @@ class Reserve(msgspec.Struct, tag="reserve"):
     lengths: bytes | None = None
     keys: list[str] | None = None  # a put by key (kv_*): rows are found or created by key, fields upserted
     timeout: float = 30.0
+    # ``lengths`` per field: rows x len(length_fields) values, row-major (None: ``lengths`` is one sum per row)
+    length_fields: list[str] | None = None
 
 
 class Commit(msgspec.Struct, tag="commit"):

@@ -48,6 +48,7 @@ Respond = Callable[[Any, BaseException | None], None]
 WAIT = object()  # an attempt's answer: not possible yet, retry later
 MAX_ROWS_PER_PUT = 1 << 24  # bounds the bookkeeping one request can make the controller allocate
 MAX_DP_SIZE = 1 << 16  # bounds the shares one DP round is split into
+COMMITS_REMEMBERED = 4096  # recent commits whose meta a retried commit (its reply was lost) gets again
 
 
 @dataclass
@@ -74,6 +75,7 @@ class OpenPut:
     nbytes: int
     deadline: float
     keys: list[str] | None = None
+    owner: Any = None  # the connection (transport Peer) that reserved it: its close aborts the put
 
 
 @dataclass
@@ -87,7 +89,12 @@ class GetMetaJob:
     dp_size: int
     dp_rank: int
     dp_group_id: str | None
-    auto_round: tuple[tuple[PartitionKey, str, int], int] | None = None  # (counter, round) when numbered for it
+    auto_round: tuple[AutoRoundCounter, int] | None = None  # (counter, round) when numbered for it
+
+
+# An automatic DP round counter: (partition, task, dp_rank, caller), the caller being ``world_rank`` when given,
+# else the connection: the TP peers of one dp_rank count their own calls, so their k-th calls meet in round k.
+AutoRoundCounter = tuple[PartitionKey, str, int, Any]
 
 
 @dataclass
@@ -96,6 +103,16 @@ class Parked:
     respond: Respond
     started: float
     deadline: float
+    peer: Any = None
+
+
+@dataclass
+class Committed:
+    """A commit remembered for a while, so a retried commit (its reply was lost) gets the same meta."""
+
+    wire: p.MetaWire
+    uid: int
+    until: float
 
 
 class QueueState:
@@ -118,7 +135,9 @@ class QueueState:
         self.outbox: list[tuple[int, Any]] = []  # (storage unit, request) to send
         self.bytes_held = 0
         self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
-        self.auto_rounds: dict[tuple[PartitionKey, str, int], int] = {}
+        self.auto_rounds: dict[AutoRoundCounter, int] = {}
+        self.committed: dict[int, Committed] = {}  # put id -> its commit, oldest first
+        self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
         self._next_uid = 1
         self._next_put = 1
         self._next_block = 0
@@ -158,20 +177,29 @@ class QueueState:
         return self.samplers.get(task_name, self.default_sampler)
 
     # ---- dispatch ------------------------------------------------------------------------------------------
-    def handle(self, request: Any, respond: Respond) -> None:
-        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later."""
+    def handle(self, request: Any, respond: Respond, peer: Any = None) -> None:
+        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later.
+
+        ``peer``: the connection it came on (a :class:`~transfer_queue.transport.Peer`); :meth:`on_disconnect`
+        of it aborts its open puts.
+        """
         handler = self._handlers.get(type(request))
         if handler is None:
             respond(None, InvalidRequest(f"the controller does not handle {type(request).__name__} requests"))
             return
+        if isinstance(request, p.Reserve) and peer is not None:
+            respond = self._owned_by(peer, respond)
+        self.caller = peer
         try:
             result = handler(request)
         except TransferQueueError as exc:
             respond(None, exc)
             return
+        finally:
+            self.caller = None
         if isinstance(result, Wait):
             now = self.clock()
-            parked = Parked(result.job, respond, now, now + request.timeout)
+            parked = Parked(result.job, respond, now, now + request.timeout, peer)
             self.next_deadline = min(self.next_deadline, parked.deadline)
             if isinstance(request, p.Reserve):
                 self.putters.append(parked)
@@ -179,6 +207,29 @@ class QueueState:
                 self.getters.setdefault(request.partition, []).append(parked)
         else:
             respond(result, None)
+
+    def _owned_by(self, peer: Any, respond: Respond) -> Respond:
+        """``respond`` that records ``peer`` as the owner of the put it answers with a reservation."""
+
+        def owned(value: Any, error: BaseException | None) -> None:
+            if isinstance(value, p.Reservation) and value.put_id in self.open_puts:
+                self.open_puts[value.put_id].owner = peer
+            respond(value, error)
+
+        return owned
+
+    def on_disconnect(self, peer: Any) -> None:
+        """``peer``'s connection closed (its process died, or it closed its client): its open puts are aborted
+        after ``disconnect_grace`` (it may still commit over a new connection), its waiting puts are dropped, and
+        its automatic DP round counters forgotten."""
+        deadline = self.clock() + self.config.disconnect_grace
+        for put in self.open_puts.values():
+            if put.owner == peer and put.deadline > deadline:
+                put.deadline = deadline
+                self.next_deadline = min(self.next_deadline, deadline)
+        self.putters = [parked for parked in self.putters if parked.peer != peer]
+        for counter in [c for c in self.auto_rounds if c[3] == peer]:
+            del self.auto_rounds[counter]
 
     def tick(self) -> float | None:
         """Expire parked requests and abandoned puts; returns the next deadline (``None``: nothing pending)."""
@@ -205,6 +256,11 @@ class QueueState:
             else:
                 keep.append(parked)
         self.putters = keep
+        while self.committed:
+            put_id, done = next(iter(self.committed.items()))
+            if done.until > now:
+                break
+            del self.committed[put_id]
         deadlines = [put.deadline for put in self.open_puts.values()]
         deadlines += [w.deadline for ws in self.getters.values() for w in ws]
         deadlines += [w.deadline for w in self.putters]
@@ -226,10 +282,12 @@ class QueueState:
             try:
                 result = self._try_get_meta(parked.job)
             except TransferQueueError as exc:
+                self._forget_auto_round(parked.job)
                 parked.respond(None, exc)
                 continue
             except Exception as exc:  # a bug in a task's sampler: only that task's getter hears of it
                 job = parked.job
+                self._forget_auto_round(job)
                 logger.exception("the sampler of task %r failed serving a waiting get_meta", job.request.task_name)
                 parked.respond(
                     None,
@@ -339,9 +397,7 @@ class QueueState:
                 f"a put of {req.nbytes} bytes can never fit: the storage units hold {self._byte_budget} bytes in all"
             )
         group_ids = None if req.group_ids is None else p.unpack_indexes(req.group_ids)
-        lengths = None if req.lengths is None else p.unpack_indexes(req.lengths)
-        if lengths is not None and len(lengths) != req.num_rows:
-            raise InvalidRequest(f"lengths has {len(lengths)} entries; the put has {req.num_rows} rows")
+        lengths = self._cell_lengths(req)
         if req.keys is not None and (len(req.keys) != req.num_rows or len(set(req.keys)) != len(req.keys)):
             raise InvalidRequest(f"a put by key needs {req.num_rows} distinct keys, got {len(req.keys)}")
         n = self.config.num_n_samples
@@ -358,6 +414,31 @@ class QueueState:
         job = (req, group_ids, lengths)
         result = self._open_and_reserve(job)
         return Wait(job) if result is WAIT else result
+
+    @staticmethod
+    def _cell_lengths(req: p.Reserve) -> np.ndarray | None:
+        """The put's lengths as a (rows x fields) matrix in the order of ``req.fields``: what each cell it writes
+        adds to its row's length (a per-row sum is put on the put's first field)."""
+        if req.lengths is None:
+            return None
+        flat = p.unpack_indexes(req.lengths)
+        names = list(req.fields)
+        cells = np.zeros((req.num_rows, len(names)), dtype=np.int64)
+        if req.length_fields is None:
+            if len(flat) != req.num_rows:
+                raise InvalidRequest(f"lengths has {len(flat)} entries; the put has {req.num_rows} rows")
+            cells[:, 0] = flat
+            return cells
+        unknown = [n for n in req.length_fields if n not in req.fields]
+        if unknown or len(set(req.length_fields)) != len(req.length_fields):
+            raise InvalidRequest(f"length_fields {req.length_fields} must name distinct fields of the put {names}")
+        if len(flat) != req.num_rows * len(req.length_fields):
+            raise InvalidRequest(
+                f"lengths has {len(flat)} entries; {req.num_rows} rows x {len(req.length_fields)} length_fields "
+                f"need {req.num_rows * len(req.length_fields)}"
+            )
+        cells[:, [names.index(n) for n in req.length_fields]] = flat.reshape(req.num_rows, len(req.length_fields))
+        return cells
 
     def _open_and_reserve(self, job: tuple[p.Reserve, np.ndarray | None, np.ndarray | None]) -> Any:
         req, group_ids, lengths = job
@@ -460,7 +541,7 @@ class QueueState:
             offsets,
             lengths,
             req.nbytes,
-            self.clock() + req.timeout + self.config.put_grace,
+            self.clock() + min(req.timeout, self.config.max_reservation_s) + self.config.put_grace,
             req.keys,
         )
         self._next_put += 1
@@ -479,6 +560,9 @@ class QueueState:
     def _on_commit(self, req: p.Commit) -> p.MetaWire:
         put = self.open_puts.pop(req.put_id, None)
         if put is None:
+            done = self.committed.get(req.put_id)
+            if done is not None:  # a retry of a commit whose reply was lost: the same rows, not new ones
+                return done.wire
             raise PutExpired(
                 f"put {req.put_id} expired, was aborted, or its partition was cleared before the commit; "
                 "none of its rows are visible"
@@ -494,9 +578,16 @@ class QueueState:
             bytes_before = upto
         self._drop_blocks(part, dead)
         extra = {"keys": put.keys} if put.keys is not None else {}
-        meta = part.meta(put.rows, put.names, None, extra)
+        wire = part.meta_wire(put.rows, put.names, None, extra)
+        self._remember_commit(put, wire)
         self._retry_getters(put.key)
-        return p.MetaWire.from_meta(meta)
+        return wire
+
+    def _remember_commit(self, put: OpenPut, wire: p.MetaWire) -> None:
+        """Keep the commit's meta until the put's reservation would have expired (a retry comes before that)."""
+        self.committed[put.put_id] = Committed(wire, put.uid, put.deadline)
+        while len(self.committed) > COMMITS_REMEMBERED:
+            del self.committed[next(iter(self.committed))]
 
     def _on_abort(self, req: p.Abort) -> None:
         put = self.open_puts.pop(req.put_id, None)
@@ -569,7 +660,10 @@ class QueueState:
         self._live(key)  # raises now if the partition was cleared
         auto_round = None
         if dp_group_id is None and dp_size > 1:
-            counter = (key, req.task_name, dp_rank)
+            caller = params.get("world_rank")
+            if caller is not None and (not isinstance(caller, int) or isinstance(caller, bool)):
+                raise InvalidRequest(f"sampler_params['world_rank'] must be an int, got {caller!r}")
+            counter = (key, req.task_name, dp_rank, self.caller if caller is None else caller)
             number = self.auto_rounds.get(counter, 0)
             dp_group_id, auto_round = f"auto-{number}", (counter, number)
             self.auto_rounds[counter] = number + 1
@@ -583,7 +677,11 @@ class QueueState:
             None if dp_group_id is None else str(dp_group_id),
             auto_round,
         )
-        result = self._try_get_meta(job)
+        try:
+            result = self._try_get_meta(job)
+        except BaseException:
+            self._forget_auto_round(job)  # a call that failed took no round: the rank stays in step with its peers
+            raise
         return Wait(job) if result is WAIT else result
 
     def _try_get_meta(self, job: GetMetaJob) -> Any:
@@ -746,6 +844,8 @@ class QueueState:
                 self._retry_getters(waiting)
         for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
             del self.open_puts[put.put_id]  # its bytes are counted in part.nbytes
+        for put_id in [i for i, done in self.committed.items() if done.uid == part.uid]:
+            del self.committed[put_id]
         self.bytes_held -= part.nbytes
         for unit in range(self.config.num_storage_units):
             self.outbox.append((unit, p.DropPartition(part.uid)))
