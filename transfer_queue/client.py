@@ -42,6 +42,7 @@ from transfer_queue.errors import (
     QueueClosed,
     RequestTimeout,
     ServerGone,
+    StaleBatchMeta,
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
@@ -51,6 +52,7 @@ from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
+KV_READ_ATTEMPTS = 8  # kv_batch_get looks keys up again when a concurrent kv_put replaced them mid-read
 COMMIT_RETRIES = 1  # a commit whose reply did not come is asked again this often (by put id: idempotent)
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -522,8 +524,16 @@ class AsyncTransferQueueClient:
             as_names(keys),
             None if select_fields is None else as_names(select_fields),
         )
-        wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
-        return await self.get_data(wire.to_meta())
+        for attempt in range(KV_READ_ATTEMPTS):
+            wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
+            try:
+                return await self.get_data(wire.to_meta())
+            except StaleBatchMeta:
+                # a kv_put of one of the keys committed between the lookup and the read and its old payload was
+                # dropped: look the keys up again and read their new values (each value comes back whole)
+                if attempt == KV_READ_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def kv_list(self, partition_id: str) -> list[str]:
         """The keys of a partition used by key, in insertion order."""
