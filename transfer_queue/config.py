@@ -25,6 +25,8 @@ class QueueConfig:
             ``put_grace``): a producer that died with a huge timeout holds rows, bytes and groups no longer.
         disconnect_grace: seconds the open puts of a client whose connection closed stay open (it may commit over a
             new connection) before they are aborted and their rows, bytes and groups freed.
+        max_waiting_requests: requests (get_meta, put) parked in the controller at once; one more is refused with
+            ``QueueBusy`` instead of being parked.
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
     """
 
@@ -37,10 +39,17 @@ class QueueConfig:
     put_grace: float = 30.0
     max_reservation_s: float = 600.0
     disconnect_grace: float = 5.0
+    max_waiting_requests: int = 65536
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "num_global_batch", "num_n_samples", "num_storage_units"):
+        for name in (
+            "global_batch_size",
+            "num_global_batch",
+            "num_n_samples",
+            "num_storage_units",
+            "max_waiting_requests",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}")

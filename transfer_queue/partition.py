@@ -33,6 +33,7 @@ from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
 FREE, RESERVED, COMMITTED = 0, 1, 2
 AVAILABLE, LEASED, CONSUMED = 0, 1, 2
 MAX_FIELDS = 64
+MAX_TASKS_PER_PARTITION = 1024  # task names one partition follows at once (idle ones are forgotten first)
 
 
 def unique_in_order(rows: np.ndarray) -> np.ndarray:
@@ -486,8 +487,26 @@ class PartitionState:
     def task(self, task_name: str) -> TaskState:
         task = self.tasks.get(task_name)
         if task is None:
+            if len(self.tasks) >= MAX_TASKS_PER_PARTITION:
+                self._forget_idle_tasks()
             task = self.tasks[task_name] = TaskState(np.zeros(len(self.state), dtype=np.int8))
         return task
+
+    def _forget_idle_tasks(self) -> None:
+        """Bound the per-task state of a long-lived partition: a task that holds no row (nothing taken) is only
+        ready indexes, rebuilt on its next call."""
+        for name in [n for n, t in self.tasks.items() if not np.any(t.consumption[: self.num_rows] != AVAILABLE)]:
+            del self.tasks[name]
+
+    def check_new_task(self, task_name: str) -> None:
+        """Refuse one task name too many: every task this partition follows holds rows (see ``task``)."""
+        if task_name not in self.tasks and len(self.tasks) >= MAX_TASKS_PER_PARTITION:
+            self._forget_idle_tasks()
+            if len(self.tasks) >= MAX_TASKS_PER_PARTITION:
+                raise InvalidRequest(
+                    f"{self.name} already follows {len(self.tasks)} tasks that hold rows (at most "
+                    f"{MAX_TASKS_PER_PARTITION}); reset_consumption of finished tasks, or use fewer task names"
+                )
 
     def ready_index(self, task_name: str, names: Iterable[str]) -> ReadyIndex | None:
         """The ready index of a task for a set of fields, built on first use (one scan), then kept."""

@@ -270,10 +270,16 @@ class Read(msgspec.Struct, tag="read"):
 class DropBlocks(msgspec.Struct, tag="drop_blocks"):
     partition_uid: int
     block_ids: list[int]
+    # every block id below this belongs to a put that committed or was aborted: a write of one is late, refused
+    block_floor: int | None = None
 
 
 class DropPartition(msgspec.Struct, tag="drop_partition"):
     partition_uid: int
+    # the controller's live partitions when it was sent: every other uid up to max_uid is dead (writes refused)
+    live_uids: list[int] | None = None
+    max_uid: int | None = None
+    block_floor: int | None = None
 
 
 class StorageStats(msgspec.Struct, tag="stats"):

@@ -28,6 +28,7 @@ from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
     PutExpired,
+    QueueBusy,
     QueueFull,
     SamplerError,
     StaleBatchMeta,
@@ -49,6 +50,11 @@ WAIT = object()  # an attempt's answer: not possible yet, retry later
 MAX_ROWS_PER_PUT = 1 << 24  # bounds the bookkeeping one request can make the controller allocate
 MAX_DP_SIZE = 1 << 16  # bounds the shares one DP round is split into
 COMMITS_REMEMBERED = 4096  # recent commits whose meta a retried commit (its reply was lost) gets again
+# Bounds on what a long run leaves behind (defect 8). A cleared name forgotten: get_meta on it waits for a new put
+# (and times out) instead of failing at once. A DP round forgotten: a peer that lags more than this many rounds
+# behind opens it anew (and gets other rows).
+CLEARED_NAMES_REMEMBERED = 4096
+MAX_ROUNDS_PER_PARTITION = 1024
 
 
 @dataclass
@@ -127,7 +133,7 @@ class QueueState:
         self.samplers: dict[str, BaseSampler] = {}
         self.partitions: dict[PartitionKey, PartitionState] = {}
         self.max_cleared_step = -1
-        self.cleared_names: set[str] = set()
+        self.cleared_names: dict[str, None] = {}  # the latest cleared string partitions, oldest first (bounded)
         self.open_puts: dict[int, OpenPut] = {}
         self.getters: dict[PartitionKey, list[Parked]] = {}
         self.putters: list[Parked] = []
@@ -198,6 +204,18 @@ class QueueState:
         finally:
             self.caller = None
         if isinstance(result, Wait):
+            waiting = len(self.putters) + sum(map(len, self.getters.values()))
+            if waiting >= self.config.max_waiting_requests:
+                if isinstance(result.job, GetMetaJob):
+                    self._forget_auto_round(result.job)
+                respond(
+                    None,
+                    QueueBusy(
+                        f"{waiting} requests are waiting in the controller (max_waiting_requests="
+                        f"{self.config.max_waiting_requests}); this {type(request).__name__} was refused, not parked"
+                    ),
+                )
+                return
             now = self.clock()
             parked = Parked(result.job, respond, now, now + request.timeout, peer)
             self.next_deadline = min(self.next_deadline, parked.deadline)
@@ -459,7 +477,7 @@ class QueueState:
                 del self.partitions[key]
             raise
         if isinstance(key, str):
-            self.cleared_names.discard(key)
+            self.cleared_names.pop(key, None)
         return reservation
 
     def _reserve_rows(
@@ -612,6 +630,15 @@ class QueueState:
             self._retry_getters(put.key)
         self._retry_putters()
 
+    def _block_floor(self) -> int:
+        """Every block id below this belongs to a put that committed or was aborted (storage units refuse late
+        writes of those and forget their tombstones)."""
+        floor = self._next_block * self.config.num_storage_units
+        for put in self.open_puts.values():
+            if len(put.blocks):
+                floor = min(floor, int(put.blocks.min()))
+        return floor
+
     def _drop_blocks(self, part: PartitionState, blocks: list[int]) -> None:
         units = self.config.num_storage_units
         by_unit: dict[int, list[int]] = {}
@@ -622,7 +649,7 @@ class QueueState:
         part.nbytes -= freed
         self.bytes_held -= freed
         for unit, ids in by_unit.items():
-            self.outbox.append((unit, p.DropBlocks(part.uid, ids)))
+            self.outbox.append((unit, p.DropBlocks(part.uid, ids, self._block_floor())))
         if freed:
             self._retry_putters()
 
@@ -657,7 +684,9 @@ class QueueState:
             raise IncompleteGroups(
                 f"batch_size={req.batch_size} is not divisible by num_n_samples={n}; whole groups are served"
             )
-        self._live(key)  # raises now if the partition was cleared
+        part = self._live(key)  # raises now if the partition was cleared
+        if part is not None:
+            part.check_new_task(req.task_name)
         auto_round = None
         if dp_group_id is None and dp_size > 1:
             caller = params.get("world_rank")
@@ -698,6 +727,8 @@ class QueueState:
         dp_round = part.rounds.get(round_key)
         if dp_round is None:
             dp_round = part.rounds[round_key] = DPRound(job.dp_size, req.batch_size, tuple(req.fields))
+            while len(part.rounds) > MAX_ROUNDS_PER_PARTITION:  # the oldest rounds go first
+                del part.rounds[next(iter(part.rounds))]
         elif (dp_round.dp_size, dp_round.batch_size, dp_round.fields) != (
             job.dp_size,
             req.batch_size,
@@ -838,7 +869,9 @@ class QueueState:
         if isinstance(key, int):
             self.max_cleared_step = max(self.max_cleared_step, key)
         else:
-            self.cleared_names.add(key)
+            self.cleared_names[key] = None
+            while len(self.cleared_names) > CLEARED_NAMES_REMEMBERED:
+                del self.cleared_names[next(iter(self.cleared_names))]
         for waiting in [k for k in self.getters if k != key]:
             if waiting not in self.partitions:  # waits for a partition to open: fails if it now never can
                 self._retry_getters(waiting)
@@ -847,8 +880,9 @@ class QueueState:
         for put_id in [i for i, done in self.committed.items() if done.uid == part.uid]:
             del self.committed[put_id]
         self.bytes_held -= part.nbytes
+        live, floor = sorted(other.uid for other in self.partitions.values()), self._block_floor()
         for unit in range(self.config.num_storage_units):
-            self.outbox.append((unit, p.DropPartition(part.uid)))
+            self.outbox.append((unit, p.DropPartition(part.uid, live, self._next_uid - 1, floor)))
         for counter in [c for c in self.auto_rounds if c[0] == key]:
             del self.auto_rounds[counter]
         for parked in self.getters.pop(key, []):
