@@ -33,7 +33,7 @@ from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
 FREE, RESERVED, COMMITTED = 0, 1, 2
 AVAILABLE, LEASED, CONSUMED = 0, 1, 2
 MAX_FIELDS = 64
-MAX_TASKS_PER_PARTITION = 1024  # task names one partition follows at once (idle ones are forgotten first)
+MAX_TASKS_PER_PARTITION = 128  # task names one partition follows at once (idle ones are forgotten first)
 
 
 def unique_in_order(rows: np.ndarray) -> np.ndarray:

@@ -579,7 +579,8 @@ class QueueState:
         put = self.open_puts.pop(req.put_id, None)
         if put is None:
             done = self.committed.get(req.put_id)
-            if done is not None:  # a retry of a commit whose reply was lost: the same rows, not new ones
+            if done is not None and self._by_uid(done.uid) is not None:
+                # a retry of a commit whose reply was lost: the same rows, not new ones
                 return done.wire
             raise PutExpired(
                 f"put {req.put_id} expired, was aborted, or its partition was cleared before the commit; "
@@ -877,8 +878,6 @@ class QueueState:
                 self._retry_getters(waiting)
         for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
             del self.open_puts[put.put_id]  # its bytes are counted in part.nbytes
-        for put_id in [i for i, done in self.committed.items() if done.uid == part.uid]:
-            del self.committed[put_id]
         self.bytes_held -= part.nbytes
         live, floor = sorted(other.uid for other in self.partitions.values()), self._block_floor()
         for unit in range(self.config.num_storage_units):
