@@ -24,7 +24,7 @@ from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.config import QueueConfig
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.partition import MAX_TASKS_PER_PARTITION
-from transfer_queue.queue_state import COMMITS_REMEMBERED, CLEARED_NAMES_REMEMBERED, QueueState
+from transfer_queue.queue_state import CLEARED_NAMES_REMEMBERED, COMMITS_REMEMBERED, QueueState
 from transfer_queue.storage import BlockStore
 
 X = {"x": FieldSchema("dense", "float32", ())}
@@ -175,7 +175,8 @@ def test_a_100k_cycle_soak_keeps_controller_and_storage_memory_flat():
     result = run_soak(100_000, 20_000)
     grown = result["rss_after"] - result["rss_before"]
     print(
-        f"\nsoak: rss {result['rss_before'] / 2**20:.1f} MiB after 20,000 cycles, {result['rss_after'] / 2**20:.1f} MiB "
-        f"after 100,000 ({grown / 2**20:+.1f} MiB); structures {result['sizes_after']}"
+        f"\nsoak: rss {result['rss_before'] / 2**20:.1f} MiB after 20,000 cycles, "
+        f"{result['rss_after'] / 2**20:.1f} MiB after 100,000 ({grown / 2**20:+.1f} MiB); "
+        f"structures {result['sizes_after']}"
     )
     assert grown < 16 << 20, f"resident memory grew by {grown / 2**20:.1f} MiB over 80,000 cycles"
