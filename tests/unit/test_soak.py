@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from transfer_queue import partition, queue_state
 from transfer_queue import protocol as p
 from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.config import QueueConfig
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.partition import MAX_TASKS_PER_PARTITION
-from transfer_queue.queue_state import CLEARED_NAMES_REMEMBERED, COMMITS_REMEMBERED, QueueState
+from transfer_queue.queue_state import QueueState
 from transfer_queue.storage import BlockStore
 
 X = {"x": FieldSchema("dense", "float32", ())}
@@ -149,12 +149,12 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
     after, sizes_after = rss_bytes(), soak.sizes()
     bounds = {
         "partitions": 2,  # the kv partition and at most one live step
-        "cleared_names": CLEARED_NAMES_REMEMBERED,
-        "committed": COMMITS_REMEMBERED,
+        "cleared_names": queue_state.CLEARED_NAMES_REMEMBERED,
+        "committed": queue_state.COMMITS_REMEMBERED,
         "auto_rounds": 0,
         "open_puts": 0,
         "parked": 0,
-        "kv_tasks": MAX_TASKS_PER_PARTITION,
+        "kv_tasks": partition.MAX_TASKS_PER_PARTITION,
         "kv_rounds": 0,
         "dead_partitions": 0,
         "dead_blocks": 0,
@@ -166,8 +166,13 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
     return {"rss_before": before, "rss_after": after, "sizes_before": sizes_before, "sizes_after": sizes_after}
 
 
-def test_a_short_soak_keeps_every_structure_within_its_bound():
-    run_soak(3_000, 1_000)
+def test_a_short_soak_keeps_every_structure_within_its_bound(monkeypatch):
+    # lowered bounds, so that a few hundred cycles cross each of them several times
+    monkeypatch.setattr(queue_state, "CLEARED_NAMES_REMEMBERED", 50)
+    monkeypatch.setattr(queue_state, "COMMITS_REMEMBERED", 50)
+    monkeypatch.setattr(partition, "MAX_TASKS_PER_PARTITION", 4)
+    result = run_soak(600, 100)
+    assert result["sizes_after"]["cleared_names"] == 50 and result["sizes_after"]["committed"] == 50
 
 
 @pytest.mark.slow
