@@ -146,6 +146,8 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
     before, sizes_before = rss_bytes(), soak.sizes()
     for i in range(warmup, cycles):
         soak.cycle(i)
+        if (i + 1) % 10_000 == 0:
+            print(f"soak: {i + 1} cycles, rss {rss_bytes() / 2**20:.1f} MiB, {soak.sizes()}", flush=True)
     after, sizes_after = rss_bytes(), soak.sizes()
     bounds = {
         "partitions": 2,  # the kv partition and at most one live step
@@ -176,6 +178,7 @@ def test_a_short_soak_keeps_every_structure_within_its_bound(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 5 minutes on a quiet 2-core machine; much longer under load
 def test_a_100k_cycle_soak_keeps_controller_and_storage_memory_flat():
     result = run_soak(100_000, 20_000)
     grown = result["rss_after"] - result["rss_before"]
