@@ -143,6 +143,7 @@ class QueueState:
         self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
         self.auto_rounds: dict[AutoRoundCounter, int] = {}
         self.committed: dict[int, Committed] = {}  # put id -> its commit, oldest first
+        self.pending_sampler_states: dict[str, dict[str, Any]] = {}  # restored, for tasks not registered again yet
         self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
         self._next_uid = 1
         self._next_put = 1
@@ -178,6 +179,9 @@ class QueueState:
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
         self.samplers[task_name] = self._checked(make_sampler(sampler))
+        saved = self.pending_sampler_states.pop(task_name, None)
+        if saved is not None:  # restored from a checkpoint: the task's sampler goes on where it was
+            self.samplers[task_name].load_state_dict(saved)
 
     def sampler_for(self, task_name: str) -> BaseSampler:
         return self.samplers.get(task_name, self.default_sampler)
