@@ -465,6 +465,23 @@ class AsyncTransferQueueClient:
         """A round trip to the controller; raises SessionMismatch if the controller_info is stale."""
         return await self._control(p.Hello(self.client_id), Any, self.config.default_timeout)
 
+    async def save_checkpoint(self, directory: str, timeout: float | None = None) -> str:
+        """Save the whole queue under ``directory``: the controller's state (partitions, schemas, production,
+        consumption with leases turned back to ready, groups, DP rounds, kv keys, samplers' ``state_dict``) and every
+        storage unit's payload, each unit writing its own files. Nothing is served while it saves. A save that fails
+        or crashes half-way leaves the previous checkpoint current and whole. ``directory`` must be reachable by the
+        controller and every storage unit (a shared filesystem across hosts).
+
+        Returns:
+            The committed checkpoint's directory (under ``directory``); ``transfer_queue.init(...,
+            restore_from=directory)`` starts a queue from it.
+
+        Raises:
+            CheckpointError: a unit or the disk failed (the previous checkpoint stays current).
+        """
+        request = p.SaveCheckpoint(os.path.abspath(directory))
+        return await self._control(request, Any, self._timeout(timeout) + REPLY_SLACK)
+
     def close(self) -> None:
         """Close the sockets; the client cannot be used afterwards."""
         self._closed = True
@@ -608,6 +625,7 @@ class TransferQueueClient:
     reset_consumption = _sync(AsyncTransferQueueClient.reset_consumption)
     get_production_status = _sync(AsyncTransferQueueClient.get_production_status)
     get_consumption_status = _sync(AsyncTransferQueueClient.get_consumption_status)
+    save_checkpoint = _sync(AsyncTransferQueueClient.save_checkpoint)
     list_partitions = _sync(AsyncTransferQueueClient.list_partitions)
     close_partition = _sync(AsyncTransferQueueClient.close_partition)
     ping = _sync(AsyncTransferQueueClient.ping)

@@ -158,6 +158,12 @@ class KvClear(msgspec.Struct, tag="kv_clear"):
     keys: list[str] | None = None
 
 
+class SaveCheckpoint(msgspec.Struct, tag="save_checkpoint"):
+    """Save the queue (controller state and every storage unit's payload) under ``directory``."""
+
+    directory: str
+
+
 ControllerRequest = (
     Hello
     | Reserve
@@ -174,6 +180,7 @@ ControllerRequest = (
     | KvLookup
     | KvList
     | KvClear
+    | SaveCheckpoint
 )
 
 

@@ -357,6 +357,38 @@ class StorageUnit:
             raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
         return self._server.stats()
 
+    def save_checkpoint(self, root: str) -> int:
+        """Write this unit's blocks as its files of the checkpoint being staged under ``root``; returns the bytes."""
+        from transfer_queue.checkpoint import save_unit
+
+        server = self._joined()
+        with server.lock:
+            save_unit(root, server.store.unit, server.store.num_units, dict(server.store.blocks))
+            return server.store.nbytes
+
+    def restore_checkpoint(self, checkpoint: str, old_units: list[int], block_ids: dict[int, int]) -> int:
+        """Load the blocks the controller's map names from the files of ``old_units`` (renumbered by ``block_ids``:
+        restoring onto another number of units); blocks no partition references any more are left out."""
+        from transfer_queue.checkpoint import load_unit, restore_into
+
+        server = self._joined()
+        with server.lock:
+            store = server.store
+            secret, store.secret = store.secret, b""  # the controller vouches for these blocks: no put reserved them
+            try:
+                loaded = 0
+                for unit in old_units:
+                    saved = [block for block in load_unit(checkpoint, unit) if block.block_id in block_ids]
+                    loaded += restore_into(store, saved, block_ids)
+                return loaded
+            finally:
+                store.secret = secret
+
+    def _joined(self) -> StorageServer:
+        if self._server is None:
+            raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
+        return self._server
+
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.stop()
