@@ -15,6 +15,10 @@ from transfer_queue import TransferQueueClient, TransferQueueController
 from transfer_queue.checkpoint import current_checkpoint
 
 
+def jagged(lengths: Any) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.arange(n, dtype=torch.int64) for n in lengths], layout=torch.jagged)
+
+
 def stop(controller: Any) -> None:
     ray.get(controller.shutdown.remote(), timeout=60)
     ray.kill(controller)
@@ -23,7 +27,7 @@ def stop(controller: Any) -> None:
 def test_save_then_restore_onto_another_number_of_units_serves_what_was_not_consumed(ray_session, tmp_path) -> None:
     controller = TransferQueueController.remote(4, num_global_batch=2, num_n_samples=2, num_storage_units=1)
     client = TransferQueueClient("before", ray.get(controller.get_info.remote()))
-    responses = torch.nested.nested_tensor([torch.arange(n, dtype=torch.int64) for n in range(1, 9)], layout=torch.jagged)
+    responses = jagged(range(1, 9))
     client.put({"x": torch.arange(8.0).reshape(8, 1), "responses": responses}, global_step=0)
     taken = client.get_meta(["x"], 4, global_step=0, task_name="train")
     client.kv_put("a", "kv", {"v": torch.full((3,), 5.0)})
@@ -31,7 +35,7 @@ def test_save_then_restore_onto_another_number_of_units_serves_what_was_not_cons
     saved = client.save_checkpoint(str(tmp_path))
     assert os.path.isdir(saved) and current_checkpoint(str(tmp_path)) == saved
     before = client.get_production_status(global_step=0)
-    client.put({"x": torch.zeros(2, 1), "responses": responses[:2]}, global_step=1)  # after the save: not restored
+    client.put({"x": torch.zeros(2, 1), "responses": jagged([1, 2])}, global_step=1)  # after the save: not restored
     client.close()
     stop(controller)
 
@@ -52,7 +56,7 @@ def test_save_then_restore_onto_another_number_of_units_serves_what_was_not_cons
         assert torch.equal(client.kv_batch_get(["a"], "kv")["v"][0], torch.full((3,), 6.0))
         # another task sees every row; new puts go on with fresh ids
         assert len(client.get_meta(["x"], 8, global_step=0, task_name="other")) == 8
-        client.put({"x": torch.zeros(2, 1), "responses": responses[:2]}, global_step=1)
+        client.put({"x": torch.zeros(2, 1), "responses": jagged([1, 2])}, global_step=1)
         stats = ray.get(restored.storage_stats.remote())
         assert len(stats) == 2 and sum(s["blocks"] for s in stats) >= 2
     finally:
