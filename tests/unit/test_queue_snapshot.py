@@ -3,6 +3,8 @@ storage units (issue 8 section 4)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,21 @@ def test_a_snapshot_of_another_format_is_refused():
         read_snapshot(msgspec.msgpack.encode({"version": 99}))
     with pytest.raises(SnapshotError, match="does not decode"):
         read_snapshot(b"\xc1")
+
+
+def test_a_queue_checkpoint_that_crashed_mid_save_leaves_the_previous_one_current(tmp_path):
+    from transfer_queue.checkpoint import begin_save, commit_save, current_checkpoint, read_controller, write_controller
+
+    root = str(tmp_path)
+    staging, name = begin_save(root)
+    write_controller(staging, b"first")
+    first = commit_save(root, staging, name)
+    staging, name = begin_save(root)  # the second save crashes after the controller wrote, before the units did
+    write_controller(staging, b"second")
+    assert current_checkpoint(root) == first and read_controller(first) == b"first"
+    staging, name = begin_save(root)  # the next save sweeps the crashed staging directory
+    assert [n for n in os.listdir(root) if n.startswith(".staging-")] == [os.path.basename(staging)]
+    write_controller(staging, b"third")
+    third = commit_save(root, staging, name)
+    assert current_checkpoint(root) == third and read_controller(third) == b"third"
+    assert sorted(os.listdir(root)) == ["CURRENT", os.path.basename(third)]
