@@ -219,3 +219,23 @@ def test_overwriting_one_field_replaces_only_that_fields_share_of_the_length(mak
     bad.length_fields, bad.lengths = ["y"], p.pack_indexes(np.array([1, 2]))
     with pytest.raises(InvalidRequest, match="lengths has 2 entries; 1 rows x 1 length_fields need 1"):
         q.ok(bad)
+
+
+def test_the_client_sends_lengths_per_length_bearing_field():
+    from types import SimpleNamespace
+
+    import torch
+
+    from transfer_queue.client import AsyncTransferQueueClient
+    from transfer_queue.columns import columns_from_tensordict
+    from transfer_queue.config import QueueConfig
+
+    jagged = torch.nested.nested_tensor([torch.zeros(n) for n in (1, 3)], layout=torch.jagged)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    _, columns = columns_from_tensordict({"responses": jagged, "attention_mask": mask, "score": torch.zeros(2)})
+    owner = SimpleNamespace(config=QueueConfig(4))
+    lengths, names = AsyncTransferQueueClient._field_lengths(owner, columns, 2)
+    assert names == ["responses", "attention_mask"]
+    assert p.unpack_indexes(lengths).reshape(2, 2).tolist() == [[1, 2], [3, 1]]
+    _, plain = columns_from_tensordict({"score": torch.zeros(2)})
+    assert AsyncTransferQueueClient._field_lengths(owner, plain, 2) == (None, None)
