@@ -1,5 +1,6 @@
-"""A storage unit's payload on disk: each unit writes and reads its own checkpoint files (the storage half of
-``client.save_checkpoint`` / ``init(restore_from=...)``; the controller's half is not here).
+"""Checkpoints on disk: each storage unit writes and reads its own payload files, and a whole queue's checkpoint
+(``client.save_checkpoint`` / ``init(restore_from=...)``) commits the controller's snapshot and the units' files
+together (see the end of this module; the snapshot itself is transfer_queue.queue_snapshot).
 
 Layout under a checkpoint directory ``root``::
 
@@ -214,3 +215,67 @@ def restore_into(store: Any, saved: Iterable[SavedBlock], block_ids: dict[int, i
         block_id = block_ids.get(block.block_id, block.block_id) if block_ids else block.block_id
         store.write(p.Write(block.partition_uid, block_id, block.num_rows, specs), buffers)
     return store.nbytes - before
+
+
+# ---- a whole queue's checkpoint: the controller's snapshot and every unit's files, committed together ---------
+# root/CURRENT names the committed checkpoint; root/ckpt-<n>/ holds controller.msgpack and unit-<u>/ (each unit
+# writes its own, see save_unit); root/.staging-ckpt-* is a save in progress. The whole directory is renamed into
+# place only after every unit saved, so a crash mid-save leaves the previous checkpoint current and whole.
+CONTROLLER = "controller.msgpack"
+
+
+def begin_save(root: str) -> tuple[str, str]:
+    """A fresh staging directory for the next checkpoint under ``root``, and the name it will take."""
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # saves that crashed half-way
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    previous = _current_name(root)
+    number = int(previous.removeprefix("ckpt-")) + 1 if previous else 0
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}ckpt-{number}-", dir=root), f"ckpt-{number}"
+
+
+def write_controller(staging: str, blob: bytes) -> None:
+    with open(os.path.join(staging, CONTROLLER), "wb") as out:
+        out.write(blob)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def commit_save(root: str, staging: str, name: str) -> str:
+    """Make the staged checkpoint the current one; older ones are removed after. Returns its directory."""
+    for sub in os.listdir(staging):
+        if os.path.isdir(os.path.join(staging, sub)):
+            _fsync_path(os.path.join(staging, sub))
+    _fsync_path(staging)
+    final = os.path.join(root, name)
+    shutil.rmtree(final, ignore_errors=True)  # left by a crash after its rename, before CURRENT named it
+    os.rename(staging, final)
+    pointer = os.path.join(root, f"{CURRENT}.tmp")
+    with open(pointer, "w") as out:
+        out.write(name)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(pointer, os.path.join(root, CURRENT))
+    _fsync_path(root)
+    for old in os.listdir(root):
+        if old.startswith("ckpt-") and old != name:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return final
+
+
+def current_checkpoint(root: str) -> str:
+    """The committed checkpoint's directory under ``root``."""
+    name = _current_name(root)
+    if name is None:
+        raise CheckpointError(f"no committed queue checkpoint under {root} (no {CURRENT} file)")
+    return os.path.join(root, name)
+
+
+def read_controller(checkpoint: str) -> bytes:
+    path = os.path.join(checkpoint, CONTROLLER)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None

@@ -46,6 +46,7 @@ from transfer_queue.errors import (
     QueueClosed,
     RequestTimeout,
     ServerGone,
+    StaleBatchMeta,
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
@@ -56,6 +57,8 @@ from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transp
 
 logger = logging.getLogger(__name__)
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
+KV_READ_ATTEMPTS = 8  # kv_batch_get looks keys up again when a concurrent kv_put replaced them mid-read
+COMMIT_RETRIES = 1  # a commit whose reply did not come is asked again this often (by put id: idempotent)
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -196,14 +199,19 @@ class AsyncTransferQueueClient:
         except (RequestTimeout, ServerGone) as exc:
             raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
 
-    def _row_lengths(self, columns: dict[str, Column], num_rows: int) -> np.ndarray:
-        lengths = np.zeros(num_rows, dtype=np.int64)
+    def _field_lengths(self, columns: dict[str, Column], num_rows: int) -> tuple[bytes | None, list[str] | None]:
+        """Per-row lengths of each length-bearing field (jagged, or in ``seqlen_fields``): ``Reserve.lengths`` and
+        ``Reserve.length_fields``. Per field, so overwriting a field replaces its share of the row's length."""
+        names, per_field = [], []
         for name, column in columns.items():
             if column.schema.kind == "jagged" or name in self.config.seqlen_fields:
                 row = column.row_lengths()
                 if row is not None:
-                    lengths += row
-        return lengths
+                    names.append(name)
+                    per_field.append(np.asarray(row, dtype=np.int64))
+        if not names:
+            return None, None
+        return p.pack_indexes(np.stack(per_field, axis=1).reshape(-1)), names
 
     # ---- put -----------------------------------------------------------------------------------------------
     async def put(
@@ -252,6 +260,7 @@ class AsyncTransferQueueClient:
             if groups.dtype.kind not in "iu" or len(groups) != num_rows:
                 raise InvalidRequest(f"group_ids must be {num_rows} ints, got {len(groups)} of dtype {groups.dtype}")
             packed_groups = p.pack_indexes(groups)
+        lengths, length_fields = self._field_lengths(columns, num_rows)
         reserve = p.Reserve(
             key,
             num_rows,
@@ -260,9 +269,10 @@ class AsyncTransferQueueClient:
             packed_groups,
             target_uid,
             target_indexes,
-            p.pack_indexes(self._row_lengths(columns, num_rows)),
+            lengths,
             None,
             timeout,
+            length_fields,
         )
         return await self._put(reserve, columns, timeout)
 
@@ -279,9 +289,7 @@ class AsyncTransferQueueClient:
                 body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
                 writes.append((place.unit, body, buffers))
             await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
-            wire: p.MetaWire = await self._control(
-                p.Commit(reservation.put_id), p.MetaWire, self.config.default_timeout
-            )
+            wire = await self._commit(reservation.put_id, started + timeout)
         except BaseException:
             try:
                 await self._control(p.Abort(reservation.put_id), Any, 5.0)
@@ -289,6 +297,18 @@ class AsyncTransferQueueClient:
                 pass  # the controller aborts it at its deadline anyway
             raise
         return wire.to_meta()
+
+    async def _commit(self, put_id: int, deadline: float) -> p.MetaWire:
+        """Commit a put, waiting until the put's own deadline; a commit whose reply did not come is asked again
+        (a commit is idempotent by put id: the controller answers a retry with the same meta, never new rows)."""
+        for attempt in range(1 + COMMIT_RETRIES):
+            wait = max(1.0, deadline - time.monotonic()) if attempt == 0 else REPLY_SLACK
+            try:
+                return await self._control(p.Commit(put_id), p.MetaWire, wait)
+            except RequestTimeout:
+                if attempt == COMMIT_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     # ---- get -----------------------------------------------------------------------------------------------
     async def get_meta(
@@ -547,6 +567,23 @@ class AsyncTransferQueueClient:
         """A round trip to the controller; raises SessionMismatch if the controller_info is stale."""
         return await self._control(p.Hello(self.client_id), Any, self.config.default_timeout)
 
+    async def save_checkpoint(self, directory: str, timeout: float | None = None) -> str:
+        """Save the whole queue under ``directory``: the controller's state (partitions, schemas, production,
+        consumption with leases turned back to ready, groups, DP rounds, kv keys, samplers' ``state_dict``) and every
+        storage unit's payload, each unit writing its own files. Nothing is served while it saves. A save that fails
+        or crashes half-way leaves the previous checkpoint current and whole. ``directory`` must be reachable by the
+        controller and every storage unit (a shared filesystem across hosts).
+
+        Returns:
+            The committed checkpoint's directory (under ``directory``); ``transfer_queue.init(...,
+            restore_from=directory)`` starts a queue from it.
+
+        Raises:
+            CheckpointError: a unit or the disk failed (the previous checkpoint stays current).
+        """
+        request = p.SaveCheckpoint(os.path.abspath(directory))
+        return await self._control(request, Any, self._timeout(timeout) + REPLY_SLACK)
+
     def close(self) -> None:
         """Close the sockets; the client cannot be used afterwards."""
         self._closed = True
@@ -574,14 +611,16 @@ class AsyncTransferQueueClient:
             raise BatchSizeMismatch(f"{len(keys)} keys but {num_rows} rows of fields")
         if tags is not None:
             columns["tags"] = Column.from_objects("tags", list(tags), num_rows)
+        lengths, length_fields = self._field_lengths(columns, num_rows)
         reserve = p.Reserve(
             _kv_partition(partition_id),
             num_rows,
             {name: c.schema for name, c in columns.items()},
             sum(c.nbytes for c in columns.values()),
-            lengths=p.pack_indexes(self._row_lengths(columns, num_rows)),
+            lengths=lengths,
             keys=keys,
             timeout=timeout,
+            length_fields=length_fields,
         )
         return await self._put(reserve, columns, timeout)
 
@@ -604,8 +643,16 @@ class AsyncTransferQueueClient:
             as_names(keys),
             None if select_fields is None else as_names(select_fields),
         )
-        wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
-        return await self.get_data(wire.to_meta())
+        for attempt in range(KV_READ_ATTEMPTS):
+            wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
+            try:
+                return await self.get_data(wire.to_meta())
+            except StaleBatchMeta:
+                # a kv_put of one of the keys committed between the lookup and the read and its old payload was
+                # dropped: look the keys up again and read their new values (each value comes back whole)
+                if attempt == KV_READ_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def kv_list(self, partition_id: str) -> list[str]:
         """The keys of a partition used by key, in insertion order."""
@@ -688,6 +735,7 @@ class TransferQueueClient:
     reset_consumption = _sync(AsyncTransferQueueClient.reset_consumption)
     get_production_status = _sync(AsyncTransferQueueClient.get_production_status)
     get_consumption_status = _sync(AsyncTransferQueueClient.get_consumption_status)
+    save_checkpoint = _sync(AsyncTransferQueueClient.save_checkpoint)
     list_partitions = _sync(AsyncTransferQueueClient.list_partitions)
     close_partition = _sync(AsyncTransferQueueClient.close_partition)
     ping = _sync(AsyncTransferQueueClient.ping)

@@ -21,12 +21,16 @@ class QueueConfig:
         storage_unit_bytes: payload bytes one storage unit may hold; puts beyond it wait for a clear.
         default_timeout: seconds an operation waits when the caller passes ``timeout=None`` (finite, never forever).
         put_grace: extra seconds a put's reservation outlives its timeout before it is aborted (client died).
+        max_reservation_s: the longest a put's reservation lives, whatever timeout the put asked for (plus
+            ``put_grace``): a producer that died with a huge timeout holds rows, bytes and groups no longer.
+        disconnect_grace: seconds after a client's last connection closed before its open puts are aborted (rows,
+            bytes and groups freed) and its leases go back to ready; a client that reconnects within it keeps both.
+        max_waiting_requests: requests (get_meta, put) parked in the controller at once; one more is refused with
+            ``QueueBusy`` instead of being parked.
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
         lease_s: seconds rows handed out by ``get_meta`` stay leased without an acknowledgement before they go back
             to ready (a task's ``set_task_options(lease_s=...)`` or a call's ``lease_s`` overrides it).
         max_deliveries: times a row is handed out to a task before, coming back once more, it is dead-lettered.
-        disconnect_grace: seconds after a client's last connection closed before its leases go back (a client that
-            reconnects within it keeps them).
     """
 
     global_batch_size: int
@@ -36,13 +40,21 @@ class QueueConfig:
     storage_unit_bytes: int = 8 << 30
     default_timeout: float = 60.0
     put_grace: float = 30.0
+    max_reservation_s: float = 600.0
+    disconnect_grace: float = 5.0
+    max_waiting_requests: int = 65536
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
     lease_s: float = 600.0
     max_deliveries: int = 5
-    disconnect_grace: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "num_global_batch", "num_n_samples", "num_storage_units"):
+        for name in (
+            "global_batch_size",
+            "num_global_batch",
+            "num_n_samples",
+            "num_storage_units",
+            "max_waiting_requests",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequest(f"{name} must be an int >= 1, got {value!r}")
@@ -50,7 +62,7 @@ class QueueConfig:
             raise InvalidRequest(f"storage_unit_bytes must be an int >= 1, got {self.storage_unit_bytes!r}")
         if not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1:
             raise InvalidRequest(f"max_deliveries must be an int >= 1, got {self.max_deliveries!r}")
-        for name in ("default_timeout", "put_grace", "lease_s", "disconnect_grace"):
+        for name in ("default_timeout", "put_grace", "max_reservation_s", "lease_s", "disconnect_grace"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")

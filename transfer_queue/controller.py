@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +24,22 @@ from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue import protocol as p
 from transfer_queue.auth import new_secret, secure_client, write_token
+from transfer_queue.checkpoint import (
+    CheckpointError,
+    begin_save,
+    commit_save,
+    current_checkpoint,
+    read_controller,
+    write_controller,
+)
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
+    ConfigMismatch,
     InvalidRequest,
     TransferQueueError,
     error_to_wire,
 )
+from transfer_queue.queue_snapshot import block_map, read_snapshot, restore_state, snapshot_state
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
@@ -63,8 +74,10 @@ class ControllerServer:
         storage: list[p.Endpoint],
         host: str | None = None,
         secret: bytes = b"",
+        save_units: Callable[[str], None] | None = None,
     ):
         self.state = state
+        self._save_units = save_units  # every storage unit writes its files under a staging directory
         self.session_id = session_id
         self._secret = secret
         self.lock = threading.Lock()
@@ -99,7 +112,7 @@ class ControllerServer:
                 for incoming in self._incoming(events):
                     self._on_message(incoming.frames, incoming.reply, incoming.peer)
                 for peer in self._sockets.take_disconnects():
-                    try:  # a client's connection closed: its waits are dropped, its leases go back after a grace
+                    try:  # a connection closed: its waits are dropped; its leases and open puts go after a grace
                         self.state.on_disconnect(peer)
                     except Exception:
                         logger.exception("controller failed handling the disconnect of %s; still serving", peer)
@@ -146,6 +159,22 @@ class ControllerServer:
             hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
             self._reply(reply, request_id, hello, None)
             return
+        if isinstance(request, p.SaveCheckpoint):
+            try:
+                self._reply(reply, request_id, self.save(request.directory), None)
+            except TransferQueueError as exc:
+                self._reply(reply, request_id, None, exc)
+            except Exception as exc:  # a disk or a unit failed: the previous checkpoint stays current
+                logger.exception("saving a checkpoint under %s failed", request.directory)
+                self._reply(
+                    reply,
+                    request_id,
+                    None,
+                    CheckpointError(
+                        f"saving the checkpoint under {request.directory} failed: {type(exc).__name__}: {exc}"
+                    ),
+                )
+            return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
         hold = isinstance(request, (p.Clear, p.KvClear))
@@ -178,6 +207,16 @@ class ControllerServer:
                 self._held.append(HeldReply(reply, request_id, value, set(sent), deadline))
             else:
                 self._reply(reply, request_id, value, error)
+
+    def save(self, directory: str) -> str:
+        """Save the queue under ``directory`` (call with :attr:`lock` held: nothing is served meanwhile, so the
+        controller's snapshot and the units' payload agree); returns the committed checkpoint's directory."""
+        if self._save_units is None:
+            raise CheckpointError("this controller cannot reach its storage units to save their payload")
+        staging, name = begin_save(directory)
+        write_controller(staging, snapshot_state(self.state))
+        self._save_units(staging)
+        return commit_save(directory, staging, name)
 
     def _vouch(self, reservation: p.Reservation, nbytes: int) -> None:
         """Sign what the put reserved into each placement, so storage units check what arrives (defect 11)."""
@@ -277,6 +316,8 @@ class TransferQueueController:
         storage_unit_options: Ray ``.options(...)`` for the storage actors this controller starts: one dict for
             all, or one per unit (``scheduling_strategy``, ``resources``, ``num_cpus``, ...).
         bind_host: address the sockets bind to (default: the node's address as Ray sees it).
+        restore_from: a directory ``save_checkpoint`` wrote: start with its partitions, consumption, DP rounds, kv
+            keys, samplers' states and payload (onto this controller's storage units, however many).
         **config: the other :class:`~transfer_queue.config.QueueConfig` fields (``storage_unit_bytes``,
             ``default_timeout``, ``put_grace``, ``seqlen_fields``).
 
@@ -295,6 +336,7 @@ class TransferQueueController:
         storage_units: list[Any] | None = None,
         storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
         bind_host: str | None = None,
+        restore_from: str | None = None,
         **config: Any,
     ):
         if storage_units is not None and num_storage_units not in (None, len(storage_units)):
@@ -322,10 +364,47 @@ class TransferQueueController:
         endpoints = ray.get(
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
         )
-        self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
+        if restore_from is not None:
+            state = self._restore(restore_from, sampler)
+        self._server = ControllerServer(
+            state, self._session_id, endpoints, bind_host, self._secret, save_units=self._save_units
+        )
         self._info = p.ControllerInfo(
             p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
+
+    def _save_units(self, staging: str) -> None:
+        ray.get([unit.save_checkpoint.remote(staging) for unit in self._units])
+
+    def _restore(self, root: str, sampler: SamplerSpec | None) -> QueueState:
+        checkpoint = current_checkpoint(root)
+        snapshot = read_snapshot(read_controller(checkpoint))
+        saved = snapshot["config"]
+        for name in ("global_batch_size", "num_n_samples"):
+            if saved[name] != getattr(self._config, name):
+                raise ConfigMismatch(
+                    f"the checkpoint under {root} is of a queue with {name}={saved[name]}; this one has "
+                    f"{name}={getattr(self._config, name)}"
+                )
+        units, old_units = len(self._units), saved["num_storage_units"]
+        mapping, blocks = block_map(snapshot, units)
+        ray.get(
+            [
+                unit.restore_checkpoint.remote(
+                    checkpoint,
+                    [u for u in range(old_units) if u % units == v],
+                    {b: n for b, n in mapping.items() if n % units == v},
+                )
+                for v, unit in enumerate(self._units)
+            ]
+        )
+        logger.info("restored %d partitions from %s onto %d storage units", len(snapshot["partitions"]), root, units)
+        return restore_state(snapshot, self._config, sampler, mapping, blocks)
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Save the queue under ``directory`` (what ``client.save_checkpoint`` asks); returns its directory."""
+        with self._server.lock:
+            return self._server.save(directory)
 
     def get_info(self) -> p.ControllerInfo:
         """What ``TransferQueueClient(client_id=..., controller_info=...)`` needs."""

@@ -127,6 +127,11 @@ class ServerGone(TransferQueueError, ConnectionError):
     it was shut down. Raised as soon as the transport sees it, not after the request's timeout."""
 
 
+class QueueBusy(TransferQueueError, RuntimeError):
+    """Too many requests are waiting in the controller already (``max_waiting_requests``); this one was refused
+    rather than parked. Retry later, or raise the limit."""
+
+
 class MalformedMessage(TransferQueueError, ValueError):
     """A frame received over ZeroMQ could not be decoded; the server replied with this and kept serving."""
 

@@ -37,6 +37,7 @@ AVAILABLE, LEASED, CONSUMED, DEAD = 0, 1, 2, 3  # CONSUMED: acknowledged
 ACKNOWLEDGED = CONSUMED
 NO_HOLDER = 0  # owner ids start at 1, so fresh (zeroed) rows have no holder
 MAX_FIELDS = 64
+MAX_TASKS_PER_PARTITION = 128  # task names one partition follows at once (idle ones are forgotten first)
 
 
 def unique_in_order(rows: np.ndarray) -> np.ndarray:
@@ -287,7 +288,8 @@ class PartitionState:
         cap = capacity or 64
         self.state = np.zeros(cap, dtype=np.int8)
         self.group = np.full(cap, -1, dtype=np.int64)
-        self.length = np.zeros(cap, dtype=np.int64)
+        self.length = np.zeros(cap, dtype=np.int64)  # a row's length: the sum of its cells' lengths
+        self.cell_length = np.zeros((cap, 4), dtype=np.int64)  # what each (row, field) adds to its row's length
         self.produced_mask = np.zeros(cap, dtype=np.uint64)
         self.inflight_mask = np.zeros(cap, dtype=np.uint64)
         self.block = np.full((cap, 4), -1, dtype=np.int64)
@@ -316,6 +318,7 @@ class PartitionState:
         cols = self.block.shape[1]
         self.block = np.concatenate([self.block, np.full((new - cap, cols), -1, dtype=np.int64)])
         self.offset = np.concatenate([self.offset, np.zeros((new - cap, cols), dtype=np.int64)])
+        self.cell_length = np.concatenate([self.cell_length, np.zeros((new - cap, cols), dtype=np.int64)])
         for task in self.tasks.values():
             task.grow(new)
 
@@ -353,6 +356,9 @@ class PartitionState:
                 extra = self.block.shape[1]
                 self.block = np.concatenate([self.block, np.full((len(self.state), extra), -1, np.int64)], axis=1)
                 self.offset = np.concatenate([self.offset, np.zeros((len(self.state), extra), np.int64)], axis=1)
+                self.cell_length = np.concatenate(
+                    [self.cell_length, np.zeros((len(self.state), extra), np.int64)], axis=1
+                )
 
     # ---- rows of a put -------------------------------------------------------------------------------------
     def check_room(self, num_rows: int) -> None:
@@ -492,6 +498,9 @@ class PartitionState:
         new_rows: np.ndarray,
     ) -> list[int]:
         """Make a put visible: all its rows and fields at once (``new_rows`` marks rows the put created).
+
+        ``lengths``: (rows x names) what each written cell adds to its row's length (None: nothing). A cell written
+        again replaces its length, so a row's length never grows by being overwritten.
         Returns the blocks no longer referenced (kv upserts)."""
         cols = [self.field_col[n] for n in names]
         mask = 0
@@ -510,8 +519,10 @@ class PartitionState:
         for b, c in zip(*np.unique(blocks, return_counts=True), strict=True):
             self.block_refs[int(b)] = self.block_refs.get(int(b), 0) + int(c) * len(cols)
         self.produced_mask[rows] |= np.uint64(mask)
-        if lengths is not None:
-            self.length[rows] += lengths
+        cells = (rows[:, None], np.asarray(cols, dtype=np.int64))
+        new_lengths = np.zeros((len(rows), len(cols)), np.int64) if lengths is None else lengths
+        self.length[rows] += (new_lengths - self.cell_length[cells]).sum(axis=1)
+        self.cell_length[cells] = new_lengths
         fresh = rows[new_rows]
         if len(fresh):
             self.state[fresh] = COMMITTED
@@ -543,8 +554,28 @@ class PartitionState:
     def task(self, task_name: str) -> TaskState:
         task = self.tasks.get(task_name)
         if task is None:
+            if len(self.tasks) >= MAX_TASKS_PER_PARTITION:
+                self._forget_idle_tasks()
             task = self.tasks[task_name] = TaskState.of_size(len(self.state))
         return task
+
+    def _forget_idle_tasks(self) -> None:
+        """Bound the per-task state of a long-lived partition: a task that holds no row (nothing leased, acknowledged
+        or dead-lettered) is only ready indexes, rebuilt on its next call."""
+        n = self.num_rows
+        idle = [k for k, t in self.tasks.items() if not np.any(t.consumption[:n] != AVAILABLE)]
+        for name in idle:
+            del self.tasks[name]
+
+    def check_new_task(self, task_name: str) -> None:
+        """Refuse one task name too many: every task this partition follows holds rows (see ``task``)."""
+        if task_name not in self.tasks and len(self.tasks) >= MAX_TASKS_PER_PARTITION:
+            self._forget_idle_tasks()
+            if len(self.tasks) >= MAX_TASKS_PER_PARTITION:
+                raise InvalidRequest(
+                    f"{self.name} already follows {len(self.tasks)} tasks that hold rows (at most "
+                    f"{MAX_TASKS_PER_PARTITION}); reset_consumption of finished tasks, or use fewer task names"
+                )
 
     def ready_index(self, task_name: str, names: Iterable[str]) -> ReadyIndex | None:
         """The ready index of a task for a set of fields, built on first use (one scan), then kept."""
@@ -701,6 +732,7 @@ class PartitionState:
         self.block[rows] = -1
         self.produced_mask[rows] = 0
         self.length[rows] = 0
+        self.cell_length[rows] = 0
         self.state[rows] = FREE
         self.group[rows] = -1
         self.num_committed -= len(rows)

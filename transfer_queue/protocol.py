@@ -89,6 +89,8 @@ class Reserve(msgspec.Struct, tag="reserve"):
     lengths: bytes | None = None
     keys: list[str] | None = None  # a put by key (kv_*): rows are found or created by key, fields upserted
     timeout: float = 30.0
+    # ``lengths`` per field: rows x len(length_fields) values, row-major (None: ``lengths`` is one sum per row)
+    length_fields: list[str] | None = None
 
 
 class Commit(msgspec.Struct, tag="commit"):
@@ -195,6 +197,12 @@ class KvClear(msgspec.Struct, tag="kv_clear"):
     keys: list[str] | None = None
 
 
+class SaveCheckpoint(msgspec.Struct, tag="save_checkpoint"):
+    """Save the queue (controller state and every storage unit's payload) under ``directory``."""
+
+    directory: str
+
+
 ControllerRequest = (
     Hello
     | Reserve
@@ -215,6 +223,7 @@ ControllerRequest = (
     | KvLookup
     | KvList
     | KvClear
+    | SaveCheckpoint
 )
 
 
@@ -311,10 +320,16 @@ class Read(msgspec.Struct, tag="read"):
 class DropBlocks(msgspec.Struct, tag="drop_blocks"):
     partition_uid: int
     block_ids: list[int]
+    # every block id below this belongs to a put that committed or was aborted: a write of one is late, refused
+    block_floor: int | None = None
 
 
 class DropPartition(msgspec.Struct, tag="drop_partition"):
     partition_uid: int
+    # the controller's live partitions when it was sent: every other uid up to max_uid is dead (writes refused)
+    live_uids: list[int] | None = None
+    max_uid: int | None = None
+    block_floor: int | None = None
 
 
 class StorageStats(msgspec.Struct, tag="stats"):

@@ -35,6 +35,7 @@ from transfer_queue.errors import (
     NotLeased,
     PartitionCleared,
     PutExpired,
+    QueueBusy,
     QueueFull,
     SamplerError,
     StaleBatchMeta,
@@ -65,6 +66,12 @@ Respond = Callable[[Any, BaseException | None], None]
 WAIT = object()  # an attempt's answer: not possible yet, retry later
 MAX_ROWS_PER_PUT = 1 << 24  # bounds the bookkeeping one request can make the controller allocate
 MAX_DP_SIZE = 1 << 16  # bounds the shares one DP round is split into
+COMMITS_REMEMBERED = 4096  # recent commits whose meta a retried commit (its reply was lost) gets again
+# Bounds on what a long run leaves behind (defect 8). A cleared name forgotten: get_meta on it waits for a new put
+# (and times out) instead of failing at once. A DP round forgotten: a peer that lags more than this many rounds
+# behind opens it anew (and gets other rows).
+CLEARED_NAMES_REMEMBERED = 4096
+MAX_ROUNDS_PER_PARTITION = 1024
 
 
 @dataclass
@@ -91,6 +98,7 @@ class OpenPut:
     nbytes: int
     deadline: float
     keys: list[str] | None = None
+    owner: Any = None  # the connection (transport Peer) that reserved it: its close aborts the put
 
 
 @dataclass
@@ -104,7 +112,12 @@ class GetMetaJob:
     dp_size: int
     dp_rank: int
     dp_group_id: str | None
-    auto_round: tuple[tuple[PartitionKey, str, int], int] | None = None  # (counter, round) when numbered for it
+    auto_round: tuple[AutoRoundCounter, int] | None = None  # (counter, round) when numbered for it
+
+
+# An automatic DP round counter: (partition, task, dp_rank, caller), the caller being ``world_rank`` when given,
+# else the connection: the TP peers of one dp_rank count their own calls, so their k-th calls meet in round k.
+AutoRoundCounter = tuple[PartitionKey, str, int, Any]
 
 
 @dataclass
@@ -113,7 +126,16 @@ class Parked:
     respond: Respond
     started: float
     deadline: float
-    peer: Any = None  # the connection it came on: a parked get_meta whose connection closed is dropped
+    peer: Any = None  # the connection it came on: a parked request whose connection closed is dropped
+
+
+@dataclass
+class Committed:
+    """A commit remembered for a while, so a retried commit (its reply was lost) gets the same meta."""
+
+    wire: p.MetaWire
+    uid: int
+    until: float
 
 
 class QueueState:
@@ -128,7 +150,7 @@ class QueueState:
         self.samplers: dict[str, BaseSampler] = {}
         self.partitions: dict[PartitionKey, PartitionState] = {}
         self.max_cleared_step = -1
-        self.cleared_names: set[str] = set()
+        self.cleared_names: dict[str, None] = {}  # the latest cleared string partitions, oldest first (bounded)
         self.open_puts: dict[int, OpenPut] = {}
         self.getters: dict[PartitionKey, list[Parked]] = {}
         self.putters: list[Parked] = []
@@ -136,9 +158,12 @@ class QueueState:
         self.outbox: list[tuple[int, Any]] = []  # (storage unit, request) to send
         self.bytes_held = 0
         self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
-        self.auto_rounds: dict[tuple[PartitionKey, str, int], int] = {}
+        self.auto_rounds: dict[AutoRoundCounter, int] = {}
         self.leases = LeaseBook()
         self.task_options: dict[str, TaskOptions] = {}
+        self.committed: dict[int, Committed] = {}  # put id -> its commit, oldest first
+        self.pending_sampler_states: dict[str, dict[str, Any]] = {}  # restored, for tasks not registered again yet
+        self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
         self._next_uid = 1
         self._next_put = 1
         self._next_block = 0
@@ -177,14 +202,21 @@ class QueueState:
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
         self.samplers[task_name] = self._checked(make_sampler(sampler))
+        saved = self.pending_sampler_states.pop(task_name, None)
+        if saved is not None:  # restored from a checkpoint: the task's sampler goes on where it was
+            self.samplers[task_name].load_state_dict(saved)
 
     def sampler_for(self, task_name: str) -> BaseSampler:
         return self.samplers.get(task_name, self.default_sampler)
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def handle(self, request: Any, respond: Respond, peer: Any = None) -> None:
-        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later. ``peer`` is the connection
-        it came on (None: unknown); requests that name an ``owner`` tie that connection to their client."""
+        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later.
+
+        ``peer``: the connection it came on (a :class:`~transfer_queue.transport.Peer`; None: unknown, e.g. unit
+        tests). Requests that name an ``owner`` tie that connection to their client; :meth:`on_disconnect` of it
+        drops its waits and, after a grace, aborts its open puts and hands its leases back.
+        """
         owner = getattr(request, "owner", "")
         if owner and peer is not None:
             self.leases.connected(owner, peer)
@@ -192,12 +224,29 @@ class QueueState:
         if handler is None:
             respond(None, InvalidRequest(f"the controller does not handle {type(request).__name__} requests"))
             return
+        if isinstance(request, p.Reserve) and peer is not None:
+            respond = self._owned_by(peer, respond)
+        self.caller = peer
         try:
             result = handler(request)
         except TransferQueueError as exc:
             respond(None, exc)
             return
+        finally:
+            self.caller = None
         if isinstance(result, Wait):
+            waiting = len(self.putters) + sum(map(len, self.getters.values()))
+            if waiting >= self.config.max_waiting_requests:
+                if isinstance(result.job, GetMetaJob):
+                    self._forget_auto_round(result.job)
+                respond(
+                    None,
+                    QueueBusy(
+                        f"{waiting} requests are waiting in the controller (max_waiting_requests="
+                        f"{self.config.max_waiting_requests}); this {type(request).__name__} was refused, not parked"
+                    ),
+                )
+                return
             now = self.clock()
             parked = Parked(result.job, respond, now, now + request.timeout, peer)
             self.next_deadline = min(self.next_deadline, parked.deadline)
@@ -207,6 +256,16 @@ class QueueState:
                 self.getters.setdefault(request.partition, []).append(parked)
         else:
             respond(result, None)
+
+    def _owned_by(self, peer: Any, respond: Respond) -> Respond:
+        """``respond`` that records ``peer`` as the owner of the put it answers with a reservation."""
+
+        def owned(value: Any, error: BaseException | None) -> None:
+            if isinstance(value, p.Reservation) and value.put_id in self.open_puts:
+                self.open_puts[value.put_id].owner = peer
+            respond(value, error)
+
+        return owned
 
     def tick(self) -> float | None:
         """Expire parked requests and abandoned puts; returns the next deadline (``None``: nothing pending)."""
@@ -239,6 +298,11 @@ class QueueState:
         for owner in self.leases.take_orphans(now):
             for lease in reversed(self.leases.of_owner(owner)):
                 self._give_back(lease, "client disconnected")
+        while self.committed:
+            put_id, done = next(iter(self.committed.items()))
+            if done.until > now:
+                break
+            del self.committed[put_id]
         deadlines = [self.leases.next_deadline()]
         deadlines += [put.deadline for put in self.open_puts.values()]
         deadlines += [w.deadline for ws in self.getters.values() for w in ws]
@@ -261,10 +325,12 @@ class QueueState:
             try:
                 result = self._try_get_meta(parked.job)
             except TransferQueueError as exc:
+                self._forget_auto_round(parked.job)
                 parked.respond(None, exc)
                 continue
             except Exception as exc:  # a bug in a task's sampler: only that task's getter hears of it
                 job = parked.job
+                self._forget_auto_round(job)
                 logger.exception("the sampler of task %r failed serving a waiting get_meta", job.request.task_name)
                 parked.respond(
                     None,
@@ -374,9 +440,7 @@ class QueueState:
                 f"a put of {req.nbytes} bytes can never fit: the storage units hold {self._byte_budget} bytes in all"
             )
         group_ids = None if req.group_ids is None else p.unpack_indexes(req.group_ids)
-        lengths = None if req.lengths is None else p.unpack_indexes(req.lengths)
-        if lengths is not None and len(lengths) != req.num_rows:
-            raise InvalidRequest(f"lengths has {len(lengths)} entries; the put has {req.num_rows} rows")
+        lengths = self._cell_lengths(req)
         if req.keys is not None and (len(req.keys) != req.num_rows or len(set(req.keys)) != len(req.keys)):
             raise InvalidRequest(f"a put by key needs {req.num_rows} distinct keys, got {len(req.keys)}")
         n = self.config.num_n_samples
@@ -393,6 +457,31 @@ class QueueState:
         job = (req, group_ids, lengths)
         result = self._open_and_reserve(job)
         return Wait(job) if result is WAIT else result
+
+    @staticmethod
+    def _cell_lengths(req: p.Reserve) -> np.ndarray | None:
+        """The put's lengths as a (rows x fields) matrix in the order of ``req.fields``: what each cell it writes
+        adds to its row's length (a per-row sum is put on the put's first field)."""
+        if req.lengths is None:
+            return None
+        flat = p.unpack_indexes(req.lengths)
+        names = list(req.fields)
+        cells = np.zeros((req.num_rows, len(names)), dtype=np.int64)
+        if req.length_fields is None:
+            if len(flat) != req.num_rows:
+                raise InvalidRequest(f"lengths has {len(flat)} entries; the put has {req.num_rows} rows")
+            cells[:, 0] = flat
+            return cells
+        unknown = [n for n in req.length_fields if n not in req.fields]
+        if unknown or len(set(req.length_fields)) != len(req.length_fields):
+            raise InvalidRequest(f"length_fields {req.length_fields} must name distinct fields of the put {names}")
+        if len(flat) != req.num_rows * len(req.length_fields):
+            raise InvalidRequest(
+                f"lengths has {len(flat)} entries; {req.num_rows} rows x {len(req.length_fields)} length_fields "
+                f"need {req.num_rows * len(req.length_fields)}"
+            )
+        cells[:, [names.index(n) for n in req.length_fields]] = flat.reshape(req.num_rows, len(req.length_fields))
+        return cells
 
     def _open_and_reserve(self, job: tuple[p.Reserve, np.ndarray | None, np.ndarray | None]) -> Any:
         req, group_ids, lengths = job
@@ -413,7 +502,7 @@ class QueueState:
                 del self.partitions[key]
             raise
         if isinstance(key, str):
-            self.cleared_names.discard(key)
+            self.cleared_names.pop(key, None)
         return reservation
 
     def _reserve_rows(
@@ -495,7 +584,7 @@ class QueueState:
             offsets,
             lengths,
             req.nbytes,
-            self.clock() + req.timeout + self.config.put_grace,
+            self.clock() + min(req.timeout, self.config.max_reservation_s) + self.config.put_grace,
             req.keys,
         )
         self._next_put += 1
@@ -514,6 +603,10 @@ class QueueState:
     def _on_commit(self, req: p.Commit) -> p.MetaWire:
         put = self.open_puts.pop(req.put_id, None)
         if put is None:
+            done = self.committed.get(req.put_id)
+            if done is not None and self._by_uid(done.uid) is not None:
+                # a retry of a commit whose reply was lost: the same rows, not new ones
+                return done.wire
             raise PutExpired(
                 f"put {req.put_id} expired, was aborted, or its partition was cleared before the commit; "
                 "none of its rows are visible"
@@ -529,9 +622,16 @@ class QueueState:
             bytes_before = upto
         self._drop_blocks(part, dead)
         extra = {"keys": put.keys} if put.keys is not None else {}
-        meta = part.meta(put.rows, put.names, None, extra)
+        wire = part.meta_wire(put.rows, put.names, None, extra)
+        self._remember_commit(put, wire)
         self._retry_getters(put.key)
-        return p.MetaWire.from_meta(meta)
+        return wire
+
+    def _remember_commit(self, put: OpenPut, wire: p.MetaWire) -> None:
+        """Keep the commit's meta until the put's reservation would have expired (a retry comes before that)."""
+        self.committed[put.put_id] = Committed(wire, put.uid, put.deadline)
+        while len(self.committed) > COMMITS_REMEMBERED:
+            del self.committed[next(iter(self.committed))]
 
     def _on_abort(self, req: p.Abort) -> None:
         put = self.open_puts.pop(req.put_id, None)
@@ -556,6 +656,15 @@ class QueueState:
             self._retry_getters(put.key)
         self._retry_putters()
 
+    def _block_floor(self) -> int:
+        """Every block id below this belongs to a put that committed or was aborted (storage units refuse late
+        writes of those and forget their tombstones)."""
+        floor = self._next_block * self.config.num_storage_units
+        for put in self.open_puts.values():
+            if len(put.blocks):
+                floor = min(floor, int(put.blocks.min()))
+        return floor
+
     def _drop_blocks(self, part: PartitionState, blocks: list[int]) -> None:
         units = self.config.num_storage_units
         by_unit: dict[int, list[int]] = {}
@@ -566,7 +675,7 @@ class QueueState:
         part.nbytes -= freed
         self.bytes_held -= freed
         for unit, ids in by_unit.items():
-            self.outbox.append((unit, p.DropBlocks(part.uid, ids)))
+            self.outbox.append((unit, p.DropBlocks(part.uid, ids, self._block_floor())))
         if freed:
             self._retry_putters()
 
@@ -602,10 +711,15 @@ class QueueState:
             raise IncompleteGroups(
                 f"batch_size={req.batch_size} is not divisible by num_n_samples={n}; whole groups are served"
             )
-        self._live(key)  # raises now if the partition was cleared
+        part = self._live(key)  # raises now if the partition was cleared
+        if part is not None:
+            part.check_new_task(req.task_name)
         auto_round = None
         if dp_group_id is None and dp_size > 1:
-            counter = (key, req.task_name, dp_rank)
+            caller = params.get("world_rank")
+            if caller is not None and (not isinstance(caller, int) or isinstance(caller, bool)):
+                raise InvalidRequest(f"sampler_params['world_rank'] must be an int, got {caller!r}")
+            counter = (key, req.task_name, dp_rank, self.caller if caller is None else caller)
             number = self.auto_rounds.get(counter, 0)
             dp_group_id, auto_round = f"auto-{number}", (counter, number)
             self.auto_rounds[counter] = number + 1
@@ -619,7 +733,11 @@ class QueueState:
             None if dp_group_id is None else str(dp_group_id),
             auto_round,
         )
-        result = self._try_get_meta(job)
+        try:
+            result = self._try_get_meta(job)
+        except BaseException:
+            self._forget_auto_round(job)  # a call that failed took no round: the rank stays in step with its peers
+            raise
         return Wait(job) if result is WAIT else result
 
     def _try_get_meta(self, job: GetMetaJob) -> Any:
@@ -638,6 +756,8 @@ class QueueState:
         dp_round = part.rounds.get(round_key)
         if dp_round is None:
             dp_round = part.rounds[round_key] = DPRound(job.dp_size, req.batch_size, tuple(req.fields))
+            while len(part.rounds) > MAX_ROUNDS_PER_PARTITION:  # the oldest rounds go first
+                del part.rounds[next(iter(part.rounds))]
         elif (dp_round.dp_size, dp_round.batch_size, dp_round.fields) != (
             job.dp_size,
             req.batch_size,
@@ -849,8 +969,18 @@ class QueueState:
                 self._give_back(lease, "cancelled")
 
     def on_disconnect(self, peer: Any) -> None:
-        """Connection ``peer`` closed: its parked get_metas are dropped (nobody reads their answer); if it was its
-        client's last connection, the client's leases go back after ``disconnect_grace``."""
+        """Connection ``peer`` closed (its process died, or it closed its client): its parked requests are dropped
+        (nobody reads their answer) and its automatic DP round counters forgotten; its open puts are aborted after
+        ``disconnect_grace`` (it may still commit over a new connection), and if it was its client's last
+        connection, the client's leases go back after the same grace."""
+        deadline = self.clock() + self.config.disconnect_grace
+        for put in self.open_puts.values():
+            if put.owner == peer and put.deadline > deadline:
+                put.deadline = deadline
+                self.next_deadline = min(self.next_deadline, deadline)
+        self.putters = [parked for parked in self.putters if parked.peer != peer]
+        for counter in [c for c in self.auto_rounds if c[3] == peer]:
+            del self.auto_rounds[counter]
         for key in list(self.getters):
             keep = [parked for parked in self.getters[key] if parked.peer != peer]
             for parked in self.getters[key]:
@@ -860,9 +990,8 @@ class QueueState:
                 self.getters[key] = keep
             else:
                 del self.getters[key]
-        when = self.clock() + self.config.disconnect_grace
-        if self.leases.disconnected(peer, when) is not None:
-            self.next_deadline = min(self.next_deadline, when)
+        if self.leases.disconnected(peer, deadline) is not None:
+            self.next_deadline = min(self.next_deadline, deadline)
 
     def _on_set_task_options(self, req: p.SetTaskOptions) -> None:
         if not isinstance(req.task_name, str) or not req.task_name:
@@ -946,7 +1075,9 @@ class QueueState:
         if isinstance(key, int):
             self.max_cleared_step = max(self.max_cleared_step, key)
         else:
-            self.cleared_names.add(key)
+            self.cleared_names[key] = None
+            while len(self.cleared_names) > CLEARED_NAMES_REMEMBERED:
+                del self.cleared_names[next(iter(self.cleared_names))]
         for waiting in [k for k in self.getters if k != key]:
             if waiting not in self.partitions:  # waits for a partition to open: fails if it now never can
                 self._retry_getters(waiting)
@@ -954,8 +1085,9 @@ class QueueState:
         for put in [put for put in self.open_puts.values() if put.uid == part.uid]:
             del self.open_puts[put.put_id]  # its bytes are counted in part.nbytes
         self.bytes_held -= part.nbytes
+        live, floor = sorted(other.uid for other in self.partitions.values()), self._block_floor()
         for unit in range(self.config.num_storage_units):
-            self.outbox.append((unit, p.DropPartition(part.uid)))
+            self.outbox.append((unit, p.DropPartition(part.uid, live, self._next_uid - 1, floor)))
         for counter in [c for c in self.auto_rounds if c[0] == key]:
             del self.auto_rounds[counter]
         for parked in self.getters.pop(key, []):

@@ -8,6 +8,7 @@ by the process that created them, so they live as long as its job (right for ``r
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ def init(
     spin_seconds: float = 0.0,
     storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
     controller_options: dict[str, Any] | None = None,
+    restore_from: str | None = None,
     **config: Any,
 ) -> TransferQueueClient:
     """Start the queue on the current Ray cluster (or attach to the running one) and return a ready client.
@@ -75,6 +77,9 @@ def init(
         client_id: a name for the returned client's logs.
         spin_seconds: the client's reply spin (see TransferQueueClient).
         storage_unit_options, controller_options: Ray ``.options(...)`` for the actors (placement, resources).
+        restore_from: a directory ``client.save_checkpoint`` wrote: the new queue starts from it (its partitions,
+            consumption, DP rounds, kv keys, samplers' states and payload), on ``num_storage_units`` units however
+            many saved it. Ignored when a queue already runs (attaching never restores).
         **config: other QueueConfig fields (``storage_unit_bytes``, ``default_timeout``, ``put_grace``, ...).
 
     Raises:
@@ -105,6 +110,7 @@ def init(
                 sampler,
                 num_storage_units=num_storage_units,
                 storage_unit_options=storage_unit_options,
+                restore_from=None if restore_from is None else os.path.abspath(restore_from),
                 **config,
             )
             ray.get(handle.get_info.remote())

@@ -68,7 +68,12 @@ def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
 
 
 class BlockStore:
-    """Blocks of one storage unit, by block id, with tombstones so late writes of dead puts are refused."""
+    """Blocks of one storage unit, by block id, with tombstones so late writes of dead puts are refused.
+
+    Tombstones stay bounded over a long run: the controller's drop messages say which partitions are live (every
+    other uid up to ``max_uid`` is dead) and below which block id every put has finished (a write there is late),
+    so the store keeps only what those two facts do not already say.
+    """
 
     def __init__(self, unit: int, num_units: int, secret: bytes = b""):
         self.unit = unit
@@ -76,18 +81,23 @@ class BlockStore:
         self.secret = secret  # checks each write's reservation token (b"": no check, unit tests of the store)
         self.blocks: dict[int, Block] = {}
         self.by_partition: dict[int, set[int]] = {}
-        self.dead_partitions: set[int] = set()
-        self.dead_blocks: dict[int, set[int]] = {}
+        self.dead_partitions: set[int] = set()  # cleared uids the controller's live list does not cover yet
+        self.dead_blocks: dict[int, set[int]] = {}  # aborted or dropped blocks at or above block_floor
+        self.live_uids: frozenset[int] = frozenset()
+        self.max_uid = 0  # uids up to this that are not in live_uids are dead
+        self.block_floor = 0  # every block below this belongs to a finished put
         self.nbytes = 0
         self._freed_since_trim = 0
 
     def write(self, req: p.Write, buffers: Sequence[Any]) -> None:
         from transfer_queue.columns import Column, nframes
 
-        if req.partition_uid in self.dead_partitions:
+        if self._dead(req.partition_uid):
             raise PartitionCleared(f"partition uid {req.partition_uid} was cleared; the write was dropped")
-        if req.block_id in self.dead_blocks.get(req.partition_uid, ()):
-            raise PutExpired(f"block {req.block_id} belongs to a put that was aborted; the write was dropped")
+        if req.block_id < self.block_floor or req.block_id in self.dead_blocks.get(req.partition_uid, ()):
+            raise PutExpired(
+                f"block {req.block_id} belongs to a put that was aborted or already finished; the write was dropped"
+            )
         if req.block_id % self.num_units != self.unit:
             raise InvalidRequest(
                 f"block {req.block_id} belongs to storage unit {req.block_id % self.num_units}, not {self.unit}"
@@ -136,7 +146,7 @@ class BlockStore:
     def read(self, req: p.Read) -> tuple[p.ReadReply, list[Any]]:
         from transfer_queue.columns import nframes
 
-        if req.partition_uid in self.dead_partitions:
+        if self._dead(req.partition_uid):
             raise StaleBatchMeta(f"the rows of this BatchMeta were cleared (partition uid {req.partition_uid})")
         specs, buffers = [], []
         for spec in req.fields:
@@ -173,18 +183,49 @@ class BlockStore:
             raise InvalidRequest(f"field {spec.name!r}: a read needs at least one row")
         return concat_columns(parts, positions, len(blocks))
 
-    def drop_blocks(self, uid: int, block_ids: Sequence[int]) -> None:
-        self.dead_blocks.setdefault(uid, set()).update(block_ids)
+    def _dead(self, uid: int) -> bool:
+        return uid in self.dead_partitions or (uid <= self.max_uid and uid not in self.live_uids)
+
+    def drop_blocks(self, uid: int, block_ids: Sequence[int], block_floor: int | None = None) -> None:
+        self.dead_blocks.setdefault(uid, set()).update(
+            b for b in block_ids if b >= max(self.block_floor, block_floor or 0)
+        )
         for block_id in block_ids:
             self._free(block_id)
+        self._raise_floor(block_floor)
         self._maybe_trim()
 
-    def drop_partition(self, uid: int) -> None:
+    def drop_partition(
+        self,
+        uid: int,
+        live_uids: Sequence[int] | None = None,
+        max_uid: int | None = None,
+        block_floor: int | None = None,
+    ) -> None:
         self.dead_partitions.add(uid)
         self.dead_blocks.pop(uid, None)
         for block_id in self.by_partition.pop(uid, set()):
             self._free(block_id)
+        if live_uids is not None and max_uid is not None and max_uid >= self.max_uid:
+            # the controller's view replaces the tombstones it covers: every uid up to max_uid not live is dead
+            self.live_uids, self.max_uid = frozenset(live_uids), max_uid
+            self.dead_partitions = {u for u in self.dead_partitions if u > max_uid}
+            for dead in [u for u in self.by_partition if self._dead(u)]:  # a late write that slipped in before
+                for block_id in self.by_partition.pop(dead):
+                    self._free(block_id)
+        self._raise_floor(block_floor)
         self._maybe_trim(force=True)
+
+    def _raise_floor(self, block_floor: int | None) -> None:
+        if block_floor is None or block_floor <= self.block_floor:
+            return
+        self.block_floor = block_floor
+        for uid in list(self.dead_blocks):
+            kept = {b for b in self.dead_blocks[uid] if b >= block_floor}
+            if kept:
+                self.dead_blocks[uid] = kept
+            else:
+                del self.dead_blocks[uid]
 
     def _free(self, block_id: int) -> None:
         block = self.blocks.pop(block_id, None)
@@ -258,8 +299,10 @@ class StorageServer(Server):
         self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
             p.Read: lambda req, bufs: self.store.read(req),
-            p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids),
-            p.DropPartition: lambda req, bufs: self.store.drop_partition(req.partition_uid),
+            p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids, req.block_floor),
+            p.DropPartition: lambda req, bufs: self.store.drop_partition(
+                req.partition_uid, req.live_uids, req.max_uid, req.block_floor
+            ),
             p.StorageStats: lambda req, bufs: self.stats(),
         }
         self.start()
@@ -313,6 +356,38 @@ class StorageUnit:
         if self._server is None:
             raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
         return self._server.stats()
+
+    def save_checkpoint(self, root: str) -> int:
+        """Write this unit's blocks as its files of the checkpoint being staged under ``root``; returns the bytes."""
+        from transfer_queue.checkpoint import save_unit
+
+        server = self._joined()
+        with server.lock:
+            save_unit(root, server.store.unit, server.store.num_units, dict(server.store.blocks))
+            return server.store.nbytes
+
+    def restore_checkpoint(self, checkpoint: str, old_units: list[int], block_ids: dict[int, int]) -> int:
+        """Load the blocks the controller's map names from the files of ``old_units`` (renumbered by ``block_ids``:
+        restoring onto another number of units); blocks no partition references any more are left out."""
+        from transfer_queue.checkpoint import load_unit, restore_into
+
+        server = self._joined()
+        with server.lock:
+            store = server.store
+            secret, store.secret = store.secret, b""  # the controller vouches for these blocks: no put reserved them
+            try:
+                loaded = 0
+                for unit in old_units:
+                    saved = [block for block in load_unit(checkpoint, unit) if block.block_id in block_ids]
+                    loaded += restore_into(store, saved, block_ids)
+                return loaded
+            finally:
+                store.secret = secret
+
+    def _joined(self) -> StorageServer:
+        if self._server is None:
+            raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
+        return self._server
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -144,6 +144,8 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "target_uid": mostly(st.none(), st.integers(1, 4) | HUGE),
     "target_indexes": INDEX_BYTES,
     "lengths": INDEX_BYTES,
+    "directory": st.text(max_size=8),  # QueueState refuses save_checkpoint (the controller's server handles it)
+    "length_fields": mostly(st.none(), st.lists(st.sampled_from(["x", "y", "z", ""]), max_size=3)),
     "keys": mostly(st.none(), st.lists(st.sampled_from(["a", "b", ""]), max_size=4)),
     "timeout": mostly(st.just(5.0), st.sampled_from([float("nan"), float("inf"), -1.0, 0.0, 1e-9, 1e300])),
     "put_id": mostly(st.integers(1, 6), st.integers(-1, 0) | HUGE),
@@ -167,6 +169,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "owner": st.sampled_from(["", "a", "b"]),
     "call_id": mostly(st.integers(0, 3), HUGE),
     "explicit": st.booleans(),
+    "reply": st.booleans(),
     "ack": mostly(st.sampled_from(["auto", "explicit"]), st.text(max_size=3)),
     "max_deliveries": mostly(st.none() | st.integers(1, 3), st.integers(-1, 0) | HUGE),
 }
