@@ -45,6 +45,7 @@ from transfer_queue.errors import (
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
+    UnknownPartition,
     error_from_wire,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
@@ -206,6 +207,7 @@ class AsyncTransferQueueClient:
         metadata: BatchMeta | None = None,
         group_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
         timeout: float | None = None,
+        jagged: Sequence[str] = (),
     ) -> BatchMeta:
         """Store rows: append them to a partition, or (with ``metadata``) write new fields into existing rows.
 
@@ -218,6 +220,8 @@ class AsyncTransferQueueClient:
             group_ids: GRPO group of each row (ints scoped to the partition), so a group may arrive over several
                 puts. Default: ``row // num_n_samples``, which needs the put to hold whole groups.
             timeout: seconds to wait for room in the step ring and for the storage units (None: the default).
+            jagged: dense fields to store as jagged (ragged along their first per-row dimension), so that their
+                length may differ between puts; they come back as jagged nested tensors.
 
         Returns:
             The BatchMeta of the written rows and fields.
@@ -230,7 +234,7 @@ class AsyncTransferQueueClient:
         """
         timeout = self._timeout(timeout)
         key = _partition(global_step, partition_id, metadata)
-        num_rows, columns = columns_from_tensordict(data)
+        num_rows, columns = columns_from_tensordict(data, as_names(jagged))
         target_uid = target_indexes = None
         if metadata is not None:
             if len(metadata) != num_rows:
@@ -293,6 +297,7 @@ class AsyncTransferQueueClient:
         sampler_params: dict[str, Any] | None = None,
         get_n_samples: bool = False,
         timeout: float | None = None,
+        peek: bool = False,
     ) -> BatchMeta:
         """Rows ready for ``task_name`` (all ``data_fields`` produced, not yet consumed by the task), chosen by the
         task's sampler; they count as consumed by the task from now on (``release`` hands them back).
@@ -309,6 +314,8 @@ class AsyncTransferQueueClient:
             sampler_params: passed to the sampler; ``dp_rank``, ``dp_size``, ``dp_group_id`` make this call part of
                 a DP round shared by the ranks of a data-parallel world.
             get_n_samples: serve whole GRPO groups only (``batch_size`` must be a multiple of ``num_n_samples``).
+            peek: a non-consuming read (upstream's ``force_fetch``): the rows stay ready for the task and a later
+                ``get_meta`` serves them again. Not within a DP round.
 
         Raises:
             GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared.
@@ -325,6 +332,7 @@ class AsyncTransferQueueClient:
             sampler_params,
             bool(get_n_samples),
             timeout,
+            bool(peek),
         )
         wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
         return wire.to_meta()
@@ -338,6 +346,7 @@ class AsyncTransferQueueClient:
         """
         if not isinstance(batch_meta, BatchMeta):
             raise InvalidRequest(f"get_data expects a BatchMeta, got {type(batch_meta).__name__}")
+        device = _checked_device(device)
         num_rows = len(batch_meta)
         if num_rows == 0 or not batch_meta.fields:
             td = TensorDict({}, batch_size=[num_rows])
@@ -381,7 +390,10 @@ class AsyncTransferQueueClient:
             i = 0
             for spec, pos in zip(reply.columns, positions, strict=True):
                 frames = buffers[i : i + spec.nframes]
-                parts[spec.name].append(Column.from_buffers(spec.schema, spec.num_rows, frames))
+                part = Column.from_buffers(spec.schema, spec.num_rows, frames)
+                if batch_meta.fields[spec.name].kind == "jagged":  # stored dense before the field became jagged
+                    part = part.as_jagged()
+                parts[spec.name].append(part)
                 where[spec.name].append(pos)
                 if targets.get(2 + i) is not frames[0]:
                     in_place.discard(spec.name)  # not received in place (ZeroMQ, or sizes that disagree)
@@ -450,30 +462,87 @@ class AsyncTransferQueueClient:
         self._closed = True
         self._transport.close()
 
+    # ---- per-row custom meta, per-row clears, status in one word -------------------------------------------
+    async def set_custom_meta(self, batch_meta: BatchMeta, values: Sequence[dict[str, Any] | None]) -> None:
+        """Give each row of ``batch_meta`` a small dict of custom meta (``None`` or ``{}`` removes it).
+
+        Values must be msgpack-encodable and at most 4 KiB each, encoded. They come back with every later
+        ``get_meta`` of the rows (``meta.custom_meta``) and are dropped with the rows.
+        """
+        values = list(values)
+        if len(values) != len(batch_meta):
+            raise BatchSizeMismatch(f"set_custom_meta: the meta has {len(batch_meta)} rows, got {len(values)} values")
+        Column.from_objects("custom_meta", values, len(values))  # UnsupportedValue naming the row, before sending
+        request = p.SetCustomMeta(batch_meta.partition_uid, p.pack_indexes(batch_meta.global_indexes), values)
+        await self._control(request, Any, self.config.default_timeout)
+
+    async def get_custom_meta(self, batch_meta: BatchMeta) -> list[dict[str, Any]]:
+        """The current custom meta of each row of ``batch_meta`` (``{}`` where none is set), in its order."""
+        request = p.GetCustomMeta(batch_meta.partition_uid, p.pack_indexes(batch_meta.global_indexes))
+        return await self._control(request, Any, self.config.default_timeout)
+
+    async def clear_samples(self, batch_meta: BatchMeta) -> None:
+        """Forget the rows of ``batch_meta`` (any partition; by key it also forgets their keys); their payload is
+        freed once no row references its block. Rows already gone are skipped; a cleared partition is a no-op."""
+        request = p.ClearSamples(batch_meta.partition_uid, p.pack_indexes(batch_meta.global_indexes))
+        await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)
+
+    async def check_production_status(
+        self, data_fields: Sequence[str] | str, global_step: int | None = None, partition_id: str | None = None
+    ) -> bool:
+        """True when every row of the partition has every field of ``data_fields`` (a step: all its rows are
+        committed) and no put into it is open; False otherwise, also for a partition not opened yet."""
+        try:
+            status = await self.get_production_status(global_step, partition_id)
+        except UnknownPartition:
+            return False
+        rows, fields = status["rows"], status["fields"]
+        if not rows or status["rows_in_flight"] or (status["capacity"] is not None and rows != status["capacity"]):
+            return False
+        return all(name in fields and fields[name]["produced"] == rows for name in as_names(data_fields))
+
+    async def check_consumption_status(
+        self, task_name: str, global_step: int | None = None, partition_id: str | None = None
+    ) -> bool:
+        """True when ``task_name`` consumed every row of the partition (a step: all its rows are committed)."""
+        try:
+            status = await self.get_consumption_status(global_step, partition_id, task_name)
+            production = await self.get_production_status(global_step, partition_id)
+        except UnknownPartition:
+            return False
+        task, capacity = status["tasks"][task_name], production["capacity"]
+        return bool(task["rows"]) and task["consumed"] == task["rows"] and capacity in (None, task["rows"])
+
     # ---- by key (upstream TransferQueue's kv_* names) -------------------------------------------------------
     async def kv_batch_put(
         self,
         keys: Sequence[str],
         partition_id: str,
-        fields: TensorDictBase | dict[str, Any],
-        tags: Sequence[Any] | None = None,
+        fields: TensorDictBase | dict[str, Any] | None = None,
+        tags: Sequence[dict[str, Any] | None] | None = None,
         timeout: float | None = None,
+        jagged: Sequence[str] = (),
     ) -> BatchMeta:
         """Insert or update rows by key: new keys get new rows, existing keys get their fields overwritten.
 
-        ``tags`` (one msgpack-encodable value per key, e.g. a dict) are stored as the non-tensor field ``tags``.
+        ``tags`` (one small dict per key) become the rows' custom meta (see :meth:`set_custom_meta`); with no
+        ``fields`` only the tags are set (new keys are created with no fields yet). The meta returned names the
+        fields written; :meth:`kv_batch_get_by_meta` reads every field of its keys.
         """
         timeout = self._timeout(timeout)
         keys = as_names(keys)
-        if isinstance(fields, dict):
-            fields = TensorDict(dict(fields), batch_size=[len(keys)]) if fields else fields
-        num_rows, columns = columns_from_tensordict(fields)
+        partition_id = _kv_partition(partition_id)
+        if tags is not None and len(tags) != len(keys):
+            raise BatchSizeMismatch(f"{len(keys)} keys but {len(tags)} tags")
+        if not fields:  # None or {}: a tag-only update
+            if tags is None:
+                raise InvalidRequest("kv_put needs fields or a tag; got neither")
+            return await self._kv_tag(keys, partition_id, list(tags))
+        num_rows, columns = columns_from_tensordict(fields, as_names(jagged))
         if num_rows != len(keys):
             raise BatchSizeMismatch(f"{len(keys)} keys but {num_rows} rows of fields")
-        if tags is not None:
-            columns["tags"] = Column.from_objects("tags", list(tags), num_rows)
         reserve = p.Reserve(
-            _kv_partition(partition_id),
+            partition_id,
             num_rows,
             {name: c.schema for name, c in columns.items()},
             sum(c.nbytes for c in columns.values()),
@@ -481,16 +550,41 @@ class AsyncTransferQueueClient:
             keys=keys,
             timeout=timeout,
         )
-        return await self._put(reserve, columns, timeout)
+        meta = await self._put(reserve, columns, timeout)
+        if tags is not None:
+            tagged = await self._kv_tag(keys, partition_id, list(tags))
+            meta.extra["custom_meta"] = tagged.custom_meta
+        return meta
+
+    async def _kv_tag(self, keys: list[str], partition_id: str, tags: list[Any]) -> BatchMeta:
+        Column.from_objects("tags", tags, len(tags))  # UnsupportedValue naming the row, before sending
+        request = p.KvTag(partition_id, keys, tags)
+        wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
+        return wire.to_meta()
 
     async def kv_put(
-        self, key: str, partition_id: str, fields: dict[str, Any], tag: Any = None, timeout: float | None = None
+        self,
+        key: str,
+        partition_id: str,
+        fields: TensorDictBase | dict[str, Any] | None = None,
+        tag: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> BatchMeta:
-        """``kv_batch_put`` of one key; ``fields`` holds one row (tensors without the batch dimension)."""
-        row = {
-            name: value.unsqueeze(0) if isinstance(value, torch.Tensor) and not value.is_nested else [value]
-            for name, value in fields.items()
-        }
+        """``kv_batch_put`` of one key. ``fields`` holds one row: a dict of tensors without the batch dimension
+        (and non-tensor values), or a TensorDict of batch size 1. ``fields=None`` (or ``{}``) updates the tag only.
+        """
+        if isinstance(fields, TensorDictBase):
+            if list(fields.batch_size[:1]) != [1]:
+                got = list(fields.batch_size)
+                raise BatchSizeMismatch(f"kv_put takes one row: a TensorDict of batch size [1], got {got}")
+            row: Any = fields
+        elif fields is None or isinstance(fields, dict):
+            row = {
+                name: value.unsqueeze(0) if isinstance(value, torch.Tensor) and not value.is_nested else [value]
+                for name, value in (fields or {}).items()
+            }
+        else:
+            raise InvalidRequest(f"kv_put fields must be a dict, a TensorDict or None, got {type(fields).__name__}")
         return await self.kv_batch_put([key], partition_id, row, None if tag is None else [tag], timeout)
 
     async def kv_batch_get(
@@ -505,15 +599,42 @@ class AsyncTransferQueueClient:
         wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
         return await self.get_data(wire.to_meta())
 
-    async def kv_list(self, partition_id: str) -> list[str]:
-        """The keys of a partition used by key, in insertion order."""
-        return await self._control(p.KvList(_kv_partition(partition_id)), Any, self.config.default_timeout)
+    async def kv_batch_get_by_meta(
+        self, batch_meta: BatchMeta, select_fields: Sequence[str] | None = None
+    ) -> TensorDict:
+        """The rows of a kv put's meta with every field their keys have now (or ``select_fields``), not only the
+        fields that put wrote."""
+        if batch_meta.keys is None:
+            raise InvalidRequest("kv_batch_get_by_meta needs the meta of a kv put or lookup (it names keys)")
+        return await self.kv_batch_get(batch_meta.keys, str(batch_meta.partition_id), select_fields)
+
+    async def kv_list(self, partition_id: str | None = None, with_tags: bool = False) -> Any:
+        """The keys of a partition used by key, in insertion order (an unknown partition has none); with no
+        ``partition_id``, ``{partition_id: keys}`` for every partition used by key. ``with_tags``: each key's tag
+        (custom meta) instead, as ``{key: tag}``."""
+        partition = None if partition_id is None else _kv_partition(partition_id)
+        return await self._control(p.KvList(partition, bool(with_tags)), Any, self.config.default_timeout)
 
     async def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         """Forget ``keys`` (a str is one key; None: the whole partition) and free their payload. Unknown keys are
         ignored."""
         request = p.KvClear(_kv_partition(partition_id), None if keys is None else as_names(keys))
         await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)  # answered as clear is
+
+
+def _checked_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a torch.device, checked before any byte moves: a typed error instead of torch's."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequest(f"get_data: device={device!r} is not a torch device ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(f"get_data: device={device!r} asked for, but torch.cuda.is_available() is False here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"get_data: device={device!r} asked for; this process sees {torch.cuda.device_count()}")
+    return dev
 
 
 def _sync(
@@ -586,6 +707,12 @@ class TransferQueueClient:
     kv_batch_get = _sync(AsyncTransferQueueClient.kv_batch_get)
     kv_list = _sync(AsyncTransferQueueClient.kv_list)
     kv_clear = _sync(AsyncTransferQueueClient.kv_clear)
+    kv_batch_get_by_meta = _sync(AsyncTransferQueueClient.kv_batch_get_by_meta)
+    set_custom_meta = _sync(AsyncTransferQueueClient.set_custom_meta)
+    get_custom_meta = _sync(AsyncTransferQueueClient.get_custom_meta)
+    clear_samples = _sync(AsyncTransferQueueClient.clear_samples)
+    check_production_status = _sync(AsyncTransferQueueClient.check_production_status)
+    check_consumption_status = _sync(AsyncTransferQueueClient.check_consumption_status)
 
 
 def default_client_id() -> str:

@@ -22,6 +22,9 @@ class QueueConfig:
         default_timeout: seconds an operation waits when the caller passes ``timeout=None`` (finite, never forever).
         put_grace: extra seconds a put's reservation outlives its timeout before it is aborted (client died).
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
+        max_fields: fields one partition may hold (1..64; each row keeps its produced fields as bits of a uint64).
+        promote_jagged: a dense field whose first per-row dimension changes between puts becomes jagged (as
+            upstream TransferQueue does) instead of raising SchemaMismatch.
     """
 
     global_batch_size: int
@@ -32,6 +35,8 @@ class QueueConfig:
     default_timeout: float = 60.0
     put_grace: float = 30.0
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
+    max_fields: int = 64
+    promote_jagged: bool = False
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "num_global_batch", "num_n_samples", "num_storage_units"):
@@ -44,6 +49,13 @@ class QueueConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if not isinstance(self.max_fields, int) or isinstance(self.max_fields, bool) or not 1 <= self.max_fields <= 64:
+            raise InvalidRequest(
+                f"max_fields must be an int in [1, 64] (a row's produced fields are bits of a uint64), got "
+                f"{self.max_fields!r}"
+            )
+        if not isinstance(self.promote_jagged, bool):
+            raise InvalidRequest(f"promote_jagged must be a bool, got {self.promote_jagged!r}")
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
 
     @property
