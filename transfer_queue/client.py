@@ -534,7 +534,7 @@ class AsyncTransferQueueClient:
         partition_id = _kv_partition(partition_id)
         if tags is not None and len(tags) != len(keys):
             raise BatchSizeMismatch(f"{len(keys)} keys but {len(tags)} tags")
-        if not fields:  # None or {}: a tag-only update
+        if fields is None or len(fields.keys()) == 0:  # None or {}: a tag-only update
             if tags is None:
                 raise InvalidRequest("kv_put needs fields or a tag; got neither")
             return await self._kv_tag(keys, partition_id, list(tags))
