@@ -46,6 +46,7 @@ from transfer_queue.errors import (
     TransferQueueError,
     UnknownField,
     UnknownPartition,
+    UnsupportedValue,
     error_from_wire,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
@@ -126,7 +127,11 @@ class AsyncTransferQueueClient:
     def _frames(self, body: Any, buffers: Sequence[Any] = ()) -> tuple[list[Any], int]:
         request_id = self._transport.next_request_id()
         envelope = p.Envelope(p.PROTOCOL_VERSION, self.controller_info.session_id, request_id)
-        return [p.encode(envelope), p.encode(body), *buffers], request_id
+        try:
+            encoded = p.encode(body)
+        except (TypeError, OverflowError) as exc:  # e.g. an object in sampler_params: refused before sending
+            raise UnsupportedValue(f"a {type(body).__name__} request cannot be encoded: {exc}") from None
+        return [p.encode(envelope), encoded, *buffers], request_id
 
     async def _call(
         self,
@@ -233,6 +238,8 @@ class AsyncTransferQueueClient:
         >>> meta = client.put(TensorDict({"prompt_ids": ids}, batch_size=[8]), global_step=0)  # doctest: +SKIP
         """
         timeout = self._timeout(timeout)
+        if metadata is not None and not isinstance(metadata, BatchMeta):
+            raise InvalidRequest(f"put's metadata must be a BatchMeta (from get_meta), got {type(metadata).__name__}")
         key = _partition(global_step, partition_id, metadata)
         num_rows, columns = columns_from_tensordict(data, as_names(jagged))
         target_uid = target_indexes = None
@@ -323,7 +330,12 @@ class AsyncTransferQueueClient:
         >>> meta = client.get_meta(["prompt_ids"], batch_size=8, global_step=0, task_name="rollout")  # doctest: +SKIP
         """
         timeout = self._timeout(timeout)
-        fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        try:
+            fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        except TypeError:
+            fields = [data_fields]  # type: ignore[list-item]
+        if not all(isinstance(f, str) for f in fields):
+            raise InvalidRequest(f"data_fields must be a field name or a list of them, got {data_fields!r}")
         request = p.GetMeta(
             _partition(global_step, partition_id),
             fields,

@@ -158,6 +158,11 @@ class Column:
         if isinstance(value, torch.Tensor):
             if value.is_nested:  # before detach(): every op on a nested tensor goes through a slow dispatcher
                 return cls._from_nested(name, value, num_rows)
+            if value.layout != torch.strided or value.device.type == "meta":
+                raise UnsupportedValue(
+                    f"field {name!r}: a {value.layout} tensor on {value.device} cannot travel; only strided tensors "
+                    "with data (dense, or nested for jagged rows)"
+                )
             value = value.detach()
             if value.device.type != "cpu":
                 value = value.to("cpu")
@@ -173,7 +178,14 @@ class Column:
             value = value.data  # a TensorDict holds a numpy array of str/bytes/objects as one NonTensorData
         if isinstance(value, np.ndarray):
             if value.dtype.kind not in NUMPY_KINDS:  # numbers: a dense tensor
-                return cls.from_value(name, torch.from_numpy(np.ascontiguousarray(value)), num_rows)
+                try:
+                    tensor = torch.from_numpy(np.ascontiguousarray(value))
+                except TypeError:
+                    raise UnsupportedValue(
+                        f"field {name!r}: a numpy array of dtype {value.dtype} cannot travel; numbers, bool, str, "
+                        "bytes and object arrays can"
+                    ) from None
+                return cls.from_value(name, tensor, num_rows)
             return cls.from_numpy(name, value, num_rows)
         if isinstance(value, NonTensorData):
             return cls.from_objects(name, [value.data] * num_rows, num_rows)
@@ -372,6 +384,8 @@ def _bad_part(value: Any) -> str:
             _OBJECT_ENCODER.encode(item)
         except (TypeError, OverflowError):
             return _bad_part(item)
+    if isinstance(value, int):
+        return f"{value} lies outside msgpack's integer range"
     return f"{type(value).__module__}.{type(value).__qualname__} is not msgpack-encodable"
 
 
@@ -397,7 +411,7 @@ def columns_from_tensordict(
         num_rows = int(data.batch_size[0])
         items = [(k, data.get(k)) for k in data.keys(include_nested=False, leaves_only=False)]
     elif isinstance(data, dict):
-        sizes = {k: _rows_of(v) for k, v in data.items()}
+        sizes = {k: _rows_of(k, v) for k, v in data.items()}
         if len(set(sizes.values())) > 1:
             raise BatchSizeMismatch(f"fields of one put must have the same number of rows, got {sizes}")
         num_rows = next(iter(sizes.values()), 0)
@@ -419,10 +433,17 @@ def columns_from_tensordict(
     return num_rows, columns
 
 
-def _rows_of(value: Any) -> int:
+def _rows_of(name: Any, value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return int(value.size(0)) if value.dim() else 0
-    return len(value)
+    if isinstance(value, np.ndarray):
+        return int(value.shape[0]) if value.ndim else 0
+    try:
+        return len(value)
+    except TypeError:
+        raise UnsupportedValue(
+            f"field {name!r}: expected a tensor, an array or a list of rows, got {type(value).__name__}"
+        ) from None
 
 
 def tensordict_from_columns(columns: dict[str, Column], num_rows: int) -> TensorDict:

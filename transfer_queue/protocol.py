@@ -358,7 +358,13 @@ class ControllerInfo(msgspec.Struct, frozen=True):
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------
-_encoder = msgspec.msgpack.Encoder()
+def _encode_numpy_scalar(value: Any) -> Any:
+    if isinstance(value, np.generic):  # e.g. sampler_params={"dp_rank": np.int64(0)}: the number it holds
+        return value.item()
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_numpy_scalar)
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyHeader)
 _controller_decoder = msgspec.msgpack.Decoder(ControllerRequest)

@@ -12,7 +12,13 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, InvalidSampler, SchemaMismatch
+from transfer_queue.errors import (
+    BatchSizeMismatch,
+    InvalidRequest,
+    InvalidSampler,
+    SchemaMismatch,
+    UnsupportedValue,
+)
 from transfer_queue.interface import _defaults
 from transfer_queue.interop import from_dataproto, to_dataproto
 from transfer_queue.protocol import ControllerInfo
@@ -93,6 +99,12 @@ def test_untyped_errors_of_before_are_typed(queue: Any) -> None:
             client.get_data(meta, device="cuda")
     with pytest.raises(InvalidRequest, match="device='nonsense' is not a torch device"):
         client.get_data(meta, device="nonsense")
+    with pytest.raises(InvalidRequest, match="data_fields must be a field name or a list of them, got 3"):
+        client.get_meta(3, 1, partition_id=partition)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="put's metadata must be a BatchMeta"):
+        client.put({"x": torch.zeros(1)}, metadata={"rows": [0]})  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedValue, match="a GetMeta request cannot be encoded"):
+        client.get_meta("x", 1, partition_id=partition, sampler_params={"junk": object()})
     with pytest.raises(InvalidSampler, match="got int"):
         tq.register_sampler("task", 42)  # refused here, before Ray
     with pytest.raises(InvalidSampler, match="got int"):

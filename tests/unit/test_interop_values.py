@@ -221,3 +221,28 @@ def test_a_sampler_spec_that_is_not_one_is_a_typed_error():
     ):
         make_sampler(42)  # type: ignore[arg-type]
     assert issubclass(InvalidSampler, TypeError) and issubclass(InvalidSampler, InvalidRequest)
+
+
+# ---- every bad value is a TransferQueueError ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (5, "expected a tensor, an array or a list of rows, got int"),
+        (None, "expected a tensor, an array or a list of rows, got NoneType"),
+        (np.array(["2020-01-01"], dtype="datetime64[D]"), r"a numpy array of dtype datetime64\[D\] cannot travel"),
+        (np.zeros(2, dtype=[("a", "i4")]), "a numpy array of dtype .* cannot travel"),
+        (torch.zeros(2, 2).to_sparse(), "a torch.sparse_coo tensor on cpu cannot travel"),
+        (torch.zeros(2, device="meta"), "a torch.strided tensor on meta cannot travel"),
+        ([1 << 70, 1], r"row 0 \(int\): 1180591620717411303424 lies outside msgpack's integer range"),
+    ],
+    ids=["int", "none", "datetime", "structured", "sparse", "meta", "huge-int"],
+)
+def test_values_that_cannot_travel_get_unsupported_value(value, message):
+    with pytest.raises(UnsupportedValue, match=rf"field 'x': .*{message}"):
+        columns_from_tensordict({"x": value})
+
+
+def test_numpy_scalars_in_requests_are_numbers():
+    request = p.GetMeta("p", ["x"], 2, "train", {"dp_rank": np.int64(1), "dp_size": np.int32(2)})
+    decoded = p.decode_controller_request(p.encode(request))
+    assert decoded.sampler_params == {"dp_rank": 1, "dp_size": 2}

@@ -77,6 +77,7 @@ class GroupSampler(BaseSampler):
         group_size = int(kwargs.get("num_n_samples", 1))
         if row_groups is None:  # called by hand without groups: every row is its own group
             row_groups, group_size = np.arange(len(ready_indices)), 1
-        return sample_whole_groups(
+        chosen = sample_whole_groups(
             ready_indices, row_groups, batch_size, group_size, lambda ids, k: self.sample_groups(ids, k, **kwargs)
         )
+        return chosen.tolist()
