@@ -475,13 +475,16 @@ class AsyncTransferQueueClient:
         self._transport.close()
 
     # ---- per-row custom meta, per-row clears, status in one word -------------------------------------------
-    async def set_custom_meta(self, batch_meta: BatchMeta, values: Sequence[dict[str, Any] | None]) -> None:
+    async def set_custom_meta(
+        self, batch_meta: BatchMeta, values: Sequence[dict[str, Any] | None] | None = None
+    ) -> None:
         """Give each row of ``batch_meta`` a small dict of custom meta (``None`` or ``{}`` removes it).
 
         Values must be msgpack-encodable and at most 4 KiB each, encoded. They come back with every later
-        ``get_meta`` of the rows (``meta.custom_meta``) and are dropped with the rows.
+        ``get_meta`` of the rows (``meta.custom_meta``) and are dropped with the rows. ``values=None`` sends the
+        meta's own ``custom_meta`` (as upstream: ``meta.update_custom_meta(values)`` then ``set_custom_meta(meta)``).
         """
-        values = list(values)
+        values = list(batch_meta.custom_meta if values is None else values)
         if len(values) != len(batch_meta):
             raise BatchSizeMismatch(f"set_custom_meta: the meta has {len(batch_meta)} rows, got {len(values)} values")
         Column.from_objects("custom_meta", values, len(values))  # UnsupportedValue naming the row, before sending
@@ -500,7 +503,7 @@ class AsyncTransferQueueClient:
         await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)
 
     async def check_production_status(
-        self, data_fields: Sequence[str] | str, global_step: int | None = None, partition_id: str | None = None
+        self, data_fields: Sequence[str] | str, partition_id: str | None = None, *, global_step: int | None = None
     ) -> bool:
         """True when every row of the partition has every field of ``data_fields`` (a step: all its rows are
         committed) and no put into it is open; False otherwise, also for a partition not opened yet."""
@@ -514,7 +517,7 @@ class AsyncTransferQueueClient:
         return all(name in fields and fields[name]["produced"] == rows for name in as_names(data_fields))
 
     async def check_consumption_status(
-        self, task_name: str, global_step: int | None = None, partition_id: str | None = None
+        self, task_name: str, partition_id: str | None = None, *, global_step: int | None = None
     ) -> bool:
         """True when ``task_name`` consumed every row of the partition (a step: all its rows are committed)."""
         try:

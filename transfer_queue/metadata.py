@@ -137,6 +137,13 @@ class BatchMeta:
         none is set. ``client.get_custom_meta(meta)`` reads the current values."""
         return self.extra.get("custom_meta") or [{} for _ in range(len(self))]
 
+    def update_custom_meta(self, values: Sequence[dict[str, Any] | None]) -> None:
+        """Set this meta's ``custom_meta`` locally (one dict per row); ``client.set_custom_meta(meta)`` stores it."""
+        values = list(values)
+        if len(values) != len(self):
+            raise InvalidRequest(f"update_custom_meta: the meta has {len(self)} rows, got {len(values)} values")
+        self.extra["custom_meta"] = [dict(v) if v else {} for v in values]
+
     def _per_row_extra(self, positions: list[int]) -> dict[str, Any]:
         extra = dict(self.extra)
         for name in _PER_ROW:

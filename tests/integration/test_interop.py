@@ -141,18 +141,26 @@ def test_module_level_kv_calls_tags_and_batch_one_tensordicts(module_client: Any
 def test_custom_meta_peek_clear_samples_and_status_words(queue: Any) -> None:
     client, partition = queue.client, queue.partition()
     put = client.put({"x": torch.arange(4.0)}, partition_id=partition)
-    client.set_custom_meta(put.select_samples([0, 2]), [{"w": 0}, {"w": 2}])
+    some = put.select_samples([0, 2])
+    some.update_custom_meta([{"w": 0}, {"w": 1}])
+    client.set_custom_meta(some)  # upstream's way: the meta's own values
+    client.set_custom_meta(put.select_samples([2]), [{"w": 2}])
     assert client.get_custom_meta(put) == [{"w": 0}, {}, {"w": 2}, {}]
     peeked = client.get_meta("x", 4, partition_id=partition, task_name="t", peek=True)
     assert peeked.custom_meta == [{"w": 0}, {}, {"w": 2}, {}]
-    assert not client.check_consumption_status("t", partition_id=partition)  # a peek consumes nothing
-    assert client.check_production_status(["x"], partition_id=partition)
+    assert not client.check_consumption_status("t", partition)  # a peek consumes nothing
+    assert client.check_production_status(["x"], partition)
     assert not client.check_production_status(["x", "y"], partition_id=partition)
     assert not client.check_production_status(["x"], partition_id="never-opened")
     client.clear_samples(put.select_samples([1]))
     got = client.get_meta("x", 3, partition_id=partition, task_name="t")
-    assert got.global_indexes.tolist() == [0, 2, 3] and client.check_consumption_status("t", partition_id=partition)
+    assert got.global_indexes.tolist() == [0, 2, 3] and client.check_consumption_status("t", partition)
     assert client.get_data(got)["x"].tolist() == [0.0, 2.0, 3.0]
+    step = queue.step()  # a step is produced once all its global_batch_size rows are
+    client.put({"x": torch.zeros(8)}, global_step=step)
+    assert not client.check_production_status("x", global_step=step)
+    client.put({"x": torch.zeros(8)}, global_step=step)
+    assert client.check_production_status("x", global_step=step)
 
 
 def test_controller_info_as_json_serves_a_new_client(queue: Any) -> None:
