@@ -170,3 +170,16 @@ def test_controller_info_as_json_serves_a_new_client(queue: Any) -> None:
         assert client.ping()["client_id"] == "from-json"
     finally:
         client.close()
+
+
+def test_a_user_group_sampler_serves_whole_groups(grpo_queue: Any) -> None:
+    from tests.unit.test_interop_values import LastGroupsFirst  # importable by the controller's process
+
+    client, step = grpo_queue.client, grpo_queue.step()
+    ray.get(grpo_queue.controller.register_sampler.remote("groups_task", LastGroupsFirst()))
+    # members of groups 0..3 (4 each) arrive interleaved over two puts; group 3 stays incomplete
+    client.put({"x": torch.arange(8)}, global_step=step, group_ids=[0, 1, 2, 3, 0, 1, 2, 3])
+    client.put({"x": torch.arange(8, 14)}, global_step=step, group_ids=[0, 1, 2, 0, 1, 2])
+    meta = client.get_meta("x", 8, global_step=step, task_name="groups_task", get_n_samples=True, timeout=5)
+    groups = meta.group_ids.tolist()
+    assert groups == [2, 2, 2, 2, 1, 1, 1, 1]  # the newest complete groups, whole, members side by side
