@@ -60,6 +60,19 @@ def merge_schema(stored: FieldSchema, incoming: FieldSchema, promote: bool) -> F
     return FieldSchema("jagged", stored.dtype, trailing[0]) if trailing[0] == trailing[1] else None
 
 
+def check_custom_meta(values: list[Any], labels: list[str]) -> None:
+    """Raise InvalidRequest unless every value is a dict (or None) of at most MAX_CUSTOM_META_BYTES encoded."""
+    for label, value in zip(labels, values, strict=True):
+        if value is not None and not isinstance(value, dict):
+            raise InvalidRequest(f"the custom meta of {label} must be a dict (or None), got {type(value).__name__}")
+        size = len(protocol.encode(value))
+        if size > MAX_CUSTOM_META_BYTES:
+            raise InvalidRequest(
+                f"the custom meta of {label} is {size} bytes encoded; at most {MAX_CUSTOM_META_BYTES} are allowed "
+                "(put larger values into a field)"
+            )
+
+
 def describe_partition(key: PartitionKey) -> str:
     return f"global_step={key}" if isinstance(key, int) else f"partition_id={key!r}"
 
@@ -653,18 +666,7 @@ class PartitionState:
         """Give ``rows`` their custom meta: a small msgpack-encodable dict each (``None`` or ``{}`` removes it)."""
         if len(values) != len(rows):
             raise InvalidRequest(f"custom meta needs one value per row: {len(rows)} rows, got {len(values)}")
-        for row, value in zip(rows.tolist(), values, strict=True):
-            if value is not None and not isinstance(value, dict):
-                raise InvalidRequest(
-                    f"the custom meta of global index {self.base_index + row} must be a dict (or None), got "
-                    f"{type(value).__name__}"
-                )
-            size = len(protocol.encode(value))
-            if size > MAX_CUSTOM_META_BYTES:
-                raise InvalidRequest(
-                    f"the custom meta of global index {self.base_index + row} is {size} bytes encoded; at most "
-                    f"{MAX_CUSTOM_META_BYTES} are allowed (put larger values into a field)"
-                )
+        check_custom_meta(values, [f"global index {self.base_index + row}" for row in rows.tolist()])
         for row, value in zip(rows.tolist(), values, strict=True):
             if value:
                 self.custom_meta[row] = value

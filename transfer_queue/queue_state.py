@@ -37,7 +37,14 @@ from transfer_queue.errors import (
     UnknownPartition,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey
-from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, describe_partition
+from transfer_queue.partition import (
+    AVAILABLE,
+    COMMITTED,
+    DPRound,
+    PartitionState,
+    check_custom_meta,
+    describe_partition,
+)
 from transfer_queue.placement import place_rows
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
 from transfer_queue.selection import ReadyView, checked_shares, select_with_user_sampler
@@ -840,9 +847,12 @@ class QueueState:
         key = self._check_key(req.partition)
         if not isinstance(key, str) or len(req.keys) != len(req.values) or len(set(req.keys)) != len(req.keys):
             raise InvalidRequest(f"kv tags need a str partition and one tag per distinct key, got {len(req.keys)} keys")
-        part = self._live(key, reopen=True) or self._open(key, keyed=True)
+        check_custom_meta(list(req.values), [f"key {k!r}" for k in req.keys])  # before anything changes
+        part = self._live(key, reopen=True)
+        if part is not None:
+            self._check_use(part, keyed=True)
+        part = part or self._open(key, keyed=True)
         assert part is not None  # a str partition always opens
-        self._check_use(part, keyed=True)
         self.cleared_names.discard(key)
         if any(k in part.keys and part.state[part.keys[k]] != COMMITTED for k in req.keys):
             raise FieldAlreadyProduced(f"another put is creating some of these keys in {part.name} right now")
@@ -886,6 +896,7 @@ class QueueState:
             if key is not None:
                 part.keys.pop(key, None)
         self._drop_blocks(part, part.remove_rows(rows))
+        self._retry_getters(part.key)  # a closed partition may now have served everything that is left
         self._retry_putters()
 
     def _on_kv_clear(self, req: p.KvClear) -> None:

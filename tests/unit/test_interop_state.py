@@ -63,6 +63,9 @@ def test_kv_tags_set_custom_meta_and_create_keys(make_queue):
     q.put("rows", 1, X)
     with pytest.raises(InvalidRequest, match=r"partition_id='rows' is used by row \(put\); use one way"):
         q.ok(p.KvTag("rows", ["a"], [{}]))
+    with pytest.raises(InvalidRequest, match=r"the custom meta of key 'z' must be a dict \(or None\), got int"):
+        q.ok(p.KvTag("fresh", ["y", "z"], [{}, 3]))
+    assert "fresh" not in q.state.partitions  # a refused tag creates neither keys nor a partition
 
 
 def test_kv_list_of_every_partition_and_of_unknown_ones(make_queue):
