@@ -17,17 +17,35 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transfer_queue import errors
+    from transfer_queue import errors, interop
     from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
     from transfer_queue.config import QueueConfig
     from transfer_queue.controller import TransferQueueController
     from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
+    from transfer_queue.interface import (
+        async_kv_batch_get,
+        async_kv_batch_get_by_meta,
+        async_kv_batch_put,
+        async_kv_clear,
+        async_kv_list,
+        async_kv_put,
+        default_client,
+        kv_batch_get,
+        kv_batch_get_by_meta,
+        kv_batch_put,
+        kv_clear,
+        kv_list,
+        kv_put,
+        register_sampler,
+        set_default_client,
+    )
     from transfer_queue.metadata import BatchMeta, FieldSchema
     from transfer_queue.protocol import ControllerInfo
     from transfer_queue.runtime import get_client, get_controller, init, shutdown
     from transfer_queue.samplers import (
         BaseSampler,
         DPSampler,
+        GroupSampler,
         GRPOSampler,
         SeqlenBalancedSampler,
         SequentialSampler,
@@ -44,6 +62,24 @@ _WHERE = {
     "get_client": "transfer_queue.runtime",
     "QueueConfig": "transfer_queue.config",
     "errors": "transfer_queue.errors",
+    "register_sampler": "transfer_queue.interface",
+    # Upstream TransferQueue's module-level calls, on this process's default client
+    "set_default_client": "transfer_queue.interface",
+    "default_client": "transfer_queue.interface",
+    "kv_put": "transfer_queue.interface",
+    "kv_batch_put": "transfer_queue.interface",
+    "kv_batch_get": "transfer_queue.interface",
+    "kv_batch_get_by_meta": "transfer_queue.interface",
+    "kv_list": "transfer_queue.interface",
+    "kv_clear": "transfer_queue.interface",
+    "async_kv_put": "transfer_queue.interface",
+    "async_kv_batch_put": "transfer_queue.interface",
+    "async_kv_batch_get": "transfer_queue.interface",
+    "async_kv_batch_get_by_meta": "transfer_queue.interface",
+    "async_kv_list": "transfer_queue.interface",
+    "async_kv_clear": "transfer_queue.interface",
+    # verl's DataProto in and out (from_dataproto / to_dataproto)
+    "interop": "transfer_queue.interop",
     # Clients and what they exchange
     "TransferQueueClient": "transfer_queue.client",
     "AsyncTransferQueueClient": "transfer_queue.client",
@@ -57,6 +93,7 @@ _WHERE = {
     "BaseSampler": "transfer_queue.samplers",
     "SequentialSampler": "transfer_queue.samplers",
     "GRPOSampler": "transfer_queue.samplers",
+    "GroupSampler": "transfer_queue.samplers",
     "DPSampler": "transfer_queue.samplers",
     "SeqlenBalancedSampler": "transfer_queue.samplers",
     # The actors, for wiring them by hand
@@ -72,6 +109,7 @@ __all__ = [
     "DPSampler",
     "FieldSchema",
     "GRPOSampler",
+    "GroupSampler",
     "QueueConfig",
     "SeqlenBalancedSampler",
     "SequentialSampler",
@@ -80,10 +118,26 @@ __all__ = [
     "StreamingDataset",
     "TransferQueueClient",
     "TransferQueueController",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "default_client",
     "errors",
     "get_client",
     "get_controller",
     "init",
+    "interop",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "register_sampler",
+    "set_default_client",
     "shutdown",
 ]
 assert sorted(__all__) == sorted(_WHERE)

@@ -50,6 +50,8 @@ from transfer_queue.errors import (
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
+    UnknownPartition,
+    UnsupportedValue,
     error_from_wire,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
@@ -136,7 +138,11 @@ class AsyncTransferQueueClient:
     def _frames(self, body: Any, buffers: Sequence[Any] = ()) -> tuple[list[Any], int]:
         request_id = self._transport.next_request_id()
         envelope = p.Envelope(p.PROTOCOL_VERSION, self.controller_info.session_id, request_id)
-        return [p.encode(envelope), p.encode(body), *buffers], request_id
+        try:
+            encoded = p.encode(body)
+        except (TypeError, OverflowError) as exc:  # e.g. an object in sampler_params: refused before sending
+            raise UnsupportedValue(f"a {type(body).__name__} request cannot be encoded: {exc}") from None
+        return [p.encode(envelope), encoded, *buffers], request_id
 
     async def _call(
         self,
@@ -222,6 +228,7 @@ class AsyncTransferQueueClient:
         metadata: BatchMeta | None = None,
         group_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
         timeout: float | None = None,
+        jagged: Sequence[str] = (),
     ) -> BatchMeta:
         """Store rows: append them to a partition, or (with ``metadata``) write new fields into existing rows.
 
@@ -234,6 +241,8 @@ class AsyncTransferQueueClient:
             group_ids: GRPO group of each row (ints scoped to the partition), so a group may arrive over several
                 puts. Default: ``row // num_n_samples``, which needs the put to hold whole groups.
             timeout: seconds to wait for room in the step ring and for the storage units (None: the default).
+            jagged: dense fields to store as jagged (ragged along their first per-row dimension), so that their
+                length may differ between puts; they come back as jagged nested tensors.
 
         Returns:
             The BatchMeta of the written rows and fields.
@@ -245,8 +254,10 @@ class AsyncTransferQueueClient:
         >>> meta = client.put(TensorDict({"prompt_ids": ids}, batch_size=[8]), global_step=0)  # doctest: +SKIP
         """
         timeout = self._timeout(timeout)
+        if metadata is not None and not isinstance(metadata, BatchMeta):
+            raise InvalidRequest(f"put's metadata must be a BatchMeta (from get_meta), got {type(metadata).__name__}")
         key = _partition(global_step, partition_id, metadata)
-        num_rows, columns = columns_from_tensordict(data)
+        num_rows, columns = columns_from_tensordict(data, as_names(jagged))
         target_uid = target_indexes = None
         if metadata is not None:
             if len(metadata) != num_rows:
@@ -322,6 +333,7 @@ class AsyncTransferQueueClient:
         get_n_samples: bool = False,
         timeout: float | None = None,
         lease_s: float | None = None,
+        peek: bool = False,
     ) -> BatchMeta:
         """Rows ready for ``task_name`` (all ``data_fields`` produced, not yet handed to the task), chosen by the
         task's sampler and **leased** to this client: no other consumer of the task gets them while the lease
@@ -344,6 +356,8 @@ class AsyncTransferQueueClient:
             get_n_samples: serve whole GRPO groups only (``batch_size`` must be a multiple of ``num_n_samples``).
             lease_s: seconds the rows stay leased without an acknowledgement (None: the task's
                 ``set_task_options(lease_s=...)``, else the queue's ``lease_s``, 600 s by default).
+            peek: a non-consuming read (upstream's ``force_fetch``): the rows stay ready for the task and a later
+                ``get_meta`` serves them again. Not within a DP round.
 
         Raises:
             GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared.
@@ -351,7 +365,12 @@ class AsyncTransferQueueClient:
         >>> meta = client.get_meta(["prompt_ids"], batch_size=8, global_step=0, task_name="rollout")  # doctest: +SKIP
         """
         timeout = self._timeout(timeout)
-        fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        try:
+            fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        except TypeError:
+            fields = [data_fields]  # type: ignore[list-item]
+        if not all(isinstance(f, str) for f in fields):
+            raise InvalidRequest(f"data_fields must be a field name or a list of them, got {data_fields!r}")
         call_id = next(self._calls)
         request = p.GetMeta(
             _partition(global_step, partition_id),
@@ -364,6 +383,7 @@ class AsyncTransferQueueClient:
             lease_s,
             self.owner,
             call_id,
+            bool(peek),
         )
         try:
             wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
@@ -389,6 +409,7 @@ class AsyncTransferQueueClient:
         """
         if not isinstance(batch_meta, BatchMeta):
             raise InvalidRequest(f"get_data expects a BatchMeta, got {type(batch_meta).__name__}")
+        device = _checked_device(device)
         num_rows = len(batch_meta)
         if num_rows == 0 or not batch_meta.fields:
             td = TensorDict({}, batch_size=[num_rows])
@@ -433,7 +454,10 @@ class AsyncTransferQueueClient:
             i = 0
             for spec, pos in zip(reply.columns, positions, strict=True):
                 frames = buffers[i : i + spec.nframes]
-                parts[spec.name].append(Column.from_buffers(spec.schema, spec.num_rows, frames))
+                part = Column.from_buffers(spec.schema, spec.num_rows, frames)
+                if batch_meta.fields[spec.name].kind == "jagged":  # stored dense before the field became jagged
+                    part = part.as_jagged()
+                parts[spec.name].append(part)
                 where[spec.name].append(pos)
                 if targets.get(2 + i) is not frames[0]:
                     in_place.discard(spec.name)  # not received in place (ZeroMQ, or sizes that disagree)
@@ -589,31 +613,91 @@ class AsyncTransferQueueClient:
         self._closed = True
         self._transport.close()
 
+    # ---- per-row custom meta, per-row clears, status in one word -------------------------------------------
+    async def set_custom_meta(
+        self, batch_meta: BatchMeta, values: Sequence[dict[str, Any] | None] | None = None
+    ) -> None:
+        """Give each row of ``batch_meta`` a small dict of custom meta (``None`` or ``{}`` removes it).
+
+        Values must be msgpack-encodable and at most 4 KiB each, encoded. They come back with every later
+        ``get_meta`` of the rows (``meta.custom_meta``) and are dropped with the rows. ``values=None`` sends the
+        meta's own ``custom_meta`` (as upstream: ``meta.update_custom_meta(values)`` then ``set_custom_meta(meta)``).
+        """
+        values = list(batch_meta.custom_meta if values is None else values)
+        if len(values) != len(batch_meta):
+            raise BatchSizeMismatch(f"set_custom_meta: the meta has {len(batch_meta)} rows, got {len(values)} values")
+        Column.from_objects("custom_meta", values, len(values))  # UnsupportedValue naming the row, before sending
+        request = p.SetCustomMeta(batch_meta.partition_uid, p.pack_indexes(batch_meta.global_indexes), values)
+        await self._control(request, Any, self.config.default_timeout)
+
+    async def get_custom_meta(self, batch_meta: BatchMeta) -> list[dict[str, Any]]:
+        """The current custom meta of each row of ``batch_meta`` (``{}`` where none is set), in its order."""
+        request = p.GetCustomMeta(batch_meta.partition_uid, p.pack_indexes(batch_meta.global_indexes))
+        return await self._control(request, Any, self.config.default_timeout)
+
+    async def clear_samples(self, batch_meta: BatchMeta) -> None:
+        """Forget the rows of ``batch_meta`` (any partition; by key it also forgets their keys); their payload is
+        freed once no row references its block. Rows already gone are skipped; a cleared partition is a no-op."""
+        request = p.ClearSamples(batch_meta.partition_uid, p.pack_indexes(batch_meta.global_indexes))
+        await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)
+
+    async def check_production_status(
+        self, data_fields: Sequence[str] | str, partition_id: str | None = None, *, global_step: int | None = None
+    ) -> bool:
+        """True when every row of the partition has every field of ``data_fields`` (a step: all its rows are
+        committed) and no put into it is open; False otherwise, also for a partition not opened yet."""
+        try:
+            status = await self.get_production_status(global_step, partition_id)
+        except UnknownPartition:
+            return False
+        rows, fields = status["rows"], status["fields"]
+        if not rows or status["rows_in_flight"] or (status["capacity"] is not None and rows != status["capacity"]):
+            return False
+        return all(name in fields and fields[name]["produced"] == rows for name in as_names(data_fields))
+
+    async def check_consumption_status(
+        self, task_name: str, partition_id: str | None = None, *, global_step: int | None = None
+    ) -> bool:
+        """True when ``task_name`` consumed every row of the partition (a step: all its rows are committed)."""
+        try:
+            status = await self.get_consumption_status(global_step, partition_id, task_name)
+            production = await self.get_production_status(global_step, partition_id)
+        except UnknownPartition:
+            return False
+        task, capacity = status["tasks"][task_name], production["capacity"]
+        return bool(task["rows"]) and task["consumed"] == task["rows"] and capacity in (None, task["rows"])
+
     # ---- by key (upstream TransferQueue's kv_* names) -------------------------------------------------------
     async def kv_batch_put(
         self,
         keys: Sequence[str],
         partition_id: str,
-        fields: TensorDictBase | dict[str, Any],
-        tags: Sequence[Any] | None = None,
+        fields: TensorDictBase | dict[str, Any] | None = None,
+        tags: Sequence[dict[str, Any] | None] | None = None,
         timeout: float | None = None,
+        jagged: Sequence[str] = (),
     ) -> BatchMeta:
         """Insert or update rows by key: new keys get new rows, existing keys get their fields overwritten.
 
-        ``tags`` (one msgpack-encodable value per key, e.g. a dict) are stored as the non-tensor field ``tags``.
+        ``tags`` (one small dict per key) become the rows' custom meta (see :meth:`set_custom_meta`); with no
+        ``fields`` only the tags are set (new keys are created with no fields yet). The meta returned names the
+        fields written; :meth:`kv_batch_get_by_meta` reads every field of its keys.
         """
         timeout = self._timeout(timeout)
         keys = as_names(keys)
-        if isinstance(fields, dict):
-            fields = TensorDict(dict(fields), batch_size=[len(keys)]) if fields else fields
-        num_rows, columns = columns_from_tensordict(fields)
+        partition_id = _kv_partition(partition_id)
+        if tags is not None and len(tags) != len(keys):
+            raise BatchSizeMismatch(f"{len(keys)} keys but {len(tags)} tags")
+        if fields is None or len(fields.keys()) == 0:  # None or {}: a tag-only update
+            if tags is None:
+                raise InvalidRequest("kv_put needs fields or a tag; got neither")
+            return await self._kv_tag(keys, partition_id, list(tags))
+        num_rows, columns = columns_from_tensordict(fields, as_names(jagged))
         if num_rows != len(keys):
             raise BatchSizeMismatch(f"{len(keys)} keys but {num_rows} rows of fields")
-        if tags is not None:
-            columns["tags"] = Column.from_objects("tags", list(tags), num_rows)
         lengths, length_fields = self._field_lengths(columns, num_rows)
         reserve = p.Reserve(
-            _kv_partition(partition_id),
+            partition_id,
             num_rows,
             {name: c.schema for name, c in columns.items()},
             sum(c.nbytes for c in columns.values()),
@@ -622,16 +706,41 @@ class AsyncTransferQueueClient:
             timeout=timeout,
             length_fields=length_fields,
         )
-        return await self._put(reserve, columns, timeout)
+        meta = await self._put(reserve, columns, timeout)
+        if tags is not None:
+            tagged = await self._kv_tag(keys, partition_id, list(tags))
+            meta.extra["custom_meta"] = tagged.custom_meta
+        return meta
+
+    async def _kv_tag(self, keys: list[str], partition_id: str, tags: list[Any]) -> BatchMeta:
+        Column.from_objects("tags", tags, len(tags))  # UnsupportedValue naming the row, before sending
+        request = p.KvTag(partition_id, keys, tags)
+        wire: p.MetaWire = await self._control(request, p.MetaWire, self.config.default_timeout)
+        return wire.to_meta()
 
     async def kv_put(
-        self, key: str, partition_id: str, fields: dict[str, Any], tag: Any = None, timeout: float | None = None
+        self,
+        key: str,
+        partition_id: str,
+        fields: TensorDictBase | dict[str, Any] | None = None,
+        tag: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> BatchMeta:
-        """``kv_batch_put`` of one key; ``fields`` holds one row (tensors without the batch dimension)."""
-        row = {
-            name: value.unsqueeze(0) if isinstance(value, torch.Tensor) and not value.is_nested else [value]
-            for name, value in fields.items()
-        }
+        """``kv_batch_put`` of one key. ``fields`` holds one row: a dict of tensors without the batch dimension
+        (and non-tensor values), or a TensorDict of batch size 1. ``fields=None`` (or ``{}``) updates the tag only.
+        """
+        if isinstance(fields, TensorDictBase):
+            if list(fields.batch_size[:1]) != [1]:
+                got = list(fields.batch_size)
+                raise BatchSizeMismatch(f"kv_put takes one row: a TensorDict of batch size [1], got {got}")
+            row: Any = fields
+        elif fields is None or isinstance(fields, dict):
+            row = {
+                name: value.unsqueeze(0) if isinstance(value, torch.Tensor) and not value.is_nested else [value]
+                for name, value in (fields or {}).items()
+            }
+        else:
+            raise InvalidRequest(f"kv_put fields must be a dict, a TensorDict or None, got {type(fields).__name__}")
         return await self.kv_batch_put([key], partition_id, row, None if tag is None else [tag], timeout)
 
     async def kv_batch_get(
@@ -654,15 +763,42 @@ class AsyncTransferQueueClient:
                     raise
         raise AssertionError("unreachable")
 
-    async def kv_list(self, partition_id: str) -> list[str]:
-        """The keys of a partition used by key, in insertion order."""
-        return await self._control(p.KvList(_kv_partition(partition_id)), Any, self.config.default_timeout)
+    async def kv_batch_get_by_meta(
+        self, batch_meta: BatchMeta, select_fields: Sequence[str] | None = None
+    ) -> TensorDict:
+        """The rows of a kv put's meta with every field their keys have now (or ``select_fields``), not only the
+        fields that put wrote."""
+        if batch_meta.keys is None:
+            raise InvalidRequest("kv_batch_get_by_meta needs the meta of a kv put or lookup (it names keys)")
+        return await self.kv_batch_get(batch_meta.keys, str(batch_meta.partition_id), select_fields)
+
+    async def kv_list(self, partition_id: str | None = None, with_tags: bool = False) -> Any:
+        """The keys of a partition used by key, in insertion order (an unknown partition has none); with no
+        ``partition_id``, ``{partition_id: keys}`` for every partition used by key. ``with_tags``: each key's tag
+        (custom meta) instead, as ``{key: tag}``."""
+        partition = None if partition_id is None else _kv_partition(partition_id)
+        return await self._control(p.KvList(partition, bool(with_tags)), Any, self.config.default_timeout)
 
     async def kv_clear(self, keys: Sequence[str] | None, partition_id: str) -> None:
         """Forget ``keys`` (a str is one key; None: the whole partition) and free their payload. Unknown keys are
         ignored."""
         request = p.KvClear(_kv_partition(partition_id), None if keys is None else as_names(keys))
         await self._control(request, Any, self.config.default_timeout + REPLY_SLACK)  # answered as clear is
+
+
+def _checked_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a torch.device, checked before any byte moves: a typed error instead of torch's."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequest(f"get_data: device={device!r} is not a torch device ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(f"get_data: device={device!r} asked for, but torch.cuda.is_available() is False here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"get_data: device={device!r} asked for; this process sees {torch.cuda.device_count()}")
+    return dev
 
 
 def _sync(
@@ -744,6 +880,12 @@ class TransferQueueClient:
     kv_batch_get = _sync(AsyncTransferQueueClient.kv_batch_get)
     kv_list = _sync(AsyncTransferQueueClient.kv_list)
     kv_clear = _sync(AsyncTransferQueueClient.kv_clear)
+    kv_batch_get_by_meta = _sync(AsyncTransferQueueClient.kv_batch_get_by_meta)
+    set_custom_meta = _sync(AsyncTransferQueueClient.set_custom_meta)
+    get_custom_meta = _sync(AsyncTransferQueueClient.get_custom_meta)
+    clear_samples = _sync(AsyncTransferQueueClient.clear_samples)
+    check_production_status = _sync(AsyncTransferQueueClient.check_production_status)
+    check_consumption_status = _sync(AsyncTransferQueueClient.check_consumption_status)
 
 
 def default_client_id() -> str:

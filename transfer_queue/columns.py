@@ -6,7 +6,9 @@ A TensorDict is split into columns at put time and rebuilt from columns at get t
 - ``jagged``: a nested tensor with the jagged layout, two buffers (``values [total, *shape]``, ``offsets
   int64 [rows + 1]``); comes back as a jagged nested tensor.
 - ``object``: non-tensor data (str, bytes or msgpack-encodable values), one msgpack buffer; comes back as a
-  ``NonTensorStack``.
+  ``NonTensorStack``, or, for a numpy array of ``str``, ``bytes`` or ``object`` (verl's ``non_tensor_batch``), as a
+  numpy array of the same kind (the schema's dtype is then ``numpy.U``, ``numpy.S`` or ``numpy.O``). Elements are
+  msgpack-encoded, never pickled; numpy scalars inside them travel as the Python numbers they hold.
 
 Buffers are views of the tensors' memory (no copy on the way out) and tensors are built over received frames
 (no copy on the way in). CUDA tensors are copied to host here.
@@ -29,7 +31,7 @@ if TYPE_CHECKING:  # tensordict (and the torch._dynamo it pulls in) loads only w
     # storage units move columns and never need it, and start seconds faster without it
     from tensordict import TensorDict, TensorDictBase
 
-from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, UnsupportedValue
+from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, SchemaMismatch, UnknownField, UnsupportedValue
 from transfer_queue.metadata import FieldSchema
 
 Buffer = Any  # an object exposing the buffer protocol (numpy array, memoryview, zmq.Frame)
@@ -54,7 +56,16 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.uint64,
     )
 }
-_OBJECT_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _encode_numpy_scalar(value: Any) -> Any:
+    if isinstance(value, np.generic):  # np.int64(3) in an object array: the number it holds
+        return value.item()
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
+_OBJECT_ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_numpy_scalar)
+NUMPY_KINDS = {"U": "numpy.U", "S": "numpy.S", "O": "numpy.O"}  # numpy dtype kind -> object column dtype
 
 
 def _drop_fx_tracing_notice(record: logging.LogRecord) -> bool:
@@ -147,6 +158,11 @@ class Column:
         if isinstance(value, torch.Tensor):
             if value.is_nested:  # before detach(): every op on a nested tensor goes through a slow dispatcher
                 return cls._from_nested(name, value, num_rows)
+            if value.layout != torch.strided or value.device.type == "meta":
+                raise UnsupportedValue(
+                    f"field {name!r}: a {value.layout} tensor on {value.device} cannot travel; only strided tensors "
+                    "with data (dense, or nested for jagged rows)"
+                )
             value = value.detach()
             if value.device.type != "cpu":
                 value = value.to("cpu")
@@ -158,6 +174,19 @@ class Column:
             return cls(FieldSchema("dense", dtype_name(value.dtype), tuple(value.shape[1:])), num_rows, data=value)
         from tensordict import NonTensorData, NonTensorStack
 
+        if isinstance(value, NonTensorData) and isinstance(value.data, np.ndarray) and value.data.ndim >= 1:
+            value = value.data  # a TensorDict holds a numpy array of str/bytes/objects as one NonTensorData
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind not in NUMPY_KINDS:  # numbers: a dense tensor
+                try:
+                    tensor = torch.from_numpy(np.ascontiguousarray(value))
+                except TypeError:
+                    raise UnsupportedValue(
+                        f"field {name!r}: a numpy array of dtype {value.dtype} cannot travel; numbers, bool, str, "
+                        "bytes and object arrays can"
+                    ) from None
+                return cls.from_value(name, tensor, num_rows)
+            return cls.from_numpy(name, value, num_rows)
         if isinstance(value, NonTensorData):
             return cls.from_objects(name, [value.data] * num_rows, num_rows)
         if isinstance(value, NonTensorStack):
@@ -167,21 +196,43 @@ class Column:
         raise UnsupportedValue(f"field {name!r}: expected a tensor or non-tensor data, got {type(value).__name__}")
 
     @classmethod
-    def from_objects(cls, name: str, objects: list[Any], num_rows: int) -> Column:
+    def from_objects(cls, name: str, objects: list[Any], num_rows: int, dtype: str = "object") -> Column:
         if len(objects) != num_rows:
             raise BatchSizeMismatch(f"field {name!r} has {len(objects)} rows; the batch has {num_rows}")
         try:
             _OBJECT_ENCODER.encode(objects)
         except (TypeError, OverflowError) as exc:
             raise UnsupportedValue(
-                f"field {name!r}: non-tensor values must be str, bytes or msgpack-encodable; {exc}"
+                f"field {name!r}: non-tensor values must be str, bytes or msgpack-encodable; {_first_bad(objects)}"
+                f" ({exc})"
             ) from None
-        return cls(FieldSchema("object", "object", ()), num_rows, objects=objects)
+        return cls(FieldSchema("object", dtype, ()), num_rows, objects=objects)
+
+    @classmethod
+    def from_numpy(cls, name: str, array: np.ndarray, num_rows: int) -> Column:
+        """A numpy array of str, bytes or objects, one row per entry of its first dimension."""
+        if array.ndim == 0 or array.shape[0] != num_rows:
+            raise BatchSizeMismatch(
+                f"field {name!r} has {array.shape[0] if array.ndim else 0} rows; the batch has {num_rows}"
+            )
+        # one msgpack value per row: the element (1-D), or the row's elements flattened (more dimensions)
+        objects = array.tolist() if array.ndim == 1 else [row.reshape(-1).tolist() for row in array]
+        column = cls.from_objects(name, objects, num_rows, NUMPY_KINDS[array.dtype.kind])
+        column.schema = FieldSchema("object", column.schema.dtype, tuple(array.shape[1:]))
+        return column
 
     @classmethod
     def _from_nested(cls, name: str, value: torch.Tensor, num_rows: int) -> Column:
         if value.layout != torch.jagged:
-            value = torch.nested.nested_tensor(list(value.unbind()), layout=torch.jagged)
+            rows = list(value.unbind())
+            try:
+                value = torch.nested.nested_tensor(rows, layout=torch.jagged)
+            except RuntimeError:  # torch: jagged tensors are ragged in one dimension only
+                shapes = [list(r.shape) for r in rows[:4]]
+                raise UnsupportedValue(
+                    f"field {name!r}: a nested tensor whose rows differ in more than their first dimension cannot "
+                    f"travel (row shapes {shapes}...); pad it, or split it into fields ragged in one dimension"
+                ) from None
         if value.size(0) != num_rows:
             raise BatchSizeMismatch(f"field {name!r} has {value.size(0)} rows; the batch has {num_rows}")
         if value._ragged_idx != 1:  # type: ignore[attr-defined]
@@ -199,6 +250,21 @@ class Column:
         values = values.contiguous()
         schema = FieldSchema("jagged", dtype_name(values.dtype), tuple(values.shape[1:]))
         return cls(schema, num_rows, data=values, offsets=offsets.contiguous())
+
+    def as_jagged(self) -> Column:
+        """A dense column ``[rows, n, *shape]`` as a jagged one whose every row has length ``n``; others as is."""
+        if self.schema.kind != "dense":
+            return self
+        assert self.data is not None
+        if self.data.dim() < 2:
+            raise SchemaMismatch(
+                f"a dense field of per-row shape {list(self.schema.shape)} has no dimension to be jagged along"
+            )
+        n = int(self.data.shape[1])
+        values = self.data.reshape(self.num_rows * n, *self.data.shape[2:])
+        offsets = torch.arange(self.num_rows + 1, dtype=torch.int64) * n
+        schema = FieldSchema("jagged", self.schema.dtype, tuple(self.data.shape[2:]))
+        return Column(schema, self.num_rows, values, offsets)
 
     # ---- slicing and sizes --------------------------------------------------------------------------------
     def slice(self, start: int, stop: int) -> Column:
@@ -277,17 +343,64 @@ class Column:
         if self.schema.kind == "jagged":
             assert self.data is not None and self.offsets is not None
             return torch.nested.nested_tensor_from_jagged(self.data, self.offsets)
+        if self.schema.dtype in _NUMPY_DTYPES:
+            return self._to_numpy()
         from tensordict import NonTensorStack
 
         return NonTensorStack(*self.objects) if self.objects else NonTensorStack(batch_size=[0])
+
+    def _to_numpy(self) -> np.ndarray:
+        assert self.objects is not None
+        shape = self.schema.shape
+        flat = [v for row in self.objects for v in row] if shape else self.objects
+        kind = _NUMPY_DTYPES[self.schema.dtype]
+        if kind == "O":  # element by element: numpy would turn nested lists into more dimensions
+            array = np.empty(len(flat), dtype=object)
+            for i, v in enumerate(flat):
+                array[i] = v
+        else:
+            array = np.array(flat, dtype=kind) if flat else np.zeros(0, dtype=kind)
+        return array.reshape(self.num_rows, *shape)
+
+
+_NUMPY_DTYPES = {v: k for k, v in NUMPY_KINDS.items()}
+
+
+def _first_bad(objects: list[Any]) -> str:
+    """Names the first row whose value msgpack cannot encode, and its type."""
+    for row, value in enumerate(objects):
+        try:
+            _OBJECT_ENCODER.encode(value)
+        except (TypeError, OverflowError):
+            return f"row {row} ({type(value).__name__}): {_bad_part(value)}"
+    return "a value is too large"
+
+
+def _bad_part(value: Any) -> str:
+    """The innermost value that cannot be encoded (inside lists, tuples and dict values)."""
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else None
+    for item in inner or ():
+        try:
+            _OBJECT_ENCODER.encode(item)
+        except (TypeError, OverflowError):
+            return _bad_part(item)
+    if isinstance(value, int):
+        return f"{value} lies outside msgpack's integer range"
+    return f"{type(value).__module__}.{type(value).__qualname__} is not msgpack-encodable"
 
 
 def nframes(schema: FieldSchema) -> int:
     return 2 if schema.kind == "jagged" else 1
 
 
-def columns_from_tensordict(data: TensorDictBase | dict[str, Any]) -> tuple[int, dict[str, Column]]:
-    """Split a TensorDict (or a dict of equally long fields) into columns; returns (rows, columns)."""
+def columns_from_tensordict(
+    data: TensorDictBase | dict[str, Any], jagged: Sequence[str] = ()
+) -> tuple[int, dict[str, Column]]:
+    """Split a TensorDict (or a dict of equally long fields) into columns; returns (rows, columns).
+
+    Dense fields named in ``jagged`` become jagged columns (ragged along their first per-row dimension), so that
+    their length may differ from put to put.
+    """
     from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
     if isinstance(data, TensorDictBase):
@@ -298,7 +411,7 @@ def columns_from_tensordict(data: TensorDictBase | dict[str, Any]) -> tuple[int,
         num_rows = int(data.batch_size[0])
         items = [(k, data.get(k)) for k in data.keys(include_nested=False, leaves_only=False)]
     elif isinstance(data, dict):
-        sizes = {k: _rows_of(v) for k, v in data.items()}
+        sizes = {k: _rows_of(k, v) for k, v in data.items()}
         if len(set(sizes.values())) > 1:
             raise BatchSizeMismatch(f"fields of one put must have the same number of rows, got {sizes}")
         num_rows = next(iter(sizes.values()), 0)
@@ -312,13 +425,25 @@ def columns_from_tensordict(data: TensorDictBase | dict[str, Any]) -> tuple[int,
         if isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack)):
             raise UnsupportedValue(f"field {name!r}: nested TensorDicts are not supported; flatten the keys first")
         columns[str(name)] = Column.from_value(str(name), value, num_rows)
+    unknown = [n for n in jagged if n not in columns]
+    if unknown:
+        raise UnknownField(f"jagged names fields {unknown} that the put does not have; it has {list(columns)}")
+    for name in jagged:
+        columns[name] = columns[name].as_jagged()
     return num_rows, columns
 
 
-def _rows_of(value: Any) -> int:
+def _rows_of(name: Any, value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return int(value.size(0)) if value.dim() else 0
-    return len(value)
+    if isinstance(value, np.ndarray):
+        return int(value.shape[0]) if value.ndim else 0
+    try:
+        return len(value)
+    except TypeError:
+        raise UnsupportedValue(
+            f"field {name!r}: expected a tensor, an array or a list of rows, got {type(value).__name__}"
+        ) from None
 
 
 def tensordict_from_columns(columns: dict[str, Column], num_rows: int) -> TensorDict:

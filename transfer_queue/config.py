@@ -31,6 +31,9 @@ class QueueConfig:
         lease_s: seconds rows handed out by ``get_meta`` stay leased without an acknowledgement before they go back
             to ready (a task's ``set_task_options(lease_s=...)`` or a call's ``lease_s`` overrides it).
         max_deliveries: times a row is handed out to a task before, coming back once more, it is dead-lettered.
+        max_fields: fields one partition may hold (1..64; each row keeps its produced fields as bits of a uint64).
+        promote_jagged: a dense field whose first per-row dimension changes between puts becomes jagged (as
+            upstream TransferQueue does) instead of raising SchemaMismatch.
     """
 
     global_batch_size: int
@@ -46,6 +49,8 @@ class QueueConfig:
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
     lease_s: float = 600.0
     max_deliveries: int = 5
+    max_fields: int = 64
+    promote_jagged: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -66,6 +71,13 @@ class QueueConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if not isinstance(self.max_fields, int) or isinstance(self.max_fields, bool) or not 1 <= self.max_fields <= 64:
+            raise InvalidRequest(
+                f"max_fields must be an int in [1, 64] (a row's produced fields are bits of a uint64), got "
+                f"{self.max_fields!r}"
+            )
+        if not isinstance(self.promote_jagged, bool):
+            raise InvalidRequest(f"promote_jagged must be a bool, got {self.promote_jagged!r}")
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
 
     @property

@@ -45,6 +45,10 @@ class UnsupportedValue(TransferQueueError, TypeError):
     """A value cannot travel through the queue (non-tensor columns hold str, bytes or msgpack-encodable values)."""
 
 
+class InvalidSampler(InvalidRequest, TypeError):
+    """A sampler spec is not a BaseSampler, a BaseSampler class or a callable returning one."""
+
+
 class UnknownPartition(TransferQueueError, KeyError):
     """A status query or operation names a partition that was never opened."""
 
@@ -147,6 +151,7 @@ _BY_NAME: dict[str, type[TransferQueueError]] = {
         IncompleteGroups,
         FieldAlreadyProduced,
         UnsupportedValue,
+        InvalidSampler,
         UnknownPartition,
         UnknownField,
         UnknownKey,

@@ -18,6 +18,7 @@ import numpy as np
 from transfer_queue.errors import InvalidRequest, UnknownField
 
 FieldKind = Literal["dense", "jagged", "object"]
+_PER_ROW = ("keys", "custom_meta")  # entries of ``extra`` that hold one value per row
 PartitionKey = int | str
 
 
@@ -44,7 +45,8 @@ class FieldSchema(msgspec.Struct, frozen=True, array_like=True):
 
     def describe(self) -> str:
         if self.kind == "object":
-            return "object"
+            shape = list(self.shape) if self.shape else ""
+            return "object" if self.dtype == "object" else f"object {self.dtype}{shape}"
         dims = ", ".join(str(d) for d in self.shape)
         row = f"[*, {dims}]" if self.kind == "jagged" and dims else ("[*]" if self.kind == "jagged" else f"[{dims}]")
         return f"{self.kind} {self.dtype}{row}"
@@ -129,6 +131,26 @@ class BatchMeta:
         """The kv keys of the rows, for metas of a partition used by key."""
         return self.extra.get("keys")
 
+    @property
+    def custom_meta(self) -> list[dict[str, Any]]:
+        """Each row's custom meta (``set_custom_meta``, kv tags) as it was when the meta was made; ``{}`` where
+        none is set. ``client.get_custom_meta(meta)`` reads the current values."""
+        return self.extra.get("custom_meta") or [{} for _ in range(len(self))]
+
+    def update_custom_meta(self, values: Sequence[dict[str, Any] | None]) -> None:
+        """Set this meta's ``custom_meta`` locally (one dict per row); ``client.set_custom_meta(meta)`` stores it."""
+        values = list(values)
+        if len(values) != len(self):
+            raise InvalidRequest(f"update_custom_meta: the meta has {len(self)} rows, got {len(values)} values")
+        self.extra["custom_meta"] = [dict(v) if v else {} for v in values]
+
+    def _per_row_extra(self, positions: list[int]) -> dict[str, Any]:
+        extra = dict(self.extra)
+        for name in _PER_ROW:
+            if extra.get(name) is not None:
+                extra[name] = [extra[name][i] for i in positions]
+        return extra
+
     def __repr__(self) -> str:
         shown = self.global_indexes[:8].tolist()
         more = "..." if len(self) > 8 else ""
@@ -143,9 +165,7 @@ class BatchMeta:
         pos = _int64(positions)
         if len(pos) and (pos.min() < -len(self) or pos.max() >= len(self)):
             raise InvalidRequest(f"select_samples: positions must lie in [0, {len(self)}), got {pos.tolist()}")
-        extra = dict(self.extra)
-        if self.keys is not None:
-            extra["keys"] = [self.keys[i] for i in pos.tolist()]
+        extra = self._per_row_extra(pos.tolist())
         return BatchMeta(
             self.partition_id,
             self.partition_uid,
@@ -188,6 +208,20 @@ class BatchMeta:
         step = -(-len(self) // chunks)
         return [self.select_samples(np.arange(i, min(i + step, len(self)))) for i in range(0, len(self), step)]
 
+    def split_for_ranks(self, k: int) -> list[BatchMeta]:
+        """Split into exactly ``k`` consecutive pieces whose sizes differ by at most one (the first ones larger), as
+        upstream TransferQueue's ``BatchMeta.chunk`` does for DP ranks: with fewer rows than ``k`` the last pieces
+        are empty. (``chunk`` follows ``torch.chunk`` instead: equal pieces, the last shorter, maybe fewer.)
+
+        >>> [len(p) for p in BatchMeta.empty("p").split_for_ranks(3)]
+        [0, 0, 0]
+        """
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InvalidRequest(f"split_for_ranks: k must be an int >= 1, got {k!r}")
+        base, extra = divmod(len(self), k)
+        bounds = np.cumsum([0] + [base + (1 if i < extra else 0) for i in range(k)])
+        return [self.select_samples(np.arange(bounds[i], bounds[i + 1])) for i in range(k)]
+
     @staticmethod
     def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
         """Rows of several metas of the same partition, in order. All must cover the same fields."""
@@ -210,6 +244,8 @@ class BatchMeta:
         extra = dict(first.extra)
         if first.keys is not None:
             extra["keys"] = [k for m in metas for k in (m.keys or [])]
+        if any(m.extra.get("custom_meta") for m in metas):
+            extra["custom_meta"] = [c for m in metas for c in m.custom_meta]
         return BatchMeta(
             first.partition_id,
             first.partition_uid,

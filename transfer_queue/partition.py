@@ -36,7 +36,8 @@ FREE, RESERVED, COMMITTED = 0, 1, 2
 AVAILABLE, LEASED, CONSUMED, DEAD = 0, 1, 2, 3  # CONSUMED: acknowledged
 ACKNOWLEDGED = CONSUMED
 NO_HOLDER = 0  # owner ids start at 1, so fresh (zeroed) rows have no holder
-MAX_FIELDS = 64
+MAX_CUSTOM_META_BYTES = 4096  # a row's custom meta, msgpack-encoded: small facts, never payload
+MAX_FIELDS = 64  # produced fields are bits of one uint64 per row: the most ``QueueConfig.max_fields`` allows
 MAX_TASKS_PER_PARTITION = 128  # task names one partition follows at once (idle ones are forgotten first)
 
 
@@ -44,6 +45,37 @@ def unique_in_order(rows: np.ndarray) -> np.ndarray:
     """``rows`` without repeats, each kept where it first appears."""
     _, first = np.unique(rows, return_index=True)
     return rows[np.sort(first)]
+
+
+def merge_schema(stored: FieldSchema, incoming: FieldSchema, promote: bool) -> FieldSchema | None:
+    """The schema a field has after a put of ``incoming`` into a partition storing ``stored``; ``None``: a clash.
+
+    With ``promote`` (``QueueConfig.promote_jagged``), a dense or jagged field whose length along its first per-row
+    dimension changes becomes jagged (same dtype and trailing shape), as upstream TransferQueue does silently.
+    """
+    if stored == incoming:
+        return stored
+    if not promote or "object" in (stored.kind, incoming.kind) or stored.dtype != incoming.dtype:
+        return None
+    trailing = []
+    for schema in (stored, incoming):
+        if schema.kind == "dense" and not schema.shape:
+            return None  # a scalar per row has no dimension to be jagged along
+        trailing.append(schema.shape[1:] if schema.kind == "dense" else schema.shape)
+    return FieldSchema("jagged", stored.dtype, trailing[0]) if trailing[0] == trailing[1] else None
+
+
+def check_custom_meta(values: list[Any], labels: list[str]) -> None:
+    """Raise InvalidRequest unless every value is a dict (or None) of at most MAX_CUSTOM_META_BYTES encoded."""
+    for label, value in zip(labels, values, strict=True):
+        if value is not None and not isinstance(value, dict):
+            raise InvalidRequest(f"the custom meta of {label} must be a dict (or None), got {type(value).__name__}")
+        size = len(protocol.encode(value))
+        if size > MAX_CUSTOM_META_BYTES:
+            raise InvalidRequest(
+                f"the custom meta of {label} is {size} bytes encoded; at most {MAX_CUSTOM_META_BYTES} are allowed "
+                "(put larger values into a field)"
+            )
 
 
 def describe_partition(key: PartitionKey) -> str:
@@ -261,9 +293,19 @@ class PartitionState:
     """
 
     def __init__(
-        self, key: PartitionKey, uid: int, capacity: int | None, group_size: int, base_index: int, keyed: bool = False
+        self,
+        key: PartitionKey,
+        uid: int,
+        capacity: int | None,
+        group_size: int,
+        base_index: int,
+        keyed: bool = False,
+        max_fields: int = MAX_FIELDS,
+        promote_jagged: bool = False,
     ):
         self.key = key
+        self.max_fields = max_fields
+        self.promote_jagged = promote_jagged
         self.uid = uid
         self.capacity = capacity
         self.group_size = 1 if keyed else group_size
@@ -282,6 +324,7 @@ class PartitionState:
         self.group_rows: dict[int, list[int]] = {}  # group -> committed rows
         self.keys: dict[str, int] = {}  # kv partitions: key -> row
         self.row_keys: dict[int, str] = {}
+        self.custom_meta: dict[int, dict[str, Any]] = {}  # row -> its custom meta (set_custom_meta, kv tags)
         self.block_refs: dict[int, int] = {}  # block -> live cells referencing it
         self.block_nbytes: dict[int, int] = {}  # block -> payload bytes it holds
         self.field_produced: list[int] = []
@@ -336,17 +379,25 @@ class PartitionState:
         """Raise SchemaMismatch if a field clashes with what this partition stores; adds nothing."""
         for name, schema in fields.items():
             stored = self.fields.get(name)
-            if stored is not None and stored != schema:
+            if stored is not None and merge_schema(stored, schema, self.promote_jagged) is None:
+                hint = "" if self.promote_jagged else "; put it with jagged=[...] (or set promote_jagged) to vary it"
                 raise SchemaMismatch(
                     f"field {name!r} is stored as {stored.describe()} in {self.name}; the put has {schema.describe()}"
+                    + (hint if stored.kind != "object" and schema.kind != "object" else "")
                 )
         new = [n for n in fields if n not in self.fields]
-        if len(self.fields) + len(new) > MAX_FIELDS:
-            raise InvalidRequest(f"a partition holds at most {MAX_FIELDS} fields; {self.name} would have more")
+        if len(self.fields) + len(new) > self.max_fields:
+            raise InvalidRequest(
+                f"a partition holds at most {self.max_fields} fields (QueueConfig.max_fields, at most {MAX_FIELDS}); "
+                f"{self.name} has {len(self.fields)} and the put adds {len(new)} more: {new[:8]}"
+            )
 
     def add_fields(self, fields: dict[str, FieldSchema]) -> None:
         for name, schema in fields.items():
             if name in self.fields:
+                merged = merge_schema(self.fields[name], schema, self.promote_jagged)
+                assert merged is not None  # check_schema ran first
+                self.fields[name] = merged
                 continue
             col = len(self.fields)
             self.fields[name] = schema
@@ -687,6 +738,8 @@ class PartitionState:
                 raise UnknownField(f"field {n!r} is not in {self.name}; it has {list(self.fields)}")
             cols.append(self.field_col[n])
         cells = (rows[:, None], np.asarray(cols, dtype=np.int64))
+        if self.custom_meta:
+            extra = {**extra, "custom_meta": [self.custom_meta.get(r, {}) for r in rows.tolist()]}
         return protocol.MetaWire(
             self.key,
             self.uid,
@@ -729,6 +782,8 @@ class PartitionState:
                 self.group_members[g] = left
             else:
                 self.group_members.pop(g, None)
+        for row in rows.tolist():
+            self.custom_meta.pop(row, None)
         self.block[rows] = -1
         self.produced_mask[rows] = 0
         self.length[rows] = 0
@@ -737,6 +792,28 @@ class PartitionState:
         self.group[rows] = -1
         self.num_committed -= len(rows)
         return dead
+
+    def committed_rows_of(self, global_indexes: np.ndarray, what: str) -> np.ndarray:
+        """Local rows of ``global_indexes``, each committed and named once; else InvalidRequest."""
+        rows = np.asarray(global_indexes, dtype=np.int64) - self.base_index
+        inside = (rows >= 0) & (rows < self.num_rows)
+        if not inside.all() or np.any(self.state[rows] != COMMITTED):
+            bad = (rows[~inside] if not inside.all() else rows[self.state[rows] != COMMITTED]) + self.base_index
+            raise InvalidRequest(f"{what}: global indexes {bad[:10].tolist()} are not committed rows of {self.name}")
+        if len(np.unique(rows)) != len(rows):
+            raise InvalidRequest(f"{what}: a row is named twice")
+        return rows
+
+    def set_custom_meta(self, rows: np.ndarray, values: list[Any]) -> None:
+        """Give ``rows`` their custom meta: a small msgpack-encodable dict each (``None`` or ``{}`` removes it)."""
+        if len(values) != len(rows):
+            raise InvalidRequest(f"custom meta needs one value per row: {len(rows)} rows, got {len(values)}")
+        check_custom_meta(values, [f"global index {self.base_index + row}" for row in rows.tolist()])
+        for row, value in zip(rows.tolist(), values, strict=True):
+            if value:
+                self.custom_meta[row] = value
+            else:
+                self.custom_meta.pop(row, None)
 
     def production_status(self) -> dict[str, Any]:
         return {

@@ -116,6 +116,7 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
     lease_s: float | None = None
     owner: str = ""
     call_id: int = 0
+    peek: bool = False  # a non-consuming read: the rows stay ready for the task (upstream's force_fetch)
 
 
 class Release(msgspec.Struct, tag="release"):
@@ -189,7 +190,36 @@ class KvLookup(msgspec.Struct, tag="kv_lookup"):
 
 
 class KvList(msgspec.Struct, tag="kv_list"):
+    partition: str | None = None  # None: every partition used by key
+    with_tags: bool = False  # answer {key: custom meta} instead of [key]
+
+
+class KvTag(msgspec.Struct, tag="kv_tag"):
+    """Set the custom meta (tag) of keys, creating keys that do not exist yet (with no fields)."""
+
     partition: str
+    keys: list[str]
+    values: list[Any]
+
+
+class SetCustomMeta(msgspec.Struct, tag="set_custom_meta"):
+    """Set the custom meta (a small dict, or None to remove it) of committed rows."""
+
+    partition_uid: int
+    global_indexes: bytes
+    values: list[Any]
+
+
+class GetCustomMeta(msgspec.Struct, tag="get_custom_meta"):
+    partition_uid: int
+    global_indexes: bytes
+
+
+class ClearSamples(msgspec.Struct, tag="clear_samples"):
+    """Forget committed rows of a partition (their payload is freed once no row references its block)."""
+
+    partition_uid: int
+    global_indexes: bytes
 
 
 class KvClear(msgspec.Struct, tag="kv_clear"):
@@ -224,6 +254,10 @@ ControllerRequest = (
     | KvList
     | KvClear
     | SaveCheckpoint
+    | KvTag
+    | SetCustomMeta
+    | GetCustomMeta
+    | ClearSamples
 )
 
 
@@ -360,6 +394,19 @@ class ControllerInfo(msgspec.Struct, frozen=True):
     config: dict[str, Any]
     secret: bytes = b""
 
+    def to_json(self) -> str:
+        """The info as JSON text, for a process outside the Ray cluster (a file, an argument, an environment
+        variable you choose). It holds the queue's secret: hand it over like a password."""
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ControllerInfo:
+        """The info back from :meth:`to_json`; ``MalformedMessage`` if the text is not one."""
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedMessage(f"not a ControllerInfo in JSON: {exc}") from None
+
     def __repr__(self) -> str:
         return (
             f"ControllerInfo(protocol_version={self.protocol_version}, session_id=<hidden>, "
@@ -369,7 +416,13 @@ class ControllerInfo(msgspec.Struct, frozen=True):
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------
-_encoder = msgspec.msgpack.Encoder()
+def _encode_numpy_scalar(value: Any) -> Any:
+    if isinstance(value, np.generic):  # e.g. sampler_params={"dp_rank": np.int64(0)}: the number it holds
+        return value.item()
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_numpy_scalar)
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyHeader)
 _controller_decoder = msgspec.msgpack.Decoder(ControllerRequest)

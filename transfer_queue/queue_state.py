@@ -53,6 +53,7 @@ from transfer_queue.partition import (
     LEASED,
     DPRound,
     PartitionState,
+    check_custom_meta,
     describe_partition,
     unique_in_order,
 )
@@ -186,6 +187,10 @@ class QueueState:
             p.KvLookup: self._on_kv_lookup,
             p.KvList: self._on_kv_list,
             p.KvClear: self._on_kv_clear,
+            p.KvTag: self._on_kv_tag,
+            p.SetCustomMeta: self._on_set_custom_meta,
+            p.GetCustomMeta: self._on_get_custom_meta,
+            p.ClearSamples: self._on_clear_samples,
         }
 
     # ---- samplers ------------------------------------------------------------------------------------------
@@ -410,7 +415,16 @@ class QueueState:
             base = key * capacity
         else:
             capacity, base = None, 0
-        part = PartitionState(key, self._next_uid, capacity, self.config.num_n_samples, base, keyed=keyed)
+        part = PartitionState(
+            key,
+            self._next_uid,
+            capacity,
+            self.config.num_n_samples,
+            base,
+            keyed=keyed,
+            max_fields=self.config.max_fields,
+            promote_jagged=self.config.promote_jagged,
+        )
         self._next_uid += 1
         self.partitions[key] = part
         return part
@@ -705,6 +719,8 @@ class QueueState:
             raise InvalidRequest(f"dp_rank must lie in [0, dp_size={dp_size}), got dp_rank={dp_rank}")
         if dp_group_id is not None and not isinstance(dp_group_id, (str, int)):
             raise InvalidRequest(f"dp_group_id must be a str or int, got {dp_group_id!r}")
+        if req.peek and (dp_group_id is not None or dp_size > 1):
+            raise InvalidRequest("a non-consuming get_meta (peek) cannot take part in a DP round")
         whole = req.get_n_samples or sampler.serves_whole_groups
         n = self.config.num_n_samples
         if whole and req.batch_size % n:
@@ -749,7 +765,7 @@ class QueueState:
             rows = self._select(part, job, req.batch_size)
             if rows is None:
                 return WAIT
-            if len(rows):
+            if len(rows) and not req.peek:  # a peek leases nothing: the rows stay ready for the task
                 self._lease(part, req.task_name, rows, req.owner, self._lease_s(req), req.call_id)
             return part.meta_wire(rows, req.fields, req.task_name, {})
         round_key = (req.task_name, job.dp_group_id)
@@ -1142,9 +1158,79 @@ class QueueState:
                 raise UnknownField(f"field {n!r} is not set for keys {lacking[:10]} in {part.name}")
         return part.meta_wire(rows, list(names), None, {"keys": list(req.keys)})
 
-    def _on_kv_list(self, req: p.KvList) -> list[str]:
-        part = self._keyed(req.partition)
-        return [k for k, row in part.keys.items() if part.state[row] == COMMITTED]
+    def _on_kv_list(self, req: p.KvList) -> Any:
+        if req.partition is None:
+            keyed = [part for part in self.partitions.values() if part.keyed]
+            return {part.key: self._keys_of(part, req.with_tags) for part in keyed}
+        part = self.partitions.get(self._check_key(req.partition))
+        if part is None:  # never opened, or cleared: no keys
+            return {} if req.with_tags else []
+        if not part.keyed:
+            raise InvalidRequest(f"{part.name} is used by row (put), not by key")
+        return self._keys_of(part, req.with_tags)
+
+    @staticmethod
+    def _keys_of(part: PartitionState, with_tags: bool) -> Any:
+        keys = [(k, row) for k, row in part.keys.items() if part.state[row] == COMMITTED]
+        if with_tags:
+            return {k: part.custom_meta.get(row, {}) for k, row in keys}
+        return [k for k, _ in keys]
+
+    def _on_kv_tag(self, req: p.KvTag) -> p.MetaWire:
+        key = self._check_key(req.partition)
+        if not isinstance(key, str) or len(req.keys) != len(req.values) or len(set(req.keys)) != len(req.keys):
+            raise InvalidRequest(f"kv tags need a str partition and one tag per distinct key, got {len(req.keys)} keys")
+        check_custom_meta(list(req.values), [f"key {k!r}" for k in req.keys])  # before anything changes
+        part = self._live(key, reopen=True)
+        if part is not None:
+            self._check_use(part, keyed=True)
+        part = part or self._open(key, keyed=True)
+        assert part is not None  # a str partition always opens
+        self.cleared_names.pop(key, None)
+        if any(k in part.keys and part.state[part.keys[k]] != COMMITTED for k in req.keys):
+            raise FieldAlreadyProduced(f"another put is creating some of these keys in {part.name} right now")
+        new = [k for k in req.keys if k not in part.keys]
+        if new:  # a tag of a new key creates it, with no fields yet (as upstream does)
+            rows = part.allocate(len(new), None)
+            for k, row in zip(new, rows.tolist(), strict=True):
+                part.keys[k], part.row_keys[row] = row, k
+            none = np.zeros(0, dtype=np.int64)
+            part.commit(rows, [], none, none, None, np.ones(len(rows), dtype=bool))
+        rows = np.asarray([part.keys[k] for k in req.keys], dtype=np.int64)
+        part.set_custom_meta(rows, list(req.values))
+        return part.meta_wire(rows, [], None, {"keys": list(req.keys)})
+
+    def _on_set_custom_meta(self, req: p.SetCustomMeta) -> None:
+        part = self._by_uid(req.partition_uid)
+        if part is None:
+            raise StaleBatchMeta(f"set_custom_meta of a meta whose partition (uid {req.partition_uid}) was cleared")
+        rows = part.committed_rows_of(p.unpack_indexes(req.global_indexes), "set_custom_meta")
+        part.set_custom_meta(rows, list(req.values))
+
+    def _on_get_custom_meta(self, req: p.GetCustomMeta) -> list[dict[str, Any]]:
+        part = self._by_uid(req.partition_uid)
+        if part is None:
+            raise StaleBatchMeta(f"get_custom_meta of a meta whose partition (uid {req.partition_uid}) was cleared")
+        rows = p.unpack_indexes(req.global_indexes) - part.base_index
+        return [part.custom_meta.get(row, {}) for row in rows.tolist()]
+
+    def _on_clear_samples(self, req: p.ClearSamples) -> None:
+        part = self._by_uid(req.partition_uid)
+        if part is None:
+            return  # its partition was cleared: the rows are gone already
+        indexes = p.unpack_indexes(req.global_indexes)
+        rows = indexes - part.base_index
+        rows = rows[(rows >= 0) & (rows < part.num_rows)]
+        rows = np.unique(rows[part.state[rows] == COMMITTED])  # rows cleared before are skipped (idempotent)
+        if np.any(part.inflight_mask[rows]):
+            raise FieldAlreadyProduced(f"some rows of {part.name} are being written by an open put; clear them after")
+        for row in rows.tolist():
+            key = part.row_keys.pop(row, None)
+            if key is not None:
+                part.keys.pop(key, None)
+        self._drop_blocks(part, part.remove_rows(rows))
+        self._retry_getters(part.key)  # a closed partition may now have served everything that is left
+        self._retry_putters()
 
     def _on_kv_clear(self, req: p.KvClear) -> None:
         if req.keys is None:

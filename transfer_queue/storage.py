@@ -181,6 +181,8 @@ class BlockStore:
             positions.append(pos)
         if not parts:
             raise InvalidRequest(f"field {spec.name!r}: a read needs at least one row")
+        if len({part.schema for part in parts}) > 1:  # a field promoted to jagged: its older blocks are dense
+            parts = [part.as_jagged() for part in parts]
         return concat_columns(parts, positions, len(blocks))
 
     def _dead(self, uid: int) -> bool:

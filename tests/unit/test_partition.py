@@ -177,7 +177,10 @@ def test_schema_checks_and_field_limit():
     with pytest.raises(SchemaMismatch, match=r"field 'x' is stored as dense float32\[\] in global_step=0; the put"):
         part.check_schema({"x": FieldSchema("dense", "float32", (2,))})
     many = {f"f{i}": F32 for i in range(MAX_FIELDS)}
-    with pytest.raises(InvalidRequest, match=f"a partition holds at most {MAX_FIELDS} fields; global_step=0"):
+    with pytest.raises(
+        InvalidRequest,
+        match=rf"a partition holds at most {MAX_FIELDS} fields \(QueueConfig.max_fields, at most 64\); global_step=0",
+    ):
         part.check_schema(many)
     part.add_fields({f"f{i}": F32 for i in range(MAX_FIELDS - 1)})  # 64 fields in all: the block table grows
     assert part.block.shape[1] >= MAX_FIELDS and part.field_mask(["f62"]) == 1 << 63

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from transfer_queue.errors import InvalidSampler
+
 
 class ReadyRows(Protocol):
     """The controller's view of rows ready for one task and one set of fields (local row numbers)."""
@@ -119,5 +121,5 @@ def make_sampler(spec: SamplerSpec | None) -> BaseSampler:
         sampler = spec()
         if isinstance(sampler, BaseSampler):
             return sampler
-        raise TypeError(f"a sampler constructor must return a BaseSampler, got {type(sampler).__name__}")
-    raise TypeError(f"sampler must be a BaseSampler, a BaseSampler class or a callable, got {type(spec).__name__}")
+        raise InvalidSampler(f"a sampler constructor must return a BaseSampler, got {type(sampler).__name__}")
+    raise InvalidSampler(f"sampler must be a BaseSampler, a BaseSampler class or a callable, got {type(spec).__name__}")
