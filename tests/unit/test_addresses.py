@@ -115,9 +115,7 @@ def test_same_host_is_the_ray_node_then_the_hostname(tmp_path: Any, monkeypatch:
     assert p.Endpoint("tcp://x:1", path, here, "node-b").local_path() is None  # no socket file
 
 
-def test_a_dead_socket_file_sends_the_client_to_tcp(
-    servers: list[StorageServer], tmp_path: Any
-) -> None:
+def test_a_dead_socket_file_sends_the_client_to_tcp(servers: list[StorageServer], tmp_path: Any) -> None:
     """The probe: a socket file of this hostname that nothing of ours listens on (another host's, on a shared /tmp, or
     a dead server's) is not taken; TCP is."""
     server = serve("127.0.0.1")
