@@ -237,10 +237,12 @@ def _ray_start(cluster: Cluster, host: Host, head: bool) -> None:
         cmd = [ray, "start", "--head", "--port", str(RAY_PORT), "--include-dashboard=false", *common]
     else:
         cmd = [ray, "start", "--address", cluster.address, *common]
-    log = open(cluster.logs / f"ray-start-{host.name}.log", "w")
-    proc = cluster.popen(host.name, *cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.wait(timeout=120) != 0:
-        raise RuntimeError(f"ray start on host {host.name} failed: {(cluster.logs / log.name).read_text()[-3000:]}")
+    log = cluster.logs / f"ray-start-{host.name}.log"
+    with open(log, "w") as f:
+        proc = cluster.popen(host.name, *cmd, stdout=f, stderr=subprocess.STDOUT)
+        code = proc.wait(timeout=120)
+    if code != 0:
+        raise RuntimeError(f"ray start on host {host.name} failed: {log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ def test_core_cases_across_hosts(cluster: Any) -> None:
     t = out["timings"]
     assert t["byte_exact"] is True
     TIMINGS.append(
-        f"cross-host (client on C, units on A and B), medians of {t['reps']}: put {t['nbytes'] / 1e6:.1f} MB GRPO batch "
-        f"{t['put_ms']:.1f} ms, get_data {t['get_data_ms']:.1f} ms; get_meta (batch 1, 200 calls) {t['get_meta_ms']:.2f} ms"
+        f"cross-host (client on C, units on A and B), medians of {t['reps']}: put of a {t['nbytes'] / 1e6:.1f} MB "
+        f"GRPO batch {t['put_ms']:.1f} ms, get_data {t['get_data_ms']:.1f} ms; get_meta (batch 1, 200 calls) "
+        f"{t['get_meta_ms']:.2f} ms"
     )

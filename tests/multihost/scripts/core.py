@@ -13,11 +13,10 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
-from transfer_queue import GRPOSampler, TransferQueueClient, TransferQueueController
+from transfer_queue import TransferQueueClient, TransferQueueController
 from transfer_queue.client import AsyncTransferQueueClient
 
 address, node_ip = sys.argv[1], sys.argv[2]
@@ -47,10 +46,6 @@ class Client:
             client.close()
 
 
-def numpy_of(td: Any) -> dict[str, list]:
-    return {k: td[k].numpy().tolist() for k in td.keys()}
-
-
 # ---- scenario functions (run inside the Client actors) -------------------------------------------------------------
 def put_prompts(client: TransferQueueClient) -> dict[str, Any]:
     prompt = torch.arange(8 * 200_000, dtype=torch.float32).reshape(8, 200_000)  # 6.4 MB: spread over the units
@@ -61,9 +56,12 @@ def put_prompts(client: TransferQueueClient) -> dict[str, Any]:
 def read_prompts_write_responses(client: TransferQueueClient) -> dict[str, Any]:
     meta = client.get_meta(["prompt"], 8, global_step=0, task_name="rollout", timeout=30)
     data = client.get_data(meta, timeout=30)
-    ok = bool(torch.equal(data["prompt"], torch.arange(8 * 200_000, dtype=torch.float32).reshape(8, 200_000)[
-        torch.as_tensor(meta.global_indexes)
-    ]))
+    ok = bool(
+        torch.equal(
+            data["prompt"],
+            torch.arange(8 * 200_000, dtype=torch.float32).reshape(8, 200_000)[torch.as_tensor(meta.global_indexes)],
+        )
+    )
     client.put({"response": torch.as_tensor(meta.global_indexes).reshape(-1, 1) * 10}, metadata=meta)
     return {"prompts_equal": ok, "host": socket.gethostname()}
 
