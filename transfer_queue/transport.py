@@ -555,7 +555,10 @@ class BlockingTransport:
             for address in addresses:
                 self._discard(address)
             raise _naming(
-                ServerGone(f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone)"),
+                ServerGone(
+                    f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone, or its "
+                    "host is unreachable)"
+                ),
                 addresses,
             )
 
@@ -645,7 +648,11 @@ class AsyncioTransport:
             if not event["event"] & _GONE_EVENTS:
                 continue
             error = _naming(
-                ServerGone(f"['{key[1]}'] closed the connection or stopped listening (the server is gone)"), [key[1]]
+                ServerGone(
+                    f"['{key[1]}'] closed the connection or stopped listening (the server is gone, or its host is "
+                    "unreachable)"
+                ),
+                [key[1]],
             )
             for request_id in list(self._pending.get(key, ())):
                 future = self._futures.pop(request_id, None)

@@ -169,6 +169,40 @@ class Cluster:
             raise AssertionError(f"{script} on host {host} exited {proc.returncode}; stderr:\n{err[-6000:]}")
         return json.loads(lines[-1])
 
+    def steered(self, host: str, script: str, *args: str, on: dict[str, Any], timeout: float = 240.0) -> dict[str, Any]:
+        """Like :meth:`driver`, for a script that asks the test to act: a stdout line naming a key of ``on`` runs that
+        callable here, then ``done`` is written to the script's stdin."""
+        err_path = self.logs / f"{script}-{host}-{len(self.started)}.stderr"
+        with open(err_path, "w") as err:
+            proc = self.popen(
+                host,
+                sys.executable,
+                str(SCRIPTS / script),
+                self.address,
+                self.hosts[host].ip,
+                *args,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
+            assert proc.stdout is not None and proc.stdin is not None
+            deadline = time.monotonic() + timeout
+            result = None
+            for line in proc.stdout:
+                if line.strip() in on:
+                    on[line.strip()]()
+                    proc.stdin.write("done\n")
+                    proc.stdin.flush()
+                elif line.startswith("{"):
+                    result = json.loads(line)
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    break
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if code != 0 or result is None:
+            raise AssertionError(f"{script} on host {host} exited {code}; stderr:\n{err_path.read_text()[-6000:]}")
+        return result
+
     def partition(self, host: str, up: bool) -> None:
         """Cut ``host`` off the network (its link to the switch down), or heal it."""
         _run("ip", "-n", self.switch, "link", "set", self.hosts[host].link, "up" if up else "down")
