@@ -390,6 +390,10 @@ class TransferQueueController:
         self._server.stop()
         if self._owns_units:
             self._owns_units = False
-            ray.get([u.shutdown.remote() for u in self._units])
+            for ref in [u.shutdown.remote() for u in self._units]:
+                try:
+                    ray.get(ref, timeout=10)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # a dead unit (or one on a dead or unreachable node): killed below all the same
             for unit in self._units:
                 ray.kill(unit)
