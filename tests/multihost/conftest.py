@@ -1,7 +1,8 @@
 """The multi-host tier: three simulated hosts on one machine, joined into one Ray cluster with token auth.
 
 Each host is a Linux network namespace (``tqmh<pid>-a`` ...) plugged into a bridge that lives in a namespace of its own
-(``tqmh<pid>-sw``), on a private range this fixture owns (``10.203.15.0/24``): no packet leaves these namespaces. Every
+(``tqmh<pid>-sw``), on private ranges this fixture owns (``10.203.15.0/24``; ``fd03:15::/64`` for IPv6): no packet
+leaves these namespaces. Every
 process of a host also runs in its own UTS namespace (its own hostname) and mount namespace with its own tmpfs ``/tmp``,
 so "same host" is false across hosts and the cross-host TCP path really runs. Host A runs the Ray head, B and C worker
 nodes, each with a custom resource (``host_a``, ``host_b``, ``host_c``) that pins actors to it.
@@ -33,6 +34,7 @@ import pytest
 
 PREFIX = "tqmh"
 SUBNET = "10.203.15"
+SUBNET6 = "fd03:15::"  # a unique-local IPv6 prefix, on the same links
 HOSTS = ("a", "b", "c")
 RAY_PORT = 6380
 REPO = Path(__file__).resolve().parents[2]
@@ -232,6 +234,7 @@ def _build_network(owner: str) -> tuple[dict[str, Host], str]:
         _run("ip", "-n", switch, "link", "set", link, "master", "br0")
         _run("ip", "-n", switch, "link", "set", link, "up")
         _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "addr", "add", f"{SUBNET6}{i}/64", "dev", "eth0", "nodad")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
         _run("ip", "-n", ns, "link", "set", "lo", "up")
         hosts[name] = Host(name, ns, f"{SUBNET}.{i}", link)

@@ -30,6 +30,12 @@ def test_core_cases_across_hosts(cluster: Any) -> None:
     assert out["grpo"] == [[10.0, 11.0], [20.0, 21.0]]
     assert out["kv"] == [[1.0, 1.0], [5.0, 1.0]]
     assert out["async"] is True
+    assert [e.rsplit(":", 1)[0] for e in out["ipv6_endpoints"]] == [
+        "tcp://[fd03:15::1]",
+        "tcp://[fd03:15::1]",
+        "tcp://[fd03:15::2]",
+    ]
+    assert out["ipv6"] is True
     t = out["timings"]
     assert t["byte_exact"] is True
     TIMINGS.append(

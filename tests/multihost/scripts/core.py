@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from transfer_queue import TransferQueueClient, TransferQueueController
+from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
 from transfer_queue.client import AsyncTransferQueueClient
 
 address, node_ip = sys.argv[1], sys.argv[2]
@@ -115,6 +115,13 @@ async def async_round_trip(client: AsyncTransferQueueClient) -> bool:
     return bool(torch.equal(data["x"], x[torch.as_tensor(meta.global_indexes)]))
 
 
+def ipv6_round_trip(client: TransferQueueClient) -> bool:
+    x = torch.randn(4, 300_000)  # 4.8 MB: spread over both units
+    meta = client.put({"x": x}, partition_id="v6")
+    data = client.get_data(meta)
+    return sorted(set((meta.blocks[:, 0] % 2).tolist())) == [0, 1] and bool(torch.equal(data["x"], x))
+
+
 def timings(client: TransferQueueClient, reps: int) -> dict[str, Any]:
     """put / get_data of a 21 MB GRPO batch (256 samples) and get_meta latency, every byte across hosts."""
     n, seq = 256, 4096
@@ -188,6 +195,15 @@ def main() -> None:
     out["kv"] = [first, ray.get(clients["a"].run.remote(kv_get, ["k1", "k2"]))]
     out["async"] = ray.get(clients["b"].run_async.remote(async_round_trip))
     ray.get(controller.shutdown.remote())
+    # IPv6: units placed by hand, each binding its host's IPv6 address; a client on C reaches both.
+    units = [StorageUnit.options(**on(h)).remote(i, 2, bind_host=f"fd03:15::{i + 1}") for i, h in enumerate("ab")]
+    v6 = TransferQueueController.options(**on("a")).remote(4, storage_units=units, bind_host="fd03:15::1")
+    v6_info = ray.get(v6.get_info.remote())
+    out["ipv6_endpoints"] = [v6_info.controller.tcp, *(u.tcp for u in v6_info.storage_units)]
+    out["ipv6"] = ray.get(Client.options(**on("c")).remote(v6_info, "v6").run.remote(ipv6_round_trip))
+    ray.get(v6.shutdown.remote())
+    for unit in units:
+        ray.kill(unit)
     # Timings: units on A and B, the client on C: every byte crosses hosts.
     timed = TransferQueueController.options(**on("a")).remote(
         256, num_storage_units=2, storage_unit_options=[on("a"), on("b")], storage_unit_bytes=1 << 30
