@@ -2,9 +2,8 @@
 
 Each host is a Linux network namespace (``tqmh<pid>-a`` ...) plugged into a bridge that lives in a namespace of its own
 (``tqmh<pid>-sw``), on private ranges this fixture owns (``10.203.15.0/24``; ``fd03:15::/64`` for IPv6): no packet
-leaves these namespaces. Every
-process of a host also runs in its own UTS namespace (its own hostname) and mount namespace with its own tmpfs ``/tmp``,
-so "same host" is false across hosts and the cross-host TCP path really runs. Host A runs the Ray head, B and C worker
+leaves these namespaces. Every process of a host also runs in its own UTS namespace (its own hostname) and mount
+namespace with its own tmpfs ``/tmp``, so "same host" is false across hosts and the cross-host TCP path really runs. Host A runs the Ray head, B and C worker
 nodes, each with a custom resource (``host_a``, ``host_b``, ``host_c``) that pins actors to it.
 
 Tests run driver scripts (``tests/multihost/scripts``) on a host with :meth:`Cluster.driver`; a script prints one JSON
