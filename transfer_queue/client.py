@@ -157,7 +157,7 @@ class AsyncTransferQueueClient:
             )
         except (RequestTimeout, ServerGone) as exc:
             error = type(exc)(f"{who}: {exc}")
-            error.addresses = getattr(exc, "addresses", [])  # type: ignore[attr-defined]
+            error.addresses = getattr(exc, "addresses", [])  # type: ignore[union-attr]
             raise error from None
         out = []
         for frames in replies:
