@@ -3,13 +3,15 @@
 Each host is a Linux network namespace (``tqmh<pid>-a`` ...) plugged into a bridge that lives in a namespace of its own
 (``tqmh<pid>-sw``), on private ranges this fixture owns (``10.203.15.0/24``; ``fd03:15::/64`` for IPv6): no packet
 leaves these namespaces. Every process of a host also runs in its own UTS namespace (its own hostname) and mount
-namespace with its own tmpfs ``/tmp``, so "same host" is false across hosts and the cross-host TCP path really runs. Host A runs the Ray head, B and C worker
-nodes, each with a custom resource (``host_a``, ``host_b``, ``host_c``) that pins actors to it.
+namespace with its own tmpfs ``/tmp``, so "same host" is false across hosts and the cross-host TCP path really runs.
+Host A runs the Ray head, B and C worker nodes, each with a custom resource (``host_a``, ``host_b``, ``host_c``) that
+pins actors to it.
 
-Tests run driver scripts (``tests/multihost/scripts``) on a host with :meth:`Cluster.driver`; a script prints one JSON
-line last, which is what the call returns. Cleanup stops every process of every namespace by PID (SIGTERM, then SIGKILL)
-and deletes the namespaces, also when a test fails; namespaces left by a killed run are swept at the next start. Never
-``ray stop``: it would stop every Ray on the machine.
+Tests run driver scripts (``tests/multihost/scripts``) on a host with :meth:`Cluster.driver` (or :meth:`Cluster.steered`
+for a script that asks the test to act, e.g. to cut a link); a script prints one JSON line last, which is what the call
+returns. Cleanup stops every process of every namespace by PID (SIGTERM, then SIGKILL) and deletes the namespaces, also
+when a test fails; namespaces left by a killed run are swept at the next start. Never ``ray stop``: it would stop every
+Ray on the machine.
 
 The tier skips, saying why, where namespaces cannot be created (not root, no ``ip``/``unshare``/``nsenter``).
 """
@@ -255,7 +257,8 @@ def _start_holder(host: Host) -> None:
     # the shell exec'd sleep: the holder's pid is the process in the namespaces; nsenter joins it
 
 
-def _ray_start(cluster: Cluster, host: Host, head: bool) -> None:
+def _ray_start(cluster: Cluster, host: Host, head: bool) -> tuple[subprocess.Popen[str], Path]:
+    """``ray start`` on ``host`` (it returns once the node runs); :func:`_ray_started` waits for it."""
     ray = str(Path(sys.executable).with_name("ray"))
     resources = json.dumps({f"host_{host.name}": 100})
     common = [
@@ -275,10 +278,13 @@ def _ray_start(cluster: Cluster, host: Host, head: bool) -> None:
         cmd = [ray, "start", "--address", cluster.address, *common]
     log = cluster.logs / f"ray-start-{host.name}.log"
     with open(log, "w") as f:
-        proc = cluster.popen(host.name, *cmd, stdout=f, stderr=subprocess.STDOUT)
-        code = proc.wait(timeout=120)
-    if code != 0:
-        raise RuntimeError(f"ray start on host {host.name} failed: {log.read_text()[-3000:]}")
+        return cluster.popen(host.name, *cmd, stdout=f, stderr=subprocess.STDOUT), log
+
+
+def _ray_started(started: tuple[subprocess.Popen[str], Path]) -> None:
+    proc, log = started
+    if proc.wait(timeout=180) != 0:
+        raise RuntimeError(f"ray start failed ({log.name}): {log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -309,9 +315,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for host in hosts.values():
             _start_holder(host)
         result = Cluster(hosts, switch, env, f"{hosts['a'].ip}:{RAY_PORT}", logs)
-        _ray_start(result, hosts["a"], head=True)
-        for name in HOSTS[1:]:
-            _ray_start(result, hosts[name], head=False)
+        _ray_started(_ray_start(result, hosts["a"], head=True))
+        for started in [_ray_start(result, hosts[name], head=False) for name in HOSTS[1:]]:  # the workers together
+            _ray_started(started)
         nodes = result.driver("a", "nodes.py", timeout=120)
         assert sorted(nodes["hostnames"]) == sorted(h.hostname for h in hosts.values()), nodes
         yield result

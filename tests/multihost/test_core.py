@@ -13,6 +13,7 @@ pytestmark = pytest.mark.multihost
 
 
 def test_core_cases_across_hosts(cluster: Any) -> None:
+    # (the fixture already checked that each host's Ray node reports its own hostname)
     out = cluster.driver("a", "core.py", "5", timeout=400)
     assert out["controller"].startswith(f"tcp://{SUBNET}.1:")
     # each unit listens on its own host's address (not the controller's bind_host), with its own hostname and node
