@@ -9,7 +9,7 @@ import pytest
 
 from tests.multihost.conftest import SUBNET, TIMINGS
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(600)]  # the first test also builds the hosts
 
 
 def test_core_cases_across_hosts(cluster: Any) -> None:

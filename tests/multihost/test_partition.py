@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(600)]  # the first test also builds the hosts
 
 CUT_SECONDS = 8.0  # well below Ray's node health-check window (~30 s), so Ray keeps host B's node
 SLACK = 20.0  # a loaded 2-core machine: a call may end this long after its timeout

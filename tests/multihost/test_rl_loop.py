@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(600)]  # the first test also builds the hosts
 
 
 def test_the_rl_loop_across_hosts(cluster: Any) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.multihost.conftest import TIMINGS
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(600)]  # the first test also builds the hosts
 
 
 def test_a_dead_node_fails_reads_at_once_and_puts_go_elsewhere(cluster: Any) -> None:
