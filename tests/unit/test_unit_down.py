@@ -131,3 +131,21 @@ def test_get_data_takes_a_timeout(queue: LocalQueue) -> None:
 def test_units_on_dead_ray_nodes_are_named() -> None:
     assert units_on_dead_nodes(["n1", "n2", ""], {"n1"}) == {1: "its Ray node n2 died"}
     assert units_on_dead_nodes(["n1", "n2"], {"n1", "n2"}) == {}
+
+
+def test_a_unit_ray_reports_dead_stays_down_and_others_come_back(queue: LocalQueue) -> None:
+    controller = queue.controller
+    controller.mark_unit(0, "its Ray actor died (ActorDiedError)", final=True)
+    controller.mark_unit(0, None)  # a reconnect does not revive what Ray calls dead
+    controller.mark_unit(0, "the controller lost its connection to it")  # nor does a weaker reason replace it
+    controller.mark_unit(1, "the controller lost its connection to it")
+    assert controller.down_reasons == {
+        0: "its Ray actor died (ActorDiedError)",
+        1: "the controller lost its connection to it",
+    }
+    assert controller.state.down_units == {0, 1}
+    controller.mark_unit(1, None)  # the connection is back
+    assert controller.down_reasons == {0: "its Ray actor died (ActorDiedError)"}
+    assert controller.state.down_units == {0}
+    queue.client.ping()
+    assert queue.client._client._down_units == {0: "its Ray actor died (ActorDiedError)"}  # told with every reply
