@@ -48,6 +48,7 @@ from transfer_queue.errors import (
     ServerGone,
     StaleBatchMeta,
     StorageUnavailable,
+    StorageUnitDown,
     TransferQueueError,
     UnknownField,
     UnknownPartition,
@@ -126,6 +127,9 @@ class AsyncTransferQueueClient:
         # who holds this client's leases: unique per client instance (client_id is a name and may repeat)
         self.owner = f"{client_id}#{uuid.uuid4().hex[:12]}"
         self._calls = itertools.count(1)
+        # Storage units known to be down, and why: the controller's view (every reply of it carries it) plus the units
+        # this client failed to reach since. Reads of rows on them fail at once (StorageUnitDown).
+        self._down_units: dict[int, str] = {}
 
     # ---- plumbing ------------------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
@@ -168,13 +172,15 @@ class AsyncTransferQueueClient:
                 if into is None
                 else self._transport.call_many(wire, timeout, into)
             )
-        except RequestTimeout as exc:
-            raise RequestTimeout(f"{who}: {exc}") from None
-        except ServerGone as exc:
-            raise ServerGone(f"{who}: {exc}") from None
+        except (RequestTimeout, ServerGone) as exc:
+            error = type(exc)(f"{who}: {exc}")
+            error.addresses = getattr(exc, "addresses", [])  # type: ignore[union-attr]
+            raise error from None
         out = []
         for frames in replies:
             header = p.decode_reply_header(frames[0])
+            if header.down_units is not None:  # a controller's reply: its view of the storage units replaces ours
+                self._down_units = dict(header.down_units)
             if header.error_type is not None:
                 raise error_from_wire(header.error_type, header.error_message or "")
             out.append((frames[1], frames[2:]))
@@ -203,7 +209,27 @@ class AsyncTransferQueueClient:
                 into,
             )
         except (RequestTimeout, ServerGone) as exc:
-            raise StorageUnavailable(f"{exc}; a storage unit may have died") from None
+            # After the first failure the unit counts as down for this client (until the controller says otherwise).
+            addresses = set(getattr(exc, "addresses", ()))
+            called = sorted({u for u, _, _ in calls})
+            failed = [u for u in called if {units[u].tcp, units[u].unix} & addresses] or called
+            what = "is gone" if isinstance(exc, ServerGone) else f"did not answer within {timeout:.1f} s"
+            for u in failed:
+                self._down_units[u] = f"{units[u].tcp} {what}"
+            error = StorageUnavailable(f"{exc}; a storage unit may have died")
+            error.units = failed  # type: ignore[attr-defined]
+            raise error from None
+
+    def _unit_down(self, meta: BatchMeta, units: np.ndarray, down: dict[int, str], cause: str = "") -> StorageUnitDown:
+        """The error for reads of ``meta``'s rows held by the ``down`` units: names each unit and its rows."""
+        parts = []
+        for u, why in sorted(down.items()):
+            rows = np.unique(meta.global_indexes[np.any(units == u, axis=1)]).tolist()
+            parts.append(f"storage unit {u} is down ({why}): it held rows {rows}")
+        return StorageUnitDown(
+            f"{cause}{'; '.join(parts)} of partition {meta.partition_id!r}, which cannot be read; new puts go to the "
+            "live units"
+        )
 
     def _field_lengths(self, columns: dict[str, Column], num_rows: int) -> tuple[bytes | None, list[str] | None]:
         """Per-row lengths of each length-bearing field (jagged, or in ``seqlen_fields``): ``Reserve.lengths`` and
@@ -400,16 +426,23 @@ class AsyncTransferQueueClient:
         except (TransferQueueError, asyncio.CancelledError):
             pass
 
-    async def get_data(self, batch_meta: BatchMeta, device: str | torch.device | None = None) -> TensorDict:
+    async def get_data(
+        self, batch_meta: BatchMeta, device: str | torch.device | None = None, timeout: float | None = None
+    ) -> TensorDict:
         """The rows of ``batch_meta`` as a TensorDict, in its order: dense fields as tensors, jagged fields as
         nested tensors, non-tensor fields as NonTensorStack. ``device`` moves the result (e.g. ``"cuda"``).
 
+        Args:
+            timeout: seconds to wait for the storage units (None: the default).
+
         Raises:
-            StaleBatchMeta (its partition was cleared), StorageUnavailable.
+            StaleBatchMeta (its partition was cleared), StorageUnitDown (rows on a unit known to be down: at once,
+            naming the unit and the rows; or the first read that finds it down), StorageUnavailable.
         """
         if not isinstance(batch_meta, BatchMeta):
             raise InvalidRequest(f"get_data expects a BatchMeta, got {type(batch_meta).__name__}")
         device = _checked_device(device)
+        timeout = self._timeout(timeout)
         num_rows = len(batch_meta)
         if num_rows == 0 or not batch_meta.fields:
             td = TensorDict({}, batch_size=[num_rows])
@@ -422,6 +455,9 @@ class AsyncTransferQueueClient:
                 f"{batch_meta.global_indexes[row]}"
             )
         units = batch_meta.blocks % len(self.controller_info.storage_units)
+        down = {u: why for u, why in self._down_units.items() if np.any(units == u)}
+        if down:
+            raise self._unit_down(batch_meta, units, down)
         calls, placed, into = [], [], []
         # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
         # output (over Unix sockets), so rows spread over units cost no second copy.
@@ -445,7 +481,11 @@ class AsyncTransferQueueClient:
             calls.append((unit, p.Read(batch_meta.partition_uid, fields), ()))
             placed.append(positions)
             into.append(targets)
-        replies = await self._storage(calls, self.config.default_timeout, into if any(into) else None)
+        try:
+            replies = await self._storage(calls, timeout, into if any(into) else None)
+        except StorageUnavailable as exc:
+            failed = {u: self._down_units.get(u, "unreachable") for u in getattr(exc, "units", [])}
+            raise self._unit_down(batch_meta, units, failed, f"{exc}; ") from None
         parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
         where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
         in_place = set(dense)

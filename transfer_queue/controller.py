@@ -44,6 +44,7 @@ from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
 from transfer_queue.transport import Incoming, Peer, Reply, ServerSockets
+from transfer_queue.unit_health import UnitWatcher
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
@@ -51,6 +52,14 @@ MAX_BATCH = 256  # requests handled per wake-up before timers and storage messag
 # those bytes; a unit that does not acknowledge within this long (at most) is dead or stuck, and the clear is
 # answered anyway.
 DROP_ACK_WAIT = 10.0
+# A storage unit whose host goes silent (a dead node, a network partition) is noticed by ZeroMQ heartbeats on the
+# controller's connection to it: no traffic for UNIT_HEARTBEAT_TIMEOUT_MS marks it down. Reconnects are tried every
+# UNIT_RECONNECT_MS, each connect attempt given up after UNIT_CONNECT_TIMEOUT_MS, so a partition that heals is
+# noticed within seconds.
+UNIT_HEARTBEAT_IVL_MS = 1_000
+UNIT_HEARTBEAT_TIMEOUT_MS = 4_000
+UNIT_RECONNECT_MS = 500
+UNIT_CONNECT_TIMEOUT_MS = 2_000
 
 
 @dataclass
@@ -89,6 +98,11 @@ class ControllerServer:
         for endpoint in storage:
             dealer = self._sockets.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.IPV6, 1)
+            dealer.setsockopt(zmq.HEARTBEAT_IVL, UNIT_HEARTBEAT_IVL_MS)
+            dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, UNIT_HEARTBEAT_TIMEOUT_MS)
+            dealer.setsockopt(zmq.RECONNECT_IVL, UNIT_RECONNECT_MS)
+            dealer.setsockopt(zmq.CONNECT_TIMEOUT, UNIT_CONNECT_TIMEOUT_MS)
             secure_client(dealer, secret)
             dealer.connect(endpoint.address())
             self._units.append(dealer)
@@ -97,6 +111,11 @@ class ControllerServer:
             monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self._unit_monitors[monitor] = len(self._units) - 1
             self._sockets.register(monitor)
+        self._storage = storage
+        # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
+        # its node died), the others are up again when the connection is back.
+        self.down_reasons: dict[int, str] = {}
+        self._dead: set[int] = set()
         self._ids = itertools.count(1)
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
@@ -232,11 +251,33 @@ class ControllerServer:
         ]
 
     def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
+        down = dict(self.down_reasons)  # every reply tells the client which storage units are down
         if error is not None:
-            header, body = p.ReplyHeader(request_id, *error_to_wire(error)), b""
+            header, body = p.ReplyHeader(request_id, *error_to_wire(error), down_units=down), b""
         else:
-            header, body = p.ReplyHeader(request_id), p.encode(value)
+            header, body = p.ReplyHeader(request_id, down_units=down), p.encode(value)
         reply([p.encode(header), body])
+
+    def mark_unit(self, unit: int, down: str | None, final: bool = False) -> None:
+        """Mark storage unit ``unit`` down (``down``: why) or up again (None); ``final``: it never comes back.
+
+        A down unit gets no new puts, clears do not wait for it, and clients fail reads of its rows at once."""
+        with self.lock:
+            if down is None:
+                if unit in self._dead or unit not in self.down_reasons:
+                    return
+                logger.warning("storage unit %d is reachable again", unit)
+                del self.down_reasons[unit]
+                self.state.down_units.discard(unit)
+                return
+            if final:
+                self._dead.add(unit)
+            if self.down_reasons.get(unit) != down and (final or unit not in self._dead):
+                logger.warning(
+                    "storage unit %d (%s) is down: %s; new puts go to the others", unit, self._storage[unit].tcp, down
+                )
+                self.down_reasons[unit] = down
+            self.state.down_units.add(unit)
 
     def _flush_outbox(self) -> list[int]:
         """Send the state's messages to the storage units; returns the request ids sent."""
@@ -250,7 +291,8 @@ class ControllerServer:
             except zmq.Again:
                 logger.warning("storage unit %d takes no messages; dropped a %s", unit, type(request).__name__)
                 continue
-            sent.append(request_id)
+            if unit not in self.state.down_units:  # a unit known to be down is not waited for (it may never answer)
+                sent.append(request_id)
         return sent
 
     def _follow_unit(self, monitor: zmq.Socket, unit: int) -> None:
@@ -260,12 +302,10 @@ class ControllerServer:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            with self.lock:
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    logger.warning("storage unit %d is unreachable; new puts go to the others", unit)
-                    self.state.down_units.add(unit)
-                else:
-                    self.state.down_units.discard(unit)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.mark_unit(unit, "the controller lost its connection to it")
+            else:
+                self.mark_unit(unit, None)
 
     def _drain_storage_replies(self, dealer: zmq.Socket) -> None:
         while True:
@@ -315,9 +355,12 @@ class TransferQueueController:
         storage_units: storage actor handles to use instead (placed by you, e.g. one per node).
         storage_unit_options: Ray ``.options(...)`` for the storage actors this controller starts: one dict for
             all, or one per unit (``scheduling_strategy``, ``resources``, ``num_cpus``, ...).
-        bind_host: address the sockets bind to (default: the node's address as Ray sees it).
-        restore_from: a directory ``save_checkpoint`` wrote: start with its partitions, consumption, DP rounds, kv
-            keys, samplers' states and payload (onto this controller's storage units, however many).
+        bind_host: address the controller's socket binds to (default: the node's address as Ray sees it; a wildcard
+            such as ``0.0.0.0`` advertises the node's address). Storage units it starts on this node bind it too;
+            units on other nodes bind their own node's address. To set each unit's ``bind_host`` and
+            ``advertise_host``, start the units yourself and pass ``storage_units``.
+        restore_from: a directory ``save_checkpoint`` wrote: start with its partitions, consumption, kv keys,
+            samplers' states and payload (onto this controller's storage units, however many).
         **config: the other :class:`~transfer_queue.config.QueueConfig` fields (``storage_unit_bytes``,
             ``default_timeout``, ``put_grace``, ``seqlen_fields``).
 
@@ -358,7 +401,8 @@ class TransferQueueController:
         if storage_units is None:
             from transfer_queue.runtime import start_storage_units  # runtime imports this module
 
-            storage_units = start_storage_units(units, storage_unit_options, bind_host)
+            # bind_host is an address of this node: units that Ray places on other nodes bind their own
+            storage_units = start_storage_units(units, storage_unit_options, bind_host, p.ray_node_id())
         self._units = storage_units
         limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more than the units do
         endpoints = ray.get(
@@ -369,6 +413,7 @@ class TransferQueueController:
         self._server = ControllerServer(
             state, self._session_id, endpoints, bind_host, self._secret, save_units=self._save_units
         )
+        self._watcher = UnitWatcher(storage_units, [e.node_id for e in endpoints], self._server.mark_unit)
         self._info = p.ControllerInfo(
             p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
@@ -426,10 +471,15 @@ class TransferQueueController:
     def server_stats(self) -> dict[str, Any]:
         """The controller's socket counters: ``dropped.unauthenticated`` counts connections refused because they did
         not prove the queue's secret (none of their frames was read); ``storage_units_down`` the units it lost its
-        connection to (placement skips them)."""
+        connection to, or that Ray reports dead (placement skips them), and why in ``storage_units_down_reasons``."""
         with self._server.lock:
             down = sorted(self._server.state.down_units)
-        return {"dropped.unauthenticated": self._server._sockets.unauthenticated(), "storage_units_down": down}
+            reasons = dict(self._server.down_reasons)
+        return {
+            "dropped.unauthenticated": self._server._sockets.unauthenticated(),
+            "storage_units_down": down,
+            "storage_units_down_reasons": reasons,
+        }
 
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""
@@ -437,9 +487,14 @@ class TransferQueueController:
 
     def shutdown(self) -> None:
         """Stop serving and stop the storage units this controller started (again: a no-op)."""
+        self._watcher.stop()
         self._server.stop()
         if self._owns_units:
             self._owns_units = False
-            ray.get([u.shutdown.remote() for u in self._units])
+            for ref in [u.shutdown.remote() for u in self._units]:
+                try:
+                    ray.get(ref, timeout=10)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # a dead unit (or one on a dead or unreachable node): killed below all the same
             for unit in self._units:
                 ray.kill(unit)

@@ -98,6 +98,11 @@ class StorageUnavailable(TransferQueueError, ConnectionError):
     """A storage unit did not answer; its rows cannot be read or written."""
 
 
+class StorageUnitDown(StorageUnavailable):
+    """A storage unit is known to be down (its actor or node died, or the connection to it is lost): reads of the rows
+    it held fail at once, naming the unit and the rows; new puts go to the live units."""
+
+
 class AuthenticationFailed(TransferQueueError, ConnectionError):
     """A connection did not prove the queue's secret (a stale or foreign controller_info, or not a client at all)."""
 
@@ -164,6 +169,7 @@ _BY_NAME: dict[str, type[TransferQueueError]] = {
         PutExpired,
         RequestTimeout,
         StorageUnavailable,
+        StorageUnitDown,
         AuthenticationFailed,
         ProtocolMismatch,
         SessionMismatch,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any
 
 import msgspec
@@ -40,22 +41,45 @@ def unpack_indexes(raw: bytes | None) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
 
 
+def ray_node_id() -> str:
+    """The Ray node id of this process ("" outside Ray). Ray is not imported here: a process that uses it has it."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            return ray.get_runtime_context().get_node_id() or ""
+    except Exception:  # a Ray that is shutting down
+        pass
+    return ""
+
+
 class Endpoint(msgspec.Struct, frozen=True, array_like=True):
-    """Where a server listens: a ZeroMQ TCP address (any host) and a Unix socket path (clients on its host)."""
+    """Where a server listens: a ZeroMQ TCP address (any host) and a Unix socket path (clients on its host).
+
+    ``hostname`` and ``node_id`` (the server's Ray node, "" outside Ray) decide whether a client is on the server's
+    host (see :meth:`local_path`).
+    """
 
     tcp: str
     unix: str | None = None
     hostname: str = ""
+    node_id: str = ""
 
     def address(self) -> str:
         """The ZeroMQ address."""
         return self.tcp
 
     def local_path(self) -> str | None:
-        """The Unix socket path when this process runs on the server's host, else None."""
-        if self.unix and self.hostname == socket.gethostname() and os.path.exists(self.unix):
-            return self.unix
-        return None
+        """The Unix socket path when this process runs on the server's host, else None.
+
+        Same host means the same Ray node when both sides know theirs (two Ray nodes never share a Unix socket, even
+        on one machine or with one hostname), else the same hostname; and the socket file must exist. The transport
+        then probes the socket before using it (:meth:`BlockingTransport._local_path`).
+        """
+        if not self.unix:
+            return None
+        here = ray_node_id()
+        same = self.node_id == here if self.node_id and here else self.hostname == socket.gethostname()
+        return self.unix if same and os.path.exists(self.unix) else None
 
 
 # ---- envelopes ------------------------------------------------------------------------------------------------
@@ -69,6 +93,8 @@ class ReplyHeader(msgspec.Struct, array_like=True, frozen=True):
     request_id: int
     error_type: str | None = None
     error_message: str | None = None
+    # The controller's replies: the storage units it knows are down, and why ({} when none; None from a storage unit).
+    down_units: dict[int, str] | None = None
 
 
 # ---- controller requests --------------------------------------------------------------------------------------

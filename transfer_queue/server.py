@@ -68,6 +68,8 @@ class Server:
         decode: decodes a request body (raises MalformedMessage).
         session_id: the session this server serves (None: none yet, every request is refused until it is set).
         host: the address the ROUTER binds (default: the node's).
+        advertise_host: the address clients are told to connect to (default: ``host``, or the node's when ``host``
+            is a wildcard such as ``0.0.0.0``).
         secret: the queue's secret; every connection must prove it before a frame is read (transfer_queue.auth).
         max_message_bytes: the largest message accepted (see :meth:`ServerSockets.limit`).
 
@@ -84,11 +86,12 @@ class Server:
         host: str | None = None,
         secret: bytes = b"",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        advertise_host: str | None = None,
     ):
         self.name = name
         self.session_id = session_id
         self._decode = decode
-        self.sockets = ServerSockets(host, secret=secret)
+        self.sockets = ServerSockets(host, secret=secret, advertise_host=advertise_host)
         self.sockets.limit(max_message_bytes)
         self.endpoint = self.sockets.endpoint
         self.lock = threading.RLock()  # held while the subclass's code runs; Ray actor methods take it too

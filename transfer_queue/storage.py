@@ -293,9 +293,16 @@ class StorageServer(Server):
         session_id: str | None = None,
         secret: bytes = b"",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        advertise_host: str | None = None,
     ):
         super().__init__(
-            f"tq-storage-{store.unit}", p.decode_storage_request, session_id, host, secret, max_message_bytes
+            f"tq-storage-{store.unit}",
+            p.decode_storage_request,
+            session_id,
+            host,
+            secret,
+            max_message_bytes,
+            advertise_host,
         )
         self.store = store
         self._handlers: dict[type, Any] = {
@@ -325,13 +332,34 @@ class StorageServer(Server):
 @ray.remote
 class StorageUnit:
     """A Ray actor holding one share of the queue's payload. Create it through the controller (or pass handles
-    to ``TransferQueueController(storage_units=[...])`` to place units yourself)."""
+    to ``TransferQueueController(storage_units=[...])`` to place units yourself).
 
-    def __init__(self, unit: int, num_units: int, bind_host: str | None = None):
+    Args:
+        unit, num_units: this unit's number and how many the queue has.
+        bind_host: the address its socket binds (default: its node's address as Ray sees it; ``0.0.0.0`` or ``::``
+            for every interface).
+        advertise_host: the address clients connect to (default: ``bind_host``, or the node's address when
+            ``bind_host`` is a wildcard). Never a wildcard.
+        bind_node_id: apply ``bind_host`` and ``advertise_host`` only if this unit runs on that Ray node, else use
+            the node's address (a controller passes its own host's address down this way: a unit it starts on
+            another node cannot bind there).
+    """
+
+    def __init__(
+        self,
+        unit: int,
+        num_units: int,
+        bind_host: str | None = None,
+        advertise_host: str | None = None,
+        bind_node_id: str | None = None,
+    ):
         import transfer_queue.columns  # noqa: F401  (torch loads now, not during the first write)
 
         _mmap_large_allocations()
+        if bind_node_id is not None and bind_node_id != p.ray_node_id():
+            bind_host = advertise_host = None
         self._bind_host = bind_host
+        self._advertise_host = advertise_host
         self._server: StorageServer | None = None  # serves from attach on: it needs the queue's secret first
 
     def attach(
@@ -351,8 +379,12 @@ class StorageUnit:
             old.stop()
         limit = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
         store = BlockStore(unit, num_units, secret)
-        self._server = StorageServer(store, self._bind_host, session_id, secret, limit)
+        self._server = StorageServer(store, self._bind_host, session_id, secret, limit, self._advertise_host)
         return self._server.endpoint
+
+    def alive(self) -> bool:
+        """A liveness call (the controller's watcher): Ray answers it with an actor error once this unit died."""
+        return True
 
     def stats(self) -> dict[str, Any]:
         if self._server is None:

@@ -42,7 +42,7 @@ from transfer_queue.errors import (
     ServerGone,
     TransferQueueError,
 )
-from transfer_queue.protocol import Endpoint, decode_reply_header
+from transfer_queue.protocol import Endpoint, decode_reply_header, ray_node_id
 from transfer_queue.socket_dirs import SocketDir
 from transfer_queue.unix_socket import MAX_MESSAGE_BYTES, UnixServer, connect, exchange, send_all
 
@@ -73,6 +73,47 @@ def node_ip() -> str:
     except Exception:  # ray missing or not connected: serve on loopback
         pass
     return "127.0.0.1"
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` means "every interface" (it can be bound, never connected to)."""
+    return host.strip("[]") in ("0.0.0.0", "::", "*", "")
+
+
+def tcp_address(host: str, port: int | str) -> str:
+    """``tcp://host:port`` with an IPv6 literal in brackets (``tcp://[::1]:5555``)."""
+    host = host.strip("[]")
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def server_addresses(bind_host: str | None, advertise_host: str | None) -> tuple[str, str]:
+    """Where a server binds and the address it tells clients to connect to.
+
+    Default: both are the node's address as Ray sees it. A server bound to every interface (``0.0.0.0``, ``::``)
+    advertises the node's address unless told otherwise; an advertised wildcard is refused (clients would connect to
+    themselves).
+
+    >>> server_addresses("0.0.0.0", None)
+    ('0.0.0.0', '127.0.0.1')
+    """
+    bind = (bind_host or node_ip()).strip("[]")
+    advertise = (advertise_host or (node_ip() if is_wildcard(bind) else bind)).strip("[]")
+    if is_wildcard(advertise):
+        raise InvalidRequest(
+            f"advertise_host={advertise_host!r}: clients cannot connect to a wildcard address; advertise an address "
+            "of this node that they can reach (default: the node's address as Ray sees it)"
+        )
+    return bind, advertise
+
+
+E = TypeVar("E", bound=Exception)
+
+
+def _naming(exc: E, addresses: Sequence[str]) -> E:
+    """``exc`` with the addresses (TCP addresses or Unix socket paths) of the servers it is about, as ``addresses``:
+    the client maps them back to storage units."""
+    exc.addresses = list(addresses)  # type: ignore[attr-defined]
+    return exc
 
 
 Reply = Callable[[Sequence[Any]], None]
@@ -111,7 +152,10 @@ class ServerSockets:
     a slow reader does not take at once (:meth:`poll` waits for those sockets to drain too).
     """
 
-    def __init__(self, host: str | None = None, unix: bool = True, secret: bytes = b""):
+    def __init__(
+        self, host: str | None = None, unix: bool = True, secret: bytes = b"", advertise_host: str | None = None
+    ):
+        bind, advertise = server_addresses(host, advertise_host)  # first: a bad address leaves nothing open
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -119,11 +163,14 @@ class ServerSockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         secure_server(self.router, secret)  # CURVE with keys from the queue's secret (see transfer_queue.auth)
         self.zap = ZapHandler(self.ctx, secret) if secret else None
-        host = host or node_ip()
-        port = self.router.bind_to_random_port(f"tcp://{host}")
+        if ":" in bind:
+            self.router.setsockopt(zmq.IPV6, 1)
+        port = self.router.bind_to_random_port(f"tcp://[{bind}]" if ":" in bind else f"tcp://{bind}")
         self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
         self.unix = UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret) if self._socket_dir else None
-        self.endpoint = Endpoint(f"tcp://{host}:{port}", self.unix.path if self.unix else None, socket.gethostname())
+        self.endpoint = Endpoint(
+            tcp_address(advertise, port), self.unix.path if self.unix else None, socket.gethostname(), ray_node_id()
+        )
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         if self.zap is not None:
@@ -366,6 +413,7 @@ class BlockingTransport:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
             secure_client(sock, self._secret)
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
@@ -385,11 +433,22 @@ class BlockingTransport:
                 sock.close(linger=0)
 
     def _local_path(self, endpoint: Endpoint) -> str | None:
+        """The Unix socket to take to ``endpoint``, or None for TCP: the server is on this host (same Ray node, or
+        same hostname outside Ray, see :meth:`Endpoint.local_path`) and its socket accepts us (the probe: a socket
+        file of another host on a shared /tmp, or one left by a dead server, does not)."""
         if self.force_tcp:
             return None
         routes = self._local.__dict__.setdefault("routes", {})
         if endpoint not in routes:
-            routes[endpoint] = endpoint.local_path()
+            path = endpoint.local_path()
+            if path is not None:
+                try:
+                    self._unix_socket(path)
+                except AuthenticationFailed:
+                    raise
+                except OSError:  # nothing of ours listens there: take TCP (which reports a dead server itself)
+                    path = None
+            routes[endpoint] = path
         return routes[endpoint]
 
     def _unix_socket(self, path: str) -> socket.socket:
@@ -412,8 +471,12 @@ class BlockingTransport:
             raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
         except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
             self._local.__dict__.get("routes", {}).clear()
-            raise ServerGone(
-                f"cannot reach {[path for _, path, _, _ in calls]}: {exc} (nothing listens there: the server is gone)"
+            raise _naming(
+                ServerGone(
+                    f"cannot reach {[path for _, path, _, _ in calls]}: {exc} (nothing listens there: the server is "
+                    "gone)"
+                ),
+                [path for _, path, _, _ in calls],
             ) from None
         gone: set[int] = set()
         replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None, gone)
@@ -424,11 +487,11 @@ class BlockingTransport:
         if failed:
             self._local.__dict__.get("routes", {}).clear()
         if gone:
-            raise ServerGone(
-                f"{sorted({calls[i][1] for i in gone})} closed the connection before replying (the server is gone)"
-            )
+            paths = sorted({calls[i][1] for i in gone})
+            raise _naming(ServerGone(f"{paths} closed the connection before replying (the server is gone)"), paths)
         if failed:
-            raise RequestTimeout(f"no reply within {timeout:.1f} s from {sorted({calls[i][1] for i in failed})}")
+            paths = sorted({calls[i][1] for i in failed})
+            raise _naming(RequestTimeout(f"no reply within {timeout:.1f} s from {paths}"), paths)
         out = []
         for (position, _, _, request_id), reply in zip(calls, replies, strict=True):
             assert reply is not None
@@ -491,7 +554,7 @@ class BlockingTransport:
                 for _, address, _ in waiting.values():
                     self._discard(address)  # late replies die with the socket
                 missing = sorted({address for _, address, _ in waiting.values()})
-                raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}")
+                raise _naming(RequestTimeout(f"no reply within {timeout:.1f} s from {missing}"), missing)
             self._raise_if_gone([watched[s] for s in ready if s in watched and _gone_event(s)])
             for sock in ready:
                 if sock in watched:
@@ -517,8 +580,12 @@ class BlockingTransport:
         if addresses:
             for address in addresses:
                 self._discard(address)
-            raise ServerGone(
-                f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone)"
+            raise _naming(
+                ServerGone(
+                    f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone, or its "
+                    "host is unreachable)"
+                ),
+                addresses,
             )
 
     def _ready(self, sockets: list[zmq.Socket], deadline: float, spin_until: float) -> list[zmq.Socket]:
@@ -585,6 +652,7 @@ class AsyncioTransport:
             self._forget_closed_loops()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
             secure_client(sock, self._secret)
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
@@ -605,7 +673,13 @@ class AsyncioTransport:
                 return
             if not event["event"] & _GONE_EVENTS:
                 continue
-            error = ServerGone(f"['{key[1]}'] closed the connection or stopped listening (the server is gone)")
+            error = _naming(
+                ServerGone(
+                    f"['{key[1]}'] closed the connection or stopped listening (the server is gone, or its host is "
+                    "unreachable)"
+                ),
+                [key[1]],
+            )
             for request_id in list(self._pending.get(key, ())):
                 future = self._futures.pop(request_id, None)
                 if future is not None and not future.done():
@@ -653,7 +727,7 @@ class AsyncioTransport:
             return [_buffers(frames) for frames in await asyncio.wait_for(asyncio.gather(*futures), timeout)]
         except TimeoutError:
             missing = sorted({e.address() for (e, _, _), f in zip(calls, futures, strict=True) if not f.done()})
-            raise RequestTimeout(f"no reply within {timeout:.1f} s from {missing}") from None
+            raise _naming(RequestTimeout(f"no reply within {timeout:.1f} s from {missing}"), missing) from None
         finally:
             for endpoint, _, request_id in calls:
                 self._futures.pop(request_id, None)

@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
 from transfer_queue import protocol as p
 from transfer_queue.auth import secure_client
-from transfer_queue.errors import GetMetaTimeout, PartitionOverfilled, StorageUnavailable
+from transfer_queue.errors import GetMetaTimeout, PartitionOverfilled, StorageUnavailable, StorageUnitDown
 from transfer_queue.metadata import FieldSchema
 
 # Remote functions defined here run in Ray workers, which cannot import this file: pickle them by value.
@@ -120,9 +120,18 @@ def test_dead_storage_unit_gives_storage_unavailable_not_a_hang(
         wait_until(
             lambda: ray.get(controller.server_stats.remote())["storage_units_down"] == [0], 30, what="unit 0 down"
         )
+        # Ray's view too: the controller's watcher finds the actor dead, and says so for good.
+        wait_until(
+            lambda: "its Ray actor died" in ray.get(controller.server_stats.remote())["storage_units_down_reasons"][0],
+            30,
+            what="the watcher to see the actor dead",
+        )
         for value in (3.0, 4.0):
             meta = client.put(TensorDict({"x": torch.full((2, 256), value)}, batch_size=[2]), partition_id="p")
             assert set((meta.blocks[:, 0] % 2).tolist()) == {1}
+        # The client now knows (every controller reply says which units are down): reads of unit 0's rows fail at once.
+        with pytest.raises(StorageUnitDown, match=r"storage unit 0 is down \(its Ray actor died.*\): it held rows"):
+            client.get_data(dead, timeout=60.0)
         status = client.get_production_status(partition_id="p")
         assert status["rows"] == 8 and status["rows_in_flight"] == 0
         # The controller keeps serving: metadata of every committed row, reads from the live unit.
