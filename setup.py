@@ -59,7 +59,7 @@ setup(
             "orchestration.*",
         ]
     ),
-    package_data={"transfer_queue": ["py.typed"]},
+    package_data={"transfer_queue": ["py.typed", "static/*"]},
     install_requires=CORE,
     extras_require={"rl": RL, "agents": AGENTS, "test": RL + AGENTS + TEST, "smollm2": RL + SMOLLM2},
 )

@@ -22,6 +22,9 @@ class QueueConfig:
         default_timeout: seconds an operation waits when the caller passes ``timeout=None`` (finite, never forever).
         put_grace: extra seconds a put's reservation outlives its timeout before it is aborted (client died).
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
+        http_host: address the read-only HTTP endpoints (``/metrics`` of every actor, the controller's ``/status``)
+            bind; 127.0.0.1 unless you open them to a Prometheus on another host (e.g. ``0.0.0.0``).
+        http_port: the controller's HTTP port (0: a free one; storage units always take free ones); -1: no HTTP.
     """
 
     global_batch_size: int
@@ -32,6 +35,8 @@ class QueueConfig:
     default_timeout: float = 60.0
     put_grace: float = 30.0
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "num_global_batch", "num_n_samples", "num_storage_units"):
@@ -44,6 +49,8 @@ class QueueConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not -1 <= self.http_port < 65536:
+            raise InvalidRequest(f"http_port must be an int in [-1, 65535] (0: free, -1: none), got {self.http_port!r}")
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
 
     @property

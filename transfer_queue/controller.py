@@ -12,7 +12,9 @@ import itertools
 import logging
 import threading
 import time
+import typing
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +31,11 @@ from transfer_queue.errors import (
     TransferQueueError,
     error_to_wire,
 )
+from transfer_queue.metrics import ControllerMetrics
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
+from transfer_queue.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.transport import Reply, ServerSockets
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,8 @@ MAX_BATCH = 256  # requests handled per wake-up before timers and storage messag
 # those bytes; a unit that does not acknowledge within this long (at most) is dead or stuck, and the clear is
 # answered anyway.
 DROP_ACK_WAIT = 10.0
+# request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
+KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
 
 
 @dataclass
@@ -85,6 +91,9 @@ class ControllerServer:
             self._unit_monitors[monitor] = len(self._units) - 1
             self._sockets.register(monitor)
         self._ids = itertools.count(1)
+        self.metrics = ControllerMetrics()  # recorded on this thread; read by scrapes under ``lock``
+        self.run_history: deque[dict[str, float]] = deque(maxlen=RUN_HISTORY)  # an RL run's per-step metrics
+        self.endpoints: dict[str, Any] = {}  # the HTTP URLs of the controller and the storage units
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self._stop = threading.Event()
@@ -130,12 +139,19 @@ class ControllerServer:
             hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
             self._reply(reply, request_id, hello, None)
             return
+        started, kind, metrics = time.perf_counter(), KINDS[type(request)], self.metrics
+        if isinstance(request, p.QueueStatus):
+            value = self.summary_locked(request.include_run_history)
+            metrics.answered(kind, started, request, value, None)
+            self._reply(reply, request_id, value, None)
+            return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
         hold = isinstance(request, (p.Clear, p.KvClear))
         held: list[tuple[Any, BaseException | None]] = []
 
         def respond(value: Any, error: BaseException | None) -> None:
+            metrics.answered(kind, started, request, value, error)
             if isinstance(value, p.Reservation) and isinstance(request, p.Reserve):
                 self._vouch(value, request.nbytes)
             if hold:
@@ -233,6 +249,26 @@ class ControllerServer:
                 self._reply(held.reply, held.request_id, held.value, None)
         self._held = keep
 
+    def connections(self) -> int:
+        """Client connections open now (TCP and Unix socket)."""
+        unix = self._sockets.unix
+        return len(self._sockets._tcp_by_fd) + (len(unix.connections) if unix is not None else 0)
+
+    def summary_locked(self, run_history: bool = False) -> dict[str, Any]:
+        """The whole-queue summary (see transfer_queue.status); the caller holds ``lock``."""
+        run = list(self.run_history) if run_history else list(self.run_history)[-1:]
+        return queue_summary(
+            self.state, metrics=self.metrics, clients=self.connections(), run=run, endpoints=self.endpoints
+        )
+
+    def summary(self, run_history: bool = False) -> dict[str, Any]:
+        with self.lock:
+            return self.summary_locked(run_history)
+
+    def record_run_row(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            self.run_history.append(numeric_row(row))
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -301,6 +337,7 @@ class TransferQueueController:
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
         )
         self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
+        self._web = serve_status(self._server, storage_units, self._config.http_host, self._config.http_port)
         self._info = p.ControllerInfo(
             p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
@@ -330,6 +367,20 @@ class TransferQueueController:
             down = sorted(self._server.state.down_units)
         return {"dropped.unauthenticated": self._server._sockets.unauthenticated(), "storage_units_down": down}
 
+    def status(self, run_history: bool = False) -> dict[str, Any]:
+        """The whole-queue summary (the same as ``client.status()``), through Ray."""
+        return self._server.summary(run_history)
+
+    def http_endpoints(self) -> dict[str, Any]:
+        """Where the read-only HTTP endpoints listen: ``controller`` (``/metrics``, ``/status``, ``/status.json``) and
+        ``storage_units`` (each ``/metrics``); empty when ``http_port=-1``."""
+        return dict(self._server.endpoints)
+
+    def record_run_metrics(self, row: dict[str, Any]) -> None:
+        """An RL run's metrics of one step (its finite numbers are kept): Prometheus gauges ``transfer_queue_rl_*``
+        and the curves of the status page."""
+        self._server.record_run_row(row)
+
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""
         return ray.get([u.stats.remote() for u in self._units])
@@ -337,8 +388,25 @@ class TransferQueueController:
     def shutdown(self) -> None:
         """Stop serving and stop the storage units this controller started (again: a no-op)."""
         self._server.stop()
+        if self._web is not None:
+            self._web.stop()
+            self._web = None
         if self._owns_units:
             self._owns_units = False
             ray.get([u.shutdown.remote() for u in self._units])
             for unit in self._units:
                 ray.kill(unit)
+
+
+def serve_status(server: ControllerServer, units: list[Any], host: str, port: int) -> Any:
+    """Start the controller's HTTP endpoint and the storage units' ones; ``None`` when ``port`` is -1."""
+    if port < 0:
+        return None
+    from transfer_queue.status_page import controller_routes
+    from transfer_queue.web import HttpEndpoint
+
+    web = HttpEndpoint(controller_routes(server), host, port)
+    unit_urls = ray.get([u.serve_metrics.remote(host) for u in units])
+    with server.lock:
+        server.endpoints = {"controller": web.url, "storage_units": unit_urls}
+    return web

@@ -619,3 +619,20 @@ class PartitionState:
             consumed = 0 if task is None else int(np.count_nonzero(task.consumption[: self.num_rows] == CONSUMED))
             out[name] = {"consumed": consumed, "rows": self.num_committed}
         return {"partition_id": self.key, "tasks": out}
+
+    def row_state_counts(self, task_name: str) -> dict[str, int]:
+        """Committed rows of this partition by delivery state for ``task_name``: ``ready`` (not consumed yet, whether
+        or not every field the task will ask for is produced), ``leased``, ``acknowledged`` (consumed) and
+        ``dead_lettered``. A task that never read this partition has every committed row ready. O(rows): for status
+        and metrics, never the hot path."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return {"ready": self.num_committed, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
+        committed = self.state[: self.num_rows] == COMMITTED
+        consumption = task.consumption[: self.num_rows]
+        return {
+            "ready": int(np.count_nonzero(committed & (consumption == AVAILABLE))),
+            "leased": 0,
+            "acknowledged": int(np.count_nonzero(committed & (consumption == CONSUMED))),
+            "dead_lettered": 0,
+        }

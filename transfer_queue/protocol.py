@@ -156,6 +156,12 @@ class KvClear(msgspec.Struct, tag="kv_clear"):
     keys: list[str] | None = None
 
 
+class QueueStatus(msgspec.Struct, tag="queue_status"):
+    """The whole-queue summary (``client.status()``), read in one go by the controller."""
+
+    include_run_history: bool = False
+
+
 ControllerRequest = (
     Hello
     | Reserve
@@ -172,6 +178,7 @@ ControllerRequest = (
     | KvLookup
     | KvList
     | KvClear
+    | QueueStatus
 )
 
 

@@ -37,6 +37,7 @@ from transfer_queue.errors import (
     UnknownPartition,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.metrics import QueueEvents
 from transfer_queue.partition import AVAILABLE, COMMITTED, DPRound, PartitionState, describe_partition
 from transfer_queue.placement import place_rows
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
@@ -119,6 +120,7 @@ class QueueState:
         self.bytes_held = 0
         self.next_deadline = float("inf")  # earliest deadline of a parked request or open put
         self.auto_rounds: dict[tuple[PartitionKey, str, int], int] = {}
+        self.events = QueueEvents()  # the metrics hook: lease expiries, re-deliveries (transfer_queue.metrics)
         self._next_uid = 1
         self._next_put = 1
         self._next_block = 0
