@@ -63,5 +63,6 @@ setup(
     ),
     package_data={"transfer_queue": ["py.typed", "static/*"]},
     install_requires=CORE,
+    entry_points={"console_scripts": ["transfer-queue = transfer_queue.__main__:main"]},
     extras_require={"rl": RL, "agents": AGENTS, "test": RL + AGENTS + TEST, "smollm2": RL + SMOLLM2},
 )

@@ -125,8 +125,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"waiting: get_meta {summary['waiting_get_meta']}, puts {summary['waiting_puts']} | clients "
         f"{summary['clients']}",
         f"storage: {_bytes(storage['bytes_held'])} held of {_bytes(storage['budget'])}",
-        "",
     ]
+    if summary["endpoints"].get("controller"):
+        url = summary["endpoints"]["controller"]
+        lines.append(f"status page: {url}/status | metrics: {url}/metrics (+ one per storage unit)")
+    lines.append("")
     rows = []
     for part in summary["partitions"]:
         capacity = part["capacity"] if part["capacity"] is not None else "-"
