@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ def _connect(address: str | None) -> Any:
     from transfer_queue.runtime import get_client
 
     if not ray.is_initialized():
-        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
     return get_client("transfer-queue-cli")
 
 
@@ -67,7 +68,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
     from transfer_queue.runtime import get_controller
 
     if not ray.is_initialized():
-        ray.init(address=args.address or "auto", logging_level="ERROR", log_to_driver=False)
+        ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
     endpoints = ray.get(get_controller().http_endpoints.remote())
     if not endpoints:
         print("the queue serves no HTTP endpoints (it was started with http_port=-1)", file=sys.stderr)

@@ -18,7 +18,7 @@ import re
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 LATENCY_BUCKETS = (
@@ -173,7 +173,7 @@ def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = No
     return g
 
 
-def _counter(name: str, doc: str, by: str, values: dict[str, float]) -> Any:
+def _counter(name: str, doc: str, by: str, values: Mapping[str, float]) -> Any:
     from prometheus_client.core import CounterMetricFamily
 
     c = CounterMetricFamily(name, doc, labels=[by])
@@ -281,5 +281,5 @@ def render(families: Callable[[], Iterable[Any]]) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(families))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(families))
     return generate_latest(registry)

@@ -52,8 +52,8 @@ def queue_summary(
                 tasks[task][key] += value
     units = config.num_storage_units
     unit_bytes = [0] * units
-    for part in state.partitions.values():
-        for block, size in part.block_nbytes.items():
+    for state_part in state.partitions.values():
+        for block, size in state_part.block_nbytes.items():
             unit_bytes[block % units] += size
     run = run or []
     return {
