@@ -158,6 +158,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
         ),
     ),
     "get_n_samples": st.booleans(),
+    "include_run_history": st.booleans(),
     "partition_uid": mostly(st.integers(1, 4), HUGE),
     "global_indexes": INDEX_BYTES,
     "client_id": st.text(max_size=4),
