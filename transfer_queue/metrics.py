@@ -141,7 +141,12 @@ class StorageMetrics(RequestLog):
 
 
 def nbytes(buffers: Iterable[Any]) -> int:
-    return sum(memoryview(b).nbytes for b in buffers)
+    """Bytes in ``buffers`` (numpy arrays, tensors, memoryviews, bytes, ZeroMQ frames)."""
+    total = 0
+    for buffer in buffers:
+        size = getattr(buffer, "nbytes", None)
+        total += size if isinstance(size, int) else memoryview(buffer).nbytes
+    return total
 
 
 # ---- the prometheus side (scrape time only) -------------------------------------------------------------------

@@ -77,7 +77,8 @@ def test_row_state_counts_keys_and_a_task_that_never_read_has_every_row_ready(ma
 
 def test_controller_metrics_from_answers_and_state(make_queue):
     q = make_queue()
-    metrics, events = ControllerMetrics(), QueueEvents()
+    metrics, events = ControllerMetrics(), q.state.events  # the hook the lease code increments
+    assert isinstance(events, QueueEvents)
     reservation = q.reserve(0, 4)
     meta = q.ok(p.Commit(reservation.put_id))
     metrics.answered("commit", 0.0, None, meta, None)
@@ -134,3 +135,13 @@ def test_http_endpoint_serves_routes_read_only():
             urllib.request.urlopen(urllib.request.Request(web.url + "/metrics", data=b"{}", method="POST"))
     finally:
         web.stop()
+
+
+def test_nbytes_of_every_buffer_kind():
+    import numpy as np
+    import torch
+
+    from transfer_queue.metrics import nbytes
+
+    buffers = [np.zeros(3, np.int64), torch.zeros(2, dtype=torch.float32), b"abcd", memoryview(b"xy"), bytearray(5)]
+    assert nbytes(buffers) == 24 + 8 + 4 + 2 + 5
