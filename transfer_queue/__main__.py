@@ -103,11 +103,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from transfer_queue.errors import TransferQueueError
+
     args = parser().parse_args(argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
+    except (TransferQueueError, ConnectionError) as exc:  # no cluster, no queue: say so without a traceback
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
