@@ -126,7 +126,7 @@ def test_status_page_shows_the_api_numbers_in_chromium(grpo_queue: Any, tmp_path
     assert int(chart["data-points"]) >= 40 and page.find(tag="canvas"), "uPlot did not draw the reward curve"
 
     shot = tmp_path / "status_page.png"
-    chromium(url, tmp_path, f"--screenshot={shot}", "--window-size=1180,880")
+    chromium(url, tmp_path, f"--screenshot={shot}", "--window-size=1300,1060")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     if os.environ.get("TRANSFER_QUEUE_DOCS_SCREENSHOT"):
         shutil.copy(shot, os.environ["TRANSFER_QUEUE_DOCS_SCREENSHOT"])
