@@ -13,6 +13,7 @@ CORE = [
     "msgspec>=0.18",
     "numpy>=1.26",
     "tqdm>=4.60",
+    "prometheus_client==0.26.0",  # /metrics of the controller and storage units (comes with ray[default] too)
 ]
 RL = [
     "transformers>=4.50",
@@ -35,6 +36,7 @@ TEST = [
     "ruff>=0.6",
     "mypy>=1.10",
     "pre-commit>=3",
+    "tensorboard==2.21.0",  # the optional TensorBoard metric sink is tested for real
 ]
 SMOLLM2 = ["gguf>=0.10", "accelerate>=1.0"]
 
@@ -59,7 +61,8 @@ setup(
             "orchestration.*",
         ]
     ),
-    package_data={"transfer_queue": ["py.typed"]},
+    package_data={"transfer_queue": ["py.typed", "static/*"]},
     install_requires=CORE,
+    entry_points={"console_scripts": ["transfer-queue = transfer_queue.__main__:main"]},
     extras_require={"rl": RL, "agents": AGENTS, "test": RL + AGENTS + TEST, "smollm2": RL + SMOLLM2},
 )

@@ -41,6 +41,7 @@ from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
+from trainers.metric_sinks import run_sinks
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
@@ -94,6 +95,8 @@ class GRPORun:
         self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
         self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        # each GRPO row also goes to the controller (Prometheus gauges, the status page) and TensorBoard/W&B if asked
+        self.sinks = run_sinks(cfg, transfer_queue.get_controller(), self.out)
         self.version = 0  # the version the engines were last sent
         self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
         self._saved_step: int | None = None
@@ -262,6 +265,7 @@ class GRPORun:
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 row["eval_accuracy"] = self.evaluate()
             self.metrics.write(row)
+            self.sinks.write(row)
             rows_out.append(row)
             progress.update(step, row)
             plot.maybe_refresh()
@@ -393,6 +397,7 @@ class GRPORun:
         return self.cfg.task.name.rsplit(":", 1)[-1]
 
     def shutdown(self) -> None:
+        self.sinks.close()
         for actor in [*self.rollout, *self.reward, *self.trainer]:
             ray.kill(actor)
         transfer_queue.shutdown()

@@ -134,6 +134,9 @@ class RLConfig:
     queue_timeout: float = 300.0  # seconds a queue read waits for its rows
     eval_every: int = 0  # greedy accuracy on the eval prompts every k steps (0: never)
     log_every: int = 10  # without a terminal: one plain line of metrics every k steps (a bar on a terminal)
+    tensorboard: bool = False  # also write each step's metrics as TensorBoard scalars in output_dir/tensorboard
+    wandb_project: str | None = None  # also log each step's metrics to this Weights & Biases project (needs wandb)
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: W&B files in output_dir/wandb, no network
 
     def __post_init__(self) -> None:
         self.validate()

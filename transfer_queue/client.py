@@ -623,6 +623,16 @@ class AsyncTransferQueueClient:
         """The live partitions: int global steps and str partition ids."""
         return await self._control(p.ListPartitions(), Any, self.config.default_timeout)
 
+    async def status(self, run_history: bool = False) -> dict:
+        """The whole queue in one controller request, consistent with itself even while partitions are cleared:
+        live partitions with production and consumption per task, rows by delivery state per task, waiting
+        requests, storage units (bytes, budget, health), request counts, errors, the RL run's last metrics
+        (``run_history``: every step kept) and the HTTP endpoints. See docs/operations.md.
+
+        >>> client.status()["tasks"]["train"]["acknowledged"]  # doctest: +SKIP
+        """
+        return await self._control(p.QueueStatus(bool(run_history)), Any, self.config.default_timeout)
+
     async def close_partition(self, global_step: int | None = None, partition_id: str | None = None) -> None:
         """No more puts to this partition: readers get the final short batch, then the end of the stream."""
         await self._control(p.ClosePartition(_partition(global_step, partition_id)), Any, self.config.default_timeout)
@@ -914,6 +924,7 @@ class TransferQueueClient:
     save_checkpoint = _sync(AsyncTransferQueueClient.save_checkpoint)
     list_partitions = _sync(AsyncTransferQueueClient.list_partitions)
     close_partition = _sync(AsyncTransferQueueClient.close_partition)
+    status = _sync(AsyncTransferQueueClient.status)
     ping = _sync(AsyncTransferQueueClient.ping)
     kv_put = _sync(AsyncTransferQueueClient.kv_put)
     kv_batch_put = _sync(AsyncTransferQueueClient.kv_batch_put)

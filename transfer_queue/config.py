@@ -34,6 +34,9 @@ class QueueConfig:
         max_fields: fields one partition may hold (1..64; each row keeps its produced fields as bits of a uint64).
         promote_jagged: a dense field whose first per-row dimension changes between puts becomes jagged (as
             upstream TransferQueue does) instead of raising SchemaMismatch.
+        http_host: address the read-only HTTP endpoints (``/metrics`` of every actor, the controller's ``/status``)
+            bind; 127.0.0.1 unless you open them to a Prometheus on another host (e.g. ``0.0.0.0``).
+        http_port: the controller's HTTP port (0: a free one; storage units always take free ones); -1: no HTTP.
     """
 
     global_batch_size: int
@@ -51,6 +54,8 @@ class QueueConfig:
     max_deliveries: int = 5
     max_fields: int = 64
     promote_jagged: bool = False
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -78,6 +83,8 @@ class QueueConfig:
             )
         if not isinstance(self.promote_jagged, bool):
             raise InvalidRequest(f"promote_jagged must be a bool, got {self.promote_jagged!r}")
+        if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not -1 <= self.http_port < 65536:
+            raise InvalidRequest(f"http_port must be an int in [-1, 65535] (0: free, -1: none), got {self.http_port!r}")
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
 
     @property

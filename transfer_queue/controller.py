@@ -12,7 +12,9 @@ import itertools
 import logging
 import threading
 import time
+import typing
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +41,12 @@ from transfer_queue.errors import (
     TransferQueueError,
     error_to_wire,
 )
+from transfer_queue.metrics import ControllerMetrics
 from transfer_queue.queue_snapshot import block_map, read_snapshot, restore_state, snapshot_state
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
+from transfer_queue.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.transport import Incoming, Peer, Reply, ServerSockets
 from transfer_queue.unit_health import UnitWatcher
 
@@ -60,6 +64,8 @@ UNIT_HEARTBEAT_IVL_MS = 1_000
 UNIT_HEARTBEAT_TIMEOUT_MS = 4_000
 UNIT_RECONNECT_MS = 500
 UNIT_CONNECT_TIMEOUT_MS = 2_000
+# request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
+KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
 
 
 @dataclass
@@ -117,6 +123,9 @@ class ControllerServer:
         self.down_reasons: dict[int, str] = {}
         self._dead: set[int] = set()
         self._ids = itertools.count(1)
+        self.metrics = ControllerMetrics()  # recorded on this thread; read by scrapes under ``lock``
+        self.run_history: deque[dict[str, float]] = deque(maxlen=RUN_HISTORY)  # an RL run's per-step metrics
+        self.endpoints: dict[str, Any] = {}  # the HTTP URLs of the controller and the storage units
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self._stop = threading.Event()
@@ -178,6 +187,12 @@ class ControllerServer:
             hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
             self._reply(reply, request_id, hello, None)
             return
+        started, kind, metrics = time.perf_counter(), KINDS[type(request)], self.metrics
+        if isinstance(request, p.QueueStatus):
+            value = self.summary_locked(request.include_run_history)
+            metrics.answered(kind, started, request, value, None)
+            self._reply(reply, request_id, value, None)
+            return
         if isinstance(request, p.SaveCheckpoint):
             try:
                 self._reply(reply, request_id, self.save(request.directory), None)
@@ -202,6 +217,7 @@ class ControllerServer:
         quiet = isinstance(request, p.Ack) and not request.reply  # the client does not read an answer
 
         def respond(value: Any, error: BaseException | None) -> None:
+            metrics.answered(kind, started, request, value, error)
             if quiet:
                 if error is not None:
                     logger.info("an acknowledgement nobody waits for failed: %s", error)
@@ -334,6 +350,26 @@ class ControllerServer:
                 self._reply(held.reply, held.request_id, held.value, None)
         self._held = keep
 
+    def connections(self) -> int:
+        """Client connections open now (TCP and Unix socket)."""
+        unix = self._sockets.unix
+        return len(self._sockets._tcp_by_fd) + (len(unix.connections) if unix is not None else 0)
+
+    def summary_locked(self, run_history: bool = False) -> dict[str, Any]:
+        """The whole-queue summary (see transfer_queue.status); the caller holds ``lock``."""
+        run = list(self.run_history) if run_history else list(self.run_history)[-1:]
+        return queue_summary(
+            self.state, metrics=self.metrics, clients=self.connections(), run=run, endpoints=self.endpoints
+        )
+
+    def summary(self, run_history: bool = False) -> dict[str, Any]:
+        with self.lock:
+            return self.summary_locked(run_history)
+
+    def record_run_row(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            self.run_history.append(numeric_row(row))
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -414,6 +450,7 @@ class TransferQueueController:
             state, self._session_id, endpoints, bind_host, self._secret, save_units=self._save_units
         )
         self._watcher = UnitWatcher(storage_units, [e.node_id for e in endpoints], self._server.mark_unit)
+        self._web = serve_status(self._server, storage_units, self._config.http_host, self._config.http_port)
         self._info = p.ControllerInfo(
             p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
@@ -481,6 +518,20 @@ class TransferQueueController:
             "storage_units_down_reasons": reasons,
         }
 
+    def status(self, run_history: bool = False) -> dict[str, Any]:
+        """The whole-queue summary (the same as ``client.status()``), through Ray."""
+        return self._server.summary(run_history)
+
+    def http_endpoints(self) -> dict[str, Any]:
+        """Where the read-only HTTP endpoints listen: ``controller`` (``/metrics``, ``/status``, ``/status.json``) and
+        ``storage_units`` (each ``/metrics``); empty when ``http_port=-1``."""
+        return dict(self._server.endpoints)
+
+    def record_run_metrics(self, row: dict[str, Any]) -> None:
+        """An RL run's metrics of one step (its finite numbers are kept): Prometheus gauges ``transfer_queue_rl_*``
+        and the curves of the status page."""
+        self._server.record_run_row(row)
+
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit."""
         return ray.get([u.stats.remote() for u in self._units])
@@ -489,6 +540,9 @@ class TransferQueueController:
         """Stop serving and stop the storage units this controller started (again: a no-op)."""
         self._watcher.stop()
         self._server.stop()
+        if self._web is not None:
+            self._web.stop()
+            self._web = None
         if self._owns_units:
             self._owns_units = False
             for ref in [u.shutdown.remote() for u in self._units]:
@@ -498,3 +552,17 @@ class TransferQueueController:
                     pass  # a dead unit (or one on a dead or unreachable node): killed below all the same
             for unit in self._units:
                 ray.kill(unit)
+
+
+def serve_status(server: ControllerServer, units: list[Any], host: str, port: int) -> Any:
+    """Start the controller's HTTP endpoint and the storage units' ones; ``None`` when ``port`` is -1."""
+    if port < 0:
+        return None
+    from transfer_queue.status_page import controller_routes
+    from transfer_queue.web import HttpEndpoint
+
+    web = HttpEndpoint(controller_routes(server), host, port)
+    unit_urls = ray.get([u.serve_metrics.remote(host) for u in units])
+    with server.lock:
+        server.endpoints = {"controller": web.url, "storage_units": unit_urls}
+    return web

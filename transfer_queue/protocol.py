@@ -259,6 +259,12 @@ class SaveCheckpoint(msgspec.Struct, tag="save_checkpoint"):
     directory: str
 
 
+class QueueStatus(msgspec.Struct, tag="queue_status"):
+    """The whole-queue summary (``client.status()``), read in one go by the controller."""
+
+    include_run_history: bool = False
+
+
 ControllerRequest = (
     Hello
     | Reserve
@@ -284,6 +290,7 @@ ControllerRequest = (
     | SetCustomMeta
     | GetCustomMeta
     | ClearSamples
+    | QueueStatus
 )
 
 

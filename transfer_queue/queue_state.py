@@ -45,6 +45,7 @@ from transfer_queue.errors import (
     UnknownPartition,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey
+from transfer_queue.metrics import QueueEvents
 from transfer_queue.partition import (
     AVAILABLE,
     COMMITTED,
@@ -165,6 +166,7 @@ class QueueState:
         self.committed: dict[int, Committed] = {}  # put id -> its commit, oldest first
         self.pending_sampler_states: dict[str, dict[str, Any]] = {}  # restored, for tasks not registered again yet
         self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
+        self.events = QueueEvents()  # the metrics hook: lease expiries, re-deliveries (transfer_queue.metrics)
         self._next_uid = 1
         self._next_put = 1
         self._next_block = 0
@@ -878,6 +880,9 @@ class QueueState:
         deadline = self.clock() + lease_s
         lease = self.leases.open(owner, part.key, part.uid, task_name, rows, deadline, call_id)
         lease.round_key = round_key
+        again = int(np.count_nonzero(part.task(task_name).deliveries[rows]))
+        if again:
+            self.events.redelivered(task_name, again)
         part.lease(task_name, rows, lease.lease_id, self.leases.owner_id(owner))
         self.next_deadline = min(self.next_deadline, deadline)
         return lease
@@ -898,6 +903,8 @@ class QueueState:
                 dp_round.expired = True
         if not len(rows):
             return
+        if reason in ("lease expired", "client disconnected"):
+            self.events.lease_expired(lease.task_name, len(rows))
         dead = part.give_back(lease.task_name, rows, reason, self._max_deliveries(lease.task_name))
         if len(dead):
             logger.warning(

@@ -31,6 +31,7 @@ from transfer_queue.errors import (
     StaleBatchMeta,
     UnknownField,
 )
+from transfer_queue.metrics import StorageMetrics, nbytes, render, storage_families
 from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, Responder, Server
 from transfer_queue.transport import Endpoint
 
@@ -305,6 +306,7 @@ class StorageServer(Server):
             advertise_host,
         )
         self.store = store
+        self.metrics = StorageMetrics()  # recorded on the serving thread; read by scrapes under ``lock``
         self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
             p.Read: lambda req, bufs: self.store.read(req),
@@ -317,11 +319,26 @@ class StorageServer(Server):
         self.start()
 
     def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
-        result = self._handlers[type(request)](request, buffers)
+        started, kind = time.perf_counter(), type(request).__struct_config__.tag
+        try:
+            result = self._handlers[type(request)](request, buffers)
+        except Exception as exc:
+            self.metrics.record(kind, time.perf_counter() - started, exc)
+            raise
         if isinstance(result, tuple):
             responder.ok(*result)
+            self.metrics.bytes_out += nbytes(result[1])
         else:
             responder.ok(result)
+            if kind == "write":
+                self.metrics.bytes_in += nbytes(buffers)
+        self.metrics.record(kind, time.perf_counter() - started)
+
+    def prometheus_text(self) -> bytes:
+        """This unit's metrics in the Prometheus text format (see transfer_queue.metrics)."""
+        with self.lock:
+            families = list(storage_families(self.store.stats(), self.metrics))
+        return render(lambda: families)
 
     def stats(self) -> dict[str, Any]:
         """The store's figures and the serving loop's counters (``server`` key)."""
@@ -361,6 +378,7 @@ class StorageUnit:
         self._bind_host = bind_host
         self._advertise_host = advertise_host
         self._server: StorageServer | None = None  # serves from attach on: it needs the queue's secret first
+        self._web: Any = None
 
     def attach(
         self, session_id: str, unit: int, num_units: int, secret: bytes = b"", max_message_bytes: int | None = None
@@ -423,6 +441,22 @@ class StorageUnit:
             raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
         return self._server
 
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve ``/metrics`` over HTTP on ``host:port`` (0: a free port); returns its URL (once started, the same)."""
+        if self._web is None:
+            from transfer_queue.web import PROMETHEUS_TEXT, HttpEndpoint
+
+            def metrics() -> tuple[str, bytes]:
+                if self._server is None:
+                    raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
+                return PROMETHEUS_TEXT, self._server.prometheus_text()
+
+            self._web = HttpEndpoint({"/metrics": metrics}, host, port)
+        return self._web.url + "/metrics"
+
     def shutdown(self) -> None:
+        if self._web is not None:
+            self._web.stop()
+            self._web = None
         if self._server is not None:
             self._server.stop()

@@ -336,3 +336,15 @@ def test_a_dp_round_whose_ranks_all_acknowledged_ends_with_nothing_to_hand_back(
     q.advance(5.0)
     assert states(q) == {"ready": 0, "leased": 0, "acknowledged": 8, "dead_lettered": 0}
     assert indexes(get(q, "rank1", 4, sampler_params=dp(1))) == indexes(shares[1])  # the round is still served
+
+
+def test_expiries_and_redeliveries_reach_the_metrics_hook(make_queue):
+    q = make_queue(lease_s=5.0)
+    q.put(0, 4)
+    q.get(0, ["x"], 2)
+    q.advance(6.0)
+    q.state.tick()
+    assert q.state.events.lease_expiries == {"train": 2}
+    again = q.get(0, ["x"], 4)
+    assert sorted(again.global_indexes.tolist()) == [0, 1, 2, 3]
+    assert q.state.events.redeliveries == {"train": 2}

@@ -163,6 +163,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "peek": st.booleans(),
     "with_tags": st.booleans(),
     "values": st.lists(mostly(st.none() | st.dictionaries(st.text(max_size=3), msgpack_values), msgpack_values)),
+    "include_run_history": st.booleans(),
     "partition_uid": mostly(st.integers(1, 4), HUGE),
     "global_indexes": INDEX_BYTES,
     "client_id": st.text(max_size=4),

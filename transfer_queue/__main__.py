@@ -1,0 +1,119 @@
+"""``python -m transfer_queue COMMAND`` (also installed as ``transfer-queue``): look at a running queue.
+
+    python -m transfer_queue status                      # the queue on the Ray cluster this machine runs
+    python -m transfer_queue status --address 10.0.0.1:6379 --watch
+    python -m transfer_queue status --json               # the same summary as client.status(), as JSON
+    python -m transfer_queue targets --output tq.json    # Prometheus file_sd targets of every /metrics endpoint
+
+Any process that can join the cluster can run it (see docs/operations.md: attaching from another process, Ray's
+token authentication). It joins as a Ray driver, finds the queue ``transfer_queue.init`` started, and reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+
+def _connect(address: str | None) -> Any:
+    """A client of the queue running on the cluster at ``address`` (default: ``RAY_ADDRESS``, else this node's)."""
+    import ray
+
+    from transfer_queue.runtime import get_client
+
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    return get_client("transfer-queue-cli")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from transfer_queue.status import format_summary
+
+    client = _connect(args.address)
+    while True:
+        summary = client.status()
+        if args.json:
+            print(json.dumps(summary, indent=2, default=str))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")  # clear the terminal, cursor home
+            print(format_summary(summary), flush=True)
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def file_sd(endpoints: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prometheus ``file_sd_configs`` entries for the controller's and the storage units' ``/metrics``."""
+    out = []
+    if endpoints.get("controller"):
+        out.append({"targets": [urlparse(endpoints["controller"]).netloc], "labels": {"component": "controller"}})
+    for unit, url in enumerate(endpoints.get("storage_units", [])):
+        out.append({"targets": [urlparse(url).netloc], "labels": {"component": "storage", "unit": str(unit)}})
+    return out
+
+
+def cmd_targets(args: argparse.Namespace) -> int:
+    import ray
+
+    from transfer_queue.runtime import get_controller
+
+    if not ray.is_initialized():
+        ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    endpoints = ray.get(get_controller().http_endpoints.remote())
+    if not endpoints:
+        print("the queue serves no HTTP endpoints (it was started with http_port=-1)", file=sys.stderr)
+        return 1
+    text = json.dumps(file_sd(endpoints), indent=2)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="python -m transfer_queue",
+        description="Look at the transfer_queue running on a Ray cluster.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    status = commands.add_parser("status", help="the queue's partitions, tasks, storage units and errors, as tables")
+    targets = commands.add_parser("targets", help="Prometheus file_sd targets of the queue's /metrics endpoints")
+    for sub in (status, targets):
+        sub.add_argument("--address", help="the Ray cluster (its GCS host:port); default: RAY_ADDRESS or this node's")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    status.add_argument("--json", action="store_true", help="print client.status() as JSON")
+    status.set_defaults(run=cmd_status)
+    targets.add_argument("--output", help="write the targets to this file (default: print them)")
+    targets.set_defaults(run=cmd_targets)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from transfer_queue.errors import TransferQueueError
+
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (TransferQueueError, ConnectionError) as exc:  # no cluster, no queue: say so without a traceback
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
