@@ -36,6 +36,14 @@ TEST = [
     "mypy>=1.10",
     "pre-commit>=3",
 ]
+LEDGER = [
+    # the sampling control plane's ledger (workers/ledger): SQLAlchemy Core over SQLite or PostgreSQL (psycopg 3)
+    "sqlalchemy==2.1.9",
+    "psycopg[binary]==3.3.9",
+    "pydantic>=2",
+    "minio==7.2.20",  # the blob store's S3-compatible option (oss_connection_string)
+]
+LEDGER_TEST = ["moto[server]==5.2.5"]  # a real S3-compatible server on 127.0.0.1 for the blob store's tests
 SMOLLM2 = ["gguf>=0.10", "accelerate>=1.0"]
 
 setup(
@@ -61,5 +69,6 @@ setup(
     ),
     package_data={"transfer_queue": ["py.typed"]},
     install_requires=CORE,
-    extras_require={"rl": RL, "agents": AGENTS, "test": RL + AGENTS + TEST, "smollm2": RL + SMOLLM2},
+    extras_require={"rl": RL, "agents": AGENTS, "ledger": LEDGER,
+        "test": RL + AGENTS + LEDGER + TEST + LEDGER_TEST, "smollm2": RL + SMOLLM2},
 )

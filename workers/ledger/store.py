@@ -125,7 +125,7 @@ class Ledger:
             marker = self._insert(s.epochs).values(
                 split=split, epoch=epoch, num_tasks=len(rows), written_by=owner, written_at=now
             )
-            if conn.execute(marker.on_conflict_do_nothing()).rowcount != 1:
+            if conn.execute(marker.on_conflict_do_nothing().returning(s.epochs.c.epoch)).first() is None:
                 return False
             if rows:
                 conn.execute(insert(s.tasks), rows)
@@ -276,7 +276,7 @@ class Ledger:
         values = record.model_dump(exclude={"id", "task_id", "split", "epoch", "created_at"})
         with self._tx() as conn:
             stmt = self._insert(s.records).values(**values, created_at=now).on_conflict_do_nothing()
-            written = conn.execute(stmt).rowcount == 1
+            written = conn.execute(stmt.returning(s.records.c.id)).first() is not None
             r = s.records.c
             row = conn.execute(
                 self._records_query().where(r.task_key == record.task_key, r.sample_index == record.sample_index)
@@ -368,7 +368,7 @@ class Ledger:
         c = s.locks.c
         with self._tx() as conn:
             stmt = self._insert(s.locks).values(name=name, owner=owner, expires_at=now + ttl_s)
-            if conn.execute(stmt.on_conflict_do_nothing()).rowcount == 1:
+            if conn.execute(stmt.on_conflict_do_nothing().returning(c.name)).first() is not None:
                 return True
             row = conn.execute(select(s.locks).where(c.name == name).with_for_update()).one()
             if row.owner != owner and row.expires_at >= now:
