@@ -69,6 +69,11 @@ setup(
     ),
     package_data={"transfer_queue": ["py.typed"]},
     install_requires=CORE,
-    extras_require={"rl": RL, "agents": AGENTS, "ledger": LEDGER,
-        "test": RL + AGENTS + LEDGER + TEST + LEDGER_TEST, "smollm2": RL + SMOLLM2},
+    extras_require={
+        "rl": RL,
+        "agents": AGENTS,
+        "ledger": LEDGER,
+        "test": RL + AGENTS + LEDGER + TEST + LEDGER_TEST,
+        "smollm2": RL + SMOLLM2,
+    },
 )

@@ -46,7 +46,8 @@ class PostgresServer:
             cmd = ["runuser", "-u", "postgres", "--", *cmd]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stdout[-2000:]}{result.stderr[-2000:]}")
+            output = result.stdout[-2000:] + result.stderr[-2000:]
+            raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {output}")
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"

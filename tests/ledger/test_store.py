@@ -20,8 +20,8 @@ from workers.ledger import (
     UnregisteredTaskType,
     parse_connection_string,
     register_new_model,
+    schema,
 )
-from workers.ledger import schema
 
 
 @register_new_model
@@ -122,8 +122,17 @@ def test_exactly_one_record_per_task_epoch_sample(ledger_url):
     ledger.write_epoch("train", 0, [rft(0)], owner="s")
     ledger.write_epoch("train", 1, [rft(0)], owner="s")
     claim, _ = ledger.claim("train", owner="w")
-    record = Record(task_key=claim.task_key, task_id="0", split="train", epoch=0, sample_index=0, score=1.0,
-                    messages=[{"role": "assistant", "content": "1"}], global_indexes=[3], group_id="g0")  # fmt: skip
+    record = Record(
+        task_key=claim.task_key,
+        task_id="0",
+        split="train",
+        epoch=0,
+        sample_index=0,
+        score=1.0,
+        messages=[{"role": "assistant", "content": "1"}],
+        global_indexes=[3],
+        group_id="g0",
+    )
     first, written = ledger.write_record(record)
     assert written and first.id is not None and first.epoch == 0 and first.global_indexes == [3]
     again, written = ledger.write_record(record.model_copy(update={"score": 0.0}))
@@ -146,8 +155,8 @@ def test_trainable_records_respect_max_trained_count_and_retrained_interval(ledg
     ledger.mark_trained(ids[:1], step=5)
     assert [r.record_id for r in ledger.trainable("train", step=5)] == ids[1:]
     # trained once at step 5; twice allowed, but only 3 steps later
-    assert [r.record_id for r in ledger.trainable("train", step=7, max_trained_count=2, retrained_interval=3)] == ids[1:]
-    assert [r.record_id for r in ledger.trainable("train", step=8, max_trained_count=2, retrained_interval=3)] == ids
+    assert [r.record_id for r in ledger.trainable("train", 7, max_trained_count=2, retrained_interval=3)] == ids[1:]
+    assert [r.record_id for r in ledger.trainable("train", 8, max_trained_count=2, retrained_interval=3)] == ids
     (trained,) = [r for r in ledger.trainable("train", step=8, max_trained_count=2) if r.record_id == ids[0]]
     assert (trained.trained_count, trained.last_trained_step) == (1, 5)
 
@@ -190,7 +199,7 @@ def test_bad_input_is_a_typed_error_naming_expected_and_got(ledger_url):
     ledger = Ledger(ledger_url)
     with pytest.raises(UnregisteredTaskType, match="UnregisteredTask is not registered: decorate it with"):
         ledger.write_epoch("train", 0, [UnregisteredTask(id="0", question="?")], owner="s")
-    with pytest.raises(NotATask, match="expected a Task instance .* got dict"):
+    with pytest.raises(NotATask, match=r"expected a Task instance .* got dict"):
         ledger.write_epoch("train", 0, [{"id": "0"}], owner="s")  # type: ignore[list-item]
     assert ledger.written_epochs("train") == []  # all or nothing
 
@@ -200,7 +209,7 @@ def test_a_stored_type_this_process_does_not_know_is_a_typed_error(ledger_url):
     ledger.write_epoch("train", 0, [rft(0)], owner="s")
     with ledger._tx() as conn:
         conn.execute(update(schema.tasks).values(type="nowhere.module:GoneTask"))
-    with pytest.raises(UnregisteredTaskType, match="tasks of type nowhere.module:GoneTask, which is not registered"):
+    with pytest.raises(UnregisteredTaskType, match=r"tasks of type nowhere\.module:GoneTask, which is not registered"):
         ledger.tasks("train")
 
 

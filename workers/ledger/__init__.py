@@ -2,8 +2,9 @@
 ``AsyncSampler`` that claims tasks and writes records, the ``SamplingScheduler`` that writes tasks epoch by epoch
 and runs samplers, and the ``InferenceService`` registry. See docs/sampling.md.
 
-AgentRL's imports map onto ours as ``from databases import register_new_model, Task`` ->
-``from workers.ledger import register_new_model, Task``; ``rollout.sampler`` / ``rollout.scheduler`` -> ``workers.ledger``.
+AgentRL's imports map onto ours: ``from databases import register_new_model, Task`` becomes
+``from workers.ledger import register_new_model, Task``; ``rollout.sampler`` and ``rollout.scheduler`` become
+``workers.ledger``.
 """
 
 from workers.ledger.errors import (
@@ -31,26 +32,23 @@ from workers.ledger.schema import parse_connection_string
 from workers.ledger.store import Ledger
 
 __all__ = [
-    # models
-    "Task",
-    "register_new_model",
-    "DispatchedSamplingTask",
-    "Record",
-    "DBRecordData",
-    "InferenceService",
-    # the store
-    "Ledger",
-    "parse_connection_string",
-    # errors
-    "LedgerError",
-    "MalformedConnectionString",
-    "UnregisteredTaskType",
-    "NotATask",
-    "SchemaVersionMismatch",
-    "LedgerUnavailable",
     "ClaimLost",
-    "NoTaskAvailable",
-    "NoInferenceService",
+    "DBRecordData",
+    "DispatchedSamplingTask",
     "InferenceFailed",
+    "InferenceService",
+    "Ledger",
+    "LedgerError",
+    "LedgerUnavailable",
     "LockNotAcquired",
+    "MalformedConnectionString",
+    "NoInferenceService",
+    "NoTaskAvailable",
+    "NotATask",
+    "Record",
+    "SchemaVersionMismatch",
+    "Task",
+    "UnregisteredTaskType",
+    "parse_connection_string",
+    "register_new_model",
 ]

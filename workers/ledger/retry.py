@@ -46,7 +46,9 @@ def with_retry(
 
 
 async def with_retry_async(
-    call: Callable[[], Awaitable[T]], deadline_s: float = 120.0, on_retry: Callable[[LedgerUnavailable], None] | None = None
+    call: Callable[[], Awaitable[T]],
+    deadline_s: float = 120.0,
+    on_retry: Callable[[LedgerUnavailable], None] | None = None,
 ) -> T:
     """The async form of :func:`with_retry`: ``await call()``, retried with backoff on :class:`LedgerUnavailable`."""
     end = time.monotonic() + deadline_s

@@ -118,8 +118,17 @@ class Ledger:
             if task.id is None:
                 raise ValueError(f"every task needs an id before it is written; got {task!r}")
             rows.append(
-                dict(task_id=task.id, split=split, epoch=epoch, type=task_type_name(task), payload=task.payload(),
-                     status="pending", attempts=0, created_at=now, updated_at=now)  # fmt: skip
+                dict(
+                    task_id=task.id,
+                    split=split,
+                    epoch=epoch,
+                    type=task_type_name(task),
+                    payload=task.payload(),
+                    status="pending",
+                    attempts=0,
+                    created_at=now,
+                    updated_at=now,
+                )
             )
         with self._tx() as conn:
             marker = self._insert(s.epochs).values(
@@ -133,7 +142,8 @@ class Ledger:
 
     def written_epochs(self, split: str) -> list[int]:
         with self._tx() as conn:
-            return list(conn.execute(select(s.epochs.c.epoch).where(s.epochs.c.split == split).order_by("epoch")).scalars())
+            query = select(s.epochs.c.epoch).where(s.epochs.c.split == split).order_by(s.epochs.c.epoch)
+            return list(conn.execute(query).scalars())
 
     def tasks(self, split: str | None = None, epoch: int | None = None) -> list[Task]:
         query = select(s.tasks).order_by(s.tasks.c.key)
@@ -180,20 +190,37 @@ class Ledger:
                 attempt = row.attempts + 1
                 deadline = now + lease_s
                 claim_id = conn.execute(
-                    insert(s.claims).values(task_key=row.key, owner=owner, attempt=attempt, status="running",
-                                            lease_deadline=deadline, created_at=now, updated_at=now)  # fmt: skip
+                    insert(s.claims).values(
+                        task_key=row.key,
+                        owner=owner,
+                        attempt=attempt,
+                        status="running",
+                        lease_deadline=deadline,
+                        created_at=now,
+                        updated_at=now,
+                    )
                 ).inserted_primary_key[0]
                 conn.execute(
                     update(s.tasks)
                     .where(t.key == row.key)
-                    .values(status="running", attempts=attempt, claim_id=claim_id, lease_deadline=deadline,
-                            updated_at=now)  # fmt: skip
+                    .values(
+                        status="running", attempts=attempt, claim_id=claim_id, lease_deadline=deadline, updated_at=now
+                    )
                 )
                 claim = DispatchedSamplingTask(
-                    id=claim_id, task_key=row.key, task_id=row.task_id, split=row.split, epoch=row.epoch,
-                    owner=owner, attempt=attempt, status="running", lease_deadline=deadline, created_at=now,
-                    updated_at=now, last_error=row.last_error,
-                )  # fmt: skip
+                    id=claim_id,
+                    task_key=row.key,
+                    task_id=row.task_id,
+                    split=row.split,
+                    epoch=row.epoch,
+                    owner=owner,
+                    attempt=attempt,
+                    status="running",
+                    lease_deadline=deadline,
+                    created_at=now,
+                    updated_at=now,
+                    last_error=row.last_error,
+                )
                 task = _task(row).model_copy(update={"status": "running", "attempts": attempt})
                 return claim, task
 
@@ -203,7 +230,8 @@ class Ledger:
         deadline = now + lease_s
         with self._tx() as conn:
             self._live(conn, claim_id)
-            conn.execute(update(s.claims).where(s.claims.c.id == claim_id).values(lease_deadline=deadline, updated_at=now))
+            renew = dict(lease_deadline=deadline, updated_at=now)
+            conn.execute(update(s.claims).where(s.claims.c.id == claim_id).values(**renew))
             conn.execute(update(s.tasks).where(s.tasks.c.claim_id == claim_id).values(lease_deadline=deadline))
         return deadline
 
@@ -257,8 +285,10 @@ class Ledger:
     def _live(self, conn: Connection, claim_id: int) -> Any:
         row = conn.execute(select(s.tasks).where(s.tasks.c.claim_id == claim_id).with_for_update()).first()
         if row is None or row.status != "running":
-            raise ClaimLost(f"claim {claim_id} is not the live claim of any task (its lease expired and the task "
-                            f"was claimed again, or it already ended)")  # fmt: skip
+            raise ClaimLost(
+                f"claim {claim_id} is not the live claim of any task (its lease expired and the task "
+                f"was claimed again, or it already ended)"
+            )
         return row
 
     @staticmethod
@@ -401,9 +431,15 @@ class Ledger:
 
 def _task(row: Any) -> Task:
     return task_from_row(
-        row.type, row.payload, id=row.task_id, split=row.split, epoch=row.epoch, status=row.status,
-        attempts=row.attempts, last_error=row.last_error,
-    )  # fmt: skip
+        row.type,
+        row.payload,
+        id=row.task_id,
+        split=row.split,
+        epoch=row.epoch,
+        status=row.status,
+        attempts=row.attempts,
+        last_error=row.last_error,
+    )
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _: Any) -> None:
