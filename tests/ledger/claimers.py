@@ -31,9 +31,9 @@ def claim_all(url: str, split: str, owner: str, start, out_path: str, work_s: fl
         if work_s:
             time.sleep(work_s)
         record = Record(task_key=claim.task_key, task_id=task.id, split=split, epoch=task.epoch, claim_id=claim.id)
-        with_retry(lambda: ledger.write_record(record), on_retry=retries.append)
+        with_retry(lambda r=record: ledger.write_record(r), on_retry=retries.append)
         try:
-            with_retry(lambda: ledger.complete(claim.id), on_retry=retries.append)
+            with_retry(lambda c=claim.id: ledger.complete(c), on_retry=retries.append)
         except ClaimLost:
             pass  # the completion committed but its reply was lost with the connection
     with open(out_path, "w") as f:

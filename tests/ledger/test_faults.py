@@ -96,7 +96,8 @@ def test_a_sigkilled_worker_s_task_is_redispatched_after_its_lease_and_recorded_
         ("rescuer", "done"),
     ]
     print(
-        f"\n{ledger.backend}: SIGKILLed worker's task re-dispatched {redispatched_after:.2f} s after the kill (lease 1 s)"
+        f"\n{ledger.backend}: a SIGKILLed worker's task re-dispatched {redispatched_after:.2f} s after the kill "
+        "(lease 1 s)"
     )
 
 
