@@ -7,6 +7,8 @@ AgentRL's imports map onto ours: ``from databases import register_new_model, Tas
 ``workers.ledger``.
 """
 
+from workers.ledger.blobs import BlobStore, DirectoryBlobStore, S3BlobStore, open_blob_store
+from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import (
     ClaimLost,
     InferenceFailed,
@@ -28,13 +30,20 @@ from workers.ledger.models import (
     Task,
     register_new_model,
 )
+from workers.ledger.sampler import AsyncSampler, Sample, TrajectorySink, shared_ledger
+from workers.ledger.scheduler import SamplingScheduler
 from workers.ledger.schema import parse_connection_string
+from workers.ledger.services import InferenceClient, ServiceRegistration
 from workers.ledger.store import Ledger
 
 __all__ = [
+    "AsyncSampler",
+    "BlobStore",
     "ClaimLost",
     "DBRecordData",
+    "DirectoryBlobStore",
     "DispatchedSamplingTask",
+    "InferenceClient",
     "InferenceFailed",
     "InferenceService",
     "Ledger",
@@ -46,9 +55,17 @@ __all__ = [
     "NoTaskAvailable",
     "NotATask",
     "Record",
+    "S3BlobStore",
+    "Sample",
+    "SamplingConfig",
+    "SamplingScheduler",
     "SchemaVersionMismatch",
+    "ServiceRegistration",
     "Task",
+    "TrajectorySink",
     "UnregisteredTaskType",
+    "open_blob_store",
     "parse_connection_string",
     "register_new_model",
+    "shared_ledger",
 ]

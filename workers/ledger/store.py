@@ -163,6 +163,17 @@ class Ledger:
         with self._tx() as conn:
             return {status: n for status, n in conn.execute(query)}
 
+    def claimable_count(self, split: str, epoch: int | None = None) -> int:
+        """Tasks of ``split`` a claim would get now: pending, or running on an expired lease."""
+        t = s.tasks.c
+        now = time.time()
+        query = select(func.count()).select_from(s.tasks).where(t.split == split)
+        query = query.where(or_(t.status == "pending", and_(t.status == "running", t.lease_deadline < now)))
+        if epoch is not None:
+            query = query.where(t.epoch == epoch)
+        with self._tx() as conn:
+            return int(conn.execute(query).scalar() or 0)
+
     # -- claims ----------------------------------------------------------------------------------------------------
     def claim(
         self, split: str, owner: str, lease_s: float = 60.0, epoch: int | None = None
@@ -302,16 +313,39 @@ class Ledger:
     def write_record(self, record: Record) -> tuple[Record, bool]:
         """Write ``record`` unless its (task, epoch, sample) already has one; the stored record and whether this
         call wrote it. Safe to retry after a lost connection: a second write is a no-op."""
+        return self.write_records([record])[0]
+
+    def write_records(self, records: Sequence[Record], replace_unqueued: bool = False) -> list[tuple[Record, bool]]:
+        """:meth:`write_record` for several records (a GRPO group) in one transaction: all visible at once.
+
+        ``replace_unqueued``: a sample recorded by an earlier claim whose tensors never reached the queue (its worker
+        died in between) is replaced by this one, so that the record and the queued tensors are the same sample."""
         now = time.time()
-        values = record.model_dump(exclude={"id", "task_id", "split", "epoch", "created_at"})
+        r = s.records.c
+        out = []
         with self._tx() as conn:
-            stmt = self._insert(s.records).values(**values, created_at=now).on_conflict_do_nothing()
-            written = conn.execute(stmt.returning(s.records.c.id)).first() is not None
-            r = s.records.c
-            row = conn.execute(
-                self._records_query().where(r.task_key == record.task_key, r.sample_index == record.sample_index)
-            ).one()
-        return Record.model_validate(dict(row._mapping)), written
+            for record in records:
+                values = record.model_dump(exclude={"id", "task_id", "split", "epoch", "created_at"})
+                stmt = self._insert(s.records).values(**values, created_at=now).on_conflict_do_nothing()
+                written = conn.execute(stmt.returning(r.id)).first() is not None
+                if not written and replace_unqueued:
+                    where = [r.task_key == record.task_key, r.sample_index == record.sample_index]
+                    stmt = update(s.records).where(*where, r.partition_id.is_(None)).values(**values)
+                    written = conn.execute(stmt.returning(r.id)).first() is not None
+                query = self._records_query().where(
+                    r.task_key == record.task_key, r.sample_index == record.sample_index
+                )
+                out.append((Record.model_validate(dict(conn.execute(query).one()._mapping)), written))
+        return out
+
+    def set_record_locations(self, record_ids: Sequence[int], partition_id: str, global_indexes: Sequence[int]) -> None:
+        """Where the records' tensors went in the queue (one queue row each, in order)."""
+        if len(record_ids) != len(global_indexes):
+            raise ValueError(f"{len(record_ids)} record ids but {len(global_indexes)} global indexes")
+        with self._tx() as conn:
+            for record_id, index in zip(record_ids, global_indexes, strict=True):
+                stmt = update(s.records).where(s.records.c.id == record_id)
+                conn.execute(stmt.values(partition_id=partition_id, global_indexes=[int(index)]))
 
     def records(self, split: str | None = None, epoch: int | None = None) -> list[Record]:
         query = self._records_query().order_by(s.records.c.id)
@@ -339,17 +373,27 @@ class Ledger:
             rows = [dict(row._mapping) for row in conn.execute(query)]
         return [DBRecordData.model_validate({**row, "record_id": row["id"]}) for row in rows]
 
-    def mark_trained(self, record_ids: Sequence[int], step: int) -> None:
-        """The trainer used these records at ``step`` (one more training each)."""
+    def mark_trained(
+        self,
+        record_ids: Sequence[int],
+        step: int,
+        max_trained_count: int | None = None,
+        retrained_interval: int = 0,
+    ) -> list[int]:
+        """The trainer uses these records at ``step``: one more training each. With ``max_trained_count``, only
+        records still trainable at ``step`` are marked (atomically, so two consumers never both train one
+        record past its limit); returns the ids marked, the ones to train on."""
         if not record_ids:
-            return
+            return []
         r = s.records.c
-        with self._tx() as conn:
-            conn.execute(
-                update(s.records)
-                .where(r.id.in_(list(record_ids)))
-                .values(trained_count=r.trained_count + 1, last_trained_step=step)
+        stmt = update(s.records).where(r.id.in_([int(i) for i in record_ids]))
+        if max_trained_count is not None:
+            stmt = stmt.where(r.trained_count < max_trained_count).where(
+                or_(r.last_trained_step.is_(None), r.last_trained_step <= step - retrained_interval)
             )
+        stmt = stmt.values(trained_count=r.trained_count + 1, last_trained_step=step).returning(r.id)
+        with self._tx() as conn:
+            return sorted(conn.execute(stmt).scalars())
 
     @staticmethod
     def _records_query() -> Any:
@@ -372,6 +416,10 @@ class Ledger:
         with self._tx() as conn:
             if conn.execute(update(s.services).where(s.services.c.name == name).values(**values)).rowcount != 1:
                 raise KeyError(f"no inference service named {name!r} is registered")
+
+    def set_service_status(self, name: str, status: str) -> None:
+        with self._tx() as conn:
+            conn.execute(update(s.services).where(s.services.c.name == name).values(status=status, load=0.0))
 
     def mark_stale_services(self, stale_after_s: float) -> int:
         """Mark services whose last heartbeat is older than ``stale_after_s`` down; how many were marked."""
