@@ -9,10 +9,7 @@ from collections import Counter
 
 import pytest
 
-from workers.agents.samplers import BatchingSampler, engine_generate
-from workers.agents.task_server import serve_in_background
-from workers.agents.trajectory import PlainChatFormat
-from workers.engines.hf import HFEngine
+from tests.ledger.conftest import encode
 from workers.ledger import (
     AsyncSampler,
     InferenceClient,
@@ -27,19 +24,6 @@ from workers.ledger import (
     Task,
     register_new_model,
 )
-from workers.models import build_tiny_causal_lm
-from workers.openai_api import create_app
-
-CHARS = "\n abcdefghijklmnopqrstuvwxyz0123456789:+=."
-PAD, EOS, BASE = 0, 1, 2
-
-
-def encode(text: str) -> list[int]:
-    return [BASE + CHARS.index(c) for c in text]
-
-
-def decode(ids) -> str:
-    return "".join(CHARS[i - BASE] if i >= BASE else "" for i in ids)
 
 
 @register_new_model
@@ -80,15 +64,6 @@ class ListSink:
             start = sum(len(r) for _, r in self.groups)
             self.groups.append((group_id, rows))
         return "sampling", list(range(start, start + len(rows)))
-
-
-@pytest.fixture(scope="module")
-def endpoint_url():
-    model = build_tiny_causal_lm(BASE + len(CHARS), max_position_embeddings=128, seed=1)
-    engine = HFEngine(model, pad_token_id=PAD, eos_token_id=EOS)
-    app = create_app(BatchingSampler(engine_generate(engine)), PlainChatFormat(encode, decode), model="tiny")
-    with serve_in_background(app) as url:
-        yield url + "/v1"
 
 
 @pytest.fixture

@@ -48,3 +48,7 @@ class InferenceFailed(LedgerError, RuntimeError):
 
 class LockNotAcquired(LedgerError, TimeoutError):
     """A distributed lock held by another owner was not released within the wait."""
+
+
+class LedgerNotFound(LedgerError, LookupError):
+    """A ledger was opened for reading where none was created (no file, or no ledger tables)."""

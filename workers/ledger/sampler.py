@@ -26,7 +26,7 @@ import socket
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -37,7 +37,9 @@ from workers.ledger.models import DispatchedSamplingTask, Record, Task
 from workers.ledger.retry import with_retry
 from workers.ledger.services import InferenceClient
 from workers.ledger.store import Ledger
-from workers.openai_api import ChatCompletion
+
+if TYPE_CHECKING:  # the endpoint's module imports the engines (torch): only when a completion is parsed
+    from workers.openai_api import ChatCompletion
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -23,7 +23,9 @@ from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import InferenceFailed, LedgerUnavailable, NoInferenceService
 from workers.ledger.models import InferenceService
 from workers.ledger.store import Ledger
-from workers.openai_api import ChatCompletion
+
+if TYPE_CHECKING:  # the endpoint's module imports the engines (torch): only when a completion is parsed
+    from workers.openai_api import ChatCompletion
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,8 @@ class InferenceClient:
             raise InferenceFailed(
                 f"inference service {service.name} at {url} answered {response.status_code}: {response.text[:500]}"
             )
+        from workers.openai_api import ChatCompletion
+
         completion = ChatCompletion.model_validate(response.json())
         if len(completion.prompt_token_ids) > self.config.max_prompt_tokens:
             raise InferenceFailed(

@@ -21,13 +21,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, and_, create_engine, event, func, insert, or_, select, text, update
+from sqlalchemy import Connection, and_, create_engine, event, func, insert, inspect, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from workers.ledger import schema as s
-from workers.ledger.errors import ClaimLost, LedgerUnavailable, SchemaVersionMismatch
+from workers.ledger.errors import ClaimLost, LedgerNotFound, LedgerUnavailable, SchemaVersionMismatch
 from workers.ledger.models import (
     DBRecordData,
     DispatchedSamplingTask,
@@ -57,6 +57,8 @@ class Ledger:
         self.max_attempts = max_attempts
         self.backend = self.target.backend
         if self.backend == "sqlite":
+            if not create and not os.path.exists(self.target.path or ""):
+                raise LedgerNotFound(f"no ledger at {connection_string}: the file {self.target.path} does not exist")
             os.makedirs(os.path.dirname(os.path.abspath(self.target.path or ".")), exist_ok=True)
             self._engine = create_engine(self.target.url, connect_args={"timeout": 60})
             event.listen(self._engine, "connect", _sqlite_on_connect)
@@ -76,6 +78,8 @@ class Ledger:
                 conn.execute(text("SELECT pg_advisory_xact_lock(720110)"))
             if create:
                 s.metadata.create_all(conn)
+            elif not inspect(conn).has_table(s.meta.name):
+                raise LedgerNotFound(f"no ledger tables in {self._redacted()}: nothing was ever written there")
             found = conn.execute(select(s.meta.c.value).where(s.meta.c.key == "schema_version")).scalar()
             if found is None:
                 conn.execute(insert(s.meta).values(key="schema_version", value=str(s.SCHEMA_VERSION)))
