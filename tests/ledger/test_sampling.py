@@ -59,7 +59,7 @@ class ListSink:
         self.groups: list[tuple[str, list[dict]]] = []
         self.lock = threading.Lock()
 
-    def put_group(self, rows, group_id):
+    def put_group(self, rows, group_id, group_key):
         with self.lock:
             start = sum(len(r) for _, r in self.groups)
             self.groups.append((group_id, rows))

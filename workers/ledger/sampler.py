@@ -68,9 +68,10 @@ class Sample(BaseModel):
 class TrajectorySink(Protocol):
     """Where the trajectories' tensors go (the queue): one call per GRPO group, rows in order."""
 
-    def put_group(self, rows: list[dict[str, Any]], group_id: str) -> tuple[str, list[int]]:
+    def put_group(self, rows: list[dict[str, Any]], group_id: str, group_key: int) -> tuple[str, list[int]]:
         """Store the rows (``record_id``, ``prompt_ids``, ``response_ids``, ``response_logprobs``, ``reward``,
-        ``policy_version``); the partition id and the rows' global indexes."""
+        ``policy_version``) of group ``group_id`` (``group_key``: the same as an int unique in the ledger); the
+        partition id and the rows' global indexes."""
         ...
 
 
@@ -220,7 +221,7 @@ class AsyncSampler(ABC):
                 }
                 for rec, sample in fresh
             ]
-            partition_id, indexes = await asyncio.to_thread(self.sink.put_group, rows, group_id)
+            partition_id, indexes = await asyncio.to_thread(self.sink.put_group, rows, group_id, self.claim.task_key)
             ids = [rec.id for rec, _ in fresh]
             await self._ledger_call(self.ledger.set_record_locations, ids, partition_id, indexes)
             for (rec, _), index in zip(fresh, indexes, strict=True):
