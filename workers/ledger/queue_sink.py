@@ -8,6 +8,7 @@ Row fields: ``record_id`` (int64, the ledger record: the trainer marks it traine
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ class QueueSink:
 
     def __init__(self, client: Any, partition_id: str = "sampling", timeout: float | None = None):
         self.client, self.partition_id, self.timeout = client, partition_id, timeout
+        self.rows_put = 0  # rows this sink has put (a scheduler's pause_when can compare it with what was trained)
+        self._lock = threading.Lock()
 
     def put_group(self, rows: list[dict[str, Any]], group_id: str, group_key: int) -> tuple[str, list[int]]:
         if not rows:
@@ -37,4 +40,6 @@ class QueueSink:
         meta = self.client.put(
             fields, partition_id=self.partition_id, group_ids=[int(group_key)] * len(rows), timeout=self.timeout
         )
+        with self._lock:
+            self.rows_put += len(rows)
         return self.partition_id, [int(i) for i in meta.global_indexes]

@@ -47,6 +47,7 @@ class SamplingScheduler:
         split: the split the tasks are written to and claimed from.
         ledger, sink, inference, blobs: shared resources (defaults as for ``AsyncSampler``).
         stop_when: polled between sampler starts; ``True`` ends the run (e.g. the trainer has enough).
+        pause_when: polled likewise; ``True`` starts no new sampler for now (e.g. the trainer is far behind).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class SamplingScheduler:
         inference: InferenceClient | None = None,
         blobs: BlobStore | None = None,
         stop_when: Callable[[], bool] | None = None,
+        pause_when: Callable[[], bool] | None = None,
         lock_ttl_s: float = 30.0,
     ):
         if not (isinstance(sampler_class, type) and issubclass(sampler_class, AsyncSampler)):
@@ -75,7 +77,7 @@ class SamplingScheduler:
         self.inference = inference if inference is not None else InferenceClient(self.ledger, config)
         self.blobs = blobs if blobs is not None else open_blob_store(config.oss_connection_string, _blob_dir(config))
         self.owner = f"scheduler:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.stop_when = stop_when
+        self.stop_when, self.pause_when = stop_when, pause_when
         self.lock_ttl_s = lock_ttl_s
         self.stats: Counter[str] = Counter()
         self.epochs_written: list[int] = []
@@ -169,6 +171,8 @@ class SamplingScheduler:
             if unfinished == 0 or (claimable == 0 and not cfg.sync_sampling):
                 return
             room = min(cfg.max_concurrent_samples_per_process - len(running), claimable, await self._inference_room())
+            if self.pause_when is not None and self.pause_when():
+                room = 0
             for _ in range(max(room, 0)):
                 running.add(asyncio.create_task(self._one_sampler(), name=f"sampler-{self.split}-{epoch}"))
                 self.stats["started"] += 1
