@@ -73,7 +73,7 @@ class LedgerGRPOTrainer:
             "wait_s": wait_s,
         }
         if rows:
-            group_ids = torch.as_tensor(meta.group_ids, dtype=torch.int64)[rows]
+            group_ids = torch.tensor(list(meta.group_ids), dtype=torch.int64)[rows]
             advantages = group_advantages_by_id(rewards[rows], group_ids)
             prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
             logprobs = rows_of(data["response_logprobs"])

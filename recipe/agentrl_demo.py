@@ -116,7 +116,10 @@ def warm_up(policy, engine, tokenizer, target: float, seed: int, max_steps: int 
             engine.update_weights(0, state_dict=policy.state_dict())
             params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
             generations = engine.generate([p["prompt_ids"] for p in probe], n=1, params=params)
-            scores = [addition_reward(tokenizer.decode(g.token_ids), p["answer"]) for p, [g] in zip(probe, generations)]
+            scores = [
+                addition_reward(tokenizer.decode(g.token_ids), p["answer"])
+                for p, [g] in zip(probe, generations, strict=True)
+            ]
             accuracy = sum(scores) / len(scores)
             if accuracy >= target:
                 break
