@@ -22,6 +22,7 @@ from workers.ledger import (
     register_new_model,
     schema,
 )
+from workers.ledger.models import check_registered
 
 
 @register_new_model
@@ -220,6 +221,16 @@ def test_a_stored_type_this_process_does_not_know_is_a_typed_error(ledger_url):
 def test_malformed_connection_strings(value):
     with pytest.raises(MalformedConnectionString, match=r"expected 'sqlite:///PATH' or 'postgresql://.*, got"):
         parse_connection_string(value)
+
+
+def test_a_type_is_known_by_its_name_and_two_different_types_of_one_name_are_refused():
+    script_copy = type("RFTTask", (Task,), {"__annotations__": {"inputs": list[dict], "target": str}})
+    script_copy.__module__ = "__main__"  # a script that defines the same task type as an importable module
+    assert register_new_model(script_copy) is script_copy
+    assert check_registered(script_copy(id="0", inputs=[], target="1")) and check_registered(rft(0))
+    with pytest.raises(UnregisteredTaskType, match=r"task type RFTTask is registered twice with different fields"):
+        register_new_model(type("RFTTask", (Task,), {"__annotations__": {"target": int}}))
+    register_new_model(RFTTask)
 
 
 def test_register_new_model_rejects_non_tasks():

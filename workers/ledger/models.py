@@ -55,15 +55,25 @@ T = TypeVar("T", bound=type[Task])
 
 
 def register_new_model(cls: T) -> T:
-    """Class decorator: make a ``Task`` subclass storable in (and loadable from) the ledger as its own class."""
+    """Class decorator: make a ``Task`` subclass storable in (and loadable from) the ledger as its own class.
+
+    Types are registered by class name (a script's ``__main__.RFTTask`` and ``mymodule.RFTTask`` are one type when
+    their fields agree); two different types with one name are refused."""
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise NotATask(f"@register_new_model expects a subclass of Task, got {cls!r}")
-    name = task_type_name(cls)
-    existing = _REGISTRY.get(name)
-    if existing is not None and existing is not cls and existing.model_fields.keys() != cls.model_fields.keys():
-        raise UnregisteredTaskType(f"task type {name} is registered twice with different fields")
-    _REGISTRY[name] = cls
+    existing = _REGISTRY.get(cls.__qualname__)
+    if existing is not None and existing is not cls and not _same_fields(existing, cls):
+        raise UnregisteredTaskType(
+            f"task type {cls.__qualname__} is registered twice with different fields: "
+            f"{task_type_name(existing)} {sorted(existing.model_fields)} and "
+            f"{task_type_name(cls)} {sorted(cls.model_fields)}"
+        )
+    _REGISTRY[cls.__qualname__] = cls
     return cls
+
+
+def _same_fields(a: type[Task], b: type[Task]) -> bool:
+    return {k: f.annotation for k, f in a.model_fields.items()} == {k: f.annotation for k, f in b.model_fields.items()}
 
 
 def task_type_name(task: Task | type[Task]) -> str:
@@ -76,32 +86,33 @@ register_new_model(Task)
 
 
 def registered_task_types() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(task_type_name(cls) for cls in _REGISTRY.values())
 
 
 def check_registered(task: Any) -> Task:
     """``task`` itself if it is an instance of a registered ``Task`` type; a typed error naming what arrived."""
     if not isinstance(task, Task):
         raise NotATask(f"expected a Task instance (a @register_new_model subclass of Task), got {type(task).__name__}")
-    name = task_type_name(task)
-    if _REGISTRY.get(name) is not type(task):
+    registered = _REGISTRY.get(type(task).__qualname__)
+    if registered is None or (registered is not type(task) and not _same_fields(registered, type(task))):
         raise UnregisteredTaskType(
-            f"task type {name} is not registered: decorate it with @register_new_model; "
+            f"task type {task_type_name(task)} is not registered: decorate it with @register_new_model; "
             f"registered: {registered_task_types()}"
         )
     return task
 
 
 def task_class(name: str) -> type[Task]:
-    """The registered class stored as ``name``; imports its module first if this process has not yet."""
-    if name not in _REGISTRY and ":" in name:
-        module = name.split(":", 1)[0]
+    """The registered class stored as ``name`` (``module:QualName``); imports the module first if this process has
+    no type of that name yet."""
+    module, _, qualname = name.rpartition(":")
+    if qualname not in _REGISTRY and module and module != "__main__":
         try:
             importlib.import_module(module)
         except ImportError:
             pass
     try:
-        return _REGISTRY[name]
+        return _REGISTRY[qualname]
     except KeyError:
         raise UnregisteredTaskType(
             f"the ledger holds tasks of type {name}, which is not registered in this process: import the module "
