@@ -124,7 +124,8 @@ def main() -> None:
             print(
                 f"{backend}: {args.processes} processes, {args.tasks} tasks claimed+recorded+completed once each: "
                 f"median {row['median_s']:.2f} s ({row['median_tasks_per_s']:.0f} tasks/s); SIGKILLed worker's task "
-                f"re-dispatched after a median {row['redispatch_median_s']:.2f} s (lease 1 s); load {row['loadavg_1m']:.1f}"
+                f"re-dispatched after a median {row['redispatch_median_s']:.2f} s (lease 1 s); "
+                f"load {row['loadavg_1m']:.1f}"
             )
     finally:
         if server is not None:
