@@ -40,7 +40,10 @@ def contention(url: str, tasks: int, processes: int, out_dir: Path) -> float:
         ledger.write_epoch("train", epoch, [Task(id=str(i)) for i in range(tasks // 2)], owner="bench")
     start = CTX.Event()
     procs = [
-        CTX.Process(target=claim_all, args=(url, "train", f"w{i}", start, str(out_dir / f"w{i}.json")))
+        # a lease far longer than the run: a task claimed twice here would be a bug, not a re-dispatch
+        CTX.Process(
+            target=claim_all, args=(url, "train", f"w{i}", start, str(out_dir / f"w{i}.json")), kwargs={"lease_s": 3600}
+        )
         for i in range(processes)
     ]
     for p in procs:
@@ -51,13 +54,13 @@ def contention(url: str, tasks: int, processes: int, out_dir: Path) -> float:
     for p in procs:
         p.join()
     seconds = time.perf_counter() - began
-    claimed = Counter(
-        (task_id, epoch)
-        for i in range(processes)
-        for _, task_id, epoch, _ in json.loads((out_dir / f"w{i}.json").read_text())["claimed"]
-    )
+    rows = [row for i in range(processes) for row in json.loads((out_dir / f"w{i}.json").read_text())["claimed"]]
+    claimed = Counter((task_id, epoch) for _, task_id, epoch, _ in rows)
     if len(claimed) != tasks or set(claimed.values()) != {1}:
-        raise AssertionError(f"{url}: {len(claimed)} distinct tasks claimed, counts {Counter(claimed.values())}")
+        twice = [row for row in rows if claimed[(row[1], row[2])] > 1]
+        raise AssertionError(
+            f"{url}: {len(claimed)} distinct tasks claimed, counts {Counter(claimed.values())}: {twice}"
+        )
     ledger.close()
     return seconds
 

@@ -45,7 +45,8 @@ def test_eight_processes_claim_tasks_each_exactly_once_per_epoch(ledger_url, tmp
     ledger = Ledger(ledger_url)
     for epoch in range(2):
         ledger.write_epoch("train", epoch, [Task(id=str(i)) for i in range(num_tasks // 2)], owner="test")
-    procs, start = run_claimers(ledger_url, "train", tmp_path, processes=8)
+    # a lease far longer than the run: a task claimed twice here would be a bug, not a re-dispatch
+    procs, start = run_claimers(ledger_url, "train", tmp_path, processes=8, lease_s=3600)
     time.sleep(3)  # let the spawned interpreters import before the clock starts
     began = time.perf_counter()
     start.set()

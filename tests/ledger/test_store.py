@@ -26,7 +26,7 @@ from workers.ledger.models import check_registered
 
 
 @register_new_model
-class RFTTask(Task):
+class StoredTask(Task):
     inputs: list[dict]
     target: str
 
@@ -35,15 +35,15 @@ class UnregisteredTask(Task):
     question: str
 
 
-def rft(i: int) -> RFTTask:
-    return RFTTask(id=str(i), inputs=[{"role": "user", "content": f"{i}+1"}], target=str(i + 1))
+def rft(i: int) -> StoredTask:
+    return StoredTask(id=str(i), inputs=[{"role": "user", "content": f"{i}+1"}], target=str(i + 1))
 
 
 def test_tasks_round_trip_as_their_own_class(ledger_url):
     ledger = Ledger(ledger_url)
     assert ledger.write_epoch("train", 0, [rft(1), Task(id="plain")], owner="s1")
     back = ledger.tasks("train")
-    assert [type(t) for t in back] == [RFTTask, Task]
+    assert [type(t) for t in back] == [StoredTask, Task]
     assert back[0].inputs == [{"role": "user", "content": "1+1"}] and back[0].target == "2"
     assert (back[0].split, back[0].epoch, back[0].status) == ("train", 0, "pending")
 
@@ -61,7 +61,7 @@ def test_claim_heartbeat_complete(ledger_url):
     ledger = Ledger(ledger_url)
     ledger.write_epoch("train", 0, [rft(0), rft(1)], owner="s")
     claim, task = ledger.claim("train", owner="w1", lease_s=30)
-    assert isinstance(task, RFTTask) and task.id == "0" and claim.attempt == 1 and claim.owner == "w1"
+    assert isinstance(task, StoredTask) and task.id == "0" and claim.attempt == 1 and claim.owner == "w1"
     assert ledger.heartbeat(claim.id, lease_s=60) > claim.lease_deadline
     ledger.complete(claim.id)
     assert ledger.task_counts("train") == {"done": 1, "pending": 1}
@@ -224,13 +224,13 @@ def test_malformed_connection_strings(value):
 
 
 def test_a_type_is_known_by_its_name_and_two_different_types_of_one_name_are_refused():
-    script_copy = type("RFTTask", (Task,), {"__annotations__": {"inputs": list[dict], "target": str}})
+    script_copy = type("StoredTask", (Task,), {"__annotations__": {"inputs": list[dict], "target": str}})
     script_copy.__module__ = "__main__"  # a script that defines the same task type as an importable module
     assert register_new_model(script_copy) is script_copy
     assert check_registered(script_copy(id="0", inputs=[], target="1")) and check_registered(rft(0))
-    with pytest.raises(UnregisteredTaskType, match=r"task type RFTTask is registered twice with different fields"):
-        register_new_model(type("RFTTask", (Task,), {"__annotations__": {"target": int}}))
-    register_new_model(RFTTask)
+    with pytest.raises(UnregisteredTaskType, match=r"task type StoredTask is registered twice with different fields"):
+        register_new_model(type("StoredTask", (Task,), {"__annotations__": {"target": int}}))
+    register_new_model(StoredTask)
 
 
 def test_register_new_model_rejects_non_tasks():
