@@ -45,6 +45,7 @@ def demo(out: Path, *args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # two demo runs, each starting Ray: two to three minutes on a loaded 2-core machine
 def test_killed_and_resumed_it_redispatches_claimed_tasks_and_trains_no_record_twice(tmp_path):
     out = tmp_path / "demo"
     first = demo(out, "--steps", "40", *SMALL)
