@@ -236,3 +236,57 @@ def test_a_type_is_known_by_its_name_and_two_different_types_of_one_name_are_ref
 def test_register_new_model_rejects_non_tasks():
     with pytest.raises(NotATask, match="expects a subclass of Task, got <class 'dict'>"):
         register_new_model(dict)  # type: ignore[type-var]
+
+
+def test_mark_trained_marks_only_what_is_still_trainable_and_says_which(ledger_url):
+    ledger = Ledger(ledger_url)
+    ledger.write_epoch("train", 0, [rft(0)], owner="s")
+    claim, _ = ledger.claim("train", owner="w")
+    stored = ledger.write_records(
+        [Record(task_key=claim.task_key, task_id="0", split="train", epoch=0, sample_index=i) for i in range(3)]
+    )
+    ids = [r.id for r, written in stored if written]
+    assert len(ids) == 3
+    assert ledger.mark_trained(ids[:2], step=1, max_trained_count=1) == ids[:2]
+    # a second consumer (or a resumed run) offered the same rows trains only the one never trained
+    assert ledger.mark_trained(ids, step=2, max_trained_count=1) == ids[2:]
+    assert ledger.mark_trained(ids, step=3, max_trained_count=2, retrained_interval=2) == ids[:2]
+    assert {r.id: r.trained_count for r in ledger.records("train")} == {ids[0]: 2, ids[1]: 2, ids[2]: 1}
+
+
+def test_replace_unqueued_swaps_a_sample_that_never_reached_the_queue(ledger_url):
+    ledger = Ledger(ledger_url)
+    ledger.write_epoch("train", 0, [rft(0)], owner="s")
+    claim, _ = ledger.claim("train", owner="w")
+    base = Record(task_key=claim.task_key, task_id="0", split="train", epoch=0, sample_index=0, score=0.0)
+    ledger.write_record(base)
+    [(swapped, written)] = ledger.write_records([base.model_copy(update={"score": 1.0})], replace_unqueued=True)
+    assert written and swapped.score == 1.0
+    ledger.set_record_locations([swapped.id], "p", [5])
+    [(kept, written)] = ledger.write_records([base.model_copy(update={"score": 0.5})], replace_unqueued=True)
+    assert not written and kept.score == 1.0 and kept.global_indexes == [5]
+    assert len(ledger.records("train")) == 1
+
+
+def test_with_retry_backs_off_on_unavailable_and_gives_up_at_its_deadline():
+    from workers.ledger import LedgerUnavailable
+    from workers.ledger.retry import backoff_delays, with_retry
+
+    delays = backoff_delays(0.1, 0.4)
+    for base in (0.1, 0.2, 0.4, 0.4):  # doubling, capped, with up to 25 % jitter
+        assert base <= next(delays) <= base * 1.25
+    calls, seen = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise LedgerUnavailable("ledger x unavailable: connection refused")
+        return "ok"
+
+    assert with_retry(flaky, on_retry=seen.append) == "ok" and len(seen) == 2
+
+    def down():
+        raise LedgerUnavailable("ledger x unavailable: connection refused")
+
+    with pytest.raises(LedgerUnavailable, match="connection refused"):
+        with_retry(down, deadline_s=0.3)
