@@ -1,5 +1,6 @@
 """GRPO from the ledger: a trainer step reads whole groups of trajectories from the queue (put there by samplers
-through ``QueueSink``), keeps the rows whose ledger records it may still train on (``Ledger.mark_trained`` with
+through ``QueueSink``), keeps the rows whose ledger records it may still train on (rows with ``record_id < 0`` have
+no record: a run taking its prompts from a ``PromptSource`` puts those) (``Ledger.mark_trained`` with
 ``max_trained_count`` / ``retrained_interval``, atomically, so no record is trained twice), and takes a PPO-clip step
 on group-normalised advantages.
 
@@ -61,8 +62,10 @@ class LedgerGRPOTrainer:
         self.rows_consumed += len(meta)
         wait_s = time.perf_counter() - t0
         record_ids = data["record_id"].tolist()
-        kept = set(self.ledger.mark_trained(record_ids, step, cfg.max_trained_count, cfg.retrained_interval))
-        rows = [i for i, rid in enumerate(record_ids) if rid in kept]
+        # rows without a ledger record (record_id < 0: prompts from a PromptSource) are trained as they come
+        in_ledger = [rid for rid in record_ids if rid >= 0]
+        kept = set(self.ledger.mark_trained(in_ledger, step, cfg.max_trained_count, cfg.retrained_interval))
+        rows = [i for i, rid in enumerate(record_ids) if rid < 0 or rid in kept]
         rewards = data["reward"].float()
         metrics: dict[str, float] = {
             "step": step,

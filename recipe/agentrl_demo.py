@@ -9,6 +9,9 @@
        -> new weights into the engine (the policy version samplers record)
     5. ``python -m workers.ledger status --db sqlite:///OUTPUT/ledger.db`` at the end
 
+``--prompts-from prompt-source`` is the switch back to the usual GRPO input: prompts drawn from a ``PromptSource``
+and sampled from the engine by one producer thread, no ledger (the trainer and the queue are the same).
+
 Run it again into the same ``--output-dir`` to resume from its checkpoint: tasks claimed by the killed run are
 re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over.
 
@@ -33,6 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
+from rl_contracts.prompts import PromptSource
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
 from workers.engines import HFEngine, SamplingParams
@@ -126,6 +130,35 @@ def warm_up(policy, engine, tokenizer, target: float, seed: int, max_steps: int 
     return step, accuracy
 
 
+def prompt_source_producer(source, engine, engine_lock, sink, tokenizer, n: int, per_step: int, done, paused) -> None:
+    """The ``prompt-source`` input: each round draws ``per_step`` problems, samples ``n`` answers each from the engine
+    and puts every group into the queue (``record_id`` -1: no ledger record)."""
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    group = 0
+    while not done.is_set():
+        if paused():
+            time.sleep(0.01)
+            continue
+        problems = source.next_batch(per_step)
+        with engine_lock:
+            version = engine.version
+            generations = engine.generate([p["prompt_ids"] for p in problems], n=n, params=params)
+        for problem, answers in zip(problems, generations, strict=True):
+            rows = [
+                {
+                    "record_id": -1,
+                    "prompt_ids": problem["prompt_ids"],
+                    "response_ids": g.token_ids,
+                    "response_logprobs": g.logprobs,
+                    "policy_version": version,
+                    "reward": addition_reward(tokenizer.decode(g.token_ids), problem["answer"]),
+                }
+                for g in answers
+            ]
+            sink.put_group(rows, f"prompt-source/{group}", group)
+            group += 1
+
+
 def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
@@ -137,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="outputs/agentrl_demo")
     parser.add_argument("--db", default=None, help="db_connection_string (default: sqlite:///OUTPUT/ledger.db)")
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument(
+        "--prompts-from",
+        choices=["scheduler", "prompt-source"],
+        default="scheduler",
+        help="tasks from the ledger through a SamplingScheduler (default), or a plain PromptSource",
+    )
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--num-tasks", type=int, default=512, help="tasks per epoch")
@@ -223,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         pad_token_id=tokenizer.pad_token_id,
     )
     done = threading.Event()
+    ahead = lambda: sink.rows_put - trainer.rows_consumed >= args.max_steps_ahead * batch_rows  # noqa: E731
     scheduler = SamplingScheduler(
         config=cfg,
         sampler_class=AdditionSampler,
@@ -230,14 +270,21 @@ def main(argv: list[str] | None = None) -> int:
         split="train",
         sink=sink,
         stop_when=done.is_set,
-        pause_when=lambda: sink.rows_put - trainer.rows_consumed >= args.max_steps_ahead * batch_rows,
+        pause_when=ahead,
     )
+    if args.prompts_from == "scheduler":
+        produce = scheduler.run
+    else:
+        source = PromptSource(make_prompts(args.num_tasks, args.seed), seed=args.seed)
+        produce = lambda: prompt_source_producer(  # noqa: E731
+            source, engine, engine_lock, sink, tokenizer, args.num_generations, args.prompts_per_step, done, ahead
+        )
     metrics_path = out / "metrics.jsonl"
     rewards = []
     with serve_in_background(app) as url:
         service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
         with ServiceRegistration(ledger, service, policy_version=lambda: engine.version):
-            sampling = threading.Thread(target=scheduler.run, name="sampling-scheduler", daemon=True)
+            sampling = threading.Thread(target=produce, name=f"sampling-{args.prompts_from}", daemon=True)
             sampling.start()
             t0 = time.perf_counter()
             with metrics_path.open("a") as log:
@@ -267,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         k = max(1, len(rewards) // 5)
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         print(
-            f"\nGRPO from the ledger: {len(rewards)} steps in {elapsed:.0f} s; mean reward first fifth {first:.3f} "
-            f"-> last fifth {last:.3f} ({last - first:+.3f})"
+            f"\nGRPO ({args.prompts_from}): {len(rewards)} steps in {elapsed:.0f} s; "
+            f"mean reward first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})"
         )
     print(f"scheduler: {dict(scheduler.stats)}\n")
     print(render_status(ledger))
