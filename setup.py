@@ -38,6 +38,14 @@ TEST = [
     "pre-commit>=3",
     "tensorboard==2.21.0",  # the optional TensorBoard metric sink is tested for real
 ]
+LEDGER = [
+    # the sampling control plane's ledger (workers/ledger): SQLAlchemy Core over SQLite or PostgreSQL (psycopg 3)
+    "sqlalchemy==2.1.9",
+    "psycopg[binary]==3.3.9",
+    "pydantic>=2",
+    "minio==7.2.20",  # the blob store's S3-compatible option (oss_connection_string)
+]
+LEDGER_TEST = ["moto[server]==5.2.5"]  # a real S3-compatible server on 127.0.0.1 for the blob store's tests
 SMOLLM2 = ["gguf>=0.10", "accelerate>=1.0"]
 
 setup(
@@ -64,5 +72,11 @@ setup(
     package_data={"transfer_queue": ["py.typed", "static/*"]},
     install_requires=CORE,
     entry_points={"console_scripts": ["transfer-queue = transfer_queue.__main__:main"]},
-    extras_require={"rl": RL, "agents": AGENTS, "test": RL + AGENTS + TEST, "smollm2": RL + SMOLLM2},
+    extras_require={
+        "rl": RL,
+        "agents": AGENTS,
+        "ledger": LEDGER,
+        "test": RL + AGENTS + LEDGER + TEST + LEDGER_TEST,
+        "smollm2": RL + SMOLLM2,
+    },
 )

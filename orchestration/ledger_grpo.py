@@ -1,0 +1,116 @@
+"""GRPO from the ledger: a trainer step reads whole groups of trajectories from the queue (put there by samplers
+through ``QueueSink``), keeps the rows whose ledger records it may still train on (rows with ``record_id < 0`` have
+no record: a run taking its prompts from a ``PromptSource`` puts those) (``Ledger.mark_trained`` with
+``max_trained_count`` / ``retrained_interval``, atomically, so no record is trained twice), and takes a PPO-clip step
+on group-normalised advantages.
+
+    trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition_id="agentrl", batch_rows=128)
+    metrics = trainer.step(step)           # then push the policy's weights to the engines
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_contracts.rows import rows_of
+from trainers.advantages import group_advantages_by_id
+from trainers.losses import grpo_loss
+from workers.ledger.queue_sink import FIELDS
+from workers.ledger.store import Ledger
+
+
+@dataclass
+class LedgerTrainingConfig:
+    """The seed's filtering arguments that apply to records, and the step's shape."""
+
+    batch_rows: int = 128  # rows per step: prompts per step x num_generations
+    max_trained_count: int = 1  # a record is trained at most this often
+    retrained_interval: int = 0  # and, when more than once, at least this many steps apart
+    temperature: float = 1.0  # the sampling temperature (the old log-probs were taken at it)
+    grad_clip: float = 1.0
+    queue_timeout: float = 120.0
+
+
+class LedgerGRPOTrainer:
+    """One GRPO step at a time over the queue's partition ``partition_id`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        client: Any,
+        ledger: Ledger,
+        partition_id: str,
+        config: LedgerTrainingConfig,
+        pad_token_id: int = 0,
+    ):
+        self.policy, self.optimizer, self.client, self.ledger = policy, optimizer, client, ledger
+        self.partition_id, self.cfg, self.pad_token_id = partition_id, config, pad_token_id
+        self.rows_consumed = 0
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        meta = self.client.get_meta(
+            list(FIELDS), cfg.batch_rows, partition_id=self.partition_id, task_name="grpo", timeout=cfg.queue_timeout
+        )
+        data = self.client.get_data(meta)
+        self.rows_consumed += len(meta)
+        wait_s = time.perf_counter() - t0
+        record_ids = data["record_id"].tolist()
+        # rows without a ledger record (record_id < 0: prompts from a PromptSource) are trained as they come
+        in_ledger = [rid for rid in record_ids if rid >= 0]
+        kept = set(self.ledger.mark_trained(in_ledger, step, cfg.max_trained_count, cfg.retrained_interval))
+        rows = [i for i, rid in enumerate(record_ids) if rid < 0 or rid in kept]
+        rewards = data["reward"].float()
+        metrics: dict[str, float] = {
+            "step": step,
+            "rows": len(record_ids),
+            "rows_trained": len(rows),
+            "reward": rewards.mean().item(),
+            "staleness": float(step - data["policy_version"].float().mean().item()),
+            "wait_s": wait_s,
+        }
+        if rows:
+            group_ids = torch.tensor(list(meta.group_ids), dtype=torch.int64)[rows]
+            advantages = group_advantages_by_id(rewards[rows], group_ids)
+            prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
+            logprobs = rows_of(data["response_logprobs"])
+            batch = self._batch([prompts[i] for i in rows], [responses[i] for i in rows], [logprobs[i] for i in rows])
+            loss = self._loss(batch, advantages)
+            self.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            metrics["loss"] = loss.item()
+        metrics["step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _batch(self, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]]) -> dict:
+        """Right-padded prompt+response rows, old log-probs aligned with ``input_ids``."""
+        length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        ids, attention, mask, old = [], [], [], []
+        for p, r, lp in zip(prompts, responses, logprobs, strict=True):
+            pad = length - len(p) - len(r)
+            ids.append(p + r + [self.pad_token_id] * pad)
+            attention.append([1] * (length - pad) + [0] * pad)
+            mask.append([0.0] * len(p) + [1.0] * len(r) + [0.0] * pad)
+            old.append([0.0] * len(p) + lp + [0.0] * pad)
+        return {
+            "input_ids": torch.tensor(ids),
+            "attention_mask": torch.tensor(attention),
+            "response_mask": torch.tensor(mask),
+            "old_logprobs": torch.tensor(old),
+        }
+
+    def _loss(self, batch: dict, advantages: torch.Tensor) -> torch.Tensor:
+        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logprobs = torch.zeros_like(batch["old_logprobs"])
+        scaled = torch.log_softmax(logits[:, :-1] / self.cfg.temperature, dim=-1)
+        logprobs[:, 1:] = scaled.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        loss, _ = grpo_loss(logprobs, batch["old_logprobs"], advantages, batch["response_mask"], loss_agg="token-mean")
+        return loss

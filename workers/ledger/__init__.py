@@ -1,0 +1,73 @@
+"""The sampling control plane: a durable task ledger (SQLite or PostgreSQL) with claims and leases, the
+``AsyncSampler`` that claims tasks and writes records, the ``SamplingScheduler`` that writes tasks epoch by epoch
+and runs samplers, and the ``InferenceService`` registry. See docs/sampling.md.
+
+AgentRL's imports map onto ours: ``from databases import register_new_model, Task`` becomes
+``from workers.ledger import register_new_model, Task``; ``rollout.sampler`` and ``rollout.scheduler`` become
+``workers.ledger``.
+"""
+
+from workers.ledger.blobs import BlobStore, DirectoryBlobStore, S3BlobStore, open_blob_store
+from workers.ledger.config import SamplingConfig
+from workers.ledger.errors import (
+    ClaimLost,
+    InferenceFailed,
+    LedgerError,
+    LedgerNotFound,
+    LedgerUnavailable,
+    LockNotAcquired,
+    MalformedConnectionString,
+    NoInferenceService,
+    NoTaskAvailable,
+    NotATask,
+    SchemaVersionMismatch,
+    UnregisteredTaskType,
+)
+from workers.ledger.models import (
+    DBRecordData,
+    DispatchedSamplingTask,
+    InferenceService,
+    Record,
+    Task,
+    register_new_model,
+)
+from workers.ledger.sampler import AsyncSampler, Sample, TrajectorySink, shared_ledger
+from workers.ledger.scheduler import SamplingScheduler
+from workers.ledger.schema import parse_connection_string
+from workers.ledger.services import InferenceClient, ServiceRegistration
+from workers.ledger.store import Ledger
+
+__all__ = [
+    "AsyncSampler",
+    "BlobStore",
+    "ClaimLost",
+    "DBRecordData",
+    "DirectoryBlobStore",
+    "DispatchedSamplingTask",
+    "InferenceClient",
+    "InferenceFailed",
+    "InferenceService",
+    "Ledger",
+    "LedgerError",
+    "LedgerNotFound",
+    "LedgerUnavailable",
+    "LockNotAcquired",
+    "MalformedConnectionString",
+    "NoInferenceService",
+    "NoTaskAvailable",
+    "NotATask",
+    "Record",
+    "S3BlobStore",
+    "Sample",
+    "SamplingConfig",
+    "SamplingScheduler",
+    "SchemaVersionMismatch",
+    "ServiceRegistration",
+    "Task",
+    "TrajectorySink",
+    "UnregisteredTaskType",
+    "open_blob_store",
+    "parse_connection_string",
+    "register_new_model",
+    "shared_ledger",
+]

@@ -1,0 +1,61 @@
+"""``SamplingConfig``: the sampling control plane's settings, with AgentRL's names (``target_concurrency``,
+``max_concurrent_samples_per_process``, ``num_generations``, ``max_new_tokens``, ``max_prompt_tokens``,
+``sync_sampling``, ``db_connection_string``, ``oss_connection_string``). Extra fields are kept (a recipe's own
+settings, e.g. ``train_file``), as AgentRL's ``AgentTrainingConfig`` does.
+
+>>> cfg = SamplingConfig(output_dir="/tmp/run")
+>>> cfg.ledger_url
+'sqlite:////tmp/run/ledger.db'
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from workers.ledger.schema import parse_connection_string
+
+
+class SamplingConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    output_dir: str = Field("output/sampling", description="the run's directory: the SQLite ledger and blobs go here")
+    db_connection_string: str | None = Field(
+        None, description="'sqlite:///PATH' or 'postgresql://USER@HOST:PORT/DB'; default: output_dir/ledger.db"
+    )
+    oss_connection_string: str | None = Field(
+        None, description="blob store: None (output_dir/blobs), a directory, or 'http(s)://KEY:SECRET@HOST:PORT/BUCKET'"
+    )
+    split: str = Field("train", description="the split samplers claim from when none is given")
+    num_epochs: int = Field(1, ge=1, description="epochs the scheduler writes and samples before it stops")
+    target_concurrency: int = Field(8, ge=1, description="in-flight requests per healthy inference service aimed at")
+    max_concurrent_samples_per_process: int = Field(8, ge=1, description="sampler coroutines one process runs at once")
+    num_generations: int = Field(1, ge=1, description="samples per task (a GRPO group)")
+    max_new_tokens: int = Field(256, ge=1, description="completion length asked of the inference service")
+    max_prompt_tokens: int = Field(1024, ge=1, description="longest prompt a sampler may send (longer: the task fails)")
+    sync_sampling: bool = Field(
+        False, description="True: epoch e+1 is written only when every task of epoch e has finished"
+    )
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    model: str = Field("policy", description="the model name inference services register under")
+    lease_s: float = Field(60.0, gt=0, description="a claim's lease; heartbeats renew it every heartbeat_s")
+    heartbeat_s: float = Field(10.0, gt=0)
+    max_attempts: int = Field(3, ge=1, description="claims a task gets before it is marked failed")
+    service_stale_s: float = Field(30.0, gt=0, description="services silent this long are marked down")
+    request_timeout_s: float = Field(300.0, gt=0, description="one chat completion request's timeout")
+
+    @field_validator("db_connection_string")
+    @classmethod
+    def _valid_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_connection_string(value)
+        return value
+
+    @property
+    def ledger_url(self) -> str:
+        """``db_connection_string``, or the SQLite file under ``output_dir``."""
+        if self.db_connection_string is not None:
+            return self.db_connection_string
+        return f"sqlite:///{os.path.abspath(os.path.join(self.output_dir, 'ledger.db'))}"

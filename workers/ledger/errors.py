@@ -1,0 +1,54 @@
+"""The ledger's exception types (all :class:`~transfer_queue.errors.TransferQueueError`, each also the matching
+built-in), kept next to the ledger so that this package merges without touching ``transfer_queue/errors.py``."""
+
+from __future__ import annotations
+
+from transfer_queue.errors import TransferQueueError
+
+
+class LedgerError(TransferQueueError):
+    """Base class of the ledger's errors."""
+
+
+class MalformedConnectionString(LedgerError, ValueError):
+    """``db_connection_string`` (or ``oss_connection_string``) is not one of the accepted forms."""
+
+
+class UnregisteredTaskType(LedgerError, TypeError):
+    """A ``Task`` subclass was written or read that was never decorated with ``@register_new_model``."""
+
+
+class NotATask(LedgerError, TypeError):
+    """A dataset item (or an argument) is not a ``Task`` instance."""
+
+
+class SchemaVersionMismatch(LedgerError, RuntimeError):
+    """The database was created by another version of the ledger schema."""
+
+
+class LedgerUnavailable(LedgerError, ConnectionError):
+    """The database cannot be reached (server stopped, network gone); retry with backoff."""
+
+
+class ClaimLost(LedgerError, LookupError):
+    """A claim is no longer the task's live claim (its lease expired and another worker took it, or it ended)."""
+
+
+class NoTaskAvailable(LedgerError, LookupError):
+    """No task of the split can be claimed now (all done, failed, or held by live claims)."""
+
+
+class NoInferenceService(LedgerError, LookupError):
+    """No healthy ``InferenceService`` is registered for the model asked for."""
+
+
+class InferenceFailed(LedgerError, RuntimeError):
+    """An inference service answered with an error or not at all."""
+
+
+class LockNotAcquired(LedgerError, TimeoutError):
+    """A distributed lock held by another owner was not released within the wait."""
+
+
+class LedgerNotFound(LedgerError, LookupError):
+    """A ledger was opened for reading where none was created (no file, or no ledger tables)."""

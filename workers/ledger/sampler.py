@@ -1,0 +1,233 @@
+"""``AsyncSampler``: the base class of a sampling worker, as in AgentRL.
+
+    class MySampler(AsyncSampler):
+        async def run(self):
+            messages = [{"role": "user", "content": self.task.question}]
+            response = await self.create_chat_completions(messages, n=4)
+            await self.record_completion(messages, response)      # scored by evaluate_record, queued, recorded
+
+        async def evaluate_record(self, record):
+            return float(record.messages[-1]["content"] == self.task.answer)
+
+    async with MySampler(cfg) as sampler:     # claims a task (NoTaskAvailable if none), heart-beats its lease
+        await sampler.run()                   # leaving: done; an exception: failed with it; cancelled: returned
+
+Records are written once per (task, epoch, sample): a task re-dispatched after its worker died writes only the samples
+that are missing. The trajectory's tensors go to the queue through a ``TrajectorySink`` (one put per GRPO group,
+group id ``split/epoch/task_id``), and the records say where they went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import BaseModel, Field
+
+from workers.ledger.blobs import BlobStore, open_blob_store
+from workers.ledger.config import SamplingConfig
+from workers.ledger.errors import ClaimLost, LedgerUnavailable, NoTaskAvailable
+from workers.ledger.models import DispatchedSamplingTask, Record, Task
+from workers.ledger.retry import with_retry
+from workers.ledger.services import InferenceClient
+from workers.ledger.store import Ledger
+
+if TYPE_CHECKING:  # the endpoint's module imports the engines (torch): only when a completion is parsed
+    from workers.openai_api import ChatCompletion
+
+log = logging.getLogger(__name__)
+
+_LEDGERS: dict[tuple[str, int], Ledger] = {}
+
+
+def shared_ledger(config: SamplingConfig) -> Ledger:
+    """This process's ``Ledger`` for ``config`` (one engine and connection pool per database and process)."""
+    key = (config.ledger_url, os.getpid())
+    if key not in _LEDGERS:
+        _LEDGERS[key] = Ledger(config.ledger_url, max_attempts=config.max_attempts)
+    return _LEDGERS[key]
+
+
+class Sample(BaseModel):
+    """One sampled trajectory of a task, before it is scored and recorded."""
+
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int] = Field(default_factory=list)
+    response_ids: list[int] = Field(default_factory=list)
+    response_logprobs: list[float] = Field(default_factory=list)
+    policy_version: int = 0
+    blobs: dict[str, str] = Field(default_factory=dict)
+
+
+class TrajectorySink(Protocol):
+    """Where the trajectories' tensors go (the queue): one call per GRPO group, rows in order."""
+
+    def put_group(self, rows: list[dict[str, Any]], group_id: str, group_key: int) -> tuple[str, list[int]]:
+        """Store the rows (``record_id``, ``prompt_ids``, ``response_ids``, ``response_logprobs``, ``reward``,
+        ``policy_version``) of group ``group_id`` (``group_key``: the same as an int unique in the ledger); the
+        partition id and the rows' global indexes."""
+        ...
+
+
+class AsyncSampler(ABC):
+    """Claims one task on ``async with`` and owns it until the block ends (see the module docstring).
+
+    Args:
+        config: the run's ``SamplingConfig``.
+        ledger, inference, sink, blobs: shared resources (the scheduler passes its own); by default this process's
+            ledger for ``config``, an ``InferenceClient`` over it, no sink (records only), the configured blob store.
+        split: the split to claim from (``config.split`` by default).
+        owner: the claim's owner name (host:pid:random by default).
+    """
+
+    def __init__(
+        self,
+        config: SamplingConfig,
+        *,
+        ledger: Ledger | None = None,
+        inference: InferenceClient | None = None,
+        sink: TrajectorySink | None = None,
+        blobs: BlobStore | None = None,
+        split: str | None = None,
+        owner: str | None = None,
+    ):
+        self.config = config
+        self.ledger = ledger if ledger is not None else shared_ledger(config)
+        self._own_inference = inference is None
+        self.inference = inference if inference is not None else InferenceClient(self.ledger, config)
+        self.sink = sink
+        self.blobs = blobs if blobs is not None else open_blob_store(config.oss_connection_string, _blob_dir(config))
+        self.split = split or config.split
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.task: Task | None = None
+        self.claim: DispatchedSamplingTask | None = None
+        self.lease_lost = False
+        self._heartbeat: asyncio.Task | None = None
+
+    # -- the claim's lifecycle -------------------------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncSampler:
+        got = await self._ledger_call(self.ledger.claim, self.split, self.owner, self.config.lease_s)
+        if got is None:
+            raise NoTaskAvailable(f"no task of split {self.split!r} can be claimed now (all done, failed or held)")
+        self.claim, self.task = got
+        self._heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{self.claim.id}")
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        assert self.claim is not None
+        try:
+            if exc_type is None:
+                await self._ledger_call(self.ledger.complete, self.claim.id)
+            elif issubclass(exc_type, asyncio.CancelledError):
+                await self._ledger_call(self.ledger.release, self.claim.id, "cancelled: returned by its sampler")
+            else:
+                await self._ledger_call(self.ledger.fail, self.claim.id, f"{exc_type.__name__}: {exc}")
+        except ClaimLost as lost:  # the lease ran out meanwhile; the re-dispatched claim records what is missing
+            log.warning("sampler %s: %s", self.owner, lost)
+        finally:
+            if self._own_inference:
+                await self.inference.aclose()
+
+    async def _beat(self) -> None:
+        assert self.claim is not None
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await asyncio.to_thread(self.ledger.heartbeat, self.claim.id, self.config.lease_s)
+            except LedgerUnavailable as exc:
+                log.warning("heartbeat of claim %s failed (will retry): %s", self.claim.id, exc)
+            except ClaimLost as exc:
+                self.lease_lost = True
+                log.warning("sampler %s lost its claim: %s", self.owner, exc)
+                return
+
+    async def _ledger_call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.to_thread(with_retry, lambda: fn(*args))
+
+    # -- what a subclass writes ------------------------------------------------------------------------------------
+    @abstractmethod
+    async def run(self) -> None:
+        """Sample the claimed task (``self.task``): call the policy, act, record."""
+
+    @abstractmethod
+    async def evaluate_record(self, record: Record) -> float:
+        """The record's score (its reward)."""
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    async def create_chat_completions(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
+        """A chat completion from the least-loaded healthy inference service; ``sampling`` overrides the config's
+        (``n``, ``temperature``, ``max_tokens``, ``top_p``, ``stop``, ``seed``). Choices carry ``token_ids`` and
+        ``token_logprobs``; the completion carries ``prompt_token_ids`` and ``policy_version``."""
+        return await self.inference.chat(messages, **sampling)
+
+    async def record_completion(self, messages: list[dict[str, Any]], completion: ChatCompletion) -> list[Record]:
+        """Each choice of ``completion`` as one sample of this task (sample ``i`` is choice ``i``)."""
+        samples = [
+            Sample(
+                messages=[*messages, {"role": "assistant", "content": choice.message.content}],
+                prompt_ids=completion.prompt_token_ids,
+                response_ids=choice.token_ids,
+                response_logprobs=choice.token_logprobs,
+                policy_version=completion.policy_version,
+            )
+            for choice in completion.choices
+        ]
+        return await self.write_records(samples)
+
+    async def write_records(self, samples: Sequence[Sample], first_index: int = 0) -> list[Record]:
+        """Score the samples (``evaluate_record``), record them (sample indexes ``first_index``, ...) and put the
+        newly recorded ones into the queue as one group. Samples an earlier claim of this task recorded and queued
+        are kept as they were (returned, not re-written or re-queued)."""
+        assert self.claim is not None and self.task is not None, "write_records needs a claimed task"
+        group_id = f"{self.claim.split}/{self.claim.epoch}/{self.claim.task_id}"
+        records = []
+        for i, sample in enumerate(samples):
+            record = Record(
+                task_key=self.claim.task_key,
+                task_id=self.claim.task_id,
+                split=self.claim.split,
+                epoch=self.claim.epoch,
+                sample_index=first_index + i,
+                claim_id=self.claim.id,
+                messages=sample.messages,
+                prompt_tokens=len(sample.prompt_ids),
+                completion_tokens=len(sample.response_ids),
+                policy_version=sample.policy_version,
+                group_id=group_id,
+                blobs=sample.blobs,
+            )
+            record.score = float(await self.evaluate_record(record))
+            records.append(record)
+        # with a sink, a sample an earlier claim recorded but never queued (its worker died in between) is replaced
+        stored = await self._ledger_call(self.ledger.write_records, records, self.sink is not None)
+        fresh = [(rec, sample) for (rec, written), sample in zip(stored, samples, strict=True) if written]
+        if self.sink is not None and fresh:
+            rows = [
+                {
+                    "record_id": rec.id,
+                    "prompt_ids": sample.prompt_ids,
+                    "response_ids": sample.response_ids,
+                    "response_logprobs": sample.response_logprobs,
+                    "reward": rec.score,
+                    "policy_version": sample.policy_version,
+                }
+                for rec, sample in fresh
+            ]
+            partition_id, indexes = await asyncio.to_thread(self.sink.put_group, rows, group_id, self.claim.task_key)
+            ids = [rec.id for rec, _ in fresh]
+            await self._ledger_call(self.ledger.set_record_locations, ids, partition_id, indexes)
+            for (rec, _), index in zip(fresh, indexes, strict=True):
+                rec.partition_id, rec.global_indexes = partition_id, [int(index)]
+        return [rec for rec, _ in stored]
+
+
+def _blob_dir(config: SamplingConfig) -> str:
+    return os.path.join(config.output_dir, "blobs")

@@ -1,0 +1,221 @@
+"""``SamplingScheduler``: writes a dataset's ``Task``s into the ledger epoch by epoch and keeps samplers running.
+
+    scheduler = SamplingScheduler(config=cfg, sampler_class=MySampler, dataset=dataset, split="train")
+    scheduler.run()          # or: await scheduler.run_async(); scheduler.stop() from another thread ends it early
+
+Per epoch: under the split's distributed lock (a lease row in the ledger), the epoch's tasks are written unless
+another scheduler already wrote them (then this one follows: it samples the same tasks, never writes them twice).
+Then sampler coroutines are started while this process runs fewer than ``max_concurrent_samples_per_process`` and
+the inference services carry less than ``target_concurrency`` requests each; each does
+``async with sampler_class(cfg, ...) as s: await s.run()``. The next epoch starts when no task of this one is left
+to claim (``sync_sampling``: when every task of it has finished). The run ends after ``num_epochs`` or on ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from workers.ledger.blobs import BlobStore, open_blob_store
+from workers.ledger.config import SamplingConfig
+from workers.ledger.errors import LockNotAcquired, NoInferenceService, NoTaskAvailable, NotATask
+from workers.ledger.models import Task, check_registered
+from workers.ledger.retry import with_retry
+from workers.ledger.sampler import AsyncSampler, TrajectorySink, _blob_dir, shared_ledger
+from workers.ledger.services import InferenceClient
+from workers.ledger.store import Ledger
+
+log = logging.getLogger(__name__)
+
+
+class SamplingScheduler:
+    """See the module docstring.
+
+    Args:
+        config: the run's ``SamplingConfig``.
+        sampler_class: an ``AsyncSampler`` subclass, built as ``sampler_class(config, ledger=..., inference=...,
+            sink=..., blobs=..., split=...)``.
+        dataset: anything with ``__len__`` and ``__getitem__`` returning ``Task`` instances of registered types.
+        split: the split the tasks are written to and claimed from.
+        ledger, sink, inference, blobs: shared resources (defaults as for ``AsyncSampler``).
+        stop_when: polled between sampler starts; ``True`` ends the run (e.g. the trainer has enough).
+        pause_when: polled likewise; ``True`` starts no new sampler for now (e.g. the trainer is far behind).
+    """
+
+    def __init__(
+        self,
+        config: SamplingConfig,
+        sampler_class: type[AsyncSampler],
+        dataset: Any,
+        split: str = "train",
+        *,
+        ledger: Ledger | None = None,
+        sink: TrajectorySink | None = None,
+        inference: InferenceClient | None = None,
+        blobs: BlobStore | None = None,
+        stop_when: Callable[[], bool] | None = None,
+        pause_when: Callable[[], bool] | None = None,
+        lock_ttl_s: float = 30.0,
+    ):
+        if not (isinstance(sampler_class, type) and issubclass(sampler_class, AsyncSampler)):
+            raise TypeError(f"sampler_class must be a subclass of AsyncSampler, got {sampler_class!r}")
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"dataset must have __len__ and __getitem__ (a torch Dataset), got {type(dataset).__name__}"
+            )
+        self.config, self.sampler_class, self.dataset, self.split = config, sampler_class, dataset, split
+        self.ledger = ledger if ledger is not None else shared_ledger(config)
+        self.sink = sink
+        self.inference = inference if inference is not None else InferenceClient(self.ledger, config)
+        self.blobs = blobs if blobs is not None else open_blob_store(config.oss_connection_string, _blob_dir(config))
+        self.owner = f"scheduler:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.stop_when, self.pause_when = stop_when, pause_when
+        self.lock_ttl_s = lock_ttl_s
+        self.stats: Counter[str] = Counter()
+        self.epochs_written: list[int] = []
+        self._stop = threading.Event()
+
+    # -- control ---------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, int]:
+        """Run to the end (``num_epochs`` or ``stop()``); counts of samplers started, completed, failed, ..."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.run_async())
+        raise RuntimeError("SamplingScheduler.run() was called inside an event loop: await run_async() instead")
+
+    def stop(self) -> None:
+        """End the run: no new samplers start; the running ones finish their tasks. Thread-safe."""
+        self._stop.set()
+
+    def stopping(self) -> bool:
+        return self._stop.is_set() or (self.stop_when is not None and self.stop_when())
+
+    async def run_async(self) -> dict[str, int]:
+        running: set[asyncio.Task] = set()
+        try:
+            for epoch in range(self.config.num_epochs):
+                if self.stopping():
+                    break
+                await asyncio.to_thread(self.write_epoch, epoch)
+                await self._sample_epoch(epoch, running)
+            while running:  # the last tasks (or, after stop(), the ones under way)
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                running -= done
+        except BaseException:
+            for task in running:
+                task.cancel()  # cancelled samplers return their claims
+            await asyncio.gather(*running, return_exceptions=True)
+            raise
+        finally:
+            await self.inference.aclose()
+        return dict(self.stats)
+
+    # -- tasks -----------------------------------------------------------------------------------------------------
+    def epoch_tasks(self, epoch: int) -> list[Task]:
+        """The dataset's tasks for ``epoch`` (ids: the task's own, else its index), checked before anything is
+        written."""
+        tasks = []
+        for index in range(len(self.dataset)):
+            item = self.dataset[index]
+            if not isinstance(item, Task):
+                raise NotATask(
+                    f"dataset item {index} is a {type(item).__name__}; expected a Task instance (a subclass of Task "
+                    f"decorated with @register_new_model)"
+                )
+            check_registered(item)
+            tid = item.id if item.id is not None else str(index)
+            tasks.append(item.model_copy(update={"id": tid, "split": self.split, "epoch": epoch, "status": "pending"}))
+        ids = Counter(t.id for t in tasks)
+        if dupes := sorted(i for i, n in ids.items() if n > 1):
+            raise ValueError(f"task ids must be unique within a split; repeated: {dupes[:10]}")
+        return tasks
+
+    def write_epoch(self, epoch: int, wait_s: float = 120.0) -> bool:
+        """Write ``epoch``'s tasks under the split's lock unless they are written; whether this call wrote them."""
+        lock = f"epochs:{self.split}"
+        deadline = time.monotonic() + wait_s
+        while not with_retry(lambda: self.ledger.acquire_lock(lock, self.owner, self.lock_ttl_s)):
+            if epoch in with_retry(lambda: self.ledger.written_epochs(self.split)):
+                return False  # another scheduler wrote it: follow
+            if time.monotonic() > deadline:
+                raise LockNotAcquired(f"lock {lock!r} was held by another scheduler for {wait_s} s")
+            time.sleep(0.1)
+        try:
+            if epoch in with_retry(lambda: self.ledger.written_epochs(self.split)):
+                return False
+            tasks = self.epoch_tasks(epoch)
+            wrote = with_retry(lambda: self.ledger.write_epoch(self.split, epoch, tasks, self.owner))
+            if wrote:
+                self.epochs_written.append(epoch)
+                log.info("scheduler %s wrote epoch %d of %r: %d tasks", self.owner, epoch, self.split, len(tasks))
+            return wrote
+        finally:
+            with_retry(lambda: self.ledger.release_lock(lock, self.owner))
+
+    # -- samplers --------------------------------------------------------------------------------------------------
+    async def _sample_epoch(self, epoch: int, running: set[asyncio.Task]) -> None:
+        cfg = self.config
+        while not self.stopping():
+            counts = await asyncio.to_thread(with_retry, lambda: self.ledger.task_counts(self.split, epoch))
+            claimable = await asyncio.to_thread(with_retry, lambda: self.ledger.claimable_count(self.split, epoch))
+            unfinished = counts.get("pending", 0) + counts.get("running", 0)
+            if unfinished == 0 or (claimable == 0 and not cfg.sync_sampling):
+                return
+            room = min(cfg.max_concurrent_samples_per_process - len(running), claimable, await self._inference_room())
+            if self.pause_when is not None and self.pause_when():
+                room = 0
+            for _ in range(max(room, 0)):
+                running.add(asyncio.create_task(self._one_sampler(), name=f"sampler-{self.split}-{epoch}"))
+                self.stats["started"] += 1
+            if running:
+                done, _ = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+                running -= done
+            else:
+                await asyncio.sleep(0.1)
+
+    async def _inference_room(self) -> int:
+        """How many more requests the healthy services take before each carries ``target_concurrency``."""
+        try:
+            services = await self.inference.services()
+        except Exception as exc:  # the ledger is away: start nothing this round
+            log.warning("could not read inference services: %s", exc)
+            return 0
+        if not services:
+            self.stats["waited_for_inference"] += 1
+            return 0
+        target = self.config.target_concurrency
+        return int(sum(max(target - self.inference.load(s), 0) for s in services))
+
+    async def _one_sampler(self) -> None:
+        sampler = self.sampler_class(
+            self.config,
+            ledger=self.ledger,
+            inference=self.inference,
+            sink=self.sink,
+            blobs=self.blobs,
+            split=self.split,
+        )
+        try:
+            async with sampler:
+                await sampler.run()
+            self.stats["completed"] += 1
+        except NoTaskAvailable:
+            self.stats["no_task"] += 1  # another worker took the last one first
+        except NoInferenceService as exc:
+            self.stats["failed"] += 1
+            log.warning("sampler failed: %s", exc)
+        except asyncio.CancelledError:
+            self.stats["returned"] += 1
+            raise
+        except Exception as exc:  # recorded in the claim by AsyncSampler.__aexit__
+            self.stats["failed"] += 1
+            log.warning("sampler of task %s failed: %s: %s", getattr(sampler.task, "id", "?"), type(exc).__name__, exc)

@@ -1,0 +1,150 @@
+"""Inference services in the ledger: a host registers its OpenAI-compatible endpoint (``workers/openai_api.py``) and
+heart-beats its load; samplers send each chat completion to the least-loaded healthy one.
+
+    with ServiceRegistration(ledger, InferenceService(name="engine-0", url=url + "/v1"), load=lambda: inflight):
+        ...                                  # registered and heart-beating; marked down on exit
+    client = InferenceClient(ledger, cfg)
+    completion = await client.chat(messages, n=4)   # ChatCompletion with token ids, log-probs, policy version
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from workers.ledger.config import SamplingConfig
+from workers.ledger.errors import InferenceFailed, LedgerUnavailable, NoInferenceService
+from workers.ledger.models import InferenceService
+from workers.ledger.store import Ledger
+
+if TYPE_CHECKING:  # the endpoint's module imports the engines (torch): only when a completion is parsed
+    from workers.openai_api import ChatCompletion
+
+log = logging.getLogger(__name__)
+
+
+class ServiceRegistration:
+    """Registers ``service`` on enter, heart-beats ``load()`` every ``every_s`` from a thread, marks it down on exit."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        service: InferenceService,
+        load: Callable[[], float] | None = None,
+        policy_version: Callable[[], int] | None = None,
+        every_s: float = 1.0,
+    ):
+        self.ledger, self.service, self.every_s = ledger, service, every_s
+        self._load, self._version = load, policy_version
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"service-{service.name}", daemon=True)
+
+    def __enter__(self) -> ServiceRegistration:
+        self.ledger.register_service(self.service)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        try:  # down at once, not after service_stale_s
+            self.ledger.set_service_status(self.service.name, "down")
+        except LedgerUnavailable as exc:
+            log.warning("could not mark service %s down: %s", self.service.name, exc)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.ledger.service_heartbeat(
+                    self.service.name,
+                    load=self._load() if self._load else None,
+                    policy_version=self._version() if self._version else None,
+                )
+            except LedgerUnavailable as exc:
+                log.warning("service %s heartbeat failed: %s", self.service.name, exc)
+
+
+class InferenceClient:
+    """Chat completions from the least-loaded healthy ``InferenceService`` of ``config.model``. Load is the larger
+    of what the service last reported and this process's own requests in flight to it."""
+
+    def __init__(self, ledger: Ledger, config: SamplingConfig, refresh_s: float = 1.0):
+        self.ledger, self.config, self.refresh_s = ledger, config, refresh_s
+        self.inflight: Counter[str] = Counter()
+        self._services: list[InferenceService] = []
+        self._fetched = 0.0
+        self._http: httpx.AsyncClient | None = None
+
+    async def services(self) -> list[InferenceService]:
+        """The healthy services (refreshed at most every ``refresh_s``; stale ones are marked down first)."""
+        if time.monotonic() - self._fetched > self.refresh_s:
+
+            def fetch() -> list[InferenceService]:
+                self.ledger.mark_stale_services(self.config.service_stale_s)
+                return self.ledger.services(model=self.config.model, healthy_only=True)
+
+            self._services = await asyncio.to_thread(fetch)
+            self._fetched = time.monotonic()
+        return self._services
+
+    def load(self, service: InferenceService) -> float:
+        return max(service.load, float(self.inflight[service.name]))
+
+    async def pick(self) -> InferenceService:
+        services = await self.services()
+        if not services:
+            raise NoInferenceService(
+                f"no healthy inference service for model {self.config.model!r}: register one (ServiceRegistration) "
+                f"or check `python -m workers.ledger status`"
+            )
+        return min(services, key=lambda s: (self.load(s), s.name))
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
+        """One chat completion (``n`` choices); each choice has ``token_ids`` and ``token_logprobs``."""
+        service = await self.pick()
+        body = {
+            "model": self.config.model,
+            "messages": messages,
+            "max_tokens": self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "logprobs": True,
+            **sampling,
+        }
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
+        url = f"{service.url.rstrip('/')}/chat/completions" if service.url else None
+        if url is None:
+            raise InferenceFailed(f"inference service {service.name} has no url (kind {service.kind})")
+        self.inflight[service.name] += 1
+        try:
+            response = await self._http.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise InferenceFailed(f"inference service {service.name} at {url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.inflight[service.name] -= 1
+        if response.status_code != 200:
+            raise InferenceFailed(
+                f"inference service {service.name} at {url} answered {response.status_code}: {response.text[:500]}"
+            )
+        from workers.openai_api import ChatCompletion
+
+        completion = ChatCompletion.model_validate(response.json())
+        if len(completion.prompt_token_ids) > self.config.max_prompt_tokens:
+            raise InferenceFailed(
+                f"the prompt has {len(completion.prompt_token_ids)} tokens, more than max_prompt_tokens="
+                f"{self.config.max_prompt_tokens}"
+            )
+        return completion
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None

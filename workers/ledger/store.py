@@ -1,0 +1,505 @@
+"""``Ledger``: the narrow store interface over SQLite (WAL, the default) or PostgreSQL. All SQL lives here.
+
+Every public method is one explicit transaction. Claims take the oldest claimable task row: on PostgreSQL with
+``SELECT ... FOR UPDATE SKIP LOCKED`` (concurrent claimers never wait on each other's rows), on SQLite inside
+``BEGIN IMMEDIATE`` (one writer at a time, the file is the lock). Times are wall-clock seconds of the caller
+(hosts that share a PostgreSQL ledger need synchronised clocks, as leases anywhere do).
+
+>>> ledger = Ledger("sqlite:////tmp/doctest-ledger.db"); ledger.reset()
+>>> ledger.write_epoch("train", 0, [Task(id="a")], owner="doc")
+True
+>>> claim, task = ledger.claim("train", owner="w1", lease_s=30)
+>>> ledger.complete(claim.id); ledger.task_counts("train")
+{'done': 1}
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, and_, create_engine, event, func, insert, inspect, or_, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from workers.ledger import schema as s
+from workers.ledger.errors import ClaimLost, LedgerNotFound, LedgerUnavailable, SchemaVersionMismatch
+from workers.ledger.models import (
+    DBRecordData,
+    DispatchedSamplingTask,
+    InferenceService,
+    Record,
+    Task,
+    check_registered,
+    task_from_row,
+    task_type_name,
+)
+
+
+class Ledger:
+    """The task ledger behind ``db_connection_string`` (``sqlite:///PATH`` or ``postgresql://...``).
+
+    Args:
+        connection_string: which database; the SQLite file's directory is created if missing.
+        max_attempts: claims a task gets before it is marked failed with its last error.
+        create: create the tables if missing (and check the schema version either way).
+    """
+
+    def __init__(self, connection_string: str, max_attempts: int = 3, create: bool = True):
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.target = s.parse_connection_string(connection_string)
+        self.connection_string = connection_string
+        self.max_attempts = max_attempts
+        self.backend = self.target.backend
+        if self.backend == "sqlite":
+            if not create and not os.path.exists(self.target.path or ""):
+                raise LedgerNotFound(f"no ledger at {connection_string}: the file {self.target.path} does not exist")
+            os.makedirs(os.path.dirname(os.path.abspath(self.target.path or ".")), exist_ok=True)
+            self._engine = create_engine(self.target.url, connect_args={"timeout": 60})
+            event.listen(self._engine, "connect", _sqlite_on_connect)
+            event.listen(self._engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+            self._insert = sqlite_insert
+        else:
+            self._engine = create_engine(
+                self.target.url, pool_pre_ping=True, pool_size=2, connect_args={"connect_timeout": 5}
+            )
+            self._insert = pg_insert
+        self._open(create)
+
+    # -- schema ----------------------------------------------------------------------------------------------------
+    def _open(self, create: bool) -> None:
+        with self._tx() as conn:
+            if self.backend == "postgresql":  # several processes may create the schema at once
+                conn.execute(text("SELECT pg_advisory_xact_lock(720110)"))
+            if create:
+                s.metadata.create_all(conn)
+            elif not inspect(conn).has_table(s.meta.name):
+                raise LedgerNotFound(f"no ledger tables in {self._redacted()}: nothing was ever written there")
+            found = conn.execute(select(s.meta.c.value).where(s.meta.c.key == "schema_version")).scalar()
+            if found is None:
+                conn.execute(insert(s.meta).values(key="schema_version", value=str(s.SCHEMA_VERSION)))
+            elif int(found) != s.SCHEMA_VERSION:
+                raise SchemaVersionMismatch(
+                    f"ledger {self._redacted()} has schema version {found}; this code expects {s.SCHEMA_VERSION}"
+                )
+
+    def reset(self) -> None:
+        """Drop and recreate every ledger table (tests, fresh runs)."""
+        with self._tx() as conn:
+            s.metadata.drop_all(conn)
+        self._open(create=True)
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def _redacted(self) -> str:
+        return self._engine.url.render_as_string(hide_password=True)
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        """One transaction; a lost or refused connection becomes :class:`LedgerUnavailable`."""
+        try:
+            with self._engine.begin() as conn:
+                yield conn
+        except (OperationalError, DBAPIError) as exc:
+            if isinstance(exc, OperationalError) or exc.connection_invalidated:
+                first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+                raise LedgerUnavailable(f"ledger {self._redacted()} unavailable: {first}") from exc
+            raise
+
+    # -- tasks -----------------------------------------------------------------------------------------------------
+    def write_epoch(self, split: str, epoch: int, tasks: Sequence[Task], owner: str) -> bool:
+        """Write one epoch of ``split``'s tasks, all or nothing; ``False`` (nothing written) if it already was."""
+        now = time.time()
+        rows = []
+        for task in tasks:
+            check_registered(task)
+            if task.id is None:
+                raise ValueError(f"every task needs an id before it is written; got {task!r}")
+            rows.append(
+                dict(
+                    task_id=task.id,
+                    split=split,
+                    epoch=epoch,
+                    type=task_type_name(task),
+                    payload=task.payload(),
+                    status="pending",
+                    attempts=0,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        with self._tx() as conn:
+            marker = self._insert(s.epochs).values(
+                split=split, epoch=epoch, num_tasks=len(rows), written_by=owner, written_at=now
+            )
+            if conn.execute(marker.on_conflict_do_nothing().returning(s.epochs.c.epoch)).first() is None:
+                return False
+            if rows:
+                conn.execute(insert(s.tasks), rows)
+        return True
+
+    def written_epochs(self, split: str) -> list[int]:
+        with self._tx() as conn:
+            query = select(s.epochs.c.epoch).where(s.epochs.c.split == split).order_by(s.epochs.c.epoch)
+            return list(conn.execute(query).scalars())
+
+    def tasks(self, split: str | None = None, epoch: int | None = None) -> list[Task]:
+        query = select(s.tasks).order_by(s.tasks.c.key)
+        if split is not None:
+            query = query.where(s.tasks.c.split == split)
+        if epoch is not None:
+            query = query.where(s.tasks.c.epoch == epoch)
+        with self._tx() as conn:
+            return [_task(row) for row in conn.execute(query)]
+
+    def task_counts(self, split: str | None = None, epoch: int | None = None) -> dict[str, int]:
+        query = select(s.tasks.c.status, func.count()).group_by(s.tasks.c.status)
+        if split is not None:
+            query = query.where(s.tasks.c.split == split)
+        if epoch is not None:
+            query = query.where(s.tasks.c.epoch == epoch)
+        with self._tx() as conn:
+            return {status: n for status, n in conn.execute(query)}
+
+    def claimable_count(self, split: str, epoch: int | None = None) -> int:
+        """Tasks of ``split`` a claim would get now: pending, or running on an expired lease."""
+        t = s.tasks.c
+        now = time.time()
+        query = select(func.count()).select_from(s.tasks).where(t.split == split)
+        query = query.where(or_(t.status == "pending", and_(t.status == "running", t.lease_deadline < now)))
+        if epoch is not None:
+            query = query.where(t.epoch == epoch)
+        with self._tx() as conn:
+            return int(conn.execute(query).scalar() or 0)
+
+    # -- claims ----------------------------------------------------------------------------------------------------
+    def claim(
+        self, split: str, owner: str, lease_s: float = 60.0, epoch: int | None = None
+    ) -> tuple[DispatchedSamplingTask, Task] | None:
+        """Claim the oldest claimable task of ``split`` (pending, or running with an expired lease) for ``owner``;
+        ``None`` when there is none. A task whose expired claims used up ``max_attempts`` is marked failed."""
+        t = s.tasks.c
+        while True:
+            now = time.time()
+            where = [t.split == split, or_(t.status == "pending", and_(t.status == "running", t.lease_deadline < now))]
+            if epoch is not None:
+                where.append(t.epoch == epoch)
+            query = select(s.tasks).where(*where).order_by(t.epoch, t.key).limit(1)
+            with self._tx() as conn:
+                row = conn.execute(query.with_for_update(skip_locked=True)).first()
+                if row is None:
+                    return None
+                if row.status == "running":  # its worker died or stalled: expire that claim
+                    error = f"claim {row.claim_id} expired: lease ended {now - row.lease_deadline:.1f} s ago"
+                    self._end_claim(conn, row.claim_id, "expired", error, now)
+                    if row.attempts >= self.max_attempts:
+                        values = dict(status="failed", claim_id=None, last_error=error, updated_at=now)
+                        conn.execute(update(s.tasks).where(t.key == row.key).values(**values))
+                        continue
+                attempt = row.attempts + 1
+                deadline = now + lease_s
+                claim_id = conn.execute(
+                    insert(s.claims).values(
+                        task_key=row.key,
+                        owner=owner,
+                        attempt=attempt,
+                        status="running",
+                        lease_deadline=deadline,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                ).inserted_primary_key[0]
+                conn.execute(
+                    update(s.tasks)
+                    .where(t.key == row.key)
+                    .values(
+                        status="running", attempts=attempt, claim_id=claim_id, lease_deadline=deadline, updated_at=now
+                    )
+                )
+                claim = DispatchedSamplingTask(
+                    id=claim_id,
+                    task_key=row.key,
+                    task_id=row.task_id,
+                    split=row.split,
+                    epoch=row.epoch,
+                    owner=owner,
+                    attempt=attempt,
+                    status="running",
+                    lease_deadline=deadline,
+                    created_at=now,
+                    updated_at=now,
+                    last_error=row.last_error,
+                )
+                task = _task(row).model_copy(update={"status": "running", "attempts": attempt})
+                return claim, task
+
+    def heartbeat(self, claim_id: int, lease_s: float = 60.0) -> float:
+        """Renew a live claim's lease; its new deadline. :class:`ClaimLost` if it is no longer the live claim."""
+        now = time.time()
+        deadline = now + lease_s
+        with self._tx() as conn:
+            self._live(conn, claim_id)
+            renew = dict(lease_deadline=deadline, updated_at=now)
+            conn.execute(update(s.claims).where(s.claims.c.id == claim_id).values(**renew))
+            conn.execute(update(s.tasks).where(s.tasks.c.claim_id == claim_id).values(lease_deadline=deadline))
+        return deadline
+
+    def complete(self, claim_id: int) -> None:
+        """The claim finished its task: claim and task are done."""
+        now = time.time()
+        with self._tx() as conn:
+            row = self._live(conn, claim_id)
+            self._end_claim(conn, claim_id, "done", None, now)
+            conn.execute(
+                update(s.tasks).where(s.tasks.c.key == row.key).values(status="done", claim_id=None, updated_at=now)
+            )
+
+    def fail(self, claim_id: int, error: str) -> str:
+        """The claim's worker raised ``error``: the task is claimable again, or failed after ``max_attempts``.
+        Returns the task's new status."""
+        now = time.time()
+        with self._tx() as conn:
+            row = self._live(conn, claim_id)
+            self._end_claim(conn, claim_id, "failed", error, now)
+            status = "failed" if row.attempts >= self.max_attempts else "pending"
+            conn.execute(
+                update(s.tasks)
+                .where(s.tasks.c.key == row.key)
+                .values(status=status, claim_id=None, last_error=error, updated_at=now)
+            )
+        return status
+
+    def release(self, claim_id: int, reason: str = "returned by its owner") -> None:
+        """Give a claimed task back unfinished (cancellation); the attempt does not count."""
+        now = time.time()
+        with self._tx() as conn:
+            row = self._live(conn, claim_id)
+            self._end_claim(conn, claim_id, "expired", reason, now)
+            conn.execute(
+                update(s.tasks)
+                .where(s.tasks.c.key == row.key)
+                .values(status="pending", claim_id=None, attempts=row.attempts - 1, updated_at=now)
+            )
+
+    def claims(self, split: str | None = None, status: str | None = None) -> list[DispatchedSamplingTask]:
+        c, t = s.claims.c, s.tasks.c
+        query = select(s.claims, t.task_id, t.split, t.epoch).join(s.tasks, c.task_key == t.key).order_by(c.id)
+        if split is not None:
+            query = query.where(t.split == split)
+        if status is not None:
+            query = query.where(c.status == status)
+        with self._tx() as conn:
+            return [DispatchedSamplingTask.model_validate(dict(row._mapping)) for row in conn.execute(query)]
+
+    def _live(self, conn: Connection, claim_id: int) -> Any:
+        row = conn.execute(select(s.tasks).where(s.tasks.c.claim_id == claim_id).with_for_update()).first()
+        if row is None or row.status != "running":
+            raise ClaimLost(
+                f"claim {claim_id} is not the live claim of any task (its lease expired and the task "
+                f"was claimed again, or it already ended)"
+            )
+        return row
+
+    @staticmethod
+    def _end_claim(conn: Connection, claim_id: int, status: str, error: str | None, now: float) -> None:
+        values: dict[str, Any] = dict(status=status, updated_at=now)
+        if error is not None:
+            values["last_error"] = error
+        conn.execute(update(s.claims).where(s.claims.c.id == claim_id, s.claims.c.status == "running").values(**values))
+
+    # -- records ---------------------------------------------------------------------------------------------------
+    def write_record(self, record: Record) -> tuple[Record, bool]:
+        """Write ``record`` unless its (task, epoch, sample) already has one; the stored record and whether this
+        call wrote it. Safe to retry after a lost connection: a second write is a no-op."""
+        return self.write_records([record])[0]
+
+    def write_records(self, records: Sequence[Record], replace_unqueued: bool = False) -> list[tuple[Record, bool]]:
+        """:meth:`write_record` for several records (a GRPO group) in one transaction: all visible at once.
+
+        ``replace_unqueued``: a sample recorded by an earlier claim whose tensors never reached the queue (its worker
+        died in between) is replaced by this one, so that the record and the queued tensors are the same sample."""
+        now = time.time()
+        r = s.records.c
+        out = []
+        with self._tx() as conn:
+            for record in records:
+                values = record.model_dump(exclude={"id", "task_id", "split", "epoch", "created_at"})
+                stmt = self._insert(s.records).values(**values, created_at=now).on_conflict_do_nothing()
+                written = conn.execute(stmt.returning(r.id)).first() is not None
+                if not written and replace_unqueued:
+                    where = [r.task_key == record.task_key, r.sample_index == record.sample_index]
+                    stmt = update(s.records).where(*where, r.partition_id.is_(None)).values(**values)
+                    written = conn.execute(stmt.returning(r.id)).first() is not None
+                query = self._records_query().where(
+                    r.task_key == record.task_key, r.sample_index == record.sample_index
+                )
+                out.append((Record.model_validate(dict(conn.execute(query).one()._mapping)), written))
+        return out
+
+    def set_record_locations(self, record_ids: Sequence[int], partition_id: str, global_indexes: Sequence[int]) -> None:
+        """Where the records' tensors went in the queue (one queue row each, in order)."""
+        if len(record_ids) != len(global_indexes):
+            raise ValueError(f"{len(record_ids)} record ids but {len(global_indexes)} global indexes")
+        with self._tx() as conn:
+            for record_id, index in zip(record_ids, global_indexes, strict=True):
+                stmt = update(s.records).where(s.records.c.id == record_id)
+                conn.execute(stmt.values(partition_id=partition_id, global_indexes=[int(index)]))
+
+    def records(self, split: str | None = None, epoch: int | None = None) -> list[Record]:
+        query = self._records_query().order_by(s.records.c.id)
+        if split is not None:
+            query = query.where(s.tasks.c.split == split)
+        if epoch is not None:
+            query = query.where(s.tasks.c.epoch == epoch)
+        with self._tx() as conn:
+            return [Record.model_validate(dict(row._mapping)) for row in conn.execute(query)]
+
+    def trainable(
+        self, split: str, step: int, max_trained_count: int = 1, retrained_interval: int = 0, limit: int | None = None
+    ) -> list[DBRecordData]:
+        """Records a trainer may use at ``step``: trained fewer than ``max_trained_count`` times and, if trained
+        before, at least ``retrained_interval`` steps ago."""
+        r = s.records.c
+        query = (
+            self._records_query()
+            .where(s.tasks.c.split == split, r.trained_count < max_trained_count)
+            .where(or_(r.last_trained_step.is_(None), r.last_trained_step <= step - retrained_interval))
+            .order_by(r.id)
+            .limit(limit)
+        )
+        with self._tx() as conn:
+            rows = [dict(row._mapping) for row in conn.execute(query)]
+        return [DBRecordData.model_validate({**row, "record_id": row["id"]}) for row in rows]
+
+    def mark_trained(
+        self,
+        record_ids: Sequence[int],
+        step: int,
+        max_trained_count: int | None = None,
+        retrained_interval: int = 0,
+    ) -> list[int]:
+        """The trainer uses these records at ``step``: one more training each. With ``max_trained_count``, only
+        records still trainable at ``step`` are marked (atomically, so two consumers never both train one
+        record past its limit); returns the ids marked, the ones to train on."""
+        if not record_ids:
+            return []
+        r = s.records.c
+        stmt = update(s.records).where(r.id.in_([int(i) for i in record_ids]))
+        if max_trained_count is not None:
+            stmt = stmt.where(r.trained_count < max_trained_count).where(
+                or_(r.last_trained_step.is_(None), r.last_trained_step <= step - retrained_interval)
+            )
+        stmt = stmt.values(trained_count=r.trained_count + 1, last_trained_step=step).returning(r.id)
+        with self._tx() as conn:
+            return sorted(conn.execute(stmt).scalars())
+
+    @staticmethod
+    def _records_query() -> Any:
+        t = s.tasks.c
+        return select(s.records, t.task_id, t.split, t.epoch).join(s.tasks, s.records.c.task_key == t.key)
+
+    # -- inference services ----------------------------------------------------------------------------------------
+    def register_service(self, service: InferenceService) -> None:
+        values = service.model_dump() | {"last_heartbeat": time.time(), "status": "up"}
+        with self._tx() as conn:
+            stmt = self._insert(s.services).values(**values)
+            conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_=values))
+
+    def service_heartbeat(self, name: str, load: float | None = None, policy_version: int | None = None) -> None:
+        values: dict[str, Any] = dict(last_heartbeat=time.time(), status="up")
+        if load is not None:
+            values["load"] = load
+        if policy_version is not None:
+            values["policy_version"] = policy_version
+        with self._tx() as conn:
+            if conn.execute(update(s.services).where(s.services.c.name == name).values(**values)).rowcount != 1:
+                raise KeyError(f"no inference service named {name!r} is registered")
+
+    def set_service_status(self, name: str, status: str) -> None:
+        with self._tx() as conn:
+            conn.execute(update(s.services).where(s.services.c.name == name).values(status=status, load=0.0))
+
+    def mark_stale_services(self, stale_after_s: float) -> int:
+        """Mark services whose last heartbeat is older than ``stale_after_s`` down; how many were marked."""
+        cutoff = time.time() - stale_after_s
+        c = s.services.c
+        with self._tx() as conn:
+            stmt = update(s.services).where(c.status == "up", c.last_heartbeat < cutoff).values(status="down")
+            return conn.execute(stmt).rowcount
+
+    def services(self, model: str | None = None, healthy_only: bool = False) -> list[InferenceService]:
+        c = s.services.c
+        query = select(s.services).order_by(c.load, c.name)
+        if model is not None:
+            query = query.where(c.model == model)
+        if healthy_only:
+            query = query.where(c.status == "up")
+        with self._tx() as conn:
+            return [InferenceService.model_validate(dict(row._mapping)) for row in conn.execute(query)]
+
+    # -- locks -----------------------------------------------------------------------------------------------------
+    def acquire_lock(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take (or renew) the named lease for ``owner``; ``False`` while another owner holds it unexpired."""
+        now = time.time()
+        c = s.locks.c
+        with self._tx() as conn:
+            stmt = self._insert(s.locks).values(name=name, owner=owner, expires_at=now + ttl_s)
+            if conn.execute(stmt.on_conflict_do_nothing().returning(c.name)).first() is not None:
+                return True
+            row = conn.execute(select(s.locks).where(c.name == name).with_for_update()).one()
+            if row.owner != owner and row.expires_at >= now:
+                return False
+            conn.execute(update(s.locks).where(c.name == name).values(owner=owner, expires_at=now + ttl_s))
+            return True
+
+    def release_lock(self, name: str, owner: str) -> None:
+        with self._tx() as conn:
+            conn.execute(s.locks.delete().where(s.locks.c.name == name, s.locks.c.owner == owner))
+
+    # -- overview --------------------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Counts for the status view: tasks by (split, epoch, status), claims and records by status, services."""
+        t, c = s.tasks.c, s.claims.c
+        with self._tx() as conn:
+            tasks = conn.execute(select(t.split, t.epoch, t.status, func.count()).group_by(t.split, t.epoch, t.status))
+            claims = conn.execute(select(c.status, func.count()).group_by(c.status))
+            out: dict[str, Any] = {
+                "tasks": sorted((split, epoch, status, n) for split, epoch, status, n in tasks),
+                "claims": dict(sorted(claims.all())),
+                "records": conn.execute(select(func.count()).select_from(s.records)).scalar(),
+                "records_trained": conn.execute(
+                    select(func.count()).select_from(s.records).where(s.records.c.trained_count > 0)
+                ).scalar(),
+            }
+        out["services"] = self.services()
+        return out
+
+
+def _task(row: Any) -> Task:
+    return task_from_row(
+        row.type,
+        row.payload,
+        id=row.task_id,
+        split=row.split,
+        epoch=row.epoch,
+        status=row.status,
+        attempts=row.attempts,
+        last_error=row.last_error,
+    )
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _: Any) -> None:
+    # let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE instead of pysqlite's deferred BEGIN
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=60000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
