@@ -67,7 +67,7 @@ def test_sampling_params_follow_sglang_names():
 
 
 def test_weights_from_a_directory_record_the_version(server, model_dirs):
-    url, fake = server
+    url, _ = server
     engine = SGLangEngine(url)
     params = SamplingParams(max_new_tokens=5, seed=1)
     engine.update_weights(4, path=model_dirs[1])
@@ -123,7 +123,7 @@ def test_an_unreachable_server_is_a_typed_error():
     from workers.engines.server import free_port
 
     engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", timeout=2.0)
-    with pytest.raises(EngineUnavailable, match="sglang server at http://127.0.0.1:.*POST /generate failed"):
+    with pytest.raises(EngineUnavailable, match=r"sglang server at http://127\.0\.0\.1:\d+: POST /generate failed"):
         engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
     assert engine.health()["ok"] is False
 
