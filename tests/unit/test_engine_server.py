@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from workers.engines.errors import EngineNeverHealthy, PortInUse, RestartBudgetExhausted
-from workers.engines.server import EngineServer, ServiceRegistry, free_port
+from workers.engines.server import EngineServer, ServiceRegistry
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_engine_server.py")
 REPO = str(Path(__file__).resolve().parents[2])
@@ -98,7 +98,9 @@ def test_port_conflicts_are_typed_errors(tmp_path):
             EngineServer(fake(), name="s3", port=port, log_dir=str(tmp_path)).start()
         # a server that picks the port itself and finds it taken: the error comes from its log
         squatter = EngineServer(
-            lambda host, _: [sys.executable, FAKE, "--host", host, "--port", str(port)], name="s4", log_dir=str(tmp_path)
+            lambda host, _: [sys.executable, FAKE, "--host", host, "--port", str(port)],
+            name="s4",
+            log_dir=str(tmp_path),
         )
         with pytest.raises(PortInUse, match=r"(?s)could not bind.*Address already in use"):
             squatter.start()

@@ -317,7 +317,7 @@ class EngineServer:
         """Free the server's memory for a training phase: the engine's ``release_memory()`` when it has one,
         otherwise stop the server. Returns how (``"engine"`` or ``"stop"``)."""
         with self._lock:
-            if self.engine is not None and hasattr(self.engine, "release_memory"):
+            if self._engine_releases():
                 self.engine.release_memory()
                 self._released_by_stop = False
                 how = "engine"
@@ -339,10 +339,18 @@ class EngineServer:
                 if reload is not None:
                     reload(self.engine)
                 return url
-            if self.engine is not None and hasattr(self.engine, "resume_memory"):
+            if self._engine_releases():
                 self.engine.resume_memory()
             self._set_status("healthy")
             return str(self.record.url)
+
+    def _engine_releases(self) -> bool:
+        engine = self.engine
+        return (
+            engine is not None
+            and hasattr(engine, "release_memory")
+            and bool(getattr(engine, "supports_release_memory", True))
+        )
 
     # ---- bookkeeping -----------------------------------------------------------------------------------------
     def set_version(self, version: int) -> None:

@@ -72,9 +72,12 @@ class VLLMServerEngine(HTTPEngine):
     kind = "vllm-server"
     supports_abort = True
 
-    def __init__(self, url: str, *, served_model: str = "policy", **kwargs: Any):
+    def __init__(self, url: str, *, served_model: str = "policy", sleep_mode: bool = False, **kwargs: Any):
         super().__init__(url, **kwargs)
         self.served_model = served_model
+        # vLLM's sleep mode (release/resume memory) needs a GPU and a server started with --enable-sleep-mode;
+        # without it EngineServer frees memory by stopping the server
+        self.supports_release_memory = sleep_mode
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-generate")
 
     def generate(
