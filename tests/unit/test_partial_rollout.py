@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
+from rl_contracts.partial import mask_offpolicy_tokens
 from workers.engines import HFEngine, SamplingParams
-from workers.engines.partial import PartialRollout, mask_offpolicy_tokens
+from workers.engines.partial import PartialRollout
 from workers.models import build_tiny_causal_lm
 
 VOCAB, PAD = 24, 0
@@ -116,3 +117,19 @@ def test_mask_offpolicy_tokens():
     assert out.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     with pytest.raises(ValueError, match=r"token_versions has shape \(4,\), expected response_mask's \(2, 4\)"):
         mask_offpolicy_tokens(mask, versions[0], 6, 1)
+
+
+def test_the_trainer_masks_offpolicy_tokens_of_partial_rollouts():
+    import numpy as np
+
+    from rl_contracts.rows import jagged
+    from tests.unit.test_rl_pieces import _config, _rollout_data
+    from trainers.grpo import build_train_batch
+
+    data = _rollout_data([1.0, 0.0], [5, 5], response_lens=[3, 3])
+    data["response_versions"] = jagged([[3, 4, 5], [5, 5, 5]], torch.int64)  # row 0 spans two updates
+    kwargs = dict(pad_token_id=0, trainer_version=5, max_staleness=1)
+    plain = build_train_batch(data, np.array([0, 0]), config=_config(), **kwargs)
+    masked = build_train_batch(data, np.array([0, 0]), config=_config(mask_offpolicy_in_partial_rollout=True), **kwargs)
+    assert plain.tensors["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+    assert masked.tensors["response_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]

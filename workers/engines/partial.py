@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
+from rl_contracts.partial import mask_offpolicy_tokens
 from workers.engines.base import Engine, Generation, SamplingParams
+
+__all__ = ["PartialRollout", "mask_offpolicy_tokens"]
 
 WeightsUpdate = tuple[int, Any, Any]  # (version, state_dict, path)
 
@@ -166,18 +169,3 @@ class PartialRollout:
             "resumes": self.resumes,
             "updates_during_generation": self.updates_during_generation,
         }
-
-
-def mask_offpolicy_tokens(
-    response_mask: torch.Tensor, token_versions: torch.Tensor, train_version: int, max_staleness: int
-) -> torch.Tensor:
-    """``response_mask`` with tokens sampled more than ``max_staleness`` versions before ``train_version`` set to 0
-    (slime's ``mask_offpolicy_in_partial_rollout``). ``token_versions`` aligns with ``response_mask``; entries
-    outside the mask are ignored."""
-    if token_versions.shape != response_mask.shape:
-        raise ValueError(
-            f"token_versions has shape {tuple(token_versions.shape)}, expected response_mask's "
-            f"{tuple(response_mask.shape)}"
-        )
-    fresh = (train_version - token_versions) <= max_staleness
-    return response_mask * fresh.to(response_mask.dtype)
