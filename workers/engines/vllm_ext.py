@@ -47,6 +47,21 @@ def decode_state_dict(encoded: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def with_tied_head(weights: Any, tied: bool) -> Any:
+    """``weights`` plus ``lm_head.weight`` = the input embedding when the model ties them and the checkpoint leaves
+    the head out (as ``save_pretrained`` does). vLLM's in-place reload (0.32, CPU) un-ties the two: a checkpoint
+    without the head would leave the old head in place (seen here: log-probs off by up to 1 nat after a reload)."""
+    embedding, head_seen = None, False
+    for name, tensor in weights:
+        if name == "lm_head.weight":
+            head_seen = True
+        elif name.endswith("embed_tokens.weight"):
+            embedding = tensor
+        yield name, tensor
+    if tied and not head_seen and embedding is not None:
+        yield "lm_head.weight", embedding
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class: ``self.model_runner`` is the worker's model runner."""
 
@@ -55,7 +70,7 @@ class WeightSyncExtension:
         state_dict = decode_state_dict(encoded)
         # vLLM's in-place reload: it undoes and redoes the kernel-format processing (CPU weight repacking), which a
         # bare model.load_weights after the first load would not
-        self.reload_weights(weights_iterator=iter(state_dict.items()))  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=with_tied_head(iter(state_dict.items()), self._tq_tied()))  # type: ignore[attr-defined]
         return len(state_dict)
 
     def tq_load_weights_from_dir(self, path: str) -> int:
@@ -68,8 +83,12 @@ class WeightSyncExtension:
                 count += 1
                 yield item
 
-        self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=with_tied_head(counted(), self._tq_tied()))  # type: ignore[attr-defined]
         return count
+
+    def _tq_tied(self) -> bool:
+        hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def tq_weight_checksum(self) -> float:
         """The sum of every parameter (a cheap check that an update landed)."""
