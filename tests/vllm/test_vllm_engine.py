@@ -18,7 +18,7 @@ from trainers.fsdp import token_logprobs
 from workers.engines import HFEngine, SamplingParams
 from workers.models import build_tiny_causal_lm
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # vLLM starts in ~30 s quiet, minutes under load
 vllm = pytest.importorskip("vllm")
 
 VOCAB, PAD, EOS = 32, 0, 2
