@@ -133,3 +133,19 @@ def test_the_trainer_masks_offpolicy_tokens_of_partial_rollouts():
     masked = build_train_batch(data, np.array([0, 0]), config=_config(mask_offpolicy_in_partial_rollout=True), **kwargs)
     assert plain.tensors["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
     assert masked.tensors["response_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
+
+
+def test_engine_spec_kinds_and_config():
+    from trainers.config import ConfigError, RLConfig, RolloutConfig
+    from workers.engines.host import EngineSpec
+
+    with pytest.raises(ValueError, match="engine kind 'sglang' is a client of a running server: give url="):
+        EngineSpec(kind="sglang").build()
+    with pytest.raises(ValueError, match="engine kind 'tgi' is unknown; expected 'hf', 'vllm', 'vllm-server' or"):
+        EngineSpec(kind="tgi").build()
+    from workers.engines.sglang import SGLangEngine
+
+    assert isinstance(EngineSpec(kind="sglang", url="http://127.0.0.1:1").build(), SGLangEngine)
+    cfg = RLConfig(rollout=RolloutConfig(engine="vllm", partial_rollout=True), mode="async", max_staleness=1)
+    assert cfg.recompute_old_logprobs  # another engine's numerics: the trainer recomputes the old log-probs
+    assert isinstance(ConfigError("x"), ValueError)
