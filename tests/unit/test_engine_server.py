@@ -68,12 +68,15 @@ def test_start_register_health_and_stop(tmp_path):
 
 
 def test_crash_restarts_then_budget_is_a_typed_error(tmp_path):
-    server = EngineServer(fake(), name="s1", health_interval=0.1, max_restarts=1, log_dir=str(tmp_path))
+    restarted = []
+    server = EngineServer(
+        fake(), name="s1", health_interval=0.1, max_restarts=1, log_dir=str(tmp_path), on_restart=restarted.append
+    )
     with server:
         first = server.process.pid
         os.kill(first, signal.SIGKILL)
         assert wait_for(lambda: server.record.restarts == 1 and server.record.status == "healthy")
-        assert server.process.pid != first and server.healthy()
+        assert server.process.pid != first and server.healthy() and restarted == [None]
         os.kill(server.process.pid, signal.SIGKILL)
         assert wait_for(lambda: server.error is not None)
         assert server.record.status == "failed"

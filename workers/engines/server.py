@@ -122,6 +122,8 @@ class EngineServer:
         max_restarts: crashes restarted before the server is marked failed.
         engine_factory: ``url -> Engine`` (``SGLangEngine``, ``VLLMServerEngine``): ``server.engine``.
         registry: where the server's record is kept.
+        on_restart: called with the new engine client after a crash restart (e.g. to load the newest weights:
+            a restarted server starts from the weights on its command line).
     """
 
     def __init__(
@@ -141,13 +143,14 @@ class EngineServer:
         max_restarts: int = 3,
         engine_factory: Callable[[str], Any] | None = None,
         registry: ServiceRegistry | None = None,
+        on_restart: Callable[[Any], None] | None = None,
     ):
         self.command, self.name, self.model = command, name, model
         self.health_path, self.host, self.fixed_port = health_path, host, port
         self.env, self.cwd = env or {}, cwd
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="tq-engine-server-")) / f"{name}.log"
         self.startup_timeout, self.health_interval, self.max_restarts = startup_timeout, health_interval, max_restarts
-        self.engine_factory, self.registry = engine_factory, registry
+        self.engine_factory, self.registry, self.on_restart = engine_factory, registry, on_restart
         self.record = ServerRecord(name=name, url=None, model=model, log_path=str(self.log_path))
         self.process: subprocess.Popen[bytes] | None = None
         self.engine: Any = None
@@ -258,7 +261,7 @@ class EngineServer:
                     self._stop_monitor.set()
 
     def restart(self) -> str:
-        """Replace a crashed (or hung) server with a new one; counts against ``max_restarts``.
+        """Replace a crashed (or hung) server with a new one (then ``on_restart``); counts against ``max_restarts``.
 
         Raises:
             RestartBudgetExhausted: after ``max_restarts`` restarts (the server is then marked failed).
@@ -277,6 +280,8 @@ class EngineServer:
             self._set_status("crashed")
             self._launch()
             self._wait_healthy()
+            if self.on_restart is not None:
+                self.on_restart(self.engine)
             return str(self.record.url)
 
     def check(self) -> None:
