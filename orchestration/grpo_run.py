@@ -80,6 +80,9 @@ class GRPORun:
             device=cfg.rollout.engine_device,
             weights_channel=str(self.channel.path) if self.channel is not None else None,
             weights_timeout=cfg.queue_timeout,
+            url=cfg.rollout.engine_url,
+            partial_rollout=cfg.rollout.partial_rollout,
+            seed=cfg.seed,
         )
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p

@@ -38,11 +38,13 @@ class RolloutConfig:
     """Generation: engines, sampling, and how rows are taken from the queue."""
 
     num_workers: int = 1  # rollout worker actors, each with one engine
-    engine: Literal["hf"] = "hf"  # the Engine interface is token in / token out; vLLM and SGLang engines plug in next
+    engine: Literal["hf", "vllm", "vllm-server", "sglang"] = "hf"  # vllm: in-process vllm.LLM; *-server: engine_url
+    engine_url: str | None = None  # the running server of a vllm-server or sglang engine
     engine_device: str = "cpu"  # where each engine runs: cpu, cuda, cuda:1
     max_new_tokens: int = 8  # longest response, in tokens
     temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)
     top_p: float = 1.0  # nucleus sampling; log-probs stay those of the untruncated distribution
+    partial_rollout: bool = False  # a weight update stops generations mid-way; they resume on the new weights
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
     num_reward_workers: int = 1  # reward worker actors
     reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
@@ -88,6 +90,8 @@ class TrainConfig:
     rollout_correction: Literal["none", "tis", "mis"] = "tis"  # trainer-vs-engine IS weights (with recompute)
     rollout_is_high: float = 2.0  # TIS cap / MIS upper bound on exp(trainer - engine logprob)
     rollout_is_low: float | None = None  # MIS lower bound; None: 1 / rollout_is_high
+    # partial rollouts: leave out of the loss the tokens sampled more than max_staleness versions ago (slime)
+    mask_offpolicy_in_partial_rollout: bool = False
 
 
 @dataclass

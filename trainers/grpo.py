@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import PromptSource
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
@@ -38,6 +39,7 @@ from transfer_queue import ControllerInfo, TransferQueueClient
 
 TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
+PARTIAL_FIELDS = ["response_versions"]  # with rollout.partial_rollout: the version of each response token
 
 
 @dataclass
@@ -58,6 +60,14 @@ def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_toke
         attention_mask[i, : len(p) + len(r)] = 1
         response_mask[i, len(p) : len(p) + len(r)] = 1.0
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+
+
+def aligned_versions(prompts: list[list[int]], versions: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """Per-token sampling versions ``[B, T]`` aligned with the response mask (partial rollouts)."""
+    out = torch.zeros(like.shape, dtype=torch.int64)
+    for i, (p, v) in enumerate(zip(prompts, versions, strict=True)):
+        out[i, len(p) : len(p) + len(v)] = torch.tensor(v, dtype=torch.int64)
+    return out
 
 
 def build_train_batch(
@@ -112,6 +122,13 @@ def build_train_batch(
     )
     tensors["advantages"] = advantages
     tensors["response_mask"] = tensors["response_mask"] * keep.to(torch.float32).unsqueeze(1)
+    if config.train.mask_offpolicy_in_partial_rollout and "response_versions" in data.keys():  # noqa: SIM118
+        tensors["response_mask"] = mask_offpolicy_tokens(
+            tensors["response_mask"],
+            aligned_versions(prompts, rows_of(data["response_versions"]), tensors["response_mask"]),
+            trainer_version,
+            max_staleness,
+        )
     response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
     trained_tokens = tensors["response_mask"].sum(dim=1)
     stats = {
@@ -242,7 +259,9 @@ class GRPOTrainerRank:
         for k in range(rounds):
             meta = clock.call(
                 self.client.get_meta,
-                TRAJECTORY_FIELDS if cfg.rollout.generate_fn else TRAIN_FIELDS,
+                TRAJECTORY_FIELDS
+                if cfg.rollout.generate_fn
+                else TRAIN_FIELDS + (PARTIAL_FIELDS if cfg.rollout.partial_rollout else []),
                 rows,
                 global_step=step,
                 task_name=TRAIN_TASK,

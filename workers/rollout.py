@@ -122,7 +122,9 @@ class RolloutWorker:
         self.n = n_samples
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
-        self.engine_options = engine_options or {}
+        self.engine_options = dict(engine_options or {})
+        if engine_spec.partial_rollout:  # update_weights must reach the engine while it generates
+            self.engine_options.setdefault("max_concurrency", 2)
         self.seed = seed
         self.slot = EngineSlot(
             lambda restarts: EngineActor.options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts),
@@ -209,12 +211,19 @@ class RolloutWorker:
         """The fields to write into the prompt rows (a plain dict: a put takes one, and it skips building a
         TensorDict of nested tensors, which costs milliseconds per batch)."""
         flat = [g for group in generations for g in group]
-        return {
+        fields = {
             "response_ids": jagged([g.token_ids for g in flat], torch.int64),
             "response_logprobs": jagged([g.logprobs for g in flat], torch.float32),
             "policy_version": torch.full((len(flat),), version, dtype=torch.int64),
             "finish_reason": [g.finish_reason for g in flat],
         }
+        if self.spec.partial_rollout:
+            # per token, the version that sampled it; the row's policy_version is its newest token's (the one it
+            # finished on), the trainer masks older tokens with train.mask_offpolicy_in_partial_rollout
+            per_token = [g.versions if g.versions is not None else [version] * len(g.token_ids) for g in flat]
+            fields["response_versions"] = jagged(per_token, torch.int64)
+            fields["policy_version"] = torch.tensor([max(v, default=version) for v in per_token], dtype=torch.int64)
+        return fields
 
 
 def check_groups(meta: BatchMeta, n: int) -> None:

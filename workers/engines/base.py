@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
+AbortCheck = Callable[[], bool]  # polled by an engine while it decodes; True stops every row where it is
 
 
 @dataclass(frozen=True)
@@ -60,19 +62,30 @@ class Generation:
         token_ids: the response's tokens; a stop token, when one ended the response, is the last of them.
         logprobs: per token, ``log_softmax(logits / temperature)`` at the sampled token (``temperature=1`` when
             greedy); top-k/top-p truncation is not applied to them. Same length as ``token_ids``.
-        finish_reason: ``"stop"`` if a stop token ended the response, ``"length"`` if ``max_new_tokens`` did.
+        finish_reason: ``"stop"`` if a stop token ended the response, ``"length"`` if ``max_new_tokens`` did,
+            ``"abort"`` if ``should_abort`` stopped it (an unfinished response, kept for a partial rollout).
+        versions: per token, the policy version that sampled it (partial rollouts, where one response may span
+            weight updates); None when one version, the call's, sampled every token.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    versions: list[int] | None = None
 
 
 class Engine(ABC):
     """An inference engine that samples responses and takes new policy weights.
 
     Engines never see text: prompts and responses are token ids, so the tokenizer lives with the task.
+
+    ``supports_abort``: the engine's ``generate`` takes ``should_abort`` (a callable polled between decoding steps;
+    when it returns True every unfinished response comes back as it is, with ``finish_reason="abort"``). Partial
+    rollouts (``workers.engines.partial``) use it so that a weight update does not wait for long generations;
+    engines without it are driven in bounded chunks instead.
     """
+
+    supports_abort: bool = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Generation]]:

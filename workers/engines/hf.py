@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from workers.engines.base import Engine, Generation, SamplingParams
+from workers.engines.base import AbortCheck, Engine, Generation, SamplingParams
+
+# from_pretrained builds the model under a process-wide meta-device context: two loads in two threads at once
+# (weight syncs to several engines of one process) break each other, so loads are serialised.
+_LOAD_LOCK = threading.Lock()
+
+
+def _load_pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
+    with _LOAD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 class HFEngine(Engine):
@@ -60,7 +70,7 @@ class HFEngine(Engine):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            model = _load_pretrained(model_path, dtype)
         self._device = torch.device(device)
         self._dtype = dtype
         self._model = model.to(device=self._device, dtype=dtype).eval()
@@ -77,8 +87,15 @@ class HFEngine(Engine):
     def version(self) -> int:
         return self._version
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Generation]]:
+    supports_abort = True
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, should_abort: AbortCheck | None = None
+    ) -> list[list[Generation]]:
         """Sample ``n`` responses per prompt; see ``Engine.generate``.
+
+        ``should_abort`` is polled after every decoding step; once it returns True, every unfinished response is
+        returned as it stands with ``finish_reason="abort"`` (rows of later batches come back empty).
 
         Raises:
             ValueError: if ``n < 1``, a prompt is empty or holds an id outside the vocabulary, or a prompt plus
@@ -93,18 +110,27 @@ class HFEngine(Engine):
         generations: list[Generation] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
-            generations.extend(self._generate_chunk(chunk, params, stop_ids, generator))
+            if should_abort is not None and generations and should_abort():
+                generations.extend(Generation([], [], "abort") for _ in chunk)
+                continue
+            generations.extend(self._generate_chunk(chunk, params, stop_ids, generator, should_abort))
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
     def _generate_chunk(
-        self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor, generator: torch.Generator | None
+        self,
+        rows: list[list[int]],
+        params: SamplingParams,
+        stop_ids: torch.Tensor,
+        generator: torch.Generator | None,
+        should_abort: AbortCheck | None = None,
     ) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(rows)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self._device)
         tokens, logprobs = [], []
+        aborted = False
         for step in range(params.max_new_tokens):
             out = self._model(
                 input_ids=input_ids,
@@ -121,10 +147,13 @@ class HFEngine(Engine):
             finished |= torch.isin(token, stop_ids)
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
+            if should_abort is not None and should_abort():
+                aborted = True
+                break
             input_ids = token[:, None]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
-        return _to_generations(torch.stack(tokens, 1), torch.stack(logprobs, 1), stop_ids)
+        return _to_generations(torch.stack(tokens, 1), torch.stack(logprobs, 1), stop_ids, aborted)
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(len(row) for row in rows)
@@ -176,7 +205,7 @@ class HFEngine(Engine):
             with torch.no_grad():
                 self._model.load_state_dict(state_dict, strict=False)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self._dtype)
+            model = _load_pretrained(path, self._dtype)
             self._model = model.to(device=self._device, dtype=self._dtype).eval()
         self._version = version
 
@@ -258,7 +287,9 @@ def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
-def _to_generations(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: torch.Tensor) -> list[Generation]:
+def _to_generations(
+    tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: torch.Tensor, aborted: bool = False
+) -> list[Generation]:
     is_stop = torch.isin(tokens, stop_ids)
     # Length up to and including the first stop token, else the full width.
     has_stop = is_stop.any(dim=1)
@@ -269,7 +300,7 @@ def _to_generations(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: torc
         Generation(
             token_ids=token_rows[i][:length],
             logprobs=logprob_rows[i][:length],
-            finish_reason="stop" if stop else "length",
+            finish_reason="stop" if stop else ("abort" if aborted else "length"),
         )
         for i, (length, stop) in enumerate(zip(lengths, has_stop.tolist(), strict=True))
     ]

@@ -23,7 +23,7 @@ from workers.engines.base import Engine, Generation, SamplingParams
 class EngineSpec:
     """How to build an engine in any process: the task names the model to start from (or ``model_path``)."""
 
-    kind: str = "hf"  # "hf" | "vllm" | "sglang"
+    kind: str = "hf"  # "hf" | "vllm" (in-process) | "vllm-server" | "sglang" (clients of a server at ``url``)
     task_name: str = "workers.tasks.addition:AdditionTask"
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     model_path: str | None = None
@@ -31,10 +31,29 @@ class EngineSpec:
     max_batch_size: int = 256
     weights_channel: str | None = None  # a WeightChannel directory on this host to pull published weights from
     weights_timeout: float = 300.0  # seconds a generation may wait for the policy version it needs
+    url: str | None = None  # the server of a "vllm-server" or "sglang" engine
+    partial_rollout: bool = False  # a weight update stops generation mid-way and resumes it (engines/partial.py)
+    seed: int = 0  # the engine's own seed (vLLM)
 
     def build(self) -> Engine:
+        if self.kind in ("vllm-server", "sglang"):
+            if self.url is None:
+                raise ValueError(f"engine kind {self.kind!r} is a client of a running server: give url=...")
+            if self.kind == "sglang":
+                from workers.engines.sglang import SGLangEngine
+
+                return SGLangEngine(self.url, model_path=self.model_path)
+            from workers.engines.vllm_server import VLLMServerEngine
+
+            return VLLMServerEngine(self.url, model_path=self.model_path)
         task = load_task(self.task_name, self.task_kwargs)
         tok = task.tokenizer
+        if self.kind == "vllm":
+            from workers.engines.vllm_engine import VLLMEngine
+
+            if self.model_path is not None:
+                return VLLMEngine(model_path=self.model_path, eos_token_id=tok.eos_token_id, seed=self.seed)
+            return VLLMEngine(task.build_policy(), eos_token_id=tok.eos_token_id, seed=self.seed)
         if self.kind == "hf":
             from workers.engines.hf import HFEngine
 
@@ -53,7 +72,7 @@ class EngineSpec:
                 eos_token_id=tok.eos_token_id,
                 max_batch_size=self.max_batch_size,
             )
-        raise ValueError(f"engine kind {self.kind!r} is not available here; expected 'hf'")
+        raise ValueError(f"engine kind {self.kind!r} is unknown; expected 'hf', 'vllm', 'vllm-server' or 'sglang'")
 
 
 @ray.remote
@@ -62,12 +81,27 @@ class EngineActor:
 
     def __init__(self, spec: EngineSpec, seed: int = 0):
         torch.manual_seed(seed)
-        self._engine = spec.build()
+        self._engine: Any = spec.build()
         self._calls = 0
         self._seed = seed
         self._channel = WeightChannel(spec.weights_channel) if spec.weights_channel else None
         self._weights_timeout = spec.weights_timeout
         self._serial = -1  # the channel write these weights came from
+        if spec.partial_rollout:
+            from workers.engines.partial import PartialRollout
+
+            # a newer version in the weight channel (or an update_weights call: the actor then runs with
+            # max_concurrency=2) stops the running generation, which resumes on the new weights
+            self._engine = PartialRollout(self._engine, self._channel_update if self._channel else None)
+
+    def _channel_update(self) -> tuple[int, Any, None] | None:
+        """The channel's newest weights when they are newer than the engine's (polled by partial rollouts)."""
+        assert self._channel is not None
+        newest = self._channel.newest()
+        if newest is None or newest[0] <= self._serial:
+            return None
+        self._serial, version, state = self._channel.load(newest[1], self._weights_timeout)
+        return version, state, None
 
     def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams, min_version: int | None = None

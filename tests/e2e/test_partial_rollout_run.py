@@ -1,0 +1,28 @@
+"""The demo in async mode with partial rollouts: per-token versions reach the queue and the trainer masks tokens
+older than max_staleness; with weight_sync memory (updates pushed into a generating engine) and shm (polled)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_demo import rows, run_demo
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.mark.parametrize("weight_sync", ["memory", "shm"])
+def test_the_demo_runs_async_with_partial_rollouts(tmp_path, weight_sync):
+    out = tmp_path / weight_sync
+    run_demo(
+        out,
+        "steps=3",
+        "mode=async",
+        "max_staleness=1",
+        f"weight_sync={weight_sync}",
+        "rollout.partial_rollout=true",
+        "train.mask_offpolicy_in_partial_rollout=true",
+    )
+    grpo = rows(out, "grpo")
+    assert [r["step"] for r in grpo] == [0, 1, 2]
+    assert max(r["staleness_max"] for r in grpo) <= 1
+    assert all(r["trained_tokens"] > 0 for r in grpo if "trained_tokens" in r)

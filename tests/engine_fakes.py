@@ -1,0 +1,203 @@
+"""A loopback SGLang-compatible server for tests: SGLang's native request and response schemas (as of SGLang's
+``io_struct.py``: ``GenerateReqInput``, ``UpdateWeightFromDiskReqInput``, ``PauseGenerationReqInput``, ...) over a
+real ``HFEngine``, so replies carry real samples and log-probs. SGLang itself cannot run on these CPUs.
+
+Also a command-line server for the ``EngineServer`` tests (``python tests/engine_fakes.py --port P --model-path D``)
+with switches that make it misbehave: ``--crash-after N`` (exit after N generate requests), ``--never-healthy``,
+``--startup-delay S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from workers.engines.base import SamplingParams
+from workers.engines.hf import HFEngine
+
+
+def create_sglang_app(
+    model_path: str, *, crash_after: int | None = None, never_healthy: bool = False, eos_token_id: int | None = None
+) -> FastAPI:
+    """An app answering SGLang's routes for the model in ``model_path`` (see the module docstring)."""
+    engine = HFEngine(model_path=model_path, eos_token_id=eos_token_id, pad_token_id=0)
+    app = FastAPI()
+    state: dict[str, Any] = {
+        "weight_version": "default",
+        "abort": threading.Event(),
+        "running": threading.Event(),
+        "paused": False,
+        "released": False,
+        "generates": 0,
+        "generating": threading.Event(),
+        "flushes": 0,
+    }
+    state["running"].set()
+    lock = threading.Lock()  # one generation at a time on the HF model; weight loads wait for it
+    app.state.fake = state
+
+    @app.post("/generate")
+    def generate(body: dict[str, Any]) -> Any:
+        state["generates"] += 1
+        if crash_after is not None and state["generates"] > crash_after:
+            os._exit(3)
+        input_ids = body["input_ids"]
+        batch = isinstance(input_ids[0], list)
+        rows = input_ids if batch else [input_ids]
+        sp = dict(body.get("sampling_params") or {})
+        if not body.get("return_logprob"):
+            return JSONResponse({"error": "this fake only answers return_logprob=true"}, status_code=400)
+        params = SamplingParams(
+            max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
+            top_k=max(0, int(sp.get("top_k", -1))),
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+            seed=sp.get("sampling_seed"),
+        )
+        state["running"].wait()  # paused in place: wait for /continue_generation
+        with lock:
+            state["abort"].clear()  # /abort_request aborts the requests in the server, not later ones
+            state["generating"].set()
+            try:
+                generations = engine.generate(rows, 1, params, should_abort=state["abort"].is_set)
+            finally:
+                state["generating"].clear()
+        outputs = []
+        for i, [g] in enumerate(generations):
+            reason: dict[str, Any] = {"type": g.finish_reason}
+            if g.finish_reason == "stop":
+                reason["matched"] = g.token_ids[-1]
+            elif g.finish_reason == "length":
+                reason["length"] = len(g.token_ids)
+            else:
+                reason["message"] = "Abort before prefill" if not g.token_ids else "Abort in waiting queue"
+            outputs.append(
+                {
+                    "text": "",
+                    "output_ids": g.token_ids,
+                    "meta_info": {
+                        "id": f"fake-{state['generates']}-{i}",
+                        "finish_reason": reason,
+                        "prompt_tokens": len(rows[i]),
+                        "completion_tokens": len(g.token_ids),
+                        "cached_tokens": 0,
+                        "weight_version": state["weight_version"],
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids, strict=True)],
+                    },
+                }
+            )
+        return outputs if batch else outputs[0]
+
+    @app.post("/abort_request")
+    def abort_request(body: dict[str, Any]) -> Any:
+        if body.get("abort_all"):
+            state["abort"].set()
+        return {}
+
+    @app.post("/update_weights_from_disk")
+    def update_weights_from_disk(body: dict[str, Any]) -> Any:
+        path = body.get("model_path", "")
+        if not os.path.isdir(path):
+            return JSONResponse(
+                {"success": False, "message": f"Failed to get weights iterator: {path} not found"}, status_code=400
+            )
+        if body.get("abort_all_requests"):
+            state["abort"].set()
+        with lock:
+            engine.update_weights(engine.version + 1, path=path)
+        if body.get("weight_version") is not None:
+            state["weight_version"] = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    @app.get("/health_generate")
+    def health_generate() -> Any:
+        if never_healthy or state["released"]:
+            return JSONResponse({}, status_code=503)
+        return {}
+
+    @app.get("/health")
+    def health() -> Any:
+        return {}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    def flush_cache() -> Any:
+        state["flushes"] += 1
+        return "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"  # noqa: E501
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Any:
+        body = await request.json() if await request.body() else {}
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return JSONResponse({"error": f"Invalid mode: {mode!r}"}, status_code=400)
+        if mode == "abort":
+            state["abort"].set()
+        state["running"].clear()
+        state["paused"] = True
+        return {"message": "Generation paused successfully.", "status": 200}
+
+    @app.post("/continue_generation")
+    def continue_generation() -> Any:
+        state["running"].set()
+        state["paused"] = False
+        return {"message": "Generation continued successfully.", "status": 200}
+
+    @app.post("/release_memory_occupation")
+    def release_memory_occupation() -> Any:
+        state["released"] = True
+        return {}
+
+    @app.post("/resume_memory_occupation")
+    def resume_memory_occupation() -> Any:
+        state["released"] = False
+        return {}
+
+    @app.get("/get_model_info")
+    def get_model_info() -> Any:
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True}
+
+    @app.get("/get_weight_version")
+    def get_weight_version() -> Any:
+        return {"weight_version": state["weight_version"]}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--crash-after", type=int, default=None)
+    parser.add_argument("--never-healthy", action="store_true")
+    parser.add_argument("--startup-delay", type=float, default=0.0)
+    parser.add_argument("--eos-token-id", type=int, default=None)
+    parser.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild (orphan test)")
+    args = parser.parse_args(argv)
+    import subprocess
+
+    import uvicorn
+
+    if args.spawn_child:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"fake sglang server: loading {args.model_path}", flush=True)
+    time.sleep(args.startup_delay)
+    app = create_sglang_app(
+        args.model_path, crash_after=args.crash_after, never_healthy=args.never_healthy, eos_token_id=args.eos_token_id
+    )
+    print(f"fake sglang server: serving on {args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""A tiny stand-in engine server for the EngineServer lifecycle tests: standard library only, so it starts in a
+fraction of a second (no torch). Like a real server, on SIGTERM it stops its own child processes, then exits.
+
+    python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind]
+
+Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation,
+POST /resume_memory_occupation (health answers 503 while released).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--never-healthy", action="store_true")
+    parser.add_argument("--spawn-child", action="store_true")
+    args = parser.parse_args()
+    state = {"released": False}
+    children: list[subprocess.Popen[bytes]] = []
+    if args.spawn_child:
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code: int, body: object) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path in ("/health", "/health_generate"):
+                ok = not args.never_healthy and not state["released"]
+                self._reply(200 if ok else 503, {})
+            else:
+                self._reply(404, {"error": self.path})
+
+        def do_POST(self) -> None:
+            if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                state["released"] = self.path.startswith("/release")
+                self._reply(200, {})
+            else:
+                self._reply(404, {"error": self.path})
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    print(f"fake engine server: starting on {args.host}:{args.port}", flush=True)
+    server = ThreadingHTTPServer((args.host, args.port), Handler)  # raises "Address already in use" when taken
+
+    def stop(signum: int, frame: object) -> None:
+        for child in children:
+            child.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    print("fake engine server: ready", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

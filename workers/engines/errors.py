@@ -1,0 +1,35 @@
+"""Typed errors of the inference engines and their servers; each message says what was expected and what came."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """Base of every engine error."""
+
+
+class EngineRequestError(EngineError):
+    """An engine server answered a request with an error status or ``success: false``."""
+
+
+class EngineUnavailable(EngineError, ConnectionError):
+    """An engine server could not be reached (refused, reset, timed out)."""
+
+
+class EngineServerError(EngineError):
+    """Base of the errors of ``EngineServer`` (the server process's lifecycle)."""
+
+
+class PortInUse(EngineServerError, OSError):
+    """The port asked for is taken by another process."""
+
+
+class EngineNeverHealthy(EngineServerError, TimeoutError):
+    """The server did not answer its health check before the deadline (the message quotes its log's last lines)."""
+
+
+class EngineServerExited(EngineServerError):
+    """The server process exited while it was expected to run (the message quotes its log's last lines)."""
+
+
+class RestartBudgetExhausted(EngineServerError):
+    """The server crashed more often than its restart budget allows."""

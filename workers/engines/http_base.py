@@ -1,0 +1,139 @@
+"""HTTPEngine: the part of the server engines (vLLM's OpenAI server, SGLang's native API) that does not depend on
+which server it is: the HTTP client, typed errors, policy versions, and new weights as a directory.
+
+Weights reach a server as a Hugging Face directory it can read (``update_weights(version, path=...)``, or the seed's
+``update_weights_from_checkpoint(path)``); a state dict from memory is first written as safetensors (plus the
+model's config files) into a fresh directory in ``/dev/shm`` that is removed after the server loaded it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import abstractmethod
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from workers.engines.base import Engine
+from workers.engines.errors import EngineRequestError, EngineUnavailable
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+class HTTPEngine(Engine):
+    """An engine behind an HTTP server at ``url`` (see the module docstring).
+
+    Args:
+        url: the server's base URL, e.g. ``http://127.0.0.1:30000``.
+        model_path: the model directory the server loaded (its config files go next to in-memory weights);
+            asked from the server when not given.
+        version: the policy version the server's weights are (0 for the initial weights).
+        timeout: seconds a request may take (a generation included).
+    """
+
+    kind = "http"
+
+    def __init__(self, url: str, *, model_path: str | None = None, version: int = 0, timeout: float = 300.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._model_path = model_path
+        self._version = version
+        # trust_env=False: the servers are local; a proxy from the environment must not intercept loopback calls
+        self._client = httpx.Client(base_url=self.url, timeout=timeout, trust_env=False)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One request; the JSON reply (or the text when it is not JSON).
+
+        Raises:
+            EngineUnavailable: the server could not be reached or did not answer in time.
+            EngineRequestError: it answered with a status >= 400 (the message quotes its body).
+        """
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{self.kind} server at {self.url}: {method} {path} failed: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise EngineRequestError(
+                f"{self.kind} server at {self.url}: {method} {path} answered HTTP {response.status_code}, expected "
+                f"2xx: {response.text[:500]}"
+            )
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def update_weights(
+        self, version: int, state_dict: dict[str, torch.Tensor] | None = None, path: str | None = None
+    ) -> None:
+        """Load weights from memory or a directory (exactly one) into the server and record ``version``.
+
+        Raises:
+            ValueError: if not exactly one source is given or the version goes backwards.
+            EngineRequestError: if the server refused the weights.
+        """
+        if (state_dict is None) == (path is None):
+            raise ValueError(
+                f"give exactly one of state_dict and path, got state_dict={'set' if state_dict is not None else None}, "
+                f"path={path!r}"
+            )
+        if version < self._version:
+            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        if path is not None:
+            self._load_directory(str(path), version)
+        else:
+            assert state_dict is not None
+            directory = self.save_state_dict(state_dict)
+            try:
+                self._load_directory(directory, version)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+        self._version = version
+
+    def update_weights_from_checkpoint(self, checkpoint_path: str, version: int | None = None) -> dict[str, Any]:
+        """The seed's protocol (``sync_weights_to_engines``): load a directory; ``version`` defaults to the next one.
+        Returns ``{"success", "version", "reply"}`` with the server's own reply."""
+        version = self._version + 1 if version is None else version
+        if version < self._version:
+            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        reply = self._load_directory(str(checkpoint_path), version)
+        self._version = version
+        return {"success": True, "version": version, "reply": reply}
+
+    def save_state_dict(self, state_dict: dict[str, torch.Tensor]) -> str:
+        """Write a state dict as a Hugging Face directory (safetensors + the model's config files); returns it."""
+        from safetensors.torch import save_file
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        directory = tempfile.mkdtemp(prefix="tq-engine-weights-", dir=root)
+        # clone: tied tensors share storage, which safetensors refuses to save twice
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        source = self.model_path()
+        for name in CONFIG_FILES:
+            if source is not None and (Path(source) / name).is_file():
+                shutil.copy(Path(source) / name, Path(directory) / name)
+        return directory
+
+    def model_path(self) -> str | None:
+        if self._model_path is None:
+            self._model_path = self._served_model_path()
+        return self._model_path
+
+    def close(self) -> None:
+        self._client.close()
+
+    @abstractmethod
+    def _load_directory(self, path: str, version: int) -> Any:
+        """Ask the server to load the weights of directory ``path`` as ``version``; returns its reply."""
+
+    @abstractmethod
+    def _served_model_path(self) -> str | None:
+        """The model directory the server says it serves."""

@@ -1,0 +1,166 @@
+"""SGLangEngine: the Engine contract over SGLang's native HTTP API (``python -m sglang.launch_server``).
+
+    POST /generate                  {"input_ids": [[...], ...], "sampling_params": {...}, "return_logprob": true}
+                                    -> one {"output_ids", "meta_info": {"output_token_logprobs": [[logprob, id,
+                                       text], ...], "finish_reason": {"type": "stop" | "length" | "abort", ...},
+                                       "weight_version", ...}} per input
+    POST /update_weights_from_disk  {"model_path", "weight_version", "flush_cache", "abort_all_requests"}
+                                    -> {"success", "message", "num_paused_requests"}
+    GET  /health_generate           200 once the server can generate (it runs a one-token generation)
+    POST /flush_cache               drops the radix (prefix) cache
+    POST /pause_generation          {"mode": "abort" | "retract" | "in_place"}; POST /continue_generation
+    POST /abort_request             {"abort_all": true}: unfinished requests return what they have, finish "abort"
+    POST /release_memory_occupation, /resume_memory_occupation: free and take back the GPU memory (colocated)
+    GET  /get_model_info            {"model_path", ...};  GET /get_weight_version {"weight_version"}
+
+SGLang needs CUDA (or Intel AMX on CPU), so here it is tested against a loopback server that reproduces these
+request and response schemas (``tests/engine_fakes.py``), not against SGLang itself; see docs/rl.md.
+
+Log-probs: SGLang reports ``log_softmax(logits / T)`` of the sampled token before top-k/top-p renormalisation
+(unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, which reports temperature 1), the convention of
+docs/rl-conventions.md. Each of the ``n`` responses of a prompt is its own request (the prompt repeated), so the
+order of the replies is the order of the requests whatever the server does with parallel sampling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from workers.engines.base import AbortCheck, Generation, SamplingParams
+from workers.engines.errors import EngineRequestError, EngineUnavailable
+from workers.engines.http_base import HTTPEngine
+
+
+class SGLangEngine(HTTPEngine):
+    """A client of one SGLang server at ``url``; see the module docstring and :class:`HTTPEngine`."""
+
+    kind = "sglang"
+    supports_abort = True
+
+    def __init__(self, url: str, **kwargs: Any):
+        super().__init__(url, **kwargs)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sglang-generate")
+        self._abort_lock = threading.Lock()
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, should_abort: AbortCheck | None = None
+    ) -> list[list[Generation]]:
+        """Sample ``n`` responses per prompt; see ``Engine.generate``.
+
+        With ``should_abort``, the request runs in a helper thread while this one polls; once it returns True the
+        server is told ``/abort_request`` (all requests) and the unfinished responses come back as they stand.
+
+        Raises:
+            ValueError: if ``n < 1`` or a prompt is empty.
+            EngineRequestError: if the server refused the request or answered with another number of outputs.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(not prompt for prompt in prompts):
+            raise ValueError(f"every prompt needs at least one token, got lengths {[len(p) for p in prompts]}")
+        rows = [list(prompt) for prompt in prompts for _ in range(n)]
+        body = {"input_ids": rows, "sampling_params": self.sampling_params(params), "return_logprob": True}
+        if should_abort is None:
+            reply = self.request("POST", "/generate", json=body)
+        else:
+            future = self._pool.submit(self.request, "POST", "/generate", json=body)
+            aborted = False
+            while not future.done():
+                if not aborted and should_abort():
+                    self.request("POST", "/abort_request", json={"rid": "", "abort_all": True})
+                    aborted = True
+                time.sleep(0.002)
+            reply = future.result()
+        if isinstance(reply, dict):
+            reply = [reply]
+        if not isinstance(reply, list) or len(reply) != len(rows):
+            got = len(reply) if isinstance(reply, list) else type(reply).__name__
+            raise EngineRequestError(f"sglang server at {self.url}: expected {len(rows)} outputs, got {got}")
+        generations = [_to_generation(item) for item in reply]
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @staticmethod
+    def sampling_params(params: SamplingParams) -> dict[str, Any]:
+        """SGLang's ``sampling_params`` for ours (SGLang: ``top_k=-1`` keeps all tokens)."""
+        sp: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed
+        return sp
+
+    def _load_directory(self, path: str, version: int) -> Any:
+        reply = self.request(
+            "POST",
+            "/update_weights_from_disk",
+            json={"model_path": path, "weight_version": str(version), "flush_cache": True, "abort_all_requests": False},
+        )
+        if not isinstance(reply, dict) or not reply.get("success", False):
+            raise EngineRequestError(
+                f"sglang server at {self.url} did not load the weights of {path} as version {version}: {reply}"
+            )
+        return reply
+
+    def _served_model_path(self) -> str | None:
+        info = self.request("GET", "/get_model_info")
+        return info.get("model_path") if isinstance(info, dict) else None
+
+    def served_version(self) -> str | None:
+        """The ``weight_version`` the server reports."""
+        reply = self.request("GET", "/get_weight_version")
+        return reply.get("weight_version") if isinstance(reply, dict) else None
+
+    def flush_cache(self) -> Any:
+        return self.request("POST", "/flush_cache")
+
+    def pause_generation(self, mode: str = "abort") -> Any:
+        """``mode``: ``abort`` (unfinished requests return now), ``retract`` or ``in_place`` (they wait)."""
+        return self.request("POST", "/pause_generation", json={"mode": mode})
+
+    def continue_generation(self) -> Any:
+        return self.request("POST", "/continue_generation", json={})
+
+    def release_memory(self) -> Any:
+        """Free the weights' and KV cache's memory for training (colocated); ``resume_memory`` takes it back."""
+        return self.request("POST", "/release_memory_occupation", json={})
+
+    def resume_memory(self) -> Any:
+        return self.request("POST", "/resume_memory_occupation", json={})
+
+    def health(self) -> dict[str, Any]:
+        """``ok`` when ``/health_generate`` answers 200 (the server generated one token)."""
+        status: dict[str, Any] = {"engine": self.kind, "url": self.url, "version": self._version, "device": "server"}
+        try:
+            self.request("GET", "/health_generate")
+            status["ok"] = True
+        except (EngineUnavailable, EngineRequestError) as exc:
+            status.update(ok=False, error=str(exc))
+        return status
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        super().close()
+
+
+def _to_generation(item: dict[str, Any]) -> Generation:
+    meta = item.get("meta_info", {})
+    token_ids = [int(t) for t in item["output_ids"]]
+    logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+    if len(logprobs) != len(token_ids):
+        raise EngineRequestError(
+            f"sglang output has {len(token_ids)} output_ids but {len(logprobs)} output_token_logprobs; expected one "
+            "log-prob per token (was return_logprob sent?)"
+        )
+    reason = (meta.get("finish_reason") or {}).get("type", "length")
+    if reason not in ("stop", "length", "abort"):
+        raise EngineRequestError(f"sglang finish_reason type {reason!r}; expected 'stop', 'length' or 'abort'")
+    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)

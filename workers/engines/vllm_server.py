@@ -1,0 +1,186 @@
+"""VLLMServerEngine: the Engine contract over vLLM's OpenAI-compatible server (``vllm serve``), started by us
+(:func:`vllm_server_command`, run by ``EngineServer``) or attached to a running one by URL.
+
+    POST /v1/completions      prompt = token id lists, return_token_ids, logprobs=0, stop_token_ids, top_k, seed
+    GET  /health              200 while the engine runs
+    POST /collective_rpc      {"method": "tq_load_weights_from_dir", "args": [path]}   (weights from a directory)
+    POST /reset_prefix_cache, /sleep?level=1, /wake_up, /pause?mode=abort, /resume, /abort_requests,
+         /update_weight_version {"new_version"}, GET /weight_info
+
+Everything but the completions and health routes is vLLM's development API: the server must run with
+``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls workers.engines.vllm_ext.WeightSyncExtension`` (both set by
+:func:`vllm_server_command` / :func:`vllm_server_env`), and must be able to import this package.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from workers.engines.base import AbortCheck, Generation, SamplingParams
+from workers.engines.errors import EngineRequestError, EngineUnavailable
+from workers.engines.http_base import HTTPEngine
+from workers.engines.vllm_engine import DEFAULT_ENV, EXTENSION
+
+
+def vllm_server_command(
+    model_path: str, port: int, host: str = "127.0.0.1", *, dtype: str = "float32", extra: list[str] | None = None
+) -> list[str]:
+    """The command line of a vLLM OpenAI server for the Engine contract (token ids, processed log-probs, weights
+    by directory); pair it with :func:`vllm_server_env`."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--served-model-name",
+        "policy",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        EXTENSION,
+        "--disable-log-stats",
+        *(extra or []),
+    ]
+
+
+def vllm_server_env() -> dict[str, str]:
+    """Environment additions for the server: development routes on, CPU KV cache of 1 GiB, no hub."""
+    return {**DEFAULT_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+class VLLMServerEngine(HTTPEngine):
+    """A client of one vLLM OpenAI-compatible server at ``url``; see the module docstring and :class:`HTTPEngine`.
+
+    Args:
+        url: the server's base URL.
+        served_model: the model name the server answers to (``--served-model-name``).
+        **kwargs: see :class:`HTTPEngine`.
+    """
+
+    kind = "vllm-server"
+    supports_abort = True
+
+    def __init__(self, url: str, *, served_model: str = "policy", sleep_mode: bool = False, **kwargs: Any):
+        super().__init__(url, **kwargs)
+        self.served_model = served_model
+        # vLLM's sleep mode (release/resume memory) needs a GPU and a server started with --enable-sleep-mode;
+        # without it EngineServer frees memory by stopping the server
+        self.supports_release_memory = sleep_mode
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-generate")
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, should_abort: AbortCheck | None = None
+    ) -> list[list[Generation]]:
+        """Sample ``n`` responses per prompt (each its own request; a seeded call gives request ``i`` the seed
+        ``seed + i``); see ``Engine.generate``. ``should_abort``: as ``SGLangEngine.generate``, with vLLM's
+        ``/abort_requests``.
+
+        Raises:
+            ValueError: if ``n < 1`` or a prompt is empty.
+            EngineRequestError: if the server refused the request or answered with another number of choices.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(not prompt for prompt in prompts):
+            raise ValueError(f"every prompt needs at least one token, got lengths {[len(p) for p in prompts]}")
+        rows = [list(prompt) for prompt in prompts for _ in range(n)]
+        if should_abort is None:
+            generations = self._complete_rows(rows, params)
+        else:
+            future = self._pool.submit(self._complete_rows, rows, params)
+            aborted = False
+            while not future.done():
+                if not aborted and should_abort():
+                    self.request("POST", "/abort_requests", json={})
+                    aborted = True
+                time.sleep(0.002)
+            generations = future.result()
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _complete_rows(self, rows: list[list[int]], params: SamplingParams) -> list[Generation]:
+        # One request per row, sent together: vLLM batches them; a batched `prompt` list would be one request
+        # whose abort loses every row's partial output.
+        with ThreadPoolExecutor(min(len(rows), 32)) as pool:
+            return list(pool.map(lambda item: self._complete(item[1], params, item[0]), enumerate(rows)))
+
+    def _complete(self, row: list[int], params: SamplingParams, index: int) -> Generation:
+        body: dict[str, Any] = {
+            "model": self.served_model,
+            "prompt": row,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed + index
+        reply = self.request("POST", "/v1/completions", json=body)
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not choices or len(choices) != 1:
+            raise EngineRequestError(f"vllm server at {self.url}: expected 1 choice, got {reply!r:.300}")
+        choice = choices[0]
+        token_ids = [int(t) for t in choice.get("token_ids") or []]
+        logprobs = [float(lp) for lp in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+        if len(logprobs) != len(token_ids):
+            raise EngineRequestError(
+                f"vllm server at {self.url}: {len(token_ids)} token_ids but {len(logprobs)} token_logprobs"
+            )
+        reason = choice.get("finish_reason") or "length"
+        if reason not in ("stop", "length"):
+            reason = "abort"
+        return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+    def _load_directory(self, path: str, version: int) -> Any:
+        reply = self.request("POST", "/collective_rpc", json={"method": "tq_load_weights_from_dir", "args": [path]})
+        self.request("POST", "/reset_prefix_cache")
+        self.request("POST", "/update_weight_version", json={"new_version": str(version)})
+        return reply
+
+    def _served_model_path(self) -> str | None:
+        reply = self.request("GET", "/v1/models")
+        for model in reply.get("data", []) if isinstance(reply, dict) else []:
+            if model.get("id") == self.served_model:
+                return model.get("root")
+        return None
+
+    def release_memory(self) -> Any:
+        """vLLM's sleep mode (level 1: weights to host memory, KV cache dropped); ``resume_memory`` wakes it."""
+        return self.request("POST", "/sleep", params={"level": 1})
+
+    def resume_memory(self) -> Any:
+        return self.request("POST", "/wake_up")
+
+    def pause_generation(self, mode: str = "abort") -> Any:
+        return self.request("POST", "/pause", params={"mode": mode})
+
+    def continue_generation(self) -> Any:
+        return self.request("POST", "/resume")
+
+    def health(self) -> dict[str, Any]:
+        status: dict[str, Any] = {"engine": self.kind, "url": self.url, "version": self._version, "device": "server"}
+        try:
+            self.request("GET", "/health")
+            status["ok"] = True
+        except (EngineUnavailable, EngineRequestError) as exc:
+            status.update(ok=False, error=str(exc))
+        return status
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        super().close()
