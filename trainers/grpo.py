@@ -273,6 +273,7 @@ class GRPOTrainerRank:
                 t["ref_logprobs"] = self.reference.compute_logprobs(
                     t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
                 )
+            self._set_rl_lr(version * rounds + k)
             if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
                 # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
                 # is off from the first step
@@ -293,6 +294,14 @@ class GRPOTrainerRank:
             optimizer_steps=len(train_metrics),
         )
         return out
+
+    def _set_rl_lr(self, optimizer_step: int) -> None:
+        """The RL learning rate of optimizer step ``optimizer_step`` (0-based, counted from the start of RL): a
+        linear warm-up over ``train.lr_warmup_steps`` steps, then ``train.lr``."""
+        assert self.policy is not None and self.policy.optimizer is not None
+        lr = self.config.train.lr * warmup_factor(optimizer_step, self.config.train.lr_warmup_steps)
+        for group in self.policy.optimizer.param_groups:
+            group["lr"] = lr
 
     def _recompute_old_logprobs(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
         """Replace ``old_logprobs`` with the training model's, weight tokens by the rollout correction, and return
@@ -392,6 +401,15 @@ class GRPOTrainerRank:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+
+def warmup_factor(optimizer_step: int, warmup_steps: int) -> float:
+    """``min(1, (optimizer_step + 1) / warmup_steps)``; 1 without warm-up (``warmup_steps`` 0).
+
+    >>> [warmup_factor(s, 4) for s in range(5)], warmup_factor(0, 0)
+    ([0.25, 0.5, 0.75, 1.0, 1.0], 1.0)
+    """
+    return 1.0 if warmup_steps <= 0 else min(1.0, (optimizer_step + 1) / warmup_steps)
 
 
 def logprob_temperature(sampling_temperature: float) -> float:
