@@ -234,7 +234,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (group size)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--lr-warmup-steps", type=int, default=0, help="linear GRPO learning-rate warm-up")
+    parser.add_argument("--lr-warmup-steps", type=int, default=50, help="linear GRPO learning-rate warm-up")
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (SFT and GRPO)")
     parser.add_argument("--loss-agg", choices=["token-mean", "seq-mean-token-mean"], default="token-mean")
