@@ -100,8 +100,24 @@ class GRPORun:
         self._resumed = False
 
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
-        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others)."""
+        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others).
+
+        With ``rollout.generate_fn`` (e.g. ``workers.rollout_fns:single_turn_generate``, the built-in single-turn
+        rollout as such a function) the rollout workers run that function and it scores the samples: no reward
+        workers."""
         cfg = self.cfg
+        if cfg.rollout.generate_fn:
+            from workers.agents.rollout_worker import AgentRolloutWorker
+
+            workers = [
+                AgentRolloutWorker.remote(
+                    i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
+                    cfg.rollout.generate_fn, cfg.rollout.generate_fn_kwargs, cfg.rollout.filter_fn,
+                    cfg.rollout.reward_fn, cfg.queue_timeout, cfg.seed + i,
+                )
+                for i in range(cfg.rollout.num_workers)
+            ]  # fmt: skip
+            return workers, []
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
         rollout = [
             RolloutWorker.remote(
@@ -145,12 +161,16 @@ class GRPORun:
             fields[name] = [str(p[name]) for p in rows]
         self.client.put(fields, global_step=step)
 
+    def prompt_fields(self) -> list[str] | None:
+        """The fields of a step's rows a rollout worker reads (None: its own default)."""
+        return ["prompt_ids", *self.task.reward_fields] if self.cfg.rollout.generate_fn else None
+
     def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
         """Put the step's prompts and start its rollout and reward; ``min_version`` (weight channel only): the
         policy version the rollout waits for."""
         self.put_prompts(step)
         return (
-            [w.generate_step.remote(step, None, min_version) for w in self.rollout],
+            [w.generate_step.remote(step, self.prompt_fields(), min_version) for w in self.rollout],
             [w.score_step.remote(step) for w in self.reward],
         )
 

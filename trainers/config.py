@@ -192,6 +192,11 @@ class RLConfig:
             )
         if self.train.loss not in LOSSES:
             raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")
+        if self.rollout.generate_fn and self.weight_sync == "shm":
+            raise ConfigError(
+                f"rollout.generate_fn={self.rollout.generate_fn!r} runs in rollout workers that take weights by "
+                "update: use weight_sync='memory' or 'disk', not 'shm'"
+            )
         if not isinstance(self.train.lr_warmup_steps, int) or self.train.lr_warmup_steps < 0:
             raise ConfigError(f"train.lr_warmup_steps must be an int >= 0, got {self.train.lr_warmup_steps!r}")
         if self.train.kl_coef < 0:

@@ -240,6 +240,10 @@ def test_jagged_rows_round_trip():
         ({"train.max_train_groups": 3}, "train.max_train_groups must be a multiple of train.world_size x"),
         ({"train.max_train_groups": 64}, "train.max_train_groups=64 is more than the prompts_per_step=32 groups"),
         ({"train.lr_warmup_steps": -1}, "train.lr_warmup_steps must be an int >= 0, got -1"),
+        (
+            {"rollout.generate_fn": "workers.rollout_fns:single_turn_generate", "weight_sync": "shm"},
+            "use weight_sync='memory' or 'disk', not 'shm'",
+        ),
     ],
 )
 def test_inconsistent_configs_fail_before_any_actor_starts(overrides, message):
