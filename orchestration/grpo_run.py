@@ -420,17 +420,28 @@ class GRPORun:
             self.channel.close()
 
 
-def connect_ray(env_vars: dict[str, str] | None = None) -> None:
-    """Attach to the cluster of a ``ray job submit``; otherwise start a local one with room for every actor."""
+def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> None:
+    """Attach to the cluster of a ``ray job submit``; otherwise start a local one with room for every actor.
+
+    A local start is tried up to ``attempts`` times: Ray gives its raylet a fixed 30 s to register, which a heavily
+    loaded machine can miss ("The current node timed out during startup")."""
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": env_vars} if env_vars else None)
-    else:
-        ray.init(
-            num_cpus=max(16, os.cpu_count() or 1),
-            include_dashboard=False,
-            logging_level="WARNING",
-            runtime_env={"env_vars": env_vars} if env_vars else None,
-        )
+        return
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(
+                num_cpus=max(16, os.cpu_count() or 1),
+                include_dashboard=False,
+                logging_level="WARNING",
+                runtime_env={"env_vars": env_vars} if env_vars else None,
+            )
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            logger.warning("local Ray start %d/%d timed out (machine loaded?); starting again", attempt, attempts)
+            ray.shutdown()
 
 
 def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
