@@ -181,6 +181,7 @@ class GRPOTrainerRank:
         self.version = 0
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
+        self._sft_prompts: list[dict[str, Any]] | None = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 hosts the process group's store: this node's address and a free port."""
@@ -350,7 +351,9 @@ class GRPOTrainerRank:
         assert self.policy is not None
         for group in self.policy.optimizer.param_groups:
             group["lr"] = lr
-        prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
+        if self._sft_prompts is None:  # built once: a large split takes a while to draw
+            self._sft_prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
+        prompts = self._sft_prompts
         per_rank = batch_size // self.world_size
         losses = []
         for step in range(first_step, first_step + num_steps):
