@@ -3,7 +3,9 @@
     single: recipe/experiments/addition_single_process.py --seeds S --grpo-steps N   (no Ray, no queue)
     demo:   recipe/demo.py steps=N seed=S [overrides]                                   (the distributed job)
 
-Both warm up with SFT first (not timed); the ratio is the wall time of the GRPO phase alone (distributed / single).
+Both warm up with SFT first (not timed; with ``--same-sft`` the single process starts from the demo's SFT weights
+instead, so the two GRPO loops start from the same policy and differ only in mechanism and sampling luck); the ratio
+is the wall time of the GRPO phase alone (distributed / single).
 Prints the per-step profile of the demo (medians over steps of where each step's time went, by actor), a table,
 and on its last lines ``ratio: X`` and ``last fifth: D (single S)``. Writes everything, with the machine's load
 average before and after, to ``benchmarks/results/demo-vs-single-<timestamp>.json``.
@@ -53,14 +55,12 @@ def run(cmd: list[str], log: Path) -> None:
         sys.exit(f"{' '.join(cmd)} failed ({code}); its output: {log}")
 
 
-def single_process(steps: int, seed: int, work: Path) -> dict:
+def single_process(steps: int, seed: int, work: Path, init_from: Path | None = None) -> dict:
     out = work / "single.json"
     script = ROOT / "recipe" / "experiments" / "addition_single_process.py"
     started = time.perf_counter()
-    run(
-        [sys.executable, str(script), "--seeds", str(seed), "--grpo-steps", str(steps), "--out", str(out)],
-        work / "single.log",
-    )
+    cmd = [sys.executable, str(script), "--seeds", str(seed), "--grpo-steps", str(steps), "--out", str(out)]
+    run(cmd + (["--init-from", str(init_from)] if init_from else []), work / "single.log")
     result = json.loads(out.read_text())["results"][0]
     first, last = fifths(result["rewards"])
     return {
@@ -109,17 +109,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument(
+        "--same-sft",
+        action="store_true",
+        help="run the demo first and start the single process's GRPO from the demo's SFT weights: compares the two "
+        "GRPO loops alone, without the luck of two separate warm-ups",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides for recipe/demo.py")
     args = parser.parse_args()
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="bench-demo-") as tmp:
         work = Path(tmp)
-        single = single_process(args.steps, args.seed, work)
-        load.append(os.getloadavg())
-        distributed = demo(args.steps, args.seed, args.overrides, work)
-        load.append(os.getloadavg())
+        if args.same_sft:  # the demo warms up; the single process starts GRPO from the demo's SFT weights
+            distributed = demo(args.steps, args.seed, args.overrides, work)
+            load.append(os.getloadavg())
+            sft = work / "demo" / "checkpoints" / "step_00000000"
+            single = single_process(args.steps, args.seed, work, init_from=sft)
+            load.append(os.getloadavg())
+        else:
+            single = single_process(args.steps, args.seed, work)
+            load.append(os.getloadavg())
+            distributed = demo(args.steps, args.seed, args.overrides, work)
+            load.append(os.getloadavg())
     ratio = distributed["grpo_wall_s"] / single["grpo_wall_s"]
-    print(f"GRPO phase, {args.steps} steps, seed {args.seed} (load average 1/5/15 min: {load})")
+    start = "both from the demo's SFT weights" if args.same_sft else "each after its own SFT warm-up"
+    print(f"GRPO phase, {args.steps} steps, seed {args.seed}, {start} (load average 1/5/15 min: {load})")
     print("| run | GRPO wall s | ms/step | reward first fifth | last fifth |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in (("single process", single), ("distributed (make demo)", distributed)):

@@ -106,8 +106,24 @@ class GRPORun:
         self._resumed = False
 
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
-        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others)."""
+        """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others).
+
+        With ``rollout.generate_fn`` (e.g. ``workers.rollout_fns:single_turn_generate``, the built-in single-turn
+        rollout as such a function) the rollout workers run that function and it scores the samples: no reward
+        workers."""
         cfg = self.cfg
+        if cfg.rollout.generate_fn:
+            from workers.agents.rollout_worker import AgentRolloutWorker
+
+            workers = [
+                AgentRolloutWorker.remote(
+                    i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
+                    cfg.rollout.generate_fn, cfg.rollout.generate_fn_kwargs, cfg.rollout.filter_fn,
+                    cfg.rollout.reward_fn, cfg.queue_timeout, cfg.seed + i,
+                )
+                for i in range(cfg.rollout.num_workers)
+            ]  # fmt: skip
+            return workers, []
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
         rollout = [
             RolloutWorker.remote(
@@ -151,12 +167,16 @@ class GRPORun:
             fields[name] = [str(p[name]) for p in rows]
         self.client.put(fields, global_step=step)
 
+    def prompt_fields(self) -> list[str] | None:
+        """The fields of a step's rows a rollout worker reads (None: its own default)."""
+        return ["prompt_ids", *self.task.reward_fields] if self.cfg.rollout.generate_fn else None
+
     def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
         """Put the step's prompts and start its rollout and reward; ``min_version`` (weight channel only): the
         policy version the rollout waits for."""
         self.put_prompts(step)
         return (
-            [w.generate_step.remote(step, None, min_version) for w in self.rollout],
+            [w.generate_step.remote(step, self.prompt_fields(), min_version) for w in self.rollout],
             [w.score_step.remote(step) for w in self.reward],
         )
 
@@ -408,17 +428,28 @@ class GRPORun:
             self.channel.close()
 
 
-def connect_ray(env_vars: dict[str, str] | None = None) -> None:
-    """Attach to the cluster of a ``ray job submit``; otherwise start a local one with room for every actor."""
+def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> None:
+    """Attach to the cluster of a ``ray job submit``; otherwise start a local one with room for every actor.
+
+    A local start is tried up to ``attempts`` times: Ray gives its raylet a fixed 30 s to register, which a heavily
+    loaded machine can miss ("The current node timed out during startup")."""
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": env_vars} if env_vars else None)
-    else:
-        ray.init(
-            num_cpus=max(16, os.cpu_count() or 1),
-            include_dashboard=False,
-            logging_level="WARNING",
-            runtime_env={"env_vars": env_vars} if env_vars else None,
-        )
+        return
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(
+                num_cpus=max(16, os.cpu_count() or 1),
+                include_dashboard=False,
+                logging_level="WARNING",
+                runtime_env={"env_vars": env_vars} if env_vars else None,
+            )
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            logger.warning("local Ray start %d/%d timed out (machine loaded?); starting again", attempt, attempts)
+            ray.shutdown()
 
 
 def train_and_report(config: RLConfig) -> list[dict[str, Any]]:

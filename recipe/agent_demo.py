@@ -37,6 +37,9 @@ class AgentGRPORun(GRPORun):
         self.task_server_urls = task_server_urls
         super().__init__(config)
 
+    def prompt_fields(self) -> list[str]:
+        return ["sample_id"]
+
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
         cfg = self.cfg
         kwargs = {"task_server_url": self.task_server_urls, **cfg.rollout.generate_fn_kwargs}

@@ -66,6 +66,9 @@ class TrainConfig:
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
     num_gpus_per_rank: float = 0.0  # GPUs per trainer rank (0: CPU)
     lr: float = 5e-4  # AdamW learning rate of RL
+    # linear warm-up of the RL learning rate over the first k optimizer steps (lr * min(1, (n + 1) / k)); Adam's
+    # first steps move every weight by about lr whatever the gradient, which can knock a warmed-up policy over
+    lr_warmup_steps: int = 0
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     micro_batch_size: int = 128  # rows per forward/backward pass (gradients accumulate over them)
@@ -196,6 +199,13 @@ class RLConfig:
             )
         if self.train.loss not in LOSSES:
             raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")
+        if self.rollout.generate_fn and self.weight_sync == "shm":
+            raise ConfigError(
+                f"rollout.generate_fn={self.rollout.generate_fn!r} runs in rollout workers that take weights by "
+                "update: use weight_sync='memory' or 'disk', not 'shm'"
+            )
+        if not isinstance(self.train.lr_warmup_steps, int) or self.train.lr_warmup_steps < 0:
+            raise ConfigError(f"train.lr_warmup_steps must be an int >= 0, got {self.train.lr_warmup_steps!r}")
         if self.train.kl_coef < 0:
             raise ConfigError(f"train.kl_coef must be >= 0, got {self.train.kl_coef}")
         if not self.train.rollout_is_high > 0:

@@ -200,6 +200,7 @@ class GRPOTrainerRank:
         self.version = 0
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
+        self._sft_prompts: list[dict[str, Any]] | None = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 hosts the process group's store: this node's address and a free port."""
@@ -294,6 +295,7 @@ class GRPOTrainerRank:
                 t["ref_logprobs"] = self.reference.compute_logprobs(
                     t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
                 )
+            self._set_rl_lr(version * rounds + k)
             if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
                 # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
                 # is off from the first step
@@ -315,6 +317,14 @@ class GRPOTrainerRank:
             optimizer_steps=len(train_metrics),
         )
         return out
+
+    def _set_rl_lr(self, optimizer_step: int) -> None:
+        """The RL learning rate of optimizer step ``optimizer_step`` (0-based, counted from the start of RL): a
+        linear warm-up over ``train.lr_warmup_steps`` steps, then ``train.lr``."""
+        assert self.policy is not None and self.policy.optimizer is not None
+        lr = self.config.train.lr * warmup_factor(optimizer_step, self.config.train.lr_warmup_steps)
+        for group in self.policy.optimizer.param_groups:
+            group["lr"] = lr
 
     def _recompute_old_logprobs(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
         """Replace ``old_logprobs`` with the training model's, weight tokens by the rollout correction, and return
@@ -363,7 +373,9 @@ class GRPOTrainerRank:
         assert self.policy is not None
         for group in self.policy.optimizer.param_groups:
             group["lr"] = lr
-        prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
+        if self._sft_prompts is None:  # built once: a large split takes a while to draw
+            self._sft_prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
+        prompts = self._sft_prompts
         per_rank = batch_size // self.world_size
         losses = []
         for step in range(first_step, first_step + num_steps):
@@ -414,6 +426,15 @@ class GRPOTrainerRank:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+
+def warmup_factor(optimizer_step: int, warmup_steps: int) -> float:
+    """``min(1, (optimizer_step + 1) / warmup_steps)``; 1 without warm-up (``warmup_steps`` 0).
+
+    >>> [warmup_factor(s, 4) for s in range(5)], warmup_factor(0, 0)
+    ([0.25, 0.5, 0.75, 1.0, 1.0], 1.0)
+    """
+    return 1.0 if warmup_steps <= 0 else min(1.0, (optimizer_step + 1) / warmup_steps)
 
 
 def logprob_temperature(sampling_temperature: float) -> float:

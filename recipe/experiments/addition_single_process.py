@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -90,7 +91,7 @@ def probe_accuracy(engine: HFEngine, problems: list[dict], tokenizer: AdditionTo
 def warm_up(policy, engine, tokenizer, args, seed: int) -> tuple[int, float, float]:
     """AdamW 1e-3 on batches of 64 until probe accuracy (``args.sft_metric``) first reaches ``args.sft_target``."""
     probe = make_prompts(args.probe_size, seed=1_000_000 + seed)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
     start, accuracy, step = time.perf_counter(), 0.0, 0
     while step < args.sft_max_steps:
         batch = sft_batch(make_prompts(args.sft_batch_size, seed=2_000_000 + seed * 100_000 + step), tokenizer)
@@ -106,6 +107,16 @@ def warm_up(policy, engine, tokenizer, args, seed: int) -> tuple[int, float, flo
             if accuracy >= args.sft_target:
                 break
     return step, time.perf_counter() - start, accuracy
+
+
+def load_checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
+    """The model weights of a ``trainers.checkpoint`` checkpoint directory (``recipe/demo.py``'s
+    ``output_dir/checkpoints/step_00000000`` holds its SFT warm-up), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(f"{path}/dcp", f"{tmp}/state.pt")
+        return torch.load(f"{tmp}/state.pt", weights_only=False)["model"]
 
 
 def training_batch(prompts: list[list[int]], generations: list[Generation], pad_token_id: int) -> dict:
@@ -126,8 +137,11 @@ def training_batch(prompts: list[list[int]], generations: list[Generation], pad_
     }
 
 
-def policy_loss(policy, batch: dict, advantages: torch.Tensor, temperature: float) -> torch.Tensor:
-    """PPO-clip loss, token mean over all response tokens of the batch."""
+def policy_loss(
+    policy, batch: dict, advantages: torch.Tensor, temperature: float, loss_agg: str = "token-mean"
+) -> torch.Tensor:
+    """PPO-clip loss: the mean over all response tokens of the batch (``token-mean``), or over each sequence's
+    tokens then over sequences (``seq-mean-token-mean``, the distributed trainer's ``grpo`` default)."""
     logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     logprobs = torch.zeros_like(batch["old_logprobs"])
     # logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); position 0 stays 0.
@@ -138,6 +152,9 @@ def policy_loss(policy, batch: dict, advantages: torch.Tensor, temperature: floa
     adv = advantages[:, None]
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * adv)
     mask = batch["response_mask"]
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return per_seq.sum() / (mask.sum(1) > 0).sum().clamp(min=1)
     return (per_token * mask).sum() / mask.sum()
 
 
@@ -158,7 +175,7 @@ def grpo_step(policy, optimizer, engine, tokenizer, args, seed: int, step: int) 
     advantages = ((shaped - shaped.mean(1, keepdim=True)) / (shaped.std(1, keepdim=True) + 1e-6)).flatten()
     rows = [prompt for prompt in prompts for _ in range(args.samples)]
     batch = training_batch(rows, [g for group in groups for g in group], tokenizer.pad_token_id)
-    loss = policy_loss(policy, batch, advantages, args.temperature)
+    loss = policy_loss(policy, batch, advantages, args.temperature, args.loss_agg)
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
@@ -172,12 +189,16 @@ def run(seed: int, args) -> RunResult:
     tokenizer = AdditionTokenizer()
     policy = build_model(tokenizer.vocab_size, seed=seed)
     engine = HFEngine(copy.deepcopy(policy), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    sft_steps, sft_seconds, sft_accuracy = warm_up(policy, engine, tokenizer, args, seed)
+    if args.init_from:  # the warmed-up weights of another run (e.g. the distributed demo's SFT checkpoint)
+        policy.load_state_dict(load_checkpoint_weights(args.init_from))
+        sft_steps, sft_seconds, sft_accuracy = 0, 0.0, float("nan")
+    else:
+        sft_steps, sft_seconds, sft_accuracy = warm_up(policy, engine, tokenizer, args, seed)
     engine.update_weights(0, state_dict=policy.state_dict())
     print(
         f"seed {seed}: SFT {sft_steps} steps, {sft_seconds:.1f} s, {args.sft_metric} probe accuracy {sft_accuracy:.3f}"
     )
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # Adam's first steps move every weight by about lr whatever the gradient's size; ramping lr up keeps the
     # first, noisy policy-gradient steps from knocking the warmed-up policy over.
     warmup = max(1, args.lr_warmup_steps)
@@ -213,8 +234,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (group size)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--lr-warmup-steps", type=int, default=0, help="linear GRPO learning-rate warm-up")
+    parser.add_argument("--lr-warmup-steps", type=int, default=50, help="linear GRPO learning-rate warm-up")
     parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (SFT and GRPO)")
+    parser.add_argument("--loss-agg", choices=["token-mean", "seq-mean-token-mean"], default="token-mean")
     parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--sft-batch-size", type=int, default=64)
     parser.add_argument("--sft-target", type=float, default=0.2, help="stop the warm-up at this probe accuracy")
@@ -225,6 +248,9 @@ def parse_args() -> argparse.Namespace:
         help="probe accuracy of sampling at --temperature (what GRPO starts from) or of greedy decoding",
     )
     parser.add_argument("--sft-max-steps", type=int, default=3000)
+    parser.add_argument(
+        "--init-from", help="skip the warm-up: start GRPO from this checkpoint's weights (recipe/demo.py's step_0)"
+    )
     parser.add_argument("--sft-eval-every", type=int, default=25)
     parser.add_argument("--probe-size", type=int, default=256)
     parser.add_argument("--shuffle-rewards", action="store_true", help="control: shuffle rewards within each group")

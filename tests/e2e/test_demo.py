@@ -141,3 +141,17 @@ def test_the_demo_learns_on_the_default_seed(tmp_path):
     rewards = [r["reward"] for r in rows(out, "grpo")]
     first, last = fifth_means(rewards)
     assert last >= first + LEARNING_MARGIN, f"first fifth {first:.3f} -> last fifth {last:.3f}\n{result.stdout[-2000:]}"
+
+
+def test_the_built_in_single_turn_rollout_runs_as_a_generate_fn(tmp_path):
+    # the default rollout expressed as a rollout.generate_fn (workers.rollout_fns:single_turn_generate): the same
+    # prompts and reward, through the generate_fn rollout workers and jagged trajectories, still on-policy
+    out = tmp_path / "generate_fn"
+    run_demo(out, "steps=2", "rollout.generate_fn=workers.rollout_fns:single_turn_generate", "weight_sync=memory")
+    grpo = rows(out, "grpo")
+    assert [r["step"] for r in grpo] == [0, 1]
+    assert [r["policy_version"] for r in grpo] == [1.0, 2.0]
+    assert all(r["rows"] == 32 and r["trained_rows"] == 32 and r["failed_rows"] == 0 for r in grpo)
+    assert all(0.0 <= r["reward"] <= 1.0 and 1.0 <= r["response_len"] <= 4.0 for r in grpo)
+    for r in grpo:
+        assert abs(r["ratio_mean"] - 1.0) < 1e-3 and abs(r["approx_kl"]) < 1e-4, r

@@ -16,7 +16,7 @@ from rl_contracts.rows import jagged, rows_of
 from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
-from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups
+from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
 from trainers.metrics import MetricsLog, StepReporter, fifth_means, plot_metrics
 from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
@@ -239,11 +239,30 @@ def test_jagged_rows_round_trip():
         ({"steps": 0}, "steps must be an int >= 1, got 0"),
         ({"train.max_train_groups": 3}, "train.max_train_groups must be a multiple of train.world_size x"),
         ({"train.max_train_groups": 64}, "train.max_train_groups=64 is more than the prompts_per_step=32 groups"),
+        ({"train.lr_warmup_steps": -1}, "train.lr_warmup_steps must be an int >= 0, got -1"),
+        (
+            {"rollout.generate_fn": "workers.rollout_fns:single_turn_generate", "weight_sync": "shm"},
+            "use weight_sync='memory' or 'disk', not 'shm'",
+        ),
     ],
 )
 def test_inconsistent_configs_fail_before_any_actor_starts(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
+
+
+def test_the_rl_learning_rate_warms_up_linearly_as_the_single_process_scheduler_does():
+    # addition_single_process.py: LambdaLR(lambda step: min(1.0, (step + 1) / warmup)), read before each step
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+    expected = []
+    for _ in range(5):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [warmup_factor(step, 3) for step in range(5)] == pytest.approx(expected)
+    assert expected[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
 
 
 def test_the_async_window_sets_the_step_ring():

@@ -1,9 +1,10 @@
 """AgentRolloutWorker: runs a ``rollout.generate_fn`` over the prompt rows of global steps, writes trajectories.
 
-For a global step it loops: ``get_meta(["sample_id"], whole groups)`` -> ``collect_groups(generate_fn, ...)`` over
-the worker's engine -> ``put`` ``tokens``, ``loss_mask``, ``logprobs``, ``reward``, ``num_turns``, ``success``,
-``policy_version`` into those same rows. A dropped group (an episode failed) or a filtered one is written with
-``reward_failed`` set and an empty loss mask, so its rows complete the step but never reach the loss.
+For a global step it loops: ``get_meta(["sample_id"] (or the run's prompt fields), whole groups)`` ->
+``collect_groups(generate_fn, ...)`` over the worker's engine -> ``put`` ``tokens``, ``loss_mask``, ``logprobs``,
+``reward``, ``num_turns``, ``success``, ``policy_version`` into those same rows. A dropped group (an episode
+failed) or a filtered one is written with ``reward_failed`` set and an empty loss mask, so its rows complete the
+step but never reach the loss.
 
 The engine lives in this actor, behind a lock: weight updates land between two batched generations.
 """
@@ -20,6 +21,7 @@ import ray
 import torch
 
 from rl_contracts.queue_clock import QueueClock
+from rl_contracts.rows import rows_of
 from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.agents.samplers import BatchingSampler
@@ -30,6 +32,18 @@ from workers.rollout import ROLLOUT_TASK
 from workers.rollout_fns import collect_groups, load_rollout_fn
 
 logger = logging.getLogger(__name__)
+
+
+def prompt_dicts(data: Any, fields: list[str], n: int) -> list[dict[str, Any]]:
+    """One dict per group (rows come group by group, ``n`` per prompt) of the ``fields`` read from the queue: token
+    fields (jagged tensors, e.g. ``prompt_ids``) as lists of ids, the others (``sample_id``, reward fields) as
+    values."""
+    columns = {}
+    for name in fields:
+        value = data.get(name)
+        columns[name] = rows_of(value) if isinstance(value, torch.Tensor) else list(value.tolist())
+    rows = len(next(iter(columns.values()))) if columns else 0
+    return [{name: column[i] for name, column in columns.items()} for i in range(0, rows, n)]
 
 
 @ray.remote(concurrency_groups={"rollout": 1, "control": 1})
@@ -113,6 +127,9 @@ class AgentRolloutWorker:
     ) -> dict[str, float]:
         """Episodes for every group of ``step`` this worker gets; returns counts for the step's metrics row.
 
+        ``fields``: the rows' fields each prompt dict is made of (default ``["sample_id"]``, task servers; the
+        single-turn ``generate_fn`` takes ``prompt_ids`` and the task's reward fields).
+
         ``fields`` and ``min_version`` are ``RolloutWorker.generate_step``'s; weights arrive by ``update_weights``
         (``weight_sync`` memory or disk), so a ``min_version`` (the shm weight channel) is refused."""
         if min_version is not None:
@@ -124,21 +141,21 @@ class AgentRolloutWorker:
             ("rows", "generate_s", "tokens", "groups", "dropped_groups", "filtered_groups", "episodes",
              "success_sum", "num_turns_sum", "env_reward_sum"), 0.0,
         )  # fmt: skip
+        fields = fields or ["sample_id"]
         clock = QueueClock()
         while True:
             meta = clock.call(
-                self.client.get_meta, ["sample_id"], self.batch_rows, global_step=step, task_name=ROLLOUT_TASK,
+                self.client.get_meta, fields, self.batch_rows, global_step=step, task_name=ROLLOUT_TASK,
                 get_n_samples=True, timeout=self.timeout,
             )  # fmt: skip
             if len(meta) == 0:
                 return {**stats, **clock.stats()}
-            data = clock.call(self.client.get_data, meta)
-            sample_ids = list(data.get("sample_id").tolist())[:: self.n]
+            data = clock.call(self.client.get_data, meta.select_fields(fields))
             t0 = time.perf_counter()
             groups, group_stats = asyncio.run(
                 collect_groups(
-                    self.generate, [{"sample_id": s} for s in sample_ids], self.sampler, self.n,
-                    self.reward_fn, self.filter_fn,
+                    self.generate, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
+                    self.filter_fn,
                 )
             )  # fmt: skip
             stats["generate_s"] += time.perf_counter() - t0

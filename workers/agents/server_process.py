@@ -5,7 +5,8 @@
 
 The server binds a free port on 127.0.0.1 and prints the seed's banner; its URL is read from the banner. The
 process leads its own process group, so stopping it (SIGTERM, then SIGKILL after ``stop_timeout``) also ends
-whatever it started; an ``atexit`` hook stops it if the parent exits without doing so.
+whatever it started; an ``atexit`` hook stops it if the parent exits without doing so, and if the parent is killed
+outright (SIGKILL, no ``atexit``) the kernel sends the server SIGTERM (``PR_SET_PDEATHSIG``): no orphan is left.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn`` (Linux): the child gets SIGTERM when its parent dies, even by SIGKILL, when no ``atexit``
+    hook runs; the server then stops and its sandboxes with it. If the parent is already gone, the child exits."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 class TaskServerError(RuntimeError):
@@ -56,7 +75,13 @@ class TaskServerProcess:
             cmd += ["--max-episodes", str(max_episodes)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         atexit.register(self.stop)
         self._found = threading.Event()
