@@ -167,6 +167,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "owner": st.sampled_from(["", "a", "b"]),
     "call_id": mostly(st.integers(0, 3), HUGE),
     "explicit": st.booleans(),
+    "reply": st.booleans(),
     "ack": mostly(st.sampled_from(["auto", "explicit"]), st.text(max_size=3)),
     "max_deliveries": mostly(st.none() | st.integers(1, 3), st.integers(-1, 0) | HUGE),
 }
