@@ -48,9 +48,10 @@ def test_tp_peers_of_one_dp_rank_over_their_own_connections_get_the_same_share(q
         params = {"dp_rank": rank, "dp_size": 2}
         return ids(client.get_meta(["x"], 2, global_step=step, task_name="tp", sampler_params=params))
 
+    base = step * queue.config["global_batch_size"]  # global index of the step's row 0 (groups of 1)
     for expected in ([0, 1], [4, 5]):
         first, second, peer = get(tp0, 0), get(tp1, 0), get(other, 1)
-        assert first == second == expected
+        assert first == second == [base + i for i in expected]
         assert not set(first) & set(peer)
 
 
