@@ -108,6 +108,12 @@ class AgentRolloutWorker:
             return self.engine.version
 
     @ray.method(concurrency_group="control")
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        """One response per prompt from the current weights, outside the queue (``GRPORun.evaluate``, SFT probes)."""
+        with self._lock:
+            return self.engine.generate(prompts, 1, params)
+
+    @ray.method(concurrency_group="control")
     def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve the OpenAI-compatible endpoint (``workers/openai_api.py``) over this worker's engine, in a thread of
         this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the rollout."""
