@@ -49,7 +49,7 @@ $(VLLM_STAMP): setup.py pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(TEST_ENV) HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm -m vllm -s
+	$(TEST_ENV) HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm_tier -m vllm -s
 
 bench: setup
 	$(TEST_ENV) $(BIN)/python benchmarks/run.py

@@ -23,7 +23,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def demo_model(num_heads: int, seed: int):
@@ -98,7 +97,7 @@ def main() -> None:
         if not args.skip_hf and heads != 2:
             bench_engine("hf", model_name, HFEngine(base, pad_token_id=0, eos_token_id=eos), state, str(new_dir),
                          args.repeat, out)  # fmt: skip
-            from engine_fakes import create_sglang_app
+            from tests.engine_fakes import create_sglang_app
 
             with serve_in_background(create_sglang_app(str(base_dir), eos_token_id=eos)) as url:
                 engine = SGLangEngine(url, model_path=str(base_dir))
