@@ -29,7 +29,7 @@ def batch(n: int) -> TensorDict:
     return TensorDict({"x": torch.arange(n * 64, dtype=torch.float32).reshape(n, 64)}, batch_size=[n])
 
 
-def test_metrics_after_known_traffic(queue: Any) -> None:
+def test_metrics_after_known_traffic(queue: Any, wait_until: Any) -> None:
     endpoints = ray.get(queue.controller.http_endpoints.remote())
     assert endpoints["controller"].startswith("http://127.0.0.1:")
     assert len(endpoints["storage_units"]) == 2
@@ -42,12 +42,14 @@ def test_metrics_after_known_traffic(queue: Any) -> None:
     client.put(batch(8), global_step=step)
     meta = client.get_meta(["x"], 6, global_step=step, task_name=task)
     got = client.get_data(meta)
-    after = scrape(controller_url)
+    acked = ("transfer_queue_rows", (("state", "acknowledged"), ("task", task)))
+    # get_data's acknowledgement over the Unix socket is not waited for: the scrape may come first
+    after = wait_until(lambda: (m := scrape(controller_url)).get(acked) == 6 and m, what="the acknowledgement")
 
     def delta(name: str, labels: tuple = ()) -> float:
         return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
-    assert after[("transfer_queue_rows", (("state", "acknowledged"), ("task", task)))] == 6
+    assert after[acked] == 6
     assert after[("transfer_queue_rows", (("state", "ready"), ("task", task)))] == 10
     assert delta("transfer_queue_puts_total") == 2 and delta("transfer_queue_put_rows_total") == 16
     assert delta("transfer_queue_get_rows_total", (("task", task),)) == 6
@@ -73,7 +75,7 @@ def test_status_matches_the_per_partition_calls(queue: Any) -> None:
     client, step = queue.client, queue.step()
     task = f"status-{step}"
     client.put(batch(5), global_step=step)
-    client.get_meta(["x"], 2, global_step=step, task_name=task)
+    client.get_data(client.get_meta(["x"], 2, global_step=step, task_name=task))  # leased, then acknowledged
     status = client.status()
     part = next(p for p in status["partitions"] if p["partition_id"] == step)
     production = client.get_production_status(global_step=step)

@@ -30,6 +30,7 @@ def test_save_then_restore_onto_another_number_of_units_serves_what_was_not_cons
     responses = jagged(range(1, 9))
     client.put({"x": torch.arange(8.0).reshape(8, 1), "responses": responses}, global_step=0)
     taken = client.get_meta(["x"], 4, global_step=0, task_name="train")
+    client.get_data(taken)  # acknowledged: a restore keeps it consumed (a lease alone would come back as ready)
     client.kv_put("a", "kv", {"v": torch.full((3,), 5.0)})
     client.kv_put("a", "kv", {"v": torch.full((3,), 6.0)})  # the old value's block is dropped, not saved
     saved = client.save_checkpoint(str(tmp_path))

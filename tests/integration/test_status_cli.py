@@ -43,7 +43,7 @@ def test_help_lists_the_commands() -> None:
 
 def test_status_from_another_process_prints_what_the_api_says(started: Any) -> None:
     started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=0)
-    started.get_meta(["x"], 4, global_step=0, task_name="train")
+    started.get_data(started.get_meta(["x"], 4, global_step=0, task_name="train"))  # leased, then acknowledged
     done = cli("status")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()

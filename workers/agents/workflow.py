@@ -18,6 +18,7 @@ Subclass and override the two hooks to change what the policy sees and how it is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -114,12 +115,20 @@ class TaskServerWorkflow:
             TaskServerError: typed (``EpisodeStartError``, ``StepTimeout``, ``MalformedResponse``,
                 ``ServerUnavailable``); the episode is cancelled on its server first.
         """
-        episode = await self.pool.start(sample_id, self.episode_config)
+        starting = asyncio.ensure_future(self.pool.start(sample_id, self.episode_config))
+        try:
+            episode = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # its group was dropped while the server was starting it: once started it is cancelled there too, so
+            # no episode is left running on a server that nobody plays
+            with contextlib.suppress(TaskServerError):
+                await self.pool.finish(await starting, cancel=True)
+            raise
         finished = False
         try:
             trajectory, finished = await self._play(sampler, episode, sample_id)
         finally:
-            await self.pool.finish(episode, cancel=not finished)
+            await _to_the_end(self.pool.finish(episode, cancel=not finished))
         return trajectory
 
     async def _play(self, sampler: TokenSampler, episode: Episode, sample_id: str) -> tuple[Trajectory, bool]:
@@ -184,3 +193,14 @@ class TaskServerWorkflow:
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+
+
+async def _to_the_end(work: Any) -> None:
+    """Await ``work`` to its end even when the caller is cancelled meanwhile (then re-raise the cancellation): an
+    episode's cancel request must reach its server although its group is being torn down."""
+    done = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await done
+        raise
