@@ -143,6 +143,7 @@ def test_the_demo_learns_on_the_default_seed(tmp_path):
     assert last >= first + LEARNING_MARGIN, f"first fifth {first:.3f} -> last fifth {last:.3f}\n{result.stdout[-2000:]}"
 
 
+@pytest.mark.slow  # the generate_fn path end to end; the unit tier covers its pieces
 def test_the_built_in_single_turn_rollout_runs_as_a_generate_fn(tmp_path):
     # the default rollout expressed as a rollout.generate_fn (workers.rollout_fns:single_turn_generate): the same
     # prompts and reward, through the generate_fn rollout workers and jagged trajectories, still on-policy

@@ -10,7 +10,7 @@ from tests.e2e.test_demo import rows, run_demo
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.mark.parametrize("weight_sync", ["memory", "shm"])
+@pytest.mark.parametrize("weight_sync", ["memory", pytest.param("shm", marks=pytest.mark.slow)])  # keep make test short
 def test_the_demo_runs_async_with_partial_rollouts(tmp_path, weight_sync):
     out = tmp_path / weight_sync
     run_demo(
