@@ -18,6 +18,7 @@ The tier skips, saying why, where namespaces cannot be created (not root, no ``i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -242,9 +243,24 @@ def _build_network(owner: str) -> tuple[dict[str, Host], str]:
     return hosts, switch
 
 
-def _start_holder(host: Host) -> None:
-    """A process that owns the host's UTS and mount namespaces (own hostname, own tmpfs /tmp) inside its netns."""
-    script = f"hostname {host.hostname} && mount -t tmpfs -o size=2g tmpfs /tmp && echo ready && exec sleep 1000000"
+def _kept_under_tmp(paths: list[Path]) -> list[Path]:
+    """The outermost of ``paths`` that lie under /tmp (the checkout, the venv, pytest's temp dirs): a host's own tmpfs
+    /tmp would hide them, so they are bound back into it (a CI clone often lives under /tmp)."""
+    under = sorted({p.resolve() for p in paths if p.resolve().is_relative_to("/tmp") and p.resolve() != Path("/tmp")})
+    return [p for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
+
+
+def _start_holder(host: Host, keep: list[Path]) -> None:
+    """A process that owns the host's UTS and mount namespaces (own hostname, own tmpfs /tmp) inside its netns.
+
+    ``keep``: directories under /tmp that stay visible inside (bound from the real /tmp, seen through a bind of it
+    made before the tmpfs covers it)."""
+    outer = f"/run/{PREFIX}{host.ns}-tmp"
+    binds = "".join(f" && mkdir -p {p} && mount --bind {outer}/{p.relative_to('/tmp')} {p}" for p in keep)
+    script = (
+        f"hostname {host.hostname} && mkdir -p {outer} && mount --bind /tmp {outer}"
+        f" && mount -t tmpfs -o size=2g tmpfs /tmp{binds} && echo ready && exec sleep 1000000"
+    )
     host.holder = subprocess.Popen(
         ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script],
         stdout=subprocess.PIPE,
@@ -312,8 +328,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     result = None
     try:
         hosts, switch = _build_network(owner)
+        keep = _kept_under_tmp([REPO, Path(sys.prefix), Path(sys.executable).parent, logs.parent])
         for host in hosts.values():
-            _start_holder(host)
+            _start_holder(host, keep)
         result = Cluster(hosts, switch, env, f"{hosts['a'].ip}:{RAY_PORT}", logs)
         _ray_started(_ray_start(result, hosts["a"], head=True))
         for started in [_ray_start(result, hosts[name], head=False) for name in HOSTS[1:]]:  # the workers together
@@ -324,6 +341,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         for host in hosts.values():
             _delete_namespace(host.ns)  # every process in it, the holder too
+            with contextlib.suppress(OSError):
+                os.rmdir(f"/run/{PREFIX}{host.ns}-tmp")  # the mount point of the real /tmp, inside the host only
         _delete_namespace(switch)
         if result is not None:
             for proc in result.started:
