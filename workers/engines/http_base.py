@@ -36,6 +36,7 @@ class HTTPEngine(Engine):
     """
 
     kind = "http"
+    health_path = "/health"  # a GET that answers 200 while the server can generate
 
     def __init__(self, url: str, *, model_path: str | None = None, version: int = 0, timeout: float = 300.0):
         self.url = url.rstrip("/")
@@ -126,6 +127,16 @@ class HTTPEngine(Engine):
         if self._model_path is None:
             self._model_path = self._served_model_path()
         return self._model_path
+
+    def health(self) -> dict[str, Any]:
+        """``ok`` when the server's ``health_path`` answers 200."""
+        status: dict[str, Any] = {"engine": self.kind, "url": self.url, "version": self._version, "device": "server"}
+        try:
+            self.request("GET", self.health_path)
+            status["ok"] = True
+        except (EngineUnavailable, EngineRequestError) as exc:
+            status.update(ok=False, error=str(exc))
+        return status
 
     def close(self) -> None:
         self._client.close()

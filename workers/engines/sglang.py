@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workers.engines.base import AbortCheck, Generation, SamplingParams
-from workers.engines.errors import EngineRequestError, EngineUnavailable
+from workers.engines.errors import EngineRequestError
 from workers.engines.http_base import HTTPEngine
 
 
@@ -38,6 +38,7 @@ class SGLangEngine(HTTPEngine):
     """A client of one SGLang server at ``url``; see the module docstring and :class:`HTTPEngine`."""
 
     kind = "sglang"
+    health_path = "/health_generate"  # answers once the server generated one token
     supports_abort = True
 
     def __init__(self, url: str, **kwargs: Any):
@@ -135,16 +136,6 @@ class SGLangEngine(HTTPEngine):
 
     def resume_memory(self) -> Any:
         return self.request("POST", "/resume_memory_occupation", json={})
-
-    def health(self) -> dict[str, Any]:
-        """``ok`` when ``/health_generate`` answers 200 (the server generated one token)."""
-        status: dict[str, Any] = {"engine": self.kind, "url": self.url, "version": self._version, "device": "server"}
-        try:
-            self.request("GET", "/health_generate")
-            status["ok"] = True
-        except (EngineUnavailable, EngineRequestError) as exc:
-            status.update(ok=False, error=str(exc))
-        return status
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workers.engines.base import AbortCheck, Generation, SamplingParams
-from workers.engines.errors import EngineRequestError, EngineUnavailable
+from workers.engines.errors import EngineRequestError
 from workers.engines.http_base import HTTPEngine
 from workers.engines.vllm_engine import DEFAULT_ENV, EXTENSION
 
@@ -171,15 +171,6 @@ class VLLMServerEngine(HTTPEngine):
 
     def continue_generation(self) -> Any:
         return self.request("POST", "/resume")
-
-    def health(self) -> dict[str, Any]:
-        status: dict[str, Any] = {"engine": self.kind, "url": self.url, "version": self._version, "device": "server"}
-        try:
-            self.request("GET", "/health")
-            status["ok"] = True
-        except (EngineUnavailable, EngineRequestError) as exc:
-            status.update(ok=False, error=str(exc))
-        return status
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
