@@ -180,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--num-tasks", type=int, default=512, help="tasks per epoch")
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument(
+        "--lr-warmup-steps",
+        type=int,
+        default=20,
+        help="linear learning-rate warm-up: a fresh AdamW's first steps are full-size whatever the gradient, and "
+        "without it the first GRPO steps can undo the SFT warm-up",
+    )
     parser.add_argument("--sft-target", type=float, default=0.2, help="0 skips the warm-up")
     parser.add_argument("--max-trained-count", type=int, default=1)
     parser.add_argument("--retrained-interval", type=int, default=0)
@@ -289,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             with metrics_path.open("a") as log:
                 for step in range(start, args.steps):
+                    for group in optimizer.param_groups:  # a function of the step: a resumed run picks it up
+                        group["lr"] = args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup_steps))
                     row = trainer.step(step)
                     with engine_lock:
                         engine.update_weights(step + 1, state_dict=policy.state_dict())
