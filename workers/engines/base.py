@@ -119,3 +119,52 @@ class Engine(ABC):
     @abstractmethod
     def health(self) -> dict[str, Any]:
         """A small status dict with at least ``ok``, ``version`` and ``device``."""
+
+
+def check_prompts(
+    prompts: list[list[int]],
+    n: int,
+    params: SamplingParams,
+    vocab_size: int | None = None,
+    max_len: tuple[str, int] | None = None,
+) -> None:
+    """The checks every engine makes before sampling: ``n >= 1``, no empty prompt and, where the engine knows them,
+    token ids inside ``[0, vocab_size)`` and prompt + ``max_new_tokens`` within ``max_len`` (its name and value).
+
+    Raises:
+        ValueError: naming the prompt, what was expected and what arrived.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+            raise ValueError(f"prompt {i} holds a token id outside [0, {vocab_size}): {prompt}")
+        if max_len is not None and len(prompt) + params.max_new_tokens > max_len[1]:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} that exceeds "
+                f"{max_len[0]}={max_len[1]}"
+            )
+
+
+def check_weight_update(
+    current: int, version: int, state_dict: dict[str, torch.Tensor] | None, path: str | None
+) -> None:
+    """``update_weights``' argument checks: exactly one source, and a version that does not go backwards.
+
+    Raises:
+        ValueError: naming what was given.
+    """
+    if (state_dict is None) == (path is None):
+        raise ValueError(
+            f"give exactly one of state_dict and path, got state_dict={'set' if state_dict is not None else None}, "
+            f"path={path!r}"
+        )
+    check_version(current, version)
+
+
+def check_version(current: int, version: int) -> None:
+    """Raises ValueError if ``version`` is lower than the engine's ``current`` one."""
+    if version < current:
+        raise ValueError(f"version must not go backwards: current version={current}, got {version}")

@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from workers.engines.base import AbortCheck, Engine, Generation, SamplingParams
+from workers.engines.base import (
+    AbortCheck,
+    Engine,
+    Generation,
+    SamplingParams,
+    check_prompts,
+    check_weight_update,
+)
 
 # from_pretrained builds the model under a process-wide meta-device context: two loads in two threads at once
 # (weight syncs to several engines of one process) break each other, so loads are serialised.
@@ -165,20 +172,14 @@ class HFEngine(Engine):
         return input_ids.to(self._device), attention_mask.to(self._device)
 
     def _check_prompts(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        vocab_size = self._model.get_input_embeddings().num_embeddings
         max_positions = getattr(self._model.config, "max_position_embeddings", None)
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(prompt) < 0 or max(prompt) >= vocab_size:
-                raise ValueError(f"prompt {i} holds a token id outside [0, {vocab_size}): {prompt}")
-            if max_positions is not None and len(prompt) + params.max_new_tokens > max_positions:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} that exceeds "
-                    f"max_position_embeddings={max_positions}"
-                )
+        check_prompts(
+            prompts,
+            n,
+            params,
+            vocab_size=self._model.get_input_embeddings().num_embeddings,
+            max_len=None if max_positions is None else ("max_position_embeddings", max_positions),
+        )
 
     def update_weights(
         self, version: int, state_dict: dict[str, torch.Tensor] | None = None, path: str | None = None
@@ -193,13 +194,7 @@ class HFEngine(Engine):
             ValueError: if not exactly one of ``state_dict`` and ``path`` is given, ``version`` is lower than the
                 current one, or the state dict's keys or shapes do not match the model's.
         """
-        if (state_dict is None) == (path is None):
-            raise ValueError(
-                f"give exactly one of state_dict and path, got state_dict={'set' if state_dict is not None else None}, "
-                f"path={path!r}"
-            )
-        if version < self._version:
-            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        check_weight_update(self._version, version, state_dict, path)
         if state_dict is not None:
             self._check_state_dict(state_dict)
             with torch.no_grad():

@@ -11,17 +11,23 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from abc import abstractmethod
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
 
-from workers.engines.base import Engine
+from workers.engines.base import AbortCheck, Engine, check_version, check_weight_update
 from workers.engines.errors import EngineRequestError, EngineUnavailable
 
 CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+T = TypeVar("T")
 
 
 class HTTPEngine(Engine):
@@ -71,6 +77,23 @@ class HTTPEngine(Engine):
         except ValueError:
             return response.text
 
+    def call_abortable(
+        self, pool: ThreadPoolExecutor, call: Callable[[], T], should_abort: AbortCheck | None, abort: Callable[[], Any]
+    ) -> T:
+        """Run ``call`` (a generate request); with ``should_abort``, run it on ``pool`` while this thread polls, and
+        once ``should_abort()`` turns True call ``abort`` (the server's abort endpoint) once, then wait for ``call``
+        to return what the server kept (the unfinished responses as they stand)."""
+        if should_abort is None:
+            return call()
+        future = pool.submit(call)
+        aborted = False
+        while not future.done():
+            if not aborted and should_abort():
+                abort()
+                aborted = True
+            time.sleep(0.002)
+        return future.result()
+
     def update_weights(
         self, version: int, state_dict: dict[str, torch.Tensor] | None = None, path: str | None = None
     ) -> None:
@@ -80,13 +103,7 @@ class HTTPEngine(Engine):
             ValueError: if not exactly one source is given or the version goes backwards.
             EngineRequestError: if the server refused the weights.
         """
-        if (state_dict is None) == (path is None):
-            raise ValueError(
-                f"give exactly one of state_dict and path, got state_dict={'set' if state_dict is not None else None}, "
-                f"path={path!r}"
-            )
-        if version < self._version:
-            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        check_weight_update(self._version, version, state_dict, path)
         if path is not None:
             self._load_directory(str(path), version)
         else:
@@ -102,8 +119,7 @@ class HTTPEngine(Engine):
         """The seed's protocol (``sync_weights_to_engines``): load a directory; ``version`` defaults to the next one.
         Returns ``{"success", "version", "reply"}`` with the server's own reply."""
         version = self._version + 1 if version is None else version
-        if version < self._version:
-            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        check_version(self._version, version)
         reply = self._load_directory(str(checkpoint_path), version)
         self._version = version
         return {"success": True, "version": version, "reply": reply}

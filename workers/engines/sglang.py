@@ -25,11 +25,10 @@ order of the replies is the order of the requests whatever the server does with 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from workers.engines.base import AbortCheck, Generation, SamplingParams
+from workers.engines.base import AbortCheck, Generation, SamplingParams, check_prompts
 from workers.engines.errors import EngineRequestError
 from workers.engines.http_base import HTTPEngine
 
@@ -58,23 +57,15 @@ class SGLangEngine(HTTPEngine):
             ValueError: if ``n < 1`` or a prompt is empty.
             EngineRequestError: if the server refused the request or answered with another number of outputs.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(not prompt for prompt in prompts):
-            raise ValueError(f"every prompt needs at least one token, got lengths {[len(p) for p in prompts]}")
+        check_prompts(prompts, n, params)
         rows = [list(prompt) for prompt in prompts for _ in range(n)]
         body = {"input_ids": rows, "sampling_params": self.sampling_params(params), "return_logprob": True}
-        if should_abort is None:
-            reply = self.request("POST", "/generate", json=body)
-        else:
-            future = self._pool.submit(self.request, "POST", "/generate", json=body)
-            aborted = False
-            while not future.done():
-                if not aborted and should_abort():
-                    self.request("POST", "/abort_request", json={"rid": "", "abort_all": True})
-                    aborted = True
-                time.sleep(0.002)
-            reply = future.result()
+        reply = self.call_abortable(
+            self._pool,
+            lambda: self.request("POST", "/generate", json=body),
+            should_abort,
+            lambda: self.request("POST", "/abort_request", json={"rid": "", "abort_all": True}),
+        )
         if isinstance(reply, dict):
             reply = [reply]
         if not isinstance(reply, list) or len(reply) != len(rows):

@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from workers.engines.base import AbortCheck, Engine, Generation, SamplingParams
+from workers.engines.base import (
+    AbortCheck,
+    Engine,
+    Generation,
+    SamplingParams,
+    check_prompts,
+    check_weight_update,
+)
 from workers.engines.vllm_ext import encode_state_dict
 
 EXTENSION = "workers.engines.vllm_ext.WeightSyncExtension"
@@ -170,18 +177,7 @@ class VLLMEngine(Engine):
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _check_prompts(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-                raise ValueError(f"prompt {i} holds a token id outside [0, {self.vocab_size}): {prompt}")
-            if len(prompt) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} that exceeds "
-                    f"max_model_len={self.max_model_len}"
-                )
+        check_prompts(prompts, n, params, vocab_size=self.vocab_size, max_len=("max_model_len", self.max_model_len))
 
     def update_weights(
         self, version: int, state_dict: dict[str, torch.Tensor] | None = None, path: str | None = None
@@ -191,13 +187,7 @@ class VLLMEngine(Engine):
         Raises:
             ValueError: if not exactly one source is given or ``version`` goes backwards.
         """
-        if (state_dict is None) == (path is None):
-            raise ValueError(
-                f"give exactly one of state_dict and path, got state_dict={'set' if state_dict is not None else None}, "
-                f"path={path!r}"
-            )
-        if version < self._version:
-            raise ValueError(f"version must not go backwards: current version={self._version}, got {version}")
+        check_weight_update(self._version, version, state_dict, path)
         with self._lock:
             if state_dict is not None:
                 self._llm.collective_rpc("tq_load_weights", args=(encode_state_dict(state_dict),))

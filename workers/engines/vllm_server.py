@@ -15,11 +15,10 @@ Everything but the completions and health routes is vLLM's development API: the 
 from __future__ import annotations
 
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from workers.engines.base import AbortCheck, Generation, SamplingParams
+from workers.engines.base import AbortCheck, Generation, SamplingParams, check_prompts
 from workers.engines.errors import EngineRequestError
 from workers.engines.http_base import HTTPEngine
 from workers.engines.vllm_engine import DEFAULT_ENV, EXTENSION
@@ -91,22 +90,14 @@ class VLLMServerEngine(HTTPEngine):
             ValueError: if ``n < 1`` or a prompt is empty.
             EngineRequestError: if the server refused the request or answered with another number of choices.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(not prompt for prompt in prompts):
-            raise ValueError(f"every prompt needs at least one token, got lengths {[len(p) for p in prompts]}")
+        check_prompts(prompts, n, params)
         rows = [list(prompt) for prompt in prompts for _ in range(n)]
-        if should_abort is None:
-            generations = self._complete_rows(rows, params)
-        else:
-            future = self._pool.submit(self._complete_rows, rows, params)
-            aborted = False
-            while not future.done():
-                if not aborted and should_abort():
-                    self.request("POST", "/abort_requests", json={})
-                    aborted = True
-                time.sleep(0.002)
-            generations = future.result()
+        generations = self.call_abortable(
+            self._pool,
+            lambda: self._complete_rows(rows, params),
+            should_abort,
+            lambda: self.request("POST", "/abort_requests", json={}),
+        )
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _complete_rows(self, rows: list[list[int]], params: SamplingParams) -> list[Generation]:
