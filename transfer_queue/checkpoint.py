@@ -132,20 +132,25 @@ def save_unit(root: str, unit: int, num_units: int, blocks: dict[int, Any]) -> s
         out.flush()
         os.fsync(out.fileno())
     _fsync_path(staging)
-    name = f"snap-{number}"
-    final = os.path.join(directory, name)
+    return _promote(directory, staging, f"snap-{number}", "snap-")
+
+
+def _promote(root: str, staging: str, name: str, prefix: str) -> str:
+    """Rename the fsynced ``staging`` directory to ``root/name``, point ``CURRENT`` at it (written aside, fsynced,
+    swapped in) and only then remove the older ``prefix*`` directories. Returns the new directory."""
+    final = os.path.join(root, name)
     shutil.rmtree(final, ignore_errors=True)  # left by a crash after its rename, before CURRENT named it
     os.rename(staging, final)
-    pointer = os.path.join(directory, f"{CURRENT}.tmp")
+    pointer = os.path.join(root, f"{CURRENT}.tmp")
     with open(pointer, "w") as out:
         out.write(name)
         out.flush()
         os.fsync(out.fileno())
-    os.replace(pointer, os.path.join(directory, CURRENT))
-    _fsync_path(directory)
-    for old in os.listdir(directory):
-        if old.startswith("snap-") and old != name:
-            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+    os.replace(pointer, os.path.join(root, CURRENT))
+    _fsync_path(root)
+    for old in os.listdir(root):
+        if old.startswith(prefix) and old != name:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
 
 
@@ -248,20 +253,7 @@ def commit_save(root: str, staging: str, name: str) -> str:
         if os.path.isdir(os.path.join(staging, sub)):
             _fsync_path(os.path.join(staging, sub))
     _fsync_path(staging)
-    final = os.path.join(root, name)
-    shutil.rmtree(final, ignore_errors=True)  # left by a crash after its rename, before CURRENT named it
-    os.rename(staging, final)
-    pointer = os.path.join(root, f"{CURRENT}.tmp")
-    with open(pointer, "w") as out:
-        out.write(name)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(pointer, os.path.join(root, CURRENT))
-    _fsync_path(root)
-    for old in os.listdir(root):
-        if old.startswith("ckpt-") and old != name:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    return final
+    return _promote(root, staging, name, "ckpt-")
 
 
 def current_checkpoint(root: str) -> str:
