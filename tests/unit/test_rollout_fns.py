@@ -94,7 +94,7 @@ def test_the_built_in_task_server_rollout_is_a_generate_fn_over_a_live_server():
         )
     assert stats.groups == 1 and stats.dropped_groups == 1  # game-99 is unknown: 404 on start, its group dropped
     assert all(s.metadata["success"] and s.reward == 1.0 for s in groups[0])
-    assert task.tokenizer.decode(groups[0][0].tokens[:9]) == "user: guess a number from 1 to 16 assistant:"
+    assert task.tokenizer.decode(groups[0][0].tokens[:11]) == "user: game 4 guess a number from 1 to 16 assistant:"
 
 
 class _Bisect:
@@ -104,7 +104,7 @@ class _Bisect:
 
     async def sample(self, prompt_ids, params):
         lo, hi = 1, 16
-        # "user: guess a number from 1 to 16 assistant: 8 user: higher assistant: 12 user: lower assistant:"
+        # "user: game 4 guess a number from 1 to 16 assistant: 8 user: higher assistant: 12 user: lower assistant:"
         for turn in self.tok.decode(prompt_ids).split("assistant:")[1:-1]:
             guess, _, heard = turn.split()[:3]
             lo, hi = (int(guess) + 1, hi) if heard == "higher" else (lo, int(guess) - 1)

@@ -126,7 +126,7 @@ def test_health_info_and_samples() -> None:
 def test_a_guess_number_episode_by_binary_search() -> None:
     with served(GuessNumberEnvironment) as client:
         first = start(client, "game-05")
-        assert first["observation"] == {"type": "text", "content": "guess a number from 1 to 16"}
+        assert first["observation"] == {"type": "text", "content": "game 6 guess a number from 1 to 16"}
         assert (first["reward"], first["done"]) == (0, False)
         assert first["info"] == {"max_turns": 6, "sample_id": "game-05", "turn": 0}
         assert client.get("/health").json()["active_episodes"] == 1

@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from rl_contracts.task import Task
+from workers.agents.envs.guess_number import GuessNumberEnvironment
 from workers.agents.trajectory import PlainChatFormat
 from workers.models import build_tiny_causal_lm
 
 WORDS = ["guess", "a", "number", "from", "to", "higher", "lower", "correct", "invalid", "user:", "assistant:"]
 NUMBERS = [str(i) for i in range(1, 17)]
-SAMPLE_IDS = [f"game-{i:02d}" for i in range(16)]
+SAMPLE_IDS = GuessNumberEnvironment.sample_ids()
 
 
 class WordTokenizer:
@@ -28,7 +29,7 @@ class WordTokenizer:
     """
 
     def __init__(self) -> None:
-        self.symbols = ["<pad>", "<eos>", *WORDS, *NUMBERS]
+        self.symbols = ["<pad>", "<eos>", *WORDS, *NUMBERS, "game"]  # "game" last: the older ids stay as they were
         self._id_of = {s: i for i, s in enumerate(self.symbols)}
         self.vocab_size = len(self.symbols)
         self.pad_token_id, self.eos_token_id = 0, 1
@@ -63,8 +64,13 @@ class GuessNumberTask(Task):
 
     def prompts(self, split: str, num: int, seed: int) -> list[dict[str, Any]]:
         rng = random.Random(f"{split}-{seed}")
-        first = self.chat_format().prompt_ids([{"role": "user", "content": "guess a number from 1 to 16"}])
-        return [{"sample_id": rng.choice(SAMPLE_IDS), "prompt_ids": first} for _ in range(num)]
+        chat = self.chat_format()
+        rows = []
+        for _ in range(num):
+            sample_id = rng.choice(SAMPLE_IDS)
+            first = GuessNumberEnvironment.first_observation(sample_id)
+            rows.append({"sample_id": sample_id, "prompt_ids": chat.prompt_ids([{"role": "user", "content": first}])})
+        return rows
 
     def reward(self, response_text: str, **fields: str) -> float:
         raise NotImplementedError("guess-number episodes are scored by the task server")
