@@ -220,6 +220,35 @@ def test_a_broken_connection_to_a_live_server_is_retried_once_and_does_not_mark_
         assert pool.healthy[url]
 
 
+def test_a_step_whose_reply_was_lost_after_the_server_applied_it_is_retried_without_a_second_step():
+    import httpx
+
+    with serve_in_background(create_app(environment_class("guess-number"))) as url:  # the real server
+        pool = TaskServerPool(url, timeout=5.0)
+
+        async def scenario():
+            episode = await pool.start("game-05")  # hides 7
+            real, sent = pool.client.request, []
+
+            async def lose_the_first_reply(method, endpoint, **kwargs):
+                response = await real(method, endpoint, **kwargs)
+                if "/episode/step" in endpoint:
+                    sent.append(kwargs["json"])
+                    if len(sent) == 1:  # applied (the episode is now done), but the reply never arrives
+                        raise httpx.ReadError("")
+                return response
+
+            pool.client.request = lose_the_first_reply
+            try:
+                return await pool.step(episode, {"type": "text", "content": "7"}), sent
+            finally:
+                pool.client.request = real
+
+        result, sent = run(scenario())
+    assert result.done and result.reward == 1.0  # the winning step's reply, not "episode ... is already done"
+    assert len(sent) == 2 and sent[0] == sent[1] and len(sent[0]["request_id"]) == 32
+
+
 def test_a_step_reply_missing_the_protocols_fields_is_malformed():
     from fastapi import FastAPI
 

@@ -368,3 +368,29 @@ def test_environments_are_found_by_name_or_module_and_class() -> None:
         environment_class("tests.unit.test_task_server:served")
     with pytest.raises(ValueError, match=r"environment name 'calculator' is already registered by workers.agents"):
         register_environment("calculator")(Scripted)
+
+
+def test_a_step_re_sent_with_its_request_id_is_answered_again_not_applied_twice() -> None:
+    # game-05 hides 7; a client whose connection broke after the
+    # server applied its step re-sends it with the same request_id
+    def send(episode_id: str, content: str, request_id: str) -> httpx.Response:
+        action = {"type": "text", "content": content}
+        return client.post("/episode/step", json={"episode_id": episode_id, "action": action, "request_id": request_id})
+
+    with served(GuessNumberEnvironment) as client:
+        episode = start(client, "game-05")["episode_id"]
+        first = send(episode, "3", "a")
+        again = send(episode, "3", "a")
+        assert first.status_code == again.status_code == 200 and again.json() == first.json()
+        assert first.json()["info"]["turn"] == 1 and first.json()["observation"]["content"] == "higher"
+        assert send(episode, "3", "b").json()["info"]["turn"] == 2  # a new request_id is a new step, same action or not
+        won = send(episode, "7", "c")
+        assert won.json()["done"] and won.json()["reward"] == 1.0
+        replay = send(episode, "7", "c")  # the winning step's reply was lost: the retry gets it, not a 400
+        assert replay.status_code == 200 and replay.json() == won.json()
+        late = send(episode, "7", "d")
+        assert late.status_code == 400 and late.json()["detail"] == f"episode '{episode}' is already done"
+        old = send(episode, "3", "a")  # only the last step is remembered: an older id is a new step, refused here
+        assert old.status_code == 400
+        bad = client.post("/episode/step", json={"episode_id": episode, "action": {"content": "1"}, "request_id": ""})
+        assert bad.status_code == 400 and "request_id" in bad.text

@@ -86,6 +86,8 @@ class EpisodeTable:
         self._clock = clock
         self._live: dict[str, Episode] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
+        # per episode, its last step's request_id and reply: a re-sent step is answered again, never applied twice
+        self._replies: OrderedDict[str, tuple[str, Any]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -122,6 +124,23 @@ class EpisodeTable:
         if why is not None:
             raise UnknownEpisode(f"episode {episode_id!r} is no longer running: {why}")
         raise UnknownEpisode(f"unknown episode_id={episode_id!r}")
+
+    def replay(self, episode_id: str, request_id: str | None) -> Any | None:
+        """The reply of the episode's last step if ``request_id`` names it (a client re-sending a step whose reply
+        it lost), else None."""
+        if request_id is None:
+            return None
+        last = self._replies.get(episode_id)
+        return last[1] if last is not None and last[0] == request_id else None
+
+    def remember(self, episode_id: str, request_id: str | None, reply: Any) -> None:
+        """Keep ``reply`` as the answer to a re-sent ``request_id`` (the episode's last step only; bounded)."""
+        if request_id is None:
+            return
+        self._replies[episode_id] = (request_id, reply)
+        self._replies.move_to_end(episode_id)
+        while len(self._replies) > _ENDED_KEPT:
+            self._replies.popitem(last=False)
 
     def end(self, episode: Episode, why: str) -> Environment | None:
         """Remove ``episode`` (``why``: done, cancelled, expired, failed); its environment is the caller's to close.

@@ -29,10 +29,13 @@ class StartRequest(BaseModel):
 
 
 class StepRequest(BaseModel):
-    """``POST /episode/step``."""
+    """``POST /episode/step``. ``request_id`` (optional, ours): an idempotency key; a step re-sent with the
+    ``request_id`` of the episode's last step gets that step's reply again instead of being applied twice, so a
+    client may retry a step whose reply it lost (even one that ended the episode)."""
 
     episode_id: str
     action: Action
+    request_id: str | None = Field(None, min_length=1, max_length=128)
 
 
 class CancelRequest(BaseModel):

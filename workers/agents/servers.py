@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,9 +150,10 @@ class TaskServerPool:
         Raises:
             StepTimeout, MalformedResponse, ServerUnavailable, TaskServerError: typed, naming server and episode.
         """
-        body = await self._call(
-            episode.server, "POST", "/episode/step", {"episode_id": episode.episode_id, "action": action}
-        )
+        # request_id: a retry of this call (a connection that broke) gets the reply of the step the server may
+        # already have applied, never a second step
+        payload = {"episode_id": episode.episode_id, "action": action, "request_id": uuid.uuid4().hex}
+        body = await self._call(episode.server, "POST", "/episode/step", payload)
         try:
             reply = EpisodeResponse.model_validate(body)
         except ValidationError as exc:
@@ -186,8 +188,9 @@ class TaskServerPool:
     ) -> dict[str, Any]:
         """One call; a broken connection to a server that still answers ``/health`` is retried once.
 
-        The retry is safe for a step too: uvicorn closes only idle keep-alive connections, so a connection that
-        breaks before any response (``ReadError('')``, seen under load) carried a request the server never began.
+        The retry is safe for a step too: a step carries a ``request_id``, and a server that had applied it answers
+        the retry with the same reply (a connection can break after the server applied the step: seen under load
+        as a retried winning guess answered "episode ... is already done").
         """
         endpoint = f"{url.rstrip('/')}/api{path}"
         try:
