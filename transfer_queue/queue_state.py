@@ -23,15 +23,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
-from transfer_queue.delivery import ROUND_OWNER, Delivery, TaskOptions, check_lease_s
-from transfer_queue.dp_rounds import MAX_DP_SIZE, DPRounds, GetMetaJob
+from transfer_queue.delivery import ROUND_OWNER, Delivery, TaskOptions
+from transfer_queue.dp_rounds import DPRounds, GetMetaJob
 from transfer_queue.errors import (
-    GetMetaTimeout,
-    IncompleteGroups,
     InvalidRequest,
     PartitionCleared,
     SamplerError,
@@ -40,10 +36,10 @@ from transfer_queue.errors import (
 from transfer_queue.kv_state import KvState
 from transfer_queue.ledger import PutLedger, PutRequest, Reserved
 from transfer_queue.metadata import PartitionKey
-from transfer_queue.partition import AVAILABLE, PartitionState, describe_partition
+from transfer_queue.partition import PartitionState
 from transfer_queue.partition_table import PartitionTable
+from transfer_queue.reader import MetaReader
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
-from transfer_queue.selection import ReadyView, select_with_user_sampler
 from transfer_queue.waiting import WAIT, Parked, Respond, Wait, WaitingRoom
 
 _unpack = p.unpack_indexes
@@ -71,6 +67,7 @@ class QueueState:
         self.delivery = Delivery(config, self.table, clock, self._wake, self._retry_getters)
         self.rounds = DPRounds()
         self.kv = KvState(self.table, self.ledger, self._retry_getters)
+        self.reader = MetaReader(config, self.table, self.ledger, self.delivery, self.rounds, self.sampler_for)
         self._handlers: dict[type, Callable[[Any], Any]] = {
             p.Reserve: self._on_reserve,
             p.Commit: lambda req: p.MetaWire.from_meta(self.ledger.commit(req.put_id)),
@@ -233,10 +230,10 @@ class QueueState:
         self.waiting.retry_putters(self._serve_parked_putter)
 
     def _serve_parked_getter(self, parked: Parked) -> Any:
-        result = self._try_get_meta(parked.job)
-        if result is WAIT:
+        meta = self.reader.serve(parked.job)
+        if meta is None:
             return WAIT
-        wire = p.MetaWire.from_meta(result)
+        wire = p.MetaWire.from_meta(meta)
         # how long it waited for rows to be produced: callers tell queue overhead from upstream stages
         wire.extra["wait_s"] = self.clock() - parked.started
         return wire
@@ -277,146 +274,29 @@ class QueueState:
 
     # ---- get_meta ------------------------------------------------------------------------------------------
     def _on_get_meta(self, req: p.GetMeta) -> Any:
-        job = self._get_meta_job(req)
-        try:
-            result = self._try_get_meta(job)
-        except BaseException:
-            self.rounds.forget(job)  # a call that failed took no round: the rank stays in step with its peers
-            raise
-        return Wait(job) if result is WAIT else p.MetaWire.from_meta(result)
-
-    def _get_meta_job(self, req: p.GetMeta) -> GetMetaJob:
-        """Validate a get_meta before it takes anything or waits."""
-        key = self.table.check_key(req.partition)
-        if not isinstance(req.batch_size, int) or req.batch_size < 1:
-            raise InvalidRequest(f"batch_size must be an int >= 1, got {req.batch_size!r}")
-        if not req.fields or not all(isinstance(f, str) and f for f in req.fields):
-            raise InvalidRequest(f"data_fields must be a non-empty list of field names, got {req.fields!r}")
-        if len(set(req.fields)) != len(req.fields):
-            raise InvalidRequest(f"data_fields names a field twice: {req.fields}")
-        if not isinstance(req.task_name, str) or not req.task_name:
-            raise InvalidRequest(f"task_name must be a non-empty str, got {req.task_name!r}")
-        if not 0 < req.timeout < float("inf"):
-            raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {req.timeout}")
-        check_lease_s(req.lease_s)
-        sampler = self.sampler_for(req.task_name)
-        params = {**sampler.default_sampler_params(), **(req.sampler_params or {})}
-        dp_size, dp_rank, dp_group_id = params.get("dp_size", 1), params.get("dp_rank", 0), params.get("dp_group_id")
-        for name, value in (("dp_size", dp_size), ("dp_rank", dp_rank)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidRequest(f"sampler_params[{name!r}] must be an int, got {value!r}")
-        if not 1 <= dp_size <= MAX_DP_SIZE:
-            raise InvalidRequest(f"dp_size must lie in [1, {MAX_DP_SIZE}], got {dp_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise InvalidRequest(f"dp_rank must lie in [0, dp_size={dp_size}), got dp_rank={dp_rank}")
-        if dp_group_id is not None and not isinstance(dp_group_id, (str, int)):
-            raise InvalidRequest(f"dp_group_id must be a str or int, got {dp_group_id!r}")
-        if req.peek and (dp_group_id is not None or dp_size > 1):
-            raise InvalidRequest("a non-consuming get_meta (peek) cannot take part in a DP round")
-        whole = req.get_n_samples or sampler.serves_whole_groups
-        n = self.config.num_n_samples
-        if whole and req.batch_size % n:
-            raise IncompleteGroups(
-                f"batch_size={req.batch_size} is not divisible by num_n_samples={n}; whole groups are served"
-            )
-        part = self.table.live(key)  # raises now if the partition was cleared
-        if part is not None:
-            part.check_new_task(req.task_name)
-        auto_round = None
-        if dp_group_id is None and dp_size > 1:
-            caller = params.get("world_rank")
-            if caller is not None and (not isinstance(caller, int) or isinstance(caller, bool)):
-                raise InvalidRequest(f"sampler_params['world_rank'] must be an int, got {caller!r}")
-            dp_group_id, auto_round = self.rounds.number(
-                key, req.task_name, dp_rank, self.caller if caller is None else caller
-            )
-        return GetMetaJob(
-            key,
+        job = self.reader.job(
+            req.partition,
             req.fields,
             req.batch_size,
             req.task_name,
-            sampler,
-            params,
-            whole,
-            dp_size,
-            dp_rank,
-            None if dp_group_id is None else str(dp_group_id),
-            req.lease_s,
-            req.owner,
-            req.call_id,
-            req.peek,
-            auto_round,
+            sampler_params=req.sampler_params,
+            get_n_samples=req.get_n_samples,
+            timeout=req.timeout,
+            lease_s=req.lease_s,
+            owner=req.owner,
+            call_id=req.call_id,
+            peek=req.peek,
+            connection=self.caller,
         )
+        try:
+            meta = self.reader.serve(job)
+        except BaseException:
+            self.rounds.forget(job)  # a call that failed took no round: the rank stays in step with its peers
+            raise
+        return Wait(job) if meta is None else p.MetaWire.from_meta(meta)
 
-    def _try_get_meta(self, job: GetMetaJob) -> Any:
-        """The job's meta, or WAIT."""
-        part = self.table.live(job.partition)
-        if part is None:
-            return WAIT
-        if job.dp_group_id is None:
-            rows = self._select(part, job, job.batch_size)
-            if rows is None:
-                return WAIT
-            if len(rows) and not job.peek:  # a peek leases nothing: the rows stay ready for the task
-                lease_s = self.delivery.lease_s(job.task_name, job.lease_s)
-                self.delivery.lease(part, job.task_name, rows, job.owner, lease_s, job.call_id)
-            return part.meta(rows, job.fields, job.task_name, {})
-
-        def lease_round(rows: np.ndarray, round_key: tuple[str, str]) -> tuple[int, float]:
-            lease_s = self.delivery.lease_s(job.task_name, job.lease_s)
-            return self.delivery.lease(part, job.task_name, rows, ROUND_OWNER, lease_s, 0, round_key).lease_id, lease_s
-
-        served = self.rounds.serve(part, job, lambda count: self._select(part, job, count), lease_round)
-        if served is None:
-            return WAIT
-        share, extra = served
-        return part.meta(share, job.fields, job.task_name, extra)
-
-    def _select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
-        """Rows to hand out (the caller leases them), or ``None`` to wait. Short only when no more can come."""
-        index = part.ready_index(job.task_name, job.fields)
-        in_flight = self.ledger.in_flight(part.uid)
-        finished = part.sealed and not in_flight and (index.produced if index else 0) == part.num_committed
-        if job.sampler.uses_fast_path:
-            if index is None:
-                return np.zeros(0, np.int64) if finished else None
-            view = ReadyView(part, index)
-            group = part.group_size if job.whole_groups else 1
-            available = view.num_groups() * group if job.whole_groups else view.num_rows()
-            if available < count and not finished:
-                return None
-            return job.sampler.select(view, min(count, available - available % group), job.whole_groups)
-        rows = select_with_user_sampler(
-            part, job.sampler, job.params, job.task_name, job.fields, job.whole_groups, count
-        )
-        return None if len(rows) < count and not finished else rows
-
-    def _get_meta_timeout(self, parked: Parked) -> GetMetaTimeout:
-        job: GetMetaJob = parked.job
-        waited = parked.deadline - parked.started
-        ask = (
-            f"get_meta timed out after {waited:.1f} s: task {job.task_name!r} asked {describe_partition(job.partition)}"
-            f" for {job.batch_size} rows of fields {job.fields}"
-        )
-        part = self.partitions.get(job.partition)
-        if part is None:
-            return GetMetaTimeout(f"{ask}; the partition was never opened (no put reached it yet)")
-        task = part.task(job.task_name)
-        rows = part.committed_rows()
-        rows = rows[task.consumption[rows] == AVAILABLE]
-        missing = {}
-        for f in job.fields:
-            col = part.field_col.get(f)
-            lacking = len(rows) if col is None else int(np.count_nonzero(part.block[rows, col] < 0))
-            if lacking:
-                missing[f] = lacking
-        index = part.ready_index(job.task_name, job.fields)
-        ready = 0 if index is None else index.num_rows
-        detail = ", ".join(f"{f!r} missing on {c} rows" for f, c in missing.items()) or "no field missing"
-        return GetMetaTimeout(
-            f"{ask}; {ready} rows are ready, {len(rows)} unconsumed rows exist ({detail}); "
-            f"{part.num_committed} of {part.capacity or 'unbounded'} rows are committed"
-        )
+    def _get_meta_timeout(self, parked: Parked) -> BaseException:
+        return self.reader.timeout_error(parked.job, parked.deadline - parked.started)
 
     def _on_cancel_get_meta(self, req: p.CancelGetMeta) -> None:
         """The client gave up a get_meta: drop it if it still waits, else hand back what it was served."""

@@ -82,6 +82,7 @@ BOOKKEEPING = [
     "dp_rounds.py",
     "waiting.py",
     "kv_state.py",
+    "reader.py",
     "selection.py",
 ]
 WIRE_AND_SOCKETS = {
