@@ -115,6 +115,7 @@ class ControllerServer(Server):
     ):
         super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
         self.state = state
+        self._session = session_id  # what the controller's own messages to the storage units carry
         self._save_units = save_units  # every storage unit writes its files under a staging directory
         self._secret = secret
         self._units = []
@@ -296,7 +297,7 @@ class ControllerServer(Server):
         sent = []
         for unit, request in outbox:
             request_id = next(self._ids)
-            envelope = p.Envelope(p.PROTOCOL_VERSION, self.session_id, request_id)
+            envelope = p.Envelope(p.PROTOCOL_VERSION, self._session, request_id)
             try:  # never block the controller on a unit that stopped reading (dead or stuck)
                 self._units[unit].send_multipart([p.encode(envelope), p.encode(request)], zmq.NOBLOCK)
             except zmq.Again:
