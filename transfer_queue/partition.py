@@ -744,7 +744,7 @@ class PartitionState:
         cells = (rows[:, None], np.asarray(cols, dtype=np.int64))
         if self.custom_meta:
             extra = {**extra, "custom_meta": [self.custom_meta.get(r, {}) for r in rows.tolist()]}
-        return BatchMeta(
+        return BatchMeta.of_arrays(
             self.key,
             self.uid,
             rows + self.base_index,
