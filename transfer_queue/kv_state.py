@@ -2,7 +2,7 @@
 
 Plain Python (no Ray, no sockets, no wire format). A string partition is used either by row (``put``) or by key
 (``kv_put``, where a key names one row and a put of it upserts fields). Tags (custom meta) are small dicts per row.
-Puts by key go through the :class:`~transfer_queue.ledger.PutLedger` like every put; this class answers lookups,
+Puts by key go through the :class:`~transfer_queue.put_ledger.PutLedger` like every put; this class answers lookups,
 listings and tags, and clears keys or rows (their blocks are freed through the ledger once no row uses them).
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from transfer_queue.errors import FieldAlreadyProduced, InvalidRequest, StaleBatchMeta, UnknownField, UnknownKey
-from transfer_queue.ledger import PutLedger
 from transfer_queue.metadata import BatchMeta, PartitionKey
 from transfer_queue.partition import COMMITTED, PartitionState, check_custom_meta
 from transfer_queue.partition_table import PartitionTable
+from transfer_queue.put_ledger import PutLedger
 
 
 class KvState:

@@ -5,7 +5,7 @@ table translates between the wire (:mod:`transfer_queue.protocol`: request struc
 and the bookkeeping, which knows no wire format and lives in small classes:
 
 - :class:`~transfer_queue.partition_table.PartitionTable`: the live partitions, the step ring, what was cleared;
-- :class:`~transfer_queue.ledger.PutLedger`: puts between reserve and commit (idempotent commits by put id);
+- :class:`~transfer_queue.put_ledger.PutLedger`: puts between reserve and commit (idempotent commits by put id);
 - :class:`~transfer_queue.delivery.Delivery`: leases, acknowledgements, hand-backs, dead letters;
 - :class:`~transfer_queue.dp_rounds.DPRounds`: rounds shared by the ranks of a data-parallel world;
 - :class:`~transfer_queue.waiting.WaitingRoom`: requests that cannot be served yet (park, retry, expire);
@@ -34,10 +34,10 @@ from transfer_queue.errors import (
     TransferQueueError,
 )
 from transfer_queue.kv_state import KvState
-from transfer_queue.ledger import PutLedger, PutRequest, Reserved
 from transfer_queue.metadata import PartitionKey
 from transfer_queue.partition import PartitionState
 from transfer_queue.partition_table import PartitionTable
+from transfer_queue.put_ledger import PutLedger, PutRequest, Reserved
 from transfer_queue.reader import MetaReader
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
 from transfer_queue.waiting import WAIT, Parked, Respond, Wait, WaitingRoom

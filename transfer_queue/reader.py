@@ -18,10 +18,10 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.delivery import ROUND_OWNER, Delivery, check_lease_s
 from transfer_queue.dp_rounds import MAX_DP_SIZE, DPRounds, GetMetaJob
 from transfer_queue.errors import GetMetaTimeout, IncompleteGroups, InvalidRequest
-from transfer_queue.ledger import PutLedger
 from transfer_queue.metadata import BatchMeta
 from transfer_queue.partition import AVAILABLE, PartitionState, describe_partition
 from transfer_queue.partition_table import PartitionTable
+from transfer_queue.put_ledger import PutLedger
 from transfer_queue.samplers import BaseSampler
 from transfer_queue.selection import ReadyView, select_with_user_sampler
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from transfer_queue import dp_rounds, ledger, partition_table
+from transfer_queue import dp_rounds, partition_table, put_ledger
 from transfer_queue import partition as partition_module
 from transfer_queue import protocol as p
 from transfer_queue.columns import columns_from_tensordict
@@ -80,7 +80,7 @@ def test_parked_requests_are_capped_with_queue_busy(make_queue):
 
 
 def test_remembered_commits_are_capped(make_queue, monkeypatch):
-    monkeypatch.setattr(ledger, "COMMITS_REMEMBERED", 2)
+    monkeypatch.setattr(put_ledger, "COMMITS_REMEMBERED", 2)
     q = make_queue()
     reservations = [q.reserve("s", 1, X) for _ in range(3)]
     for r in reservations:

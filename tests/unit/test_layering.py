@@ -77,7 +77,7 @@ def test_the_run_orchestration_sits_above_workers_and_trainers():
 BOOKKEEPING = [
     "partition.py",
     "partition_table.py",
-    "ledger.py",
+    "put_ledger.py",
     "delivery.py",
     "dp_rounds.py",
     "waiting.py",

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_queue import ledger, partition, partition_table
+from transfer_queue import partition, partition_table, put_ledger
 from transfer_queue import protocol as p
 from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.config import QueueConfig
@@ -152,7 +152,7 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
     bounds = {
         "partitions": 2,  # the kv partition and at most one live step
         "cleared_names": partition_table.CLEARED_NAMES_REMEMBERED,
-        "committed": ledger.COMMITS_REMEMBERED,
+        "committed": put_ledger.COMMITS_REMEMBERED,
         "auto_rounds": 0,
         "open_puts": 0,
         "parked": 0,
@@ -171,7 +171,7 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
 def test_a_short_soak_keeps_every_structure_within_its_bound(monkeypatch):
     # lowered bounds, so that a few hundred cycles cross each of them several times
     monkeypatch.setattr(partition_table, "CLEARED_NAMES_REMEMBERED", 50)
-    monkeypatch.setattr(ledger, "COMMITS_REMEMBERED", 50)
+    monkeypatch.setattr(put_ledger, "COMMITS_REMEMBERED", 50)
     monkeypatch.setattr(partition, "MAX_TASKS_PER_PARTITION", 4)
     result = run_soak(600, 100)
     assert result["sizes_after"]["cleared_names"] == 50 and result["sizes_after"]["committed"] == 50
