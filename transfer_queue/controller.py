@@ -1,6 +1,6 @@
 """TransferQueueController: the Ray actor of the control plane.
 
-A thin shell: a ROUTER socket served from a background thread, decoding requests and handing them to
+A thin shell: a ROUTER socket served by the shared poll loop (transfer_queue.server), handing requests to
 :class:`~transfer_queue.queue_state.QueueState` (all bookkeeping lives there, unit-testable without Ray). Ray's own
 actor calls (creating it, ``register_sampler``, ``get_info``) are the trusted control channel; everything on the
 socket is typed msgpack and nothing received is unpickled. The controller never touches tensor bytes.
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import typing
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +44,12 @@ from transfer_queue.metrics import ControllerMetrics
 from transfer_queue.queue_snapshot import block_map, read_snapshot, restore_state, snapshot_state
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
-from transfer_queue.server import DEFAULT_MAX_MESSAGE_BYTES, check_envelope
+from transfer_queue.server import Responder, Server
 from transfer_queue.status import RUN_HISTORY, numeric_row, queue_summary
-from transfer_queue.transport import Incoming, Peer, Reply, ServerSockets
+from transfer_queue.transport import Incoming, Peer, Reply
 from transfer_queue.unit_health import UnitWatcher
 
 logger = logging.getLogger(__name__)
-MAX_BATCH = 256  # requests handled per wake-up before timers and storage messages get a turn
 # A clear is answered once the storage units dropped the payload, so a BatchMeta from before it can no longer read
 # those bytes; a unit that does not acknowledge within this long (at most) is dead or stuck, and the clear is
 # answered anyway.
@@ -79,8 +77,32 @@ class HeldReply:
     deadline: float
 
 
-class ControllerServer:
-    """Serves a QueueState on a ROUTER socket from a background thread."""
+class _ControllerResponder(Responder):
+    """Frames the controller's replies: every reply header tells the client which storage units are down."""
+
+    __slots__ = ("server",)
+
+    def __init__(self, server: ControllerServer, incoming: Incoming):
+        super().__init__(incoming.reply, -1, incoming.peer)
+        self.server = server
+
+    def ok(self, value: Any, buffers: Sequence[Any] = ()) -> None:
+        if not self.answered:
+            self.answered = True
+            self.server._reply(self.reply, self.request_id, value, None)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.answered:
+            self.answered = True
+            self.server._reply(self.reply, self.request_id, None, error)
+
+
+class ControllerServer(Server):
+    """Serves a QueueState on the shared poll loop (:class:`~transfer_queue.server.Server`): client requests on its
+    ROUTER and Unix sockets, and, as periodic work, the state's timers, its messages to the storage units and their
+    acknowledgements. Every step runs inside the base's one exception boundary (logged, counted in ``stats()``)."""
+
+    what = "controller"
 
     def __init__(
         self,
@@ -91,18 +113,15 @@ class ControllerServer:
         secret: bytes = b"",
         save_units: Callable[[str], None] | None = None,
     ):
+        super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
         self.state = state
+        self._session = session_id  # what the controller's own messages to the storage units carry
         self._save_units = save_units  # every storage unit writes its files under a staging directory
-        self.session_id = session_id
         self._secret = secret
-        self.lock = threading.Lock()
-        self._sockets = ServerSockets(host, secret=secret)
-        self._sockets.limit(DEFAULT_MAX_MESSAGE_BYTES)
-        self.endpoint = self._sockets.endpoint
         self._units = []
         self._unit_monitors: dict[zmq.Socket, int] = {}
         for endpoint in storage:
-            dealer = self._sockets.ctx.socket(zmq.DEALER)
+            dealer = self.sockets.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.IPV6, 1)
             dealer.setsockopt(zmq.HEARTBEAT_IVL, UNIT_HEARTBEAT_IVL_MS)
@@ -112,11 +131,11 @@ class ControllerServer:
             secure_client(dealer, secret)
             dealer.connect(endpoint.address())
             self._units.append(dealer)
-            self._sockets.register(dealer)
+            self.sockets.register(dealer)
             # The connection to a unit drops when it dies: new puts are placed on the others until it is back.
             monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self._unit_monitors[monitor] = len(self._units) - 1
-            self._sockets.register(monitor)
+            self.sockets.register(monitor)
         self._storage = storage
         # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
         # its node died), the others are up again when the connection is back.
@@ -128,82 +147,57 @@ class ControllerServer:
         self.endpoints: dict[str, Any] = {}  # the HTTP URLs of the controller and the storage units
         self._held: list[HeldReply] = []
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="tq-controller", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            wait = min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
-            events = self._sockets.poll(200 if wait > 0.2 else max(0, int(wait * 1000) + 1))
-            with self.lock:
-                for incoming in self._incoming(events):
-                    self._on_message(incoming.frames, incoming.reply, incoming.peer)
-                for peer in self._sockets.take_disconnects():
-                    try:  # a connection closed: its waits are dropped; its leases and open puts go after a grace
-                        self.state.on_disconnect(peer)
-                    except Exception:
-                        logger.exception("controller failed handling the disconnect of %s; still serving", peer)
-                if time.monotonic() >= self.state.next_deadline:
-                    self.state.tick()
-                self._flush_outbox()
-            for dealer in self._units:
-                if dealer in events:
-                    self._drain_storage_replies(dealer)
-            for monitor, unit in self._unit_monitors.items():
-                if monitor in events:
-                    self._follow_unit(monitor, unit)
-            self._send_held(time.monotonic())
+    # ---- the loop's hooks (transfer_queue.server.Server) -------------------------------------------------------
+    def next_wakeup(self) -> float:
+        return min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
+
+    def on_disconnect(self, peer: Peer) -> None:
+        # a connection closed: its waits are dropped; its leases and open puts go after a grace
+        self.state.on_disconnect(peer)
+
+    def periodic(self, events: dict[Any, int]) -> None:
+        if time.monotonic() >= self.state.next_deadline:
+            self._guard("tick", self.state.tick)
+        self._guard("storage messages", self._flush_outbox)
+        for dealer in self._units:
+            if dealer in events:
+                self._guard("storage replies", self._drain_storage_replies, dealer)
+        for monitor, unit in self._unit_monitors.items():
+            if monitor in events:
+                self._guard("storage connections", self._follow_unit, monitor, unit)
+        self._guard("held replies", self._send_held, time.monotonic())
+
+    def close_sockets(self) -> None:
         for monitor in self._unit_monitors:
             monitor.close(linger=0)
         for dealer in self._units:
             dealer.close(linger=0)
-        self._sockets.close()
+        self.sockets.close()
 
-    def _incoming(self, events: dict[Any, int]) -> list[Incoming]:
-        """What arrived on the ROUTER and the Unix sockets, each with the connection it came on."""
-        out = self._sockets.router_messages(events, MAX_BATCH)
-        for fd in self._sockets.unix_ready(events):
-            try:
-                out += self._sockets.unix_messages(fd)
-            except Exception:  # one bad connection must not stop the others
-                logger.exception("controller: reading Unix connection %d failed; dropping it", fd)
-                self._sockets.drop_unix(fd)
-        return out
+    def responder(self, incoming: Incoming) -> Responder:
+        return _ControllerResponder(self, incoming)
 
-    def _on_message(self, frames: list[Any], reply: Reply, peer: Peer | None = None) -> None:
-        if len(frames) < 2:
-            return  # not even an envelope and a body: nothing to answer
-        request_id = -1
-        try:
-            envelope = p.decode_envelope(frames[0])
-            request_id = envelope.request_id
-            check_envelope(envelope, self.session_id, "controller")
-            request = p.decode_controller_request(frames[1])
-        except TransferQueueError as exc:
-            self._reply(reply, request_id, None, exc)
-            return
+    def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
         if isinstance(request, p.Hello):
             hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
-            self._reply(reply, request_id, hello, None)
+            responder.ok(hello)
             return
         started, kind, metrics = time.perf_counter(), KINDS[type(request)], self.metrics
         if isinstance(request, p.QueueStatus):
             value = self.summary_locked(request.include_run_history)
             metrics.answered(kind, started, request, value, None)
-            self._reply(reply, request_id, value, None)
+            responder.ok(value)
             return
         if isinstance(request, p.SaveCheckpoint):
             try:
-                self._reply(reply, request_id, self.save(request.directory), None)
+                responder.ok(self.save(request.directory))
             except TransferQueueError as exc:
-                self._reply(reply, request_id, None, exc)
+                responder.fail(exc)
             except Exception as exc:  # a disk or a unit failed: the previous checkpoint stays current
                 logger.exception("saving a checkpoint under %s failed", request.directory)
-                self._reply(
-                    reply,
-                    request_id,
-                    None,
+                responder.fail(
                     CheckpointError(
                         f"saving the checkpoint under {request.directory} failed: {type(exc).__name__}: {exc}"
                     ),
@@ -227,21 +221,23 @@ class ControllerServer:
             if hold:
                 held.append((value, error))
             else:
-                self._reply(reply, request_id, value, error)
+                responder(value, error)
 
         try:
-            self.state.handle(request, respond, peer)
-        except Exception as exc:  # a bug, not bad input: answer it and keep serving
+            self.state.handle(request, respond, responder.peer)
+        except Exception as exc:  # a bug, not bad input: answer it, count it and keep serving
+            self.counters["failures.request"] += 1
             logger.exception("controller failed on %s", type(request).__name__)
             respond(None, exc)
         hold = False  # answers that come later (a parked request) go out at once
         for value, error in held:
             sent = self._flush_outbox() if error is None else []
             if sent:
+                responder.answered = True  # by _send_held, once the units dropped the bytes
                 deadline = time.monotonic() + self._drop_ack_wait
-                self._held.append(HeldReply(reply, request_id, value, set(sent), deadline))
+                self._held.append(HeldReply(responder.reply, responder.request_id, value, set(sent), deadline))
             else:
-                self._reply(reply, request_id, value, error)
+                responder(value, error)
 
     def save(self, directory: str) -> str:
         """Save the queue under ``directory`` (call with :attr:`lock` held: nothing is served meanwhile, so the
@@ -301,7 +297,7 @@ class ControllerServer:
         sent = []
         for unit, request in outbox:
             request_id = next(self._ids)
-            envelope = p.Envelope(p.PROTOCOL_VERSION, self.session_id, request_id)
+            envelope = p.Envelope(p.PROTOCOL_VERSION, self._session, request_id)
             try:  # never block the controller on a unit that stopped reading (dead or stuck)
                 self._units[unit].send_multipart([p.encode(envelope), p.encode(request)], zmq.NOBLOCK)
             except zmq.Again:
@@ -352,8 +348,8 @@ class ControllerServer:
 
     def connections(self) -> int:
         """Client connections open now (TCP and Unix socket)."""
-        unix = self._sockets.unix
-        return len(self._sockets._tcp_by_fd) + (len(unix.connections) if unix is not None else 0)
+        unix = self.sockets.unix
+        return len(self.sockets._tcp_by_fd) + (len(unix.connections) if unix is not None else 0)
 
     def summary_locked(self, run_history: bool = False) -> dict[str, Any]:
         """The whole-queue summary (see transfer_queue.status); the caller holds ``lock``."""
@@ -369,10 +365,6 @@ class ControllerServer:
     def record_run_row(self, row: dict[str, Any]) -> None:
         with self.lock:
             self.run_history.append(numeric_row(row))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 @ray.remote
@@ -508,12 +500,13 @@ class TransferQueueController:
     def server_stats(self) -> dict[str, Any]:
         """The controller's socket counters: ``dropped.unauthenticated`` counts connections refused because they did
         not prove the queue's secret (none of their frames was read); ``storage_units_down`` the units it lost its
-        connection to, or that Ray reports dead (placement skips them), and why in ``storage_units_down_reasons``."""
+        connection to, or that Ray reports dead (placement skips them), and why in ``storage_units_down_reasons``;
+        the serving loop's ``requests``, ``disconnects`` and ``failures.<where>`` (transfer_queue.server)."""
         with self._server.lock:
             down = sorted(self._server.state.down_units)
             reasons = dict(self._server.down_reasons)
         return {
-            "dropped.unauthenticated": self._server._sockets.unauthenticated(),
+            **self._server.stats(),
             "storage_units_down": down,
             "storage_units_down_reasons": reasons,
         }

@@ -105,6 +105,35 @@ class BatchMeta:
             setattr(self, name, cells.reshape(rows, cols))
 
     @classmethod
+    def of_arrays(
+        cls,
+        partition_id: PartitionKey,
+        partition_uid: int,
+        global_indexes: np.ndarray,
+        group_ids: np.ndarray,
+        fields: dict[str, FieldSchema],
+        blocks: np.ndarray,
+        offsets: np.ndarray,
+        task_name: str | None,
+        extra: dict[str, Any],
+    ) -> BatchMeta:
+        """A meta of arrays the controller's bookkeeping built (1-D int64 indexes and groups, ``[B, F]`` int64 blocks
+        and offsets), taken as they are: no checks, no copies (a get_meta's hot path)."""
+        meta = cls.__new__(cls)
+        meta.__dict__.update(
+            partition_id=partition_id,
+            partition_uid=partition_uid,
+            global_indexes=global_indexes,
+            group_ids=group_ids,
+            fields=fields,
+            blocks=blocks,
+            offsets=offsets,
+            task_name=task_name,
+            extra=extra,
+        )
+        return meta
+
+    @classmethod
     def empty(cls, partition_id: PartitionKey, partition_uid: int = -1, task_name: str | None = None) -> BatchMeta:
         none = np.zeros(0, dtype=np.int64)
         return cls(partition_id, partition_uid, none, none, {}, np.zeros((0, 0)), np.zeros((0, 0)), task_name)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from transfer_queue import protocol
 from transfer_queue.errors import (
     FieldAlreadyProduced,
     IncompleteGroups,
@@ -65,12 +65,21 @@ def merge_schema(stored: FieldSchema, incoming: FieldSchema, promote: bool) -> F
     return FieldSchema("jagged", stored.dtype, trailing[0]) if trailing[0] == trailing[1] else None
 
 
+def _encode_numpy_scalar(value: Any) -> Any:
+    if isinstance(value, np.generic):  # a number restored or computed as a numpy scalar: the number it holds
+        return value.item()
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
+_custom_meta_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_numpy_scalar)  # sizes what a meta carries
+
+
 def check_custom_meta(values: list[Any], labels: list[str]) -> None:
     """Raise InvalidRequest unless every value is a dict (or None) of at most MAX_CUSTOM_META_BYTES encoded."""
     for label, value in zip(labels, values, strict=True):
         if value is not None and not isinstance(value, dict):
             raise InvalidRequest(f"the custom meta of {label} must be a dict (or None), got {type(value).__name__}")
-        size = len(protocol.encode(value))
+        size = len(_custom_meta_encoder.encode(value))
         if size > MAX_CUSTOM_META_BYTES:
             raise InvalidRequest(
                 f"the custom meta of {label} is {size} bytes encoded; at most {MAX_CUSTOM_META_BYTES} are allowed "
@@ -724,12 +733,7 @@ class PartitionState:
         return self.block[rows, : len(self.fields)] >= 0
 
     def meta(self, rows: np.ndarray, names: list[str], task_name: str | None, extra: dict[str, Any]) -> BatchMeta:
-        return self.meta_wire(rows, names, task_name, extra).to_meta()
-
-    def meta_wire(
-        self, rows: np.ndarray, names: list[str], task_name: str | None, extra: dict[str, Any]
-    ) -> protocol.MetaWire:
-        """The wire form of the BatchMeta of ``rows`` with fields ``names``, straight from the arrays."""
+        """The BatchMeta of ``rows`` with fields ``names``, straight from the arrays (the controller encodes it)."""
         if not len(rows):  # the end of a stream: a field nobody produced has no schema to name
             names = [n for n in names if n in self.field_col]
         cols: list[int] = []
@@ -740,14 +744,14 @@ class PartitionState:
         cells = (rows[:, None], np.asarray(cols, dtype=np.int64))
         if self.custom_meta:
             extra = {**extra, "custom_meta": [self.custom_meta.get(r, {}) for r in rows.tolist()]}
-        return protocol.MetaWire(
+        return BatchMeta.of_arrays(
             self.key,
             self.uid,
-            protocol.pack_indexes(rows + self.base_index),
-            protocol.pack_indexes(self.group[rows]),
+            rows + self.base_index,
+            self.group[rows],
             {n: self.fields[n] for n in names},
-            protocol.pack_indexes(self.block[cells]),
-            protocol.pack_indexes(self.offset[cells]),
+            self.block[cells],
+            self.offset[cells],
             task_name,
             extra,
         )

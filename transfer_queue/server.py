@@ -13,8 +13,8 @@ A request is ``[envelope, body, *buffers]`` (see :mod:`transfer_queue.protocol`)
 exception is a bug: logged, counted, and answered as an internal error. Replies never carry the session id.
 
 Subclasses implement :meth:`Server.handle` and may override :meth:`Server.periodic` (called after every wake-up),
-:meth:`Server.next_wakeup` (seconds until the periodic work is due) and :meth:`Server.on_disconnect` (a peer's
-connection closed: its process died, or it closed the client).
+:meth:`Server.next_wakeup` (seconds until the periodic work is due), :meth:`Server.on_disconnect` (a peer's
+connection closed: its process died, or it closed the client) and :meth:`Server.responder` (how replies are framed).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ class Server:
         if len(frames) < 2:
             self.counters["dropped.malformed"] += 1
             return  # not even an envelope and a body: nothing to answer
-        responder = Responder(incoming.reply, -1, incoming.peer)
+        responder = self.responder(incoming)
         try:
             envelope = p.decode_envelope(frames[0])
             responder.request_id = envelope.request_id
@@ -198,6 +198,10 @@ class Server:
             self.counters["failures.request"] += 1
             logger.exception("%s failed on %s", self.name, type(request).__name__)
             responder.fail(exc)
+
+    def responder(self, incoming: Incoming) -> Responder:
+        """The Responder that answers ``incoming`` (a subclass may shape its replies, e.g. add to the header)."""
+        return Responder(incoming.reply, -1, incoming.peer)
 
     def _check_envelope(self, envelope: p.Envelope) -> None:
         check_envelope(envelope, self.session_id, self.what)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from transfer_queue import dp_rounds, partition_table, put_ledger
 from transfer_queue import partition as partition_module
 from transfer_queue import protocol as p
-from transfer_queue import queue_state
 from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.errors import GetMetaTimeout, InvalidRequest, PartitionCleared, PutExpired, QueueBusy
 from transfer_queue.metadata import FieldSchema
@@ -23,7 +23,7 @@ X = {"x": FieldSchema("dense", "float32", ())}
 
 
 def test_only_the_latest_cleared_names_are_remembered(make_queue, monkeypatch):
-    monkeypatch.setattr(queue_state, "CLEARED_NAMES_REMEMBERED", 3)
+    monkeypatch.setattr(partition_table, "CLEARED_NAMES_REMEMBERED", 3)
     q = make_queue()
     for i in range(10):
         q.put(f"s{i}", 1, X)
@@ -39,7 +39,7 @@ def test_only_the_latest_cleared_names_are_remembered(make_queue, monkeypatch):
 
 
 def test_a_partition_keeps_only_its_latest_dp_rounds(make_queue, monkeypatch):
-    monkeypatch.setattr(queue_state, "MAX_ROUNDS_PER_PARTITION", 2)
+    monkeypatch.setattr(dp_rounds, "MAX_ROUNDS_PER_PARTITION", 2)
     q = make_queue()
     q.put("s", 8, X)
     for r in range(4):
@@ -80,7 +80,7 @@ def test_parked_requests_are_capped_with_queue_busy(make_queue):
 
 
 def test_remembered_commits_are_capped(make_queue, monkeypatch):
-    monkeypatch.setattr(queue_state, "COMMITS_REMEMBERED", 2)
+    monkeypatch.setattr(put_ledger, "COMMITS_REMEMBERED", 2)
     q = make_queue()
     reservations = [q.reserve("s", 1, X) for _ in range(3)]
     for r in reservations:

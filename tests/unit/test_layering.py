@@ -68,3 +68,87 @@ def test_the_run_orchestration_sits_above_workers_and_trainers():
         imported |= imported_packages(path.read_text(encoding="utf-8"))
     assert {"workers", "trainers", "rl_contracts", "transfer_queue"} <= imported
     assert not (ROOT / "trainers" / "rl_loop.py").exists(), "the run's orchestration moved to orchestration/"
+
+
+# ---- inside transfer_queue: the bookkeeping knows no wire format (ARCHITECTURE §2, STYLE 4) -------------------------
+# The controller's bookkeeping is plain Python/numpy: no Ray, no sockets, no wire format. Only the request table
+# (queue_state.py: QueueState.handle takes decoded request structs and answers MetaWire / Reservation) and the
+# servers translate between the wire (protocol.py) and these modules.
+BOOKKEEPING = [
+    "partition.py",
+    "partition_table.py",
+    "put_ledger.py",
+    "delivery.py",
+    "dp_rounds.py",
+    "waiting.py",
+    "kv_state.py",
+    "reader.py",
+    "selection.py",
+]
+WIRE_AND_SOCKETS = {
+    "transfer_queue.protocol",
+    "transfer_queue.transport",
+    "transfer_queue.unix_socket",
+    "transfer_queue.server",
+    "transfer_queue.auth",
+    "transfer_queue.controller",
+    "transfer_queue.storage",
+    "transfer_queue.client",
+    "ray",
+    "zmq",
+}
+
+
+def imported_modules(source: str) -> set[str]:
+    """Dotted names of the modules ``source`` imports (``from transfer_queue import protocol`` counts as
+    ``transfer_queue.protocol``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def module_path(name: str) -> Path | None:
+    """The file of a transfer_queue module (or package), None for anything else."""
+    if not name.startswith("transfer_queue."):
+        return None
+    base = ROOT / name.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def reached_modules(path: Path) -> set[str]:
+    """Every module imported by ``path`` and, through transfer_queue modules, by what it imports."""
+    seen: set[str] = set()
+    todo = [path]
+    done: set[Path] = set()
+    while todo:
+        current = todo.pop()
+        if current in done:
+            continue
+        done.add(current)
+        for name in imported_modules(current.read_text(encoding="utf-8")):
+            seen.add(name)
+            nested = module_path(name)
+            if nested is not None:
+                todo.append(nested)
+    return seen
+
+
+def test_the_module_scanner_sees_the_wire_format_however_it_is_imported():
+    source = "from transfer_queue import protocol as p\ndef f():\n    from transfer_queue.protocol import MetaWire\n"
+    assert {"transfer_queue.protocol", "transfer_queue.protocol.MetaWire"} <= imported_modules(source)
+    assert "transfer_queue.protocol" in reached_modules(ROOT / "transfer_queue" / "queue_state.py")
+
+
+@pytest.mark.parametrize("module", BOOKKEEPING)
+def test_the_bookkeeping_imports_no_wire_format_sockets_or_ray(module):
+    reached = reached_modules(ROOT / "transfer_queue" / module)
+    bad = sorted(n for n in reached if any(n == w or n.startswith(w + ".") for w in WIRE_AND_SOCKETS))
+    assert bad == [], f"transfer_queue/{module} reaches {bad}"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_queue import partition, queue_state
+from transfer_queue import partition, partition_table, put_ledger
 from transfer_queue import protocol as p
 from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.config import QueueConfig
@@ -151,8 +151,8 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
     after, sizes_after = rss_bytes(), soak.sizes()
     bounds = {
         "partitions": 2,  # the kv partition and at most one live step
-        "cleared_names": queue_state.CLEARED_NAMES_REMEMBERED,
-        "committed": queue_state.COMMITS_REMEMBERED,
+        "cleared_names": partition_table.CLEARED_NAMES_REMEMBERED,
+        "committed": put_ledger.COMMITS_REMEMBERED,
         "auto_rounds": 0,
         "open_puts": 0,
         "parked": 0,
@@ -170,8 +170,8 @@ def run_soak(cycles: int, warmup: int) -> dict[str, Any]:
 
 def test_a_short_soak_keeps_every_structure_within_its_bound(monkeypatch):
     # lowered bounds, so that a few hundred cycles cross each of them several times
-    monkeypatch.setattr(queue_state, "CLEARED_NAMES_REMEMBERED", 50)
-    monkeypatch.setattr(queue_state, "COMMITS_REMEMBERED", 50)
+    monkeypatch.setattr(partition_table, "CLEARED_NAMES_REMEMBERED", 50)
+    monkeypatch.setattr(put_ledger, "COMMITS_REMEMBERED", 50)
     monkeypatch.setattr(partition, "MAX_TASKS_PER_PARTITION", 4)
     result = run_soak(600, 100)
     assert result["sizes_after"]["cleared_names"] == 50 and result["sizes_after"]["committed"] == 50
