@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ def save_checkpoint(
     extra_state: dict[str, Any],
     *,
     overwrite: bool = False,
-) -> None:
+    stage: Callable[[Path], Any] | None = None,
+) -> Any:
     """Save a sharded model + optimizer, every rank's RNG states and ``extra_state``; a collective.
 
     Args:
@@ -65,6 +67,12 @@ def save_checkpoint(
             (saving it would make DCP take a zero-learning-rate step that advances Adam's step counter).
         extra_state: JSON-serialisable caller state (policy version, prompt-source position, step, ...).
         overwrite: replace an existing checkpoint at ``path``, only once the new one is complete and on disk.
+        stage: called on rank 0 with the staging directory once every rank wrote its files, before the fsync and
+            the rename: files it writes there commit with the checkpoint, as one unit (the RL loop's queue
+            snapshot). If it raises, nothing is committed (the previous checkpoint stays).
+
+    Returns:
+        What ``stage`` returned on rank 0 (None elsewhere, and without ``stage``).
 
     Raises:
         TypeError: if ``extra_state`` is not JSON-serialisable (before anything is written).
@@ -93,10 +101,20 @@ def save_checkpoint(
     if rank == 0:
         (tmp / _MANIFEST).write_text(manifest)
     dist.barrier()
+    staged, failure = None, [None]
     if rank == 0:
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, path)
-    dist.barrier()
+        try:
+            staged = stage(tmp) if stage is not None else None
+            _fsync_tree(tmp)
+            _swap_into_place(tmp, path)
+        except Exception as exc:  # every rank raises (instead of waiting for rank 0 forever)
+            failure = [f"{type(exc).__name__}: {exc}"]
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)  # also the barrier: the checkpoint is committed (or not) for all
+    if failure[0] is not None:
+        raise RuntimeError(f"saving checkpoint {path} failed on rank 0: {failure[0]}")
+    return staged
 
 
 def load_checkpoint(
