@@ -420,7 +420,7 @@ class GRPORun:
 
     def _log_checkpoint(self, step: int, seconds: float, queue_s: float | None, queue: dict | None) -> None:
         row = {"kind": "checkpoint", "step": step, "checkpoint_s": seconds, "queue_s": queue_s or 0.0}
-        self.metrics.write({**row, "queue_steps": queue["steps"] if queue else []})
+        self.metrics.write({**row, "queue_steps": queue["steps"] if queue and queue_s is not None else []})
 
     def _restorable_queue(self) -> str | None:
         """The queue snapshot of the checkpoint this run will resume from, if it has one: the queue starts from it."""

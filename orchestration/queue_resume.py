@@ -13,10 +13,12 @@ consumption agree with what was produced: a row is done for a task exactly when 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
 QUEUE_DIR = "queue"  # the queue's snapshot inside a checkpoint directory (``step_XXXXXXXX/queue``)
 
 
@@ -51,14 +53,16 @@ class QueueResume:
 
 def queue_snapshot_of(checkpoint: Path) -> tuple[Path, dict[str, Any]] | None:
     """The queue snapshot inside a trainer checkpoint and its record (``extra_state["queue"]``), or None for a
-    checkpoint without one (nothing was in flight when it was taken, or it predates queue snapshots)."""
+    checkpoint without one (nothing was in flight when it was taken, it predates queue snapshots, or the queue's
+    save failed and the checkpoint was written without it): such a checkpoint resumes as before."""
     extra = json.loads((checkpoint / "checkpoint.json").read_text())["extra_state"]
     record = extra.get("queue")
     if not record:
         return None
     directory = checkpoint / record["dir"]
-    if not (directory / "CURRENT").is_file():
-        raise QueueResumeError(f"{checkpoint} records a queue snapshot in {directory}, which holds none")
+    if not (directory / "CURRENT").is_file():  # the queue's save failed: the checkpoint was written without it
+        logger.warning("%s holds no queue snapshot in %s: the steps in flight are drawn again", checkpoint, directory)
+        return None
     return directory, record
 
 

@@ -20,10 +20,12 @@ existed, with a warning). All ranks must see the same filesystem.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _MANIFEST = "checkpoint.json"
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
@@ -199,6 +202,26 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, *, pattern: 
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def queue_stage(client: Any, subdir: str) -> Callable[[Path], float | None]:
+    """A ``stage`` for :func:`save_checkpoint` that saves a transfer_queue (``client.save_checkpoint``) into
+    ``subdir`` of the staging directory, so the queue commits with the model. It returns the seconds the queue took,
+    or None when the queue could not be saved (e.g. a storage unit down): the checkpoint is then written without it
+    (no ``subdir/CURRENT``), and a run resumed from it draws and generates its steps in flight again."""
+    from transfer_queue.errors import TransferQueueError
+
+    def stage(staging: Path) -> float | None:
+        t0 = time.perf_counter()
+        try:
+            client.save_checkpoint(str(staging / subdir))
+        except TransferQueueError as exc:
+            shutil.rmtree(staging / subdir, ignore_errors=True)
+            logger.warning("the queue could not be saved with checkpoint %s (%s); saved without it", staging, exc)
+            return None
+        return time.perf_counter() - t0
+
+    return stage
 
 
 def _swap_into_place(new: Path, path: Path) -> None:

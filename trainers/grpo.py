@@ -30,6 +30,7 @@ from rl_contracts.task import Task, load_task
 from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
+from trainers.checkpoint import queue_stage
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
@@ -421,16 +422,9 @@ class GRPOTrainerRank:
     ) -> float | None:
         """Save the policy (a collective). ``queue_dir``: rank 0 also saves the queue (``client.save_checkpoint``)
         into that subdirectory of the staging directory, so the model and the queue commit as one checkpoint;
-        rank 0 then returns the seconds the queue's save took."""
+        rank 0 then returns the seconds the queue's save took (None: it failed, the checkpoint has no queue)."""
         assert self.policy is not None
-        stage = None
-        if queue_dir is not None and self.rank == 0:
-
-            def stage(staging: Any) -> float:
-                t0 = time.perf_counter()
-                self.client.save_checkpoint(str(staging / queue_dir))
-                return time.perf_counter() - t0
-
+        stage = queue_stage(self.client, queue_dir) if queue_dir is not None and self.rank == 0 else None
         extra = {**extra_state, "policy_version": self.version}
         return self.policy.save_checkpoint(path, extra, overwrite=overwrite, stage=stage)
 

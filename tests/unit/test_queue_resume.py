@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.queue_resume import QUEUE_DIR, QueueResume, QueueResumeError, queue_snapshot_of
+from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of
+from trainers.checkpoint import queue_stage
+from transfer_queue.checkpoint import CheckpointError
 
 
 def checkpoint(tmp_path: Path, extra: dict, with_queue: bool) -> Path:
@@ -31,10 +33,38 @@ def test_the_queue_snapshot_named_by_a_checkpoint_is_found(tmp_path) -> None:
     assert queue_snapshot_of(path) == (path / QUEUE_DIR, record)
 
 
-def test_a_recorded_queue_snapshot_that_is_missing_is_an_error(tmp_path) -> None:
+def test_a_checkpoint_whose_queue_save_failed_resumes_as_before(tmp_path, caplog) -> None:
     path = checkpoint(tmp_path, {"step": 4, "queue": {"dir": QUEUE_DIR, "steps": [4]}}, with_queue=False)
-    with pytest.raises(QueueResumeError, match=r"step_00000004 records a queue snapshot in .*queue, which holds none"):
-        queue_snapshot_of(path)
+    (path / QUEUE_DIR).mkdir()  # a save that failed half-way: no CURRENT
+    assert queue_snapshot_of(path) is None
+    assert "holds no queue snapshot in" in caplog.text
+
+
+class FakeClient:
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+
+    def save_checkpoint(self, directory: str) -> str:
+        Path(directory, ".staging-ckpt-0").mkdir(parents=True)
+        if self.error is not None:
+            raise self.error
+        Path(directory, "CURRENT").write_text("ckpt-0")
+        return str(Path(directory, "ckpt-0"))
+
+
+def test_the_queue_stage_saves_into_the_staging_directory(tmp_path) -> None:
+    seconds = queue_stage(FakeClient(), QUEUE_DIR)(tmp_path)
+    assert isinstance(seconds, float) and seconds >= 0
+    assert (tmp_path / QUEUE_DIR / "CURRENT").read_text() == "ckpt-0"
+
+
+def test_a_queue_that_cannot_be_saved_leaves_the_checkpoint_without_it(tmp_path, caplog) -> None:
+    stage = queue_stage(FakeClient(CheckpointError("storage unit 1 did not save")), QUEUE_DIR)
+    assert stage(tmp_path) is None
+    assert not (tmp_path / QUEUE_DIR).exists()
+    assert "the queue could not be saved with checkpoint" in caplog.text and "storage unit 1" in caplog.text
+    with pytest.raises(ValueError, match="not a queue error"):  # anything else is a bug: the save fails
+        queue_stage(FakeClient(ValueError("not a queue error")), QUEUE_DIR)(tmp_path)
 
 
 def test_the_resume_message_counts_restored_and_relaunched_rows() -> None:
