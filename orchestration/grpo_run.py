@@ -34,6 +34,7 @@ import yaml
 from tqdm import tqdm
 
 import transfer_queue
+from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
 from rl_contracts.task import Task, load_task
@@ -45,8 +46,8 @@ from trainers.metric_sinks import run_sinks
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.reward import RewardWorker
-from workers.rollout import RolloutWorker
+from workers.reward import REWARD_TASK, RewardWorker
+from workers.rollout import ROLLOUT_TASK, RolloutWorker
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class GRPORun:
         self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
         # with a weight channel, producers run one step further ahead: the queue holds that step too
         self.lookahead = cfg.max_staleness + (1 if self.channel is not None else 0)
+        self._queue_from: Path | None = None  # the checkpoint whose queue snapshot this queue starts from
+        self.queue_resume: QueueResume | None = None
         self.client = transfer_queue.init(
             global_batch_size=cfg.prompts_per_step,
             num_n_samples=cfg.n_samples,
@@ -71,6 +74,7 @@ class GRPORun:
             sampler=transfer_queue.GRPOSampler(cfg.n_samples),
             num_storage_units=cfg.num_storage_units,
             default_timeout=cfg.queue_timeout,
+            restore_from=self._restorable_queue(),
         )
         info = self.client.controller_info
         spec = EngineSpec(
@@ -216,12 +220,21 @@ class GRPORun:
 
         The prompt position is the one before step ``step`` drew its prompts: in async mode rollout has already
         drawn up to ``max_staleness`` steps ahead, and a resumed run must draw those again, not skip them.
+
+        Unless ``checkpoint_queue`` is off, the steps launched ahead (their rows in the queue) are saved with it: the
+        queue's snapshot goes into the same checkpoint directory before it is committed (see
+        :meth:`_queue_record`), and a resumed run trains those rows instead of drawing and generating them again.
         """
         root = self.out / "checkpoints"
         path = checkpoint_path(root, step)
         prompt_state = self.prompt_states.get(step, self.prompts.state_dict())
         extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
-        ray.get([rank.save_checkpoint.remote(str(path), extra, overwrite=True) for rank in self.trainer])
+        queue = self._queue_record(step)
+        extra.update({"queue": queue} if queue else {})
+        t0 = time.perf_counter()
+        queue_dir = QUEUE_DIR if queue else None
+        saved = ray.get([r.save_checkpoint.remote(str(path), extra, True, queue_dir) for r in self.trainer])
+        self._log_checkpoint(step, time.perf_counter() - t0, saved[0], queue)
         prune_checkpoints(root, self.cfg.checkpoint_keep)
         self._saved_step = step
         return path
@@ -275,7 +288,7 @@ class GRPORun:
         # the trainer's own version (what the channel holds; a resumed run may have published an older one)
         newest = self.channel.newest_version() if self.channel is not None else None
         first_version = newest if newest is not None else self.version
-        pending: dict[int, tuple[list[Any], list[Any]]] = {}
+        pending = self._relaunch_restored(start, first_version)
         rows_out = []
         controller = transfer_queue.get_controller()
         idle_cpu_per_s = self._queue_idle_cpu(controller)
@@ -376,6 +389,8 @@ class GRPORun:
             self.prompts.load_state_dict(extra["prompt_source"])
             self.version = int(extra.get("version", extra.get("policy_version", 0)))
             print(f"resumed from {latest} at step {extra['step']}", flush=True)
+            if self._queue_from == latest:
+                self._resume_queue(int(extra["step"]), extra["queue"])
             return int(extra["step"])
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         if self.cfg.init_from:
@@ -387,6 +402,73 @@ class GRPORun:
             self.sft()
             self.save(0)
         return 0
+
+    # ---- the queue in a checkpoint (orchestration/queue_resume.py) -------------------------------------------
+    def _queue_record(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint of ``step`` records about the queue saved with it: the steps in flight (launched, not
+        trained), the prompt position after their draws, and where each of them drew. None: nothing is in flight
+        (or ``checkpoint_queue`` is off), no snapshot is taken."""
+        queued = sorted(s for s in self.prompt_states if s >= step) if self.cfg.checkpoint_queue else []
+        if not queued:
+            return None
+        return {
+            "dir": QUEUE_DIR,
+            "steps": queued,
+            "prompt_source": self.prompts.state_dict(),
+            "prompt_states": [[s, self.prompt_states[s]] for s in queued],
+        }
+
+    def _log_checkpoint(self, step: int, seconds: float, queue_s: float | None, queue: dict | None) -> None:
+        row = {"kind": "checkpoint", "step": step, "checkpoint_s": seconds, "queue_s": queue_s or 0.0}
+        self.metrics.write({**row, "queue_steps": queue["steps"] if queue and queue_s is not None else []})
+
+    def _restorable_queue(self) -> str | None:
+        """The queue snapshot of the checkpoint this run will resume from, if it has one: the queue starts from it."""
+        latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
+        snapshot = queue_snapshot_of(latest) if latest is not None and self.cfg.checkpoint_queue else None
+        if snapshot is None:
+            return None
+        self._queue_from = latest
+        return str(snapshot[0])
+
+    def restored_outputs(self) -> dict[str, str]:
+        """Worker task -> the field it writes into a step's rows (a restored row that has it is done for it)."""
+        outputs = {ROLLOUT_TASK: "tokens" if self.cfg.rollout.generate_fn else "response_ids"}
+        return {**outputs, REWARD_TASK: "reward"} if self.reward else outputs
+
+    def _resume_queue(self, step: int, record: dict[str, Any]) -> None:
+        """Go on with the steps the restored queue holds: the prompt source after their draws, and each task's
+        consumption agreeing with what was produced before the crash (what was in flight is handed out again)."""
+        self.prompts.load_state_dict(record["prompt_source"])
+        self.prompt_states.update({int(s): state for s, state in record["prompt_states"]})
+        resume = QueueResume(step, self.cfg.prompts_per_step * self.cfg.n_samples)
+        outputs = self.restored_outputs()
+        for queued in record["steps"]:
+            resume.kept[int(queued)] = reconcile_step(self.client, int(queued), outputs, self.cfg.queue_timeout)
+        self.queue_resume = resume
+        print(resume.message(ROLLOUT_TASK), flush=True)
+        self.metrics.write(
+            {
+                "kind": "resume",
+                "step": step,
+                "restored_steps": resume.steps,
+                "restored_rows": resume.restored_rows(ROLLOUT_TASK),
+                "relaunched_rows": resume.rows_per_step * len(resume.steps) - resume.restored_rows(ROLLOUT_TASK),
+            }
+        )
+
+    def _relaunch_restored(self, start: int, first_version: int) -> dict[int, tuple[list[Any], list[Any]]]:
+        """Rollout and reward of the steps restored from the queue checkpoint (their prompts are in the queue):
+        the workers take only the rows nobody had produced."""
+        steps = self.queue_resume.steps if self.queue_resume is not None else []
+        return {
+            s: (
+                [w.generate_step.remote(s, self.prompt_fields(), self._min_version(s, start, first_version))
+                 for w in self.rollout],
+                [w.score_step.remote(s) for w in self.reward],
+            )
+            for s in steps
+        }  # fmt: skip
 
     def _step_row(
         self, step: int, train: dict[str, float], rollout: list[dict], reward: list[dict], sync_s: float, step_s: float
@@ -406,6 +488,7 @@ class GRPORun:
             reward_queue_s=total(reward, "queue_s"),
             train_queue_s=train.get("queue_s", 0.0),
             wait_s=total(rollout, "wait_s") + total(reward, "wait_s") + train.get("wait_s", 0.0),
+            generated_rows=total(rollout, "rows"),  # fewer than rows: the rest came from a queue checkpoint
             sync_s=sync_s,
             weights_wait_s=total(rollout, "weights_wait_s"),
             engine_restarts=total(rollout, "engine_restarts"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -62,3 +64,15 @@ class PromptSource:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)
+
+
+def prompts_checksum(rows: Iterable[list[int]]) -> int:
+    """An order-free checksum of prompt rows (token ids): the sum of each row's CRC-32 over its int64 bytes.
+
+    The trainer logs it per step (``prompts_crc``), so a run's steps can be checked against the prompt batches an
+    uninterrupted run draws: a skipped, repeated or mixed batch changes it.
+
+    >>> prompts_checksum([[1, 2], [3]]) == prompts_checksum([[3], [1, 2]])
+    True
+    """
+    return sum(zlib.crc32(np.asarray(row, dtype=np.int64).tobytes()) for row in rows)

@@ -20,11 +20,14 @@ existed, with a warning). All ranks must see the same filesystem.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _MANIFEST = "checkpoint.json"
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
@@ -55,7 +59,8 @@ def save_checkpoint(
     extra_state: dict[str, Any],
     *,
     overwrite: bool = False,
-) -> None:
+    stage: Callable[[Path], Any] | None = None,
+) -> Any:
     """Save a sharded model + optimizer, every rank's RNG states and ``extra_state``; a collective.
 
     Args:
@@ -65,6 +70,12 @@ def save_checkpoint(
             (saving it would make DCP take a zero-learning-rate step that advances Adam's step counter).
         extra_state: JSON-serialisable caller state (policy version, prompt-source position, step, ...).
         overwrite: replace an existing checkpoint at ``path``, only once the new one is complete and on disk.
+        stage: called on rank 0 with the staging directory once every rank wrote its files, before the fsync and
+            the rename: files it writes there commit with the checkpoint, as one unit (the RL loop's queue
+            snapshot). If it raises, nothing is committed (the previous checkpoint stays).
+
+    Returns:
+        What ``stage`` returned on rank 0 (None elsewhere, and without ``stage``).
 
     Raises:
         TypeError: if ``extra_state`` is not JSON-serialisable (before anything is written).
@@ -93,10 +104,20 @@ def save_checkpoint(
     if rank == 0:
         (tmp / _MANIFEST).write_text(manifest)
     dist.barrier()
+    staged, failure = None, [None]
     if rank == 0:
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, path)
-    dist.barrier()
+        try:
+            staged = stage(tmp) if stage is not None else None
+            _fsync_tree(tmp)
+            _swap_into_place(tmp, path)
+        except Exception as exc:  # every rank raises (instead of waiting for rank 0 forever)
+            failure = [f"{type(exc).__name__}: {exc}"]
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)  # also the barrier: the checkpoint is committed (or not) for all
+    if failure[0] is not None:
+        raise RuntimeError(f"saving checkpoint {path} failed on rank 0: {failure[0]}")
+    return staged
 
 
 def load_checkpoint(
@@ -181,6 +202,26 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, *, pattern: 
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def queue_stage(client: Any, subdir: str) -> Callable[[Path], float | None]:
+    """A ``stage`` for :func:`save_checkpoint` that saves a transfer_queue (``client.save_checkpoint``) into
+    ``subdir`` of the staging directory, so the queue commits with the model. It returns the seconds the queue took,
+    or None when the queue could not be saved (e.g. a storage unit down): the checkpoint is then written without it
+    (no ``subdir/CURRENT``), and a run resumed from it draws and generates its steps in flight again."""
+    from transfer_queue.errors import TransferQueueError
+
+    def stage(staging: Path) -> float | None:
+        t0 = time.perf_counter()
+        try:
+            client.save_checkpoint(str(staging / subdir))
+        except TransferQueueError as exc:
+            shutil.rmtree(staging / subdir, ignore_errors=True)
+            logger.warning("the queue could not be saved with checkpoint %s (%s); saved without it", staging, exc)
+            return None
+        return time.perf_counter() - t0
+
+    return stage
 
 
 def _swap_into_place(new: Path, path: Path) -> None:

@@ -134,6 +134,9 @@ class RLConfig:
     output_dir: str = "outputs/grpo"  # metrics, plot, config and checkpoints of the run
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     checkpoint_keep: int = 2  # newest step checkpoints kept in output_dir/checkpoints
+    # a checkpoint also holds the queue's rows of the steps launched ahead (async mode, the shm weight channel): a
+    # resumed run trains the samples produced before the crash and generates only those that were in flight
+    checkpoint_queue: bool = True
     resume: bool = True  # go on from the latest checkpoint in output_dir/checkpoints, if any
     init_from: str | None = None  # start RL from this checkpoint's weights (e.g. an SFT run's), fresh optimizer
     seed: int = 0  # seeds the weights, the prompt order and sampling

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -336,10 +336,12 @@ class FSDPPolicy:
             tmp.rename(path)
         dist.barrier()
 
-    def save_checkpoint(self, path: str | os.PathLike[str], extra_state: dict, *, overwrite: bool = False) -> None:
-        """Save model, optimizer (if trainable), RNG states and ``extra_state``; see
-        :func:`trainers.checkpoint.save_checkpoint`."""
-        save_checkpoint(path, self.model, self.optimizer, extra_state, overwrite=overwrite)
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], extra_state: dict, *, overwrite: bool = False, stage: Any = None
+    ) -> Any:
+        """Save model, optimizer (if trainable), RNG states and ``extra_state`` (and what ``stage`` writes into the
+        staging directory on rank 0); see :func:`trainers.checkpoint.save_checkpoint`."""
+        return save_checkpoint(path, self.model, self.optimizer, extra_state, overwrite=overwrite, stage=stage)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict:
         """Restore what :meth:`save_checkpoint` saved and return its ``extra_state``."""

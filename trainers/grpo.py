@@ -23,13 +23,14 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rl_contracts.partial import mask_offpolicy_tokens
-from rl_contracts.prompts import PromptSource
+from rl_contracts.prompts import PromptSource, prompts_checksum
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import Task, load_task
 from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
+from trainers.checkpoint import queue_stage
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
@@ -272,6 +273,8 @@ class GRPOTrainerRank:
             )
             data = clock.call(self.client.get_data, meta)
             t1 = time.perf_counter()
+            if "prompt_ids" in data.keys():  # noqa: SIM118 (the prompts trained on: a resume is checked by it)
+                totals_add(totals, {"prompts_crc_sum": float(prompts_checksum(rows_of(data["prompt_ids"])))})
             batch = build_train_batch(
                 data,
                 meta.group_ids,
@@ -414,9 +417,16 @@ class GRPOTrainerRank:
         assert self.policy is not None
         self.policy.save_hf_pretrained(path)
 
-    def save_checkpoint(self, path: str, extra_state: dict[str, Any], overwrite: bool = False) -> None:
+    def save_checkpoint(
+        self, path: str, extra_state: dict[str, Any], overwrite: bool = False, queue_dir: str | None = None
+    ) -> float | None:
+        """Save the policy (a collective). ``queue_dir``: rank 0 also saves the queue (``client.save_checkpoint``)
+        into that subdirectory of the staging directory, so the model and the queue commit as one checkpoint;
+        rank 0 then returns the seconds the queue's save took (None: it failed, the checkpoint has no queue)."""
         assert self.policy is not None
-        self.policy.save_checkpoint(path, {**extra_state, "policy_version": self.version}, overwrite=overwrite)
+        stage = queue_stage(self.client, queue_dir) if queue_dir is not None and self.rank == 0 else None
+        extra = {**extra_state, "policy_version": self.version}
+        return self.policy.save_checkpoint(path, extra, overwrite=overwrite, stage=stage)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         assert self.policy is not None
@@ -497,6 +507,7 @@ def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, f
         "staleness_token_mean": s.get("token_staleness_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
         "entropy": s.get("neg_logprob_sum", 0.0) / max(s.get("trained_tokens", 0.0), 1.0),
         **({"trained_groups": s["trained_groups"]} if "trained_groups" in s else {}),
+        **({"prompts_crc": s["prompts_crc_sum"]} if "prompts_crc_sum" in s else {}),
         **{
             name[: -len("_sum")]: s[name] / max(s["mismatch_tokens"], 1.0)
             for name in s

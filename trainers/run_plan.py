@@ -30,6 +30,7 @@ CHANGEABLE_ON_RESUME = (
     "resume",
     "checkpoint_every",
     "checkpoint_keep",
+    "checkpoint_queue",
     "eval_every",
     "log_every",
     "queue_timeout",

@@ -10,6 +10,7 @@ than rank 1's (one of which has none), so any weighting by rows instead of token
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import socket
 from pathlib import Path
@@ -180,7 +181,29 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     out["nan_metrics"] = resumed.train_step(batch1, nan_loss)
     after = resumed.full_state_dict()  # a collective: every rank calls it, only rank 0 gets tensors
     out["nan_unchanged"] = after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())
+    out.update(_staged_saves(rank, resumed, workdir / "staged"))
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
+
+
+def _staged_saves(rank: int, policy: FSDPPolicy, root: Path) -> dict:
+    """A caller's files staged into a checkpoint (rank 0's ``stage``) commit with it, or not at all."""
+
+    def write(staging: Path) -> str:
+        (staging / "queue").mkdir()
+        (staging / "queue" / "CURRENT").write_text("ckpt-0")
+        return "staged"
+
+    def fail(staging: Path) -> None:
+        (staging / "queue").mkdir()
+        raise OSError("disk full")
+
+    out = {"staged": policy.save_checkpoint(checkpoint_path(root, 1), {"n": 1}, stage=write if rank == 0 else None)}
+    try:
+        policy.save_checkpoint(checkpoint_path(root, 1), {"n": 2}, overwrite=True, stage=fail if rank == 0 else None)
+        out["failed_save"] = ""
+    except Exception as exc:  # every rank raises: none waits for rank 0 forever
+        out["failed_save"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def _one_rank_resume(workdir: Path) -> None:
@@ -359,6 +382,19 @@ def test_checkpoint_restores_weights_optimizer_rng_and_extra_state(run):
         np.testing.assert_array_equal(result["rng_after_load"][1], result["rng_after_save"][1])
         assert result["rng_after_load"][2] == result["rng_after_save"][2]
     assert not torch.equal(run["ranks"][0]["rng_after_save"][0], run["ranks"][1]["rng_after_save"][0])  # per rank
+
+
+def test_files_staged_by_rank_0_commit_with_the_checkpoint_or_not_at_all(run):
+    root = run["workdir"] / "staged"
+    assert [r["staged"] for r in run["ranks"]] == ["staged", None]  # what rank 0's stage returned
+    assert (checkpoint_path(root, 1) / "queue" / "CURRENT").read_text() == "ckpt-0"
+    assert run["ranks"][0]["failed_save"] == "OSError: disk full"
+    assert run["ranks"][1]["failed_save"] == (
+        f"RuntimeError: saving checkpoint {checkpoint_path(root, 1)} failed on rank 0: OSError: disk full"
+    )
+    # the failed overwrite left the first save as it was
+    assert latest_checkpoint(root) == checkpoint_path(root, 1)
+    assert json.loads((checkpoint_path(root, 1) / "checkpoint.json").read_text())["extra_state"] == {"n": 1}
 
 
 def test_checkpoint_reloads_on_another_world_size(run):

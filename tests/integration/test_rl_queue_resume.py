@@ -1,0 +1,103 @@
+"""An RL run's queue restored from its checkpoint (orchestration/queue_resume.py): rows whose output was written before
+the crash are kept for every worker task, rows a worker had taken but not written yet are handed out again, and rows
+that were only leased come back ready. The calls below are the rollout and reward workers' own protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from orchestration.queue_resume import reconcile_step
+from transfer_queue import GRPOSampler, TransferQueueClient, TransferQueueController
+
+N = 2  # samples per prompt
+PROMPTS = 4  # prompts per step: 8 rows
+OUTPUTS = {"rollout": "response_ids", "reward": "reward"}
+
+
+def jagged(rows: list[list[int]]) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.tensor(r, dtype=torch.int64) for r in rows], layout=torch.jagged)
+
+
+def start(**kwargs: Any) -> tuple[Any, TransferQueueClient]:
+    controller = TransferQueueController.remote(
+        PROMPTS, num_global_batch=3, num_n_samples=N, sampler=GRPOSampler(N), num_storage_units=2, **kwargs
+    )
+    return controller, TransferQueueClient("driver", ray.get(controller.get_info.remote()))
+
+
+def stop(controller: Any, client: TransferQueueClient) -> None:
+    client.close()
+    ray.get(controller.shutdown.remote(), timeout=60)
+    ray.kill(controller)
+
+
+def put_prompts(client: TransferQueueClient, step: int) -> None:
+    rows = [[step, p] for p in range(PROMPTS) for _ in range(N)]
+    client.put({"prompt_ids": jagged(rows)}, global_step=step)
+
+
+def generate(client: TransferQueueClient, step: int, rows: int, write: bool = True) -> list[int]:
+    """A rollout worker's round: take whole groups, read them (acknowledged), write responses (unless in flight)."""
+    meta = client.get_meta(["prompt_ids"], rows, global_step=step, task_name="rollout", get_n_samples=True)
+    data = client.get_data(meta.select_fields(["prompt_ids"]))
+    if write:
+        responses = [[*p.tolist(), 99] for p in data["prompt_ids"].unbind()]
+        client.put({"response_ids": jagged(responses)}, metadata=meta)
+    return sorted(meta.global_indexes.tolist())
+
+
+def score(client: TransferQueueClient, step: int, rows: int, write: bool = True) -> list[int]:
+    meta = client.get_meta(["response_ids"], rows, global_step=step, task_name="reward", get_n_samples=True)
+    client.get_data(meta)
+    if write:
+        client.put({"reward": torch.ones(len(meta), dtype=torch.float32)}, metadata=meta)
+    return sorted(meta.global_indexes.tolist())
+
+
+def test_a_restored_step_hands_out_again_only_what_was_in_flight(ray_session, tmp_path) -> None:
+    controller, client = start()
+    put_prompts(client, 1)
+    put_prompts(client, 2)
+    generated = generate(client, 1, 4)  # two groups with responses
+    in_flight = generate(client, 1, 2, write=False)  # taken and acknowledged, responses not written yet
+    scored = score(client, 1, 2)
+    scoring = score(client, 1, 2, write=False)
+    leased = client.get_meta(["prompt_ids"], 2, global_step=2, task_name="rollout", get_n_samples=True)
+    client.save_checkpoint(str(tmp_path))
+    generate(client, 1, 2)  # after the checkpoint: lost with the crash
+    stop(controller, client)
+
+    controller, client = start(restore_from=str(tmp_path))
+    try:
+        assert reconcile_step(client, 1, OUTPUTS, timeout=30) == {"rollout": 4, "reward": 2}
+        assert reconcile_step(client, 2, OUTPUTS, timeout=30) == {"rollout": 0, "reward": 0}
+        status = client.get_production_status(global_step=1)
+        assert status["fields"]["response_ids"]["produced"] == 4 and status["fields"]["reward"]["produced"] == 2
+
+        # step 1: rollout gets the 4 rows without responses (the 2 in flight and the 2 written after the checkpoint),
+        # then the end of the stream; never a row whose responses came back from the checkpoint
+        again = generate(client, 1, 4)
+        assert set(in_flight) <= set(again) and not set(again) & set(generated)
+        assert len(client.get_meta(["prompt_ids"], 2, global_step=1, task_name="rollout", get_n_samples=True)) == 0
+        # reward: the rows it had taken and not scored, then the rows generated now; never the scored ones
+        rescored = score(client, 1, 2)
+        assert rescored == scoring and not set(rescored) & set(scored)
+        assert score(client, 1, 4) == again
+        assert len(client.get_meta(["response_ids"], 2, global_step=1, task_name="reward", get_n_samples=True)) == 0
+        # the trainer gets all 8 rows of step 1 once, each with its response and reward
+        train = client.get_meta(
+            ["prompt_ids", "response_ids", "reward"], 8, global_step=1, task_name="train", get_n_samples=True
+        )
+        data = client.get_data(train)
+        assert sorted(train.global_indexes.tolist()) == sorted(generated + again)
+        for prompt, response in zip(data["prompt_ids"].unbind(), data["response_ids"].unbind(), strict=True):
+            assert response.tolist() == [*prompt.tolist(), 99]
+
+        # step 2: the leased rows are ready again; all 8 rows go to rollout, once
+        assert set(leased.global_indexes.tolist()) <= set(generate(client, 2, 8))
+        assert len(client.get_meta(["prompt_ids"], 2, global_step=2, task_name="rollout", get_n_samples=True)) == 0
+    finally:
+        stop(controller, client)
