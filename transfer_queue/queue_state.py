@@ -44,6 +44,7 @@ from transfer_queue.errors import (
     UnknownKey,
     UnknownPartition,
 )
+from transfer_queue.lost_rows import LostRowBook, lose_unit, lost_rows_report
 from transfer_queue.metadata import BatchMeta, PartitionKey
 from transfer_queue.metrics import QueueEvents
 from transfer_queue.partition import (
@@ -167,6 +168,7 @@ class QueueState:
         self.pending_sampler_states: dict[str, dict[str, Any]] = {}  # restored, for tasks not registered again yet
         self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
         self.events = QueueEvents()  # the metrics hook: lease expiries, re-deliveries (transfer_queue.metrics)
+        self.lost = LostRowBook()  # rows lost with storage units that restarted empty (transfer_queue.lost_rows)
         self._next_uid = 1
         self._next_put = 1
         self._next_block = 0
@@ -193,6 +195,7 @@ class QueueState:
             p.SetCustomMeta: self._on_set_custom_meta,
             p.GetCustomMeta: self._on_get_custom_meta,
             p.ClearSamples: self._on_clear_samples,
+            p.LostRows: lambda req: lost_rows_report(self, self._known(req.partition)),
         }
 
     # ---- samplers ------------------------------------------------------------------------------------------
@@ -263,6 +266,11 @@ class QueueState:
                 self.getters.setdefault(request.partition, []).append(parked)
         else:
             respond(result, None)
+
+    def unit_restarted(self, unit: int) -> dict[str, Any]:
+        """Storage unit ``unit`` came back empty (Ray restarted it): the rows it held are lost (see
+        :mod:`transfer_queue.lost_rows`); returns what was lost and the unit's ``lost_below``."""
+        return lose_unit(self, unit)
 
     def _owned_by(self, peer: Any, respond: Respond) -> Respond:
         """``respond`` that records ``peer`` as the owner of the put it answers with a reservation."""
