@@ -906,5 +906,5 @@ class PartitionState:
         for name in names:
             counts = self.row_state_counts(name)
             consumed = counts["leased"] + counts["acknowledged"] + counts["dead_lettered"]
-            out[name] = {"consumed": consumed, "rows": self.num_committed, **counts, "lost": self.num_lost}
-        return {"partition_id": self.key, "tasks": out}
+            out[name] = {"consumed": consumed, "rows": self.num_committed, **counts}
+        return {"partition_id": self.key, "tasks": out, "rows_lost": self.num_lost}

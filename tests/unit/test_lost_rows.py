@@ -38,7 +38,7 @@ def test_a_restarted_unit_loses_its_rows_which_are_reported_never_served_and_can
     status = q.ok(p.ProductionStatus(0))
     assert (status["rows"], status["rows_lost"], status["closed"]) == (4, 4, False)
     assert status["fields"]["x"]["produced"] == 4
-    assert q.ok(p.ConsumptionStatus(0, "train"))["tasks"]["train"]["lost"] == 4
+    assert q.ok(p.ConsumptionStatus(0, "train"))["rows_lost"] == 4
     report = lost(q, 0)
     assert [r["global_index"] for r in report] == first.global_indexes.tolist()
     assert [r["group_id"] for r in report] == [0, 0, 1, 1]
