@@ -622,8 +622,17 @@ class TransferQueueController:
         self._server.record_run_row(row)
 
     def storage_stats(self) -> list[dict[str, Any]]:
-        """Blocks, payload bytes and resident memory of each storage unit."""
-        return ray.get([u.stats.remote() for u in self._units])
+        """Blocks, payload bytes and resident memory of each storage unit. A unit that cannot answer (dead, being
+        restarted by Ray, not attached again yet) reports zeros and ``error``: why."""
+        refs = [u.stats.remote() for u in self._units]
+        out = []
+        for unit, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=30))
+            except Exception as exc:  # one unit's failure must not hide the others' figures
+                zeros = dict.fromkeys(("pid", "cpu_s", "blocks", "bytes", "rss_bytes"), 0)
+                out.append({"unit": unit, **zeros, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        return out
 
     def shutdown(self) -> None:
         """Stop serving and stop the storage units this controller started (again: a no-op)."""
