@@ -35,7 +35,7 @@ def test_a_run_survives_storage_unit_deaths_and_trains_every_prompt_group_once(t
     assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     summary = json.loads((out / "unit_death.json").read_text())
     assert [k["step"] for k in summary["kills"]] == [1, 3]
-    assert sum(summary["restarts"].values()) == 2  # both killed units came back
+    assert sum(summary["restarts"].values()) == 2  # both killed units came back (Ray restarted them)
     grpo = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "grpo"]
     assert [r["step"] for r in grpo] == list(range(STEPS))  # every step finished
     audits = [json.loads(line) for line in (out / "audit.jsonl").read_text().splitlines()]
