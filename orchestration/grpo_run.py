@@ -180,11 +180,11 @@ class GRPORun:
         n = self.cfg.n_samples
         put_retrying(self.client, self.prompt_rows([prompt] * n), global_step=step, group_ids=[group] * n)
 
-    def relaunch(self, step: int) -> tuple[list[Any], list[Any]]:
-        """Start the rollout and reward of ``step`` again (after rows of it were put again)."""
+    def relaunch(self, step: int, rollout: bool, reward: bool) -> tuple[list[Any], list[Any]]:
+        """Start the rollout and/or reward of ``step`` again (rows of it were put again after they had finished)."""
         return (
-            [w.generate_step.remote(step, self.prompt_fields(), None) for w in self.rollout],
-            [w.score_step.remote(step) for w in self.reward],
+            [w.generate_step.remote(step, self.prompt_fields(), None) for w in self.rollout] if rollout else [],
+            [w.score_step.remote(step) for w in self.reward] if reward else [],
         )
 
     def prompt_fields(self) -> list[str] | None:

@@ -36,7 +36,8 @@ class LostPrompts:
         train_task: the trainer's task name (whose acknowledgements say a group was trained).
         put_group: ``put_group(step, group_id, prompt)`` puts one prompt's ``n_samples`` rows into ``step`` with that
             group id.
-        relaunch: ``relaunch(step)`` starts the rollout and reward of ``step`` again; returns their refs.
+        relaunch: ``relaunch(step, rollout, reward)`` starts the rollout and/or reward of ``step`` again (their workers
+            had finished it); returns the new refs of each.
     """
 
     def __init__(
@@ -44,7 +45,7 @@ class LostPrompts:
         client: Any,
         train_task: str,
         put_group: Callable[[int, int, dict[str, Any]], None],
-        relaunch: Callable[[int], tuple[list[Any], list[Any]]],
+        relaunch: Callable[[int, bool, bool], tuple[list[Any], list[Any]]],
     ):
         self.client = client
         self.train_task = train_task
@@ -69,12 +70,10 @@ class LostPrompts:
             if len(done) == len(refs):
                 return ray.get(refs)
             for step, (rollout, reward) in pending.items():
-                if self.put_lost(step):
-                    finished, _ = ray.wait(rollout + reward, num_returns=len(rollout + reward), timeout=0)
-                    if len(finished) == len(rollout + reward):  # its workers left the step: start them again
-                        more_rollout, more_reward = self.relaunch(step)
-                        rollout.extend(more_rollout)
-                        reward.extend(more_reward)
+                if self.put_lost(step):  # workers that already left the step are started on it again
+                    more_rollout, more_reward = self.relaunch(step, _all_done(rollout), _all_done(reward))
+                    rollout.extend(more_rollout)
+                    reward.extend(more_reward)
 
     def put_lost(self, step: int) -> int:
         """Put again the lost groups of ``step`` the trainer neither trained nor holds; returns how many."""
@@ -104,3 +103,8 @@ class LostPrompts:
             self.groups_put_again += put
             logger.warning("step %d: put %d prompt groups again (their rows died with a storage unit)", step, put)
         return put
+
+
+def _all_done(refs: list[Any]) -> bool:
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return len(done) == len(refs)
