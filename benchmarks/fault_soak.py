@@ -168,9 +168,13 @@ def _report(
     unit_of = {(j, g): u for j, g, u, _ in rows}
     killed, restarted = events.get("unit_killed", float("inf")), events.get("unit_restarted", float("inf"))
     silent = unreported = not_on_unit = 0
+    detail = {}
     for j, audit in audits.items():
-        silent += put_ok[j] - audit["rows"] - audit["rows_lost"]
-        silent += sum(audit["rows"] - audit["tasks"][t]["acknowledged"] for t in TASKS)
+        missing = put_ok[j] - audit["rows"] - audit["rows_lost"]
+        unacked = {t: audit["rows"] - audit["tasks"][t]["acknowledged"] for t in TASKS}
+        silent += missing + sum(unacked.values())
+        if missing or any(unacked.values()):
+            detail[j] = {"put_ok": put_ok[j], "missing": missing, **audit, "lost": len(audit["lost"])}
         lost = set(audit["lost"])
         not_on_unit += sum(1 for g in lost if unit_of.get((j, g)) != 0)
         if audit["cleared_at"] > killed:  # live when the unit died: every row it held then must be reported
@@ -196,6 +200,7 @@ def _report(
         "partitions_audited": len(audits),
         "partitions": partitions,
         "lost_silently": silent,
+        "lost_silently_detail": detail,
         "corrupt_rows": sum(c.get("corrupt", 0) for c in consumed),
         "lost_reported": sum(a["rows_lost"] for a in audits.values()),
         "dead_unit_rows_unreported": unreported,

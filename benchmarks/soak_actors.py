@@ -121,7 +121,7 @@ class Consumer:
 
     def _run(self) -> None:
         from transfer_queue import TransferQueueClient
-        from transfer_queue.errors import GetMetaTimeout, PartitionCleared, StorageUnitDown, UnknownPartition
+        from transfer_queue.errors import GetMetaTimeout, PartitionCleared, UnknownPartition
 
         client = TransferQueueClient(f"consumer-{self.task}", self.info)
         j = 0
@@ -148,12 +148,8 @@ class Consumer:
                     else:
                         time.sleep(0.05)
                     continue
-                try:
-                    data = client.get_data(meta)
-                except StorageUnitDown as exc:  # RowsLost too: lost rows stay lost, the others are served again
-                    self.calls.error(exc)
-                    client.release(meta)
-                    time.sleep(0.1)
+                data = self._read(client, meta)
+                if data is None:
                     continue
                 x = data["x"]
                 self.corrupt += int((x[:, 2] != j).sum())
@@ -166,6 +162,22 @@ class Consumer:
                 journal.flush()
                 self.first_ack_at = self.first_ack_at or time.time()
         client.close()
+
+    def _read(self, client: Any, meta: Any) -> Any:
+        """get_data; while a unit is down, ask again (keeping the lease: handing the rows back would wear out their
+        deliveries); None when rows were lost (handed back: the lost ones stay lost, the others are served again)."""
+        from transfer_queue.errors import RowsLost, StorageUnitDown
+
+        while True:
+            try:
+                return client.get_data(meta)
+            except StorageUnitDown as exc:
+                self.calls.error(exc)
+                if isinstance(exc, RowsLost):
+                    client.release(meta)
+                    return None
+                time.sleep(0.2)
+                client.ping()  # the controller's reply says when the unit is back or restarted
 
     def _done(self, client: Any, name: str) -> bool:
         """The partition is closed and nothing is left for this task (nothing ready, nothing leased)."""

@@ -18,6 +18,7 @@ from transfer_queue.errors import RowsLost, StaleBatchMeta, StorageUnavailable, 
 logger = logging.getLogger(__name__)
 PUT_ATTEMPTS = 5  # a put placed on a unit that died mid-put is tried again (the controller places it elsewhere)
 DOWN_PAUSE_S = 0.5  # after a read found a unit down: wait a little (it is being restarted) before asking again
+DOWN_WAIT_S = 120.0  # the longest a reader waits for a down unit to come back (or be restarted empty)
 
 
 def release_quietly(client: Any, meta: Any) -> None:
@@ -29,17 +30,23 @@ def release_quietly(client: Any, meta: Any) -> None:
 
 
 def read_or_none(client: Any, meta: Any, release: bool = True, **kwargs: Any) -> Any:
-    """``client.get_data(meta)``, or None when some of its rows are lost or on a unit that is down now; with
-    ``release`` the rows are handed back then (a DP rank releases only once its peers agree)."""
-    try:
-        return client.get_data(meta, **kwargs)
-    except StorageUnitDown as exc:  # RowsLost too
-        logger.warning("%d rows could not be read (%s); handing them back", len(meta), exc)
-        if release:
-            release_quietly(client, meta)
-        if not isinstance(exc, RowsLost):
-            time.sleep(DOWN_PAUSE_S)
-        return None
+    """``client.get_data(meta)``, or None when some of its rows are lost; with ``release`` the rows are handed back
+    then (a DP rank releases only once its peers agree). While a unit holding some of them is down (dead, not restarted
+    yet) it keeps the lease and asks again, for up to ``DOWN_WAIT_S``: handing the rows back over and over would wear
+    out their deliveries and dead-letter them."""
+    deadline = time.monotonic() + DOWN_WAIT_S
+    while True:
+        try:
+            return client.get_data(meta, **kwargs)
+        except StorageUnitDown as exc:  # RowsLost too
+            if not isinstance(exc, RowsLost) and time.monotonic() < deadline:
+                time.sleep(DOWN_PAUSE_S)
+                client.ping()  # the controller's reply says whether the unit is back, or restarted empty
+                continue
+            logger.warning("%d rows could not be read (%s); handing them back", len(meta), exc)
+            if release:
+                release_quietly(client, meta)
+            return None
 
 
 def write_or_release(client: Any, fields: Any, meta: Any) -> bool:
