@@ -90,12 +90,18 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     started = time.time()
     total = cfg.clients * cfg.puts
     closed: set[int] = set()
+    crash = ""
     audits: dict[int, dict[str, Any]] = {}
     events: dict[str, float] = {}
     unit_pid = ray.get(controller.storage_stats.remote())[0]["pid"]
     replacement: Any = None
     while len(audits) < partitions and time.time() - started < cfg.deadline_s:
-        progress = ray.get([p.progress.remote() for p in producers])
+        try:
+            progress = ray.get([p.progress.remote() for p in producers])
+        except ray.exceptions.RayActorError as exc:  # a producer process crashed: the soak cannot finish
+            events["worker_crashed"] = time.time()
+            crash = f"{type(exc).__name__}: {str(exc)[:300]}"
+            break
         done_puts, slowest = sum(x[0] for x in progress), min(x[1] for x in progress)
         for j in range(partitions):
             if j not in closed and (slowest >= min(cfg.puts, (j + 1) * cfg.rotate)):
@@ -119,9 +125,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             ray.get(replacement.start.remote())
         time.sleep(0.2)
     wall = time.time() - started
-    produced = ray.get([p.result.remote() for p in producers])
     alive = [c for key, c in consumers.items() if key != ("task_a", 0)]
-    consumed = ray.get([c.result.remote() for c in alive])
+    produced, consumed = _results(producers), _results(alive)
     for actor in [*producers, *alive]:
         ray.kill(actor)
     ray.get(controller.shutdown.remote(), timeout=60)
@@ -129,7 +134,21 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     client.close()
     report = _report(cfg, produced, consumed, audits, events, journal_dir, partitions, wall)
     report["replacement_first_ack_s"] = consumed[-1].get("first_ack_at", 0) - events.get("consumer_killed", 0)
+    report["worker_crashes"] = sum(1 for r in [*produced, *consumed] if r.get("crashed"))
+    if "worker_crashed" in events:
+        report["worker_crash"] = crash
     return report
+
+
+def _results(actors: list[Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for actor in actors:
+        try:
+            out.append(ray.get(actor.result.remote(), timeout=120))
+        except Exception as exc:  # a crashed worker: counted, its figures are gone
+            empty = {"rows": [], "failed": 0, "errors_typed": {}, "errors_untyped": {}, "hangs": 0}
+            out.append({**empty, "crashed": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    return out
 
 
 def _audit_if_done(client: TransferQueueClient, j: int) -> dict[str, Any] | None:
@@ -221,6 +240,7 @@ def _report(
 def print_table(report: dict[str, Any]) -> None:
     keys = ["puts", "puts_failed", "lost_silently", "corrupt_rows", "lost_reported", "dead_unit_rows_unreported",
             "reported_not_on_dead_unit", "double_acknowledged", "errors_typed", "errors_untyped", "hangs",
+            "worker_crashes",
             "unit_recover_s", "unit_puts_again_s", "replacement_first_ack_s", "wall_s", "puts_per_s"]  # fmt: skip
     width = max(map(len, keys))
     for key in keys:

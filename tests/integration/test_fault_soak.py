@@ -36,5 +36,5 @@ def test_the_fault_soak_loses_nothing_silently_and_acknowledges_nothing_twice() 
     assert report["double_acknowledged"] == 0
     assert report["corrupt_rows"] == 0
     assert report["errors_untyped"] == {}
-    assert report["hangs"] == 0
+    assert report["hangs"] == 0 and report["worker_crashes"] == 0
     assert report["consumer_killed"] and report["unit_recover_s"] > 0
