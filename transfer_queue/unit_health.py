@@ -29,9 +29,10 @@ def units_on_dead_nodes(unit_nodes: Sequence[str], alive_nodes: Collection[str])
 
 class UnitWatcher:
     """Asks Ray about each storage unit: a liveness call that fails because the actor died for good (Ray will not
-    restart it), or the unit's node leaving Ray's table of alive nodes when no restart can follow, marks the unit down
-    for good through ``mark(unit, why, final=True)``. A unit Ray is restarting is down for now; once a liveness call
-    answers with a new incarnation, ``restarted(unit)`` is called (it attaches the new incarnation; True when done).
+    restart it), or the unit's node leaving Ray's table of alive nodes, marks the unit down for good through
+    ``mark(unit, why, final=True)``. A unit Ray is restarting is down for now; once a liveness call answers with a new
+    incarnation (also after its node died, restarted elsewhere), ``restarted(unit)`` is called (it attaches the new
+    incarnation; True when done) and the unit is up again.
 
     Args:
         units: the units' actor handles.
@@ -69,7 +70,8 @@ class UnitWatcher:
         since_nodes = NODES_EVERY
         while not self._stop.wait(PING_EVERY):
             for u, unit in enumerate(self._units):
-                if u not in self._dead and u not in pending.values():
+                # a dead unit Ray may still restart (elsewhere, after its node died) is watched for its return
+                if (u not in self._dead or self._restartable) and u not in pending.values():
                     pending[unit.incarnation.remote()] = u
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
             for ref in ready:
@@ -78,7 +80,7 @@ class UnitWatcher:
                     incarnation = ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:
                     # unreachable for now (a partition, or Ray is restarting it): down until it answers again
-                    if self._restartable:
+                    if self._restartable and u not in self._dead:
                         self._mark(u, "its Ray actor is unavailable (restarting, or unreachable)")
                     continue
                 except ray.exceptions.RayActorError as exc:
@@ -95,10 +97,7 @@ class UnitWatcher:
                 except Exception:  # the GCS is unreachable: nothing to conclude
                     continue
                 for u, why in units_on_dead_nodes(self._nodes, alive).items():
-                    if self._restartable:  # Ray restarts it elsewhere (or its next liveness call says it cannot)
-                        self._mark(u, why)
-                    else:
-                        self._down(u, why)
+                    self._down(u, why)  # for good, unless Ray restarts it elsewhere (a new incarnation)
 
     def _follow_incarnation(self, unit: int, incarnation: Any) -> None:
         known = self._incarnations[unit]
@@ -114,6 +113,7 @@ class UnitWatcher:
             return
         if done:
             self._incarnations[unit] = incarnation
+            self._dead.discard(unit)
             self._nodes[unit] = ""  # it may run on another node now; its death is reported by its liveness calls
 
     def _down(self, unit: int, why: str) -> None:
