@@ -79,10 +79,7 @@ class UnitWatcher:
                 try:
                     incarnation = ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:
-                    # unreachable for now (a partition, or Ray is restarting it): down until it answers again
-                    if self._restartable and u not in self._dead:
-                        self._mark(u, "its Ray actor is unavailable (restarting, or unreachable)")
-                    continue
+                    continue  # unreachable for now (a partition, or Ray is restarting it): the connection watch says so
                 except ray.exceptions.RayActorError as exc:
                     self._down(u, f"its Ray actor died ({type(exc).__name__})")
                     continue
