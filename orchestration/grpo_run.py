@@ -35,13 +35,15 @@ from tqdm import tqdm
 
 import transfer_queue
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
+from orchestration.regenerate import LostPrompts
+from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
-from trainers.grpo import GRPOTrainerRank
+from trainers.grpo import TRAIN_TASK, GRPOTrainerRank
 from trainers.metric_sinks import run_sinks
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
@@ -108,6 +110,8 @@ class GRPORun:
         self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
         self._saved_step: int | None = None
         self._resumed = False
+        # prompts whose rows die with a storage unit are put again (orchestration/regenerate.py)
+        self.lost_prompts = LostPrompts(self.client, TRAIN_TASK, self.put_group, self.relaunch)
 
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
         """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others).
@@ -165,11 +169,27 @@ class GRPORun:
         # where the prompt source stood before this step drew: what a run resumed at ``step`` must draw next
         self.prompt_states[step] = self.prompts.state_dict()
         prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
-        rows = [p for p in prompts for _ in range(n)]
+        self.lost_prompts.remember(step, prompts)
+        put_retrying(self.client, self.prompt_rows([p for p in prompts for _ in range(n)]), global_step=step)
+
+    def prompt_rows(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fields of prompt rows (one entry per row)."""
         fields: dict[str, Any] = {"prompt_ids": jagged([p["prompt_ids"] for p in rows], torch.int64)}
         for name in self.task.reward_fields:
             fields[name] = [str(p[name]) for p in rows]
-        self.client.put(fields, global_step=step)
+        return fields
+
+    def put_group(self, step: int, group: int, prompt: dict[str, Any]) -> None:
+        """Put one prompt's group of rows into ``step`` again, with its group id (its first rows were lost)."""
+        n = self.cfg.n_samples
+        put_retrying(self.client, self.prompt_rows([prompt] * n), global_step=step, group_ids=[group] * n)
+
+    def relaunch(self, step: int, rollout: bool, reward: bool) -> tuple[list[Any], list[Any]]:
+        """Start the rollout and/or reward of ``step`` again (rows of it were put again after they had finished)."""
+        return (
+            [w.generate_step.remote(step, self.prompt_fields(), None) for w in self.rollout] if rollout else [],
+            [w.score_step.remote(step) for w in self.reward] if reward else [],
+        )
 
     def prompt_fields(self) -> list[str] | None:
         """The fields of a step's rows a rollout worker reads (None: its own default)."""
@@ -350,7 +370,7 @@ class GRPORun:
         for ahead in range(step + 1, min(step + self.lookahead + 1, cfg.steps)):
             if ahead not in pending:
                 pending[ahead] = self.launch(ahead, self._min_version(ahead, start, first_version))
-        train = ray.get(train_refs)[0]
+        train = self.lost_prompts.wait(train_refs, pending)[0]  # puts again prompts lost with a storage unit
         rollout_refs, reward_refs = pending.pop(step)
         rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
         if self.channel is not None:
@@ -363,6 +383,7 @@ class GRPORun:
             publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
             sync_s = self.publish(version) if publish else 0.0
         self.client.clear(global_step=step)
+        self.lost_prompts.forget(step)
         return self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
 
     def _min_version(self, step: int, start: int, first_version: int) -> int | None:

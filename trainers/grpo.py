@@ -11,6 +11,7 @@ with the other ranks. The same code runs with gloo on CPU and NCCL on GPU.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rl_contracts.lost_rows import read_or_none, release_quietly
 from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import PromptSource, prompts_checksum
 from rl_contracts.queue_clock import QueueClock
@@ -259,19 +261,7 @@ class GRPOTrainerRank:
         clock, train_s = QueueClock(), 0.0
         version = self.version  # the engines' version when this step's samples are on-policy
         for k in range(rounds):
-            meta = clock.call(
-                self.client.get_meta,
-                TRAJECTORY_FIELDS
-                if cfg.rollout.generate_fn
-                else TRAIN_FIELDS + (PARTIAL_FIELDS if cfg.rollout.partial_rollout else []),
-                rows,
-                global_step=step,
-                task_name=TRAIN_TASK,
-                sampler_params={"dp_rank": self.rank, "dp_size": self.world_size, "dp_group_id": f"train/{step}/{k}"},
-                get_n_samples=True,
-                timeout=cfg.queue_timeout,
-            )
-            data = clock.call(self.client.get_data, meta)
+            meta, data = self._read_round(step, k, rows, clock)
             t1 = time.perf_counter()
             if "prompt_ids" in data.keys():  # noqa: SIM118 (the prompts trained on: a resume is checked by it)
                 totals_add(totals, {"prompts_crc_sum": float(prompts_checksum(rows_of(data["prompt_ids"])))})
@@ -320,6 +310,35 @@ class GRPOTrainerRank:
             optimizer_steps=len(train_metrics),
         )
         return out
+
+    def _read_round(self, step: int, k: int, rows: int, clock: QueueClock) -> tuple[Any, Any]:
+        """This rank's share of DP round ``k`` of ``step`` and its data. When a rank cannot read its share (a storage
+        unit died: rows lost or down), every rank hands its share back and the round is asked again under a new id,
+        so the ranks stay in step (lost rows come back as new rows, put again by the driver)."""
+        cfg = self.config
+        fields = (
+            TRAJECTORY_FIELDS
+            if cfg.rollout.generate_fn
+            else TRAIN_FIELDS + (PARTIAL_FIELDS if cfg.rollout.partial_rollout else [])
+        )
+        for attempt in itertools.count():
+            round_id = f"train/{step}/{k}" + (f"/again{attempt}" if attempt else "")
+            meta = clock.call(
+                self.client.get_meta,
+                fields,
+                rows,
+                global_step=step,
+                task_name=TRAIN_TASK,
+                sampler_params={"dp_rank": self.rank, "dp_size": self.world_size, "dp_group_id": round_id},
+                get_n_samples=True,
+                timeout=cfg.queue_timeout,
+            )
+            data = clock.call(read_or_none, self.client, meta, release=False)
+            assert self.policy is not None
+            if _global_sum(float(data is None), self.policy.device) == 0:
+                return meta, data
+            release_quietly(self.client, meta)
+        raise AssertionError("unreachable")
 
     def _set_rl_lr(self, optimizer_step: int) -> None:
         """The RL learning rate of optimizer step ``optimizer_step`` (0-based, counted from the start of RL): a

@@ -45,6 +45,7 @@ from transfer_queue.errors import (
     ProtocolMismatch,
     QueueClosed,
     RequestTimeout,
+    RowsLost,
     ServerGone,
     StaleBatchMeta,
     StorageUnavailable,
@@ -56,6 +57,7 @@ from transfer_queue.errors import (
     error_from_wire,
 )
 from transfer_queue.metadata import BatchMeta, PartitionKey, as_names
+from transfer_queue.partition import describe_partition
 from transfer_queue.transport import AsyncioTransport, BlockingTransport, Transport, run_sync
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,10 @@ class AsyncTransferQueueClient:
         # Storage units known to be down, and why: the controller's view (every reply of it carries it) plus the units
         # this client failed to reach since. Reads of rows on them fail at once (StorageUnitDown).
         self._down_units: dict[int, str] = {}
+        # Where each storage unit listens now (a unit Ray restarted listens on new ports), and below which block id
+        # the blocks of a restarted unit are lost: both from the controller's replies.
+        self._unit_endpoints: list[p.Endpoint] = list(controller_info.storage_units)
+        self._restarted: dict[int, p.UnitRestart] = {}
 
     # ---- plumbing ------------------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
@@ -181,10 +187,35 @@ class AsyncTransferQueueClient:
             header = p.decode_reply_header(frames[0])
             if header.down_units is not None:  # a controller's reply: its view of the storage units replaces ours
                 self._down_units = dict(header.down_units)
+            if header.restarted_units:
+                self._learn_restarts(header.restarted_units)
             if header.error_type is not None:
                 raise error_from_wire(header.error_type, header.error_message or "")
             out.append((frames[1], frames[2:]))
         return out
+
+    def _learn_restarts(self, restarted: dict[int, p.UnitRestart]) -> None:
+        """Storage units Ray restarted: talk to them where they are now; their older blocks are lost."""
+        for unit, restart in restarted.items():
+            known = self._restarted.get(unit)
+            if 0 <= unit < len(self._unit_endpoints) and (known is None or restart.restarts > known.restarts):
+                self._restarted[unit] = restart
+                self._unit_endpoints[unit] = restart.endpoint
+
+    def _rows_lost(self, meta: BatchMeta, units: np.ndarray) -> RowsLost | None:
+        """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty."""
+        for unit, restart in sorted(self._restarted.items()):
+            lost = (units == unit) & (meta.blocks >= 0) & (meta.blocks < restart.lost_below)
+            if lost.any():
+                rows = np.unique(meta.global_indexes[lost.any(axis=1)])
+                fields = [name for j, name in enumerate(meta.field_names) if lost[:, j].any()]
+                return RowsLost(
+                    f"rows {rows[:20].tolist()}{' ...' if len(rows) > 20 else ''} ({len(rows)} of {len(meta)}) of "
+                    f"{describe_partition(meta.partition_id)} were lost: storage unit {unit} died and was restarted "
+                    f"empty (restart {restart.restarts}), taking fields {fields} of them; put them again as new rows "
+                    "(client.lost_rows lists them)"
+                )
+        return None
 
     async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:
         ((reply, _),) = await self._call(
@@ -200,7 +231,7 @@ class AsyncTransferQueueClient:
         timeout: float,
         into: Sequence[dict[int, Any]] | None = None,
     ) -> list[tuple[Any, list]]:
-        units = self.controller_info.storage_units
+        units = self._unit_endpoints
         try:
             return await self._call(
                 [(units[u], body, bufs) for u, body, bufs in calls],
@@ -448,13 +479,16 @@ class AsyncTransferQueueClient:
             td = TensorDict({}, batch_size=[num_rows])
             await self._auto_ack(batch_meta)
             return td.to(device) if device is not None else td
+        units = batch_meta.blocks % len(self._unit_endpoints)
+        lost = self._rows_lost(batch_meta, units)
+        if lost is not None:
+            raise lost
         if np.any(batch_meta.blocks < 0):
             row, col = np.argwhere(batch_meta.blocks < 0)[0]
             raise UnknownField(
                 f"field {batch_meta.field_names[col]!r} is not produced for global index "
                 f"{batch_meta.global_indexes[row]}"
             )
-        units = batch_meta.blocks % len(self.controller_info.storage_units)
         down = {u: why for u, why in self._down_units.items() if np.any(units == u)}
         if down:
             raise self._unit_down(batch_meta, units, down)
@@ -485,6 +519,13 @@ class AsyncTransferQueueClient:
             replies = await self._storage(calls, timeout, into if any(into) else None)
         except StorageUnavailable as exc:
             failed = {u: self._down_units.get(u, "unreachable") for u in getattr(exc, "units", [])}
+            try:  # the controller's view: the unit may have been restarted (empty) meanwhile
+                await self._control(p.Hello(self.client_id), Any, min(timeout, 5.0))
+            except TransferQueueError:
+                pass
+            lost = self._rows_lost(batch_meta, units)
+            if lost is not None:
+                raise lost from None
             raise self._unit_down(batch_meta, units, failed, f"{exc}; ") from None
         parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
         where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
@@ -632,6 +673,18 @@ class AsyncTransferQueueClient:
         >>> client.status()["tasks"]["train"]["acknowledged"]  # doctest: +SKIP
         """
         return await self._control(p.QueueStatus(bool(run_history)), Any, self.config.default_timeout)
+
+    async def lost_rows(self, global_step: int | None = None, partition_id: str | None = None) -> list[dict]:
+        """The rows of a partition lost with a storage unit that died and was restarted empty (see docs/api.md
+        "Lost rows"): one dict per row with ``global_index``, ``group_id``, ``custom_meta`` (tags), ``key`` (kv),
+        ``unit``, ``fields`` (those that were on the unit; empty: lost with the rest of its group) and ``tasks``
+        (each task's delivery state of it now: ``ready``, ``leased``, ``acknowledged``, ``dead_lettered``). A producer
+        puts the rows it still needs again, as new rows (e.g. ``group_ids=[group_id] * n``). Raises UnknownPartition.
+
+        >>> [row["group_id"] for row in client.lost_rows(global_step=3)]  # doctest: +SKIP
+        """
+        request = p.LostRows(_partition(global_step, partition_id))
+        return await self._control(request, Any, self.config.default_timeout)
 
     async def close_partition(self, global_step: int | None = None, partition_id: str | None = None) -> None:
         """No more puts to this partition: readers get the final short batch, then the end of the stream."""
@@ -924,6 +977,7 @@ class TransferQueueClient:
     save_checkpoint = _sync(AsyncTransferQueueClient.save_checkpoint)
     list_partitions = _sync(AsyncTransferQueueClient.list_partitions)
     close_partition = _sync(AsyncTransferQueueClient.close_partition)
+    lost_rows = _sync(AsyncTransferQueueClient.lost_rows)
     status = _sync(AsyncTransferQueueClient.status)
     ping = _sync(AsyncTransferQueueClient.ping)
     kv_put = _sync(AsyncTransferQueueClient.kv_put)

@@ -37,6 +37,9 @@ class QueueConfig:
         http_host: address the read-only HTTP endpoints (``/metrics`` of every actor, the controller's ``/status``)
             bind; 127.0.0.1 unless you open them to a Prometheus on another host (e.g. ``0.0.0.0``).
         http_port: the controller's HTTP port (0: a free one; storage units always take free ones); -1: no HTTP.
+        storage_unit_max_restarts: times Ray restarts a storage unit the controller started that died (its process or
+            node); a restarted unit comes back empty and the rows it held are reported lost (``client.lost_rows``).
+            0: a dead unit stays down.
     """
 
     global_batch_size: int
@@ -56,6 +59,7 @@ class QueueConfig:
     promote_jagged: bool = False
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    storage_unit_max_restarts: int = 5
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,6 +80,9 @@ class QueueConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        restarts = self.storage_unit_max_restarts
+        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+            raise InvalidRequest(f"storage_unit_max_restarts must be an int >= 0, got {restarts!r}")
         if not isinstance(self.max_fields, int) or isinstance(self.max_fields, bool) or not 1 <= self.max_fields <= 64:
             raise InvalidRequest(
                 f"max_fields must be an int in [1, 64] (a row's produced fields are bits of a uint64), got "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import typing
 import uuid
@@ -118,25 +119,15 @@ class ControllerServer(Server):
         self._session = session_id  # what the controller's own messages to the storage units carry
         self._save_units = save_units  # every storage unit writes its files under a staging directory
         self._secret = secret
-        self._units = []
+        self._units: list[zmq.Socket] = []
         self._unit_monitors: dict[zmq.Socket, int] = {}
-        for endpoint in storage:
-            dealer = self.sockets.ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.IPV6, 1)
-            dealer.setsockopt(zmq.HEARTBEAT_IVL, UNIT_HEARTBEAT_IVL_MS)
-            dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, UNIT_HEARTBEAT_TIMEOUT_MS)
-            dealer.setsockopt(zmq.RECONNECT_IVL, UNIT_RECONNECT_MS)
-            dealer.setsockopt(zmq.CONNECT_TIMEOUT, UNIT_CONNECT_TIMEOUT_MS)
-            secure_client(dealer, secret)
-            dealer.connect(endpoint.address())
-            self._units.append(dealer)
-            self.sockets.register(dealer)
-            # The connection to a unit drops when it dies: new puts are placed on the others until it is back.
-            monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            self._unit_monitors[monitor] = len(self._units) - 1
-            self.sockets.register(monitor)
-        self._storage = storage
+        for unit, endpoint in enumerate(storage):
+            self._units.append(self._connect_unit(unit, endpoint))
+        self._storage = list(storage)
+        # Units Ray restarted (empty, on new ports): every reply tells clients where they are now and which of their
+        # blocks are lost. Restarts are applied by the serving thread (it owns the sockets).
+        self.restarted_units: dict[int, p.UnitRestart] = {}
+        self._restarts_due: list[tuple[int, p.Endpoint, threading.Event, dict[str, Any]]] = []
         # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
         # its node died), the others are up again when the connection is back.
         self.down_reasons: dict[int, str] = {}
@@ -149,6 +140,65 @@ class ControllerServer(Server):
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self.start()
 
+    def _connect_unit(self, unit: int, endpoint: p.Endpoint) -> zmq.Socket:
+        """A DEALER to storage unit ``unit``, watched: the connection drops when the unit dies, and new puts are
+        placed on the others until it is back."""
+        dealer = self.sockets.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, UNIT_HEARTBEAT_IVL_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, UNIT_HEARTBEAT_TIMEOUT_MS)
+        dealer.setsockopt(zmq.RECONNECT_IVL, UNIT_RECONNECT_MS)
+        dealer.setsockopt(zmq.CONNECT_TIMEOUT, UNIT_CONNECT_TIMEOUT_MS)
+        secure_client(dealer, self._secret)
+        dealer.connect(endpoint.address())
+        self.sockets.register(dealer)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._unit_monitors[monitor] = unit
+        self.sockets.register(monitor)
+        return dealer
+
+    def restart_unit(self, unit: int, endpoint: p.Endpoint, timeout: float = 30.0) -> dict[str, Any]:
+        """Storage unit ``unit`` was restarted by Ray (empty) and now listens at ``endpoint``: connect to it, mark the
+        rows it held lost, and mark it up. Returns what was lost (see ``QueueState.unit_restarted``)."""
+        done, result = threading.Event(), {}
+        with self.lock:
+            self._restarts_due.append((unit, endpoint, done, result))
+        if not done.wait(timeout):
+            raise TimeoutError(f"the controller's serving thread did not take storage unit {unit}'s restart in time")
+        return result
+
+    def _apply_restarts(self) -> None:
+        with self.lock:
+            due, self._restarts_due = self._restarts_due, []
+        for unit, endpoint, done, result in due:
+            old = self._units[unit]
+            for monitor in [m for m, u in self._unit_monitors.items() if u == unit]:
+                del self._unit_monitors[monitor]
+                self.sockets.unregister(monitor)
+                monitor.close(linger=0)
+            self.sockets.unregister(old)
+            old.close(linger=0)
+            self._units[unit] = self._connect_unit(unit, endpoint)
+            with self.lock:
+                self._storage[unit] = endpoint
+                self._dead.discard(unit)
+                self.down_reasons.pop(unit, None)
+                self.state.down_units.discard(unit)
+                try:
+                    result.update(self.state.unit_restarted(unit))
+                except Exception:  # a bug: keep serving; the unit is up, its old rows may still be listed
+                    logger.exception("marking the rows of restarted storage unit %d lost failed", unit)
+                self.restarted_units[unit] = p.UnitRestart(
+                    endpoint, int(result.get("lost_below", 0)), int(result.get("restarts", 0))
+                )
+                self._flush_outbox()
+            logger.warning(
+                "storage unit %d was restarted and is back at %s; %s rows it held are lost (%s)",
+                unit, endpoint.tcp, result.get("rows"), result.get("partitions"),
+            )  # fmt: skip
+            done.set()
+
     # ---- the loop's hooks (transfer_queue.server.Server) -------------------------------------------------------
     def next_wakeup(self) -> float:
         return min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
@@ -158,6 +208,8 @@ class ControllerServer(Server):
         self.state.on_disconnect(peer)
 
     def periodic(self, events: dict[Any, int]) -> None:
+        if self._restarts_due:
+            self._guard("storage restarts", self._apply_restarts)
         if time.monotonic() >= self.state.next_deadline:
             self._guard("tick", self.state.tick)
         self._guard("storage messages", self._flush_outbox)
@@ -264,10 +316,11 @@ class ControllerServer(Server):
 
     def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
         down = dict(self.down_reasons)  # every reply tells the client which storage units are down
+        restarted = dict(self.restarted_units) or None  # ... and which were restarted: where they are, what is lost
         if error is not None:
-            header, body = p.ReplyHeader(request_id, *error_to_wire(error), down_units=down), b""
+            header, body = p.ReplyHeader(request_id, *error_to_wire(error), down, restarted), b""
         else:
-            header, body = p.ReplyHeader(request_id, down_units=down), p.encode(value)
+            header, body = p.ReplyHeader(request_id, down_units=down, restarted_units=restarted), p.encode(value)
         reply([p.encode(header), body])
 
     def mark_unit(self, unit: int, down: str | None, final: bool = False) -> None:
@@ -430,22 +483,57 @@ class TransferQueueController:
             from transfer_queue.runtime import start_storage_units  # runtime imports this module
 
             # bind_host is an address of this node: units that Ray places on other nodes bind their own
-            storage_units = start_storage_units(units, storage_unit_options, bind_host, p.ray_node_id())
+            storage_units = start_storage_units(
+                units, storage_unit_options, bind_host, p.ray_node_id(), self._config.storage_unit_max_restarts
+            )
         self._units = storage_units
-        limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more than the units do
+        self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
         endpoints = ray.get(
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
         )
+        incarnations = ray.get([u.incarnation.remote() for u in storage_units])
         if restore_from is not None:
             state = self._restore(restore_from, sampler)
         self._server = ControllerServer(
             state, self._session_id, endpoints, bind_host, self._secret, save_units=self._save_units
         )
-        self._watcher = UnitWatcher(storage_units, [e.node_id for e in endpoints], self._server.mark_unit)
+        self._watcher = UnitWatcher(
+            storage_units,
+            [e.node_id for e in endpoints],
+            self._server.mark_unit,
+            incarnations,
+            self._unit_restarted,
+            restartable=self._owns_units and self._config.storage_unit_max_restarts > 0,
+        )
         self._web = serve_status(self._server, storage_units, self._config.http_host, self._config.http_port)
         self._info = p.ControllerInfo(
             p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
         )
+
+    def _unit_restarted(self, unit: int) -> bool:
+        """Ray restarted storage unit ``unit`` (the watcher saw a new incarnation): attach it to this session again, on
+        its new ports; the rows it held are marked lost. Runs on the watcher's thread."""
+        handle = self._units[unit]
+        units = len(self._units)
+        endpoint = ray.get(
+            handle.attach.remote(self._session_id, unit, units, self._secret, self._message_limit), timeout=60
+        )
+        lost = self._server.restart_unit(unit, endpoint)
+        storage = list(self._info.storage_units)
+        storage[unit] = endpoint
+        self._info = msgspec.structs.replace(self._info, storage_units=storage)
+        if self._web is not None:
+            try:
+                url = ray.get(handle.serve_metrics.remote(self._config.http_host), timeout=30)
+                with self._server.lock:
+                    urls = list(self._server.endpoints.get("storage_units", []))
+                    if unit < len(urls):
+                        urls[unit] = url
+                        self._server.endpoints = {**self._server.endpoints, "storage_units": urls}
+            except Exception:  # metrics only: the unit serves the queue all the same
+                logger.exception("storage unit %d: its /metrics endpoint did not start after the restart", unit)
+        logger.warning("storage unit %d restarted: %s", unit, lost)
+        return True
 
     def _save_units(self, staging: str) -> None:
         ray.get([unit.save_checkpoint.remote(staging) for unit in self._units])
@@ -505,10 +593,12 @@ class TransferQueueController:
         with self._server.lock:
             down = sorted(self._server.state.down_units)
             reasons = dict(self._server.down_reasons)
+            restarted = {u: r.restarts for u, r in self._server.restarted_units.items()}
         return {
             **self._server.stats(),
             "storage_units_down": down,
             "storage_units_down_reasons": reasons,
+            "storage_units_restarted": restarted,
         }
 
     def status(self, run_history: bool = False) -> dict[str, Any]:
@@ -526,8 +616,17 @@ class TransferQueueController:
         self._server.record_run_row(row)
 
     def storage_stats(self) -> list[dict[str, Any]]:
-        """Blocks, payload bytes and resident memory of each storage unit."""
-        return ray.get([u.stats.remote() for u in self._units])
+        """Blocks, payload bytes and resident memory of each storage unit. A unit that cannot answer (dead, being
+        restarted by Ray, not attached again yet) reports zeros and ``error``: why."""
+        refs = [u.stats.remote() for u in self._units]
+        out = []
+        for unit, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=30))
+            except Exception as exc:  # one unit's failure must not hide the others' figures
+                zeros = dict.fromkeys(("pid", "cpu_s", "blocks", "bytes", "rss_bytes"), 0)
+                out.append({"unit": unit, **zeros, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        return out
 
     def shutdown(self) -> None:
         """Stop serving and stop the storage units this controller started (again: a no-op)."""

@@ -103,6 +103,12 @@ class StorageUnitDown(StorageUnavailable):
     it held fail at once, naming the unit and the rows; new puts go to the live units."""
 
 
+class RowsLost(StorageUnitDown):
+    """Rows whose payload was on a storage unit that died and was restarted empty by Ray: they can never be read. The
+    message names the partition, the rows (global indexes) and the unit. ``client.lost_rows`` lists them for producers,
+    who put them again as new rows (see docs/architecture.md "Lost rows")."""
+
+
 class AuthenticationFailed(TransferQueueError, ConnectionError):
     """A connection did not prove the queue's secret (a stale or foreign controller_info, or not a client at all)."""
 
@@ -170,6 +176,7 @@ _BY_NAME: dict[str, type[TransferQueueError]] = {
         RequestTimeout,
         StorageUnavailable,
         StorageUnitDown,
+        RowsLost,
         AuthenticationFailed,
         ProtocolMismatch,
         SessionMismatch,

@@ -27,12 +27,13 @@ from transfer_queue.errors import (
     IncompleteGroups,
     InvalidRequest,
     PartitionOverfilled,
+    RowsLost,
     SchemaMismatch,
     UnknownField,
 )
 from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey
 
-FREE, RESERVED, COMMITTED = 0, 1, 2
+FREE, RESERVED, COMMITTED, LOST = 0, 1, 2, 3  # LOST: its payload died with a storage unit (transfer_queue.lost_rows)
 AVAILABLE, LEASED, CONSUMED, DEAD = 0, 1, 2, 3  # CONSUMED: acknowledged
 ACKNOWLEDGED = CONSUMED
 NO_HOLDER = 0  # owner ids start at 1, so fresh (zeroed) rows have no holder
@@ -326,6 +327,7 @@ class PartitionState:
         self.num_rows = 0  # high-water mark of rows ever allocated
         self.num_committed = 0
         self.num_reserved = 0
+        self.num_lost = 0  # rows in state LOST: they keep their index (never reused), room is made after them
         self.nbytes = 0
         self.tasks: dict[str, TaskState] = {}
         self.rounds: dict[tuple[str, str], DPRound] = {}
@@ -474,11 +476,12 @@ class PartitionState:
         k = num_rows // unit
         end = -(-self.num_rows // unit) * unit  # the aligned end of the rows handed out so far
         first_unit = end // unit
-        no_holes = self.num_committed + self.num_reserved == self.num_rows
-        fits = self.capacity is None or end + num_rows <= self.capacity
+        no_holes = self.num_committed + self.num_reserved + self.num_lost == self.num_rows
+        room = None if self.capacity is None else self.capacity + self.num_lost  # lost rows keep their indexes
+        fits = room is None or end + num_rows <= room
         if no_holes and fits and not (default_groups and any(first_unit + i in self.group_members for i in range(k))):
             return np.arange(end, end + num_rows, dtype=np.int64)
-        limit = self.capacity if self.capacity is not None else end + num_rows
+        limit = -(-room // unit) * unit if room is not None else end + num_rows
         free = np.ones(limit, dtype=bool)
         free[: self.num_rows] = self.state[: self.num_rows] == FREE
         units = np.asarray(free.reshape(-1, unit).all(axis=1))
@@ -512,6 +515,12 @@ class PartitionState:
     def rows_of(self, global_indexes: np.ndarray, uid: int) -> np.ndarray:
         """Local rows of committed global indexes (for a put with metadata)."""
         rows = global_indexes - self.base_index
+        if len(rows) and rows.min() >= 0 and rows.max() < self.num_rows and np.any(self.state[rows] == LOST):
+            lost = (rows[self.state[rows] == LOST] + self.base_index)[:20].tolist()
+            raise RowsLost(
+                f"rows {lost} of {self.name} were lost (their storage unit died and restarted empty): a put cannot "
+                "write into them; their prompts are put again as new rows (see client.lost_rows)"
+            )
         if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows or np.any(self.state[rows] != COMMITTED)):
             raise InvalidRequest(f"the metadata names rows that are not committed in {self.name}")
         if len(np.unique(rows)) != len(rows):
@@ -797,6 +806,39 @@ class PartitionState:
         self.num_committed -= len(rows)
         return dead
 
+    def lose_rows(self, rows: np.ndarray) -> None:
+        """Committed ``rows`` lost their payload (a storage unit restarted empty): they leave every ready index and
+        their groups, keep their index and their tasks' delivery state (an ack of a row read before it was lost still
+        counts), and are never served or written again. A step makes room for as many new rows after its capacity."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return
+        for task in self.tasks.values():
+            for index in task.ready.values():
+                m = np.uint64(index.mask)
+                index.produced -= int(np.count_nonzero((self.produced_mask[rows] & m) == m))
+                index.remove(rows, self.group)
+        for c in range(len(self.fields)):
+            self.field_produced[c] -= int(np.count_nonzero(self.block[rows, c] >= 0))
+        for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
+            members = self.group_rows.get(g)
+            if members is not None and row in members:
+                members.remove(row)
+                if not members:
+                    del self.group_rows[g]
+            left = self.group_members.get(g, 1) - 1
+            if left > 0:
+                self.group_members[g] = left
+            else:
+                self.group_members.pop(g, None)
+            key = self.row_keys.pop(row, None)
+            if key is not None:
+                self.keys.pop(key, None)
+        self.produced_mask[rows] = 0
+        self.state[rows] = LOST
+        self.num_committed -= len(rows)
+        self.num_lost += len(rows)
+
     def committed_rows_of(self, global_indexes: np.ndarray, what: str) -> np.ndarray:
         """Local rows of ``global_indexes``, each committed and named once; else InvalidRequest."""
         rows = np.asarray(global_indexes, dtype=np.int64) - self.base_index
@@ -826,6 +868,7 @@ class PartitionState:
             "capacity": self.capacity,
             "rows": self.num_committed,
             "rows_in_flight": self.num_reserved,
+            "rows_lost": self.num_lost,
             "closed": self.sealed,
             "bytes": self.nbytes,
             "fields": {
@@ -868,4 +911,4 @@ class PartitionState:
             counts = self.row_state_counts(name)
             consumed = counts["leased"] + counts["acknowledged"] + counts["dead_lettered"]
             out[name] = {"consumed": consumed, "rows": self.num_committed, **counts}
-        return {"partition_id": self.key, "tasks": out}
+        return {"partition_id": self.key, "tasks": out, "rows_lost": self.num_lost}

@@ -89,12 +89,23 @@ class Envelope(msgspec.Struct, array_like=True, frozen=True):
     request_id: int
 
 
+class UnitRestart(msgspec.Struct, array_like=True, frozen=True):
+    """A storage unit that Ray restarted (empty): where it listens now, and that every block id below ``lost_below``
+    on it is lost (its previous incarnations held them). ``restarts`` counts its restarts."""
+
+    endpoint: Endpoint
+    lost_below: int
+    restarts: int
+
+
 class ReplyHeader(msgspec.Struct, array_like=True, frozen=True):
     request_id: int
     error_type: str | None = None
     error_message: str | None = None
     # The controller's replies: the storage units it knows are down, and why ({} when none; None from a storage unit).
     down_units: dict[int, str] | None = None
+    # The controller's replies: the storage units restarted since the queue started (None: none, or a storage unit).
+    restarted_units: dict[int, UnitRestart] | None = None
 
 
 # ---- controller requests --------------------------------------------------------------------------------------
@@ -259,6 +270,12 @@ class SaveCheckpoint(msgspec.Struct, tag="save_checkpoint"):
     directory: str
 
 
+class LostRows(msgspec.Struct, tag="lost_rows"):
+    """The rows of a partition lost with a storage unit that restarted empty (``client.lost_rows``)."""
+
+    partition: Partition
+
+
 class QueueStatus(msgspec.Struct, tag="queue_status"):
     """The whole-queue summary (``client.status()``), read in one go by the controller."""
 
@@ -291,6 +308,7 @@ ControllerRequest = (
     | GetCustomMeta
     | ClearSamples
     | QueueStatus
+    | LostRows
 )
 
 

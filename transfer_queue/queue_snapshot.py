@@ -21,7 +21,7 @@ import numpy as np
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import TransferQueueError
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.partition import AVAILABLE, COMMITTED, LEASED, RESERVED, PartitionState, TaskState
+from transfer_queue.partition import AVAILABLE, COMMITTED, LEASED, LOST, RESERVED, PartitionState, TaskState
 from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 
@@ -141,6 +141,7 @@ def _restore_partition(d: dict[str, Any], mapping: dict[int, int]) -> PartitionS
             part.keys.pop(key, None)
     part.free(reserved)
     part.num_committed = int(np.count_nonzero(part.state[: part.num_rows] == COMMITTED))
+    part.num_lost = int(np.count_nonzero(part.state[: part.num_rows] == LOST))  # died with a storage unit before
     part.nbytes = sum(part.block_nbytes.values())
     for name, saved in d["tasks"].items():
         taken = _unarray(saved["consumption"])

@@ -34,6 +34,7 @@ from transfer_queue.errors import (
     TransferQueueError,
 )
 from transfer_queue.kv_state import KvState
+from transfer_queue.lost_rows import LostRowBook, lose_unit, lost_rows_report
 from transfer_queue.metadata import PartitionKey
 from transfer_queue.partition import PartitionState
 from transfer_queue.partition_table import PartitionTable
@@ -67,6 +68,7 @@ class QueueState:
         self.delivery = Delivery(config, self.table, clock, self._wake, self._retry_getters)
         self.rounds = DPRounds()
         self.kv = KvState(self.table, self.ledger, self._retry_getters)
+        self.lost = LostRowBook()  # rows lost with storage units that restarted empty (transfer_queue.lost_rows)
         self.reader = MetaReader(config, self.table, self.ledger, self.delivery, self.rounds, self.sampler_for)
         self._handlers: dict[type, Callable[[Any], Any]] = {
             p.Reserve: self._on_reserve,
@@ -97,6 +99,7 @@ class QueueState:
             ),
             p.GetCustomMeta: lambda req: self.kv.get_custom_meta(req.partition_uid, _unpack(req.global_indexes)),
             p.ClearSamples: lambda req: self.kv.clear_samples(req.partition_uid, _unpack(req.global_indexes)),
+            p.LostRows: lambda req: lost_rows_report(self, self.table.known(req.partition)),
         }
 
     # ---- the bookkeeping's state, by its former names (the controller, status, snapshots and tests read it) ---
@@ -183,6 +186,11 @@ class QueueState:
             self._wake(parked.deadline)
         elif isinstance(result.job, GetMetaJob):
             self.rounds.forget(result.job)
+
+    def unit_restarted(self, unit: int) -> dict[str, Any]:
+        """Storage unit ``unit`` came back empty (Ray restarted it): the rows it held are lost (see
+        :mod:`transfer_queue.lost_rows`); returns what was lost and the unit's ``lost_below``."""
+        return lose_unit(self, unit)
 
     def _owned_by(self, peer: Any, respond: Respond) -> Respond:
         """``respond`` that records ``peer`` as the owner of the put it answers with a reservation."""

@@ -36,6 +36,7 @@ def start_storage_units(
     options: dict[str, Any] | list[dict[str, Any]] | None = None,
     bind_host: str | None = None,
     bind_node_id: str | None = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Start ``num_units`` StorageUnit actors (a controller that was given no handles calls this).
 
@@ -44,13 +45,15 @@ def start_storage_units(
         bind_host: the address their sockets bind (default: their node's).
         bind_node_id: apply ``bind_host`` only to units that land on this Ray node (the others bind their node's
             address): an address of one host cannot be bound on another.
+        max_restarts: times Ray restarts a unit that died (``QueueConfig.storage_unit_max_restarts``), unless
+            ``options`` set ``max_restarts`` themselves.
     """
     options = options or {}
     per_unit = options if isinstance(options, list) else [options] * num_units
     if len(per_unit) != num_units:
         raise InvalidRequest(f"storage_unit_options has {len(per_unit)} entries for {num_units} storage units")
     return [
-        StorageUnit.options(**per_unit[i]).remote(  # type: ignore[attr-defined]
+        StorageUnit.options(**{"max_restarts": max_restarts, **per_unit[i]}).remote(  # type: ignore[attr-defined]
             i, num_units, bind_host, bind_node_id=bind_node_id if bind_host is not None else None
         )
         for i in range(num_units)

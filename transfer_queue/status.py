@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from transfer_queue.lost_rows import lost_summary
 from transfer_queue.metrics import ROW_STATES, ControllerMetrics
 from transfer_queue.partition import PartitionState
 from transfer_queue.queue_state import QueueState
@@ -26,6 +27,7 @@ def partition_summary(part: PartitionState, task_names: Sequence[str]) -> dict[s
         "capacity": part.capacity,
         "rows": part.num_committed,
         "rows_in_flight": part.num_reserved,
+        "rows_lost": part.num_lost,
         "closed": part.sealed,
         "bytes": part.nbytes,
         "fields": {name: part.field_produced[col] for name, col in part.field_col.items()},
@@ -66,6 +68,8 @@ def queue_summary(
         "tasks": tasks,
         "rows_committed": sum(p["rows"] for p in partitions),
         "rows_in_flight": sum(p["rows_in_flight"] for p in partitions),
+        "rows_lost": sum(p["rows_lost"] for p in partitions),  # in live partitions (lost_rows: since start)
+        "lost_rows": lost_summary(state),
         "open_puts": len(state.open_puts),
         "waiting_get_meta": sum(len(waiting) for waiting in state.getters.values()),
         "waiting_puts": len(state.putters),
@@ -74,7 +78,13 @@ def queue_summary(
             "bytes_held": state.bytes_held,
             "budget": config.storage_unit_bytes * units,
             "units": [
-                {"unit": u, "bytes": size, "budget": config.storage_unit_bytes, "up": u not in state.down_units}
+                {
+                    "unit": u,
+                    "bytes": size,
+                    "budget": config.storage_unit_bytes,
+                    "up": u not in state.down_units,
+                    "restarts": state.lost.restarts.get(u, 0),
+                }
                 for u, size in enumerate(unit_bytes)
             ],
         },

@@ -15,6 +15,7 @@ import hmac
 import logging
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -379,6 +380,8 @@ class StorageUnit:
         self._advertise_host = advertise_host
         self._server: StorageServer | None = None  # serves from attach on: it needs the queue's secret first
         self._web: Any = None
+        # A new id each time this actor starts: after Ray restarted it (empty), the controller sees a new one
+        self._incarnation = uuid.uuid4().hex
 
     def attach(
         self, session_id: str, unit: int, num_units: int, secret: bytes = b"", max_message_bytes: int | None = None
@@ -399,6 +402,11 @@ class StorageUnit:
         store = BlockStore(unit, num_units, secret)
         self._server = StorageServer(store, self._bind_host, session_id, secret, limit, self._advertise_host)
         return self._server.endpoint
+
+    def incarnation(self) -> str:
+        """This process's id, new each time Ray (re)starts the actor: the controller's watcher calls it every second
+        and attaches a restarted unit (empty, on new ports) when it changes."""
+        return self._incarnation
 
     def alive(self) -> bool:
         """A liveness call (the controller's watcher): Ray answers it with an actor error once this unit died."""

@@ -196,6 +196,10 @@ class ServerSockets:
         """Poll another socket (e.g. the controller's connections to its storage units) with these."""
         self.poller.register(sock, zmq.POLLIN)
 
+    def unregister(self, sock: zmq.Socket) -> None:
+        """Stop polling a socket passed to :meth:`register` (before closing it)."""
+        self.poller.unregister(sock)
+
     def limit(self, max_message_bytes: int) -> None:
         """Refuse messages over ``max_message_bytes``: ZeroMQ drops the connection of a peer that sends a larger
         frame (``ZMQ_MAXMSGSIZE``), the Unix socket server one whose header claims more, before allocating."""

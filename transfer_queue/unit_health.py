@@ -28,19 +28,36 @@ def units_on_dead_nodes(unit_nodes: Sequence[str], alive_nodes: Collection[str])
 
 
 class UnitWatcher:
-    """Asks Ray about each storage unit: a liveness call that fails with an actor error, or the unit's node leaving
-    Ray's table of alive nodes, marks the unit down for good through ``mark(unit, why, final=True)``.
+    """Asks Ray about each storage unit: a liveness call that fails because the actor died for good (Ray will not
+    restart it), or the unit's node leaving Ray's table of alive nodes, marks the unit down for good through
+    ``mark(unit, why, final=True)``. A unit Ray is restarting is down for now; once a liveness call answers with a new
+    incarnation (also after its node died, restarted elsewhere), ``restarted(unit)`` is called (it attaches the new
+    incarnation; True when done) and the unit is up again.
 
     Args:
         units: the units' actor handles.
         unit_nodes: each unit's Ray node id ("" if unknown).
         mark: the controller's ``mark_unit``.
+        incarnations: each unit's incarnation id now (None: learned from the first liveness call).
+        restarted: called from this thread when a unit comes back as a new incarnation.
+        restartable: Ray restarts dead units (their node's death is not final).
     """
 
-    def __init__(self, units: Sequence[Any], unit_nodes: Sequence[str], mark: Callable[..., None]):
+    def __init__(
+        self,
+        units: Sequence[Any],
+        unit_nodes: Sequence[str],
+        mark: Callable[..., None],
+        incarnations: Sequence[str | None] | None = None,
+        restarted: Callable[[int], bool] | None = None,
+        restartable: bool = False,
+    ):
         self._units = list(units)
         self._nodes = list(unit_nodes)
         self._mark = mark
+        self._incarnations = list(incarnations) if incarnations is not None else [None] * len(self._units)
+        self._restarted = restarted
+        self._restartable = restartable
         self._dead: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tq-unit-watcher", daemon=True)
@@ -53,19 +70,22 @@ class UnitWatcher:
         since_nodes = NODES_EVERY
         while not self._stop.wait(PING_EVERY):
             for u, unit in enumerate(self._units):
-                if u not in self._dead and u not in pending.values():
-                    pending[unit.alive.remote()] = u
+                # a dead unit Ray may still restart (elsewhere, after its node died) is watched for its return
+                if (u not in self._dead or self._restartable) and u not in pending.values():
+                    pending[unit.incarnation.remote()] = u
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
             for ref in ready:
                 u = pending.pop(ref)
                 try:
-                    ray.get(ref)
+                    incarnation = ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:
-                    pass  # unreachable for now (a partition, a restart): the connection watch covers it
+                    continue  # unreachable for now (a partition, or Ray is restarting it): the connection watch says so
                 except ray.exceptions.RayActorError as exc:
                     self._down(u, f"its Ray actor died ({type(exc).__name__})")
+                    continue
                 except Exception:  # a unit that raises is alive
-                    pass
+                    continue
+                self._follow_incarnation(u, incarnation)
             since_nodes += PING_EVERY
             if since_nodes >= NODES_EVERY:
                 since_nodes = 0.0
@@ -74,7 +94,24 @@ class UnitWatcher:
                 except Exception:  # the GCS is unreachable: nothing to conclude
                     continue
                 for u, why in units_on_dead_nodes(self._nodes, alive).items():
-                    self._down(u, why)
+                    self._down(u, why)  # for good, unless Ray restarts it elsewhere (a new incarnation)
+
+    def _follow_incarnation(self, unit: int, incarnation: Any) -> None:
+        known = self._incarnations[unit]
+        if known is None or not isinstance(incarnation, str):
+            self._incarnations[unit] = incarnation if isinstance(incarnation, str) else None
+            return
+        if incarnation == known or self._restarted is None:
+            return
+        try:
+            done = self._restarted(unit)
+        except Exception:  # tried again at the next liveness call
+            logger.exception("attaching restarted storage unit %d failed; trying again", unit)
+            return
+        if done:
+            self._incarnations[unit] = incarnation
+            self._dead.discard(unit)
+            self._nodes[unit] = ""  # it may run on another node now; its death is reported by its liveness calls
 
     def _down(self, unit: int, why: str) -> None:
         if unit not in self._dead:

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 import torch
 
+from rl_contracts.lost_rows import read_or_none, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import Task, load_reward_fn, load_task
@@ -123,7 +124,9 @@ class RewardWorker:
             )
             if len(meta) == 0:
                 return {**stats, **clock.stats()}
-            data = clock.call(self.client.get_data, meta)
+            data = clock.call(read_or_none, self.client, meta)
+            if data is None:  # a storage unit died: lost rows come back as new rows, the others are served again
+                continue
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
@@ -135,7 +138,8 @@ class RewardWorker:
                 "reward": torch.tensor(scores.rewards, dtype=torch.float32),
                 "reward_failed": torch.tensor(scores.failed, dtype=torch.bool),
             }
-            clock.call(self.client.put, scored, metadata=meta)
+            if not clock.call(write_or_release, self.client, scored, meta):
+                continue
             stats["rows"] += len(meta)
             stats["failed"] += sum(scores.failed)
             stats["non_finite"] += scores.non_finite

@@ -23,6 +23,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rl_contracts.lost_rows import read_or_none, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
@@ -182,7 +183,9 @@ class RolloutWorker:
             )
             if len(meta) == 0:
                 return {**stats, **clock.stats()}
-            data = clock.call(self.client.get_data, meta.select_fields(["prompt_ids"]))
+            data = clock.call(read_or_none, self.client, meta.select_fields(["prompt_ids"]))
+            if data is None:  # a storage unit died: lost rows come back as new rows, the others are served again
+                continue
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
@@ -203,7 +206,8 @@ class RolloutWorker:
                 stats["engine_restarts"] += 1
                 continue
             stats["generate_s"] += time.perf_counter() - t1
-            clock.call(self.client.put, self._responses(generations, version), metadata=meta)
+            if not clock.call(write_or_release, self.client, self._responses(generations, version), meta):
+                continue  # the prompts were lost meanwhile (a storage unit died): they come back as new rows
             stats["rows"] += len(meta)
             stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
 

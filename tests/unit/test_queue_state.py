@@ -744,12 +744,13 @@ def test_status_queries(make_queue):
         "capacity": 4,
         "rows": 4,
         "rows_in_flight": 0,
+        "rows_lost": 0,
         "closed": True,
         "bytes": 100,
         "fields": {"x": {"schema": "dense float32[]", "produced": 4}},
     }
     a = {"consumed": 3, "rows": 4, "ready": 1, "leased": 3, "acknowledged": 0, "dead_lettered": 0}
-    assert q.ok(p.ConsumptionStatus(0, None)) == {"partition_id": 0, "tasks": {"a": a}}
+    assert q.ok(p.ConsumptionStatus(0, None)) == {"partition_id": 0, "tasks": {"a": a}, "rows_lost": 0}
     b = {"consumed": 0, "rows": 4, "ready": 4, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
     assert q.ok(p.ConsumptionStatus(0, "b"))["tasks"] == {"b": b}
     with pytest.raises(UnknownPartition, match=r"partition_id='x' not found; live partitions: \[0\]"):

@@ -1,0 +1,110 @@
+"""LostPrompts: the driver puts again the prompts whose rows died with a storage unit, so no prompt is skipped.
+
+When a storage unit dies, Ray restarts it empty and the queue marks the rows it held LOST (with the rest of their
+GRPO groups; see docs/architecture.md "Lost rows"). A lost row is never served again; the step it belonged to waits for
+as many new rows. While the trainer works on a step, the driver looks at the lost rows of every live step once a
+second and, per lost group:
+
+- the trainer acknowledged it (it read the rows before they were lost and trained on them): nothing to do;
+- the trainer holds it (a DP round is reading or training it): wait, it ends acknowledged or handed back;
+- otherwise (never handed to the trainer, or handed back because a rank could not read it): put the group's prompt
+  again, ``n_samples`` rows with the same group id, and start the step's rollout and reward again if their workers had
+  already finished the step.
+
+Each lost group is handled once, so every prompt group of a step is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from transfer_queue.errors import PartitionCleared, UnknownPartition
+
+logger = logging.getLogger(__name__)
+CHECK_EVERY_S = 1.0
+
+
+class LostPrompts:
+    """The prompts of each live step by group id, and the lost groups already handled.
+
+    Args:
+        client: the driver's queue client.
+        train_task: the trainer's task name (whose acknowledgements say a group was trained).
+        put_group: ``put_group(step, group_id, prompt)`` puts one prompt's ``n_samples`` rows into ``step`` with that
+            group id.
+        relaunch: ``relaunch(step, rollout, reward)`` starts the rollout and/or reward of ``step`` again (their workers
+            had finished it); returns the new refs of each.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        train_task: str,
+        put_group: Callable[[int, int, dict[str, Any]], None],
+        relaunch: Callable[[int, bool, bool], tuple[list[Any], list[Any]]],
+    ):
+        self.client = client
+        self.train_task = train_task
+        self.put_group = put_group
+        self.relaunch = relaunch
+        self.prompts: dict[int, list[dict[str, Any]]] = {}  # step -> its prompts; group g is prompts[g]
+        self.handled: dict[int, set[int]] = {}  # step -> lost global indexes dealt with
+        self.groups_put_again = 0
+
+    def remember(self, step: int, prompts: list[dict[str, Any]]) -> None:
+        """The prompts ``step`` drew, in put order (its first put gives prompt ``g`` the group id ``g``)."""
+        self.prompts[step] = list(prompts)
+
+    def forget(self, step: int) -> None:
+        self.prompts.pop(step, None)
+        self.handled.pop(step, None)
+
+    def wait(self, refs: list[Any], pending: dict[int, tuple[list[Any], list[Any]]]) -> list[Any]:
+        """``ray.get(refs)``, putting lost prompts of the ``pending`` steps again meanwhile."""
+        while True:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=CHECK_EVERY_S)
+            if len(done) == len(refs):
+                return ray.get(refs)
+            for step, (rollout, reward) in pending.items():
+                if self.put_lost(step):  # workers that already left the step are started on it again
+                    more_rollout, more_reward = self.relaunch(step, _all_done(rollout), _all_done(reward))
+                    rollout.extend(more_rollout)
+                    reward.extend(more_reward)
+
+    def put_lost(self, step: int) -> int:
+        """Put again the lost groups of ``step`` the trainer neither trained nor holds; returns how many."""
+        prompts = self.prompts.get(step)
+        if prompts is None:
+            return 0
+        try:
+            lost = self.client.lost_rows(global_step=step)
+        except (UnknownPartition, PartitionCleared):  # not opened yet, or done
+            return 0
+        handled = self.handled.setdefault(step, set())
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for row in lost:
+            if row["global_index"] not in handled:
+                groups.setdefault(row["group_id"], []).append(row)
+        put = 0
+        for group, rows in sorted(groups.items()):
+            states = {row["tasks"].get(self.train_task, "ready") for row in rows}
+            if "leased" in states:
+                continue  # a DP round holds it: it ends acknowledged, or handed back (then it is put again)
+            handled.update(row["global_index"] for row in rows)
+            if states <= {"acknowledged", "dead_lettered"}:
+                continue  # trained before the rows were lost
+            self.put_group(step, group, prompts[group])
+            put += 1
+        if put:
+            self.groups_put_again += put
+            logger.warning("step %d: put %d prompt groups again (their rows died with a storage unit)", step, put)
+        return put
+
+
+def _all_done(refs: list[Any]) -> bool:
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return len(done) == len(refs)
