@@ -53,6 +53,10 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
     eps: float = 1e-8
+    # one multi-tensor kernel per update op instead of one op per parameter (also for the gradient clip): on
+    # sharded (DTensor) parameters each op is a Python-level dispatch, and a per-parameter loop cost the demo's
+    # ~20-tensor model more than its forward pass (benchmarks/trainer_step.py)
+    foreach: bool = True
 
 
 def init_process_group(
@@ -156,6 +160,14 @@ class FSDPPolicy:
             weights agree. Skip it (``False``) when every rank loaded the same checkpoint.
         trainable: ``False`` for a frozen model (a KL reference): no optimizer, no gradients; only
             :meth:`compute_logprobs` and the state-dict methods apply.
+        min_layer_params: a decoder layer (see :func:`decoder_layers`) becomes an FSDP unit of its own only if it
+            has at least this many parameters; smaller ones are sharded with the root module, so their weights are
+            gathered and their gradients reduced in one collective with it. Per-layer units bound the memory of a
+            large model's unsharded weights; for a small one they only add collectives (each a rendezvous of every
+            rank). 0: every layer is its own unit.
+        reshard_after_forward: free each unit's gathered weights after the forward and gather them again for the
+            backward (FSDP2's default), or keep them until the backward (one all-gather fewer per unit and step,
+            more memory).
 
     Gradient synchronisation: over the micro-batches of one ``train_step`` gradients accumulate unsharded on each
     rank (``set_requires_gradient_sync(False)``), and are reduce-scattered once, in the last micro-batch's
@@ -178,6 +190,8 @@ class FSDPPolicy:
         mixed_precision: bool | None = None,
         sync_module_states: bool = True,
         trainable: bool = True,
+        min_layer_params: int = 0,
+        reshard_after_forward: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -208,16 +222,23 @@ class FSDPPolicy:
             else MixedPrecisionPolicy()
         )
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for layer in decoder_layers(module):
-            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+        shard = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+        self.units = [m for m in decoder_layers(module) if _num_params(m) >= min_layer_params]
+        for layer in self.units:
+            fully_shard(layer, **shard)
+        fully_shard(module, **shard)
         self.model = module
         self.trainable = trainable
         self.optimizer: torch.optim.Optimizer | None = None
         if trainable:
             cfg = self.optimizer_config
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps
+                self.model.parameters(),
+                lr=cfg.lr,
+                betas=cfg.betas,
+                weight_decay=cfg.weight_decay,
+                eps=cfg.eps,
+                foreach=cfg.foreach,
             )
         else:
             self.model.requires_grad_(False)
@@ -400,7 +421,7 @@ class FSDPPolicy:
 
     def _clip_grad_norm(self) -> float:
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self.optimizer_config.foreach)
         if isinstance(norm, DTensor):  # sharded grads: the local norm is a partial, reduce it
             norm = norm.full_tensor()
         return float(norm.item())
@@ -440,6 +461,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     # Reversed pre-order puts nested blocks before their parents, as fully_shard requires.
     return [m for m in reversed(list(model.modules())) if type(m).__name__ in names and m is not model]
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def _is_pretrained_model(module: nn.Module) -> bool:

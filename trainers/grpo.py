@@ -218,6 +218,7 @@ class GRPOTrainerRank:
             grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size,
             loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
+            min_layer_params=cfg.train.fsdp_min_layer_params,
         )
         return self.rank
 
@@ -238,6 +239,7 @@ class GRPOTrainerRank:
             micro_batch_size=self.config.train.micro_batch_size,
             trainable=False,
             sync_module_states=path is None,
+            min_layer_params=self.config.train.fsdp_min_layer_params,
         )
         if path is not None:
             self.reference.load_weights(path)
