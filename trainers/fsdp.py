@@ -285,9 +285,12 @@ class FSDPPolicy:
                 different numbers of micro-batches, or a global batch with nothing to train on.
         """
         optimizer = self._require_optimizer("train_step")
-        micro_batches = self._split(batch)
+        micro_batches = self._split(batch, check_count=False)
         weights = [self._weight(mb) for mb in micro_batches]
-        total_weight = _all_reduce_sum(torch.tensor(sum(weights), dtype=torch.float64, device=self.device)).item()
+        # one collective for both: every rank's micro-batch count (they must agree) and the global weight
+        counts, rank_weights = _all_gather_pairs(len(micro_batches), sum(weights), self.device, self.world_size)
+        self._raise_on_uneven_counts(counts, batch["input_ids"].shape[0])
+        total_weight = sum(rank_weights)
         if total_weight == 0:
             what = "response tokens" if self.loss_weighting == "tokens" else "rows"
             raise ValueError(f"the global batch has no {what} to train on")
@@ -387,7 +390,7 @@ class FSDPPolicy:
         logits = out if isinstance(out, Tensor) else out.logits
         return token_logprobs(logits, input_ids, attention_mask, temperature)
 
-    def _split(self, batch: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    def _split(self, batch: dict[str, Tensor], check_count: bool = True) -> list[dict[str, Tensor]]:
         missing = {"input_ids", "attention_mask", "response_mask"} - batch.keys()
         if missing:
             raise ValueError(f"batch is missing {sorted(missing)}; has {sorted(batch)}")
@@ -395,7 +398,8 @@ class FSDPPolicy:
         for name, value in batch.items():
             if value.dim() == 0 or value.shape[0] != rows:
                 raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}, expected {rows} rows like input_ids")
-        self._check_micro_batch_count(rows)
+        if check_count:
+            self._check_micro_batch_count(rows)
         return [
             {name: value[start : start + self.micro_batch_size] for name, value in batch.items()}
             for start in range(0, rows, self.micro_batch_size)
@@ -406,9 +410,12 @@ class FSDPPolicy:
         count = math.ceil(rows / self.micro_batch_size)
         counts = torch.tensor([count, -count], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        if counts[0].item() != -counts[1].item():
+        self._raise_on_uneven_counts([-int(counts[1].item()), int(counts[0].item())], rows)
+
+    def _raise_on_uneven_counts(self, counts: list[int], rows: int) -> None:
+        if min(counts) != max(counts):
             raise ValueError(
-                f"ranks disagree on the number of micro-batches (between {-counts[1].item()} and {counts[0].item()}; "
+                f"ranks disagree on the number of micro-batches (between {min(counts)} and {max(counts)}; "
                 f"this rank has {rows} rows at micro_batch_size={self.micro_batch_size}): "
                 "give every rank the same number of rows"
             )
@@ -525,6 +532,15 @@ def _gather_row_shards(state: dict[str, Tensor], rank: int, world_size: int) -> 
             offsets[k] += r[k] * n
         full[id(v)] = torch.cat(pieces)
     return {name: full[id(v)] if id(v) in full else v.detach().cpu() for name, v in state.items()}
+
+
+def _all_gather_pairs(a: float, b: float, device: torch.device, world_size: int) -> tuple[list[int], list[float]]:
+    """Every rank's ``(a, b)`` in one all-gather: ``a`` as ints, ``b`` as floats, in rank order."""
+    mine = torch.tensor([a, b], dtype=torch.float64, device=device)
+    out = torch.empty(world_size * 2, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(out, mine)
+    pairs = out.view(world_size, 2).tolist()
+    return [int(p[0]) for p in pairs], [p[1] for p in pairs]
 
 
 def _all_reduce_sum(tensor: Tensor) -> Tensor:
