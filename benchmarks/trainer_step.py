@@ -1,13 +1,16 @@
 """Where the demo's trainer step goes: FSDP2 ranks (gloo, no Ray, no queue) against one plain process, same batch.
 
-    .venv/bin/python benchmarks/trainer_step.py [--world-size 2] [--steps 40] [--cprofile]
+    .venv/bin/python benchmarks/trainer_step.py [--world-size 2] [--steps 30] [--no-single] [--cprofile PREFIX]
 
-Builds the demo's policy (``AdditionTask``, ~100k parameters), a GRPO batch of 256 rows shaped like the demo's (7
-prompt tokens, 4 response tokens, group-normalised advantages, on-policy old log-probs) and times, per step:
-``FSDPPolicy.train_step`` with the ``grpo`` token-mean loss on each rank's share (its parts: forward + backward,
-gradient clip, optimizer), ``full_state_dict`` (the weight publish's gather), and the same work in one process
-(``torch.optim.AdamW`` on the whole batch), each rank at one torch thread as Ray actors run. Medians over steps
-after two warm-up steps; ``--cprofile`` prints rank 0's hottest functions.
+Builds the demo's policy (``AdditionTask``, ~100k parameters) and a GRPO batch of 256 rows shaped like the demo's (7
+prompt tokens, 4 response tokens, group-normalised advantages, on-policy old log-probs). Times the same work in one
+process (forward + backward on the whole batch, gradient clip, ``torch.optim.AdamW``, ``load_state_dict`` into an
+engine copy), then, on each rank's share, ``FSDPPolicy.train_step`` with the ``grpo`` token-mean loss and
+``full_state_dict`` (the weight publish's gather) for each of ``VARIANTS`` (optimizer kernels, FSDP units), the
+variants taking turns step by step so a loaded machine's load falls on all alike. Every process runs one torch
+thread, as Ray actors do. Prints medians over the steps after two warm-up steps: wall time and the rank's CPU time
+(the robust figure on a loaded machine); ``--cprofile PREFIX`` prints rank 0's hottest functions in the variants
+whose name starts with PREFIX.
 """
 
 from __future__ import annotations
