@@ -46,6 +46,12 @@ def fifths(rewards: list[float]) -> tuple[float, float]:
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
+def curve(rewards: list[float], window: int = 50) -> list[float]:
+    """Mean reward of each ``window`` consecutive steps (the learning curve, coarse enough to compare)."""
+    chunks = [rewards[i : i + window] for i in range(0, len(rewards), window)]
+    return [round(sum(chunk) / len(chunk), 3) for chunk in chunks]
+
+
 def run(cmd: list[str], log: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -70,6 +76,8 @@ def single_process(steps: int, seed: int, work: Path, init_from: Path | None = N
         "train_ms": 1000 * result["train_seconds_per_step"],
         "first_fifth": first,
         "last_fifth": last,
+        "curve": curve(result["rewards"]),
+        "sft_steps": result["sft_steps"],
         "total_s": time.perf_counter() - started,
     }
 
@@ -99,6 +107,8 @@ def demo(steps: int, seed: int, overrides: list[str], work: Path) -> dict:
         "ms_per_step": 1000 * summary["grpo_wall_s"] / len(grpo),
         "first_fifth": first,
         "last_fifth": last,
+        "curve": curve([r["reward"] for r in grpo]),
+        "sft_steps": max((r["step"] for r in rows if r["kind"] == "sft"), default=0),
         "profile_ms": profile,
         "total_s": time.perf_counter() - started,
     }
@@ -141,6 +151,8 @@ def main() -> None:
             f"| {name} | {r['grpo_wall_s']:.1f} | {r['ms_per_step']:.0f} | {r['first_fifth']:.3f} | "
             f"{r['last_fifth']:.3f} |"
         )
+    for name, r in (("single process", single), ("distributed", distributed)):
+        print(f"{name}: SFT steps {r['sft_steps']}; 50-step mean reward {' '.join(f'{x:.3f}' for x in r['curve'])}")
     print(f"\nsingle process per step: generate {single['generate_ms']:.0f} ms, train+sync {single['train_ms']:.0f} ms")
     print("distributed per step (median over steps after the first tenth; actors overlap, so parts need not add up):")
     for key, what in PROFILE.items():

@@ -72,6 +72,10 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     micro_batch_size: int = 128  # rows per forward/backward pass (gradients accumulate over them)
+    # a decoder layer with fewer parameters than this is sharded with the root module instead of as an FSDP unit of
+    # its own: one all-gather and one reduce-scatter for all such layers (each collective is a rendezvous of every
+    # rank); per-layer units bound a large model's memory (SmolLM2-135M's ~3.5M-parameter layers stay units)
+    fsdp_min_layer_params: int = 1_000_000
     minibatches_per_step: int = 1  # optimizer steps per global step (one DP round each)
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
@@ -173,6 +177,9 @@ class RLConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        min_params = self.train.fsdp_min_layer_params
+        if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
+            raise ConfigError(f"train.fsdp_min_layer_params must be an int >= 0, got {min_params!r}")
         if self.mode == "sync" and self.max_staleness != 0:
             raise ConfigError(f"mode='sync' trains on-policy: max_staleness must be 0, got {self.max_staleness}")
         if self.mode == "async" and self.max_staleness < 1:

@@ -53,6 +53,10 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
     eps: float = 1e-8
+    # one multi-tensor kernel per update op instead of one op per parameter (also for the gradient clip): on
+    # sharded (DTensor) parameters each op is a Python-level dispatch, and a per-parameter loop cost the demo's
+    # ~20-tensor model more than its forward pass (benchmarks/trainer_step.py)
+    foreach: bool = True
 
 
 def init_process_group(
@@ -156,6 +160,14 @@ class FSDPPolicy:
             weights agree. Skip it (``False``) when every rank loaded the same checkpoint.
         trainable: ``False`` for a frozen model (a KL reference): no optimizer, no gradients; only
             :meth:`compute_logprobs` and the state-dict methods apply.
+        min_layer_params: a decoder layer (see :func:`decoder_layers`) becomes an FSDP unit of its own only if it
+            has at least this many parameters; smaller ones are sharded with the root module, so their weights are
+            gathered and their gradients reduced in one collective with it. Per-layer units bound the memory of a
+            large model's unsharded weights; for a small one they only add collectives (each a rendezvous of every
+            rank). 0: every layer is its own unit.
+        reshard_after_forward: free each unit's gathered weights after the forward and gather them again for the
+            backward (FSDP2's default), or keep them until the backward (one all-gather fewer per unit and step,
+            more memory).
 
     Gradient synchronisation: over the micro-batches of one ``train_step`` gradients accumulate unsharded on each
     rank (``set_requires_gradient_sync(False)``), and are reduce-scattered once, in the last micro-batch's
@@ -178,6 +190,8 @@ class FSDPPolicy:
         mixed_precision: bool | None = None,
         sync_module_states: bool = True,
         trainable: bool = True,
+        min_layer_params: int = 0,
+        reshard_after_forward: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -208,16 +222,23 @@ class FSDPPolicy:
             else MixedPrecisionPolicy()
         )
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for layer in decoder_layers(module):
-            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+        shard = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+        self.units = [m for m in decoder_layers(module) if _num_params(m) >= min_layer_params]
+        for layer in self.units:
+            fully_shard(layer, **shard)
+        fully_shard(module, **shard)
         self.model = module
         self.trainable = trainable
         self.optimizer: torch.optim.Optimizer | None = None
         if trainable:
             cfg = self.optimizer_config
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps
+                self.model.parameters(),
+                lr=cfg.lr,
+                betas=cfg.betas,
+                weight_decay=cfg.weight_decay,
+                eps=cfg.eps,
+                foreach=cfg.foreach,
             )
         else:
             self.model.requires_grad_(False)
@@ -264,9 +285,12 @@ class FSDPPolicy:
                 different numbers of micro-batches, or a global batch with nothing to train on.
         """
         optimizer = self._require_optimizer("train_step")
-        micro_batches = self._split(batch)
+        micro_batches = self._split(batch, check_count=False)
         weights = [self._weight(mb) for mb in micro_batches]
-        total_weight = _all_reduce_sum(torch.tensor(sum(weights), dtype=torch.float64, device=self.device)).item()
+        # one collective for both: every rank's micro-batch count (they must agree) and the global weight
+        counts, rank_weights = _all_gather_pairs(len(micro_batches), sum(weights), self.device, self.world_size)
+        self._raise_on_uneven_counts(counts, batch["input_ids"].shape[0])
+        total_weight = sum(rank_weights)
         if total_weight == 0:
             what = "response tokens" if self.loss_weighting == "tokens" else "rows"
             raise ValueError(f"the global batch has no {what} to train on")
@@ -368,7 +392,7 @@ class FSDPPolicy:
         logits = out if isinstance(out, Tensor) else out.logits
         return token_logprobs(logits, input_ids, attention_mask, temperature)
 
-    def _split(self, batch: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    def _split(self, batch: dict[str, Tensor], check_count: bool = True) -> list[dict[str, Tensor]]:
         missing = {"input_ids", "attention_mask", "response_mask"} - batch.keys()
         if missing:
             raise ValueError(f"batch is missing {sorted(missing)}; has {sorted(batch)}")
@@ -376,7 +400,8 @@ class FSDPPolicy:
         for name, value in batch.items():
             if value.dim() == 0 or value.shape[0] != rows:
                 raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}, expected {rows} rows like input_ids")
-        self._check_micro_batch_count(rows)
+        if check_count:
+            self._check_micro_batch_count(rows)
         return [
             {name: value[start : start + self.micro_batch_size] for name, value in batch.items()}
             for start in range(0, rows, self.micro_batch_size)
@@ -387,9 +412,12 @@ class FSDPPolicy:
         count = math.ceil(rows / self.micro_batch_size)
         counts = torch.tensor([count, -count], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        if counts[0].item() != -counts[1].item():
+        self._raise_on_uneven_counts([-int(counts[1].item()), int(counts[0].item())], rows)
+
+    def _raise_on_uneven_counts(self, counts: list[int], rows: int) -> None:
+        if min(counts) != max(counts):
             raise ValueError(
-                f"ranks disagree on the number of micro-batches (between {-counts[1].item()} and {counts[0].item()}; "
+                f"ranks disagree on the number of micro-batches (between {min(counts)} and {max(counts)}; "
                 f"this rank has {rows} rows at micro_batch_size={self.micro_batch_size}): "
                 "give every rank the same number of rows"
             )
@@ -402,7 +430,7 @@ class FSDPPolicy:
 
     def _clip_grad_norm(self) -> float:
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self.optimizer_config.foreach)
         if isinstance(norm, DTensor):  # sharded grads: the local norm is a partial, reduce it
             norm = norm.full_tensor()
         return float(norm.item())
@@ -442,6 +470,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     # Reversed pre-order puts nested blocks before their parents, as fully_shard requires.
     return [m for m in reversed(list(model.modules())) if type(m).__name__ in names and m is not model]
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def _is_pretrained_model(module: nn.Module) -> bool:
@@ -502,6 +534,15 @@ def _gather_row_shards(state: dict[str, Tensor], rank: int, world_size: int) -> 
             offsets[k] += r[k] * n
         full[id(v)] = torch.cat(pieces)
     return {name: full[id(v)] if id(v) in full else v.detach().cpu() for name, v in state.items()}
+
+
+def _all_gather_pairs(a: float, b: float, device: torch.device, world_size: int) -> tuple[list[int], list[float]]:
+    """Every rank's ``(a, b)`` in one all-gather: ``a`` as ints, ``b`` as floats, in rank order."""
+    mine = torch.tensor([a, b], dtype=torch.float64, device=device)
+    out = torch.empty(world_size * 2, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(out, mine)
+    pairs = out.view(world_size, 2).tolist()
+    return [int(p[0]) for p in pairs], [p[1] for p in pairs]
 
 
 def _all_reduce_sum(tensor: Tensor) -> Tensor:

@@ -221,6 +221,7 @@ class GRPOTrainerRank:
             grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size,
             loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
+            min_layer_params=cfg.train.fsdp_min_layer_params,
         )
         return self.rank
 
@@ -241,6 +242,7 @@ class GRPOTrainerRank:
             micro_batch_size=self.config.train.micro_batch_size,
             trainable=False,
             sync_module_states=path is None,
+            min_layer_params=self.config.train.fsdp_min_layer_params,
         )
         if path is not None:
             self.reference.load_weights(path)
@@ -505,11 +507,13 @@ def totals_add(totals: dict[str, float], values: dict[str, float]) -> None:
 def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum the per-rank counters over ranks (max for maxima) and turn sums into means."""
     names = sorted(n for n in totals if not n.endswith("_max"))
-    summed = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=device)
-    dist.all_reduce(summed)
-    s = dict(zip(names, summed.tolist(), strict=True))
-    peak = torch.tensor([totals.get("staleness_max", 0.0)], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # one all-gather of every rank's counters and maximum (summed and maxed here): one rendezvous, not two
+    mine = torch.tensor([*(totals[n] for n in names), totals.get("staleness_max", 0.0)], dtype=torch.float64)
+    gathered = torch.empty(dist.get_world_size() * len(mine), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, mine.to(device))
+    per_rank = gathered.view(dist.get_world_size(), len(mine)).cpu()
+    s = dict(zip(names, per_rank[:, :-1].sum(0).tolist(), strict=True))
+    peak = per_rank[:, -1].max()
     scored = max(s.get("scored_rows", 0.0), 1.0)
     rows = max(s.get("rows", 0.0), 1.0)
     return {

@@ -151,6 +151,14 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     out["reduce_scatters_mb4"] = calls[0]
     out["step1_mb4"] = policy_mb4.full_state_dict()
 
+    # small layers sharded with the root: one FSDP unit, one reduce-scatter, the same update
+    one_unit = _policy(workdir, micro_batch_size=1, min_layer_params=10**9, reshard_after_forward=False)
+    with _counting_reduce_scatters() as calls:
+        out["metrics1_one_unit"] = one_unit.train_step(batch1, token_mean_nll)
+    out["reduce_scatters_one_unit"] = calls[0]
+    out["units_one_unit"], out["units_per_layer"] = len(one_unit.units), len(policy.units)
+    out["step1_one_unit"] = one_unit.full_state_dict()
+
     # a frozen reference: a copy of step 1's weights, saved and reloaded into other random weights
     reference = FSDPPolicy(lambda: tiny_model(0), micro_batch_size=4, trainable=False)
     reference.load_weights(checkpoint_path(workdir / "ckpt", 1))
@@ -420,6 +428,16 @@ def test_gradients_are_reduced_once_per_step_not_per_micro_batch(run):
         # 4 micro-batches of one row accumulate locally: as many reduce-scatters as one micro-batch of four
         assert result["reduce_scatters_mb1"] == result["reduce_scatters_mb4"] > 0
     assert_weights_close(run["ranks"][0]["step1_mb4"], run["ranks"][0]["step1"], atol=1e-6)
+
+
+def test_layers_below_min_layer_params_share_the_root_unit_and_give_the_same_update(run):
+    reference = run["reference"][0]
+    assert_weights_close(run["ranks"][0]["step1_one_unit"], reference["weights"])
+    for result in run["ranks"]:
+        assert result["units_per_layer"] == 2 and result["units_one_unit"] == 0
+        # one unit: one reduce-scatter per step instead of one per layer plus the root's
+        assert result["reduce_scatters_one_unit"] == 1 < result["reduce_scatters_mb1"] == 3
+        assert result["metrics1_one_unit"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
 
 
 def test_a_frozen_reference_has_no_optimizer_and_round_trips_its_weights(run):

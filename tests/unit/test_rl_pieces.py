@@ -134,6 +134,14 @@ def test_old_logprobs_are_recomputed_where_trainer_and_engine_numerics_differ():
         RLConfig(train=TrainConfig(rollout_is_low=3))
 
 
+def test_fsdp_min_layer_params_must_be_a_non_negative_int():
+    assert RLConfig().train.fsdp_min_layer_params == 1_000_000
+    assert RLConfig(train=TrainConfig(fsdp_min_layer_params=0)).train.fsdp_min_layer_params == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match=rf"train.fsdp_min_layer_params must be an int >= 0, got {bad!r}"):
+            RLConfig(train=TrainConfig(fsdp_min_layer_params=bad))
+
+
 def test_staleness_is_counted_per_trained_token():
     # rows of 3 tokens at staleness 1, 0, 2 (the last too stale: not trained) -> (3*1 + 3*0) / 6 tokens
     data = _rollout_data([1.0, 0.0, 1.0], [4, 5, 3])
