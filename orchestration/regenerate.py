@@ -70,6 +70,10 @@ class LostPrompts:
             if len(done) == len(refs):
                 return ray.get(refs)
             for step, (rollout, reward) in pending.items():
+                # a worker that failed fails the run now, instead of the trainer waiting for its rows forever
+                # (e.g. prompt + max_new_tokens longer than the model allows: its engine raised ValueError)
+                finished, _ = ray.wait(rollout + reward, num_returns=len(rollout + reward), timeout=0)
+                ray.get(finished)
                 if self.put_lost(step):  # workers that already left the step are started on it again
                     more_rollout, more_reward = self.relaunch(step, _all_done(rollout), _all_done(reward))
                     rollout.extend(more_rollout)

@@ -26,3 +26,20 @@ def test_the_demo_runs_async_with_partial_rollouts(tmp_path, weight_sync):
     assert [r["step"] for r in grpo] == [0, 1, 2]
     assert max(r["staleness_max"] for r in grpo) <= 1
     assert all(r["trained_tokens"] > 0 for r in grpo if "trained_tokens" in r)
+
+
+def test_a_rollout_worker_that_fails_fails_the_async_run_at_once_instead_of_hanging(tmp_path):
+    # prompt + max_new_tokens beyond the tiny model's 32 positions: the engine refuses the first generation. The
+    # trainer would wait for that step's rows forever; the driver, which watches the workers too, ends the run.
+    result = run_demo(
+        tmp_path / "run",
+        "steps=3",
+        "mode=async",
+        "max_staleness=1",
+        "weight_sync=memory",
+        "sft.enabled=false",
+        "rollout.max_new_tokens=128",
+        timeout=180,
+        returncode=1,
+    )
+    assert "with max_new_tokens=128 that exceeds max_position_embeddings=32" in result.stderr
