@@ -784,17 +784,7 @@ class PartitionState:
             task.deliveries[rows] = 0
             for row in rows.tolist():
                 task.dead.pop(row, None)
-        for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
-            members = self.group_rows.get(g)
-            if members is not None:
-                members.remove(row)
-                if not members:
-                    del self.group_rows[g]
-            left = self.group_members.get(g, 1) - 1
-            if left > 0:
-                self.group_members[g] = left
-            else:
-                self.group_members.pop(g, None)
+        self._leave_groups(rows)
         for row in rows.tolist():
             self.custom_meta.pop(row, None)
         self.block[rows] = -1
@@ -805,6 +795,20 @@ class PartitionState:
         self.group[rows] = -1
         self.num_committed -= len(rows)
         return dead
+
+    def _leave_groups(self, rows: np.ndarray) -> None:
+        """Take ``rows`` out of their groups' member lists and counts (a group with none left is forgotten)."""
+        for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
+            members = self.group_rows.get(g)
+            if members is not None and row in members:
+                members.remove(row)
+                if not members:
+                    del self.group_rows[g]
+            left = self.group_members.get(g, 1) - 1
+            if left > 0:
+                self.group_members[g] = left
+            else:
+                self.group_members.pop(g, None)
 
     def lose_rows(self, rows: np.ndarray) -> None:
         """Committed ``rows`` lost their payload (a storage unit restarted empty): they leave every ready index and
@@ -820,17 +824,8 @@ class PartitionState:
                 index.remove(rows, self.group)
         for c in range(len(self.fields)):
             self.field_produced[c] -= int(np.count_nonzero(self.block[rows, c] >= 0))
-        for row, g in zip(rows.tolist(), self.group[rows].tolist(), strict=True):
-            members = self.group_rows.get(g)
-            if members is not None and row in members:
-                members.remove(row)
-                if not members:
-                    del self.group_rows[g]
-            left = self.group_members.get(g, 1) - 1
-            if left > 0:
-                self.group_members[g] = left
-            else:
-                self.group_members.pop(g, None)
+        self._leave_groups(rows)
+        for row in rows.tolist():
             key = self.row_keys.pop(row, None)
             if key is not None:
                 self.keys.pop(key, None)
