@@ -47,7 +47,7 @@ from transfer_queue.queue_state import QueueState
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import Responder, Server
 from transfer_queue.status import RUN_HISTORY, numeric_row, queue_summary
-from transfer_queue.transport import Incoming, Peer, Reply
+from transfer_queue.transport import Incoming, Peer, Reply, close_watched, watch
 from transfer_queue.unit_health import UnitWatcher
 
 logger = logging.getLogger(__name__)
@@ -151,9 +151,9 @@ class ControllerServer(Server):
         dealer.setsockopt(zmq.RECONNECT_IVL, UNIT_RECONNECT_MS)
         dealer.setsockopt(zmq.CONNECT_TIMEOUT, UNIT_CONNECT_TIMEOUT_MS)
         secure_client(dealer, self._secret)
+        monitor = watch(dealer, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)  # before connect: no event is missed
         dealer.connect(endpoint.address())
         self.sockets.register(dealer)
-        monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._unit_monitors[monitor] = unit
         self.sockets.register(monitor)
         return dealer
@@ -161,7 +161,7 @@ class ControllerServer(Server):
     def restart_unit(self, unit: int, endpoint: p.Endpoint, timeout: float = 30.0) -> dict[str, Any]:
         """Storage unit ``unit`` was restarted by Ray (empty) and now listens at ``endpoint``: connect to it, mark the
         rows it held lost, and mark it up. Returns what was lost (see ``QueueState.unit_restarted``)."""
-        done, result = threading.Event(), {}
+        done, result = threading.Event(), dict[str, Any]()
         with self.lock:
             self._restarts_due.append((unit, endpoint, done, result))
         if not done.wait(timeout):
@@ -176,9 +176,8 @@ class ControllerServer(Server):
             for monitor in [m for m, u in self._unit_monitors.items() if u == unit]:
                 del self._unit_monitors[monitor]
                 self.sockets.unregister(monitor)
-                monitor.close(linger=0)
             self.sockets.unregister(old)
-            old.close(linger=0)
+            close_watched(old)
             self._units[unit] = self._connect_unit(unit, endpoint)
             with self.lock:
                 self._storage[unit] = endpoint
@@ -222,10 +221,8 @@ class ControllerServer(Server):
         self._guard("held replies", self._send_held, time.monotonic())
 
     def close_sockets(self) -> None:
-        for monitor in self._unit_monitors:
-            monitor.close(linger=0)
         for dealer in self._units:
-            dealer.close(linger=0)
+            close_watched(dealer)
         self.sockets.close()
 
     def responder(self, incoming: Incoming) -> Responder:

@@ -120,6 +120,50 @@ Reply = Callable[[Sequence[Any]], None]
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
+# libzmq sends monitor events with a *blocking* send from the context's I/O thread: a monitor whose queue is full,
+# or whose reading end was closed while the socket it watches still runs, blocks that thread for good, and with it
+# every socket of the context (no connect, no message in or out). The two functions below are the only way this
+# package opens and closes a monitored socket.
+_monitor_ids = itertools.count(1)
+_Socket = TypeVar("_Socket", bound=zmq.Socket)
+
+
+def watch(sock: _Socket, events: int) -> _Socket:
+    """A PAIR socket that receives ``sock``'s ``events`` (ZeroMQ's socket monitor). Close the two with
+    :func:`close_watched`, never the monitor alone. Unlike pyzmq's ``get_monitor_socket``:
+
+    - the monitor's queue has no bound (``RCVHWM`` 0 on our end, set before connecting): a monitor nobody reads for a
+      while does not fill up (pyzmq's 1,000 events are 100 s of a socket retrying a dead server every 100 ms);
+    - each monitor has an address of its own (pyzmq derives it from the socket's file descriptor, which the kernel
+      hands out again once the socket is closed).
+    """
+    address = f"inproc://tq-monitor-{os.getpid()}-{next(_monitor_ids)}"
+    sock.monitor(address, events)
+    monitor: _Socket = sock.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)
+    monitor.setsockopt(zmq.LINGER, 0)
+    monitor.connect(address)
+    sock._monitor_socket = monitor  # where close_watched (and pyzmq's disable_monitor) find it
+    return monitor
+
+
+def _monitor_of(sock: zmq.Socket) -> zmq.Socket:
+    monitor = sock._monitor_socket
+    assert monitor is not None, "a socket opened without watch()"
+    return monitor
+
+
+def close_watched(sock: zmq.Socket) -> None:
+    """Close ``sock`` and its monitor (see :func:`watch`) in the one safe order: the monitor is stopped first, at
+    once (libzmq does it under the socket's monitor lock), so no event is ever sent to a monitor closed before it."""
+    monitor = sock._monitor_socket
+    if monitor is not None and not sock.closed:
+        sock.disable_monitor()
+    sock.close(linger=0)
+    if monitor is not None:
+        monitor.close(linger=0)
+
+
 @dataclass(frozen=True)
 class Peer:
     """Who sent a message: one connection. ``transport`` is ``"tcp"`` (``key``: the ZeroMQ routing id) or
@@ -178,7 +222,7 @@ class ServerSockets:
         # ZMQ_ROUTER_NOTIFY is a draft API (not in the released libzmq builds), so connections are followed with a
         # socket monitor: it reports accepted and closed TCP connections by fd, and every message names the fd it
         # came on (ZMQ_SRCFD), which ties an fd to the routing id of its peer. Failed handshakes are counted.
-        self._monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self._monitor = watch(self.router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.poller.register(self._monitor, zmq.POLLIN)
         self._tcp_by_fd: dict[int, bytes] = {}  # connection fd -> routing id of its peer
         self._fds: dict[int, int] = {}  # Unix fd -> the poll flags it is registered with
@@ -317,9 +361,7 @@ class ServerSockets:
             pass
 
     def close(self) -> None:
-        self.router.disable_monitor()
-        self._monitor.close(linger=0)
-        self.router.close(linger=0)
+        close_watched(self.router)
         if self.zap is not None:
             self.zap.close()
         if self.unix is not None:
@@ -334,6 +376,11 @@ class ServerSockets:
 _GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 _HEARTBEAT_MS = 5_000
 _HEARTBEAT_TIMEOUT_MS = 20_000
+# A DEALER to a server that is gone retries every 100 ms at first, backing off to this: fewer events pile up in the
+# monitor of a socket nobody uses any more (a request still learns of a dead server within this long).
+_RECONNECT_MAX_MS = 2_000
+# How often a thread's call looks at the monitors of its other (idle) sockets and closes those whose server is gone.
+_SWEEP_S = 10.0
 
 
 def _gone_event(monitor: zmq.Socket) -> bool:
@@ -421,20 +468,29 @@ class BlockingTransport:
             secure_client(sock, self._secret)
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            monitor = sock.get_monitor_socket(_GONE_EVENTS)  # before connect: no event is missed
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
+            watch(sock, _GONE_EVENTS)  # before connect: no event is missed
             sock.connect(address)
             sockets[address] = sock
-            self._thread_sockets("monitors")[address] = monitor
             with self._lock:
                 self._all_sockets.add(sock)
-                self._all_sockets.add(monitor)
         return sock
 
     def _discard(self, address: str) -> None:
-        for kind in ("sockets", "monitors"):
-            sock = self._local.__dict__.get(kind, {}).pop(address, None)
-            if sock is not None:
-                sock.close(linger=0)
+        sock = self._local.__dict__.get("sockets", {}).pop(address, None)
+        if sock is not None:
+            close_watched(sock)
+
+    def _sweep(self, busy: set[str]) -> None:
+        """Close this thread's idle sockets whose server is gone (at most every ``_SWEEP_S``): a socket left to a
+        dead server retries for ever, and its monitor keeps the events nobody reads."""
+        now = time.monotonic()
+        if now < self._local.__dict__.get("swept", 0.0) + _SWEEP_S:
+            return
+        self._local.__dict__["swept"] = now
+        for address, sock in list(self._thread_sockets("sockets").items()):
+            if address not in busy and _gone_event(_monitor_of(sock)):
+                self._discard(address)
 
     def _local_path(self, endpoint: Endpoint) -> str | None:
         """The Unix socket to take to ``endpoint``, or None for TCP: the server is on this host (same Ray node, or
@@ -538,11 +594,12 @@ class BlockingTransport:
             else:
                 remote.append((i, endpoint, frames, request_id))
         waiting: dict[int, tuple[int, str, zmq.Socket]] = {}
-        monitors = self._thread_sockets("monitors")
+        if remote:
+            self._sweep({endpoint.address() for _, endpoint, _, _ in remote})
         for i, endpoint, frames, request_id in remote:
             address = endpoint.address()
             sock = self._socket(address)
-            _gone_event(monitors[address])  # what happened before this request says nothing about it
+            _gone_event(_monitor_of(sock))  # what happened before this request says nothing about it
             sock.send_multipart(frames, copy=False)
             waiting[request_id] = (i, address, sock)
         if local:
@@ -552,7 +609,7 @@ class BlockingTransport:
         sockets = {id(s): s for _, _, s in waiting.values()}
         spin_until = time.monotonic() + self._spin
         while waiting:
-            watched = {monitors[address]: address for _, address, _ in waiting.values()}
+            watched = {_monitor_of(sock): address for _, address, sock in waiting.values()}
             ready = self._ready([*sockets.values(), *watched], deadline, spin_until)
             if not ready:
                 for _, address, _ in waiting.values():
@@ -616,7 +673,7 @@ class BlockingTransport:
 
 
 def _close(sock: Any) -> None:
-    sock.close(linger=0) if isinstance(sock, zmq.Socket) else sock.close()
+    close_watched(sock) if isinstance(sock, zmq.Socket) else sock.close()
 
 
 class _ThreadSockets(dict):
@@ -660,7 +717,8 @@ class AsyncioTransport:
             secure_client(sock, self._secret)
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            monitor = self._monitors[key] = sock.get_monitor_socket(_GONE_EVENTS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
+            monitor = self._monitors[key] = watch(sock, _GONE_EVENTS)
             sock.connect(address)
             self._sockets[key] = sock
             self._pending[key] = set()
@@ -695,8 +753,8 @@ class AsyncioTransport:
         for loop_id in [i for i, loop in self._loops.items() if loop.is_closed()]:
             del self._loops[loop_id]
             for key in [k for k in self._sockets if k[0] == loop_id]:
-                self._sockets.pop(key).close(linger=0)
-                self._monitors.pop(key).close(linger=0)
+                close_watched(self._sockets.pop(key))
+                self._monitors.pop(key)
                 self._pending.pop(key, None)
                 self._readers.pop(key, None)
                 self._readers.pop((key[0], f"{key[1]}#monitor"), None)
@@ -741,8 +799,8 @@ class AsyncioTransport:
         for task in self._readers.values():
             if not task.get_loop().is_closed():
                 task.cancel()
-        for sock in [*self._sockets.values(), *self._monitors.values()]:
-            sock.close(linger=0)
+        for sock in self._sockets.values():
+            close_watched(sock)
         self._sockets.clear()
         self._monitors.clear()
         self._pending.clear()

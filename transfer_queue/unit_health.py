@@ -55,7 +55,9 @@ class UnitWatcher:
         self._units = list(units)
         self._nodes = list(unit_nodes)
         self._mark = mark
-        self._incarnations = list(incarnations) if incarnations is not None else [None] * len(self._units)
+        self._incarnations: list[str | None] = (
+            list(incarnations) if incarnations is not None else [None] * len(self._units)
+        )
         self._restarted = restarted
         self._restartable = restartable
         self._dead: set[int] = set()

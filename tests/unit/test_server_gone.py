@@ -121,3 +121,109 @@ def test_the_asyncio_transport_reports_a_dead_server_at_once(server: Any) -> Non
 
     asyncio.run(scenario())
     transport.close()
+
+
+# libzmq sends monitor events with a blocking send from the context's I/O thread. A monitor that filled up (pyzmq's
+# get_monitor_socket: 1,000 events, 100 s of a socket retrying a dead server), or whose reading end was closed
+# before the socket it watches, blocked that thread, and with it every TCP connection of the process: in CI the
+# client's calls to live servers all timed out after a test left a socket to a killed server open.
+
+
+def _dead_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exchange_works(ctx: Any) -> bool:
+    """A fresh ROUTER and DEALER of ``ctx`` reach each other over TCP (the context's I/O thread is alive)."""
+    import zmq
+
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hi")
+        return bool(router.poll(10_000))
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+
+
+def _retrying_dealer(ctx: Any) -> Any:
+    """A DEALER that retries a port where nothing listens every millisecond (an event each time)."""
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, 1)
+    return sock
+
+
+def test_a_monitor_nobody_reads_does_not_stop_the_other_sockets() -> None:
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from transfer_queue.transport import close_watched, watch
+
+    ctx = zmq.Context()
+    try:
+        sock = _retrying_dealer(ctx)
+        monitor = watch(sock, zmq.EVENT_CONNECT_RETRIED)
+        sock.connect(f"tcp://127.0.0.1:{_dead_port()}")
+        time.sleep(4.0)  # thousands of retries, none read
+        assert _exchange_works(ctx)
+        events = 0
+        while monitor.poll(0):
+            recv_monitor_message(monitor)
+            events += 1
+        assert events > 1000  # more than pyzmq's monitor would hold before blocking the I/O thread
+        close_watched(sock)
+        assert monitor.closed and sock.closed
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_closing_a_watched_socket_never_leaves_its_events_without_a_reader() -> None:
+    import zmq
+
+    from transfer_queue.transport import close_watched, watch
+
+    ctx = zmq.Context()
+    try:
+        for _ in range(20):
+            sock = _retrying_dealer(ctx)
+            watch(sock, zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
+            sock.connect(f"tcp://127.0.0.1:{_dead_port()}")
+            time.sleep(0.05)
+            close_watched(sock)
+        time.sleep(0.5)
+        assert _exchange_works(ctx)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_idle_socket_to_a_dead_server_is_closed_by_the_next_call(server: Any, monkeypatch: Any) -> None:
+    """A thread's socket to a server that died is closed by its next call to any server (no retries for ever)."""
+    import transfer_queue.transport as transport_module
+
+    proc, endpoint = server
+    transport = BlockingTransport(force_tcp=True)
+    assert call(transport, endpoint, b"hi")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    other = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert other.stdout is not None
+        tcp, unix, hostname = json.loads(other.stdout.readline())
+        proc.kill()
+        proc.wait()
+        time.sleep(0.5)  # the connection drops: its monitor says so
+        monkeypatch.setattr(transport_module, "_SWEEP_S", 0.0)
+        assert call(transport, p.Endpoint(tcp, unix, hostname), b"hi")
+        assert list(transport._thread_sockets("sockets")) == [tcp]
+    finally:
+        other.kill()
+        other.wait()
+        transport.close()
