@@ -5,7 +5,14 @@ import re
 import pytest
 import torch
 
-from workers.tasks.addition import AdditionTokenizer, addition_reward, build_model, make_prompts, sft_batch
+from workers.tasks.addition import (
+    AdditionTask,
+    AdditionTokenizer,
+    addition_reward,
+    build_model,
+    make_prompts,
+    sft_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +107,10 @@ def test_build_model_is_small_seeded_and_trains_on_sft_batches(tokenizer):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_the_policy_takes_longer_sequences_when_asked_and_refuses_fewer_than_an_answer_needs() -> None:
+    assert AdditionTask().build_policy().config.max_position_embeddings == 32
+    assert AdditionTask(max_positions=256).build_policy().config.max_position_embeddings == 256
+    with pytest.raises(ValueError, match=r"max_positions must be at least 32 \(the longest prompt \+ answer\), got 8"):
+        AdditionTask(max_positions=8)

@@ -136,16 +136,22 @@ def sft_batch(problems: list[dict], tokenizer: AdditionTokenizer) -> dict[str, t
 
 
 def build_model(
-    vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, seed: int = 0
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 32,
+    seed: int = 0,
 ) -> LlamaForCausalLM:
-    """The addition task's policy: a ~100k-parameter Llama with tied embeddings and 32 positions."""
+    """The addition task's policy: a ~100k-parameter Llama with tied embeddings and 32 positions by default."""
     tokenizer = AdditionTokenizer()
     return build_tiny_causal_lm(
         vocab_size,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
-        max_position_embeddings=32,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -158,14 +164,30 @@ class AdditionTask(Task):
 
     Args:
         hidden_size, num_layers, num_heads: the policy's shape (about 100k parameters by default).
+        max_positions: the longest prompt + response the policy takes (32 fits every answer; more lets an untrained
+            policy ramble, e.g. for long-tailed generations in async runs with ``rollout.max_new_tokens``).
         model_seed: the initial weights' seed.
     """
 
     reward_fields = ("answer",)
 
-    def __init__(self, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, model_seed: int = 0):
+    def __init__(
+        self,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        model_seed: int = 0,
+        max_positions: int = 32,
+    ):
+        if max_positions < 32:
+            raise ValueError(f"max_positions must be at least 32 (the longest prompt + answer), got {max_positions}")
         self._tokenizer = AdditionTokenizer()
-        self.model_kwargs = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
+        self.model_kwargs = {
+            "hidden_size": hidden_size,
+            "num_layers": num_layers,
+            "num_heads": num_heads,
+            "max_positions": max_positions,
+        }
         self.model_seed = model_seed
 
     @property
