@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray
+from tqdm import tqdm
 
 from benchmarks.soak_actors import Consumer, Producers, partition_name
 from transfer_queue import TransferQueueClient, TransferQueueController
@@ -95,6 +96,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     events: dict[str, float] = {}
     unit_pid = ray.get(controller.storage_stats.remote())[0]["pid"]
     replacement: Any = None
+    bar = tqdm(total=total, desc="fault soak", unit="put", dynamic_ncols=True, file=sys.stderr)
     while len(audits) < partitions and time.time() - started < cfg.deadline_s:
         try:
             progress = ray.get([p.progress.remote() for p in producers])
@@ -103,6 +105,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             crash = f"{type(exc).__name__}: {str(exc)[:300]}"
             break
         done_puts, slowest = sum(x[0] for x in progress), min(x[1] for x in progress)
+        bar.update(done_puts - bar.n)
+        bar.set_postfix(audited=f"{len(audits)}/{partitions}", events=",".join(events) or "-", refresh=False)
         for j in range(partitions):
             if j not in closed and (slowest >= min(cfg.puts, (j + 1) * cfg.rotate)):
                 client.close_partition(partition_id=partition_name(j))
@@ -124,6 +128,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             replacement = consumers[("task_a", "replacement")] = consumer("task_a", cfg.consumers_per_task)
             ray.get(replacement.start.remote())
         time.sleep(0.2)
+    bar.close()
     wall = time.time() - started
     alive = [c for key, c in consumers.items() if key != ("task_a", 0)]
     produced, consumed = _results(producers), _results(alive)

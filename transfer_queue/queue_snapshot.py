@@ -2,9 +2,11 @@
 
 What is saved: partitions (rows, groups, schemas, production, lengths, kv keys), per-task delivery state (acknowledged
 rows, delivery counts, dead letters; leased rows are turned back to ready), the step window, cleared names, the id
-counters, and the samplers' ``state_dict``. What is not: open puts (a put that had not committed is not in the
-checkpoint: its rows are freed, as if it had been aborted), parked requests, connections and DP rounds (clients ask
-again; the rows of a round's unacknowledged shares are ready again), remembered commits.
+counters, the samplers' ``state_dict``, and the rows lost with storage units (with the unit that took them, so
+``client.lost_rows`` and the status calls still report them after a restore). What is not: open puts (a put that had
+not committed is not in the checkpoint: its rows are freed, as if it had been aborted), parked requests, connections
+and DP rounds (clients ask again; the rows of a round's unacknowledged shares are ready again), remembered commits,
+and the storage units' restart counts (a restore starts fresh units).
 
 Restoring onto another number of storage units renumbers blocks: a block of old unit ``u`` goes to new unit
 ``u % new_units`` under a fresh id (ids encode their unit: ``id % num_units``); :func:`block_map` computes the map
@@ -20,6 +22,7 @@ import numpy as np
 
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import TransferQueueError
+from transfer_queue.lost_rows import LostRecord
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.partition import AVAILABLE, COMMITTED, LEASED, LOST, RESERVED, PartitionState, TaskState
 from transfer_queue.queue_state import QueueState
@@ -84,6 +87,8 @@ def snapshot_state(state: QueueState) -> bytes:
             "next_put": state._next_put,
             "partitions": [_partition(part) for part in state.partitions.values()],
             "samplers": samplers,
+            # the units' restart counts and lost_below are not saved: a restore starts fresh units
+            "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
         }
     )
 
@@ -171,6 +176,13 @@ def restore_state(
         part = _restore_partition(d, mapping)
         state.partitions[part.key] = part
         state.bytes_held += part.nbytes
+    lost = snapshot.get("lost") or {"total": 0, "by_uid": {}}  # written before lost rows were saved: none
+    state.lost.total = int(lost["total"])
+    state.lost.by_uid = {
+        int(uid): {int(row): msgspec.convert(record, LostRecord) for row, record in rows.items()}
+        for uid, rows in lost["by_uid"].items()
+        if any(part.uid == int(uid) for part in state.partitions.values())
+    }
     samplers = dict(snapshot["samplers"])
     state.default_sampler.load_state_dict(samplers.pop("", {}))
     state.pending_sampler_states = samplers

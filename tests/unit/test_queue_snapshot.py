@@ -129,3 +129,21 @@ def test_a_queue_checkpoint_that_crashed_mid_save_leaves_the_previous_one_curren
     third = commit_save(root, staging, name)
     assert current_checkpoint(root) == third and read_controller(third) == b"third"
     assert sorted(os.listdir(root)) == ["CURRENT", os.path.basename(third)]
+
+
+def test_rows_lost_with_a_storage_unit_are_still_reported_after_a_restore(make_queue):
+    q = make_queue(global_batch_size=4, num_n_samples=2, num_storage_units=2)
+    first = q.put(0, 4)
+    q.put(1, 4)
+    q.put(1, 4)  # the units are taken in turn: on the same unit as the first
+    dead = int(np.unique(first.blocks % 2)[0])
+    q.state.unit_restarted(dead)
+    before = q.ok(p.LostRows(0))
+    assert len(before) == 4 and q.ok(p.ProductionStatus(0))["rows_lost"] == 4
+    assert len(q.ok(p.LostRows(1))) == 4
+    q.ok(p.Clear(1))  # a cleared partition's lost rows are not carried over
+    state, _ = restored(q, 3)
+    assert ask(state, p.LostRows(0)) == before
+    assert ask(state, p.ProductionStatus(0))["rows_lost"] == 4
+    assert state.lost.total == q.state.lost.total and set(state.lost.by_uid) == {first.partition_uid}
+    assert state.lost.lost_below == {}  # the restored queue's units are fresh: nothing on them is gone
