@@ -87,8 +87,8 @@ def answer_unix_challenge(sock: socket.socket, secret: bytes, timeout: float = H
             raise AuthenticationFailed(f"the server sent no challenge within {timeout:.1f} s") from None
         except OSError:
             chunk = b""
-        if not chunk:
-            raise AuthenticationFailed("the server closed the connection before its challenge")
+        if not chunk:  # a live server sends its challenge first, whatever the client: this one died (or closes)
+            raise ConnectionResetError("the server closed the connection before its challenge (the server is gone)")
         nonce += chunk
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     sock.sendall(unix_proof(secret, nonce))

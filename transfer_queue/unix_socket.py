@@ -234,7 +234,8 @@ def listen(path: str) -> socket.socket:
 
 def connect(path: str, secret: bytes = b"") -> socket.socket:
     """A non-blocking connection to the server at ``path``, authenticated with ``secret`` when given (see
-    :mod:`transfer_queue.auth`; AuthenticationFailed if the server does not challenge in time)."""
+    :mod:`transfer_queue.auth`; AuthenticationFailed if the server does not challenge in time or refuses the proof;
+    an OSError, like a refused connection, if the server closes it before its challenge: it is gone)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)

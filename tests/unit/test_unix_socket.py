@@ -178,3 +178,28 @@ def test_a_stream_cut_anywhere_parses_to_the_same_messages():
         got += received
     assert [[bytes(f) for f in m] for m in got] == messages
     assert reader.idle
+
+
+def test_a_server_that_closes_before_its_challenge_is_gone_not_an_authentication_failure(tmp_path):
+    """A server killed with connections in its backlog closes them before challenging: the client must read that as
+    a dead server (an OSError, as a refused connection: transports then report ServerGone or take TCP), never as a
+    wrong secret (AuthenticationFailed, which says the controller_info is from another queue)."""
+    from transfer_queue.unix_socket import connect
+
+    path = str(tmp_path / "dying.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def accept_and_close() -> None:
+        conn, _ = listener.accept()
+        conn.close()
+
+    thread = threading.Thread(target=accept_and_close)
+    thread.start()
+    with pytest.raises(
+        ConnectionResetError, match=r"closed the connection before its challenge \(the server is gone\)"
+    ):
+        connect(path, b"s" * 32)
+    thread.join()
+    listener.close()
