@@ -4,7 +4,7 @@
   of 1k .. 1M rows of a tiny int8 field, spin 0 and spin 200 us; baseline a raw ZeroMQ request/reply of the same
   request and reply sizes (and a raw Unix-domain socket). Also the first call of a task (it builds the task's
   ready index) and a 1M-row partition half consumed.
-- ``get_meta_state``: the controller's own cost (``QueueState.handle`` + encoding the reply), in process.
+- ``get_meta_state``: the controller's own cost (``RequestTable.handle`` + encoding the reply), in process.
 - ``concurrent``: get_meta/s from 4 client processes (spawned once), each its own task; baseline 4 raw clients.
 """
 
@@ -22,6 +22,7 @@ import transfer_queue as tq
 from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
 from transfer_queue.queue_state import QueueState
+from transfer_queue.request_table import RequestTable
 
 SIZES = {"1k": 1_000, "10k": 10_000, "100k": 100_000, "1M": 1_000_000}
 SAMPLERS = ("seq", "grpo", "dp")
@@ -205,6 +206,7 @@ class ControllerOnly:
     def __init__(self, rows: int):
         self.state = QueueState(QueueConfig(global_batch_size=64, num_n_samples=N_SAMPLES))
         self.state.register_sampler("grpo", tq.GRPOSampler(N_SAMPLES))
+        self.requests = RequestTable(self.state)  # what the controller's server calls
         self.last: Any = None
         schema = {"t": tq.FieldSchema("dense", "int8", ())}
         for start in range(0, rows, 10_000):
@@ -218,7 +220,7 @@ class ControllerOnly:
         self.last = value
 
     def handle(self, request: Any) -> Any:
-        self.state.handle(request, self._respond)
+        self.requests.handle(request, self._respond)
         return self.last
 
     def p50s(self, request: p.GetMeta, reps: int, calls: int = 24) -> list[float]:
@@ -235,7 +237,7 @@ class ControllerOnly:
 
 
 def bench_get_meta_state(bench: Bench) -> None:
-    """QueueState.handle(GetMeta) + encoding the reply, in process: the controller's share of a get_meta."""
+    """RequestTable.handle(GetMeta) + encoding the reply, in process: the controller's share of a get_meta."""
     note = {"note": "in process, no sockets"}
     for label in ("1k", "1M"):
         rows = SIZES[label]

@@ -1,6 +1,6 @@
 """What recording metrics costs the controller per request, in process (no Ray, no sockets).
 
-The controller's hot path is ``QueueState.handle`` plus encoding the reply; the metrics hook adds a
+The controller's hot path is ``RequestTable.handle`` plus encoding the reply; the metrics hook adds a
 ``perf_counter`` and ``ControllerMetrics.answered`` (a bisect and a few counter increments) per request. This times
 both, interleaved call by call (a b b a a b ...) so that the load of a shared machine hits them alike; prints
 medians:
@@ -20,13 +20,14 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.metrics import ControllerMetrics
 from transfer_queue.queue_state import QueueState
+from transfer_queue.request_table import RequestTable
 
 ROWS = 100_000
 BATCH = 32
 
 
-def fresh_state() -> QueueState:
-    state = QueueState(QueueConfig(global_batch_size=BATCH, num_global_batch=1), None)
+def fresh_state() -> RequestTable:
+    state = RequestTable(QueueState(QueueConfig(global_batch_size=BATCH, num_global_batch=1), None))
     out: list[Any] = []
     schema = {"x": FieldSchema("dense", "int8", ())}
     reserve = p.Reserve("bench", ROWS, schema, ROWS, None, None, None, None, None, 30.0)
@@ -35,7 +36,7 @@ def fresh_state() -> QueueState:
     return state
 
 
-def paired_calls_us(state: QueueState, calls: int) -> tuple[float, float]:
+def paired_calls_us(state: RequestTable, calls: int) -> tuple[float, float]:
     """Mean us per get_meta without and with the hook, the two interleaved call by call (tasks ``a`` and ``b``)."""
     metrics = ControllerMetrics()
     requests = {task: p.GetMeta("bench", ["x"], BATCH, task, None, False, 30.0) for task in ("a", "b")}
@@ -84,7 +85,7 @@ def main() -> None:
     alone = (time.perf_counter() - started) / 100_000 * 1e6
     a, b = statistics.median(without), statistics.median(with_metrics)
     paired = statistics.median(y - x for x, y in zip(without, with_metrics, strict=True))
-    print(f"get_meta (batch {BATCH}, {ROWS} rows) QueueState.handle + encode, median of {args.reps} reps:")
+    print(f"get_meta (batch {BATCH}, {ROWS} rows) RequestTable.handle + encode, median of {args.reps} reps:")
     print(f"  without metrics  {a:7.2f} us/call")
     print(f"  with metrics     {b:7.2f} us/call  ({b - a:+.2f} us, {100 * (b - a) / a:+.1f}%)")
     print(f"  median of the paired differences: {paired:+.2f} us/call")

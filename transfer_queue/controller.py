@@ -1,7 +1,9 @@
 """TransferQueueController: the Ray actor of the control plane.
 
-A thin shell: a ROUTER socket served by the shared poll loop (transfer_queue.server), handing requests to
-:class:`~transfer_queue.queue_state.QueueState` (all bookkeeping lives there, unit-testable without Ray). Ray's own
+A thin shell: a ROUTER socket served by the shared poll loop (transfer_queue.server), handing requests to its
+:class:`~transfer_queue.request_table.RequestTable`, which translates them into calls of
+:class:`~transfer_queue.queue_state.QueueState` (all bookkeeping lives there, unit-testable without Ray or a wire
+format). Ray's own
 actor calls (creating it, ``register_sampler``, ``get_info``) are the trusted control channel; everything on the
 socket is typed msgpack and nothing received is unpickled. The controller never touches tensor bytes.
 """
@@ -44,6 +46,7 @@ from transfer_queue.errors import (
 from transfer_queue.metrics import ControllerMetrics
 from transfer_queue.queue_snapshot import block_map, read_snapshot, restore_state, snapshot_state
 from transfer_queue.queue_state import QueueState
+from transfer_queue.request_table import RequestTable
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.server import Responder, Server
 from transfer_queue.status import RUN_HISTORY, numeric_row, queue_summary
@@ -116,6 +119,7 @@ class ControllerServer(Server):
     ):
         super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
         self.state = state
+        self.requests = RequestTable(state)  # wire requests in, wire answers out
         self._session = session_id  # what the controller's own messages to the storage units carry
         self._save_units = save_units  # every storage unit writes its files under a staging directory
         self._secret = secret
@@ -273,7 +277,7 @@ class ControllerServer(Server):
                 responder(value, error)
 
         try:
-            self.state.handle(request, respond, responder.peer)
+            self.requests.handle(request, respond, responder.peer)
         except Exception as exc:  # a bug, not bad input: answer it, count it and keep serving
             self.counters["failures.request"] += 1
             logger.exception("controller failed on %s", type(request).__name__)
@@ -343,9 +347,8 @@ class ControllerServer(Server):
 
     def _flush_outbox(self) -> list[int]:
         """Send the state's messages to the storage units; returns the request ids sent."""
-        outbox, self.state.outbox = self.state.outbox, []
         sent = []
-        for unit, request in outbox:
+        for unit, request in self.requests.take_outbox():
             request_id = next(self._ids)
             envelope = p.Envelope(p.PROTOCOL_VERSION, self._session, request_id)
             try:  # never block the controller on a unit that stopped reading (dead or stuck)

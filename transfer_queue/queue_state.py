@@ -1,8 +1,8 @@
-"""QueueState: the controller's request table over the queue's bookkeeping, without Ray or sockets.
+"""QueueState: the queue's bookkeeping behind the controller, without Ray, sockets or a wire format.
 
-The controller actor decodes a request and calls :meth:`QueueState.handle` with a ``respond`` callback. The request
-table translates between the wire (:mod:`transfer_queue.protocol`: request structs, packed index arrays, MetaWire)
-and the bookkeeping, which knows no wire format and lives in small classes:
+The controller's request table (:class:`~transfer_queue.request_table.RequestTable`) decodes a wire request, calls
+one of the methods here with plain Python and numpy values, and encodes what comes back. The bookkeeping lives in
+small classes that this one composes:
 
 - :class:`~transfer_queue.partition_table.PartitionTable`: the live partitions, the step ring, what was cleared;
 - :class:`~transfer_queue.put_ledger.PutLedger`: puts between reserve and commit (idempotent commits by put id);
@@ -11,19 +11,21 @@ and the bookkeeping, which knows no wire format and lives in small classes:
 - :class:`~transfer_queue.waiting.WaitingRoom`: requests that cannot be served yet (park, retry, expire);
 - :class:`~transfer_queue.kv_state.KvState`: keys, tags and single-row clears.
 
-A handler answers at once or, when the request cannot be served yet (rows not ready, the step ring full), parks
-it; parked requests are retried when something they wait for changes and answered with a timeout error at their
-deadline. Nothing here blocks, so one waiting reader never stalls another client. Messages for storage units (drop
-a cleared partition, drop an aborted put's blocks) are queued in ``outbox`` for the actor to send.
+:meth:`QueueState.serve` answers a call at once or, when it cannot be served yet (rows not ready, the step ring
+full), parks it; parked calls are retried when something they wait for changes and answered with a timeout error at
+their deadline. Answers are domain values (:class:`~transfer_queue.metadata.BatchMeta`,
+:class:`~transfer_queue.put_ledger.Reserved`, ...). Nothing here blocks, so one waiting reader never stalls another
+client. Orders for storage units (:class:`DropBlocks`, :class:`DropPartition`) are queued in ``outbox`` for the
+controller to send.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
 from transfer_queue.delivery import ROUND_OWNER, Delivery, TaskOptions
 from transfer_queue.dp_rounds import DPRounds, GetMetaJob
@@ -34,7 +36,7 @@ from transfer_queue.errors import (
     TransferQueueError,
 )
 from transfer_queue.kv_state import KvState
-from transfer_queue.lost_rows import LostRowBook, lose_unit, lost_rows_report
+from transfer_queue.lost_rows import LostRowBook, lose_unit
 from transfer_queue.metadata import PartitionKey
 from transfer_queue.partition import PartitionState
 from transfer_queue.partition_table import PartitionTable
@@ -43,7 +45,26 @@ from transfer_queue.reader import MetaReader
 from transfer_queue.samplers import BaseSampler, SamplerSpec, make_sampler
 from transfer_queue.waiting import WAIT, Parked, Respond, Wait, WaitingRoom
 
-_unpack = p.unpack_indexes
+
+@dataclass(frozen=True)
+class DropBlocks:
+    """An order for a storage unit: drop these blocks of partition ``partition_uid`` (an aborted put, a replaced
+    kv value), and every block below ``floor`` that no live put can still reference."""
+
+    partition_uid: int
+    block_ids: list[int]
+    floor: int
+
+
+@dataclass(frozen=True)
+class DropPartition:
+    """An order for a storage unit: drop partition ``partition_uid``; ``live_uids`` are those still open,
+    ``max_uid`` the newest uid handed out, ``floor`` as in :class:`DropBlocks`."""
+
+    partition_uid: int
+    live_uids: list[int]
+    max_uid: int
+    floor: int
 
 
 class QueueState:
@@ -57,7 +78,7 @@ class QueueState:
         self.default_sampler = self._checked(make_sampler(sampler))
         self.samplers: dict[str, BaseSampler] = {}
         self.pending_sampler_states: dict[str, dict[str, Any]] = {}  # restored, for tasks not registered again yet
-        self.outbox: list[tuple[int, Any]] = []  # (storage unit, request) to send
+        self.outbox: list[tuple[int, DropBlocks | DropPartition]] = []  # (storage unit, order) to send
         self.next_deadline = float("inf")  # earliest deadline of a parked request, open put or lease
         self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
         self.table = PartitionTable(config)
@@ -70,37 +91,6 @@ class QueueState:
         self.kv = KvState(self.table, self.ledger, self._retry_getters)
         self.lost = LostRowBook()  # rows lost with storage units that restarted empty (transfer_queue.lost_rows)
         self.reader = MetaReader(config, self.table, self.ledger, self.delivery, self.rounds, self.sampler_for)
-        self._handlers: dict[type, Callable[[Any], Any]] = {
-            p.Reserve: self._on_reserve,
-            p.Commit: lambda req: p.MetaWire.from_meta(self.ledger.commit(req.put_id)),
-            p.Abort: lambda req: self.ledger.abort(req.put_id),
-            p.GetMeta: self._on_get_meta,
-            p.Release: lambda req: self.delivery.release(
-                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner
-            ),
-            p.Ack: lambda req: self.delivery.ack(
-                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.explicit
-            ),
-            p.CancelGetMeta: self._on_cancel_get_meta,
-            p.SetTaskOptions: self._on_set_task_options,
-            p.DeadLetters: lambda req: self.table.known(req.partition).dead_letters(req.task_name),
-            p.Clear: lambda req: self.clear(req.partition),
-            p.ResetConsumption: self._on_reset_consumption,
-            p.ProductionStatus: lambda req: self.table.known(req.partition).production_status(),
-            p.ConsumptionStatus: lambda req: self.table.known(req.partition).consumption_status(req.task_name),
-            p.ListPartitions: lambda req: list(self.partitions),
-            p.ClosePartition: self._on_close_partition,
-            p.KvLookup: lambda req: p.MetaWire.from_meta(self.kv.lookup(req.partition, req.keys, req.fields)),
-            p.KvList: lambda req: self.kv.list_keys(req.partition, req.with_tags),
-            p.KvClear: self._on_kv_clear,
-            p.KvTag: lambda req: p.MetaWire.from_meta(self.kv.tag(req.partition, req.keys, req.values)),
-            p.SetCustomMeta: lambda req: self.kv.set_custom_meta(
-                req.partition_uid, _unpack(req.global_indexes), req.values
-            ),
-            p.GetCustomMeta: lambda req: self.kv.get_custom_meta(req.partition_uid, _unpack(req.global_indexes)),
-            p.ClearSamples: lambda req: self.kv.clear_samples(req.partition_uid, _unpack(req.global_indexes)),
-            p.LostRows: lambda req: lost_rows_report(self, self.table.known(req.partition)),
-        }
 
     # ---- the bookkeeping's state, by its former names (the controller, status, snapshots and tests read it) ---
     partitions = property(lambda self: self.table.partitions)
@@ -151,26 +141,27 @@ class QueueState:
     def sampler_for(self, task_name: str) -> BaseSampler:
         return self.samplers.get(task_name, self.default_sampler)
 
-    # ---- dispatch ------------------------------------------------------------------------------------------
-    def handle(self, request: Any, respond: Respond, peer: Any = None) -> None:
-        """Answer ``request`` through ``respond(value, error)``, now or (for waits) later.
+    # ---- serving one call ------------------------------------------------------------------------------------
+    def serve(
+        self,
+        call: Callable[[], Any],
+        respond: Respond,
+        peer: Any = None,
+        *,
+        timeout: float = 0.0,
+        wait_key: PartitionKey | None = None,
+        kind: str = "",
+    ) -> None:
+        """Run ``call`` and answer through ``respond(value, error)``: now, or, if it returns a :class:`Wait`, later
+        (parked under ``wait_key`` for up to ``timeout`` seconds; ``kind`` names it in errors).
 
-        ``peer``: the connection it came on (a :class:`~transfer_queue.transport.Peer`; None: unknown, e.g. unit
-        tests). Requests that name an ``owner`` tie that connection to their client; :meth:`on_disconnect` of it
-        drops its waits and, after a grace, aborts its open puts and hands its leases back.
+        ``peer``: the connection the call came on (a :class:`~transfer_queue.transport.Peer`; None: unknown, e.g.
+        unit tests); :meth:`on_disconnect` of it drops its waits. Queue errors are answers; other exceptions are
+        bugs and propagate to the controller's exception boundary.
         """
-        owner = getattr(request, "owner", "")
-        if owner and peer is not None:
-            self.leases.connected(owner, peer)
-        handler = self._handlers.get(type(request))
-        if handler is None:
-            respond(None, InvalidRequest(f"the controller does not handle {type(request).__name__} requests"))
-            return
-        if isinstance(request, p.Reserve) and peer is not None:
-            respond = self._owned_by(peer, respond)
         self.caller = peer
         try:
-            result = handler(request)
+            result = call()
         except TransferQueueError as exc:
             respond(None, exc)
             return
@@ -180,23 +171,28 @@ class QueueState:
             respond(result, None)
             return
         now = self.clock()
-        parked = Parked(result.job, respond, now, now + request.timeout, peer)
-        key = None if isinstance(request, p.Reserve) else request.partition
-        if self.waiting.park(parked, key, type(request).__name__):
+        parked = Parked(result.job, respond, now, now + timeout, peer)
+        if self.waiting.park(parked, wait_key, kind):
             self._wake(parked.deadline)
         elif isinstance(result.job, GetMetaJob):
             self.rounds.forget(result.job)
+
+    def connected(self, owner: str, peer: Any) -> None:
+        """Client ``owner`` speaks on connection ``peer``: when its last connection closes, its leases go back."""
+        if owner and peer is not None:
+            self.leases.connected(owner, peer)
 
     def unit_restarted(self, unit: int) -> dict[str, Any]:
         """Storage unit ``unit`` came back empty (Ray restarted it): the rows it held are lost (see
         :mod:`transfer_queue.lost_rows`); returns what was lost and the unit's ``lost_below``."""
         return lose_unit(self, unit)
 
-    def _owned_by(self, peer: Any, respond: Respond) -> Respond:
-        """``respond`` that records ``peer`` as the owner of the put it answers with a reservation."""
+    def owned_by(self, peer: Any, respond: Respond) -> Respond:
+        """``respond`` that records ``peer`` as the owner of the put it answers with a reservation: the put is
+        aborted if that connection closes before it commits."""
 
         def owned(value: Any, error: BaseException | None) -> None:
-            if isinstance(value, p.Reservation) and value.put_id in self.open_puts:
+            if isinstance(value, Reserved) and value.put_id in self.open_puts:
                 self.open_puts[value.put_id].owner = peer
             respond(value, error)
 
@@ -206,7 +202,7 @@ class QueueState:
         self.next_deadline = min(self.next_deadline, deadline)
 
     def _send_drop(self, unit: int, uid: int, block_ids: list[int], floor: int) -> None:
-        self.outbox.append((unit, p.DropBlocks(uid, block_ids, floor)))
+        self.outbox.append((unit, DropBlocks(uid, block_ids, floor)))
 
     def tick(self) -> float | None:
         """Expire parked requests, abandoned puts and leases; returns the next deadline (``None``: none pending)."""
@@ -241,14 +237,13 @@ class QueueState:
         meta = self.reader.serve(parked.job)
         if meta is None:
             return WAIT
-        wire = p.MetaWire.from_meta(meta)
         # how long it waited for rows to be produced: callers tell queue overhead from upstream stages
-        wire.extra["wait_s"] = self.clock() - parked.started
-        return wire
+        meta.extra["wait_s"] = self.clock() - parked.started
+        return meta
 
     def _serve_parked_putter(self, parked: Parked) -> Any:
         reserved = self.ledger.try_reserve(parked.job)
-        return WAIT if reserved is None else _reservation(reserved)
+        return WAIT if reserved is None else reserved
 
     @staticmethod
     def _describe_failure(job: Any, exc: Exception) -> BaseException:
@@ -259,66 +254,43 @@ class QueueState:
         return exc
 
     # ---- puts ----------------------------------------------------------------------------------------------
-    def _on_reserve(self, req: p.Reserve) -> Any:
-        put = PutRequest(
-            req.partition,
-            req.num_rows,
-            req.fields,
-            req.nbytes,
-            None if req.group_ids is None else _unpack(req.group_ids),
-            req.target_uid,
-            None if req.target_indexes is None else _unpack(req.target_indexes),
-            None if req.lengths is None else _unpack(req.lengths),
-            req.keys,
-            req.timeout,
-            req.length_fields,
-        )
+    def reserve(self, put: PutRequest) -> Reserved | Wait:
+        """Reserve rows, bytes and storage blocks for ``put`` (or wait for room in the step ring or the budget)."""
         job = self.ledger.validate(put)
         reserved = self.ledger.try_reserve(job)
-        return Wait(job) if reserved is None else _reservation(reserved)
+        return Wait(job) if reserved is None else reserved
 
     def _put_timeout(self, parked: Parked) -> BaseException:
         return self.ledger.timeout_error(parked.job[0], parked.deadline - parked.started)
 
     # ---- get_meta ------------------------------------------------------------------------------------------
-    def _on_get_meta(self, req: p.GetMeta) -> Any:
-        job = self.reader.job(
-            req.partition,
-            req.fields,
-            req.batch_size,
-            req.task_name,
-            sampler_params=req.sampler_params,
-            get_n_samples=req.get_n_samples,
-            timeout=req.timeout,
-            lease_s=req.lease_s,
-            owner=req.owner,
-            call_id=req.call_id,
-            peek=req.peek,
-            connection=self.caller,
-        )
+    def get_meta(self, partition: Any, fields: list[str], batch_size: int, task_name: str, **options: Any) -> Any:
+        """Serve a batch of ``task_name``'s rows of ``partition`` (a :class:`BatchMeta`), or a :class:`Wait` until
+        enough are ready; ``options`` are :meth:`MetaReader.job`'s (sampler params, lease, owner, ...)."""
+        job = self.reader.job(partition, fields, batch_size, task_name, connection=self.caller, **options)
         try:
             meta = self.reader.serve(job)
         except BaseException:
             self.rounds.forget(job)  # a call that failed took no round: the rank stays in step with its peers
             raise
-        return Wait(job) if meta is None else p.MetaWire.from_meta(meta)
+        return Wait(job) if meta is None else meta
 
     def _get_meta_timeout(self, parked: Parked) -> BaseException:
         return self.reader.timeout_error(parked.job, parked.deadline - parked.started)
 
-    def _on_cancel_get_meta(self, req: p.CancelGetMeta) -> None:
+    def cancel_get_meta(self, owner: str, call_id: int) -> None:
         """The client gave up a get_meta: drop it if it still waits, else hand back what it was served."""
-        if not req.owner or not req.call_id or req.owner == ROUND_OWNER:
+        if not owner or not call_id or owner == ROUND_OWNER:
             return
         # never answered: the client stopped listening
         self.waiting.drop_getters(
-            lambda parked: parked.job.owner == req.owner and parked.job.call_id == req.call_id, self.rounds.forget
+            lambda parked: parked.job.owner == owner and parked.job.call_id == call_id, self.rounds.forget
         )
-        self.delivery.cancel(req.owner, req.call_id)
+        self.delivery.cancel(owner, call_id)
 
-    def _on_set_task_options(self, req: p.SetTaskOptions) -> None:
-        self.delivery.check_task_name(req.task_name)
-        self.delivery.set_options(req.task_name, TaskOptions(req.ack, req.lease_s, req.max_deliveries))
+    def set_task_options(self, task_name: str, options: TaskOptions) -> None:
+        self.delivery.check_task_name(task_name)
+        self.delivery.set_options(task_name, options)
 
     # ---- clear, reset, close -------------------------------------------------------------------------------
     def clear(self, partition: Any) -> None:
@@ -334,36 +306,30 @@ class QueueState:
         self.ledger.drop_partition(part)
         live, floor = sorted(other.uid for other in self.partitions.values()), self.ledger.block_floor()
         for unit in range(self.config.num_storage_units):
-            self.outbox.append((unit, p.DropPartition(part.uid, live, self.table.next_uid - 1, floor)))
+            self.outbox.append((unit, DropPartition(part.uid, live, self.table.next_uid - 1, floor)))
         self.rounds.drop_partition(key)
         for parked in self.waiting.take_getters(key):
             parked.respond(None, PartitionCleared(f"{part.name} was cleared while get_meta waited for it"))
         self._retry_putters()
 
-    def _on_reset_consumption(self, req: p.ResetConsumption) -> None:
-        parts = list(self.partitions.values()) if req.partition is None else [self.table.known(req.partition)]
+    def reset_consumption(self, partition: Any, task_name: str | None) -> None:
+        """Make ``task_name``'s rows (every task's with None) of ``partition`` (every partition's with None) ready
+        again."""
+        parts = list(self.partitions.values()) if partition is None else [self.table.known(partition)]
         for part in parts:
-            part.reset_consumption(req.task_name)
-            self.rounds.drop_partition(part.key, req.task_name)
+            part.reset_consumption(task_name)
+            self.rounds.drop_partition(part.key, task_name)
             self._retry_getters(part.key)
 
-    def _on_close_partition(self, req: p.ClosePartition) -> None:
-        part = self.table.known(req.partition)
+    def close_partition(self, partition: Any) -> None:
+        """No more puts to ``partition``: waiting readers get what is there."""
+        part = self.table.known(partition)
         part.closed = True
         self._retry_getters(part.key)
 
-    def _on_kv_clear(self, req: p.KvClear) -> None:
-        if req.keys is None:
-            self.clear(req.partition)
+    def kv_clear(self, partition: Any, keys: list[str] | None) -> None:
+        """Clear ``keys`` of a kv partition, or (None) the whole partition."""
+        if keys is None:
+            self.clear(partition)
         else:
-            self.kv.clear_keys(req.partition, req.keys)
-
-
-def _reservation(reserved: Reserved) -> p.Reservation:
-    return p.Reservation(
-        reserved.put_id,
-        reserved.partition_uid,
-        p.pack_indexes(reserved.global_indexes),
-        p.pack_indexes(reserved.group_ids),
-        [p.Placement(*place) for place in reserved.placements],
-    )
+            self.kv.clear_keys(partition, keys)

@@ -56,7 +56,7 @@ class Responder:
             self.reply([p.encode(p.ReplyHeader(self.request_id, *error_to_wire(error))), b""])
 
     def __call__(self, value: Any, error: BaseException | None) -> None:
-        """``respond(value, error)``: the callback shape of QueueState.handle."""
+        """``respond(value, error)``: the callback shape of RequestTable.handle."""
         self.ok(value) if error is None else self.fail(error)
 
 

@@ -1,7 +1,8 @@
 """Shared pieces of the unit tier: a hypothesis profile sized for CI and a QueueState driven without Ray.
 
 ``make_queue(...)`` builds a :class:`QueueHarness`: a QueueState on a fake clock, fed protocol request structs
-through ``handle`` with a ``respond`` that records ``(value, error)``. Nothing here imports Ray or opens a socket.
+through the controller's request table (``RequestTable.handle``) with a ``respond`` that records ``(value,
+error)``. Nothing here imports Ray or opens a socket.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
 from transfer_queue.metadata import BatchMeta, FieldSchema
 from transfer_queue.queue_state import QueueState
+from transfer_queue.request_table import RequestTable
 
 settings.register_profile("ci", max_examples=200, deadline=None)
 settings.register_profile("dev", max_examples=30, deadline=None)
@@ -52,6 +54,10 @@ class QueueHarness:
 
     state: QueueState
     now: list[float] = field(default_factory=lambda: [0.0])
+    table: RequestTable = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.table = RequestTable(self.state)
 
     @property
     def config(self) -> QueueConfig:
@@ -66,7 +72,7 @@ class QueueHarness:
             reply.value, reply.error = value, error
             reply.calls += 1
 
-        self.state.handle(request, respond, peer)
+        self.table.handle(request, respond, peer)
         return reply
 
     def ok(self, request: Any) -> Any:

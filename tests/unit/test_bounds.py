@@ -96,7 +96,7 @@ def test_automatic_round_counters_die_with_their_connection(make_queue):
     replies: list[Any] = []
     for peer in ("a", "b"):
         request = q.get_request(0, "x", 1, sampler_params={"dp_rank": 0, "dp_size": 2})
-        q.state.handle(request, lambda value, error: replies.append((value, error)), peer)
+        q.table.handle(request, lambda value, error: replies.append((value, error)), peer)
     assert len(q.state.auto_rounds) == 2
     q.state.on_disconnect("a")
     assert [c[3] for c in q.state.auto_rounds] == ["b"]
@@ -117,14 +117,14 @@ def test_drops_carry_the_live_partitions_and_the_block_floor(make_queue):
     open_put = q.reserve("open", 1, X)
     q.put("gone", 1, X)
     q.clear("gone")
-    _, drop = q.state.outbox[-1]
+    _, drop = q.table.outbox[-1]
     assert drop.live_uids == [1, 2] and drop.max_uid == 3
     assert drop.block_floor == int(p.unpack_indexes(p.pack_indexes(np.array([open_put.placements[0].block_id])))[0])
     q.commit(open_put)
     q.state.outbox.clear()
     q.kv_put("kv", ["k"], X)
     q.kv_put("kv", ["k"], X)  # the old value's block is dropped; no put is open: the floor is the next block
-    _, drop = q.state.outbox[-1]
+    _, drop = q.table.outbox[-1]
     assert isinstance(drop, p.DropBlocks) and drop.block_floor == q.state._next_block
 
 

@@ -55,15 +55,15 @@ def test_a_failing_timer_is_counted_and_the_controller_keeps_serving(served, mon
 
 def test_a_failing_request_is_answered_counted_and_the_next_one_served(served, monkeypatch) -> None:
     server, client = served
-    handle = server.state.handle
+    handle = server.requests.handle
 
     def once_broken(request: Any, respond: Any, peer: Any = None) -> None:
-        monkeypatch.setattr(server.state, "handle", handle)
+        monkeypatch.setattr(server.requests, "handle", handle)
         raise RuntimeError("a bug in the bookkeeping")
 
     assert client.list_partitions() == []  # connected (its hello is served before the bug is planted)
     with server.lock:
-        monkeypatch.setattr(server.state, "handle", once_broken)
+        monkeypatch.setattr(server.requests, "handle", once_broken)
     with pytest.raises(TransferQueueError, match="RuntimeError: a bug in the bookkeeping"):
         client.list_partitions()
     assert server.stats()["failures.request"] == 1

@@ -98,7 +98,7 @@ def test_clear_samples_forgets_rows_and_frees_their_blocks(make_queue):
     assert q.state.bytes_held == held  # the block still holds row 1
     q.ok(p.ClearSamples(first.partition_uid, p.pack_indexes(first.global_indexes)))  # row 0 again: skipped
     assert q.state.bytes_held == held - first_bytes(first)
-    assert any(isinstance(m, p.DropBlocks) for _, m in q.state.outbox)
+    assert any(isinstance(m, p.DropBlocks) for _, m in q.table.outbox)
     assert q.get("p", "x", 2).global_indexes.tolist() == second.global_indexes.tolist()  # only they are left
     status = q.state.partitions["p"].production_status()
     assert status["rows"] == 2 and status["fields"]["x"]["produced"] == 2

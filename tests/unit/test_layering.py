@@ -71,10 +71,12 @@ def test_the_run_orchestration_sits_above_workers_and_trainers():
 
 
 # ---- inside transfer_queue: the bookkeeping knows no wire format (ARCHITECTURE §2, STYLE 4) -------------------------
-# The controller's bookkeeping is plain Python/numpy: no Ray, no sockets, no wire format. Only the request table
-# (queue_state.py: QueueState.handle takes decoded request structs and answers MetaWire / Reservation) and the
-# servers translate between the wire (protocol.py) and these modules.
+# The controller's bookkeeping is plain Python/numpy: no Ray, no sockets, no wire format. Only the controller's
+# request table (request_table.py: RequestTable.handle takes decoded request structs, calls QueueState and answers
+# MetaWire / Reservation) and the servers translate between the wire (protocol.py) and these modules.
 BOOKKEEPING = [
+    "queue_state.py",
+    "lost_rows.py",
     "partition.py",
     "partition_table.py",
     "put_ledger.py",
@@ -144,7 +146,7 @@ def reached_modules(path: Path) -> set[str]:
 def test_the_module_scanner_sees_the_wire_format_however_it_is_imported():
     source = "from transfer_queue import protocol as p\ndef f():\n    from transfer_queue.protocol import MetaWire\n"
     assert {"transfer_queue.protocol", "transfer_queue.protocol.MetaWire"} <= imported_modules(source)
-    assert "transfer_queue.protocol" in reached_modules(ROOT / "transfer_queue" / "queue_state.py")
+    assert "transfer_queue.protocol" in reached_modules(ROOT / "transfer_queue" / "request_table.py")
 
 
 @pytest.mark.parametrize("module", BOOKKEEPING)

@@ -1,5 +1,5 @@
 """Rows lost with a storage unit that restarted empty (transfer_queue.lost_rows), driven without Ray through
-``QueueState.handle`` on a fake clock (see tests/unit/conftest.py). Two units; a small put goes whole to one unit, the
+``RequestTable.handle`` on a fake clock (see tests/unit/conftest.py). Two units; a small put goes whole to one unit, the
 units taken in turn."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.queue_snapshot import SnapshotError, block_map, read_snapshot, restore_state, snapshot_state
+from transfer_queue.request_table import RequestTable
 from transfer_queue.samplers import SequentialSampler
 
 X = {"x": FieldSchema("dense", "float32", ())}
@@ -26,7 +27,7 @@ def restored(q, units: int):
 
 def ask(state, request):
     out = []
-    state.handle(request, lambda value, error: out.append((value, error)))
+    RequestTable(state).handle(request, lambda value, error: out.append((value, error)))
     assert out, "the request waits"
     value, error = out[0]
     if error is not None:

@@ -47,7 +47,7 @@ def drops(q) -> list:
     bare = {"live_uids": None, "max_uid": None, "block_floor": None}
     return [
         (unit, msgspec.structs.replace(m, **{k: v for k, v in bare.items() if hasattr(m, k)}))
-        for unit, m in q.state.outbox
+        for unit, m in q.table.outbox
     ]
 
 
@@ -771,7 +771,7 @@ def test_kv_puts_insert_upsert_and_mix(make_queue):
     q.kv_put("kv", ["a"])  # upsert: a new block for a; the old one is still referenced by b
     new_a, b = kv_blocks(q, ["a", "b"])
     assert b == old and new_a != old
-    assert not any(isinstance(m, p.DropBlocks) for _, m in q.state.outbox)
+    assert not any(isinstance(m, p.DropBlocks) for _, m in q.table.outbox)
     mixed = q.kv_put("kv", ["b", "c"])
     assert sorted(indexes(mixed)) == [1, 2]  # b keeps its row, c gets a new one
     assert (old % 2, p.DropBlocks(first.partition_uid, [old])) in drops(q)  # nothing references it now
@@ -786,7 +786,7 @@ def test_kv_clear_frees_blocks_and_keys(make_queue):
     block = int(meta.blocks[0, 0])
     q.ok(p.KvClear("kv", ["a", "zz"]))  # unknown keys are ignored
     assert q.ok(p.KvList("kv")) == ["b"]
-    assert not any(isinstance(m, p.DropBlocks) for _, m in q.state.outbox)
+    assert not any(isinstance(m, p.DropBlocks) for _, m in q.table.outbox)
     q.ok(p.KvClear("kv", ["b"]))
     assert (block % 2, p.DropBlocks(meta.partition_uid, [block])) in drops(q)
     assert q.state.bytes_held == 0

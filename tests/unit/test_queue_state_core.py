@@ -43,7 +43,7 @@ def send(q, request: Any, peer: Any = None) -> Reply:
         reply.value, reply.error = value, error
         reply.calls += 1
 
-    q.state.handle(request, respond, peer)
+    q.table.handle(request, respond, peer)
     return reply
 
 

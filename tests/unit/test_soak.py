@@ -25,6 +25,7 @@ from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.config import QueueConfig
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.queue_state import QueueState
+from transfer_queue.request_table import RequestTable
 from transfer_queue.storage import BlockStore
 
 X = {"x": FieldSchema("dense", "float32", ())}
@@ -48,13 +49,14 @@ class Soak:
         self.now = [0.0]
         config = QueueConfig(4, num_global_batch=2, num_storage_units=UNITS, disconnect_grace=0.5)
         self.state = QueueState(config, clock=lambda: self.now[0])
+        self.table = RequestTable(self.state)
         self.stores = [BlockStore(u, UNITS) for u in range(UNITS)]
         _, columns = columns_from_tensordict({"x": torch.arange(4, dtype=torch.float32)})
         self.column = columns["x"]
 
     def call(self, request: Any, peer: Any = None) -> Any:
         out: list[Any] = []
-        self.state.handle(request, lambda value, error: out.append((value, error)), peer)
+        self.table.handle(request, lambda value, error: out.append((value, error)), peer)
         self.deliver()
         if not out:
             return None  # parked
@@ -64,8 +66,7 @@ class Soak:
         return value
 
     def deliver(self) -> None:
-        outbox, self.state.outbox = self.state.outbox, []
-        for unit, message in outbox:
+        for unit, message in self.table.take_outbox():
             if isinstance(message, p.DropBlocks):
                 self.stores[unit].drop_blocks(message.partition_uid, message.block_ids, message.block_floor)
             else:
@@ -99,7 +100,7 @@ class Soak:
         # a step: a reader parked before the put, a producer whose connection then closes, TP peers of a DP round
         parked: list[Any] = []
         waiting = p.GetMeta(i, ["x"], 2, "reader", timeout=5.0)
-        self.state.handle(waiting, lambda value, error: parked.append((value, error)), f"reader-{i}")
+        self.table.handle(waiting, lambda value, error: parked.append((value, error)), f"reader-{i}")
         self.put(i, 4, peer=f"producer-{i}")
         self.state.on_disconnect(f"producer-{i}")
         assert parked and parked[0][1] is None and self.read(parked[0][0]) == 2

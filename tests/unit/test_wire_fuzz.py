@@ -2,7 +2,7 @@
 
 - random bytes and random msgpack structures fed to the protocol decoders raise nothing but MalformedMessage;
 - structurally valid but hostile requests (negative sizes, huge numbers, wrong types inside sampler_params, bad
-  index bytes, unknown put ids, ...) get a value or a TransferQueueError from ``QueueState.handle``, and rows
+  index bytes, unknown put ids, ...) get a value or a TransferQueueError from ``RequestTable.handle``, and rows
   committed before are still served exactly as they were;
 - ``BlockStore.write`` with inconsistent specs, buffer counts or byte lengths raises a TransferQueueError and
   stores nothing.
