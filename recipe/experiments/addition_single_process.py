@@ -4,15 +4,26 @@ Single process, no Ray, no queue: a supervised warm-up until probe accuracy firs
 GRPO (``--prompts`` x ``--samples`` per step, group-normalised advantages, PPO-clip loss against the engine's
 log-probs, no KL), copying the weights into the engine after every step.
 
+``--data demo`` (the default) draws exactly what ``recipe/demo.py`` draws: the same initial weights, SFT batches and
+GRPO prompts from the task's train split in the demo's order, the probe from its eval split, and the warm-up clips
+gradients as the demo's trainer does. The two warm-ups are then the same computation up to float rounding (the
+2-rank gradient reduction, foreach AdamW): their SFT losses agree to 3 decimals for the first 75 steps, then the
+rounding grows, and where the sampled accuracy jumps past the stopping target moves by a hundred steps or more
+(seed 0: step 650 here, 825 in the demo). ``--init-from`` (``make bench-demo``'s ``--same-sft``) starts GRPO from
+the demo's own SFT weights to compare the two GRPO loops alone. ``--data fresh`` draws fresh random problems every
+step instead (the figures below).
+
     PYTHONPATH=. .venv/bin/python recipe/experiments/addition_single_process.py --seeds 0 1 2 --grpo-steps 600
 
 Prints per seed the SFT steps and seconds, GRPO milliseconds per step (generation and training separately), the
 mean reward over the first and last fifth of the first 300, 600 and 1000 steps, and the first step at which the
 50-step mean reward is 0.2 above the first 50 steps' mean; ``--out`` writes every step's mean reward as JSON.
 
-Measured (Nov 2026, one thread, lightly loaded 2-core machine, about 115 ms per GRPO step): warming up to a
-*sampled* probe accuracy of 0.2 (the default) gives a 0.2 rise within about 200-350 steps on 3 of 3 seeds; warming
-up to a *greedy* accuracy of 0.2 starts GRPO near 0.08 and needs about 550-1000 steps. GRPO lr 1e-3 collapses.
+Measured (Nov 2026, ``--data fresh``, one thread, lightly loaded 2-core machine, about 115 ms per GRPO step):
+warming up to a *sampled* probe accuracy of 0.2 (the old default; now 0.6, as the demo) gives a 0.2 rise within
+about 200-350 steps on 3 of 3 seeds; warming up to a *greedy* accuracy of 0.2 starts GRPO near 0.08 and needs
+about 550-1000 steps. GRPO lr 1e-3 collapses. With ``--data demo`` on seed 0: target 0.2: 0.283 -> 0.620 (first
+-> last fifth of 1000 steps); 0.4: 0.426 -> 0.699; 0.6: 0.643 -> 0.829 (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -26,8 +37,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rl_contracts.prompts import PromptSource
 from workers.engines import Generation, HFEngine, SamplingParams
-from workers.tasks.addition import AdditionTokenizer, addition_reward, build_model, make_prompts, sft_batch
+from workers.tasks.addition import (
+    AdditionTask,
+    AdditionTokenizer,
+    addition_reward,
+    build_model,
+    make_prompts,
+    sft_batch,
+)
 
 CLIP_EPS = 0.2
 
@@ -88,22 +107,49 @@ def probe_accuracy(engine: HFEngine, problems: list[dict], tokenizer: AdditionTo
     return sum(rewards) / len(rewards)
 
 
-def warm_up(policy, engine, tokenizer, args, seed: int) -> tuple[int, float, float]:
+class Problems:
+    """Where a run's problems come from: ``demo`` draws what ``recipe/demo.py`` draws for the same seed (its
+    ``task.num_train_prompts`` train split, in the order of ``GRPORun`` and ``GRPOTrainer.sft_steps``, and its eval
+    split as the probe); ``fresh`` draws new random problems every step."""
+
+    def __init__(self, args, seed: int):
+        self.kind, self.seed = args.data, seed
+        task = AdditionTask()
+        if self.kind == "demo":
+            self.train = task.prompts("train", args.num_train_prompts, args.task_seed)
+            self.probe = task.prompts("eval", args.probe_size, args.task_seed + 1)
+            self.grpo = PromptSource(self.train, seed)
+        else:
+            self.probe = make_prompts(args.probe_size, seed=1_000_000 + seed)
+
+    def sft(self, step: int, size: int) -> list[dict]:
+        if self.kind == "demo":
+            return PromptSource(self.train, seed=self.seed * 1_000_003 + step).next_batch(size)
+        return make_prompts(size, seed=2_000_000 + self.seed * 100_000 + step)
+
+    def rl(self, step: int, size: int) -> list[dict]:
+        if self.kind == "demo":
+            return self.grpo.next_batch(size)
+        return make_prompts(size, seed=3_000_000 + self.seed * 100_000 + step)
+
+
+def warm_up(policy, engine, tokenizer, args, problems: Problems) -> tuple[int, float, float]:
     """AdamW 1e-3 on batches of 64 until probe accuracy (``args.sft_metric``) first reaches ``args.sft_target``."""
-    probe = make_prompts(args.probe_size, seed=1_000_000 + seed)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
     start, accuracy, step = time.perf_counter(), 0.0, 0
     while step < args.sft_max_steps:
-        batch = sft_batch(make_prompts(args.sft_batch_size, seed=2_000_000 + seed * 100_000 + step), tokenizer)
+        batch = sft_batch(problems.sft(step, args.sft_batch_size), tokenizer)
         loss = policy(**batch).loss
         optimizer.zero_grad()
         loss.backward()
+        if args.data == "demo":  # the demo's trainer clips every step, SFT included
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
         step += 1
         if step % args.sft_eval_every == 0:
             engine.update_weights(0, state_dict=policy.state_dict())
             temperature = 0.0 if args.sft_metric == "greedy" else args.temperature
-            accuracy = probe_accuracy(engine, probe, tokenizer, temperature)
+            accuracy = probe_accuracy(engine, problems.probe, tokenizer, temperature)
             if accuracy >= args.sft_target:
                 break
     return step, time.perf_counter() - start, accuracy
@@ -158,8 +204,10 @@ def policy_loss(
     return (per_token * mask).sum() / mask.sum()
 
 
-def grpo_step(policy, optimizer, engine, tokenizer, args, seed: int, step: int) -> tuple[float, float, float]:
-    problems = make_prompts(args.prompts, seed=3_000_000 + seed * 100_000 + step)
+def grpo_step(
+    policy, optimizer, engine, tokenizer, args, seed: int, step: int, source: Problems
+) -> tuple[float, float, float]:
+    problems = source.rl(step, args.prompts)
     prompts = [p["prompt_ids"] for p in problems]
     params = SamplingParams(max_new_tokens=4, temperature=args.temperature, seed=seed * 100_000 + step)
     t0 = time.perf_counter()
@@ -187,13 +235,15 @@ def grpo_step(policy, optimizer, engine, tokenizer, args, seed: int, step: int) 
 def run(seed: int, args) -> RunResult:
     torch.manual_seed(seed)
     tokenizer = AdditionTokenizer()
-    policy = build_model(tokenizer.vocab_size, seed=seed)
+    # the demo's initial weights come from AdditionTask's model_seed (0), whatever the run's seed
+    policy = AdditionTask().build_policy() if args.data == "demo" else build_model(tokenizer.vocab_size, seed=seed)
     engine = HFEngine(copy.deepcopy(policy), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    problems = Problems(args, seed)
     if args.init_from:  # the warmed-up weights of another run (e.g. the distributed demo's SFT checkpoint)
         policy.load_state_dict(load_checkpoint_weights(args.init_from))
         sft_steps, sft_seconds, sft_accuracy = 0, 0.0, float("nan")
     else:
-        sft_steps, sft_seconds, sft_accuracy = warm_up(policy, engine, tokenizer, args, seed)
+        sft_steps, sft_seconds, sft_accuracy = warm_up(policy, engine, tokenizer, args, problems)
     engine.update_weights(0, state_dict=policy.state_dict())
     print(
         f"seed {seed}: SFT {sft_steps} steps, {sft_seconds:.1f} s, {args.sft_metric} probe accuracy {sft_accuracy:.3f}"
@@ -206,7 +256,7 @@ def run(seed: int, args) -> RunResult:
     rewards, generate_s, train_s = [], 0.0, 0.0
     start = time.perf_counter()
     for step in range(args.grpo_steps):
-        reward, gen_dt, train_dt = grpo_step(policy, optimizer, engine, tokenizer, args, seed, step)
+        reward, gen_dt, train_dt = grpo_step(policy, optimizer, engine, tokenizer, args, seed, step, problems)
         scheduler.step()
         rewards.append(reward)
         generate_s, train_s = generate_s + gen_dt, train_s + train_dt
@@ -240,7 +290,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loss-agg", choices=["token-mean", "seq-mean-token-mean"], default="token-mean")
     parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--sft-batch-size", type=int, default=64)
-    parser.add_argument("--sft-target", type=float, default=0.2, help="stop the warm-up at this probe accuracy")
+    parser.add_argument(
+        "--sft-target", type=float, default=0.6, help="stop the warm-up at this probe accuracy (the demo's)"
+    )
     parser.add_argument(
         "--sft-metric",
         choices=["greedy", "sampled"],
@@ -252,6 +304,15 @@ def parse_args() -> argparse.Namespace:
         "--init-from", help="skip the warm-up: start GRPO from this checkpoint's weights (recipe/demo.py's step_0)"
     )
     parser.add_argument("--sft-eval-every", type=int, default=25)
+    parser.add_argument(
+        "--data",
+        choices=["demo", "fresh"],
+        default="demo",
+        help="demo: recipe/demo.py's train split, order and eval probe (and its SFT gradient clip); fresh: new "
+        "random problems every step",
+    )
+    parser.add_argument("--num-train-prompts", type=int, default=65536, help="--data demo: the train split's size")
+    parser.add_argument("--task-seed", type=int, default=0, help="--data demo: the demo's task.seed")
     parser.add_argument("--probe-size", type=int, default=256)
     parser.add_argument("--shuffle-rewards", action="store_true", help="control: shuffle rewards within each group")
     parser.add_argument("--threads", type=int, default=1)

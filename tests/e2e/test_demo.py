@@ -129,8 +129,9 @@ def test_an_async_resume_keeps_its_prompts_and_its_kl_reference(tmp_path):
 
 
 # The demo's own criterion: on the default seed the last fifth of the GRPO steps earns a clearly higher mean reward
-# than the first fifth (the issue measured 0.559 at the end). The whole default run: tens of minutes on 2 cores.
-LEARNING_MARGIN = 0.15
+# than the first fifth. Measured: 0.648 -> 0.816 with the default warm-up to sampled accuracy 0.6 (0.313 -> 0.609
+# with a warm-up to 0.2); a fifth is 200 steps x 256 samples, so the mean's standard error is ~0.002. A few minutes.
+LEARNING_MARGIN = 0.1
 
 
 @pytest.mark.slow
