@@ -66,6 +66,17 @@ class PromptSource:
         self._order = self._permutation(self.epoch)
 
 
+def sft_step_batch(prompts: list[Any], seed: int, step: int, size: int) -> list[Any]:
+    """The ``size`` prompts of supervised step ``step`` of a run seeded ``seed``: the head of a permutation drawn
+    from ``(seed, step)`` alone, so any step's batch is known without replaying the ones before it (the SFT
+    warm-up's draw, on every rank and in the single-process reference alike).
+
+    >>> sft_step_batch(list(range(10)), seed=0, step=3, size=4) == sft_step_batch(list(range(10)), 0, 3, 4)
+    True
+    """
+    return PromptSource(prompts, seed=seed * 1_000_003 + step).next_batch(size)
+
+
 def prompts_checksum(rows: Iterable[list[int]]) -> int:
     """An order-free checksum of prompt rows (token ids): the sum of each row's CRC-32 over its int64 bytes.
 

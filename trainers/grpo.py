@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from rl_contracts.lost_rows import read_or_none, release_quietly
 from rl_contracts.partial import mask_offpolicy_tokens
-from rl_contracts.prompts import PromptSource, prompts_checksum
+from rl_contracts.prompts import prompts_checksum, sft_step_batch
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import Task, load_task
@@ -403,8 +403,8 @@ class GRPOTrainerRank:
         per_rank = batch_size // self.world_size
         losses = []
         for step in range(first_step, first_step + num_steps):
-            source = PromptSource(prompts, seed=self.config.seed * 1_000_003 + step)
-            batch = source.next_batch(batch_size)[self.rank * per_rank : (self.rank + 1) * per_rank]
+            batch = sft_step_batch(prompts, self.config.seed, step, batch_size)
+            batch = batch[self.rank * per_rank : (self.rank + 1) * per_rank]
             targets = [self.task.sft_target(p) for p in batch]
             tensors = pad_sequences([p["prompt_ids"] for p in batch], targets, self.task.tokenizer.pad_token_id)
             losses.append(self.policy.train_step(tensors, _nll_loss)["loss"])

@@ -177,11 +177,12 @@ def restore_state(
         state.partitions[part.key] = part
         state.bytes_held += part.nbytes
     lost = snapshot.get("lost") or {"total": 0, "by_uid": {}}  # written before lost rows were saved: none
+    live = {part.uid for part in state.partitions.values()}
     state.lost.total = int(lost["total"])
     state.lost.by_uid = {
         int(uid): {int(row): msgspec.convert(record, LostRecord) for row, record in rows.items()}
         for uid, rows in lost["by_uid"].items()
-        if any(part.uid == int(uid) for part in state.partitions.values())
+        if int(uid) in live
     }
     samplers = dict(snapshot["samplers"])
     state.default_sampler.load_state_dict(samplers.pop("", {}))

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rl_contracts.prompts import PromptSource
+from rl_contracts.prompts import PromptSource, sft_step_batch
 from workers.engines import Generation, HFEngine, SamplingParams
 from workers.tasks.addition import (
     AdditionTask,
@@ -124,7 +124,7 @@ class Problems:
 
     def sft(self, step: int, size: int) -> list[dict]:
         if self.kind == "demo":
-            return PromptSource(self.train, seed=self.seed * 1_000_003 + step).next_batch(size)
+            return sft_step_batch(self.train, self.seed, step, size)
         return make_prompts(size, seed=2_000_000 + self.seed * 100_000 + step)
 
     def rl(self, step: int, size: int) -> list[dict]:
@@ -142,7 +142,7 @@ def warm_up(policy, engine, tokenizer, args, problems: Problems) -> tuple[int, f
         loss = policy(**batch).loss
         optimizer.zero_grad()
         loss.backward()
-        if args.data == "demo":  # the demo's trainer clips every step, SFT included
+        if problems.kind == "demo":  # the demo's trainer clips every step, SFT included
             torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
         step += 1

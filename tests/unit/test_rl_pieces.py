@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rl_contracts.prompts import PromptSource
+from rl_contracts.prompts import PromptSource, sft_step_batch
 from rl_contracts.rows import jagged, rows_of
 from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
@@ -50,6 +50,19 @@ def test_prompt_source_refuses_a_state_of_another_dataset():
         PromptSource(list(range(5)), seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="at least one prompt"):
         PromptSource([], seed=0)
+
+
+def test_an_sft_step_batch_depends_on_seed_and_step_alone_and_the_single_process_reference_draws_the_same():
+    prompts = list(range(100))
+    batch = sft_step_batch(prompts, seed=3, step=7, size=8)
+    assert batch == sft_step_batch(prompts, 3, 7, 8) and len(set(batch)) == 8  # no replay, no repeats
+    assert batch != sft_step_batch(prompts, 3, 8, 8) and batch != sft_step_batch(prompts, 4, 7, 8)
+    # recipe/experiments/addition_single_process.py --data demo draws the trainer's SFT batches (make bench-demo)
+    from recipe.experiments.addition_single_process import Problems
+
+    args = type("Args", (), {"data": "demo", "num_train_prompts": 64, "task_seed": 0, "probe_size": 4})()
+    problems = Problems(args, seed=3)
+    assert problems.sft(7, 8) == sft_step_batch(AdditionTask().prompts("train", 64, 0), 3, 7, 8)
 
 
 # ---- reward scoring -----------------------------------------------------------------------------------------
