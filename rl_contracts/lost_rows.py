@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from transfer_queue.errors import RowsLost, StaleBatchMeta, StorageUnavailable, StorageUnitDown
@@ -78,3 +79,30 @@ def put_retrying(client: Any, fields: Any, **kwargs: Any) -> Any:
                 raise
             time.sleep(DOWN_PAUSE_S)
     raise AssertionError("unreachable")
+
+
+def served_batches(
+    client: Any,
+    clock: Any,
+    fields: Sequence[str],
+    rows: int,
+    *,
+    step: int,
+    task_name: str,
+    timeout: float,
+    read: Sequence[str] | None = None,
+) -> Iterator[tuple[Any, Any]]:
+    """The batches of ``step`` a worker is served as ``task_name``, each as ``(meta, data)``, until the step has none
+    left for it (``get_meta`` of whole groups, ``rows`` at most; ``data`` holds the fields ``read``, all ``fields`` by
+    default). A batch with lost rows is handed back and skipped: its lost rows come back as new rows, the others are
+    served again. Every call goes through ``clock`` (a ``QueueClock``)."""
+    while True:
+        meta = clock.call(
+            client.get_meta, list(fields), rows, global_step=step, task_name=task_name, get_n_samples=True,
+            timeout=timeout,
+        )  # fmt: skip
+        if len(meta) == 0:
+            return
+        data = clock.call(read_or_none, client, meta.select_fields(list(read)) if read is not None else meta)
+        if data is not None:
+            yield meta, data

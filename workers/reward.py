@@ -20,7 +20,7 @@ from typing import Any
 import ray
 import torch
 
-from rl_contracts.lost_rows import read_or_none, write_or_release
+from rl_contracts.lost_rows import served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import Task, load_reward_fn, load_task
@@ -112,21 +112,10 @@ class RewardWorker:
         fields = ["response_ids", *self.task.reward_fields]
         stats = {"rows": 0.0, "reward_s": 0.0, "failed": 0.0, "non_finite": 0.0}
         clock = QueueClock()
-        while True:
-            meta = clock.call(
-                self.client.get_meta,
-                fields,
-                self.batch_rows,
-                global_step=step,
-                task_name=REWARD_TASK,
-                get_n_samples=True,
-                timeout=self.timeout,
-            )
-            if len(meta) == 0:
-                return {**stats, **clock.stats()}
-            data = clock.call(read_or_none, self.client, meta)
-            if data is None:  # a storage unit died: lost rows come back as new rows, the others are served again
-                continue
+        batches = served_batches(
+            self.client, clock, fields, self.batch_rows, step=step, task_name=REWARD_TASK, timeout=self.timeout
+        )
+        for meta, data in batches:
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
@@ -143,3 +132,4 @@ class RewardWorker:
             stats["rows"] += len(meta)
             stats["failed"] += sum(scores.failed)
             stats["non_finite"] += scores.non_finite
+        return {**stats, **clock.stats()}

@@ -23,11 +23,10 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rl_contracts.lost_rows import read_or_none, write_or_release
+from rl_contracts.lost_rows import release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
-from transfer_queue.errors import StaleBatchMeta
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
 
@@ -147,9 +146,9 @@ class RolloutWorker:
         return self.slot.update_weights(version, weights, path)
 
     @ray.method(concurrency_group="control")
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Any]]:
-        """One response per prompt from the current weights, outside the queue (evaluation)."""
-        return ray.get(self.engine.generate.remote(prompts, 1, params))[1]
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Any]]:
+        """``n`` responses per prompt from the current weights, outside the queue (evaluation)."""
+        return ray.get(self.engine.generate.remote(prompts, n, params))[1]
 
     @ray.method(concurrency_group="control")
     def engine_pid(self) -> int:
@@ -171,21 +170,11 @@ class RolloutWorker:
         fields = fields or ["prompt_ids"]
         stats = {"rows": 0.0, "generate_s": 0.0, "weights_wait_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
         clock = QueueClock()
-        while True:
-            meta = clock.call(
-                self.client.get_meta,
-                fields,
-                self.batch_rows,
-                global_step=step,
-                task_name=ROLLOUT_TASK,
-                get_n_samples=True,
-                timeout=self.timeout,
-            )
-            if len(meta) == 0:
-                return {**stats, **clock.stats()}
-            data = clock.call(read_or_none, self.client, meta.select_fields(["prompt_ids"]))
-            if data is None:  # a storage unit died: lost rows come back as new rows, the others are served again
-                continue
+        batches = served_batches(
+            self.client, clock, fields, self.batch_rows, step=step, task_name=ROLLOUT_TASK, timeout=self.timeout,
+            read=["prompt_ids"],
+        )  # fmt: skip
+        for meta, data in batches:
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
@@ -198,10 +187,7 @@ class RolloutWorker:
                 version, generations = ray.get(engine.generate.remote(prompts, self.n, self.sampling, min_version))
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
-                try:
-                    self.client.release(meta)
-                except StaleBatchMeta:  # the step was cleared meanwhile: nothing is left to generate for it
-                    pass
+                release_quietly(self.client, meta)  # a step cleared meanwhile has nothing left to generate
                 self.slot.restart(engine)
                 stats["engine_restarts"] += 1
                 continue
@@ -210,6 +196,7 @@ class RolloutWorker:
                 continue  # the prompts were lost meanwhile (a storage unit died): they come back as new rows
             stats["rows"] += len(meta)
             stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
+        return {**stats, **clock.stats()}
 
     def _responses(self, generations: list[list[Any]], version: int) -> dict[str, Any]:
         """The fields to write into the prompt rows (a plain dict: a put takes one, and it skips building a

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 import torch
 
+from rl_contracts.lost_rows import served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import load_task
@@ -108,10 +109,11 @@ class AgentRolloutWorker:
             return self.engine.version
 
     @ray.method(concurrency_group="control")
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        """One response per prompt from the current weights, outside the queue (``GRPORun.evaluate``, SFT probes)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Generation]]:
+        """``n`` responses per prompt from the current weights, outside the queue (``GRPORun.evaluate``, SFT
+        probes)."""
         with self._lock:
-            return self.engine.generate(prompts, 1, params)
+            return self.engine.generate(prompts, n, params)
 
     @ray.method(concurrency_group="control")
     def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -149,14 +151,10 @@ class AgentRolloutWorker:
         )  # fmt: skip
         fields = fields or ["sample_id"]
         clock = QueueClock()
-        while True:
-            meta = clock.call(
-                self.client.get_meta, fields, self.batch_rows, global_step=step, task_name=ROLLOUT_TASK,
-                get_n_samples=True, timeout=self.timeout,
-            )  # fmt: skip
-            if len(meta) == 0:
-                return {**stats, **clock.stats()}
-            data = clock.call(self.client.get_data, meta.select_fields(fields))
+        batches = served_batches(
+            self.client, clock, fields, self.batch_rows, step=step, task_name=ROLLOUT_TASK, timeout=self.timeout
+        )
+        for meta, data in batches:
             t0 = time.perf_counter()
             groups, group_stats = asyncio.run(
                 collect_groups(
@@ -166,7 +164,8 @@ class AgentRolloutWorker:
             )  # fmt: skip
             stats["generate_s"] += time.perf_counter() - t0
             samples = [s for group in groups for s in (group or self._placeholders())]
-            clock.call(self.client.put, self._fields(samples, groups), metadata=meta)
+            if not clock.call(write_or_release, self.client, self._fields(samples, groups), meta):
+                continue  # the prompts were lost meanwhile (a storage unit died): they come back as new rows
             kept = [s for group in groups if group for s in group]
             stats["rows"] += len(meta)
             stats["groups"] += group_stats.groups
@@ -177,6 +176,7 @@ class AgentRolloutWorker:
             stats["num_turns_sum"] += sum(int(s.metadata.get("num_turns", 1)) for s in kept)
             stats["env_reward_sum"] += sum(s.reward for s in kept)
             stats["tokens"] += sum(sum(1 for m in s.loss_mask if m) for s in kept)
+        return {**stats, **clock.stats()}
 
     def _placeholders(self) -> list[Sample]:
         pad = self.task.tokenizer.pad_token_id
