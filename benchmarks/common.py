@@ -13,12 +13,18 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -102,6 +108,20 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {timeout} s")
         time.sleep(interval)
+
+
+def demo_rows(steps: int, *overrides: str) -> list[dict[str, Any]]:
+    """The ``metrics.jsonl`` rows of one ``recipe/demo.py`` run of ``steps`` GRPO steps without the SFT warm-up, on a
+    local Ray cluster of its own, in a temporary output directory; ``overrides`` are more ``key=value`` settings."""
+    with tempfile.TemporaryDirectory(prefix="tq-bench-demo") as out:
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        env.pop("RAY_ADDRESS", None)
+        cmd = [sys.executable, str(ROOT / "recipe" / "demo.py"), f"output_dir={out}", f"steps={steps}"]
+        cmd += ["sft.enabled=false", *overrides]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"the demo failed:\n{done.stderr[-3000:]}")
+        return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def loadavg() -> float:

@@ -9,36 +9,16 @@ the queue's share of the step. Target: <= 3 %.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from common import Result
+from common import Result, demo_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 5
 
 
 def bench_demo(quick: bool, results) -> None:
     steps = 25 if quick else 60
-    with tempfile.TemporaryDirectory(prefix="tq-bench-demo") as out:
-        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        env.pop("RAY_ADDRESS", None)
-        cmd = [
-            sys.executable,
-            str(ROOT / "recipe" / "demo.py"),
-            f"output_dir={out}",
-            f"steps={steps}",
-            "sft.enabled=false",
-        ]
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"the demo failed:\n{done.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = demo_rows(steps)
     summary = next(r for r in rows if r["kind"] == "summary")
     rows = [r for r in rows if r["kind"] == "grpo"][WARMUP_STEPS:]
 

@@ -11,35 +11,14 @@ SFT is off (timing, not learning). Each run starts its own Ray.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import demo_rows
 
 
 def saves(steps: int, with_queue: bool) -> list[dict]:
     """The ``kind: checkpoint`` rows of one demo run (the save after SFT and the final one hold no queue: left out)."""
-    with tempfile.TemporaryDirectory(prefix="tq-bench-ckpt") as out:
-        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        env.pop("RAY_ADDRESS", None)
-        cmd = [
-            sys.executable,
-            str(ROOT / "recipe" / "demo.py"),
-            f"output_dir={out}",
-            f"steps={steps}",
-            "sft.enabled=false",
-            "checkpoint_every=1",
-            f"checkpoint_queue={str(with_queue).lower()}",
-        ]
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"the demo failed:\n{done.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = demo_rows(steps, "checkpoint_every=1", f"checkpoint_queue={str(with_queue).lower()}")
     return [r for r in rows if r["kind"] == "checkpoint" and 0 < r["step"] < steps]
 
 
