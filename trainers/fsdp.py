@@ -536,11 +536,18 @@ def _gather_row_shards(state: dict[str, Tensor], rank: int, world_size: int) -> 
     return {name: full[id(v)] if id(v) in full else v.detach().cpu() for name, v in state.items()}
 
 
+def all_gather_single(out: torch.Tensor, mine: torch.Tensor) -> None:
+    """Every rank's ``mine`` into ``out``, concatenated in rank order: ``dist.all_gather_single`` (torch >= 2.13),
+    else ``dist.all_gather_into_tensor``, the same collective under its old name (2.13 warns on every call of it)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine)
+
+
 def _all_gather_pairs(a: float, b: float, device: torch.device, world_size: int) -> tuple[list[int], list[float]]:
     """Every rank's ``(a, b)`` in one all-gather: ``a`` as ints, ``b`` as floats, in rank order."""
     mine = torch.tensor([a, b], dtype=torch.float64, device=device)
     out = torch.empty(world_size * 2, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(out, mine)
+    all_gather_single(out, mine)
     pairs = out.view(world_size, 2).tolist()
     return [int(p[0]) for p in pairs], [p[1] for p in pairs]
 

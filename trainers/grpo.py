@@ -35,7 +35,7 @@ from trainers.advantages import group_advantages_by_id
 from trainers.checkpoint import queue_stage
 from trainers.config import RLConfig
 from trainers.filters import apply_filters
-from trainers.fsdp import AdamWConfig, FSDPPolicy, init_process_group
+from trainers.fsdp import AdamWConfig, FSDPPolicy, all_gather_single, init_process_group
 from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
@@ -510,7 +510,7 @@ def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, f
     # one all-gather of every rank's counters and maximum (summed and maxed here): one rendezvous, not two
     mine = torch.tensor([*(totals[n] for n in names), totals.get("staleness_max", 0.0)], dtype=torch.float64)
     gathered = torch.empty(dist.get_world_size() * len(mine), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, mine.to(device))
+    all_gather_single(gathered, mine.to(device))
     per_rank = gathered.view(dist.get_world_size(), len(mine)).cpu()
     s = dict(zip(names, per_rank[:, :-1].sum(0).tolist(), strict=True))
     peak = per_rank[:, -1].max()

@@ -561,3 +561,19 @@ def test_shard_rows_follow_torch_chunk(rows, world_size):
     # FSDP2 shards dim 0 with torch.chunk; the one-collective full_state_dict lays shards out by these counts
     chunks = [c.shape[0] for c in torch.empty(rows).chunk(world_size)] if rows else []
     assert _shard_rows(rows, world_size) == chunks + [0] * (world_size - len(chunks))
+
+
+def test_the_trainers_all_gather_concatenates_in_rank_order_without_torchs_deprecation_warning():
+    import warnings
+
+    from trainers.fsdp import all_gather_single
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = torch.empty(3, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates all_gather_into_tensor
+            all_gather_single(out, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+        assert out.tolist() == [1.0, 2.0, 3.0]
+    finally:
+        dist.destroy_process_group()
