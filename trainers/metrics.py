@@ -16,11 +16,12 @@ PLOTTED = [
     ("num_turns", "turns per episode"),
     ("dropped_groups", "dropped groups"),
     ("eval_accuracy", "greedy eval accuracy"),
-    ("loss", "loss"),
+    ("entropy", "policy entropy (nats / token)"),
+    ("grad_norm", "gradient norm (before clipping)"),
     ("kl", "KL to reference"),
     ("staleness_mean", "staleness (versions)"),
     ("samples_per_s", "samples / s"),
-]
+]  # not the GRPO loss: ~0 by construction (group-normalised advantages), it says nothing about the run
 # where a step's time goes: stacked in the last panel of metrics.png
 TIME_PARTS = [("generate_s", "generate"), ("train_s", "train"), ("reward_s", "reward"), ("sync_s", "weight sync")]
 # what tells a person the run is healthy: (metric, label, format), on the bar or the plain lines
@@ -113,6 +114,12 @@ class MetricsLog:
         return [r for r in rows if kind is None or r.get("kind") == kind]
 
 
+def plotted_panels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The ``PLOTTED`` curves that say something about these rows: present, and not zero throughout (a sync run's
+    staleness, an agent run without dropped groups)."""
+    return [(key, label) for key, label in PLOTTED if any(r.get(key) not in (None, 0, 0.0) for r in rows)]
+
+
 def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: str = "GRPO run") -> Path:
     """Plot the curves of ``PLOTTED`` present in the ``kind`` rows of ``jsonl`` against ``step`` into ``png``."""
     import matplotlib
@@ -121,7 +128,7 @@ def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: 
     import matplotlib.pyplot as plt
 
     rows = MetricsLog(jsonl).rows(kind)
-    panels = [(key, label) for key, label in PLOTTED if any(r.get(key) is not None for r in rows)]
+    panels = plotted_panels(rows)
     parts = [(key, label) for key, label in TIME_PARTS if any(r.get(key) is not None for r in rows)]
     png = Path(png)
     count = max(len(panels) + bool(parts), 1)

@@ -17,7 +17,7 @@ from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
-from trainers.metrics import MetricsLog, StepReporter, fifth_means, plot_metrics
+from trainers.metrics import MetricsLog, StepReporter, fifth_means, plot_metrics, plotted_panels
 from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
 
@@ -261,6 +261,8 @@ def test_jagged_rows_round_trip():
         ({"train.max_train_groups": 3}, "train.max_train_groups must be a multiple of train.world_size x"),
         ({"train.max_train_groups": 64}, "train.max_train_groups=64 is more than the prompts_per_step=32 groups"),
         ({"train.lr_warmup_steps": -1}, "train.lr_warmup_steps must be an int >= 0, got -1"),
+        ({"sft.eval_samples": 0}, "sft.eval_samples must be an int >= 1, got 0"),
+        ({"sft.eval_every": 0}, "sft.eval_every must be an int >= 1, got 0"),
         (
             {"rollout.generate_fn": "workers.rollout_fns:single_turn_generate", "weight_sync": "shm"},
             "use weight_sync='memory' or 'disk', not 'shm'",
@@ -325,6 +327,16 @@ def test_metrics_are_written_as_jsonl_and_plotted(tmp_path):
     # reward + the time-breakdown panel: two panels side by side (3.2 inches each at 120 dpi)
     assert matplotlib.image.imread(png).shape[1] == 2 * 384
     assert fifth_means([0, 0, 1, 1, 1, 1, 1, 1, 2, 2]) == (0.0, 2.0)
+
+
+def test_the_plot_shows_what_tells_a_run_is_healthy_not_the_loss_nor_curves_that_are_zero_throughout():
+    rows = [
+        {"step": s, "reward": 0.5, "loss": -0.001, "entropy": 0.4, "grad_norm": 0.2, "staleness_mean": 0.0, "kl": None}
+        for s in range(3)
+    ]
+    assert [key for key, _ in plotted_panels(rows)] == ["reward", "entropy", "grad_norm"]
+    rows[1]["staleness_mean"] = 1.0  # an async run's staleness is a curve worth a panel
+    assert [key for key, _ in plotted_panels(rows)][-1] == "staleness_mean"
 
 
 def test_without_a_terminal_progress_is_one_plain_line_of_health_metrics_every_n_steps():
