@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,6 +126,11 @@ def main() -> None:
         help="run the demo first and start the single process's GRPO from the demo's SFT weights: compares the two "
         "GRPO loops alone, without the luck of two separate warm-ups",
     )
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="copy both runs' logs and outputs (the demo's metrics.jsonl and metrics.png, no checkpoints) to DIR",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides for recipe/demo.py")
     args = parser.parse_args()
     load = [os.getloadavg()]
@@ -141,6 +147,9 @@ def main() -> None:
             load.append(os.getloadavg())
             distributed = demo(args.steps, args.seed, args.overrides, work)
             load.append(os.getloadavg())
+        if args.keep:
+            skip = shutil.ignore_patterns("checkpoints", "reference")
+            shutil.copytree(work, args.keep, ignore=skip, dirs_exist_ok=True)
     ratio = distributed["grpo_wall_s"] / single["grpo_wall_s"]
     start = "both from the demo's SFT weights" if args.same_sft else "each after its own SFT warm-up"
     print(f"GRPO phase, {args.steps} steps, seed {args.seed}, {start} (load average 1/5/15 min: {load})")

@@ -220,18 +220,14 @@ class GRPORun:
         self.version = version
         return time.perf_counter() - t0
 
-    def evaluate(self, sampled: bool = False) -> float:
-        """Accuracy of the engines' current weights on the eval prompts: greedy, or one sample per prompt at the
-        rollout temperature (what GRPO's reward starts from)."""
+    def evaluate(self, sampled: bool = False, samples: int = 1) -> float:
+        """Accuracy of the engines' current weights on the eval prompts: greedy, or the mean over ``samples`` samples
+        per prompt at the rollout temperature (what GRPO's reward starts from)."""
         temperature = self.cfg.rollout.temperature if sampled else 0.0
         params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=0)
         prompts = [p["prompt_ids"] for p in self.eval_prompts]
-        generations = ray.get(self.rollout[0].generate.remote(prompts, params))
-        scores = [
-            self.task.reward(self.task.decode(g[0].token_ids), **{f: str(p[f]) for f in self.task.reward_fields})
-            for g, p in zip(generations, self.eval_prompts, strict=True)
-        ]
-        return sum(s >= 1.0 for s in scores) / len(scores)
+        groups = ray.get(self.rollout[0].generate.remote(prompts, params, samples if sampled else 1))
+        return self.task.accuracy(self.eval_prompts, [[g.token_ids for g in group] for group in groups])
 
     def save(self, step: int) -> Path:
         """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version, then keep
@@ -287,7 +283,7 @@ class GRPORun:
                 stats = ray.get([r.sft_steps.remote(done, k, cfg.lr, cfg.batch_size) for r in self.trainer])[0]
                 done += k
                 self.publish(0)
-                accuracy = self.evaluate(sampled=cfg.target_metric == "sampled")
+                accuracy = self.evaluate(sampled=cfg.target_metric == "sampled", samples=cfg.eval_samples)
                 self.metrics.write(
                     {"kind": "sft", "step": done, "accuracy": accuracy, **stats, "elapsed_s": time.perf_counter() - t0}
                 )

@@ -52,6 +52,21 @@ class Task(ABC):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def accuracy(self, prompts: list[dict[str, Any]], responses: list[list[list[int]]]) -> float:
+        """The fraction of responses that earn the full reward (>= 1): ``responses[i]`` holds the token ids of any
+        number of responses to ``prompts[i]``, each counted alike (several samples per prompt average out the luck
+        of a single draw)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"accuracy: {len(prompts)} prompts but responses for {len(responses)}")
+        scores = [
+            self.reward(self.decode(ids), **{f: str(prompt[f]) for f in self.reward_fields}) >= 1.0
+            for prompt, group in zip(prompts, responses, strict=True)
+            for ids in group
+        ]
+        if not scores:
+            raise ValueError("accuracy: no responses to score")
+        return sum(scores) / len(scores)
+
 
 def import_object(spec: str) -> Any:
     """The object named ``"package.module:name"`` (or ``"package.module.name"``).

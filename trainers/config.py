@@ -112,6 +112,9 @@ class SFTConfig:
     target_accuracy: float = 0.2  # stop once accuracy on the eval prompts reaches this
     target_metric: Literal["sampled", "greedy"] = "sampled"  # sampled at the rollout temperature, or greedy
     eval_every: int = 25  # SFT steps between accuracy evaluations
+    # samples per eval prompt behind the sampled accuracy (their mean): one sample on each of 256 prompts measures an
+    # accuracy of 0.7 with a standard error of ~0.03, 8 with ~0.01 (~25 ms an evaluation in the demo)
+    eval_samples: int = 8
 
 
 @dataclass
@@ -173,6 +176,8 @@ class RLConfig:
             "checkpoint_keep": self.checkpoint_keep,
             "log_every": self.log_every,
             "num_storage_units": self.num_storage_units,
+            "sft.eval_every": self.sft.eval_every,
+            "sft.eval_samples": self.sft.eval_samples,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:

@@ -114,3 +114,16 @@ def test_the_policy_takes_longer_sequences_when_asked_and_refuses_fewer_than_an_
     assert AdditionTask(max_positions=256).build_policy().config.max_position_embeddings == 256
     with pytest.raises(ValueError, match=r"max_positions must be at least 32 \(the longest prompt \+ answer\), got 8"):
         AdditionTask(max_positions=8)
+
+
+def test_task_accuracy_counts_every_sample_of_every_prompt_alike(tokenizer):
+    task = AdditionTask()
+    prompts = [{"prompt_ids": [], "answer": "042"}, {"prompt_ids": [], "answer": "100"}]
+    right, wrong = [*tokenizer.encode("042"), tokenizer.eos_token_id], tokenizer.encode("041")
+    hundred = [*tokenizer.encode("100"), tokenizer.eos_token_id]
+    # 2 of 4 samples right on the first prompt, 1 of 1 on the second: 3 of 5 responses
+    assert task.accuracy(prompts, [[right, wrong, right, wrong], [hundred]]) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="accuracy: 2 prompts but responses for 1"):
+        task.accuracy(prompts, [[right]])
+    with pytest.raises(ValueError, match="accuracy: no responses to score"):
+        task.accuracy(prompts, [[], []])

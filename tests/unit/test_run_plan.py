@@ -106,15 +106,15 @@ def test_a_changed_training_setting_is_refused_naming_it(tmp_path):
     _finished_run(out, 5)
     # README's follow-up after `make demo`: more steps at another learning rate
     with pytest.raises(
-        ConfigError, match=r"other settings \(train.lr: 0.0005 -> 0.0003\), which cannot apply on resume"
+        ConfigError, match=r"other settings \(train.lr: 0.0003 -> 0.0005\), which cannot apply on resume"
     ):
-        plan_run(load_config(DEMO_YAML, {"output_dir": str(out), "steps": 200, "train.lr": 3e-4}))
+        plan_run(load_config(DEMO_YAML, {"output_dir": str(out), "steps": 200, "train.lr": 5e-4}))
 
 
 def test_new_moves_the_old_run_aside_and_starts_over(tmp_path):
     out = tmp_path / "demo"
     _finished_run(out, 5)
-    config = config_from_cli("demo", DEMO_YAML, ["--new", f"output_dir={out}", "train.lr=3e-4"])
+    config = config_from_cli("demo", DEMO_YAML, ["--new", f"output_dir={out}", "train.lr=5e-4"])
     plan = plan_run(config)
     assert (plan.kind, plan.moved_to) == ("new", tmp_path / "demo.prev-1")
     assert not out.exists() and (tmp_path / "demo.prev-1" / "config.yaml").exists()
