@@ -117,7 +117,7 @@ class MetricsLog:
 def plotted_panels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The ``PLOTTED`` curves that say something about these rows: present, and not zero throughout (a sync run's
     staleness, an agent run without dropped groups)."""
-    return [(key, label) for key, label in PLOTTED if any(r.get(key) not in (None, 0, 0.0) for r in rows)]
+    return [(key, label) for key, label in PLOTTED if any(r.get(key) not in (None, 0) for r in rows)]
 
 
 def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: str = "GRPO run") -> Path:

@@ -97,20 +97,13 @@ class RunResult:
         )
 
 
-def probe_accuracy(
-    engine: HFEngine, problems: list[dict], tokenizer: AdditionTokenizer, temperature: float, samples: int = 1
-) -> float:
-    """Mean reward of the responses to the probe problems: one greedy response each at temperature 0, else
+def probe_accuracy(engine: HFEngine, problems: list[dict], temperature: float, samples: int = 1) -> float:
+    """Accuracy on the probe problems (``Task.accuracy``): one greedy response each at temperature 0, else
     ``samples`` sampled (seeded) responses each, as ``GRPORun.evaluate``."""
     params = SamplingParams(max_new_tokens=4, temperature=temperature, seed=0)
     n = samples if temperature > 0 else 1
     groups = engine.generate([p["prompt_ids"] for p in problems], n=n, params=params)
-    rewards = [
-        addition_reward(tokenizer.decode(g.token_ids), p["answer"])
-        for p, group in zip(problems, groups, strict=True)
-        for g in group
-    ]
-    return sum(rewards) / len(rewards)
+    return AdditionTask().accuracy(problems, [[g.token_ids for g in group] for group in groups])
 
 
 class Problems:
@@ -155,7 +148,7 @@ def warm_up(policy, engine, tokenizer, args, problems: Problems) -> tuple[int, f
         if step % args.sft_eval_every == 0:
             engine.update_weights(0, state_dict=policy.state_dict())
             temperature = 0.0 if args.sft_metric == "greedy" else args.temperature
-            accuracy = probe_accuracy(engine, problems.probe, tokenizer, temperature, args.sft_eval_samples)
+            accuracy = probe_accuracy(engine, problems.probe, temperature, args.sft_eval_samples)
             if accuracy >= args.sft_target:
                 break
     return step, time.perf_counter() - start, accuracy
