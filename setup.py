@@ -69,7 +69,7 @@ setup(
             "orchestration.*",
         ]
     ),
-    package_data={"transfer_queue": ["py.typed", "static/*"]},
+    package_data={"transfer_queue": ["py.typed", "ops/static/*"]},
     install_requires=CORE,
     entry_points={"console_scripts": ["transfer-queue = transfer_queue.__main__:main"]},
     extras_require={

@@ -19,10 +19,10 @@ from bench import BATCH, N_SAMPLES, Bench, fill, proc_cpu_seconds, spin_label
 from common import p50_ms, p99_ms, settle, timed
 
 import transfer_queue as tq
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
-from transfer_queue.queue_state import QueueState
-from transfer_queue.request_table import RequestTable
+from transfer_queue.controller.requests import RequestTable
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.wire import protocol as p
 
 SIZES = {"1k": 1_000, "10k": 10_000, "100k": 100_000, "1M": 1_000_000}
 SAMPLERS = ("seq", "grpo", "dp")

@@ -15,12 +15,12 @@ import statistics
 import time
 from typing import Any
 
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
+from transfer_queue.controller.requests import RequestTable
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.metrics import ControllerMetrics
-from transfer_queue.queue_state import QueueState
-from transfer_queue.request_table import RequestTable
+from transfer_queue.ops.metrics import ControllerMetrics
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.wire import protocol as p
 
 ROWS = 100_000
 BATCH = 32

@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from transfer_queue import protocol as p
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
-from transfer_queue.controller import ControllerServer
-from transfer_queue.queue_state import QueueState
-from transfer_queue.storage import BlockStore, StorageServer
+from transfer_queue.controller.server import ControllerServer
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.storage.unit import BlockStore, StorageServer
+from transfer_queue.wire import protocol as p
 
 SESSION = "b" * 32
 

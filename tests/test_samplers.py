@@ -1,4 +1,5 @@
-"""Every code snippet of ``seeds/transferqueue-samplers.md``, run against this package.
+"""Every code snippet of upstream TransferQueue's sampler guide (docs/samplers.md, "Writing your own"), run against this
+package.
 
 Each test keeps the snippet's own lines (marked ``# --- snippet``) and adds what it needs around them: a Ray
 session, a client built from the controller's ``get_info``, and a global step with data put into it. Where a snippet

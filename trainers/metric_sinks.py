@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from transfer_queue.status import numeric_row as numbers
+from transfer_queue.ops.status import numeric_row as numbers
 
 logger = logging.getLogger(__name__)
 

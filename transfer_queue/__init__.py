@@ -7,7 +7,7 @@ on the same host, ZeroMQ across hosts).
 >>> import transfer_queue as tq
 >>> client = tq.init(global_batch_size=8, num_n_samples=4, sampler=tq.GRPOSampler(4))  # doctest: +SKIP
 
-Names are imported on first use: the controller actor's process imports ``transfer_queue.controller`` (and so
+Names are imported on first use: the controller actor's process imports ``transfer_queue.controller.actor`` (and so
 this package) and never needs torch, which the client side pulls in; importing it there costs seconds per actor.
 """
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from transfer_queue import errors, interop
     from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
     from transfer_queue.config import QueueConfig
-    from transfer_queue.controller import TransferQueueController
     from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
     from transfer_queue.interface import (
         async_kv_batch_get,
@@ -40,8 +39,7 @@ if TYPE_CHECKING:
         set_default_client,
     )
     from transfer_queue.metadata import BatchMeta, FieldSchema
-    from transfer_queue.protocol import ControllerInfo
-    from transfer_queue.runtime import get_client, get_controller, init, shutdown
+    from transfer_queue.runtime import TransferQueueController, get_client, get_controller, init, shutdown
     from transfer_queue.samplers import (
         BaseSampler,
         DPSampler,
@@ -50,7 +48,8 @@ if TYPE_CHECKING:
         SeqlenBalancedSampler,
         SequentialSampler,
     )
-    from transfer_queue.storage import StorageUnit
+    from transfer_queue.storage.unit import StorageUnit
+    from transfer_queue.wire.protocol import ControllerInfo
 
 __version__ = "0.1.0"
 
@@ -85,7 +84,7 @@ _WHERE = {
     "AsyncTransferQueueClient": "transfer_queue.client",
     "BatchMeta": "transfer_queue.metadata",
     "FieldSchema": "transfer_queue.metadata",
-    "ControllerInfo": "transfer_queue.protocol",
+    "ControllerInfo": "transfer_queue.wire.protocol",
     # Streaming into torch
     "StreamingDataset": "transfer_queue.dataloader",
     "StreamingDataLoader": "transfer_queue.dataloader",
@@ -97,8 +96,8 @@ _WHERE = {
     "DPSampler": "transfer_queue.samplers",
     "SeqlenBalancedSampler": "transfer_queue.samplers",
     # The actors, for wiring them by hand
-    "TransferQueueController": "transfer_queue.controller",
-    "StorageUnit": "transfer_queue.storage",
+    "TransferQueueController": "transfer_queue.runtime",
+    "StorageUnit": "transfer_queue.storage.unit",
 }
 
 __all__ = [

@@ -33,7 +33,7 @@ def _connect(address: str | None) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from transfer_queue.status import format_summary
+    from transfer_queue.ops.status import format_summary
 
     client = _connect(args.address)
     while True:

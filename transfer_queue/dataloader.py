@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from transfer_queue.client import TransferQueueClient, _partition, default_client_id
+from transfer_queue.client import TransferQueueClient, default_client_id
+from transfer_queue.client.channel import _partition
 from transfer_queue.errors import InvalidRequest
 from transfer_queue.metadata import BatchMeta
-from transfer_queue.protocol import ControllerInfo
+from transfer_queue.wire.protocol import ControllerInfo
 
 
 class RoundTurns:

@@ -20,7 +20,8 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient, _closed_sessions, default_client_id
+from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient, default_client_id
+from transfer_queue.client.channel import _closed_sessions
 from transfer_queue.errors import InvalidRequest
 from transfer_queue.metadata import BatchMeta
 from transfer_queue.samplers import SamplerSpec, make_sampler

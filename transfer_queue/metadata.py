@@ -304,3 +304,51 @@ class BatchMeta:
             self.task_name,
             {**other.extra, **self.extra},
         )
+
+
+def describe_partition(key: PartitionKey) -> str:
+    """How errors and logs name a partition: ``global_step=3`` or ``partition_id='kv'``."""
+    return f"global_step={key}" if isinstance(key, int) else f"partition_id={key!r}"
+
+
+MAX_CUSTOM_META_BYTES = 4096  # a row's custom meta, msgpack-encoded: small facts, never payload
+
+
+def merge_schema(stored: FieldSchema, incoming: FieldSchema, promote: bool) -> FieldSchema | None:
+    """The schema a field has after a put of ``incoming`` into a partition storing ``stored``; ``None``: a clash.
+
+    With ``promote`` (``QueueConfig.promote_jagged``), a dense or jagged field whose length along its first per-row
+    dimension changes becomes jagged (same dtype and trailing shape), as upstream TransferQueue does silently.
+    """
+    if stored == incoming:
+        return stored
+    if not promote or "object" in (stored.kind, incoming.kind) or stored.dtype != incoming.dtype:
+        return None
+    trailing = []
+    for schema in (stored, incoming):
+        if schema.kind == "dense" and not schema.shape:
+            return None  # a scalar per row has no dimension to be jagged along
+        trailing.append(schema.shape[1:] if schema.kind == "dense" else schema.shape)
+    return FieldSchema("jagged", stored.dtype, trailing[0]) if trailing[0] == trailing[1] else None
+
+
+def _encode_numpy_scalar(value: Any) -> Any:
+    if isinstance(value, np.generic):  # a number restored or computed as a numpy scalar: the number it holds
+        return value.item()
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
+_custom_meta_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_numpy_scalar)  # sizes what a meta carries
+
+
+def check_custom_meta(values: list[Any], labels: list[str]) -> None:
+    """Raise InvalidRequest unless every value is a dict (or None) of at most MAX_CUSTOM_META_BYTES encoded."""
+    for label, value in zip(labels, values, strict=True):
+        if value is not None and not isinstance(value, dict):
+            raise InvalidRequest(f"the custom meta of {label} must be a dict (or None), got {type(value).__name__}")
+        size = len(_custom_meta_encoder.encode(value))
+        if size > MAX_CUSTOM_META_BYTES:
+            raise InvalidRequest(
+                f"the custom meta of {label} is {size} bytes encoded; at most {MAX_CUSTOM_META_BYTES} are allowed "
+                "(put larger values into a field)"
+            )

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from transfer_queue.config import QueueConfig
-from transfer_queue.controller import TransferQueueController
+from transfer_queue.controller.actor import ControllerActor
 from transfer_queue.errors import ConfigMismatch, InvalidRequest, QueueNotFound
 from transfer_queue.samplers import SamplerSpec, make_sampler
-from transfer_queue.socket_dirs import sweep_stale
-from transfer_queue.storage import StorageUnit
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.socket_dirs import sweep_stale
 
-if TYPE_CHECKING:  # the client loads torch; the controller imports this module (to start storage units) without
+if TYPE_CHECKING:  # the client loads torch, which the controller's process (it runs this module's actor) never needs
     from transfer_queue.client import TransferQueueClient
 
 NAMESPACE = "transfer_queue"
@@ -48,6 +48,10 @@ def start_storage_units(
         max_restarts: times Ray restarts a unit that died (``QueueConfig.storage_unit_max_restarts``), unless
             ``options`` set ``max_restarts`` themselves.
     """
+    # here, not at the top: the controller's process runs this module's actor class and never loads the storage
+    # unit's column code (torch); the units' own processes do
+    from transfer_queue.storage.unit import StorageUnit
+
     options = options or {}
     per_unit = options if isinstance(options, list) else [options] * num_units
     if len(per_unit) != num_units:
@@ -58,6 +62,25 @@ def start_storage_units(
         )
         for i in range(num_units)
     ]
+
+
+@ray.remote
+class TransferQueueController(ControllerActor):
+    """The controller's Ray actor class (its body and arguments: :class:`ControllerActor`): given no
+    ``storage_units``, it starts ``num_storage_units`` StorageUnit actors and owns them (stops them on shutdown,
+    lets Ray restart them up to ``storage_unit_max_restarts`` times).
+
+    >>> controller = TransferQueueController.remote(global_batch_size=8, num_n_samples=4)  # doctest: +SKIP
+    >>> info = ray.get(controller.get_info.remote())  # doctest: +SKIP
+    """
+
+    def start_storage_units(
+        self, num_units: int, options: dict[str, Any] | list[dict[str, Any]] | None, bind_host: str | None
+    ) -> list[Any]:
+        # bind_host is an address of this node: units that Ray places on other nodes bind their own
+        return start_storage_units(
+            num_units, options, bind_host, p.ray_node_id(), self._config.storage_unit_max_restarts
+        )
 
 
 def _config_of(handle: Any) -> dict[str, Any]:

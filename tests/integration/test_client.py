@@ -20,7 +20,6 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from transfer_queue import AsyncTransferQueueClient, BatchMeta, StreamingDataLoader, StreamingDataset
-from transfer_queue import protocol as p
 from transfer_queue.errors import (
     BatchSizeMismatch,
     ClientClosed,
@@ -39,6 +38,7 @@ from transfer_queue.errors import (
     UnknownPartition,
     UnsupportedValue,
 )
+from transfer_queue.wire import protocol as p
 
 DENSE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
 

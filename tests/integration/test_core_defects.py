@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import RequestTimeout
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.transport import run_sync
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.transport import run_sync
 
 
 def ids(meta: Any) -> list[int]:

@@ -23,10 +23,10 @@ import zmq
 from tensordict import TensorDict
 
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
-from transfer_queue import protocol as p
-from transfer_queue.auth import secure_client
 from transfer_queue.errors import GetMetaTimeout, PartitionOverfilled, StorageUnavailable, StorageUnitDown
 from transfer_queue.metadata import FieldSchema
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import secure_client
 
 # Remote functions defined here run in Ray workers, which cannot import this file: pickle them by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -153,8 +153,8 @@ HALF_A_PUT = """
 import os, pickle, signal, sys
 import numpy as np
 import zmq
-from transfer_queue import protocol as p
-from transfer_queue.auth import secure_client
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import secure_client
 from transfer_queue.metadata import FieldSchema
 
 info, step = pickle.load(sys.stdin.buffer)

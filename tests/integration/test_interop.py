@@ -21,7 +21,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.interface import _defaults
 from transfer_queue.interop import from_dataproto, to_dataproto
-from transfer_queue.protocol import ControllerInfo
+from transfer_queue.wire.protocol import ControllerInfo
 
 PROMOTING_QUEUE = {
     "global_batch_size": 4,

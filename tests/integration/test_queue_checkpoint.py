@@ -12,7 +12,7 @@ import ray
 import torch
 
 from transfer_queue import TransferQueueClient, TransferQueueController
-from transfer_queue.checkpoint import current_checkpoint
+from transfer_queue.storage.checkpoint import current_checkpoint
 
 
 def jagged(lengths: Any) -> torch.Tensor:

@@ -17,8 +17,6 @@ from tensordict import TensorDict
 
 import transfer_queue
 from transfer_queue import StorageUnit, TransferQueueClient, TransferQueueController
-from transfer_queue import protocol as p
-from transfer_queue.auth import secure_client
 from transfer_queue.errors import (
     ConfigMismatch,
     ProtocolMismatch,
@@ -27,6 +25,8 @@ from transfer_queue.errors import (
     ServerGone,
     SessionMismatch,
 )
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import secure_client
 
 # Remote functions defined here run in Ray workers, which cannot import this file: pickle them by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -11,7 +11,8 @@ from tensordict import TensorDict
 
 from transfer_queue import TransferQueueClient
 from transfer_queue.errors import InvalidRequest
-from transfer_queue.transport import TRANSPORT_ENV, BlockingTransport
+from transfer_queue.wire.sockets import TRANSPORT_ENV
+from transfer_queue.wire.transport import BlockingTransport
 
 
 @pytest.fixture(params=["unix", "tcp"])

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
+from transfer_queue.controller.requests import RequestTable
 from transfer_queue.metadata import BatchMeta, FieldSchema
-from transfer_queue.queue_state import QueueState
-from transfer_queue.request_table import RequestTable
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.wire import protocol as p
 
 settings.register_profile("ci", max_examples=200, deadline=None)
 settings.register_profile("dev", max_examples=30, deadline=None)

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import InvalidRequest
-from transfer_queue.storage import BlockStore, StorageServer
-from transfer_queue.transport import AsyncioTransport, BlockingTransport, run_sync, server_addresses, tcp_address
+from transfer_queue.storage.unit import BlockStore, StorageServer
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.sockets import server_addresses, tcp_address
+from transfer_queue.wire.transport import AsyncioTransport, BlockingTransport, run_sync
 
 SESSION = "a" * 32
 SECRET = b"s" * 32

@@ -7,8 +7,6 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from transfer_queue import protocol as p
-from transfer_queue.columns import Column, columns_from_tensordict
 from transfer_queue.errors import (
     InvalidRequest,
     PartitionCleared,
@@ -17,7 +15,9 @@ from transfer_queue.errors import (
     TransferQueueError,
     UnknownField,
 )
-from transfer_queue.storage import BlockStore
+from transfer_queue.storage.unit import BlockStore
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import Column, columns_from_tensordict
 
 UID = 5
 
@@ -182,7 +182,7 @@ def test_a_column_spec_whose_frame_count_disagrees_with_its_schema_is_refused(st
 
 
 def test_a_write_must_carry_its_reservation_and_no_more_bytes_than_reserved() -> None:
-    from transfer_queue.auth import write_token
+    from transfer_queue.wire.auth import write_token
 
     secret = b"s" * 32
     store = BlockStore(0, 1, secret)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from transfer_queue import dp_rounds, partition_table, put_ledger
-from transfer_queue import partition as partition_module
-from transfer_queue import protocol as p
-from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.errors import GetMetaTimeout, InvalidRequest, PartitionCleared, PutExpired, QueueBusy
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.storage import BlockStore
+from transfer_queue.state import dp_rounds, partition_table, put_ledger
+from transfer_queue.state import partition as partition_module
+from transfer_queue.storage.unit import BlockStore
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import columns_from_tensordict
 
 X = {"x": FieldSchema("dense", "float32", ())}
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_block_store import expected, read, row_values, rows, write
-from transfer_queue import checkpoint as ckpt
-from transfer_queue.checkpoint import CheckpointError, load_unit, restore_into, save_unit
-from transfer_queue.storage import BlockStore
+from transfer_queue.storage import checkpoint as ckpt
+from transfer_queue.storage.checkpoint import CheckpointError, load_unit, restore_into, save_unit
+from transfer_queue.storage.unit import BlockStore
 
 
 def store_with(*ranges: tuple[int, int]) -> BlockStore:

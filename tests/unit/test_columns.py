@@ -9,7 +9,9 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from transfer_queue.columns import (
+from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, UnsupportedValue
+from transfer_queue.metadata import FieldSchema
+from transfer_queue.wire.columns import (
     _DTYPES,
     Column,
     as_buffer,
@@ -19,8 +21,6 @@ from transfer_queue.columns import (
     jagged_take,
     tensordict_from_columns,
 )
-from transfer_queue.errors import BatchSizeMismatch, InvalidRequest, UnsupportedValue
-from transfer_queue.metadata import FieldSchema
 
 
 def wire(column: Column) -> Column:

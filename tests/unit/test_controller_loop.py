@@ -1,4 +1,4 @@
-"""The controller's serving loop runs on the shared server base (transfer_queue.server): a failure in its periodic
+"""The controller's serving loop runs on the shared server base (transfer_queue.wire.server): a failure in its periodic
 work, in a disconnect or in a request is logged, counted in ``stats()`` and the loop keeps serving. No Ray: a
 ControllerServer in this process with a client over TCP."""
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
-from transfer_queue.controller import ControllerServer
+from transfer_queue.controller.server import ControllerServer
 from transfer_queue.errors import TransferQueueError
-from transfer_queue.queue_state import QueueState
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.wire import protocol as p
 
 SESSION = "e" * 32
 SECRET = b"s" * 32

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import InvalidRequest, NotLeased
 from transfer_queue.metadata import BatchMeta
-from transfer_queue.partition import ReadyIndex
 from transfer_queue.samplers import GRPOSampler
+from transfer_queue.state.partition import ReadyIndex
+from transfer_queue.state.partition_status import row_state_counts
+from transfer_queue.wire import protocol as p
 
 
 def indexes(meta: BatchMeta) -> list[int]:
@@ -41,7 +42,7 @@ def release(q, meta: BatchMeta, owner: str) -> None:
 
 
 def states(q, task: str = "train", partition=0) -> dict[str, int]:
-    return q.state.partitions[partition].row_state_counts(task)
+    return row_state_counts(q.state.partitions[partition], task)
 
 
 @pytest.fixture

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from transfer_queue.config import QueueConfig
-from transfer_queue.delivery import Delivery, TaskOptions
 from transfer_queue.errors import InvalidRequest, NotLeased, StaleBatchMeta
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.partition import AVAILABLE, CONSUMED, DEAD, LEASED, PartitionState
-from transfer_queue.partition_table import PartitionTable
+from transfer_queue.state.delivery import Delivery, TaskOptions
+from transfer_queue.state.partition import AVAILABLE, CONSUMED, DEAD, LEASED, PartitionState
+from transfer_queue.state.partition_status import dead_letters
+from transfer_queue.state.partition_table import PartitionTable
 
 F32 = FieldSchema("dense", "float32", ())
 
@@ -77,7 +78,7 @@ def test_expired_leases_come_back_first_in_line_and_are_dead_lettered_at_the_lim
         assert w.back == ["s"] * (attempt + 1)  # the partition's waiting getters retry
     assert w.states() == [AVAILABLE, AVAILABLE, DEAD, DEAD]
     assert w.delivery.events.lease_expiries == {"train": 4} and w.delivery.events.redeliveries == {"train": 2}
-    assert [d["reason"] for d in w.part.dead_letters("train")] == ["lease expired", "lease expired"]
+    assert [d["reason"] for d in dead_letters(w.part, "train")] == ["lease expired", "lease expired"]
 
 
 def test_a_release_hands_back_only_the_callers_distinct_rows():

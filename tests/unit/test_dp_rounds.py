@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transfer_queue.dp_rounds import DPRounds, GetMetaJob, end_round, mark_released
 from transfer_queue.errors import InvalidRequest, SamplerError
-from transfer_queue.partition import PartitionState
 from transfer_queue.samplers import SequentialSampler
+from transfer_queue.state.dp_rounds import DPRounds, GetMetaJob, end_round, mark_released
+from transfer_queue.state.partition import PartitionState
 
 
 def job(rank: int, group: str = "g", *, size: int = 2, batch: int = 2, sampler=None, auto=None) -> GetMetaJob:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import InvalidRequest, SchemaMismatch, StaleBatchMeta
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.partition import MAX_CUSTOM_META_BYTES
+from transfer_queue.state.partition import MAX_CUSTOM_META_BYTES
+from transfer_queue.state.partition_status import production_status
+from transfer_queue.wire import protocol as p
 
 X = {"x": FieldSchema("dense", "float32", ())}
 SEQ = {"ids": FieldSchema("dense", "int64", (4,))}
@@ -100,7 +101,7 @@ def test_clear_samples_forgets_rows_and_frees_their_blocks(make_queue):
     assert q.state.bytes_held == held - first_bytes(first)
     assert any(isinstance(m, p.DropBlocks) for _, m in q.table.outbox)
     assert q.get("p", "x", 2).global_indexes.tolist() == second.global_indexes.tolist()  # only they are left
-    status = q.state.partitions["p"].production_status()
+    status = production_status(q.state.partitions["p"])
     assert status["rows"] == 2 and status["fields"]["x"]["produced"] == 2
     q.clear("p")
     q.ok(p.ClearSamples(first.partition_uid, p.pack_indexes(first.global_indexes)))  # a cleared partition: no-op

@@ -11,8 +11,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from transfer_queue import protocol as p
-from transfer_queue.columns import Column, columns_from_tensordict, tensordict_from_columns
 from transfer_queue.errors import (
     BatchSizeMismatch,
     InvalidRequest,
@@ -25,6 +23,8 @@ from transfer_queue.errors import (
 from transfer_queue.interop import DataProtoParts, from_dataproto, to_dataproto
 from transfer_queue.metadata import BatchMeta, FieldSchema
 from transfer_queue.samplers import GroupSampler, make_sampler, sample_whole_groups
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import Column, columns_from_tensordict, tensordict_from_columns
 
 
 def through_the_wire(data: Any, jagged: tuple[str, ...] = ()) -> TensorDict:

@@ -1,4 +1,4 @@
-"""The layers of the RL stack import only downwards (STYLE.md 19: layers meet at contracts).
+"""The layers of the RL stack import only downwards (CONTRIBUTING.md, "1. The layers").
 
     transfer_queue  <-  rl_contracts  <-  workers | trainers  <-  orchestration  <-  recipe
 
@@ -10,6 +10,7 @@ them all. Every import statement counts, including those inside functions and un
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,40 +71,26 @@ def test_the_run_orchestration_sits_above_workers_and_trainers():
     assert not (ROOT / "trainers" / "rl_loop.py").exists(), "the run's orchestration moved to orchestration/"
 
 
-# ---- inside transfer_queue: the bookkeeping knows no wire format (ARCHITECTURE §2, STYLE 4) -------------------------
-# The controller's bookkeeping is plain Python/numpy: no Ray, no sockets, no wire format. Only the controller's
-# request table (request_table.py: RequestTable.handle takes decoded request structs, calls QueueState and answers
-# MetaWire / Reservation) and the servers translate between the wire (protocol.py) and these modules.
-BOOKKEEPING = [
-    "queue_state.py",
-    "lost_rows.py",
-    "partition.py",
-    "partition_table.py",
-    "put_ledger.py",
-    "delivery.py",
-    "dp_rounds.py",
-    "waiting.py",
-    "kv_state.py",
-    "reader.py",
-    "selection.py",
-]
-WIRE_AND_SOCKETS = {
-    "transfer_queue.protocol",
-    "transfer_queue.transport",
-    "transfer_queue.unix_socket",
-    "transfer_queue.server",
-    "transfer_queue.auth",
-    "transfer_queue.controller",
-    "transfer_queue.storage",
-    "transfer_queue.client",
-    "ray",
-    "zmq",
+# ---- inside transfer_queue: its planes (docs/architecture.md "The plan of the folders"; CONTRIBUTING.md) -------------
+# state/ is the bookkeeping: plain Python/numpy, no Ray, no sockets, no wire format. wire/ is the wire (messages,
+# frames, sockets) and knows no bookkeeping. ops/ reads both (metrics, status). Above them: client/, controller/,
+# storage/, then runtime.py and the public face. Only the controller's request table (controller/requests.py)
+# translates between the wire and the state.
+PLANES = {
+    "state": {"wire", "ops", "client", "controller", "storage", "runtime", "dataloader", "interface", "interop"},
+    "wire": {"state", "ops", "client", "controller", "storage", "runtime", "dataloader", "interface", "interop"},
+    "ops": {"client", "controller", "storage", "runtime", "dataloader", "interface", "interop"},
+    "client": {"controller", "storage", "runtime", "state", "ops", "dataloader", "interface"},
+    "controller": {"client", "runtime", "storage.unit", "dataloader", "interface"},
+    "storage": {"client", "controller", "runtime", "state", "dataloader", "interface"},
+    "samplers": {"state", "wire", "ops", "client", "controller", "storage", "runtime"},
 }
+SOCKETS_AND_RAY = {"ray", "zmq"}
 
 
 def imported_modules(source: str) -> set[str]:
-    """Dotted names of the modules ``source`` imports (``from transfer_queue import protocol`` counts as
-    ``transfer_queue.protocol``)."""
+    """Dotted names of the modules ``source`` imports (``from transfer_queue.wire import protocol`` counts as
+    ``transfer_queue.wire.protocol``)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -143,14 +130,125 @@ def reached_modules(path: Path) -> set[str]:
     return seen
 
 
+def plane_violations(plane: str) -> list[str]:
+    """``"path imports module"`` for every import by a file of ``transfer_queue/<plane>`` of a part it must not use."""
+    out = []
+    for path in sorted((ROOT / "transfer_queue" / plane).rglob("*.py")):
+        for name in sorted(imported_modules(path.read_text(encoding="utf-8"))):
+            part = name.removeprefix("transfer_queue.")
+            if name.startswith("transfer_queue.") and any(part == f or part.startswith(f + ".") for f in PLANES[plane]):
+                out.append(f"{path.relative_to(ROOT)} imports {name}")
+    return out
+
+
 def test_the_module_scanner_sees_the_wire_format_however_it_is_imported():
-    source = "from transfer_queue import protocol as p\ndef f():\n    from transfer_queue.protocol import MetaWire\n"
-    assert {"transfer_queue.protocol", "transfer_queue.protocol.MetaWire"} <= imported_modules(source)
-    assert "transfer_queue.protocol" in reached_modules(ROOT / "transfer_queue" / "request_table.py")
+    source = "from transfer_queue.wire import protocol as p\ndef f():\n    from transfer_queue.wire.protocol import X\n"
+    assert {"transfer_queue.wire.protocol", "transfer_queue.wire.protocol.X"} <= imported_modules(source)
+    assert "transfer_queue.wire.protocol" in reached_modules(ROOT / "transfer_queue" / "controller" / "requests.py")
 
 
-@pytest.mark.parametrize("module", BOOKKEEPING)
-def test_the_bookkeeping_imports_no_wire_format_sockets_or_ray(module):
-    reached = reached_modules(ROOT / "transfer_queue" / module)
-    bad = sorted(n for n in reached if any(n == w or n.startswith(w + ".") for w in WIRE_AND_SOCKETS))
-    assert bad == [], f"transfer_queue/{module} reaches {bad}"
+@pytest.mark.parametrize("plane", sorted(PLANES))
+def test_each_plane_of_the_queue_imports_only_what_is_below_it(plane):
+    assert (ROOT / "transfer_queue" / plane).is_dir(), f"transfer_queue/{plane}/ is missing"
+    assert plane_violations(plane) == []
+
+
+def test_the_plane_scanner_catches_an_upward_import(tmp_path, monkeypatch):
+    (tmp_path / "transfer_queue" / "state").mkdir(parents=True)
+    (tmp_path / "transfer_queue" / "state" / "bad.py").write_text(
+        "def f():\n    from transfer_queue.ops import metrics\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert plane_violations("state") == [
+        "transfer_queue/state/bad.py imports transfer_queue.ops",
+        "transfer_queue/state/bad.py imports transfer_queue.ops.metrics",
+    ]
+
+
+@pytest.mark.parametrize("module", sorted(p.name for p in (ROOT / "transfer_queue" / "state").glob("*.py")))
+def test_the_bookkeeping_reaches_no_wire_format_sockets_or_ray(module):
+    reached = reached_modules(ROOT / "transfer_queue" / "state" / module)
+    bad = sorted(
+        n
+        for n in reached
+        if n.split(".")[0] in SOCKETS_AND_RAY
+        or (
+            not n.startswith(
+                (
+                    "transfer_queue.state",
+                    "transfer_queue.metadata",
+                    "transfer_queue.errors",
+                    "transfer_queue.config",
+                    "transfer_queue.samplers",
+                )
+            )
+            and n.startswith("transfer_queue.")
+        )
+    )
+    assert bad == [], f"transfer_queue/state/{module} reaches {bad}"
+
+
+def runtime_source(source: str) -> str:
+    """``source`` without its ``if TYPE_CHECKING:`` blocks (imports for annotations only never run)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.If, ast.FunctionDef, ast.ClassDef, ast.Try, ast.With)):
+            body = getattr(node, "body", [])
+            node.body = [  # type: ignore[attr-defined]
+                n for n in body if not (isinstance(n, ast.If) and ast.unparse(n.test).endswith("TYPE_CHECKING"))
+            ] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """transfer_queue module -> the transfer_queue modules it imports when it runs (at any level, even inside
+    functions; not under ``TYPE_CHECKING``)."""
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "transfer_queue").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        targets = set()
+        for imported in imported_modules(runtime_source(path.read_text(encoding="utf-8"))):
+            target = module_path(imported)
+            if target is not None:
+                trel = target.relative_to(ROOT).with_suffix("")
+                targets.add(".".join(trel.parts[:-1] if trel.name == "__init__" else trel.parts))
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import loops of ``graph``, each as a path that starts and ends at the same module (package ``__init__`` files
+    that re-export their own modules are not loops: a package importing its child is skipped)."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == 1:
+                found.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_loop():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"pkg": {"pkg.child"}, "pkg.child": {"other"}, "other": set()}) == []
+    lazy = "if TYPE_CHECKING:\n    import a\ndef f():\n    import b\n"
+    assert imported_modules(runtime_source(lazy)) == {"b"}
+
+
+def test_the_queue_has_no_import_loop():
+    assert cycles(import_graph()) == []

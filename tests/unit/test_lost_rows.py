@@ -1,4 +1,4 @@
-"""Rows lost with a storage unit that restarted empty (transfer_queue.lost_rows), driven without Ray through
+"""Rows lost with a storage unit that restarted empty (transfer_queue.state.lost_rows), driven without Ray through
 ``RequestTable.handle`` on a fake clock (see tests/unit/conftest.py). Two units; a small put goes whole to one unit, the
 units taken in turn."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import PutExpired, RowsLost, UnknownKey
 from transfer_queue.metadata import FieldSchema
+from transfer_queue.wire import protocol as p
 
 F32 = FieldSchema("dense", "float32", ())
 X = {"x": F32}

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import InvalidRequest, UnknownField
 from transfer_queue.metadata import BatchMeta, FieldSchema
+from transfer_queue.wire import protocol as p
 
 F32 = FieldSchema("dense", "float32", ())
 TOKENS = FieldSchema("jagged", "int64", ())

@@ -9,9 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import UnknownPartition
-from transfer_queue.metrics import (
+from transfer_queue.ops.metrics import (
     ControllerMetrics,
     Histogram,
     QueueEvents,
@@ -21,8 +20,10 @@ from transfer_queue.metrics import (
     rl_metric_name,
     storage_families,
 )
-from transfer_queue.status import format_summary, numeric_row, queue_summary
-from transfer_queue.web import HttpEndpoint
+from transfer_queue.ops.status import format_summary, numeric_row, queue_summary
+from transfer_queue.ops.web import HttpEndpoint
+from transfer_queue.state.partition_status import row_state_counts
+from transfer_queue.wire import protocol as p
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,8 +73,8 @@ def test_row_state_counts_keys_and_a_task_that_never_read_has_every_row_ready(ma
     q.put(0, 4)
     q.get(0, ["x"], 1, "train")
     part = q.state.partitions[0]
-    assert part.row_state_counts("train") == {"ready": 3, "leased": 1, "acknowledged": 0, "dead_lettered": 0}
-    assert part.row_state_counts("never") == {"ready": 4, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
+    assert row_state_counts(part, "train") == {"ready": 3, "leased": 1, "acknowledged": 0, "dead_lettered": 0}
+    assert row_state_counts(part, "never") == {"ready": 4, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
 
 
 def test_controller_metrics_from_answers_and_state(make_queue):
@@ -142,7 +143,7 @@ def test_nbytes_of_every_buffer_kind():
     import numpy as np
     import torch
 
-    from transfer_queue.metrics import nbytes
+    from transfer_queue.ops.metrics import nbytes
 
     buffers = [np.zeros(3, np.int64), torch.zeros(2, dtype=torch.float32), b"abcd", memoryview(b"xy"), bytearray(5)]
     assert nbytes(buffers) == 24 + 8 + 4 + 2 + 5

@@ -17,7 +17,7 @@ from transfer_queue.errors import (
     SchemaMismatch,
 )
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.partition import (
+from transfer_queue.state.partition import (
     AVAILABLE,
     COMMITTED,
     FREE,
@@ -27,6 +27,7 @@ from transfer_queue.partition import (
     ReadyIndex,
     describe_partition,
 )
+from transfer_queue.state.partition_status import consumption_status, row_state_counts
 
 F32 = FieldSchema("dense", "float32", ())
 _blocks = count()
@@ -225,8 +226,8 @@ def test_consume_release_and_reset():
     assert list(index.rows)[-2:] == [3, 0] and list(index.groups) == [2, 3, 1, 0]
     part.release("t", np.array([3]))  # releasing an available row is a no-op
     counts = {"ready": 8, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
-    assert part.consumption_status("t")["tasks"]["t"] == {"consumed": 0, "rows": 8, **counts}
-    assert part.row_state_counts("t") == counts
+    assert consumption_status(part, "t")["tasks"]["t"] == {"consumed": 0, "rows": 8, **counts}
+    assert row_state_counts(part, "t") == counts
     part.consume("t", np.arange(8))
     part.reset_consumption("t")
     assert "t" not in part.tasks

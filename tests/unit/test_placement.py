@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from transfer_queue.errors import StorageUnavailable
-from transfer_queue.placement import MIN_BYTES_PER_UNIT, place_rows
+from transfer_queue.state.placement import MIN_BYTES_PER_UNIT, place_rows
 
 
 @given(

@@ -11,8 +11,8 @@ import pytest
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import IncompleteGroups, InvalidRequest, PutExpired, QueueFull, StaleBatchMeta
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.partition_table import PartitionTable
-from transfer_queue.put_ledger import PutLedger, PutRequest
+from transfer_queue.state.partition_table import PartitionTable
+from transfer_queue.state.put_ledger import PutLedger, PutRequest
 
 X = {"x": FieldSchema("dense", "float32", ())}
 

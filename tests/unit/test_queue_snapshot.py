@@ -8,12 +8,12 @@ import os
 import numpy as np
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
+from transfer_queue.controller.requests import RequestTable
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.queue_snapshot import SnapshotError, block_map, read_snapshot, restore_state, snapshot_state
-from transfer_queue.request_table import RequestTable
 from transfer_queue.samplers import SequentialSampler
+from transfer_queue.state.snapshot import SnapshotError, block_map, read_snapshot, restore_state, snapshot_state
+from transfer_queue.wire import protocol as p
 
 X = {"x": FieldSchema("dense", "float32", ())}
 
@@ -115,7 +115,13 @@ def test_a_snapshot_of_another_format_is_refused():
 
 
 def test_a_queue_checkpoint_that_crashed_mid_save_leaves_the_previous_one_current(tmp_path):
-    from transfer_queue.checkpoint import begin_save, commit_save, current_checkpoint, read_controller, write_controller
+    from transfer_queue.storage.checkpoint import (
+        begin_save,
+        commit_save,
+        current_checkpoint,
+        read_controller,
+        write_controller,
+    )
 
     root = str(tmp_path)
     staging, name = begin_save(root)

@@ -1,4 +1,5 @@
-"""QueueState driven through ``handle`` with protocol structs, on a fake clock: the semantics of ARCHITECTURE §4.
+"""QueueState driven through ``handle`` with protocol structs, on a fake clock: the semantics in docs/architecture.md
+("One GRPO step, row by row", "Delivery").
 
 Every test builds a queue with the ``make_queue`` fixture (tests/unit/conftest.py). Default shape:
 global_batch_size=4, num_global_batch=2, num_n_samples=1, so a step holds 4 rows and two steps are live at once.
@@ -11,7 +12,6 @@ import re
 import msgspec
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import (
     FieldAlreadyProduced,
     GetMetaTimeout,
@@ -30,6 +30,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.metadata import BatchMeta, FieldSchema
 from transfer_queue.samplers import DPSampler, GRPOSampler
+from transfer_queue.wire import protocol as p
 
 F32 = FieldSchema("dense", "float32", ())
 I64 = FieldSchema("dense", "int64", ())

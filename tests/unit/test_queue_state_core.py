@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import InvalidRequest, PutExpired, SamplerError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import DPSampler
+from transfer_queue.wire import protocol as p
 
 F32 = FieldSchema("dense", "float32", ())
 X = {"x": F32}
@@ -227,8 +227,8 @@ def test_the_client_sends_lengths_per_length_bearing_field():
     import torch
 
     from transfer_queue.client import AsyncTransferQueueClient
-    from transfer_queue.columns import columns_from_tensordict
     from transfer_queue.config import QueueConfig
+    from transfer_queue.wire.columns import columns_from_tensordict
 
     jagged = torch.nested.nested_tensor([torch.zeros(n) for n in (1, 3)], layout=torch.jagged)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])

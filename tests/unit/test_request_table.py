@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from transfer_queue import protocol as p
 from transfer_queue.config import QueueConfig
+from transfer_queue.controller.requests import RequestTable, storage_message, to_wire
 from transfer_queue.metadata import BatchMeta, FieldSchema
-from transfer_queue.put_ledger import PutRequest, Reserved
-from transfer_queue.queue_state import DropPartition, QueueState
-from transfer_queue.request_table import RequestTable, storage_message, to_wire
-from transfer_queue.waiting import Wait
+from transfer_queue.state.put_ledger import PutRequest, Reserved
+from transfer_queue.state.queue_state import DropPartition, QueueState
+from transfer_queue.state.waiting import Wait
+from transfer_queue.wire import protocol as p
 
 X = {"x": FieldSchema("dense", "float32", ())}
 

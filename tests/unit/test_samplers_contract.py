@@ -1,6 +1,6 @@
-"""The sampler contract (STYLE.md example 12): one parametrized test every sampler must pass, built-in or user,
-driven through QueueState with seeded random puts, field writes, consumptions, releases and clears. Plus the
-errors a broken user sampler gets, the fast-path switch, and length-balanced DP shares."""
+"""The sampler contract (CONTRIBUTING.md, "A sampler in ten minutes"): one parametrized test every sampler must pass,
+built-in or user, driven through QueueState with seeded random puts, field writes, consumptions, releases and clears.
+Plus the errors a broken user sampler gets, the fast-path switch, and length-balanced DP shares."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from transfer_queue.errors import (
     StaleBatchMeta,
 )
 from transfer_queue.metadata import BatchMeta, FieldSchema
-from transfer_queue.partition import AVAILABLE, COMMITTED
 from transfer_queue.samplers import (
     BaseSampler,
     DPSampler,
@@ -33,6 +32,7 @@ from transfer_queue.samplers import (
     balanced_shares,
     make_sampler,
 )
+from transfer_queue.state.partition import AVAILABLE, COMMITTED
 
 F32 = FieldSchema("dense", "float32", ())
 X = {"x": F32}
@@ -385,7 +385,7 @@ def test_a_grpo_sampler_must_match_the_queue(make_queue):
 def test_the_seeds_custom_sampler_runs_unchanged(make_queue):
     import torch
 
-    class MyCustomSampler(BaseSampler):  # verbatim from seeds/transferqueue-samplers.md
+    class MyCustomSampler(BaseSampler):  # verbatim from upstream TransferQueue's sampler guide
         def sample(self, ready_indices, batch_size, **kwargs):
             """Select batch_size indices from ready_indices."""
             return ready_indices[:batch_size]

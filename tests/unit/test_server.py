@@ -1,4 +1,4 @@
-"""The shared serving loop (transfer_queue.server.Server): one exception boundary around requests, periodic work
+"""The shared serving loop (transfer_queue.wire.server.Server): one exception boundary around requests, periodic work
 and the Unix-socket reader; the peer of every request; disconnects reported; a slow reader delays nobody."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import zmq
 
-from transfer_queue import protocol as p
-from transfer_queue.auth import secure_client
 from transfer_queue.errors import AuthenticationFailed, InvalidRequest
-from transfer_queue.server import Responder, Server
-from transfer_queue.transport import Peer
-from transfer_queue.unix_socket import connect, exchange, send_all
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import secure_client
+from transfer_queue.wire.server import Responder, Server
+from transfer_queue.wire.server_sockets import Peer
+from transfer_queue.wire.unix_socket import connect, exchange, send_all
 
 SESSION = "s" * 32
 BIG = 64 << 20  # a reply no socket buffer holds

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from transfer_queue import protocol as p
 from transfer_queue.errors import RequestTimeout, ServerGone
-from transfer_queue.transport import AsyncioTransport, BlockingTransport, run_sync
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.transport import AsyncioTransport, BlockingTransport, run_sync
 
 # Answers every request with an empty reply carrying its request id; a request whose body is b"die" kills the
 # server before it answers, b"slow" is never answered.
 SERVER = r"""
 import json, os, signal, sys
-from transfer_queue import protocol as p
-from transfer_queue.transport import ServerSockets
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.server_sockets import ServerSockets
 server = ServerSockets(host="127.0.0.1")
 e = server.endpoint
 print(json.dumps([e.tcp, e.unix, e.hostname]), flush=True)
@@ -166,7 +166,7 @@ def test_a_monitor_nobody_reads_does_not_stop_the_other_sockets() -> None:
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
-    from transfer_queue.transport import close_watched, watch
+    from transfer_queue.wire.sockets import close_watched, watch
 
     ctx = zmq.Context()
     try:
@@ -189,7 +189,7 @@ def test_a_monitor_nobody_reads_does_not_stop_the_other_sockets() -> None:
 def test_closing_a_watched_socket_never_leaves_its_events_without_a_reader() -> None:
     import zmq
 
-    from transfer_queue.transport import close_watched, watch
+    from transfer_queue.wire.sockets import close_watched, watch
 
     ctx = zmq.Context()
     try:
@@ -207,7 +207,7 @@ def test_closing_a_watched_socket_never_leaves_its_events_without_a_reader() -> 
 
 def test_an_idle_socket_to_a_dead_server_is_closed_by_the_next_call(server: Any, monkeypatch: Any) -> None:
     """A thread's socket to a server that died is closed by its next call to any server (no retries for ever)."""
-    import transfer_queue.transport as transport_module
+    import transfer_queue.wire.transport as transport_module
 
     proc, endpoint = server
     transport = BlockingTransport(force_tcp=True)

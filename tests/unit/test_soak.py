@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_queue import partition, partition_table, put_ledger
-from transfer_queue import protocol as p
-from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.config import QueueConfig
+from transfer_queue.controller.requests import RequestTable
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.queue_state import QueueState
-from transfer_queue.request_table import RequestTable
-from transfer_queue.storage import BlockStore
+from transfer_queue.state import partition, partition_table, put_ledger
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.storage.unit import BlockStore
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import columns_from_tensordict
 
 X = {"x": FieldSchema("dense", "float32", ())}
 UNITS = 2

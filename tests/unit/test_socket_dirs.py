@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from transfer_queue.socket_dirs import LOCK_NAME, STAGING_PREFIX, SocketDir, socket_root, sweep_stale
-from transfer_queue.transport import ServerSockets
+from transfer_queue.wire.server_sockets import ServerSockets
+from transfer_queue.wire.socket_dirs import LOCK_NAME, STAGING_PREFIX, SocketDir, socket_root, sweep_stale
 
 # Creates a SocketDir under argv[1], prints its path, then: "exit" returns normally (atexit), "wait" sleeps.
 OWNER = r"""
 import sys, time
-from transfer_queue.socket_dirs import SocketDir
+from transfer_queue.wire.socket_dirs import SocketDir
 d = SocketDir(sys.argv[1])
 print(d.path, flush=True)
 if sys.argv[2] == "wait":

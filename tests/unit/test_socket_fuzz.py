@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import zmq
 
-from transfer_queue import protocol as p
-from transfer_queue.auth import secure_client
 from transfer_queue.config import QueueConfig
-from transfer_queue.controller import ControllerServer
-from transfer_queue.queue_state import QueueState
-from transfer_queue.storage import BlockStore, StorageServer
-from transfer_queue.unix_socket import connect, encode_header, exchange
+from transfer_queue.controller.server import ControllerServer
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.storage.unit import BlockStore, StorageServer
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import secure_client
+from transfer_queue.wire.unix_socket import connect, encode_header, exchange
 
 pytestmark = pytest.mark.slow
 SECRET, SESSION = os.urandom(32), "a" * 32

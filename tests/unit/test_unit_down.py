@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from transfer_queue import protocol as p
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
-from transfer_queue.controller import ControllerServer
+from transfer_queue.controller.server import ControllerServer
+from transfer_queue.controller.unit_watch import units_on_dead_nodes
 from transfer_queue.errors import StorageUnavailable, StorageUnitDown
-from transfer_queue.queue_state import QueueState
-from transfer_queue.storage import BlockStore, StorageServer
-from transfer_queue.unit_health import units_on_dead_nodes
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.storage.unit import BlockStore, StorageServer
+from transfer_queue.wire import protocol as p
 
 SESSION = "d" * 32
 SECRET = b"k" * 32

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from transfer_queue.unix_socket import (
+from transfer_queue.wire.unix_socket import (
     MAX_FRAMES,
     FrameReader,
     ProtocolViolation,
@@ -156,7 +156,7 @@ def test_exchange_reports_a_server_that_went_away():
 def test_a_stream_cut_anywhere_parses_to_the_same_messages():
     """Messages back to back, delivered in random pieces: headers and frames cut anywhere, empty frames, frames
     larger than one read, many small messages in one read."""
-    from transfer_queue.unix_socket import encode_header
+    from transfer_queue.wire.unix_socket import encode_header
 
     rng = np.random.default_rng(1)
     sizes = [0, 1, 7, 65_535, 65_536, 65_537, 200_000]
@@ -184,7 +184,7 @@ def test_a_server_that_closes_before_its_challenge_is_gone_not_an_authentication
     """A server killed with connections in its backlog closes them before challenging: the client must read that as
     a dead server (an OSError, as a refused connection: transports then report ServerGone or take TCP), never as a
     wrong secret (AuthenticationFailed, which says the controller_info is from another queue)."""
-    from transfer_queue.unix_socket import connect
+    from transfer_queue.wire.unix_socket import connect
 
     path = str(tmp_path / "dying.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from transfer_queue.errors import InvalidRequest, QueueBusy, SamplerError
-from transfer_queue.waiting import WAIT, Parked, WaitingRoom
+from transfer_queue.state.waiting import WAIT, Parked, WaitingRoom
 
 
 class Answers:

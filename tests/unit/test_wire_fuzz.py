@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
-from transfer_queue import protocol as p
-from transfer_queue.columns import columns_from_tensordict
 from transfer_queue.errors import MalformedMessage, TransferQueueError
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.storage import BlockStore
+from transfer_queue.storage.unit import BlockStore
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import columns_from_tensordict
 
 F32 = FieldSchema("dense", "float32", ())
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)

@@ -24,8 +24,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from transfer_queue.errors import InvalidSampler
-
 
 class ReadyRows(Protocol):
     """The controller's view of rows ready for one task and one set of fields (local row numbers)."""
@@ -107,19 +105,3 @@ class BaseSampler(ABC):
 
 
 SamplerSpec = BaseSampler | type[BaseSampler] | Callable[[], BaseSampler]
-
-
-def make_sampler(spec: SamplerSpec | None) -> BaseSampler:
-    """A sampler from an instance, a class, or a callable returning one (``None``: SequentialSampler)."""
-    from transfer_queue.samplers.sequential import SequentialSampler
-
-    if spec is None:
-        return SequentialSampler()
-    if isinstance(spec, BaseSampler):
-        return spec
-    if callable(spec):
-        sampler = spec()
-        if isinstance(sampler, BaseSampler):
-            return sampler
-        raise InvalidSampler(f"a sampler constructor must return a BaseSampler, got {type(sampler).__name__}")
-    raise InvalidSampler(f"sampler must be a BaseSampler, a BaseSampler class or a callable, got {type(spec).__name__}")

@@ -1,0 +1,248 @@
+"""One client's channel to a queue: calls to the controller and the storage units, what it learned of their
+health, and the checks every call shares. :class:`~transfer_queue.client.AsyncTransferQueueClient` is built on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from transfer_queue.config import QueueConfig
+from transfer_queue.errors import (
+    ClientClosed,
+    InvalidRequest,
+    ProtocolMismatch,
+    QueueClosed,
+    RequestTimeout,
+    RowsLost,
+    ServerGone,
+    StorageUnavailable,
+    StorageUnitDown,
+    UnsupportedValue,
+    error_from_wire,
+)
+from transfer_queue.metadata import BatchMeta, PartitionKey, describe_partition
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import (
+    Column,
+)
+from transfer_queue.wire.transport import AsyncioTransport, Transport
+
+logger = logging.getLogger(__name__)
+REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
+KV_READ_ATTEMPTS = 8  # kv_batch_get looks keys up again when a concurrent kv_put replaced them mid-read
+COMMIT_RETRIES = 1  # a commit whose reply did not come is asked again this often (by put id: idempotent)
+
+
+# Sessions of queues this process shut down (``transfer_queue.shutdown``): their clients fail at once.
+_closed_sessions: set[str] = set()
+
+
+def mark_queue_closed(session_id: str) -> None:
+    """Tell every client of this process that the queue of ``session_id`` is shut down: they raise QueueClosed."""
+    _closed_sessions.add(session_id)
+
+
+def _partition(global_step: int | None, partition_id: str | None, metadata: BatchMeta | None = None) -> PartitionKey:
+    if metadata is not None and global_step is None and partition_id is None:
+        return metadata.partition_id
+    if (global_step is None) == (partition_id is None):
+        raise InvalidRequest(
+            f"give exactly one of global_step and partition_id, got global_step={global_step!r}, "
+            f"partition_id={partition_id!r}"
+        )
+    if global_step is not None:
+        if isinstance(global_step, bool) or not isinstance(global_step, (int, np.integer)) or global_step < 0:
+            raise InvalidRequest(f"global_step must be an int >= 0, got {global_step!r}")
+        key: PartitionKey = int(global_step)
+    else:
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequest(f"partition_id must be a non-empty str, got {partition_id!r}")
+        key = partition_id
+    if metadata is not None and metadata.partition_id != key:
+        raise InvalidRequest(f"the metadata is of partition {metadata.partition_id!r}, not {key!r}")
+    return key
+
+
+def _kv_partition(partition_id: str) -> str:
+    if not isinstance(partition_id, str) or not partition_id:
+        raise InvalidRequest(f"a kv partition_id must be a non-empty str, got {partition_id!r}")
+    return partition_id
+
+
+class QueueChannel:
+    """The plumbing of :class:`~transfer_queue.client.AsyncTransferQueueClient`: its sockets, its calls to the
+    controller and the storage units, and the storage units it knows to be down."""
+
+    def __init__(self, client_id: str, controller_info: p.ControllerInfo, *, transport: Transport | None = None):
+        if not isinstance(controller_info, p.ControllerInfo):
+            raise InvalidRequest(f"controller_info must be a ControllerInfo, got {type(controller_info).__name__}")
+        if controller_info.protocol_version != p.PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"controller_info speaks protocol {controller_info.protocol_version}, this client "
+                f"{p.PROTOCOL_VERSION}; install the same transfer_queue version on both sides"
+            )
+        self.client_id = client_id
+        self.controller_info = controller_info
+        self.config = QueueConfig.from_dict(controller_info.config)
+        self._transport = transport or AsyncioTransport(secret=controller_info.secret)
+        self._closed = False
+        # who holds this client's leases: unique per client instance (client_id is a name and may repeat)
+        self.owner = f"{client_id}#{uuid.uuid4().hex[:12]}"
+        self._calls = itertools.count(1)
+        # Storage units known to be down, and why: the controller's view (every reply of it carries it) plus the units
+        # this client failed to reach since. Reads of rows on them fail at once (StorageUnitDown).
+        self._down_units: dict[int, str] = {}
+        # Where each storage unit listens now (a unit Ray restarted listens on new ports), and below which block id
+        # the blocks of a restarted unit are lost: both from the controller's replies.
+        self._unit_endpoints: list[p.Endpoint] = list(controller_info.storage_units)
+        self._restarted: dict[int, p.UnitRestart] = {}
+
+    # ---- plumbing ------------------------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.config.default_timeout
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise InvalidRequest(f"timeout must be a finite number of seconds > 0 (or None), got {timeout!r}")
+        return float(timeout)
+
+    def _frames(self, body: Any, buffers: Sequence[Any] = ()) -> tuple[list[Any], int]:
+        request_id = self._transport.next_request_id()
+        envelope = p.Envelope(p.PROTOCOL_VERSION, self.controller_info.session_id, request_id)
+        try:
+            encoded = p.encode(body)
+        except (TypeError, OverflowError) as exc:  # e.g. an object in sampler_params: refused before sending
+            raise UnsupportedValue(f"a {type(body).__name__} request cannot be encoded: {exc}") from None
+        return [p.encode(envelope), encoded, *buffers], request_id
+
+    async def _call(
+        self,
+        calls: Sequence[tuple[p.Endpoint, Any, Sequence[Any]]],
+        timeout: float,
+        who: str,
+        into: Sequence[dict[int, Any]] | None = None,
+    ) -> list[tuple[Any, list[Any]]]:
+        if self._closed:
+            raise ClientClosed(f"client {self.client_id!r} is closed")
+        if self.controller_info.session_id in _closed_sessions:
+            raise QueueClosed(
+                f"client {self.client_id!r}: its queue was shut down (transfer_queue.shutdown); "
+                "call transfer_queue.init to start a new one"
+            )
+        wire = []
+        for endpoint, body, buffers in calls:
+            frames, request_id = self._frames(body, buffers)
+            wire.append((endpoint, frames, request_id))
+        try:
+            replies = await (
+                self._transport.call_many(wire, timeout)
+                if into is None
+                else self._transport.call_many(wire, timeout, into)
+            )
+        except (RequestTimeout, ServerGone) as exc:
+            error = type(exc)(f"{who}: {exc}")
+            error.addresses = getattr(exc, "addresses", [])  # type: ignore[union-attr]
+            raise error from None
+        out = []
+        for frames in replies:
+            header = p.decode_reply_header(frames[0])
+            if header.down_units is not None:  # a controller's reply: its view of the storage units replaces ours
+                self._down_units = dict(header.down_units)
+            if header.restarted_units:
+                self._learn_restarts(header.restarted_units)
+            if header.error_type is not None:
+                raise error_from_wire(header.error_type, header.error_message or "")
+            out.append((frames[1], frames[2:]))
+        return out
+
+    def _learn_restarts(self, restarted: dict[int, p.UnitRestart]) -> None:
+        """Storage units Ray restarted: talk to them where they are now; their older blocks are lost."""
+        for unit, restart in restarted.items():
+            known = self._restarted.get(unit)
+            if 0 <= unit < len(self._unit_endpoints) and (known is None or restart.restarts > known.restarts):
+                self._restarted[unit] = restart
+                self._unit_endpoints[unit] = restart.endpoint
+
+    def _rows_lost(self, meta: BatchMeta, units: np.ndarray) -> RowsLost | None:
+        """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty."""
+        for unit, restart in sorted(self._restarted.items()):
+            lost = (units == unit) & (meta.blocks >= 0) & (meta.blocks < restart.lost_below)
+            if lost.any():
+                rows = np.unique(meta.global_indexes[lost.any(axis=1)])
+                fields = [name for j, name in enumerate(meta.field_names) if lost[:, j].any()]
+                return RowsLost(
+                    f"rows {rows[:20].tolist()}{' ...' if len(rows) > 20 else ''} ({len(rows)} of {len(meta)}) of "
+                    f"{describe_partition(meta.partition_id)} were lost: storage unit {unit} died and was restarted "
+                    f"empty (restart {restart.restarts}), taking fields {fields} of them; put them again as new rows "
+                    "(client.lost_rows lists them)"
+                )
+        return None
+
+    async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:
+        ((reply, _),) = await self._call(
+            [(self.controller_info.controller, body, ())],
+            timeout,
+            f"the controller at {self.controller_info.controller.tcp} did not answer (is it alive?)",
+        )
+        return p.decode_as(reply, reply_type)
+
+    async def _storage(
+        self,
+        calls: Sequence[tuple[int, Any, Sequence[Any]]],
+        timeout: float,
+        into: Sequence[dict[int, Any]] | None = None,
+    ) -> list[tuple[Any, list]]:
+        units = self._unit_endpoints
+        try:
+            return await self._call(
+                [(units[u], body, bufs) for u, body, bufs in calls],
+                timeout,
+                f"storage units {[u for u, _, _ in calls]} did not answer",
+                into,
+            )
+        except (RequestTimeout, ServerGone) as exc:
+            # After the first failure the unit counts as down for this client (until the controller says otherwise).
+            addresses = set(getattr(exc, "addresses", ()))
+            called = sorted({u for u, _, _ in calls})
+            failed = [u for u in called if {units[u].tcp, units[u].unix} & addresses] or called
+            what = "is gone" if isinstance(exc, ServerGone) else f"did not answer within {timeout:.1f} s"
+            for u in failed:
+                self._down_units[u] = f"{units[u].tcp} {what}"
+            error = StorageUnavailable(f"{exc}; a storage unit may have died")
+            error.units = failed  # type: ignore[attr-defined]
+            raise error from None
+
+    def _unit_down(self, meta: BatchMeta, units: np.ndarray, down: dict[int, str], cause: str = "") -> StorageUnitDown:
+        """The error for reads of ``meta``'s rows held by the ``down`` units: names each unit and its rows."""
+        parts = []
+        for u, why in sorted(down.items()):
+            rows = np.unique(meta.global_indexes[np.any(units == u, axis=1)]).tolist()
+            parts.append(f"storage unit {u} is down ({why}): it held rows {rows}")
+        return StorageUnitDown(
+            f"{cause}{'; '.join(parts)} of partition {meta.partition_id!r}, which cannot be read; new puts go to the "
+            "live units"
+        )
+
+    def _field_lengths(self, columns: dict[str, Column], num_rows: int) -> tuple[bytes | None, list[str] | None]:
+        """Per-row lengths of each length-bearing field (jagged, or in ``seqlen_fields``): ``Reserve.lengths`` and
+        ``Reserve.length_fields``. Per field, so overwriting a field replaces its share of the row's length."""
+        names, per_field = [], []
+        for name, column in columns.items():
+            if column.schema.kind == "jagged" or name in self.config.seqlen_fields:
+                row = column.row_lengths()
+                if row is not None:
+                    names.append(name)
+                    per_field.append(np.asarray(row, dtype=np.int64))
+        if not names:
+            return None, None
+        return p.pack_indexes(np.stack(per_field, axis=1).reshape(-1)), names
+
+    def close(self) -> None:
+        """Close the sockets; the client cannot be used afterwards."""
+        self._closed = True
+        self._transport.close()

@@ -1,0 +1,394 @@
+"""Rows in and out: ``put`` (reserve, write to the storage units, commit), ``get_meta``, ``get_data``, ``ack`` and
+``release``.
+
+A put is three messages: *reserve* (the controller validates the put against the partition's schema, waits for
+room in the step ring if needed, and hands back rows and a placement), *write* (the payload goes straight to the
+storage units, in parallel, zero-copy), *commit* (the rows become visible, all at once). A put that fails or dies
+in between is aborted: none of its rows ever becomes visible and its bytes are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from transfer_queue.client.channel import COMMIT_RETRIES, REPLY_SLACK, QueueChannel, _partition
+from transfer_queue.errors import (
+    BatchSizeMismatch,
+    InvalidRequest,
+    RequestTimeout,
+    StorageUnavailable,
+    TransferQueueError,
+    UnknownField,
+)
+from transfer_queue.metadata import BatchMeta, as_names
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.columns import (
+    Column,
+    columns_from_tensordict,
+    concat_columns,
+    from_row_bytes,
+    nbytes_of,
+    nframes,
+    tensordict_from_columns,
+    torch_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RowCalls(QueueChannel):
+    """put, get_meta, get_data, ack and release."""
+
+    # ---- put -----------------------------------------------------------------------------------------------
+    async def put(
+        self,
+        data: TensorDictBase | dict[str, Any],
+        global_step: int | None = None,
+        partition_id: str | None = None,
+        metadata: BatchMeta | None = None,
+        group_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+        timeout: float | None = None,
+        jagged: Sequence[str] = (),
+    ) -> BatchMeta:
+        """Store rows: append them to a partition, or (with ``metadata``) write new fields into existing rows.
+
+        Args:
+            data: a TensorDict whose first batch dimension counts rows, or a dict of fields with the same number
+                of rows (cheaper to build: no TensorDict of nested tensors). Dense tensors, jagged nested tensors and
+                non-tensor data (str, bytes, msgpack-encodable values) are accepted; CUDA tensors are copied to host.
+            global_step / partition_id: where to put (exactly one; implied by ``metadata``).
+            metadata: a BatchMeta from ``get_meta``: write ``data``'s fields into its rows, in its order.
+            group_ids: GRPO group of each row (ints scoped to the partition), so a group may arrive over several
+                puts. Default: ``row // num_n_samples``, which needs the put to hold whole groups.
+            timeout: seconds to wait for room in the step ring and for the storage units (None: the default).
+            jagged: dense fields to store as jagged (ragged along their first per-row dimension), so that their
+                length may differ between puts; they come back as jagged nested tensors.
+
+        Returns:
+            The BatchMeta of the written rows and fields.
+
+        Raises:
+            SchemaMismatch, BatchSizeMismatch, PartitionOverfilled, IncompleteGroups, FieldAlreadyProduced,
+            QueueFull (no room within the timeout), StorageUnavailable, PartitionCleared.
+
+        >>> meta = client.put(TensorDict({"prompt_ids": ids}, batch_size=[8]), global_step=0)  # doctest: +SKIP
+        """
+        timeout = self._timeout(timeout)
+        if metadata is not None and not isinstance(metadata, BatchMeta):
+            raise InvalidRequest(f"put's metadata must be a BatchMeta (from get_meta), got {type(metadata).__name__}")
+        key = _partition(global_step, partition_id, metadata)
+        num_rows, columns = columns_from_tensordict(data, as_names(jagged))
+        target_uid = target_indexes = None
+        if metadata is not None:
+            if len(metadata) != num_rows:
+                raise BatchSizeMismatch(f"the metadata names {len(metadata)} rows; the data has {num_rows}")
+            if group_ids is not None:
+                raise InvalidRequest("a put with metadata writes into existing rows; their group ids are already set")
+            target_uid, target_indexes = metadata.partition_uid, p.pack_indexes(metadata.global_indexes)
+        packed_groups = None
+        if group_ids is not None:
+            groups = np.asarray(group_ids.cpu() if isinstance(group_ids, torch.Tensor) else group_ids).reshape(-1)
+            if groups.dtype.kind not in "iu" or len(groups) != num_rows:
+                raise InvalidRequest(f"group_ids must be {num_rows} ints, got {len(groups)} of dtype {groups.dtype}")
+            packed_groups = p.pack_indexes(groups)
+        lengths, length_fields = self._field_lengths(columns, num_rows)
+        reserve = p.Reserve(
+            key,
+            num_rows,
+            {name: c.schema for name, c in columns.items()},
+            sum(c.nbytes for c in columns.values()),
+            packed_groups,
+            target_uid,
+            target_indexes,
+            lengths,
+            None,
+            timeout,
+            length_fields,
+        )
+        return await self._put(reserve, columns, timeout)
+
+    async def _put(self, reserve: p.Reserve, columns: dict[str, Column], timeout: float) -> BatchMeta:
+        started = time.monotonic()
+        reservation: p.Reservation = await self._control(reserve, p.Reservation, timeout + REPLY_SLACK)
+        try:
+            writes = []
+            for place in reservation.placements:
+                parts = {name: c.slice(place.start, place.stop) for name, c in columns.items()}
+                specs = [p.ColumnSpec(n, c.schema, c.num_rows, len(c.buffers())) for n, c in parts.items()]
+                buffers = [b for c in parts.values() for b in c.buffers()]
+                rows = place.stop - place.start
+                body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
+                writes.append((place.unit, body, buffers))
+            await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
+            wire = await self._commit(reservation.put_id, started + timeout)
+        except BaseException:
+            try:
+                await self._control(p.Abort(reservation.put_id), Any, 5.0)
+            except TransferQueueError:
+                pass  # the controller aborts it at its deadline anyway
+            raise
+        return wire.to_meta()
+
+    async def _commit(self, put_id: int, deadline: float) -> p.MetaWire:
+        """Commit a put, waiting until the put's own deadline; a commit whose reply did not come is asked again
+        (a commit is idempotent by put id: the controller answers a retry with the same meta, never new rows)."""
+        for attempt in range(1 + COMMIT_RETRIES):
+            wait = max(1.0, deadline - time.monotonic()) if attempt == 0 else REPLY_SLACK
+            try:
+                return await self._control(p.Commit(put_id), p.MetaWire, wait)
+            except RequestTimeout:
+                if attempt == COMMIT_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    # ---- get -----------------------------------------------------------------------------------------------
+    async def get_meta(
+        self,
+        data_fields: Sequence[str] | str,
+        batch_size: int,
+        global_step: int | None = None,
+        partition_id: str | None = None,
+        task_name: str = "default",
+        sampler_params: dict[str, Any] | None = None,
+        get_n_samples: bool = False,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        peek: bool = False,
+    ) -> BatchMeta:
+        """Rows ready for ``task_name`` (all ``data_fields`` produced, not yet handed to the task), chosen by the
+        task's sampler and **leased** to this client: no other consumer of the task gets them while the lease
+        lasts. ``get_data`` of the meta acknowledges them (or, for a task with ``ack="explicit"``, ``ack``); a lease
+        that runs out (``lease_s``) or whose client goes away hands its rows back, first in line (see
+        docs/api.md "Delivery"). ``release`` hands them back at once.
+
+        Waits (up to ``timeout``) until ``batch_size`` rows are ready; returns a shorter batch only when no more
+        can come (the partition is closed or its step is full and everything produced), and an empty one at the
+        end of the stream. A wait that is cancelled (asyncio) or times out on the client is withdrawn: its rows go
+        to nobody.
+
+        Args:
+            data_fields: fields the rows must have.
+            batch_size: rows to return (per DP rank when ``sampler_params`` holds ``dp_size``).
+            global_step / partition_id: where to read (exactly one).
+            task_name: the consumer; each task consumes every row once.
+            sampler_params: passed to the sampler; ``dp_rank``, ``dp_size``, ``dp_group_id`` make this call part of
+                a DP round shared by the ranks of a data-parallel world.
+            get_n_samples: serve whole GRPO groups only (``batch_size`` must be a multiple of ``num_n_samples``).
+            lease_s: seconds the rows stay leased without an acknowledgement (None: the task's
+                ``set_task_options(lease_s=...)``, else the queue's ``lease_s``, 600 s by default).
+            peek: a non-consuming read (upstream's ``force_fetch``): the rows stay ready for the task and a later
+                ``get_meta`` serves them again. Not within a DP round.
+
+        Raises:
+            GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared.
+
+        >>> meta = client.get_meta(["prompt_ids"], batch_size=8, global_step=0, task_name="rollout")  # doctest: +SKIP
+        """
+        timeout = self._timeout(timeout)
+        try:
+            fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
+        except TypeError:
+            fields = [data_fields]  # type: ignore[list-item]
+        if not all(isinstance(f, str) for f in fields):
+            raise InvalidRequest(f"data_fields must be a field name or a list of them, got {data_fields!r}")
+        call_id = next(self._calls)
+        request = p.GetMeta(
+            _partition(global_step, partition_id),
+            fields,
+            batch_size,
+            task_name,
+            sampler_params,
+            bool(get_n_samples),
+            timeout,
+            lease_s,
+            self.owner,
+            call_id,
+            bool(peek),
+        )
+        try:
+            wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
+        except (asyncio.CancelledError, RequestTimeout, KeyboardInterrupt):
+            await self._withdraw(call_id)
+            raise
+        return wire.to_meta()
+
+    async def _withdraw(self, call_id: int) -> None:
+        """Tell the controller this client stopped waiting on get_meta ``call_id`` (best effort: a client that
+        cannot reach it is taken for gone anyway once its connections close)."""
+        try:
+            await self._control(p.CancelGetMeta(self.owner, call_id), Any, 2.0)
+        except (TransferQueueError, asyncio.CancelledError):
+            pass
+
+    async def get_data(
+        self, batch_meta: BatchMeta, device: str | torch.device | None = None, timeout: float | None = None
+    ) -> TensorDict:
+        """The rows of ``batch_meta`` as a TensorDict, in its order: dense fields as tensors, jagged fields as
+        nested tensors, non-tensor fields as NonTensorStack. ``device`` moves the result (e.g. ``"cuda"``).
+
+        Args:
+            timeout: seconds to wait for the storage units (None: the default).
+
+        Raises:
+            StaleBatchMeta (its partition was cleared), StorageUnitDown (rows on a unit known to be down: at once,
+            naming the unit and the rows; or the first read that finds it down), StorageUnavailable.
+        """
+        if not isinstance(batch_meta, BatchMeta):
+            raise InvalidRequest(f"get_data expects a BatchMeta, got {type(batch_meta).__name__}")
+        device = _checked_device(device)
+        timeout = self._timeout(timeout)
+        num_rows = len(batch_meta)
+        if num_rows == 0 or not batch_meta.fields:
+            td = TensorDict({}, batch_size=[num_rows])
+            await self._auto_ack(batch_meta)
+            return td.to(device) if device is not None else td
+        units = batch_meta.blocks % len(self._unit_endpoints)
+        lost = self._rows_lost(batch_meta, units)
+        if lost is not None:
+            raise lost
+        if np.any(batch_meta.blocks < 0):
+            row, col = np.argwhere(batch_meta.blocks < 0)[0]
+            raise UnknownField(
+                f"field {batch_meta.field_names[col]!r} is not produced for global index "
+                f"{batch_meta.global_indexes[row]}"
+            )
+        down = {u: why for u, why in self._down_units.items() if np.any(units == u)}
+        if down:
+            raise self._unit_down(batch_meta, units, down)
+        calls, placed, into = [], [], []
+        # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
+        # output (over Unix sockets), so rows spread over units cost no second copy.
+        dense = {
+            name: np.empty((num_rows, nbytes_of(torch_dtype(schema.dtype), schema.shape)), dtype=np.uint8)
+            for name, schema in batch_meta.fields.items()
+            if schema.kind == "dense"
+        }
+        for unit in np.unique(units).tolist():
+            fields, positions, targets = [], [], {}
+            frame = 2  # after the reply's header and body
+            for j, name in enumerate(batch_meta.field_names):
+                pos = np.flatnonzero(units[:, j] == unit)
+                if len(pos):
+                    blocks, offsets = batch_meta.blocks[pos, j], batch_meta.offsets[pos, j]
+                    fields.append(p.ReadField(name, p.pack_indexes(blocks), p.pack_indexes(offsets)))
+                    positions.append(pos)
+                    if name in dense and int(pos[-1]) - int(pos[0]) == len(pos) - 1:  # ascending: one run
+                        targets[frame] = dense[name][int(pos[0]) : int(pos[-1]) + 1].reshape(-1)
+                    frame += nframes(batch_meta.fields[name])
+            calls.append((unit, p.Read(batch_meta.partition_uid, fields), ()))
+            placed.append(positions)
+            into.append(targets)
+        try:
+            replies = await self._storage(calls, timeout, into if any(into) else None)
+        except StorageUnavailable as exc:
+            failed = {u: self._down_units.get(u, "unreachable") for u in getattr(exc, "units", [])}
+            try:  # the controller's view: the unit may have been restarted (empty) meanwhile
+                await self._control(p.Hello(self.client_id), Any, min(timeout, 5.0))
+            except TransferQueueError:
+                pass
+            lost = self._rows_lost(batch_meta, units)
+            if lost is not None:
+                raise lost from None
+            raise self._unit_down(batch_meta, units, failed, f"{exc}; ") from None
+        parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
+        where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
+        in_place = set(dense)
+        for (body, buffers), positions, targets in zip(replies, placed, into, strict=True):
+            reply = p.decode_as(body, p.ReadReply)
+            i = 0
+            for spec, pos in zip(reply.columns, positions, strict=True):
+                frames = buffers[i : i + spec.nframes]
+                part = Column.from_buffers(spec.schema, spec.num_rows, frames)
+                if batch_meta.fields[spec.name].kind == "jagged":  # stored dense before the field became jagged
+                    part = part.as_jagged()
+                parts[spec.name].append(part)
+                where[spec.name].append(pos)
+                if targets.get(2 + i) is not frames[0]:
+                    in_place.discard(spec.name)  # not received in place (ZeroMQ, or sizes that disagree)
+                i += spec.nframes
+        columns = {
+            name: (
+                Column(schema, num_rows, data=from_row_bytes(dense[name], torch_dtype(schema.dtype), schema.shape))
+                if name in in_place
+                else concat_columns(parts[name], where[name], num_rows)
+            )
+            for name, schema in batch_meta.fields.items()
+        }
+        td = tensordict_from_columns(columns, num_rows)
+        await self._auto_ack(batch_meta)
+        return td.to(device) if device is not None else td
+
+    async def _auto_ack(self, batch_meta: BatchMeta) -> None:
+        """A get_data acknowledges the rows of a get_meta's meta (unless its task acknowledges explicitly). If the
+        controller cannot be told, the lease runs out and the rows are delivered again: never lost."""
+        if batch_meta.task_name is None or not len(batch_meta):
+            return
+        request = p.Ack(
+            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
+        )
+        post = getattr(self._transport, "post", None)
+        if post is not None and not self._closed:  # over a Unix socket: sent, not waited for (ordered before the
+            request.reply = False  # next request on this connection, delivered even if this process dies next)
+            frames, _ = self._frames(request)
+            if post(self.controller_info.controller, frames):
+                return
+            request.reply = True
+        try:
+            await self._control(request, Any, self.config.default_timeout)
+        except TransferQueueError as exc:
+            logger.warning("get_data could not acknowledge %d rows (delivered again later): %s", len(batch_meta), exc)
+
+    # ---- delivery ------------------------------------------------------------------------------------------
+    async def ack(self, batch_meta: BatchMeta) -> None:
+        """Acknowledge the rows of ``batch_meta`` for its task: they are done and never delivered again. Needed
+        only for tasks with ``ack="explicit"`` (see :meth:`set_task_options`), e.g. a trainer after its optimizer
+        step; other tasks are acknowledged by ``get_data``.
+
+        Raises:
+            NotLeased: some rows are not held by this client (leased to another, already acknowledged, or handed
+                back because their lease expired or they were released); the message names them. Nothing is
+                acknowledged then.
+            StaleBatchMeta: the partition was cleared.
+        """
+        if batch_meta.task_name is None:
+            raise InvalidRequest("ack needs a BatchMeta from get_meta (it names the task that leased it)")
+        request = p.Ack(
+            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner, True
+        )
+        await self._control(request, Any, self.config.default_timeout)
+
+    # ---- consumption and lifecycle -------------------------------------------------------------------------
+    async def release(self, batch_meta: BatchMeta) -> None:
+        """Hand the rows of ``batch_meta`` back to the task that got them (e.g. its consumer failed): they are
+        served again. Only rows this client holds (leased or acknowledged by it, or held by a DP round) go back;
+        others, and rows named twice or released before, are ignored. A DP share handed back this way is not
+        served to its rank again under the same round."""
+        if batch_meta.task_name is None:
+            raise InvalidRequest("release needs a BatchMeta from get_meta (it names the task that consumed it)")
+        request = p.Release(
+            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
+        )
+        await self._control(request, Any, self.config.default_timeout)
+
+
+def _checked_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a torch.device, checked before any byte moves: a typed error instead of torch's."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequest(f"get_data: device={device!r} is not a torch device ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(f"get_data: device={device!r} asked for, but torch.cuda.is_available() is False here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"get_data: device={device!r} asked for; this process sees {torch.cuda.device_count()}")
+    return dev

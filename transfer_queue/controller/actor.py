@@ -1,0 +1,281 @@
+"""TransferQueueController: the Ray actor of the control plane.
+
+A thin shell: a ROUTER socket served by the shared poll loop (transfer_queue.wire.server), handing requests to its
+:class:`~transfer_queue.controller.requests.RequestTable`, which translates them into calls of
+:class:`~transfer_queue.state.queue_state.QueueState` (all bookkeeping lives there, unit-testable without Ray or a wire
+format). Ray's own
+actor calls (creating it, ``register_sampler``, ``get_info``) are the trusted control channel; everything on the
+socket is typed msgpack and nothing received is unpickled. The controller never touches tensor bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import ray
+
+from transfer_queue.config import QueueConfig
+from transfer_queue.controller.server import ControllerServer
+from transfer_queue.controller.unit_watch import UnitWatcher
+from transfer_queue.errors import (
+    ConfigMismatch,
+    InvalidRequest,
+)
+from transfer_queue.samplers import SamplerSpec
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state
+from transfer_queue.storage.checkpoint import (
+    current_checkpoint,
+    read_controller,
+)
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import new_secret
+
+logger = logging.getLogger(__name__)
+
+
+class ControllerActor:
+    """The control plane: which fields of which rows are produced, which tasks consumed them, and the samplers.
+
+    It serves clients over ZeroMQ on behalf of the storage units it is handed. This class is the actor's body;
+    ``transfer_queue.TransferQueueController`` (:mod:`transfer_queue.runtime`) is the Ray actor class, which starts
+    ``num_storage_units`` :class:`~transfer_queue.storage.unit.StorageUnit` actors when it is given no
+    ``storage_units`` (handles you created and placed yourself).
+
+    Args:
+        global_batch_size: prompts per global step.
+        num_global_batch: steps live at once (the step ring).
+        num_n_samples: rows per GRPO group.
+        sampler: the default sampler for every task: an instance, a class, or a callable returning one.
+        num_storage_units: storage actors to start when ``storage_units`` is not given.
+        storage_units: storage actor handles to use instead (placed by you, e.g. one per node).
+        storage_unit_options: Ray ``.options(...)`` for the storage actors this controller starts: one dict for
+            all, or one per unit (``scheduling_strategy``, ``resources``, ``num_cpus``, ...).
+        bind_host: address the controller's socket binds to (default: the node's address as Ray sees it; a wildcard
+            such as ``0.0.0.0`` advertises the node's address). Storage units it starts on this node bind it too;
+            units on other nodes bind their own node's address. To set each unit's ``bind_host`` and
+            ``advertise_host``, start the units yourself and pass ``storage_units``.
+        restore_from: a directory ``save_checkpoint`` wrote: start with its partitions, consumption, kv keys,
+            samplers' states and payload (onto this controller's storage units, however many).
+        **config: the other :class:`~transfer_queue.config.QueueConfig` fields (``storage_unit_bytes``,
+            ``default_timeout``, ``put_grace``, ``seqlen_fields``).
+
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int,
+        num_global_batch: int = 1,
+        num_n_samples: int = 1,
+        sampler: SamplerSpec | None = None,
+        *,
+        num_storage_units: int | None = None,
+        storage_units: list[Any] | None = None,
+        storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
+        bind_host: str | None = None,
+        restore_from: str | None = None,
+        **config: Any,
+    ):
+        if storage_units is not None and num_storage_units not in (None, len(storage_units)):
+            raise InvalidRequest(
+                f"num_storage_units={num_storage_units} but {len(storage_units)} storage_units were given"
+            )
+        units = len(storage_units) if storage_units is not None else (num_storage_units or 2)
+        self._config = QueueConfig(
+            global_batch_size=global_batch_size,
+            num_global_batch=num_global_batch,
+            num_n_samples=num_n_samples,
+            num_storage_units=units,
+            **config,
+        )
+        state = QueueState(self._config, sampler)
+        self._session_id = uuid.uuid4().hex
+        self._secret = new_secret()  # handed out through Ray only (get_info, attach); proven on every connection
+        self._owns_units = storage_units is None
+        if storage_units is None:
+            storage_units = self.start_storage_units(units, storage_unit_options, bind_host)
+        self._units = storage_units
+        self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
+        endpoints = ray.get(
+            [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
+        )
+        incarnations = ray.get([u.incarnation.remote() for u in storage_units])
+        if restore_from is not None:
+            state = self._restore(restore_from, sampler)
+        self._server = ControllerServer(
+            state, self._session_id, endpoints, bind_host, self._secret, save_units=self._save_units
+        )
+        self._watcher = UnitWatcher(
+            storage_units,
+            [e.node_id for e in endpoints],
+            self._server.mark_unit,
+            incarnations,
+            self._unit_restarted,
+            restartable=self._owns_units and self._config.storage_unit_max_restarts > 0,
+        )
+        self._web = serve_status(self._server, storage_units, self._config.http_host, self._config.http_port)
+        self._info = p.ControllerInfo(
+            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
+        )
+
+    def start_storage_units(
+        self, num_units: int, options: dict[str, Any] | list[dict[str, Any]] | None, bind_host: str | None
+    ) -> list[Any]:
+        """Start this controller's own storage units (it was given none); the runtime's actor class does."""
+        raise InvalidRequest(
+            f"this controller was given no storage_units and cannot start {num_units}: pass storage_units=[...] or "
+            "use transfer_queue.TransferQueueController, which starts them"
+        )
+
+    def _unit_restarted(self, unit: int) -> bool:
+        """Ray restarted storage unit ``unit`` (the watcher saw a new incarnation): attach it to this session again, on
+        its new ports; the rows it held are marked lost. Runs on the watcher's thread."""
+        handle = self._units[unit]
+        units = len(self._units)
+        endpoint = ray.get(
+            handle.attach.remote(self._session_id, unit, units, self._secret, self._message_limit), timeout=60
+        )
+        lost = self._server.restart_unit(unit, endpoint)
+        storage = list(self._info.storage_units)
+        storage[unit] = endpoint
+        self._info = msgspec.structs.replace(self._info, storage_units=storage)
+        if self._web is not None:
+            try:
+                url = ray.get(handle.serve_metrics.remote(self._config.http_host), timeout=30)
+                with self._server.lock:
+                    urls = list(self._server.endpoints.get("storage_units", []))
+                    if unit < len(urls):
+                        urls[unit] = url
+                        self._server.endpoints = {**self._server.endpoints, "storage_units": urls}
+            except Exception:  # metrics only: the unit serves the queue all the same
+                logger.exception("storage unit %d: its /metrics endpoint did not start after the restart", unit)
+        logger.warning("storage unit %d restarted: %s", unit, lost)
+        return True
+
+    def _save_units(self, staging: str) -> None:
+        ray.get([unit.save_checkpoint.remote(staging) for unit in self._units])
+
+    def _restore(self, root: str, sampler: SamplerSpec | None) -> QueueState:
+        checkpoint = current_checkpoint(root)
+        snapshot = read_snapshot(read_controller(checkpoint))
+        saved = snapshot["config"]
+        for name in ("global_batch_size", "num_n_samples"):
+            if saved[name] != getattr(self._config, name):
+                raise ConfigMismatch(
+                    f"the checkpoint under {root} is of a queue with {name}={saved[name]}; this one has "
+                    f"{name}={getattr(self._config, name)}"
+                )
+        units, old_units = len(self._units), saved["num_storage_units"]
+        mapping, blocks = block_map(snapshot, units)
+        ray.get(
+            [
+                unit.restore_checkpoint.remote(
+                    checkpoint,
+                    [u for u in range(old_units) if u % units == v],
+                    {b: n for b, n in mapping.items() if n % units == v},
+                )
+                for v, unit in enumerate(self._units)
+            ]
+        )
+        logger.info("restored %d partitions from %s onto %d storage units", len(snapshot["partitions"]), root, units)
+        return restore_state(snapshot, self._config, sampler, mapping, blocks)
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Save the queue under ``directory`` (what ``client.save_checkpoint`` asks); returns its directory."""
+        with self._server.lock:
+            return self._server.save(directory)
+
+    def get_info(self) -> p.ControllerInfo:
+        """What ``TransferQueueClient(client_id=..., controller_info=...)`` needs."""
+        return self._info
+
+    def get_config(self) -> dict[str, Any]:
+        """The QueueConfig as a dict, plus the default sampler's class name under ``sampler``."""
+        return {**self._config.to_dict(), "sampler": type(self._server.state.default_sampler).__name__}
+
+    def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
+        """Give ``task_name`` its own sampler (instance, class or callable); other tasks keep the default."""
+        with self._server.lock:
+            self._server.state.register_sampler(task_name, sampler)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds this controller process and its storage units have used so far (the queue's own cost)."""
+        return time.process_time() + sum(unit["cpu_s"] for unit in self.storage_stats())
+
+    def server_stats(self) -> dict[str, Any]:
+        """The controller's socket counters: ``dropped.unauthenticated`` counts connections refused because they did
+        not prove the queue's secret (none of their frames was read); ``storage_units_down`` the units it lost its
+        connection to, or that Ray reports dead (placement skips them), and why in ``storage_units_down_reasons``;
+        the serving loop's ``requests``, ``disconnects`` and ``failures.<where>`` (transfer_queue.wire.server)."""
+        with self._server.lock:
+            down = sorted(self._server.state.down_units)
+            reasons = dict(self._server.down_reasons)
+            restarted = {u: r.restarts for u, r in self._server.restarted_units.items()}
+        return {
+            **self._server.stats(),
+            "storage_units_down": down,
+            "storage_units_down_reasons": reasons,
+            "storage_units_restarted": restarted,
+        }
+
+    def status(self, run_history: bool = False) -> dict[str, Any]:
+        """The whole-queue summary (the same as ``client.status()``), through Ray."""
+        return self._server.summary(run_history)
+
+    def http_endpoints(self) -> dict[str, Any]:
+        """Where the read-only HTTP endpoints listen: ``controller`` (``/metrics``, ``/status``, ``/status.json``) and
+        ``storage_units`` (each ``/metrics``); empty when ``http_port=-1``."""
+        return dict(self._server.endpoints)
+
+    def record_run_metrics(self, row: dict[str, Any]) -> None:
+        """An RL run's metrics of one step (its finite numbers are kept): Prometheus gauges ``transfer_queue_rl_*``
+        and the curves of the status page."""
+        self._server.record_run_row(row)
+
+    def storage_stats(self) -> list[dict[str, Any]]:
+        """Blocks, payload bytes and resident memory of each storage unit. A unit that cannot answer (dead, being
+        restarted by Ray, not attached again yet) reports zeros and ``error``: why."""
+        refs = [u.stats.remote() for u in self._units]
+        out = []
+        for unit, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=30))
+            except Exception as exc:  # one unit's failure must not hide the others' figures
+                zeros = dict.fromkeys(("pid", "cpu_s", "blocks", "bytes", "rss_bytes"), 0)
+                out.append({"unit": unit, **zeros, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        return out
+
+    def shutdown(self) -> None:
+        """Stop serving and stop the storage units this controller started (again: a no-op)."""
+        self._watcher.stop()
+        self._server.stop()
+        if self._web is not None:
+            self._web.stop()
+            self._web = None
+        if self._owns_units:
+            self._owns_units = False
+            for ref in [u.shutdown.remote() for u in self._units]:
+                try:
+                    ray.get(ref, timeout=10)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # a dead unit (or one on a dead or unreachable node): killed below all the same
+            for unit in self._units:
+                ray.kill(unit)
+
+
+def serve_status(server: ControllerServer, units: list[Any], host: str, port: int) -> Any:
+    """Start the controller's HTTP endpoint and the storage units' ones; ``None`` when ``port`` is -1."""
+    if port < 0:
+        return None
+    from transfer_queue.ops.status_page import controller_routes
+    from transfer_queue.ops.web import HttpEndpoint
+
+    web = HttpEndpoint(controller_routes(server), host, port)
+    unit_urls = ray.get([u.serve_metrics.remote(host) for u in units])
+    with server.lock:
+        server.endpoints = {"controller": web.url, "storage_units": unit_urls}
+    return web

@@ -1,0 +1,410 @@
+"""ControllerServer: the controller's serving loop, on one thread.
+
+A ROUTER socket (and the Unix socket beside it) served by the shared poll loop (:mod:`transfer_queue.wire.server`),
+handing requests to its :class:`~transfer_queue.controller.requests.RequestTable`, which translates them into calls of
+:class:`~transfer_queue.state.queue_state.QueueState`; as periodic work, the state's timers, its orders to the
+storage units and their replies, and the units' health.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import typing
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from transfer_queue.controller.requests import RequestTable
+from transfer_queue.errors import (
+    TransferQueueError,
+    error_to_wire,
+)
+from transfer_queue.ops.metrics import ControllerMetrics
+from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
+from transfer_queue.state.queue_state import QueueState
+from transfer_queue.state.snapshot import snapshot_state
+from transfer_queue.storage.checkpoint import (
+    CheckpointError,
+    begin_save,
+    commit_save,
+    write_controller,
+)
+from transfer_queue.wire import protocol as p
+from transfer_queue.wire.auth import secure_client, write_token
+from transfer_queue.wire.server import Responder, Server
+from transfer_queue.wire.server_sockets import Incoming, Peer
+from transfer_queue.wire.sockets import Reply, close_watched, watch
+
+logger = logging.getLogger(__name__)
+# A clear is answered once the storage units dropped the payload, so a BatchMeta from before it can no longer read
+# those bytes; a unit that does not acknowledge within this long (at most) is dead or stuck, and the clear is
+# answered anyway.
+DROP_ACK_WAIT = 10.0
+# A storage unit whose host goes silent (a dead node, a network partition) is noticed by ZeroMQ heartbeats on the
+# controller's connection to it: no traffic for UNIT_HEARTBEAT_TIMEOUT_MS marks it down. Reconnects are tried every
+# UNIT_RECONNECT_MS, each connect attempt given up after UNIT_CONNECT_TIMEOUT_MS, so a partition that heals is
+# noticed within seconds.
+UNIT_HEARTBEAT_IVL_MS = 1_000
+UNIT_HEARTBEAT_TIMEOUT_MS = 4_000
+UNIT_RECONNECT_MS = 500
+UNIT_CONNECT_TIMEOUT_MS = 2_000
+# request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
+KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
+
+
+@dataclass
+class HeldReply:
+    """A reply waiting for the storage units to acknowledge the drops its request caused."""
+
+    reply: Reply
+    request_id: int
+    value: Any
+    awaiting: set[int]
+    deadline: float
+
+
+class _ControllerResponder(Responder):
+    """Frames the controller's replies: every reply header tells the client which storage units are down."""
+
+    __slots__ = ("server",)
+
+    def __init__(self, server: ControllerServer, incoming: Incoming):
+        super().__init__(incoming.reply, -1, incoming.peer)
+        self.server = server
+
+    def ok(self, value: Any, buffers: Sequence[Any] = ()) -> None:
+        if not self.answered:
+            self.answered = True
+            self.server._reply(self.reply, self.request_id, value, None)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.answered:
+            self.answered = True
+            self.server._reply(self.reply, self.request_id, None, error)
+
+
+class ControllerServer(Server):
+    """Serves a QueueState on the shared poll loop (:class:`~transfer_queue.wire.server.Server`): client requests on its
+    ROUTER and Unix sockets, and, as periodic work, the state's timers, its messages to the storage units and their
+    acknowledgements. Every step runs inside the base's one exception boundary (logged, counted in ``stats()``)."""
+
+    what = "controller"
+
+    def __init__(
+        self,
+        state: QueueState,
+        session_id: str,
+        storage: list[p.Endpoint],
+        host: str | None = None,
+        secret: bytes = b"",
+        save_units: Callable[[str], None] | None = None,
+    ):
+        super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
+        self.state = state
+        self.requests = RequestTable(state)  # wire requests in, wire answers out
+        self._session = session_id  # what the controller's own messages to the storage units carry
+        self._save_units = save_units  # every storage unit writes its files under a staging directory
+        self._secret = secret
+        self._units: list[zmq.Socket] = []
+        self._unit_monitors: dict[zmq.Socket, int] = {}
+        for unit, endpoint in enumerate(storage):
+            self._units.append(self._connect_unit(unit, endpoint))
+        self._storage = list(storage)
+        # Units Ray restarted (empty, on new ports): every reply tells clients where they are now and which of their
+        # blocks are lost. Restarts are applied by the serving thread (it owns the sockets).
+        self.restarted_units: dict[int, p.UnitRestart] = {}
+        self._restarts_due: list[tuple[int, p.Endpoint, threading.Event, dict[str, Any]]] = []
+        # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
+        # its node died), the others are up again when the connection is back.
+        self.down_reasons: dict[int, str] = {}
+        self._dead: set[int] = set()
+        self._ids = itertools.count(1)
+        self.metrics = ControllerMetrics()  # recorded on this thread; read by scrapes under ``lock``
+        self.run_history: deque[dict[str, float]] = deque(maxlen=RUN_HISTORY)  # an RL run's per-step metrics
+        self.endpoints: dict[str, Any] = {}  # the HTTP URLs of the controller and the storage units
+        self._held: list[HeldReply] = []
+        self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
+        self.start()
+
+    def _connect_unit(self, unit: int, endpoint: p.Endpoint) -> zmq.Socket:
+        """A DEALER to storage unit ``unit``, watched: the connection drops when the unit dies, and new puts are
+        placed on the others until it is back."""
+        dealer = self.sockets.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, UNIT_HEARTBEAT_IVL_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, UNIT_HEARTBEAT_TIMEOUT_MS)
+        dealer.setsockopt(zmq.RECONNECT_IVL, UNIT_RECONNECT_MS)
+        dealer.setsockopt(zmq.CONNECT_TIMEOUT, UNIT_CONNECT_TIMEOUT_MS)
+        secure_client(dealer, self._secret)
+        monitor = watch(dealer, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)  # before connect: no event is missed
+        dealer.connect(endpoint.address())
+        self.sockets.register(dealer)
+        self._unit_monitors[monitor] = unit
+        self.sockets.register(monitor)
+        return dealer
+
+    def restart_unit(self, unit: int, endpoint: p.Endpoint, timeout: float = 30.0) -> dict[str, Any]:
+        """Storage unit ``unit`` was restarted by Ray (empty) and now listens at ``endpoint``: connect to it, mark the
+        rows it held lost, and mark it up. Returns what was lost (see ``QueueState.unit_restarted``)."""
+        done, result = threading.Event(), dict[str, Any]()
+        with self.lock:
+            self._restarts_due.append((unit, endpoint, done, result))
+        if not done.wait(timeout):
+            raise TimeoutError(f"the controller's serving thread did not take storage unit {unit}'s restart in time")
+        return result
+
+    def _apply_restarts(self) -> None:
+        with self.lock:
+            due, self._restarts_due = self._restarts_due, []
+        for unit, endpoint, done, result in due:
+            old = self._units[unit]
+            for monitor in [m for m, u in self._unit_monitors.items() if u == unit]:
+                del self._unit_monitors[monitor]
+                self.sockets.unregister(monitor)
+            self.sockets.unregister(old)
+            close_watched(old)
+            self._units[unit] = self._connect_unit(unit, endpoint)
+            with self.lock:
+                self._storage[unit] = endpoint
+                self._dead.discard(unit)
+                self.down_reasons.pop(unit, None)
+                self.state.down_units.discard(unit)
+                try:
+                    result.update(self.state.unit_restarted(unit))
+                except Exception:  # a bug: keep serving; the unit is up, its old rows may still be listed
+                    logger.exception("marking the rows of restarted storage unit %d lost failed", unit)
+                self.restarted_units[unit] = p.UnitRestart(
+                    endpoint, int(result.get("lost_below", 0)), int(result.get("restarts", 0))
+                )
+                self._flush_outbox()
+            logger.warning(
+                "storage unit %d was restarted and is back at %s; %s rows it held are lost (%s)",
+                unit, endpoint.tcp, result.get("rows"), result.get("partitions"),
+            )  # fmt: skip
+            done.set()
+
+    # ---- the loop's hooks (transfer_queue.wire.server.Server) -------------------------------------------------------
+    def next_wakeup(self) -> float:
+        return min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
+
+    def on_disconnect(self, peer: Peer) -> None:
+        # a connection closed: its waits are dropped; its leases and open puts go after a grace
+        self.state.on_disconnect(peer)
+
+    def periodic(self, events: dict[Any, int]) -> None:
+        if self._restarts_due:
+            self._guard("storage restarts", self._apply_restarts)
+        if time.monotonic() >= self.state.next_deadline:
+            self._guard("tick", self.state.tick)
+        self._guard("storage messages", self._flush_outbox)
+        for dealer in self._units:
+            if dealer in events:
+                self._guard("storage replies", self._drain_storage_replies, dealer)
+        for monitor, unit in self._unit_monitors.items():
+            if monitor in events:
+                self._guard("storage connections", self._follow_unit, monitor, unit)
+        self._guard("held replies", self._send_held, time.monotonic())
+
+    def close_sockets(self) -> None:
+        for dealer in self._units:
+            close_watched(dealer)
+        self.sockets.close()
+
+    def responder(self, incoming: Incoming) -> Responder:
+        return _ControllerResponder(self, incoming)
+
+    def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
+        if isinstance(request, p.Hello):
+            hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
+            responder.ok(hello)
+            return
+        started, kind, metrics = time.perf_counter(), KINDS[type(request)], self.metrics
+        if isinstance(request, p.QueueStatus):
+            value = self.summary_locked(request.include_run_history)
+            metrics.answered(kind, started, request, value, None)
+            responder.ok(value)
+            return
+        if isinstance(request, p.SaveCheckpoint):
+            try:
+                responder.ok(self.save(request.directory))
+            except TransferQueueError as exc:
+                responder.fail(exc)
+            except Exception as exc:  # a disk or a unit failed: the previous checkpoint stays current
+                logger.exception("saving a checkpoint under %s failed", request.directory)
+                responder.fail(
+                    CheckpointError(
+                        f"saving the checkpoint under {request.directory} failed: {type(exc).__name__}: {exc}"
+                    ),
+                )
+            return
+
+        # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
+        hold = isinstance(request, (p.Clear, p.KvClear))
+        held: list[tuple[Any, BaseException | None]] = []
+
+        quiet = isinstance(request, p.Ack) and not request.reply  # the client does not read an answer
+
+        def respond(value: Any, error: BaseException | None) -> None:
+            metrics.answered(kind, started, request, value, error)
+            if quiet:
+                if error is not None:
+                    logger.info("an acknowledgement nobody waits for failed: %s", error)
+                return
+            if isinstance(value, p.Reservation) and isinstance(request, p.Reserve):
+                self._vouch(value, request.nbytes)
+            if hold:
+                held.append((value, error))
+            else:
+                responder(value, error)
+
+        try:
+            self.requests.handle(request, respond, responder.peer)
+        except Exception as exc:  # a bug, not bad input: answer it, count it and keep serving
+            self.counters["failures.request"] += 1
+            logger.exception("controller failed on %s", type(request).__name__)
+            respond(None, exc)
+        hold = False  # answers that come later (a parked request) go out at once
+        for value, error in held:
+            sent = self._flush_outbox() if error is None else []
+            if sent:
+                responder.answered = True  # by _send_held, once the units dropped the bytes
+                deadline = time.monotonic() + self._drop_ack_wait
+                self._held.append(HeldReply(responder.reply, responder.request_id, value, set(sent), deadline))
+            else:
+                responder(value, error)
+
+    def save(self, directory: str) -> str:
+        """Save the queue under ``directory`` (call with :attr:`lock` held: nothing is served meanwhile, so the
+        controller's snapshot and the units' payload agree); returns the committed checkpoint's directory."""
+        if self._save_units is None:
+            raise CheckpointError("this controller cannot reach its storage units to save their payload")
+        staging, name = begin_save(directory)
+        write_controller(staging, snapshot_state(self.state))
+        self._save_units(staging)
+        return commit_save(directory, staging, name)
+
+    def _vouch(self, reservation: p.Reservation, nbytes: int) -> None:
+        """Sign what the put reserved into each placement, so storage units check what arrives (defect 11)."""
+        reservation.placements = [
+            msgspec.structs.replace(
+                place,
+                max_bytes=nbytes,
+                token=write_token(
+                    self._secret, reservation.partition_uid, place.block_id, place.stop - place.start, nbytes
+                ),
+            )
+            for place in reservation.placements
+        ]
+
+    def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
+        down = dict(self.down_reasons)  # every reply tells the client which storage units are down
+        restarted = dict(self.restarted_units) or None  # ... and which were restarted: where they are, what is lost
+        if error is not None:
+            header, body = p.ReplyHeader(request_id, *error_to_wire(error), down, restarted), b""
+        else:
+            header, body = p.ReplyHeader(request_id, down_units=down, restarted_units=restarted), p.encode(value)
+        reply([p.encode(header), body])
+
+    def mark_unit(self, unit: int, down: str | None, final: bool = False) -> None:
+        """Mark storage unit ``unit`` down (``down``: why) or up again (None); ``final``: it never comes back.
+
+        A down unit gets no new puts, clears do not wait for it, and clients fail reads of its rows at once."""
+        with self.lock:
+            if down is None:
+                if unit in self._dead or unit not in self.down_reasons:
+                    return
+                logger.warning("storage unit %d is reachable again", unit)
+                del self.down_reasons[unit]
+                self.state.down_units.discard(unit)
+                return
+            if final:
+                self._dead.add(unit)
+            if self.down_reasons.get(unit) != down and (final or unit not in self._dead):
+                logger.warning(
+                    "storage unit %d (%s) is down: %s; new puts go to the others", unit, self._storage[unit].tcp, down
+                )
+                self.down_reasons[unit] = down
+            self.state.down_units.add(unit)
+
+    def _flush_outbox(self) -> list[int]:
+        """Send the state's messages to the storage units; returns the request ids sent."""
+        sent = []
+        for unit, request in self.requests.take_outbox():
+            request_id = next(self._ids)
+            envelope = p.Envelope(p.PROTOCOL_VERSION, self._session, request_id)
+            try:  # never block the controller on a unit that stopped reading (dead or stuck)
+                self._units[unit].send_multipart([p.encode(envelope), p.encode(request)], zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("storage unit %d takes no messages; dropped a %s", unit, type(request).__name__)
+                continue
+            if unit not in self.state.down_units:  # a unit known to be down is not waited for (it may never answer)
+                sent.append(request_id)
+        return sent
+
+    def _follow_unit(self, monitor: zmq.Socket, unit: int) -> None:
+        """Mark a storage unit down when the connection to it drops, up when it is connected again."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.mark_unit(unit, "the controller lost its connection to it")
+            else:
+                self.mark_unit(unit, None)
+
+    def _drain_storage_replies(self, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header = p.decode_reply_header(frames[0])
+            except TransferQueueError:
+                continue
+            if header.error_type:
+                logger.warning("a storage unit refused a drop: %s: %s", header.error_type, header.error_message)
+            for held in self._held:
+                held.awaiting.discard(header.request_id)
+
+    def _send_held(self, now: float) -> None:
+        """Answer the held replies whose drops were all acknowledged, or whose wait ran out."""
+        if not self._held:
+            return
+        keep = []
+        for held in self._held:
+            if held.awaiting and held.deadline > now:
+                keep.append(held)
+            else:
+                self._reply(held.reply, held.request_id, held.value, None)
+        self._held = keep
+
+    def connections(self) -> int:
+        """Client connections open now (TCP and Unix socket)."""
+        unix = self.sockets.unix
+        return len(self.sockets._tcp_by_fd) + (len(unix.connections) if unix is not None else 0)
+
+    def summary_locked(self, run_history: bool = False) -> dict[str, Any]:
+        """The whole-queue summary (see transfer_queue.ops.status); the caller holds ``lock``."""
+        run = list(self.run_history) if run_history else list(self.run_history)[-1:]
+        return queue_summary(
+            self.state, metrics=self.metrics, clients=self.connections(), run=run, endpoints=self.endpoints
+        )
+
+    def summary(self, run_history: bool = False) -> dict[str, Any]:
+        with self.lock:
+            return self.summary_locked(run_history)
+
+    def record_run_row(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            self.run_history.append(numeric_row(row))

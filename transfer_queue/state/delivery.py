@@ -1,0 +1,388 @@
+"""Delivery bookkeeping: who leased which rows of which task until when, and which clients are still there.
+
+Plain Python, no Ray, no sockets (the controller feeds it connections and disconnects). Per task a row is
+ready -> leased -> acknowledged (see docs/architecture.md "Delivery"); the per-row state lives in
+:class:`~transfer_queue.state.partition.TaskState`, and this module keeps the leases themselves
+(:class:`LeaseBook`) and the rules over both (:class:`Delivery`):
+
+- a :class:`Lease` is what one ``get_meta`` (or one DP round) handed out: its owner, task, rows and deadline;
+- the deadlines, in a heap, so the earliest is found in O(1) and an expired one in O(log n);
+- owners (one per client instance) and their connections: when the last connection of an owner closes, its leases
+  are returned after a short grace (a client that reconnects at once keeps them).
+
+A row's lease id identifies the lease that holds it: a lease that expires hands back only the rows that still
+carry its id (an acknowledged row, or one handed back and leased again, is not touched).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transfer_queue.config import QueueConfig
+from transfer_queue.errors import InvalidRequest, NotLeased, StaleBatchMeta
+from transfer_queue.metadata import PartitionKey
+from transfer_queue.state.dp_rounds import end_round, mark_released
+from transfer_queue.state.events import QueueEvents
+from transfer_queue.state.partition import AVAILABLE, CONSUMED, DEAD, LEASED, PartitionState, unique_in_order
+from transfer_queue.state.partition_table import PartitionTable
+
+logger = logging.getLogger(__name__)
+
+ACK_MODES = ("auto", "explicit")
+ROUND_OWNER = "\x00dp-round"  # the owner of every DP round's lease (a client's owner never starts with a NUL)
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """How a task is delivered; ``None`` fields take the queue's defaults (QueueConfig).
+
+    Args:
+        ack: ``"auto"``: a ``get_data`` of a meta acknowledges its rows; ``"explicit"``: only ``ack(meta)`` does.
+        lease_s: seconds a lease lasts before its unacknowledged rows go back to ready.
+        max_deliveries: deliveries after which rows that come back go to the dead-letter list instead.
+    """
+
+    ack: str = "auto"
+    lease_s: float | None = None
+    max_deliveries: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ack not in ACK_MODES:
+            raise InvalidRequest(f"ack must be one of {list(ACK_MODES)}, got {self.ack!r}")
+        check_lease_s(self.lease_s)
+        if self.max_deliveries is not None and (
+            not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1
+        ):
+            raise InvalidRequest(f"max_deliveries must be an int >= 1 (or None), got {self.max_deliveries!r}")
+
+
+def check_lease_s(lease_s: Any) -> None:
+    if lease_s is not None and (
+        isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < float("inf")
+    ):
+        raise InvalidRequest(f"lease_s must be a finite number of seconds > 0 (or None), got {lease_s!r}")
+
+
+@dataclass
+class Lease:
+    """Rows of one task handed to one owner (a client, or a DP round) until ``deadline``."""
+
+    lease_id: int
+    owner: str
+    key: PartitionKey
+    uid: int
+    task_name: str
+    rows: np.ndarray  # local rows
+    deadline: float
+    call_id: int = 0  # the client's id for the get_meta that took it (a cancel names it)
+    remaining: int = 0  # rows still leased under this lease
+    round_key: tuple[str, str] | None = None  # (task, dp_group_id) when the lease holds a DP round's shares
+
+
+class LeaseBook:
+    """Leases by id and by owner, their deadlines, and the connections of each owner."""
+
+    def __init__(self) -> None:
+        self.leases: dict[int, Lease] = {}
+        self.by_owner: dict[str, set[int]] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._next_id = 1
+        self._owner_ids: dict[str, int] = {}
+        self.owner_names: list[str] = []
+        self.peers: dict[str, set[Hashable]] = {}  # owner -> its open connections
+        self.owner_of_peer: dict[Hashable, str] = {}
+        self.orphaned: dict[str, float] = {}  # owner whose last connection closed -> when its leases go back
+
+    # ---- owners and their connections --------------------------------------------------------------------
+    def owner_id(self, owner: str) -> int:
+        """A small int for an owner, stored per row (ids are never reused)."""
+        oid = self._owner_ids.get(owner)
+        if oid is None:
+            self.owner_names.append(owner)
+            oid = self._owner_ids[owner] = len(self.owner_names)  # from 1: 0 means no holder
+        return oid
+
+    @property
+    def round_holder(self) -> int:
+        """The holder id of rows leased to a DP round (any rank of the round may acknowledge them)."""
+        return self.owner_id(ROUND_OWNER)
+
+    def connected(self, owner: str, peer: Hashable | None) -> None:
+        """``owner`` spoke through connection ``peer`` (None: unknown, e.g. in tests)."""
+        if not owner or peer is None or owner == ROUND_OWNER:
+            return
+        self.orphaned.pop(owner, None)
+        if self.owner_of_peer.get(peer) != owner:
+            self.owner_of_peer[peer] = owner
+            self.peers.setdefault(owner, set()).add(peer)
+
+    def disconnected(self, peer: Hashable, when: float) -> str | None:
+        """Connection ``peer`` closed; returns its owner if that was the owner's last one (its leases go back at
+        ``when`` unless it connects again first)."""
+        owner = self.owner_of_peer.pop(peer, None)
+        if owner is None:
+            return None
+        peers = self.peers.get(owner)
+        if peers is not None:
+            peers.discard(peer)
+            if peers:
+                return None
+            del self.peers[owner]
+        self.orphaned[owner] = when
+        return owner
+
+    def take_orphans(self, now: float) -> list[str]:
+        """Owners whose grace after their last disconnect has passed."""
+        gone = [owner for owner, when in self.orphaned.items() if when <= now]
+        for owner in gone:
+            del self.orphaned[owner]
+        return gone
+
+    # ---- leases -------------------------------------------------------------------------------------------
+    def open(
+        self, owner: str, key: PartitionKey, uid: int, task_name: str, rows: np.ndarray, deadline: float, call_id: int
+    ) -> Lease:
+        lease = Lease(self._next_id, owner, key, uid, task_name, rows, deadline, call_id, len(rows))
+        self._next_id += 1
+        self.leases[lease.lease_id] = lease
+        self.by_owner.setdefault(owner, set()).add(lease.lease_id)
+        heapq.heappush(self._heap, (deadline, lease.lease_id))
+        return lease
+
+    def settled(self, lease_ids: np.ndarray) -> None:
+        """Rows leased under ``lease_ids`` (one entry per row) were acknowledged or handed back."""
+        ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
+        for lease_id, count in zip(ids.tolist(), counts.tolist(), strict=True):
+            lease = self.leases.get(lease_id)
+            if lease is not None:
+                lease.remaining -= count
+                if lease.remaining <= 0:
+                    self.close(lease)
+
+    def close(self, lease: Lease) -> None:
+        """Forget a lease (its heap entry is skipped when it comes up)."""
+        self.leases.pop(lease.lease_id, None)
+        owned = self.by_owner.get(lease.owner)
+        if owned is not None:
+            owned.discard(lease.lease_id)
+            if not owned:
+                del self.by_owner[lease.owner]
+
+    def drop_partition(self, uid: int) -> None:
+        """Forget the leases of a cleared partition (their rows are gone)."""
+        for lease in [lease for lease in self.leases.values() if lease.uid == uid]:
+            self.close(lease)
+
+    def of_owner(self, owner: str) -> list[Lease]:
+        return [self.leases[i] for i in sorted(self.by_owner.get(owner, ()))]
+
+    def expired(self, now: float) -> list[Lease]:
+        """Leases whose deadline passed (each once), earliest first."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            _, lease_id = heapq.heappop(self._heap)
+            lease = self.leases.get(lease_id)
+            if lease is not None:
+                out.append(lease)
+        return out
+
+    def next_deadline(self) -> float:
+        while self._heap and self._heap[0][1] not in self.leases:
+            heapq.heappop(self._heap)
+        deadlines = [self._heap[0][0]] if self._heap else []
+        return min([*deadlines, *self.orphaned.values()], default=float("inf"))
+
+
+class Delivery:
+    """Leases, acknowledgements, hand-backs and dead letters of every task, over the partitions' per-row arrays.
+
+    Args:
+        config: the queue's defaults (``lease_s``, ``max_deliveries``).
+        table: the live partitions (a lease of a cleared partition is forgotten).
+        clock: the queue's clock.
+        wake: called with a new deadline (the owner's timer must fire by then).
+        rows_back: called with a partition key whose rows came back to ready (its waiting getters retry).
+    """
+
+    def __init__(
+        self,
+        config: QueueConfig,
+        table: PartitionTable,
+        clock: Callable[[], float],
+        wake: Callable[[float], None],
+        rows_back: Callable[[PartitionKey], None],
+    ):
+        self.config = config
+        self.table = table
+        self.clock = clock
+        self.wake = wake
+        self.rows_back = rows_back
+        self.leases = LeaseBook()
+        self.task_options: dict[str, TaskOptions] = {}
+        self.events = QueueEvents()  # the metrics hook: lease expiries, re-deliveries (transfer_queue.ops.metrics)
+
+    # ---- per-task options ------------------------------------------------------------------------------------
+    def options(self, task_name: str) -> TaskOptions:
+        return self.task_options.get(task_name) or TaskOptions()
+
+    @staticmethod
+    def check_task_name(task_name: Any) -> None:
+        if not isinstance(task_name, str) or not task_name:
+            raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
+
+    def set_options(self, task_name: str, options: TaskOptions) -> None:
+        self.check_task_name(task_name)
+        self.task_options[task_name] = options
+
+    def lease_s(self, task_name: str, lease_s: float | None) -> float:
+        """How long a lease of this call lasts: its own ``lease_s``, else the task's, else the queue's."""
+        if lease_s is not None:
+            return float(lease_s)
+        task_lease = self.options(task_name).lease_s
+        return float(task_lease) if task_lease is not None else self.config.lease_s
+
+    def max_deliveries(self, task_name: str) -> int:
+        task_max = self.options(task_name).max_deliveries
+        return task_max if task_max is not None else self.config.max_deliveries
+
+    # ---- leasing and handing back ----------------------------------------------------------------------------
+    def lease(
+        self,
+        part: PartitionState,
+        task_name: str,
+        rows: np.ndarray,
+        owner: str,
+        lease_s: float,
+        call_id: int,
+        round_key: tuple[str, str] | None = None,
+    ) -> Lease:
+        deadline = self.clock() + lease_s
+        lease = self.leases.open(owner, part.key, part.uid, task_name, rows, deadline, call_id)
+        lease.round_key = round_key
+        again = int(np.count_nonzero(part.task(task_name).deliveries[rows]))
+        if again:
+            self.events.redelivered(task_name, again)
+        part.lease(task_name, rows, lease.lease_id, self.leases.owner_id(owner))
+        self.wake(deadline)
+        return lease
+
+    def give_back(self, lease: Lease, reason: str) -> None:
+        """The rows ``lease`` still holds go back to ready for its task, first in line (or to the dead letters)."""
+        self.leases.close(lease)
+        part = self.table.partitions.get(lease.key)
+        if part is None or part.uid != lease.uid:
+            return
+        task = part.tasks.get(lease.task_name)
+        if task is None:  # its consumption was reset since
+            return
+        rows = lease.rows[(task.lease[lease.rows] == lease.lease_id) & (task.consumption[lease.rows] == LEASED)]
+        if lease.round_key is not None:
+            end_round(part, lease.round_key, lease.lease_id)
+        if not len(rows):
+            return
+        if reason in ("lease expired", "client disconnected"):
+            self.events.lease_expired(lease.task_name, len(rows))
+        dead = part.give_back(lease.task_name, rows, reason, self.max_deliveries(lease.task_name))
+        if len(dead):
+            logger.warning(
+                "%d rows of task %r in %s were delivered %d times; dead-lettered (%s)",
+                len(dead),
+                lease.task_name,
+                part.name,
+                self.max_deliveries(lease.task_name),
+                reason,
+            )
+        self.rows_back(part.key)
+
+    def expire(self, now: float) -> None:
+        """Hand back the rows of expired leases and of owners gone for good."""
+        # rows handed back go in front of the ready ones: the latest lease first, so the oldest ends up in front
+        for lease in reversed(self.leases.expired(now)):
+            self.give_back(lease, "lease expired")
+        for owner in self.leases.take_orphans(now):
+            for lease in reversed(self.leases.of_owner(owner)):
+                self.give_back(lease, "client disconnected")
+
+    def cancel(self, owner: str, call_id: int) -> None:
+        """Hand back what get_meta ``call_id`` of ``owner`` was served."""
+        for lease in self.leases.of_owner(owner):
+            if lease.call_id == call_id and call_id:
+                self.give_back(lease, "cancelled")
+
+    # ---- acknowledging and releasing -------------------------------------------------------------------------
+    def held_rows(
+        self, uid: int, task_name: str, indexes: np.ndarray, owner: str, what: str
+    ) -> tuple[PartitionState, np.ndarray, np.ndarray, np.ndarray]:
+        """The partition, the distinct rows named, and per row: held by ``owner``, held by a DP round."""
+        part = self.table.by_uid(uid)
+        if part is None:
+            raise StaleBatchMeta(
+                f"{what} of a BatchMeta whose partition (uid {uid}) was cleared: its rows no longer "
+                "exist; get a fresh BatchMeta"
+            )
+        rows = indexes - part.base_index
+        rows = unique_in_order(rows[(rows >= 0) & (rows < part.num_rows)])
+        task = part.task(task_name)
+        holder = task.holder[rows]
+        return part, rows, holder == self.leases.owner_id(owner), holder == self.leases.round_holder
+
+    def ack(self, uid: int, task_name: str, indexes: np.ndarray, owner: str, explicit: bool) -> dict[str, int] | None:
+        """Acknowledge rows ``owner`` holds; ``explicit`` (the user's ack): rows it does not hold are NotLeased."""
+        if not explicit and (self.options(task_name).ack == "explicit" or self.table.by_uid(uid) is None):
+            return None  # a get_data's acknowledgement: the task acknowledges by itself / the meta is stale
+        part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "ack")
+        task = part.task(task_name)
+        state = task.consumption[rows]
+        take = (state == LEASED) & (mine | rounds)
+        if explicit:
+            again = (state == CONSUMED) & rounds  # TP peers of a DP rank acknowledge the same share: once counts
+            bad = ~(take | again)
+            if bad.any():
+                raise NotLeased(_not_leased_message(part, task_name, rows[bad], state[bad], mine[bad]))
+        acked = rows[take]
+        if len(acked):
+            self.leases.settled(task.lease[acked])
+            part.acknowledge(task_name, acked)
+        return {"acknowledged": len(acked)}
+
+    def release(self, uid: int, task_name: str, indexes: np.ndarray, owner: str) -> None:
+        """Hand back rows the caller holds (leased or acknowledged by it, or held by a DP round), behind the rows
+        ready now; rows it does not hold, or names twice, are ignored. A row delivered ``max_deliveries`` times is
+        dead-lettered instead."""
+        part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "release")
+        task = part.task(task_name)
+        state = task.consumption[rows]
+        rows = rows[((state == LEASED) | (state == CONSUMED)) & (mine | rounds)]
+        leased = rows[task.consumption[rows] == LEASED]
+        self.leases.settled(task.lease[leased])
+        worn = rows[task.deliveries[rows] >= self.max_deliveries(task_name)]
+        if len(worn):
+            part.give_back(task_name, worn, "released", self.max_deliveries(task_name))
+        part.release(task_name, rows)
+        mark_released(part, task_name, rows)
+        self.rows_back(part.key)
+
+
+def _not_leased_message(
+    part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray
+) -> str:
+    index = rows + part.base_index
+    why = {
+        "leased to another client": index[(state == LEASED) & ~mine],
+        "already acknowledged": index[state == CONSUMED],
+        "not leased (never handed out, or handed back: lease expired, client gone, released)": index[
+            state == AVAILABLE
+        ],
+        "dead-lettered": index[state == DEAD],
+    }
+    detail = "; ".join(f"{what}: {idx[:20].tolist()}" for what, idx in why.items() if len(idx))
+    return (
+        f"ack of {len(rows)} rows of task {task_name!r} in {part.name} that this client does not hold "
+        f"(global indexes {index[:20].tolist()}): {detail}"
+    )

@@ -1,0 +1,184 @@
+"""DP rounds: one fetch shared by every rank of a data-parallel world (docs/samplers.md, "DP rounds work with every
+sampler").
+
+Plain Python (no Ray, no sockets, no wire format). The first call of a round (``dp_group_id``) selects
+``dp_size x batch_size`` ready rows (whole groups under GRPO), leases them to the round, and splits them into
+``dp_size`` shares with the task sampler's ``split`` (checked: disjoint shares of the rows it was given); every call
+of that round with a ``dp_rank`` gets that rank's share, however many TP/PP peers ask. A round's state lives in its
+partition (:class:`~transfer_queue.state.partition.DPRound`, so a clear forgets it); :class:`DPRounds` keeps the
+automatic round numbers of calls that name no ``dp_group_id``: the k-th call of a ``dp_rank`` (per ``world_rank``,
+else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transfer_queue.errors import InvalidRequest, SamplerError, TransferQueueError
+from transfer_queue.metadata import PartitionKey
+from transfer_queue.samplers import BaseSampler
+from transfer_queue.state.partition import DPRound, PartitionState
+from transfer_queue.state.selection import checked_shares
+
+MAX_DP_SIZE = 1 << 16  # bounds the shares one DP round is split into
+# A DP round forgotten (defect 8): a peer that lags more than this many rounds behind opens it anew (and gets other
+# rows).
+MAX_ROUNDS_PER_PARTITION = 1024
+
+# An automatic DP round counter: (partition, task, dp_rank, caller), the caller being ``world_rank`` when given,
+# else the connection: the TP peers of one dp_rank count their own calls, so their k-th calls meet in round k.
+AutoRoundCounter = tuple[PartitionKey, str, int, Any]
+
+
+@dataclass
+class GetMetaJob:
+    """A validated get_meta, retried until it is served or times out."""
+
+    partition: PartitionKey
+    fields: list[str]
+    batch_size: int
+    task_name: str
+    sampler: BaseSampler
+    params: dict[str, Any]
+    whole_groups: bool
+    dp_size: int
+    dp_rank: int
+    dp_group_id: str | None
+    lease_s: float | None = None  # None: the task's or the queue's default
+    owner: str = ""
+    call_id: int = 0
+    peek: bool = False
+    auto_round: tuple[AutoRoundCounter, int] | None = None  # (counter, round) when numbered for it
+
+
+class DPRounds:
+    """The automatic round numbers, and serving a call of a round from its partition."""
+
+    def __init__(self) -> None:
+        self.auto_rounds: dict[AutoRoundCounter, int] = {}
+
+    # ---- automatic round numbers ------------------------------------------------------------------------------
+    def number(self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any) -> tuple[str, Any]:
+        """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job."""
+        counter = (key, task_name, dp_rank, caller)
+        number = self.auto_rounds.get(counter, 0)
+        self.auto_rounds[counter] = number + 1
+        return f"auto-{number}", (counter, number)
+
+    def forget(self, job: GetMetaJob) -> None:
+        """A rank's auto-numbered round failed or timed out: its next call takes the same round number again, so
+        the rank stays in step with its peers."""
+        if job.auto_round is not None:
+            counter, number = job.auto_round
+            if self.auto_rounds.get(counter) == number + 1:
+                self.auto_rounds[counter] = number
+
+    def drop_caller(self, caller: Any) -> None:
+        """Connection ``caller`` closed: forget its counters."""
+        for counter in [c for c in self.auto_rounds if c[3] == caller]:
+            del self.auto_rounds[counter]
+
+    def drop_partition(self, key: PartitionKey, task_name: str | None = None) -> None:
+        """Forget the counters of partition ``key`` (of one task; None: every task)."""
+        for counter in [c for c in self.auto_rounds if c[0] == key and task_name in (None, c[1])]:
+            del self.auto_rounds[counter]
+
+    # ---- serving a round ------------------------------------------------------------------------------------
+    def serve(
+        self,
+        part: PartitionState,
+        job: GetMetaJob,
+        select: Callable[[int], np.ndarray | None],
+        lease: Callable[[np.ndarray, tuple[str, str]], tuple[int, float]],
+    ) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """This rank's share and the meta's ``extra``, or ``None`` to wait.
+
+        ``select(count)``: rows to hand out (None: wait); ``lease(rows, round_key)``: lease them to the round,
+        returning ``(lease_id, lease_s)``.
+        """
+        assert job.dp_group_id is not None
+        round_key = (job.task_name, job.dp_group_id)
+        dp_round = part.rounds.get(round_key)
+        if dp_round is None:
+            dp_round = part.rounds[round_key] = DPRound(job.dp_size, job.batch_size, tuple(job.fields))
+            while len(part.rounds) > MAX_ROUNDS_PER_PARTITION:  # the oldest rounds go first
+                del part.rounds[next(iter(part.rounds))]
+        elif (dp_round.dp_size, dp_round.batch_size, dp_round.fields) != (
+            job.dp_size,
+            job.batch_size,
+            tuple(job.fields),
+        ):
+            raise InvalidRequest(
+                f"dp_group_id {job.dp_group_id!r} was opened with dp_size={dp_round.dp_size}, "
+                f"batch_size={dp_round.batch_size}, fields={list(dp_round.fields)}; this call has dp_size="
+                f"{job.dp_size}, batch_size={job.batch_size}, fields={job.fields}"
+            )
+        if dp_round.shares is None:
+            rows = select(job.dp_size * job.batch_size)
+            if rows is None:
+                return None
+            self._split(part, job, dp_round, round_key, rows)
+            if len(rows):  # the round holds the shares until every rank acknowledged its own, or its lease expires
+                dp_round.lease_id, dp_round.lease_s = lease(rows, round_key)
+        if dp_round.expired:
+            raise InvalidRequest(
+                f"the lease of dp_group_id {job.dp_group_id!r} expired ({dp_round.lease_s:g} s) before every rank "
+                "acknowledged its share; its unacknowledged rows are ready again: ask again with a new dp_group_id"
+            )
+        if job.dp_rank in dp_round.released:
+            raise InvalidRequest(
+                f"the share of dp_rank={job.dp_rank} in dp_group_id {job.dp_group_id!r} was released; "
+                "ask again with a new dp_group_id"
+            )
+        shares = dp_round.shares
+        assert shares is not None
+        extra = {
+            "dp_rank": job.dp_rank,
+            "dp_size": job.dp_size,
+            "dp_group_id": job.dp_group_id,
+            # what every rank of the round needs to yield the same number of batches (a short last round)
+            "round_rows": int(sum(len(share) for share in shares)),
+            "round_max_share": int(max(len(share) for share in shares)),
+        }
+        return shares[job.dp_rank], extra
+
+    def _split(
+        self, part: PartitionState, job: GetMetaJob, dp_round: DPRound, round_key: tuple[str, str], rows: np.ndarray
+    ) -> None:
+        """Split the round's rows into checked shares; a split that fails forgets the round (no row was leased)."""
+        group = part.group_size if job.whole_groups else 1
+        try:
+            shares = job.sampler.split(rows, job.dp_size, part.length[rows], group)
+            group_of = part.group if job.whole_groups else None
+            dp_round.shares = checked_shares(shares, rows, job.dp_size, group_of, type(job.sampler).__name__)
+        except Exception as exc:
+            # no row was leased yet and the round is forgotten: only this call fails
+            del part.rounds[round_key]
+            self.forget(job)
+            if isinstance(exc, TransferQueueError):
+                raise
+            raise SamplerError(
+                f"{type(job.sampler).__name__}.split raised {type(exc).__name__}: {exc}; "
+                f"the {len(rows)} rows it was given are ready again"
+            ) from exc
+
+
+def mark_released(part: PartitionState, task_name: str, rows: np.ndarray) -> None:
+    """Rows of ``task_name`` were released: the rank whose share holds any of them may not fetch it again."""
+    released = set(rows.tolist())
+    for (round_task, _), dp_round in part.rounds.items():
+        if round_task == task_name and dp_round.shares is not None:
+            for rank, share in enumerate(dp_round.shares):
+                if not released.isdisjoint(share.tolist()):
+                    dp_round.released.add(rank)
+
+
+def end_round(part: PartitionState, round_key: tuple[str, str], lease_id: int) -> None:
+    """The round's lease ``lease_id`` ended (expired, its rows handed back): the round is over."""
+    dp_round = part.rounds.get(round_key)
+    if dp_round is not None and dp_round.lease_id == lease_id:
+        dp_round.expired = True

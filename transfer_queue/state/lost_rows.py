@@ -1,0 +1,151 @@
+"""Rows lost with a storage unit that Ray restarted empty: which, and what the queue does about them (no Ray here).
+
+A storage unit holds the only copy of its blocks. When it dies and Ray restarts it, the controller attaches the new
+incarnation (new ports) and calls :func:`lose_unit`: every committed row with a field on that unit becomes LOST,
+together with the rest of its GRPO group (groups are never served split). A lost row
+
+- keeps its global index (never reused, so a BatchMeta from before can never name a newer row); a step makes room
+  for as many new rows after its capacity, so a producer can put the same prompts again and the step still fills;
+- leaves every ready index: ``get_meta`` never hands it out, and a waiting ``get_meta`` waits for the new rows (or
+  its timeout) instead of for a group that can no longer complete;
+- keeps each task's delivery state, so a consumer that read it before the loss can still ``ack`` it;
+- cannot be read: ``get_data`` of it raises ``RowsLost`` (the client knows every block below the unit's
+  ``lost_below`` on it is gone, from the controller's replies) and a put into it raises ``RowsLost``.
+
+:class:`LostRowBook` remembers, per partition, which rows were lost, which of their fields were on the unit and which
+unit, for ``client.lost_rows`` and the status calls. Open puts with a block on the unit are aborted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from transfer_queue.state.partition import AVAILABLE, COMMITTED, CONSUMED, DEAD, LEASED, LOST
+
+if TYPE_CHECKING:
+    from transfer_queue.state.partition import PartitionState
+    from transfer_queue.state.queue_state import QueueState
+
+DELIVERY_NAMES = {AVAILABLE: "ready", LEASED: "leased", CONSUMED: "acknowledged", DEAD: "dead_lettered"}
+
+
+@dataclass
+class LostRecord:
+    """One lost row: which unit took it, which of its fields were on that unit (empty: it was lost with its group)."""
+
+    unit: int
+    fields: list[str]
+    restart: int  # the unit's restart count that lost it
+    key: str | None = None  # partitions used by key: the row's key (forgotten: a kv_put of it makes a new row)
+
+
+@dataclass
+class LostRowBook:
+    """Per partition uid, the rows lost (local row -> record); per unit, its restarts and its ``lost_below``."""
+
+    by_uid: dict[int, dict[int, LostRecord]] = field(default_factory=dict)
+    lost_below: dict[int, int] = field(default_factory=dict)  # unit -> block ids below this on it are gone
+    restarts: dict[int, int] = field(default_factory=dict)
+    total: int = 0  # rows lost since the queue started
+
+    def forget_cleared(self, live_uids: set[int]) -> None:
+        for uid in [u for u in self.by_uid if u not in live_uids]:
+            del self.by_uid[uid]
+
+    def count(self, uid: int) -> int:
+        return len(self.by_uid.get(uid, ()))
+
+
+def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
+    """Storage unit ``unit`` came back empty: mark what it held lost (see the module docstring).
+
+    Returns ``{"lost_below", "restarts", "rows", "partitions"}``: the unit's new floor (every block id below it on the
+    unit is gone), its restart count, and the rows lost per partition.
+    """
+    book: LostRowBook = state.lost
+    units = state.config.num_storage_units
+    floor = state._next_block * units  # every block of this unit handed out so far is gone
+    book.lost_below[unit] = floor
+    restart = book.restarts[unit] = book.restarts.get(unit, 0) + 1
+    for put in list(state.open_puts.values()):  # a put that wrote (or would write) there can never commit whole
+        if len(put.blocks) and np.any(put.blocks % units == unit):
+            state.ledger.abort(put.put_id)
+    lost_per_partition: dict[Any, int] = {}
+    for part in list(state.partitions.values()):
+        rows, fields_of = _rows_on_unit(part, unit, units)
+        if not len(rows):
+            continue
+        for put in [put for put in state.open_puts.values() if put.uid == part.uid]:
+            if np.isin(put.rows, rows).any():  # a write into a lost row: abort it
+                state.ledger.abort(put.put_id)
+        rows = _with_whole_groups(part, rows)
+        records = book.by_uid.setdefault(part.uid, {})
+        for row in rows.tolist():
+            records[row] = LostRecord(unit, fields_of.get(row, []), restart, part.row_keys.get(row))
+        part.lose_rows(rows)
+        gone = [b for b in part.block_nbytes if b % units == unit]
+        freed = sum(part.block_nbytes.pop(b) for b in gone)
+        part.nbytes -= freed
+        state.bytes_held -= freed
+        book.total += len(rows)
+        lost_per_partition[part.key] = len(rows)
+        state._retry_getters(part.key)
+    book.forget_cleared({part.uid for part in state.partitions.values()})
+    state._retry_putters()
+    return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
+            "partitions": lost_per_partition}  # fmt: skip
+
+
+def _rows_on_unit(part: PartitionState, unit: int, units: int) -> tuple[np.ndarray, dict[int, list[str]]]:
+    """Committed rows with a field on ``unit``, and per row the names of those fields."""
+    n, cols = part.num_rows, len(part.fields)
+    block = part.block[:n, :cols]
+    on = (block >= 0) & (block % units == unit) & (part.state[:n] == COMMITTED)[:, None]
+    rows = np.flatnonzero(on.any(axis=1))
+    names = list(part.field_col)  # column order
+    return rows, {int(r): [names[c] for c in np.flatnonzero(on[r]).tolist()] for r in rows}
+
+
+def _with_whole_groups(part: PartitionState, rows: np.ndarray) -> np.ndarray:
+    """``rows`` plus the other committed members of their GRPO groups."""
+    if part.group_size == 1:
+        return rows
+    groups = set(part.group[rows].tolist())
+    members = [r for g in groups for r in part.group_rows.get(g, [])]
+    return np.unique(np.concatenate([rows, np.asarray(members, dtype=np.int64)]))
+
+
+def lost_rows_report(state: QueueState, part: PartitionState) -> list[dict[str, Any]]:
+    """``client.lost_rows``: one dict per lost row of ``part`` (oldest loss first), with its global index, GRPO group
+    id, custom meta (tags), kv key, the unit and the fields that were on it, and each task's delivery state of it now
+    (``ready``: never handed out or handed back; ``leased``; ``acknowledged``; ``dead_lettered``)."""
+    records = state.lost.by_uid.get(part.uid, {})
+    out = []
+    for row, record in records.items():
+        if part.state[row] != LOST:  # cannot happen today (a lost row stays lost until its partition is cleared)
+            continue
+        tasks = {name: DELIVERY_NAMES[int(task.consumption[row])] for name, task in part.tasks.items()}
+        out.append(
+            {
+                "global_index": part.base_index + row,
+                "group_id": int(part.group[row]),
+                "unit": record.unit,
+                "fields": record.fields,
+                "custom_meta": part.custom_meta.get(row, {}),
+                "key": record.key,
+                "tasks": tasks,
+            }
+        )
+    return out
+
+
+def lost_summary(state: QueueState) -> dict[str, Any]:
+    """For ``status()``: rows lost since start, per unit its restarts, and the lost rows per live partition."""
+    return {
+        "rows_lost_total": state.lost.total,
+        "unit_restarts": dict(state.lost.restarts),
+        "rows_lost": {part.key: part.num_lost for part in state.partitions.values() if part.num_lost},
+    }

@@ -1,0 +1,190 @@
+"""The controller's half of a checkpoint: a QueueState as bytes, and back (issue 8 section 4).
+
+What is saved: partitions (rows, groups, schemas, production, lengths, kv keys), per-task delivery state (acknowledged
+rows, delivery counts, dead letters; leased rows are turned back to ready), the step window, cleared names, the id
+counters, the samplers' ``state_dict``, and the rows lost with storage units (with the unit that took them, so
+``client.lost_rows`` and the status calls still report them after a restore). What is not: open puts (a put that had
+not committed is not in the checkpoint: its rows are freed, as if it had been aborted), parked requests, connections
+and DP rounds (clients ask again; the rows of a round's unacknowledged shares are ready again), remembered commits,
+and the storage units' restart counts (a restore starts fresh units).
+
+Restoring onto another number of storage units renumbers blocks: a block of old unit ``u`` goes to new unit
+``u % new_units`` under a fresh id (ids encode their unit: ``id % num_units``); :func:`block_map` computes the map
+and :func:`restore_state` rewrites the partitions' cells with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from transfer_queue.config import QueueConfig
+from transfer_queue.errors import TransferQueueError
+from transfer_queue.metadata import FieldSchema
+from transfer_queue.samplers import SamplerSpec
+from transfer_queue.state.lost_rows import LostRecord
+from transfer_queue.state.partition import AVAILABLE, COMMITTED, LEASED, LOST, RESERVED, PartitionState, TaskState
+from transfer_queue.state.queue_state import QueueState
+
+FORMAT_VERSION = 1
+_ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
+_DICTS = ("group_members", "block_refs", "block_nbytes", "keys", "row_keys")
+
+
+class SnapshotError(TransferQueueError, RuntimeError):
+    """A controller snapshot of another format, or one that does not decode."""
+
+
+def _array(a: np.ndarray) -> dict[str, Any]:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _unarray(d: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+def _partition(part: PartitionState) -> dict[str, Any]:
+    return {
+        "key": part.key,
+        "uid": part.uid,
+        "capacity": part.capacity,
+        "group_size": part.group_size,
+        "base_index": part.base_index,
+        "keyed": part.keyed,
+        "closed": part.closed,
+        "fields": {n: msgspec.to_builtins(s) for n, s in part.fields.items()},
+        "num_rows": part.num_rows,
+        "field_produced": list(part.field_produced),
+        "group_rows": {g: list(rows) for g, rows in part.group_rows.items()},
+        "tasks": {
+            name: {
+                "consumption": _array(task.consumption),
+                "deliveries": _array(task.deliveries),
+                "dead": [[row, reason] for row, reason in task.dead.items()],
+            }
+            for name, task in part.tasks.items()
+        },
+        "arrays": {name: _array(getattr(part, name)) for name in _ARRAYS},
+        "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
+    }
+
+
+def snapshot_state(state: QueueState) -> bytes:
+    """The state as bytes (msgpack); open puts, parked requests and connections are left out."""
+    samplers = {"": state.default_sampler.state_dict()}
+    samplers.update({task: s.state_dict() for task, s in state.samplers.items()})
+    samplers.update(state.pending_sampler_states)
+    return msgspec.msgpack.encode(
+        {
+            "version": FORMAT_VERSION,
+            "config": state.config.to_dict(),
+            "max_cleared_step": state.max_cleared_step,
+            "cleared_names": list(state.cleared_names),
+            "next_uid": state._next_uid,
+            "next_put": state._next_put,
+            "partitions": [_partition(part) for part in state.partitions.values()],
+            "samplers": samplers,
+            # the units' restart counts and lost_below are not saved: a restore starts fresh units
+            "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
+        }
+    )
+
+
+def read_snapshot(blob: bytes) -> dict[str, Any]:
+    try:
+        snapshot = msgspec.msgpack.decode(blob)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"the controller snapshot does not decode: {exc}") from None
+    if not isinstance(snapshot, dict) or snapshot.get("version") != FORMAT_VERSION:
+        version = snapshot.get("version") if isinstance(snapshot, dict) else None
+        raise SnapshotError(f"the controller snapshot is format {version}; this build reads {FORMAT_VERSION}")
+    return snapshot
+
+
+def block_map(snapshot: dict[str, Any], new_units: int) -> tuple[dict[int, int], int]:
+    """Old block id -> new block id for every block the snapshot's partitions reference, and the next free block
+    counter. Old unit ``u``'s blocks go to new unit ``u % new_units``."""
+    old_units = snapshot["config"]["num_storage_units"]
+    mapping: dict[int, int] = {}
+    counter = 0
+    for part in snapshot["partitions"]:
+        for block in sorted(int(b) for b in part["dicts"]["block_refs"]):
+            mapping[block] = counter * new_units + (block % old_units) % new_units
+            counter += 1
+    return mapping, counter
+
+
+def _restore_partition(d: dict[str, Any], mapping: dict[int, int]) -> PartitionState:
+    part = PartitionState(d["key"], d["uid"], d["capacity"], d["group_size"], d["base_index"], keyed=d["keyed"])
+    part.group_size = d["group_size"]
+    part.closed = d["closed"]
+    for name, schema in d["fields"].items():
+        part.add_fields({name: msgspec.convert(schema, FieldSchema)})
+    for name in _ARRAYS:
+        setattr(part, name, _unarray(d["arrays"][name]))
+    part.inflight_mask = np.zeros(len(part.state), dtype=np.uint64)
+    part.num_rows = d["num_rows"]
+    part.field_produced = list(d["field_produced"])
+    part.group_members = {int(g): int(c) for g, c in d["dicts"]["group_members"].items()}
+    part.keys = {str(k): int(r) for k, r in d["dicts"]["keys"].items()}
+    part.row_keys = {int(r): str(k) for r, k in d["dicts"]["row_keys"].items()}
+    part.group_rows = {int(g): [int(r) for r in rows] for g, rows in d["group_rows"].items()}
+    # blocks renumbered for the storage units they now live on
+    cells = part.block >= 0
+    part.block[cells] = [mapping[int(b)] for b in part.block[cells].tolist()]
+    part.block_refs = {mapping[int(b)]: int(c) for b, c in d["dicts"]["block_refs"].items()}
+    part.block_nbytes = {mapping[int(b)]: int(n) for b, n in d["dicts"]["block_nbytes"].items() if int(b) in mapping}
+    # puts that had not committed are not in the checkpoint: free their rows (and the keys they claimed)
+    reserved = np.flatnonzero(part.state[: part.num_rows] == RESERVED)
+    part.num_reserved = len(reserved)
+    for row in reserved.tolist():
+        key = part.row_keys.pop(row, None)
+        if key is not None:
+            part.keys.pop(key, None)
+    part.free(reserved)
+    part.num_committed = int(np.count_nonzero(part.state[: part.num_rows] == COMMITTED))
+    part.num_lost = int(np.count_nonzero(part.state[: part.num_rows] == LOST))  # died with a storage unit before
+    part.nbytes = sum(part.block_nbytes.values())
+    for name, saved in d["tasks"].items():
+        taken = _unarray(saved["consumption"])
+        taken[taken == LEASED] = AVAILABLE  # a lease does not survive a restart: the rows are ready again
+        task = part.tasks[name] = TaskState.of_size(len(taken))  # ready indexes are rebuilt on first use
+        task.consumption = taken
+        task.deliveries = _unarray(saved["deliveries"])
+        task.dead = {int(row): str(reason) for row, reason in saved["dead"]}
+    # DP rounds are not restored: the rows of a round's unacknowledged shares are ready again (their lease is gone),
+    # so a rank that asks for its round again after a restore gets a new share of ready rows, never a row twice.
+    return part
+
+
+def restore_state(
+    snapshot: dict[str, Any], config: QueueConfig, sampler: SamplerSpec | None, mapping: dict[int, int], blocks: int
+) -> QueueState:
+    """A QueueState from ``snapshot`` for ``config`` (its storage units may differ in number from the saved one);
+    ``mapping`` and ``blocks`` from :func:`block_map`. Leased rows are ready again; the default sampler loads its
+    saved ``state_dict``, a task's sampler loads its own when it is registered again."""
+    state = QueueState(config, sampler)
+    state.max_cleared_step = snapshot["max_cleared_step"]
+    state.cleared_names = dict.fromkeys(snapshot["cleared_names"])
+    state._next_uid = snapshot["next_uid"]
+    state._next_put = snapshot["next_put"]
+    state._next_block = blocks
+    for d in snapshot["partitions"]:
+        part = _restore_partition(d, mapping)
+        state.partitions[part.key] = part
+        state.bytes_held += part.nbytes
+    lost = snapshot.get("lost") or {"total": 0, "by_uid": {}}  # written before lost rows were saved: none
+    live = {part.uid for part in state.partitions.values()}
+    state.lost.total = int(lost["total"])
+    state.lost.by_uid = {
+        int(uid): {int(row): msgspec.convert(record, LostRecord) for row, record in rows.items()}
+        for uid, rows in lost["by_uid"].items()
+        if int(uid) in live
+    }
+    samplers = dict(snapshot["samplers"])
+    state.default_sampler.load_state_dict(samplers.pop("", {}))
+    state.pending_sampler_states = samplers
+    return state

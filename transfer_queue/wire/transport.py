@@ -1,0 +1,483 @@
+"""Sockets and zero-copy frames, behind one small interface.
+
+Servers (the controller and the storage units) listen twice (:class:`ServerSockets`): a ZeroMQ ROUTER bound to the
+node's address (never to every interface) for clients on any host, and a Unix socket
+(:mod:`transfer_queue.wire.unix_socket`) for clients on their host, ten times cheaper per message than ZeroMQ over
+loopback. Clients talk through a :class:`Transport`:
+
+- ``call_many([(endpoint, frames, request_id), ...], timeout)`` sends every request at once and returns the reply
+  frames (buffers) in order; requests to different servers travel in parallel.
+
+Two transports implement it. :class:`BlockingTransport` (the sync client) uses the Unix socket when the server
+runs on its host and blocking ZeroMQ DEALER sockets otherwise, one per thread and server; its coroutines never
+suspend, so the sync client drives them without an event loop (and works inside a running one).
+:class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``. A shared-memory path would be a
+third.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
+
+from transfer_queue.errors import (
+    AuthenticationFailed,
+    MalformedMessage,
+    RequestTimeout,
+    ServerGone,
+    TransferQueueError,
+)
+from transfer_queue.wire.auth import secure_client
+from transfer_queue.wire.protocol import Endpoint, decode_reply_header
+from transfer_queue.wire.sockets import close_watched, force_tcp_default, monitor_of, watch, with_addresses
+from transfer_queue.wire.unix_socket import connect, exchange, send_all
+
+T = TypeVar("T")
+Frames = list[Any]
+
+
+_GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_HEARTBEAT_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 20_000
+# A DEALER to a server that is gone retries every 100 ms at first, backing off to this: fewer events pile up in the
+# monitor of a socket nobody uses any more (a request still learns of a dead server within this long).
+_RECONNECT_MAX_MS = 2_000
+# How often a thread's call looks at the monitors of its other (idle) sockets and closes those whose server is gone.
+_SWEEP_S = 10.0
+
+
+def _gone_event(monitor: zmq.Socket) -> bool:
+    """Read what the monitor has; True if any event says the server is gone."""
+    gone = False
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return gone
+        gone = gone or bool(event["event"] & _GONE_EVENTS)
+
+
+Into = dict[int, Any]  # reply frame index -> a writable uint8 array to receive that frame into, if it fits
+
+
+class Transport(Protocol):
+    def next_request_id(self) -> int: ...
+
+    async def call_many(
+        self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[Frames]: ...
+
+    def close(self) -> None: ...
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (one over :class:`BlockingTransport`) to completion, without a loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("internal error: a blocking-transport coroutine suspended")
+
+
+def _request_id(frames: Frames) -> int:
+    return decode_reply_header(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]).request_id
+
+
+def _buffers(frames: Frames) -> Frames:
+    return [f.buffer if isinstance(f, zmq.Frame) else f for f in frames]
+
+
+class BlockingTransport:
+    """Unix sockets to servers on this host, blocking DEALER sockets to the others; one socket per (thread,
+    server). Its coroutines never suspend.
+
+    Args:
+        spin_seconds: over ZeroMQ, poll without sleeping for up to this long before blocking on a reply (trades
+            CPU for latency; it only pays on hosts with spare cores).
+        secret: the queue's secret (``ControllerInfo.secret``): CURVE over TCP, the HMAC handshake over Unix sockets.
+        force_tcp: never use the Unix socket, even to servers on this host (see :func:`force_tcp_default`).
+    """
+
+    def __init__(self, spin_seconds: float = 0.0, secret: bytes = b"", force_tcp: bool | None = None):
+        self._secret = secret
+        self.force_tcp = force_tcp_default() if force_tcp is None else force_tcp
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._local = threading.local()
+        self._ids = itertools.count(1)
+        self._spin = spin_seconds
+        # Each thread's sockets live in its thread-local: when the thread ends they are closed, so a client used
+        # from short-lived threads (a thread pool, a thread per request) keeps no connection per thread it saw.
+        # Weak references let close() reach the sockets of threads still running.
+        self._all_sockets: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def _thread_sockets(self, kind: str) -> dict[Any, Any]:
+        sockets = self._local.__dict__.get(kind)
+        if sockets is None:
+            sockets = self._local.__dict__[kind] = _ThreadSockets()
+        return sockets
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sockets = self._thread_sockets("sockets")
+        sock = sockets.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
+            secure_client(sock, self._secret)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
+            watch(sock, _GONE_EVENTS)  # before connect: no event is missed
+            sock.connect(address)
+            sockets[address] = sock
+            with self._lock:
+                self._all_sockets.add(sock)
+        return sock
+
+    def _discard(self, address: str) -> None:
+        sock = self._local.__dict__.get("sockets", {}).pop(address, None)
+        if sock is not None:
+            close_watched(sock)
+
+    def _sweep(self, busy: set[str]) -> None:
+        """Close this thread's idle sockets whose server is gone (at most every ``_SWEEP_S``): a socket left to a
+        dead server retries for ever, and its monitor keeps the events nobody reads."""
+        now = time.monotonic()
+        if now < self._local.__dict__.get("swept", 0.0) + _SWEEP_S:
+            return
+        self._local.__dict__["swept"] = now
+        for address, sock in list(self._thread_sockets("sockets").items()):
+            if address not in busy and _gone_event(monitor_of(sock)):
+                self._discard(address)
+
+    def _local_path(self, endpoint: Endpoint) -> str | None:
+        """The Unix socket to take to ``endpoint``, or None for TCP: the server is on this host (same Ray node, or
+        same hostname outside Ray, see :meth:`Endpoint.local_path`) and its socket accepts us (the probe: a socket
+        file of another host on a shared /tmp, or one left by a dead server, does not)."""
+        if self.force_tcp:
+            return None
+        routes = self._local.__dict__.setdefault("routes", {})
+        if endpoint not in routes:
+            path = endpoint.local_path()
+            if path is not None:
+                try:
+                    self._unix_socket(path)
+                except AuthenticationFailed:
+                    raise
+                except OSError:  # nothing of ours listens there: take TCP (which reports a dead server itself)
+                    path = None
+            routes[endpoint] = path
+        return routes[endpoint]
+
+    def _unix_socket(self, path: str) -> socket.socket:
+        sockets = self._thread_sockets("unix")
+        sock = sockets.get(path)
+        if sock is None:
+            sock = sockets[path] = connect(path, self._secret)
+            with self._lock:
+                self._all_sockets.add(sock)
+        return sock
+
+    def _unix_calls(
+        self, calls: list[tuple[int, str, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[tuple[int, Frames]]:
+        """Calls to servers on this host, over their Unix sockets, all interleaved; replies land in ``into``'s
+        arrays where given (by position in ``calls``' original order)."""
+        try:
+            pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
+        except AuthenticationFailed as exc:  # the server refused our secret: another queue's controller_info
+            raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
+        except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
+            self._local.__dict__.get("routes", {}).clear()
+            raise with_addresses(
+                ServerGone(
+                    f"cannot reach {[path for _, path, _, _ in calls]}: {exc} (nothing listens there: the server is "
+                    "gone)"
+                ),
+                [path for _, path, _, _ in calls],
+            ) from None
+        gone: set[int] = set()
+        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None, gone)
+        for i in failed:  # a socket that timed out or closed may still carry a late reply: never reuse it
+            sock = self._local.__dict__["unix"].pop(calls[i][1], None)
+            if sock is not None:
+                sock.close()
+        if failed:
+            self._local.__dict__.get("routes", {}).clear()
+        if gone:
+            paths = sorted({calls[i][1] for i in gone})
+            raise with_addresses(
+                ServerGone(f"{paths} closed the connection before replying (the server is gone)"), paths
+            )
+        if failed:
+            paths = sorted({calls[i][1] for i in failed})
+            raise with_addresses(RequestTimeout(f"no reply within {timeout:.1f} s from {paths}"), paths)
+        out = []
+        for (position, _, _, request_id), reply in zip(calls, replies, strict=True):
+            assert reply is not None
+            if _request_id(reply) != request_id:
+                raise MalformedMessage(f"a reply to request {_request_id(reply)} came for request {request_id}")
+            out.append((position, reply))
+        return out
+
+    def post(self, endpoint: Endpoint, frames: Frames, timeout: float = 5.0) -> bool:
+        """Send a request that the server does not answer, if that is safe: over this thread's Unix socket to a
+        server on this host (what the kernel took is delivered even if this process dies or closes the socket next).
+        Returns False where it sent nothing (a server on another host, or the socket failed): the caller makes a
+        call instead."""
+        path = self._local_path(endpoint)
+        if path is None:
+            return False
+        try:
+            sock = self._unix_socket(path)
+            send_all(sock, frames, timeout)
+        except (OSError, TransferQueueError):  # a half-written message spoils the socket: never reuse it
+            stale = self._local.__dict__.get("unix", {}).pop(path, None)
+            if stale is not None:
+                stale.close()
+            self._local.__dict__.get("routes", {}).clear()
+            return False
+        return True
+
+    async def call_many(
+        self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[Frames]:
+        """Replies in order; over Unix sockets, frames named in ``into`` are received into its arrays (over ZeroMQ
+        they arrive as ZeroMQ's own buffers, and the caller copies)."""
+        results: list[Frames] = [[] for _ in calls]
+        local = []
+        remote = []
+        for i, (endpoint, frames, request_id) in enumerate(calls):
+            path = self._local_path(endpoint)
+            if path is not None:
+                local.append((i, path, frames, request_id))
+            else:
+                remote.append((i, endpoint, frames, request_id))
+        waiting: dict[int, tuple[int, str, zmq.Socket]] = {}
+        if remote:
+            self._sweep({endpoint.address() for _, endpoint, _, _ in remote})
+        for i, endpoint, frames, request_id in remote:
+            address = endpoint.address()
+            sock = self._socket(address)
+            _gone_event(monitor_of(sock))  # what happened before this request says nothing about it
+            sock.send_multipart(frames, copy=False)
+            waiting[request_id] = (i, address, sock)
+        if local:
+            for i, reply in self._unix_calls(local, timeout, into):
+                results[i] = reply
+        deadline = time.monotonic() + timeout
+        sockets = {id(s): s for _, _, s in waiting.values()}
+        spin_until = time.monotonic() + self._spin
+        while waiting:
+            watched = {monitor_of(sock): address for _, address, sock in waiting.values()}
+            ready = self._ready([*sockets.values(), *watched], deadline, spin_until)
+            if not ready:
+                for _, address, _ in waiting.values():
+                    self._discard(address)  # late replies die with the socket
+                missing = sorted({address for _, address, _ in waiting.values()})
+                raise with_addresses(RequestTimeout(f"no reply within {timeout:.1f} s from {missing}"), missing)
+            self._raise_if_gone([watched[s] for s in ready if s in watched and _gone_event(s)])
+            for sock in ready:
+                if sock in watched:
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        entry = waiting.pop(_request_id(frames), None)
+                    except MalformedMessage:
+                        continue
+                    if entry is not None:  # else: a reply to an earlier request that timed out
+                        results[entry[0]] = _buffers(frames)
+                    if not waiting:
+                        break
+            sockets = {id(s): s for _, _, s in waiting.values()}
+        return results
+
+    def _raise_if_gone(self, addresses: list[str]) -> None:
+        """A server whose connection dropped will not answer what it was sent: say so now, not at the timeout."""
+        if addresses:
+            for address in addresses:
+                self._discard(address)
+            raise with_addresses(
+                ServerGone(
+                    f"{sorted(set(addresses))} closed the connection or stopped listening (the server is gone, or its "
+                    "host is unreachable)"
+                ),
+                addresses,
+            )
+
+    def _ready(self, sockets: list[zmq.Socket], deadline: float, spin_until: float) -> list[zmq.Socket]:
+        while time.monotonic() < spin_until:
+            ready = [s for s in sockets if s.poll(0, zmq.POLLIN)]
+            if ready:
+                return ready
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return []
+        if len(sockets) == 1:
+            return sockets if sockets[0].poll(int(remaining * 1000) + 1, zmq.POLLIN) else []
+        poller = zmq.Poller()
+        for s in sockets:
+            poller.register(s, zmq.POLLIN)
+        return [s for s, _ in poller.poll(int(remaining * 1000) + 1)]
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in list(self._all_sockets):
+                _close(sock)
+            self._all_sockets.clear()
+        self._local = threading.local()
+
+
+def _close(sock: Any) -> None:
+    close_watched(sock) if isinstance(sock, zmq.Socket) else sock.close()
+
+
+class _ThreadSockets(dict):
+    """One thread's sockets by server; closes them when the thread ends (its thread-local goes away)."""
+
+    def __del__(self) -> None:
+        for sock in self.values():
+            try:
+                _close(sock)
+            except Exception:  # interpreter shutdown: nothing left to close cleanly
+                pass
+
+
+class AsyncioTransport:
+    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id and
+    a watcher task that fails the requests waiting on a server at once when its monitor says the server is gone."""
+
+    def __init__(self, secret: bytes = b"") -> None:
+        self._secret = secret
+        self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
+        self._ids = itertools.count(1)
+        self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
+        self._readers: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._monitors: dict[tuple[int, str], zmq.asyncio.Socket] = {}
+        self._pending: dict[tuple[int, str], set[int]] = {}  # request ids waiting on each socket
+        self._loops: dict[int, asyncio.AbstractEventLoop] = {}
+        self._futures: dict[int, asyncio.Future[Frames]] = {}
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def _socket(self, address: str) -> zmq.asyncio.Socket:
+        loop = asyncio.get_running_loop()
+        key = (id(loop), address)
+        sock = self._sockets.get(key)
+        if sock is None:
+            self._forget_closed_loops()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
+            secure_client(sock, self._secret)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
+            monitor = self._monitors[key] = watch(sock, _GONE_EVENTS)
+            sock.connect(address)
+            self._sockets[key] = sock
+            self._pending[key] = set()
+            self._readers[key] = loop.create_task(self._read(sock))
+            self._readers[(key[0], f"{address}#monitor")] = loop.create_task(self._watch(monitor, key))
+            self._loops[id(loop)] = loop
+        return sock
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, key: tuple[int, str]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if not event["event"] & _GONE_EVENTS:
+                continue
+            error = with_addresses(
+                ServerGone(
+                    f"['{key[1]}'] closed the connection or stopped listening (the server is gone, or its host is "
+                    "unreachable)"
+                ),
+                [key[1]],
+            )
+            for request_id in list(self._pending.get(key, ())):
+                future = self._futures.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(error)
+
+    def _forget_closed_loops(self) -> None:
+        """Close the sockets of event loops that have ended: a client used through one ``asyncio.run`` per call
+        would otherwise keep a socket (and a dead loop) per call until it runs out of file descriptors."""
+        for loop_id in [i for i, loop in self._loops.items() if loop.is_closed()]:
+            del self._loops[loop_id]
+            for key in [k for k in self._sockets if k[0] == loop_id]:
+                close_watched(self._sockets.pop(key))
+                self._monitors.pop(key)
+                self._pending.pop(key, None)
+                self._readers.pop(key, None)
+                self._readers.pop((key[0], f"{key[1]}#monitor"), None)
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                future = self._futures.pop(_request_id(frames), None)
+            except MalformedMessage:
+                continue
+            if future is not None and not future.done():
+                future.set_result(frames)
+
+    async def call_many(
+        self, calls: Sequence[tuple[Endpoint, Frames, int]], timeout: float, into: Sequence[Into] | None = None
+    ) -> list[Frames]:
+        """Replies in order (``into`` is not used: ZeroMQ hands back its own buffers)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for endpoint, frames, request_id in calls:
+            future: asyncio.Future[Frames] = loop.create_future()
+            self._futures[request_id] = future
+            futures.append(future)
+            sock = self._socket(endpoint.address())
+            self._pending[(id(loop), endpoint.address())].add(request_id)
+            await sock.send_multipart(frames, copy=False)
+        try:
+            return [_buffers(frames) for frames in await asyncio.wait_for(asyncio.gather(*futures), timeout)]
+        except TimeoutError:
+            missing = sorted({e.address() for (e, _, _), f in zip(calls, futures, strict=True) if not f.done()})
+            raise with_addresses(RequestTimeout(f"no reply within {timeout:.1f} s from {missing}"), missing) from None
+        finally:
+            for endpoint, _, request_id in calls:
+                self._futures.pop(request_id, None)
+                self._pending.get((id(loop), endpoint.address()), set()).discard(request_id)
+
+    def close(self) -> None:
+        for task in self._readers.values():
+            if not task.get_loop().is_closed():
+                task.cancel()
+        for sock in self._sockets.values():
+            close_watched(sock)
+        self._sockets.clear()
+        self._monitors.clear()
+        self._pending.clear()
+        self._readers.clear()
+        self._loops.clear()
