@@ -46,7 +46,7 @@ LEDGER = [
     "minio==7.2.20",  # the blob store's S3-compatible option (oss_connection_string)
 ]
 LEDGER_TEST = ["moto[server]==5.2.5"]  # a real S3-compatible server on 127.0.0.1 for the blob store's tests
-SMOLLM2 = ["gguf>=0.10", "accelerate>=1.0"]
+SMOLLM2 = ["gguf>=0.10", "accelerate>=1.0"]  # 0.5 MB of wheels; the slow tier's SmolLM2 tests need them
 
 setup(
     name="transfer_queue",
@@ -76,7 +76,7 @@ setup(
         "rl": RL,
         "agents": AGENTS,
         "ledger": LEDGER,
-        "test": RL + AGENTS + LEDGER + TEST + LEDGER_TEST,
+        "test": RL + AGENTS + LEDGER + TEST + LEDGER_TEST + SMOLLM2,
         "smollm2": RL + SMOLLM2,
     },
 )

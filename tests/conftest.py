@@ -1,4 +1,5 @@
-"""Shared pieces of the Ray tiers: one local Ray session, queues reused across tests, and ``wait_until``.
+"""Shared pieces of the tiers: one local Ray session, queues reused across tests, ``wait_until``, and
+:func:`requirement`, the reason of every skip that CI must not take.
 
 Everything here is opt-in: tests that use no fixture below (the unit tier) never import Ray. Starting a queue costs
 seconds on these machines, so queues are started once per configuration and shared; each test gets a
@@ -22,6 +23,41 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 T = TypeVar("T")
+
+#: The prefix of a skip reason that names something CI installs (see :func:`requirement`).
+REQUIREMENT = "missing requirement: "
+
+
+def in_ci() -> bool:
+    """True under ``CI=true`` (what GitHub Actions, GitLab and ``.ci/run``'s callers set)."""
+    return os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def requirement(what: str, install: str) -> str:
+    """The skip reason for a test that needs something CI installs (bubblewrap, PostgreSQL, Chromium, root...).
+
+    Use it for every such skip: ``pytest.mark.skipif(..., reason=requirement(...))``,
+    ``pytest.skip(requirement(...))`` or ``pytest.importorskip(name, reason=requirement(...))`` in a test or fixture
+    (not at import time). Elsewhere the test skips, saying what to install; under ``CI=true`` it fails instead
+    (:func:`pytest_runtest_makereport`), so that a missing install step cannot turn tests into silent skips while CI
+    stays green. Skips CI does not promise (a CUDA device, an IPv6 loopback, optional packages) keep a plain reason.
+
+    >>> requirement("bubblewrap", "apt-get install -y bubblewrap")
+    'missing requirement: bubblewrap (apt-get install -y bubblewrap)'
+    """
+    return f"{REQUIREMENT}{what} ({install})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under ``CI=true``, a skip whose reason :func:`requirement` wrote is a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and isinstance(report.longrepr, tuple) and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+        if reason.startswith(REQUIREMENT):
+            report.outcome = "failed"
+            report.longrepr = f"CI=true and this test would skip: {reason}; .ci/run must install it"
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> T:

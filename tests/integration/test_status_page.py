@@ -19,9 +19,11 @@ import ray
 import torch
 from tensordict import TensorDict
 
+from tests.conftest import requirement
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium; .ci/run installs it)"
+    CHROMIUM is None, reason=requirement("Debian's chromium", "apt-get install -y chromium")
 )
 FLAGS = [
     "--headless",

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import requirement
 from tests.ledger.pg import PostgresServer, postgres_bin
 
 CHARS = "\n abcdefghijklmnopqrstuvwxyz0123456789:+=.,?"
@@ -20,7 +21,7 @@ def decode(ids) -> str:
     return "".join(CHARS[i - BASE] if i >= BASE else "" for i in ids)
 
 
-NO_POSTGRES = "PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin (apt-get install -y postgresql)"
+NO_POSTGRES = requirement("PostgreSQL server binaries under /usr/lib/postgresql/*/bin", "apt-get install -y postgresql")
 
 
 def require_postgres() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import requirement
 from tests.ledger.pg import free_port
 from workers.ledger import MalformedConnectionString
 from workers.ledger.blobs import DirectoryBlobStore, S3BlobStore, open_blob_store
@@ -12,7 +13,7 @@ from workers.ledger.blobs import DirectoryBlobStore, S3BlobStore, open_blob_stor
 
 @pytest.fixture(scope="module")
 def s3_url():
-    server_module = pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
+    server_module = pytest.importorskip("moto.server", reason=requirement("moto[server]", "pip install -e .[test]"))
     port = free_port()
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -34,6 +34,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import requirement
+
 PREFIX = "tqmh"
 SUBNET = "10.203.15"
 SUBNET6 = "fd03:15::"  # a unique-local IPv6 prefix, on the same links
@@ -308,7 +310,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Three hosts (A: Ray head, B and C: worker nodes), torn down after the session."""
     reason = _why_not()
     if reason is not None:
-        pytest.skip(f"multi-host tier: {reason}")
+        pytest.skip(requirement(f"root and network namespaces for the multi-host tier: {reason}", "run as root"))
     _sweep_stale()
     owner = f"{PREFIX}{os.getpid()}"
     hosts: dict[str, Host] = {}

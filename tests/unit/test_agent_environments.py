@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import requirement, wait_until
 from tests.unit.test_sandbox import running, sleeping
 from tests.unit.test_task_server import served, start, step
 from workers.agents.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate, problem
@@ -28,7 +28,10 @@ from workers.agents.sandbox import SandboxLimits, sandbox_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 needs_sandbox = pytest.mark.skipif(
-    sandbox_unavailable_reason() is not None, reason=f"sandbox unavailable: {sandbox_unavailable_reason()}"
+    sandbox_unavailable_reason() is not None,
+    reason=requirement(
+        f"a working bubblewrap sandbox: {sandbox_unavailable_reason()}", "apt-get install -y bubblewrap"
+    ),
 )
 FAST = {"limits": SandboxLimits(wall_seconds=1.0, cpu_seconds=1, max_processes=16)}
 

@@ -1,11 +1,13 @@
 """The arithmetic task for real chat models: the first-integer reward, problems and chat prompts (no model needed).
 
-A small fake chat tokenizer stands in for SmolLM2's; the last test checks the real one when the model is prepared.
+A small fake chat tokenizer stands in for SmolLM2's; the last test (slow tier) prepares the real model and checks its
+tokenizer.
 """
 
 import pytest
 
-from workers.hf_models import ModelNotPrepared, is_prepared, smollm2_path
+from tests.conftest import requirement
+from workers.hf_models import ModelNotPrepared
 from workers.tasks.arithmetic import (
     ArithmeticTask,
     arithmetic_reward,
@@ -152,8 +154,13 @@ def test_a_missing_model_says_how_to_prepare_it(tmp_path):
         task.tokenizer  # noqa: B018
 
 
-@pytest.mark.skipif(not is_prepared(smollm2_path()), reason="SmolLM2 not prepared (recipe/smollm2/prepare.py)")
+@pytest.mark.slow
 def test_real_smollm2_tokenizer_prompt():
+    for module in ("gguf", "accelerate"):
+        pytest.importorskip(module, reason=requirement(f"{module} (the smollm2 extra)", "pip install -e .[test]"))
+    from workers.hf_models import prepare_smollm2
+
+    prepare_smollm2()  # once per cache (about a minute; instant when tests/e2e/test_smollm2.py ran first)
     task = ArithmeticTask()
     [prompt] = task.prompts("eval", 1, seed=0)
     text = task.tokenizer.decode(prompt["prompt_ids"])

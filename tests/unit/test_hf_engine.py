@@ -75,9 +75,9 @@ def test_generate_returns_n_generations_per_prompt(engine):
 def test_finish_reasons_and_nothing_after_a_stop_token(engine):
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     [[free]] = engine.generate(PROMPTS[:1], n=1, params=greedy)
-    if free.finish_reason == "stop":
-        pytest.skip("the random model stops by itself; pick another seed")
-    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    # greedy decoding of the seeded model is deterministic: it runs to max_new_tokens (if a new torch or model
+    # builder changes that, pick another seed for the fixture; the test must not turn into a skip)
+    assert free.finish_reason == "length" and len(free.token_ids) == 8, free
     stop_token = free.token_ids[3]
     cut = free.token_ids.index(stop_token) + 1
     stopped = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop_token,))

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import requirement
 from trainers.config import RLConfig
 from trainers.metric_sinks import ControllerSink, MetricSinks, TensorBoardSink, WandbSink, run_sinks
 
@@ -36,7 +37,7 @@ def test_tensorboard_and_wandb_are_off_by_default(tmp_path):
 
 
 def test_tensorboard_sink_writes_scalars_tensorboard_reads(tmp_path):
-    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e .[test])")
+    pytest.importorskip("tensorboard", reason=requirement("tensorboard", "pip install -e .[test]"))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     sink = TensorBoardSink(tmp_path)

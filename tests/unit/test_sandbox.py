@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import requirement, wait_until
 from workers.agents.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, sandbox_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
-    sandbox_unavailable_reason() is not None, reason=f"sandbox unavailable: {sandbox_unavailable_reason()}"
+    sandbox_unavailable_reason() is not None,
+    reason=requirement(
+        f"a working bubblewrap sandbox: {sandbox_unavailable_reason()}", "apt-get install -y bubblewrap"
+    ),
 )
 
 
@@ -161,7 +164,9 @@ def test_limits_are_validated(bad: dict[str, float]) -> None:
         SandboxLimits(**bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs commands under a uid of their own")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason=requirement("root (only root runs commands under a uid of their own)", "run as root")
+)
 def test_a_temp_directory_the_sandbox_uid_cannot_reach_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
