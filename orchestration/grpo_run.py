@@ -116,7 +116,7 @@ class GRPORun:
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
         """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others).
 
-        With ``rollout.generate_fn`` (e.g. ``workers.rollout_fns:single_turn_generate``, the built-in single-turn
+        With ``rollout.generate_fn`` (e.g. ``workers.agents.rollout_fns:single_turn_generate``, the built-in single-turn
         rollout as such a function) the rollout workers run that function and it scores the samples: no reward
         workers."""
         cfg = self.cfg

@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from rl_contracts.prompts import PromptSource
+from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
 from workers.engines import HFEngine, SamplingParams
@@ -52,7 +53,6 @@ from workers.ledger import (
 )
 from workers.ledger.__main__ import render_status
 from workers.ledger.queue_sink import QueueSink
-from workers.openai_api import create_app
 from workers.tasks.addition import AdditionTokenizer, addition_reward, build_model, make_prompts, sft_batch
 
 PARTITION = "agentrl"

@@ -48,7 +48,7 @@ class RolloutConfig:
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
     num_reward_workers: int = 1  # reward worker actors
     reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
-    # Custom rollouts (workers/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
+    # Custom rollouts (workers/agents/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
     generate_fn: str | None = None  # "module:fn", an async generate(prompts, engine, **kwargs) -> list[Sample]
     generate_fn_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments given to generate_fn
     filter_fn: str | None = None  # "module:fn", a group filter fn(samples) -> bool (False drops the group)

@@ -25,12 +25,12 @@ from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.agents.rollout_fns import chat_format, collect_groups, load_rollout_fn
 from workers.agents.samplers import BatchingSampler
 from workers.agents.trajectory import Sample, samples_to_fields
 from workers.engines.base import Generation, SamplingParams
 from workers.engines.host import EngineSpec
 from workers.rollout import ROLLOUT_TASK
-from workers.rollout_fns import collect_groups, load_rollout_fn
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class AgentRolloutWorker:
         sampling: sampling parameters of every turn.
         n_samples: episodes per sample id (the queue's group size).
         groups_per_request: GRPO groups taken from the queue at a time.
-        generate_fn, generate_fn_kwargs, filter_fn, reward_fn: see ``workers/rollout_fns.py``.
+        generate_fn, generate_fn_kwargs, filter_fn, reward_fn: see ``workers/agents/rollout_fns.py``.
         timeout: seconds one wait for rows may take.
         seed: seeds this process's sampling.
     """
@@ -117,13 +117,13 @@ class AgentRolloutWorker:
 
     @ray.method(concurrency_group="control")
     def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve the OpenAI-compatible endpoint (``workers/openai_api.py``) over this worker's engine, in a thread of
-        this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the rollout."""
+        """Serve the OpenAI-compatible endpoint (``workers/agents/openai_api.py``) over this worker's engine, in a
+        thread of this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the
+        rollout."""
         import contextlib
 
+        from workers.agents.openai_api import create_app
         from workers.agents.task_server import serve_in_background
-        from workers.openai_api import create_app
-        from workers.rollout_fns import chat_format
 
         app = create_app(BatchingSampler(self._generate_batch), chat_format(self.task), model=self.task_label)
         self._endpoint = contextlib.ExitStack()

@@ -185,7 +185,7 @@ class DBRecordData(BaseModel):
 
 class InferenceService(BaseModel):
     """A registered inference endpoint. ``kind`` is ``"openai"`` (``url`` serves ``/v1/chat/completions``, e.g.
-    ``workers/openai_api.py``) or ``"callable"`` (an in-process coroutine registered under ``actor``)."""
+    ``workers/agents/openai_api.py``) or ``"callable"`` (an in-process coroutine registered under ``actor``)."""
 
     name: str
     kind: Literal["openai", "callable"] = "openai"
