@@ -39,17 +39,18 @@ from orchestration.regenerate import LostPrompts
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
+from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
-from trainers.grpo import TRAIN_TASK, GRPOTrainerRank
+from trainers.grpo import GRPOTrainerRank
 from trainers.metric_sinks import run_sinks
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.reward import REWARD_TASK, RewardWorker
-from workers.rollout import ROLLOUT_TASK, RolloutWorker
+from workers.reward import RewardWorker
+from workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import prompts_checksum, sft_step_batch
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
+from rl_contracts.stages import TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
@@ -40,7 +41,6 @@ from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
 
-TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
 PARTIAL_FIELDS = ["response_versions"]  # with rollout.partial_rollout: the version of each response token
 

@@ -26,12 +26,12 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from rl_contracts.lost_rows import release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
+from rl_contracts.stages import ROLLOUT_TASK
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
 
 logger = logging.getLogger(__name__)
-ROLLOUT_TASK = "rollout"
 ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 

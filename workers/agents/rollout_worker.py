@@ -23,6 +23,7 @@ import torch
 from rl_contracts.lost_rows import served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
+from rl_contracts.stages import ROLLOUT_TASK
 from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.agents.rollout_fns import chat_format, collect_groups, load_rollout_fn
@@ -30,7 +31,6 @@ from workers.agents.samplers import BatchingSampler
 from workers.agents.trajectory import Sample, samples_to_fields
 from workers.engines.base import Generation, SamplingParams
 from workers.engines.host import EngineSpec
-from workers.rollout import ROLLOUT_TASK
 
 logger = logging.getLogger(__name__)
 
