@@ -54,6 +54,20 @@ from workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
 
+#: the task of a run whose config names none (``task.name: null``): the demo's addition task
+DEFAULT_TASK = "workers.tasks.addition:AdditionTask"
+
+
+def run_task_name(config: RLConfig) -> str:
+    """The ``"module:Class"`` of the run's task: ``task.name``, or :data:`DEFAULT_TASK` when the config names none.
+    Task names are resolved here, above workers and trainers: the trainer ranks are handed the task object."""
+    return config.task.name or DEFAULT_TASK
+
+
+def load_run_task(config: RLConfig) -> Task:
+    """The run's task object: :func:`run_task_name` built with ``task.kwargs``."""
+    return load_task(run_task_name(config), config.task.kwargs)
+
 
 class GRPORun:
     """Starts the queue and the actors of a run (see the module docstring); call :meth:`run`."""
@@ -61,10 +75,11 @@ class GRPORun:
     def __init__(self, config: RLConfig):
         config.validate()
         self.cfg = cfg = config
+        self.task_name = run_task_name(cfg)
         self.out = cfg.output_path
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        self.task: Task = load_task(cfg.task.name, cfg.task.kwargs)
+        self.task = load_run_task(cfg)
         self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
         # with a weight channel, producers run one step further ahead: the queue holds that step too
         self.lookahead = cfg.max_staleness + (1 if self.channel is not None else 0)
@@ -82,7 +97,7 @@ class GRPORun:
         info = self.client.controller_info
         spec = EngineSpec(
             kind=cfg.rollout.engine,
-            task_name=cfg.task.name,
+            task_name=self.task_name,
             task_kwargs=cfg.task.kwargs,
             device=cfg.rollout.engine_device,
             weights_channel=str(self.channel.path) if self.channel is not None else None,
@@ -97,7 +112,7 @@ class GRPORun:
         self.rollout, self.reward = self.start_workers(info, spec)
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         self.trainer = [
-            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
+            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg, self.task)
             for r in range(cfg.train.world_size)
         ]
         master = ray.get(self.trainer[0].address.remote())
@@ -152,7 +167,7 @@ class GRPORun:
             RewardWorker.remote(
                 i,
                 info,
-                cfg.task.name,
+                self.task_name,
                 cfg.task.kwargs,
                 cfg.task.reward_fn,
                 cfg.n_samples,
@@ -518,7 +533,7 @@ class GRPORun:
 
     @property
     def task_label(self) -> str:
-        return self.cfg.task.name.rsplit(":", 1)[-1]
+        return self.task_name.rsplit(":", 1)[-1]
 
     def shutdown(self) -> None:
         self.sinks.close()

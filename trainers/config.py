@@ -25,7 +25,9 @@ class ConfigError(ValueError):
 class TaskConfig:
     """Which task (prompts, reward, tokenizer, starting policy) to train on."""
 
-    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a rl_contracts.task.Task
+    # "module:Class" of a rl_contracts.task.Task; None: the run's default task (orchestration.grpo_run.DEFAULT_TASK,
+    # the addition task). The run resolves it and hands the trainer ranks the task object.
+    name: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the task's constructor
     reward_fn: str | None = None  # "module:function" replacing the task's own reward, fn(response_text, **fields)
     num_train_prompts: int = 4096  # prompts of the training split

@@ -29,7 +29,7 @@ from rl_contracts.prompts import prompts_checksum, sft_step_batch
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.stages import TRAIN_TASK
-from rl_contracts.task import Task, load_task
+from rl_contracts.task import Task
 from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
@@ -190,16 +190,20 @@ def free_port() -> int:
 
 @ray.remote
 class GRPOTrainerRank:
-    """One FSDP2 rank of the trainer. Call :meth:`setup` on every rank at once (it joins the process group)."""
+    """One FSDP2 rank of the trainer. Call :meth:`setup` on every rank at once (it joins the process group).
 
-    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: RLConfig):
+    ``task`` is the run's task object (starting policy, tokenizer, SFT prompts and targets), built by the run's
+    orchestration from ``task.name``: the trainer never resolves a task name itself.
+    """
+
+    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: RLConfig, task: Task):
         self.rank = rank
         self.world_size = world_size
         self.config = config
         self.client = TransferQueueClient(f"trainer-{rank}", controller_info)
         # a batch is done once the optimizer stepped on it: a rank that dies mid-step gets its rows redelivered
         self.client.set_task_options(TRAIN_TASK, ack="explicit")
-        self.task: Task = load_task(config.task.name, config.task.kwargs)
+        self.task = task
         self.version = 0
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
