@@ -34,6 +34,7 @@ import yaml
 from tqdm import tqdm
 
 import transfer_queue
+from orchestration.metric_sinks import run_sinks
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
 from rl_contracts.lost_rows import put_retrying
@@ -45,7 +46,6 @@ from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metric_sinks import run_sinks
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
