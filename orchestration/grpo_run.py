@@ -37,6 +37,7 @@ import transfer_queue
 from orchestration.metric_sinks import run_sinks
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
+from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
@@ -112,7 +113,7 @@ class GRPORun:
         self.rollout, self.reward = self.start_workers(info, spec)
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         self.trainer = [
-            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg, self.task)
+            actor_class(GRPOTrainerRank).options(**rank_options).remote(r, cfg.train.world_size, info, cfg, self.task)
             for r in range(cfg.train.world_size)
         ]
         master = ray.get(self.trainer[0].address.remote())
@@ -140,7 +141,7 @@ class GRPORun:
             from workers.agents.rollout_worker import AgentRolloutWorker
 
             workers = [
-                AgentRolloutWorker.remote(
+                actor_class(AgentRolloutWorker).remote(
                     i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                     cfg.rollout.generate_fn, cfg.rollout.generate_fn_kwargs, cfg.rollout.filter_fn,
                     cfg.rollout.reward_fn, cfg.queue_timeout, cfg.seed + i,
@@ -150,7 +151,7 @@ class GRPORun:
             return workers, []
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
         rollout = [
-            RolloutWorker.remote(
+            actor_class(RolloutWorker).remote(
                 i,
                 info,
                 spec,
@@ -164,7 +165,7 @@ class GRPORun:
             for i in range(cfg.rollout.num_workers)
         ]
         reward = [
-            RewardWorker.remote(
+            actor_class(RewardWorker).remote(
                 i,
                 info,
                 self.task_name,
@@ -557,7 +558,7 @@ def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> No
             ray.init(
                 num_cpus=max(16, os.cpu_count() or 1),
                 include_dashboard=False,
-                logging_level="WARNING",
+                logging_level=logging.WARNING,
                 runtime_env={"env_vars": env_vars} if env_vars else None,
             )
             return

@@ -284,7 +284,7 @@ class FSDPPolicy:
             ValueError: on missing keys, tensors with different row counts, ranks whose row counts give
                 different numbers of micro-batches, or a global batch with nothing to train on.
         """
-        optimizer = self._require_optimizer("train_step")
+        optimizer = self.require_optimizer("train_step")
         micro_batches = self._split(batch, check_count=False)
         weights = [self._weight(mb) for mb in micro_batches]
         # one collective for both: every rank's micro-batch count (they must agree) and the global weight
@@ -379,7 +379,8 @@ class FSDPPolicy:
         """
         return load_checkpoint(path, self.model, None)
 
-    def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
+    def require_optimizer(self, what: str) -> torch.optim.Optimizer:
+        """The optimizer of a trainable policy; raises naming ``what`` needed it on a frozen one."""
         if self.optimizer is None:
             raise RuntimeError(f"{what} needs a trainable policy; this one was built with trainable=False")
         return self.optimizer

@@ -27,7 +27,7 @@ from rl_contracts.lost_rows import read_or_none, release_quietly
 from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import prompts_checksum, sft_step_batch
 from rl_contracts.queue_clock import QueueClock
-from rl_contracts.rows import rows_of
+from rl_contracts.rows import float_rows_of, rows_of
 from rl_contracts.stages import TRAIN_TASK
 from rl_contracts.task import Task
 from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
@@ -93,11 +93,11 @@ def build_train_batch(
         # Multi-turn trajectories (workers/agents): jagged tokens/loss_mask/logprobs. The response mask is built
         # from loss_mask here, in this one place, so environment tokens (mask 0) never reach the loss or the KL.
         prompts, responses, sampled_logprobs, response_loss_masks = split_trajectories(
-            rows_of(data["tokens"]), rows_of(data["loss_mask"]), rows_of(data["logprobs"])
+            rows_of(data["tokens"]), float_rows_of(data["loss_mask"]), float_rows_of(data["logprobs"])
         )
     else:
         prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-        sampled_logprobs = rows_of(data["response_logprobs"])
+        sampled_logprobs = float_rows_of(data["response_logprobs"])
     tensors = pad_sequences(prompts, responses, pad_token_id)
     for i, (p, m) in enumerate(zip(prompts, response_loss_masks or (), strict=False)):
         tensors["response_mask"][i, len(p) : len(p) + len(m)] = torch.tensor(m, dtype=torch.float32)
@@ -399,7 +399,8 @@ class GRPOTrainerRank:
     def sft_steps(self, first_step: int, num_steps: int, lr: float, batch_size: int) -> dict[str, float]:
         """``num_steps`` supervised steps on the task's reference responses; this rank takes its share of rows."""
         assert self.policy is not None
-        for group in self.policy.optimizer.param_groups:
+        optimizer = self.policy.require_optimizer("sft_steps")
+        for group in optimizer.param_groups:
             group["lr"] = lr
         if self._sft_prompts is None:  # built once: a large split takes a while to draw
             self._sft_prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
@@ -412,14 +413,14 @@ class GRPOTrainerRank:
             targets = [self.task.sft_target(p) for p in batch]
             tensors = pad_sequences([p["prompt_ids"] for p in batch], targets, self.task.tokenizer.pad_token_id)
             losses.append(self.policy.train_step(tensors, _nll_loss)["loss"])
-        for group in self.policy.optimizer.param_groups:
+        for group in optimizer.param_groups:
             group["lr"] = self.config.train.lr
         return {"sft_loss": float(np.mean(losses))}
 
     def reset_optimizer(self) -> None:
         """A fresh optimizer state (between SFT and RL, which use different learning rates)."""
         assert self.policy is not None
-        self.policy.optimizer.state.clear()
+        self.policy.require_optimizer("reset_optimizer").state.clear()
 
     # ---- weights and checkpoints ---------------------------------------------------------------------------
     def weights(self) -> list[Any] | None:

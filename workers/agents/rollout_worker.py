@@ -47,7 +47,7 @@ def prompt_dicts(data: Any, fields: list[str], n: int) -> list[dict[str, Any]]:
     return [{name: column[i] for name, column in columns.items()} for i in range(0, rows, n)]
 
 
-@ray.remote(concurrency_groups={"rollout": 1, "control": 1})
+@ray.remote(concurrency_groups={"rollout": 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class AgentRolloutWorker:
     """See the module docstring.
 
@@ -87,7 +87,8 @@ class AgentRolloutWorker:
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
         self._lock = threading.Lock()
-        self.generate = load_rollout_fn(
+        # not ``self.generate``: that would shadow the ``generate`` method (the run's evaluations) inside the actor
+        self.generate_fn = load_rollout_fn(
             generate_fn, generate_fn_kwargs, n_samples=n_samples, sampling=sampling, task=self.task
         )
         self.filter_fn = load_rollout_fn(filter_fn) if filter_fn else None
@@ -158,7 +159,7 @@ class AgentRolloutWorker:
             t0 = time.perf_counter()
             groups, group_stats = asyncio.run(
                 collect_groups(
-                    self.generate, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
+                    self.generate_fn, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
                     self.filter_fn,
                 )
             )  # fmt: skip

@@ -128,7 +128,8 @@ class ArithmeticTask(Task):
             path = require_prepared(self.model_path)
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer: ChatTokenizer = AutoTokenizer.from_pretrained(path)
+            self._tokenizer = tokenizer
         return self._tokenizer
 
     def prompts(self, split: str, num: int, seed: int) -> list[dict[str, Any]]:

@@ -1,0 +1,18 @@
+"""``actor_class``: a ``@ray.remote`` class as the type checker should see it.
+
+mypy does not apply class decorators (python/mypy#3135): it sees a ``@ray.remote`` class as the plain class, which
+has no ``.remote`` or ``.options``. ``actor_class(RolloutWorker).remote(...)`` names, in one place, what the decorator
+made of the class at run time. The handles it returns stay untyped (``Any``), as Ray's own handles are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
+
+
+def actor_class(cls: type) -> ActorClass[Any]:
+    """``cls`` (a ``@ray.remote`` class) typed as the Ray ``ActorClass`` it is at run time; no copy, no check."""
+    return cast("ActorClass[Any]", cls)
