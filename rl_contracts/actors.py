@@ -7,12 +7,17 @@ made of the class at run time. The handles it returns stay untyped (``Any``), as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
-
-if TYPE_CHECKING:
-    from ray.actor import ActorClass
+from typing import Any, Protocol, cast
 
 
-def actor_class(cls: type) -> ActorClass[Any]:
-    """``cls`` (a ``@ray.remote`` class) typed as the Ray ``ActorClass`` it is at run time; no copy, no check."""
-    return cast("ActorClass[Any]", cls)
+class RemoteClass(Protocol):
+    """What ``@ray.remote`` makes of a class: ``.remote(...)`` starts an actor, ``.options(...)`` configures one."""
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def options(self, **options: Any) -> RemoteClass: ...
+
+
+def actor_class(cls: type) -> RemoteClass:
+    """``cls`` (a ``@ray.remote`` class) typed as the actor class it is at run time; no copy, no check."""
+    return cast(RemoteClass, cls)

@@ -133,7 +133,9 @@ class VLLMServerEngine(HTTPEngine):
                 f"vllm server at {self.url}: {len(token_ids)} token_ids but {len(logprobs)} token_logprobs"
             )
         reason = choice.get("finish_reason") or "length"
-        finish: Literal["stop", "length", "abort"] = reason if reason in ("stop", "length") else "abort"
+        finish: Literal["stop", "length", "abort"] = (
+            "stop" if reason == "stop" else "length" if reason == "length" else "abort"
+        )
         return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish)
 
     def _load_directory(self, path: str, version: int) -> Any:
