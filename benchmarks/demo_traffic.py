@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transfer_queue as tq
 from rl_contracts.rows import jagged
+from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from transfer_queue import TransferQueueClient
 
 PROMPTS, N = 32, 8
@@ -57,7 +58,7 @@ class Replay:
         }
         self.timed("driver", self.driver.put, prompts, global_step=s)
 
-        ask = {"global_step": s, "task_name": "rollout", "get_n_samples": True}
+        ask = {"global_step": s, "task_name": ROLLOUT_TASK, "get_n_samples": True}
         meta = self.timed("rollout", self.rollout.get_meta, ["prompt_ids"], ROWS, **ask)
         self.timed("rollout", self.rollout.get_data, meta)
         responses = {
@@ -69,7 +70,7 @@ class Replay:
         self.timed("rollout", self.rollout.put, responses, metadata=meta)
         assert len(self.timed("rollout", self.rollout.get_meta, ["prompt_ids"], ROWS, **ask)) == 0
 
-        ask = {"global_step": s, "task_name": "reward", "get_n_samples": True}
+        ask = {"global_step": s, "task_name": REWARD_TASK, "get_n_samples": True}
         meta = self.timed("reward", self.reward.get_meta, ["response_ids", "answer"], ROWS, **ask)
         self.timed("reward", self.reward.get_data, meta)
         scored = {"reward": torch.rand(ROWS), "reward_failed": torch.zeros(ROWS, dtype=torch.bool)}
@@ -80,7 +81,7 @@ class Replay:
             dp = {"dp_rank": rank, "dp_size": 2, "dp_group_id": f"train/{s}"}
             client = self.trainer[rank]
             meta = self.timed(
-                "trainer", client.get_meta, TRAIN_FIELDS, ROWS // 2, global_step=s, task_name="train",
+                "trainer", client.get_meta, TRAIN_FIELDS, ROWS // 2, global_step=s, task_name=TRAIN_TASK,
                 sampler_params=dp, get_n_samples=True,
             )  # fmt: skip
             self.timed("trainer", client.get_data, meta)

@@ -34,24 +34,40 @@ import yaml
 from tqdm import tqdm
 
 import transfer_queue
+from orchestration.metric_sinks import run_sinks
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
+from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
+from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
-from trainers.grpo import TRAIN_TASK, GRPOTrainerRank
-from trainers.metric_sinks import run_sinks
+from trainers.grpo import GRPOTrainerRank
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.reward import REWARD_TASK, RewardWorker
-from workers.rollout import ROLLOUT_TASK, RolloutWorker
+from workers.reward import RewardWorker
+from workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
+
+#: the task of a run whose config names none (``task.name: null``): the demo's addition task
+DEFAULT_TASK = "workers.tasks.addition:AdditionTask"
+
+
+def run_task_name(config: RLConfig) -> str:
+    """The ``"module:Class"`` of the run's task: ``task.name``, or :data:`DEFAULT_TASK` when the config names none.
+    Task names are resolved here, above workers and trainers: the trainer ranks are handed the task object."""
+    return config.task.name or DEFAULT_TASK
+
+
+def load_run_task(config: RLConfig) -> Task:
+    """The run's task object: :func:`run_task_name` built with ``task.kwargs``."""
+    return load_task(run_task_name(config), config.task.kwargs)
 
 
 class GRPORun:
@@ -60,10 +76,11 @@ class GRPORun:
     def __init__(self, config: RLConfig):
         config.validate()
         self.cfg = cfg = config
+        self.task_name = run_task_name(cfg)
         self.out = cfg.output_path
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        self.task: Task = load_task(cfg.task.name, cfg.task.kwargs)
+        self.task = load_run_task(cfg)
         self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
         # with a weight channel, producers run one step further ahead: the queue holds that step too
         self.lookahead = cfg.max_staleness + (1 if self.channel is not None else 0)
@@ -81,7 +98,7 @@ class GRPORun:
         info = self.client.controller_info
         spec = EngineSpec(
             kind=cfg.rollout.engine,
-            task_name=cfg.task.name,
+            task_name=self.task_name,
             task_kwargs=cfg.task.kwargs,
             device=cfg.rollout.engine_device,
             weights_channel=str(self.channel.path) if self.channel is not None else None,
@@ -96,7 +113,7 @@ class GRPORun:
         self.rollout, self.reward = self.start_workers(info, spec)
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         self.trainer = [
-            GRPOTrainerRank.options(**rank_options).remote(r, cfg.train.world_size, info, cfg)
+            actor_class(GRPOTrainerRank).options(**rank_options).remote(r, cfg.train.world_size, info, cfg, self.task)
             for r in range(cfg.train.world_size)
         ]
         master = ray.get(self.trainer[0].address.remote())
@@ -116,7 +133,7 @@ class GRPORun:
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
         """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others).
 
-        With ``rollout.generate_fn`` (e.g. ``workers.rollout_fns:single_turn_generate``, the built-in single-turn
+        With ``rollout.generate_fn`` (e.g. ``workers.agents.rollout_fns:single_turn_generate``, the built-in single-turn
         rollout as such a function) the rollout workers run that function and it scores the samples: no reward
         workers."""
         cfg = self.cfg
@@ -124,7 +141,7 @@ class GRPORun:
             from workers.agents.rollout_worker import AgentRolloutWorker
 
             workers = [
-                AgentRolloutWorker.remote(
+                actor_class(AgentRolloutWorker).remote(
                     i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                     cfg.rollout.generate_fn, cfg.rollout.generate_fn_kwargs, cfg.rollout.filter_fn,
                     cfg.rollout.reward_fn, cfg.queue_timeout, cfg.seed + i,
@@ -134,7 +151,7 @@ class GRPORun:
             return workers, []
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
         rollout = [
-            RolloutWorker.remote(
+            actor_class(RolloutWorker).remote(
                 i,
                 info,
                 spec,
@@ -148,10 +165,10 @@ class GRPORun:
             for i in range(cfg.rollout.num_workers)
         ]
         reward = [
-            RewardWorker.remote(
+            actor_class(RewardWorker).remote(
                 i,
                 info,
-                cfg.task.name,
+                self.task_name,
                 cfg.task.kwargs,
                 cfg.task.reward_fn,
                 cfg.n_samples,
@@ -517,7 +534,7 @@ class GRPORun:
 
     @property
     def task_label(self) -> str:
-        return self.cfg.task.name.rsplit(":", 1)[-1]
+        return self.task_name.rsplit(":", 1)[-1]
 
     def shutdown(self) -> None:
         self.sinks.close()
@@ -541,7 +558,7 @@ def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> No
             ray.init(
                 num_cpus=max(16, os.cpu_count() or 1),
                 include_dashboard=False,
-                logging_level="WARNING",
+                logging_level=logging.WARNING,
                 runtime_env={"env_vars": env_vars} if env_vars else None,
             )
             return

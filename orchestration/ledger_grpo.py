@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rl_contracts.rows import rows_of
+from rl_contracts.rows import float_rows_of, rows_of
 from trainers.advantages import group_advantages_by_id
 from trainers.losses import grpo_loss
 from workers.ledger.queue_sink import FIELDS
@@ -79,7 +79,7 @@ class LedgerGRPOTrainer:
             group_ids = torch.tensor(list(meta.group_ids), dtype=torch.int64)[rows]
             advantages = group_advantages_by_id(rewards[rows], group_ids)
             prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-            logprobs = rows_of(data["response_logprobs"])
+            logprobs = float_rows_of(data["response_logprobs"])
             batch = self._batch([prompts[i] for i in rows], [responses[i] for i in rows], [logprobs[i] for i in rows])
             loss = self._loss(batch, advantages)
             self.optimizer.zero_grad()

@@ -21,7 +21,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 from orchestration import GRPORun, connect_ray
-from trainers.config import RLConfig, config_from_cli
+from rl_contracts.actors import actor_class
+from trainers.config import ConfigError, RLConfig, config_from_cli
 from trainers.metrics import fifth_means
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.agents.server_process import TaskServerProcess
@@ -44,7 +45,7 @@ class AgentGRPORun(GRPORun):
         cfg = self.cfg
         kwargs = {"task_server_url": self.task_server_urls, **cfg.rollout.generate_fn_kwargs}
         workers = [
-            AgentRolloutWorker.remote(
+            actor_class(AgentRolloutWorker).remote(
                 i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                 cfg.rollout.generate_fn, kwargs, cfg.rollout.filter_fn, cfg.rollout.reward_fn, cfg.queue_timeout,
                 cfg.seed + i,
@@ -76,12 +77,13 @@ class AgentGRPORun(GRPORun):
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
+    env = config.rollout.task_server_env
+    if env is None:
+        raise ConfigError("rollout.task_server_env is not set; the agent demo serves an environment, e.g. guess-number")
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         servers = [
-            stack.enter_context(
-                TaskServerProcess(config.rollout.task_server_env, max_episodes=config.rollout.task_server_max_episodes)
-            )
+            stack.enter_context(TaskServerProcess(env, max_episodes=config.rollout.task_server_max_episodes))
             for _ in range(config.rollout.num_task_servers)
         ]
         print(f"task servers: {[s.url for s in servers]} pids {[s.process.pid for s in servers]}", flush=True)

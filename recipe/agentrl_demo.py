@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
@@ -37,6 +40,7 @@ from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from rl_contracts.prompts import PromptSource
+from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
 from workers.engines import HFEngine, SamplingParams
@@ -52,7 +56,6 @@ from workers.ledger import (
 )
 from workers.ledger.__main__ import render_status
 from workers.ledger.queue_sink import QueueSink
-from workers.openai_api import create_app
 from workers.tasks.addition import AdditionTokenizer, addition_reward, build_model, make_prompts, sft_batch
 
 PARTITION = "agentrl"
@@ -78,11 +81,13 @@ class AdditionDataset(Dataset):
 
 class AdditionSampler(AsyncSampler):
     async def run(self):
+        assert isinstance(self.task, AdditionProblem)  # the scheduler hands this sampler the dataset's tasks
         messages = [{"role": "user", "content": self.task.question}]
         completion = await self.create_chat_completions(messages, n=self.config.num_generations)
         await self.record_completion(messages, completion)
 
     async def evaluate_record(self, record):
+        assert isinstance(self.task, AdditionProblem)
         return addition_reward(record.messages[-1]["content"], self.task.answer)
 
 
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transfer_queue
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR)
     batch_rows = args.prompts_per_step * args.num_generations
     client = transfer_queue.init(
         global_batch_size=args.prompts_per_step,
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         pause_when=ahead,
     )
     if args.prompts_from == "scheduler":
-        produce = scheduler.run
+        produce: Callable[[], Any] = scheduler.run
     else:
         source = PromptSource(make_prompts(args.num_tasks, args.seed), seed=args.seed)
         produce = lambda: prompt_source_producer(  # noqa: E731

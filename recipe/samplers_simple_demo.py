@@ -11,6 +11,7 @@ Run: ``python recipe/samplers_simple_demo.py`` (starts a local Ray, or joins the
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray binds 127.0.0.1
 
@@ -18,6 +19,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
+from rl_contracts.actors import actor_class
 from transfer_queue import (
     BaseSampler,
     BatchMeta,
@@ -71,7 +73,9 @@ def show(title: str, meta: BatchMeta, client: TransferQueueClient | None = None)
 def main() -> None:
     if not ray.is_initialized():
         ray.init()
-    controller = TransferQueueController.remote(global_batch_size=PROMPTS, num_global_batch=1, num_n_samples=N)
+    controller = actor_class(TransferQueueController).remote(
+        global_batch_size=PROMPTS, num_global_batch=1, num_n_samples=N
+    )
     for task, sampler in {
         "grpo": GRPOSampler(num_n_samples=N),
         "dp": DPSampler(dp_rank=0, dp_size=2),
@@ -99,7 +103,7 @@ def main() -> None:
     )
     print(f"put 16 rows into global_step=0; response tokens per row: {lengths}\n")
 
-    def get(task: str, batch_size: int, **kwargs: object) -> BatchMeta:
+    def get(task: str, batch_size: int, **kwargs: Any) -> BatchMeta:
         return client.get_meta(["prompts", "responses"], batch_size, global_step=0, task_name=task, **kwargs)
 
     show("SequentialSampler (default), 6 rows", get("sequential", 6))

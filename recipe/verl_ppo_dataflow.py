@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from rl_contracts.actors import actor_class
 from transfer_queue.interop import META_INFO_FIELD, from_dataproto, to_dataproto
 
 VOCAB, PROMPT_LEN, MAX_RESPONSE = 16, 4, 6
@@ -136,7 +137,7 @@ def main(steps: int = 3, num_prompts: int = 4, n_samples: int = 4) -> list[dict[
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False)
     client = tq.init(global_batch_size=num_prompts, num_n_samples=n_samples, num_global_batch=2, num_storage_units=1)
-    rollout, trainer = Rollout.remote(n_samples), Trainer.remote(n_samples)
+    rollout, trainer = actor_class(Rollout).remote(n_samples), actor_class(Trainer).remote(n_samples)
     metrics = []
     try:
         for step in range(steps):

@@ -42,7 +42,7 @@ class PromptSource:
         """The next ``size`` prompts, crossing into the next epoch (reshuffled) when this one runs out."""
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
-        out = []
+        out: list[Any] = []
         while len(out) < size:
             if self.position == len(self._order):
                 self.epoch += 1

@@ -19,7 +19,17 @@ def jagged(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
 
 
 def rows_of(nested: torch.Tensor) -> list[list[int]]:
-    """Lists of token ids from a jagged nested tensor (one gather for the whole batch)."""
-    offsets = nested.offsets().tolist()
+    """Lists of token ids from a jagged nested tensor of integers (one gather for the whole batch)."""
+    return _rows(nested)
+
+
+def float_rows_of(nested: torch.Tensor) -> list[list[float]]:
+    """Lists of floats (log-probs, loss masks) from a jagged nested tensor of floats."""
+    return _rows(nested)
+
+
+def _rows(nested: torch.Tensor) -> list[list[Any]]:
+    # a jagged nested tensor has offsets(); torch's Tensor stubs do not declare it
+    offsets = nested.offsets().tolist()  # type: ignore[attr-defined]
     values = nested.values().tolist()
     return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]

@@ -96,7 +96,7 @@ def save_checkpoint(
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
 
-    state = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None and has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=tmp / "dcp")
@@ -104,7 +104,7 @@ def save_checkpoint(
     if rank == 0:
         (tmp / _MANIFEST).write_text(manifest)
     dist.barrier()
-    staged, failure = None, [None]
+    staged, failure = None, list[str | None]([None])
     if rank == 0:
         try:
             staged = stage(tmp) if stage is not None else None
@@ -141,12 +141,12 @@ def load_checkpoint(
 
     # DCP loads in place into tensors of the right (sharded) shapes, so ask the live objects for them first.
     with_optimizer = optimizer is not None and manifest["has_optimizer_state"]
-    state = {"model": get_model_state_dict(model)}
-    if with_optimizer:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None and with_optimizer:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=path / "dcp")
     set_model_state_dict(model, state["model"])
-    if with_optimizer:
+    if optimizer is not None and with_optimizer:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if optimizer is None:
         dist.barrier()
@@ -273,6 +273,7 @@ def _step_key(path: Path) -> tuple[int, str]:
 def _rng_state() -> dict[str, Any]:
     # Only tensors, tuples and plain scalars, so the file loads with torch.load(weights_only=True).
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    assert not isinstance(keys, str)  # the legacy state is a tuple whose second item is the key array
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian),

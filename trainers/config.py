@@ -25,7 +25,9 @@ class ConfigError(ValueError):
 class TaskConfig:
     """Which task (prompts, reward, tokenizer, starting policy) to train on."""
 
-    name: str = "workers.tasks.addition:AdditionTask"  # "module:Class" of a rl_contracts.task.Task
+    # "module:Class" of a rl_contracts.task.Task; None: the run's default task (orchestration.grpo_run.DEFAULT_TASK,
+    # the addition task). The run resolves it and hands the trainer ranks the task object.
+    name: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the task's constructor
     reward_fn: str | None = None  # "module:function" replacing the task's own reward, fn(response_text, **fields)
     num_train_prompts: int = 4096  # prompts of the training split
@@ -48,7 +50,7 @@ class RolloutConfig:
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
     num_reward_workers: int = 1  # reward worker actors
     reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
-    # Custom rollouts (workers/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
+    # Custom rollouts (workers/agents/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
     generate_fn: str | None = None  # "module:fn", an async generate(prompts, engine, **kwargs) -> list[Sample]
     generate_fn_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments given to generate_fn
     filter_fn: str | None = None  # "module:fn", a group filter fn(samples) -> bool (False drops the group)

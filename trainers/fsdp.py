@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from trainers.checkpoint import load_checkpoint, save_checkpoint
@@ -222,11 +222,13 @@ class FSDPPolicy:
             else MixedPrecisionPolicy()
         )
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        shard = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
         self.units = [m for m in decoder_layers(module) if _num_params(m) >= min_layer_params]
         for layer in self.units:
-            fully_shard(layer, **shard)
-        fully_shard(module, **shard)
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        # the same object as ``module``, its class swapped for an FSDP subclass: the FSDP view of the model
+        self._fsdp: FSDPModule = fully_shard(
+            module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
         self.model = module
         self.trainable = trainable
         self.optimizer: torch.optim.Optimizer | None = None
@@ -284,7 +286,7 @@ class FSDPPolicy:
             ValueError: on missing keys, tensors with different row counts, ranks whose row counts give
                 different numbers of micro-batches, or a global batch with nothing to train on.
         """
-        optimizer = self._require_optimizer("train_step")
+        optimizer = self.require_optimizer("train_step")
         micro_batches = self._split(batch, check_count=False)
         weights = [self._weight(mb) for mb in micro_batches]
         # one collective for both: every rank's micro-batch count (they must agree) and the global weight
@@ -300,7 +302,7 @@ class FSDPPolicy:
         last = len(micro_batches) - 1
         for i, (mb, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             # reduce-scatter the accumulated gradients once, in the last micro-batch's backward
-            self.model.set_requires_gradient_sync(i == last)
+            self._fsdp.set_requires_gradient_sync(i == last)
             mb = {name: value.to(self.device, non_blocking=True) for name, value in mb.items()}
             logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
             loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
@@ -331,7 +333,8 @@ class FSDPPolicy:
         """
         state = self.model.state_dict()
         if not _all_row_sharded(state.values(), self.world_size):
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {name: value for name, value in full.items() if isinstance(value, Tensor)}
         return _gather_row_shards(state, self.rank, self.world_size)
 
     def save_hf_pretrained(self, path: str | os.PathLike[str]) -> None:
@@ -356,7 +359,8 @@ class FSDPPolicy:
             unsharded.load_state_dict(state_dict, assign=True)
             tmp = path.with_name(f".{path.name}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            unsharded.save_pretrained(tmp)
+            save_pretrained: Callable[[Path], None] = getattr(unsharded, "save_pretrained")  # noqa: B009 (checked _is_hf)
+            save_pretrained(tmp)
             tmp.rename(path)
         dist.barrier()
 
@@ -379,7 +383,8 @@ class FSDPPolicy:
         """
         return load_checkpoint(path, self.model, None)
 
-    def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
+    def require_optimizer(self, what: str) -> torch.optim.Optimizer:
+        """The optimizer of a trainable policy; raises naming ``what`` needed it on a frozen one."""
         if self.optimizer is None:
             raise RuntimeError(f"{what} needs a trainable policy; this one was built with trainable=False")
         return self.optimizer

@@ -27,8 +27,9 @@ from rl_contracts.lost_rows import read_or_none, release_quietly
 from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import prompts_checksum, sft_step_batch
 from rl_contracts.queue_clock import QueueClock
-from rl_contracts.rows import rows_of
-from rl_contracts.task import Task, load_task
+from rl_contracts.rows import float_rows_of, rows_of
+from rl_contracts.stages import TRAIN_TASK
+from rl_contracts.task import Task
 from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
@@ -40,7 +41,6 @@ from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
 
-TRAIN_TASK = "train"
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
 PARTIAL_FIELDS = ["response_versions"]  # with rollout.partial_rollout: the version of each response token
 
@@ -93,11 +93,11 @@ def build_train_batch(
         # Multi-turn trajectories (workers/agents): jagged tokens/loss_mask/logprobs. The response mask is built
         # from loss_mask here, in this one place, so environment tokens (mask 0) never reach the loss or the KL.
         prompts, responses, sampled_logprobs, response_loss_masks = split_trajectories(
-            rows_of(data["tokens"]), rows_of(data["loss_mask"]), rows_of(data["logprobs"])
+            rows_of(data["tokens"]), float_rows_of(data["loss_mask"]), float_rows_of(data["logprobs"])
         )
     else:
         prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-        sampled_logprobs = rows_of(data["response_logprobs"])
+        sampled_logprobs = float_rows_of(data["response_logprobs"])
     tensors = pad_sequences(prompts, responses, pad_token_id)
     for i, (p, m) in enumerate(zip(prompts, response_loss_masks or (), strict=False)):
         tensors["response_mask"][i, len(p) : len(p) + len(m)] = torch.tensor(m, dtype=torch.float32)
@@ -190,16 +190,20 @@ def free_port() -> int:
 
 @ray.remote
 class GRPOTrainerRank:
-    """One FSDP2 rank of the trainer. Call :meth:`setup` on every rank at once (it joins the process group)."""
+    """One FSDP2 rank of the trainer. Call :meth:`setup` on every rank at once (it joins the process group).
 
-    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: RLConfig):
+    ``task`` is the run's task object (starting policy, tokenizer, SFT prompts and targets), built by the run's
+    orchestration from ``task.name``: the trainer never resolves a task name itself.
+    """
+
+    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: RLConfig, task: Task):
         self.rank = rank
         self.world_size = world_size
         self.config = config
         self.client = TransferQueueClient(f"trainer-{rank}", controller_info)
         # a batch is done once the optimizer stepped on it: a rank that dies mid-step gets its rows redelivered
         self.client.set_task_options(TRAIN_TASK, ack="explicit")
-        self.task: Task = load_task(config.task.name, config.task.kwargs)
+        self.task = task
         self.version = 0
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
@@ -395,7 +399,8 @@ class GRPOTrainerRank:
     def sft_steps(self, first_step: int, num_steps: int, lr: float, batch_size: int) -> dict[str, float]:
         """``num_steps`` supervised steps on the task's reference responses; this rank takes its share of rows."""
         assert self.policy is not None
-        for group in self.policy.optimizer.param_groups:
+        optimizer = self.policy.require_optimizer("sft_steps")
+        for group in optimizer.param_groups:
             group["lr"] = lr
         if self._sft_prompts is None:  # built once: a large split takes a while to draw
             self._sft_prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
@@ -408,14 +413,14 @@ class GRPOTrainerRank:
             targets = [self.task.sft_target(p) for p in batch]
             tensors = pad_sequences([p["prompt_ids"] for p in batch], targets, self.task.tokenizer.pad_token_id)
             losses.append(self.policy.train_step(tensors, _nll_loss)["loss"])
-        for group in self.policy.optimizer.param_groups:
+        for group in optimizer.param_groups:
             group["lr"] = self.config.train.lr
         return {"sft_loss": float(np.mean(losses))}
 
     def reset_optimizer(self) -> None:
         """A fresh optimizer state (between SFT and RL, which use different learning rates)."""
         assert self.policy is not None
-        self.policy.optimizer.state.clear()
+        self.policy.require_optimizer("reset_optimizer").state.clear()
 
     # ---- weights and checkpoints ---------------------------------------------------------------------------
     def weights(self) -> list[Any] | None:

@@ -23,11 +23,11 @@ import torch
 from rl_contracts.lost_rows import served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
+from rl_contracts.stages import REWARD_TASK
 from rl_contracts.task import Task, load_reward_fn, load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 
 logger = logging.getLogger(__name__)
-REWARD_TASK = "reward"
 
 
 class NonFiniteReward(ValueError):

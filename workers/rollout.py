@@ -23,15 +23,16 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
+from rl_contracts.stages import ROLLOUT_TASK
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
 
 logger = logging.getLogger(__name__)
-ROLLOUT_TASK = "rollout"
 ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
@@ -88,7 +89,7 @@ class EngineSlot:
         return engine
 
 
-@ray.remote(concurrency_groups={"rollout": 1, "control": 1})
+@ray.remote(concurrency_groups={"rollout": 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RolloutWorker:
     """Generates responses for the prompt rows of global steps.
 
@@ -127,7 +128,9 @@ class RolloutWorker:
             self.engine_options.setdefault("max_concurrency", 2)
         self.seed = seed
         self.slot = EngineSlot(
-            lambda restarts: EngineActor.options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts),
+            lambda restarts: (
+                actor_class(EngineActor).options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts)
+            ),
             lambda engine, update: ray.get(engine.update_weights.remote(*update)),
             ENGINE_FAILURES,
         )

@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from workers.engines.base import SamplingParams
 from workers.engines.hf import HFEngine
 from workers.tasks.arithmetic import ArithmeticTask
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "add 0-9": {"operators": "+", "max_operand": 9},
     "add 10-99": {"operators": "+", "min_operand": 10, "max_operand": 99},
     "sub 0-9": {"operators": "-", "max_operand": 9},

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from workers.rollout_fns import single_turn_generate
+from workers.agents.rollout_fns import single_turn_generate
 
 
 async def gated_generate(prompts: list[dict[str, Any]], engine: Any, *, gate: str, **kwargs: Any) -> list[Any]:

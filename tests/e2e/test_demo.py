@@ -149,10 +149,11 @@ def test_the_demo_learns_on_the_default_seed(tmp_path):
 
 @pytest.mark.slow  # the generate_fn path end to end; the unit tier covers its pieces
 def test_the_built_in_single_turn_rollout_runs_as_a_generate_fn(tmp_path):
-    # the default rollout expressed as a rollout.generate_fn (workers.rollout_fns:single_turn_generate): the same
+    # the default rollout expressed as a rollout.generate_fn (workers.agents.rollout_fns:single_turn_generate): the same
     # prompts and reward, through the generate_fn rollout workers and jagged trajectories, still on-policy
     out = tmp_path / "generate_fn"
-    run_demo(out, "steps=2", "rollout.generate_fn=workers.rollout_fns:single_turn_generate", "weight_sync=memory")
+    generate_fn = "rollout.generate_fn=workers.agents.rollout_fns:single_turn_generate"
+    run_demo(out, "steps=2", generate_fn, "weight_sync=memory")
     grpo = rows(out, "grpo")
     assert [r["step"] for r in grpo] == [0, 1]
     assert [r["policy_version"] for r in grpo] == [1.0, 2.0]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestration.grpo_run import load_run_task
 from rl_contracts.prompts import PromptSource, prompts_checksum
-from rl_contracts.task import load_task
 from tests.e2e.test_demo import ROOT, SHORT, run_demo
 from trainers.checkpoint import latest_checkpoint
 from trainers.config import load_config, parse_overrides
@@ -50,7 +50,7 @@ def metric_rows(out: Path) -> list[dict]:
 def prompt_batches(config: Path, steps: int, overrides: tuple[str, ...] = ()) -> list[list[dict]]:
     """The prompt batch of each step of an uninterrupted run of ``config`` (as PromptSource serves them)."""
     cfg = load_config(config, parse_overrides(list(overrides)))
-    task = load_task(cfg.task.name, cfg.task.kwargs)
+    task = load_run_task(cfg)
     source = PromptSource(task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
     return [source.next_batch(cfg.prompts_per_step) for _ in range(steps)]
 

@@ -25,6 +25,7 @@ import ray  # noqa: E402
 
 import transfer_queue  # noqa: E402
 from orchestration.grpo_run import GRPORun, connect_ray  # noqa: E402
+from rl_contracts.stages import TRAIN_TASK  # noqa: E402
 from trainers.config import config_from_cli  # noqa: E402
 
 KILLS = {1: 0.0, 3: 0.3}  # step -> seconds after its prompts are put
@@ -70,8 +71,8 @@ class UnitKillingRun(GRPORun):
         row = {
             "step": step,
             "live_groups": live.group_ids.tolist(),
-            "lost": [(r["global_index"], r["group_id"], r["tasks"].get("train")) for r in lost],
-            "train": self.client.get_consumption_status(global_step=step, task_name="train")["tasks"]["train"],
+            "lost": [(r["global_index"], r["group_id"], r["tasks"].get(TRAIN_TASK)) for r in lost],
+            "train": self.client.get_consumption_status(global_step=step, task_name=TRAIN_TASK)["tasks"][TRAIN_TASK],
             "rows_lost": self.client.get_production_status(global_step=step)["rows_lost"],
         }  # fmt: skip
         self.audit.write(json.dumps(row) + "\n")

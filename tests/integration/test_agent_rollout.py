@@ -30,7 +30,7 @@ def setup(ray_session):
     with serve_in_background(create_app(environment_class("guess-number"))) as url:
         worker = AgentRolloutWorker.remote(
             0, info, EngineSpec(task_name=TASK), SamplingParams(max_new_tokens=1), N, 3,
-            "workers.rollout_fns:task_server_generate", {"task_server_url": url, "max_turns": 3}, timeout=30.0,
+            "workers.agents.rollout_fns:task_server_generate", {"task_server_url": url, "max_turns": 3}, timeout=30.0,
         )  # fmt: skip
         yield worker, tq.TransferQueueClient("agent-rollout-test", info)
         ray.kill(worker)

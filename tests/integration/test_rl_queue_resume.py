@@ -10,11 +10,12 @@ import ray
 import torch
 
 from orchestration.queue_resume import reconcile_step
+from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from transfer_queue import GRPOSampler, TransferQueueClient, TransferQueueController
 
 N = 2  # samples per prompt
 PROMPTS = 4  # prompts per step: 8 rows
-OUTPUTS = {"rollout": "response_ids", "reward": "reward"}
+OUTPUTS = {ROLLOUT_TASK: "response_ids", REWARD_TASK: "reward"}
 
 
 def jagged(rows: list[list[int]]) -> torch.Tensor:
@@ -41,7 +42,7 @@ def put_prompts(client: TransferQueueClient, step: int) -> None:
 
 def generate(client: TransferQueueClient, step: int, rows: int, write: bool = True) -> list[int]:
     """A rollout worker's round: take whole groups, read them (acknowledged), write responses (unless in flight)."""
-    meta = client.get_meta(["prompt_ids"], rows, global_step=step, task_name="rollout", get_n_samples=True)
+    meta = client.get_meta(["prompt_ids"], rows, global_step=step, task_name=ROLLOUT_TASK, get_n_samples=True)
     data = client.get_data(meta.select_fields(["prompt_ids"]))
     if write:
         responses = [[*p.tolist(), 99] for p in data["prompt_ids"].unbind()]
@@ -50,7 +51,7 @@ def generate(client: TransferQueueClient, step: int, rows: int, write: bool = Tr
 
 
 def score(client: TransferQueueClient, step: int, rows: int, write: bool = True) -> list[int]:
-    meta = client.get_meta(["response_ids"], rows, global_step=step, task_name="reward", get_n_samples=True)
+    meta = client.get_meta(["response_ids"], rows, global_step=step, task_name=REWARD_TASK, get_n_samples=True)
     client.get_data(meta)
     if write:
         client.put({"reward": torch.ones(len(meta), dtype=torch.float32)}, metadata=meta)
@@ -65,15 +66,15 @@ def test_a_restored_step_hands_out_again_only_what_was_in_flight(ray_session, tm
     in_flight = generate(client, 1, 2, write=False)  # taken and acknowledged, responses not written yet
     scored = score(client, 1, 2)
     scoring = score(client, 1, 2, write=False)
-    leased = client.get_meta(["prompt_ids"], 2, global_step=2, task_name="rollout", get_n_samples=True)
+    leased = client.get_meta(["prompt_ids"], 2, global_step=2, task_name=ROLLOUT_TASK, get_n_samples=True)
     client.save_checkpoint(str(tmp_path))
     generate(client, 1, 2)  # after the checkpoint: lost with the crash
     stop(controller, client)
 
     controller, client = start(restore_from=str(tmp_path))
     try:
-        assert reconcile_step(client, 1, OUTPUTS, timeout=30) == {"rollout": 4, "reward": 2}
-        assert reconcile_step(client, 2, OUTPUTS, timeout=30) == {"rollout": 0, "reward": 0}
+        assert reconcile_step(client, 1, OUTPUTS, timeout=30) == {ROLLOUT_TASK: 4, REWARD_TASK: 2}
+        assert reconcile_step(client, 2, OUTPUTS, timeout=30) == {ROLLOUT_TASK: 0, REWARD_TASK: 0}
         status = client.get_production_status(global_step=1)
         assert status["fields"]["response_ids"]["produced"] == 4 and status["fields"]["reward"]["produced"] == 2
 
@@ -81,15 +82,15 @@ def test_a_restored_step_hands_out_again_only_what_was_in_flight(ray_session, tm
         # then the end of the stream; never a row whose responses came back from the checkpoint
         again = generate(client, 1, 4)
         assert set(in_flight) <= set(again) and not set(again) & set(generated)
-        assert len(client.get_meta(["prompt_ids"], 2, global_step=1, task_name="rollout", get_n_samples=True)) == 0
+        assert len(client.get_meta(["prompt_ids"], 2, global_step=1, task_name=ROLLOUT_TASK, get_n_samples=True)) == 0
         # reward: the rows it had taken and not scored, then the rows generated now; never the scored ones
         rescored = score(client, 1, 2)
         assert rescored == scoring and not set(rescored) & set(scored)
         assert score(client, 1, 4) == again
-        assert len(client.get_meta(["response_ids"], 2, global_step=1, task_name="reward", get_n_samples=True)) == 0
+        assert len(client.get_meta(["response_ids"], 2, global_step=1, task_name=REWARD_TASK, get_n_samples=True)) == 0
         # the trainer gets all 8 rows of step 1 once, each with its response and reward
         train = client.get_meta(
-            ["prompt_ids", "response_ids", "reward"], 8, global_step=1, task_name="train", get_n_samples=True
+            ["prompt_ids", "response_ids", "reward"], 8, global_step=1, task_name=TRAIN_TASK, get_n_samples=True
         )
         data = client.get_data(train)
         assert sorted(train.global_indexes.tolist()) == sorted(generated + again)
@@ -98,6 +99,6 @@ def test_a_restored_step_hands_out_again_only_what_was_in_flight(ray_session, tm
 
         # step 2: the leased rows are ready again; all 8 rows go to rollout, once
         assert set(leased.global_indexes.tolist()) <= set(generate(client, 2, 8))
-        assert len(client.get_meta(["prompt_ids"], 2, global_step=2, task_name="rollout", get_n_samples=True)) == 0
+        assert len(client.get_meta(["prompt_ids"], 2, global_step=2, task_name=ROLLOUT_TASK, get_n_samples=True)) == 0
     finally:
         stop(controller, client)

@@ -49,13 +49,14 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def endpoint_url() -> Iterator[str]:
-    """The OpenAI-compatible endpoint (workers/openai_api.py) over a tiny random model, on 127.0.0.1: its base URL."""
+    """The OpenAI-compatible endpoint (workers/agents/openai_api.py) over a tiny random model, on 127.0.0.1: its base
+    URL."""
+    from workers.agents.openai_api import create_app
     from workers.agents.samplers import BatchingSampler, engine_generate
     from workers.agents.task_server import serve_in_background
     from workers.agents.trajectory import PlainChatFormat
     from workers.engines.hf import HFEngine
     from workers.models import build_tiny_causal_lm
-    from workers.openai_api import create_app
 
     model = build_tiny_causal_lm(BASE + len(CHARS), max_position_embeddings=128, seed=1)
     engine = HFEngine(model, pad_token_id=PAD, eos_token_id=EOS)

@@ -1,5 +1,5 @@
-"""AsyncSampler and SamplingScheduler against a real OpenAI-compatible endpoint (workers/openai_api.py over a tiny
-in-process model on 127.0.0.1), on SQLite and PostgreSQL."""
+"""AsyncSampler and SamplingScheduler against a real OpenAI-compatible endpoint (workers/agents/openai_api.py over a
+tiny in-process model on 127.0.0.1), on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 

@@ -4,12 +4,15 @@
 
 Producers (``workers/``) and consumers (``trainers/``) meet only through the queue and weight sync; what both need
 (the task contract, prompts, row helpers, the queue clock) lives in ``rl_contracts/``; only ``orchestration/`` knows
-them all. Every import statement counts, including those inside functions and under ``TYPE_CHECKING``.
+them all. Every import statement counts, including those inside functions and under ``TYPE_CHECKING``, and so does
+every string that names a module of a forbidden layer (``"workers.tasks.addition:AdditionTask"`` in ``trainers/`` is
+an import that happens at run time, through ``import_object`` or ``python -m``).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -37,12 +40,42 @@ def imported_packages(source: str) -> set[str]:
     return names
 
 
+# a dotted module path, optionally with ":name": "workers.tasks.addition:AdditionTask", "workers.agents.task_server"
+MODULE_PATH = re.compile(r"(?<![\w.])([A-Za-z_]\w*)(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_][\w.]*)?")
+
+
+def docstring_nodes(tree: ast.AST) -> set[int]:
+    """``id()`` of the docstring constants of ``tree`` (prose, which may name any layer)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def named_packages(source: str) -> set[str]:
+    """Top-level packages named by the module paths inside the string literals of ``source`` (docstrings aside)."""
+    tree = ast.parse(source)
+    skip = docstring_nodes(tree)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            names.update(match.group(1) for match in MODULE_PATH.finditer(node.value))
+    return names
+
+
 def violations(package: str) -> list[str]:
-    """``"path imports name"`` for every import in ``package`` of a layer it must not reach."""
+    """``"path imports name"`` for every import in ``package`` of a layer it must not reach, and ``"path names
+    name"`` for every string literal naming a module of such a layer."""
     out = []
     for path in sorted((ROOT / package).rglob("*.py")):
-        for name in sorted(imported_packages(path.read_text(encoding="utf-8")) & FORBIDDEN[package]):
+        source = path.read_text(encoding="utf-8")
+        for name in sorted(imported_packages(source) & FORBIDDEN[package]):
             out.append(f"{path.relative_to(ROOT)} imports {name}")
+        for name in sorted(named_packages(source) & FORBIDDEN[package]):
+            out.append(f"{path.relative_to(ROOT)} names {name}")
     return out
 
 
@@ -55,6 +88,27 @@ def test_the_scanner_sees_every_kind_of_import():
         "if TYPE_CHECKING:\n    import recipe.demo\n"
     )
     assert imported_packages(source) == {"os", "workers", "trainers", "orchestration", "recipe"}
+
+
+def test_the_scanner_sees_module_paths_in_strings_but_not_in_docstrings():
+    source = (
+        '"""Trainers; the default task is workers.tasks.addition:AdditionTask (prose)."""\n'
+        'name: str = "workers.tasks.addition:AdditionTask"\n'
+        'cmd = ["python", "-m", "orchestration.grpo_run"]\n'
+        'text = f"see recipe.demo for {x}"\n'
+        'def f():\n    """Nothing here: workers.rollout."""\n'
+        '    return "train", "rollout", "metrics.jsonl", "workers"\n'
+    )
+    assert named_packages(source) == {"workers", "orchestration", "recipe", "metrics"}
+    assert named_packages(source) & FORBIDDEN["trainers"] == {"workers", "orchestration", "recipe"}
+
+
+def test_a_string_naming_a_forbidden_layer_is_a_violation(tmp_path, monkeypatch):
+    package = tmp_path / "trainers"
+    package.mkdir()
+    (package / "config.py").write_text('name: str = "workers.tasks.addition:AdditionTask"\n', encoding="utf-8")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert violations("trainers") == ["trainers/config.py names workers"]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from orchestration.metric_sinks import ControllerSink, MetricSinks, TensorBoardSink, WandbSink, run_sinks
 from tests.conftest import requirement
 from trainers.config import RLConfig
-from trainers.metric_sinks import ControllerSink, MetricSinks, TensorBoardSink, WandbSink, run_sinks
 
 ROW = {"kind": "grpo", "step": 3, "reward": 0.25, "loss": float("nan"), "note": "text", "ok": True}
 

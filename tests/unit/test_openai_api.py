@@ -7,12 +7,12 @@ import openai
 import pytest
 import torch
 
+from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
 from workers.agents.trajectory import PlainChatFormat
 from workers.engines.hf import HFEngine
 from workers.models import build_tiny_causal_lm
-from workers.openai_api import create_app
 
 CHARS = "\n abcdefghijklmnopqrstuvwxyz:."
 PAD, EOS, BASE = 0, 1, 2

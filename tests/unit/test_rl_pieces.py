@@ -264,7 +264,7 @@ def test_jagged_rows_round_trip():
         ({"sft.eval_samples": 0}, "sft.eval_samples must be an int >= 1, got 0"),
         ({"sft.eval_every": 0}, "sft.eval_every must be an int >= 1, got 0"),
         (
-            {"rollout.generate_fn": "workers.rollout_fns:single_turn_generate", "weight_sync": "shm"},
+            {"rollout.generate_fn": "workers.agents.rollout_fns:single_turn_generate", "weight_sync": "shm"},
             "use weight_sync='memory' or 'disk', not 'shm'",
         ),
     ],

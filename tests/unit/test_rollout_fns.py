@@ -10,11 +10,11 @@ import os
 import pytest
 
 from workers.agents.environment import environment_class
+from workers.agents.rollout_fns import collect_groups, load_rollout_fn, single_turn_generate
 from workers.agents.server_process import TaskServerError, TaskServerProcess
 from workers.agents.task_server import create_app, serve_in_background
 from workers.agents.trajectory import Sample
 from workers.engines.base import Generation, SamplingParams
-from workers.rollout_fns import collect_groups, load_rollout_fn, single_turn_generate
 from workers.tasks.guess_number import GuessNumberTask
 
 PARAMS = SamplingParams(max_new_tokens=2)
@@ -86,7 +86,7 @@ def test_the_built_in_task_server_rollout_is_a_generate_fn_over_a_live_server():
     task = GuessNumberTask()
     with serve_in_background(create_app(environment_class("guess-number"))) as url:
         fn = load_rollout_fn(
-            "workers.rollout_fns:task_server_generate", {"task_server_url": [url], "max_turns": 6},
+            "workers.agents.rollout_fns:task_server_generate", {"task_server_url": [url], "max_turns": 6},
             n_samples=2, sampling=PARAMS, task=task,
         )  # fmt: skip
         groups, stats = asyncio.run(

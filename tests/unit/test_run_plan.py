@@ -118,3 +118,20 @@ def test_new_moves_the_old_run_aside_and_starts_over(tmp_path):
     plan = plan_run(config)
     assert (plan.kind, plan.moved_to) == ("new", tmp_path / "demo.prev-1")
     assert not out.exists() and (tmp_path / "demo.prev-1" / "config.yaml").exists()
+
+
+def test_the_run_resolves_the_task_name_and_the_trainer_gets_the_task_object():
+    from orchestration.grpo_run import DEFAULT_TASK, load_run_task, run_task_name
+    from workers.tasks.addition import AdditionTask
+    from workers.tasks.guess_number import GuessNumberTask
+
+    # a config naming no task: the run's default, resolved by the orchestration (trainers/ names no workers module)
+    unnamed = load_config(None, {})
+    assert unnamed.task.name is None
+    assert run_task_name(unnamed) == DEFAULT_TASK == "workers.tasks.addition:AdditionTask"
+    assert isinstance(load_run_task(unnamed), AdditionTask)
+    # a YAML naming the task by "module:Class", as run configs always did, still works
+    assert load_config(DEMO_YAML).task.name == "workers.tasks.addition:AdditionTask"
+    assert isinstance(load_run_task(load_config(DEMO_YAML)), AdditionTask)
+    named = load_config(None, {"task.name": "workers.tasks.guess_number:GuessNumberTask"})
+    assert isinstance(load_run_task(named), GuessNumberTask)

@@ -1,5 +1,7 @@
 """Agents: environments behind the task-server HTTP protocol (server side) and the workflows that drive them
-(client side: multi-turn episodes, token in / token out).
+(client side: multi-turn episodes, token in / token out); the rollout functions a run names in
+``rollout.generate_fn`` (``rollout_fns.py``), the worker that runs them (``rollout_worker.py``) and the
+OpenAI-compatible endpoint in front of the engines (``openai_api.py``).
 
 The client names are imported on first use, so that ``python -m workers.agents.task_server`` starts without
 importing torch or the HTTP client.

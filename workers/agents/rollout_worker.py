@@ -23,14 +23,14 @@ import torch
 from rl_contracts.lost_rows import served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
+from rl_contracts.stages import ROLLOUT_TASK
 from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
+from workers.agents.rollout_fns import chat_format, collect_groups, load_rollout_fn
 from workers.agents.samplers import BatchingSampler
 from workers.agents.trajectory import Sample, samples_to_fields
 from workers.engines.base import Generation, SamplingParams
 from workers.engines.host import EngineSpec
-from workers.rollout import ROLLOUT_TASK
-from workers.rollout_fns import collect_groups, load_rollout_fn
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def prompt_dicts(data: Any, fields: list[str], n: int) -> list[dict[str, Any]]:
     return [{name: column[i] for name, column in columns.items()} for i in range(0, rows, n)]
 
 
-@ray.remote(concurrency_groups={"rollout": 1, "control": 1})
+@ray.remote(concurrency_groups={"rollout": 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class AgentRolloutWorker:
     """See the module docstring.
 
@@ -58,7 +58,7 @@ class AgentRolloutWorker:
         sampling: sampling parameters of every turn.
         n_samples: episodes per sample id (the queue's group size).
         groups_per_request: GRPO groups taken from the queue at a time.
-        generate_fn, generate_fn_kwargs, filter_fn, reward_fn: see ``workers/rollout_fns.py``.
+        generate_fn, generate_fn_kwargs, filter_fn, reward_fn: see ``workers/agents/rollout_fns.py``.
         timeout: seconds one wait for rows may take.
         seed: seeds this process's sampling.
     """
@@ -87,7 +87,8 @@ class AgentRolloutWorker:
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
         self._lock = threading.Lock()
-        self.generate = load_rollout_fn(
+        # not ``self.generate``: that would shadow the ``generate`` method (the run's evaluations) inside the actor
+        self.generate_fn = load_rollout_fn(
             generate_fn, generate_fn_kwargs, n_samples=n_samples, sampling=sampling, task=self.task
         )
         self.filter_fn = load_rollout_fn(filter_fn) if filter_fn else None
@@ -117,13 +118,13 @@ class AgentRolloutWorker:
 
     @ray.method(concurrency_group="control")
     def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve the OpenAI-compatible endpoint (``workers/openai_api.py``) over this worker's engine, in a thread of
-        this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the rollout."""
+        """Serve the OpenAI-compatible endpoint (``workers/agents/openai_api.py``) over this worker's engine, in a
+        thread of this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the
+        rollout."""
         import contextlib
 
+        from workers.agents.openai_api import create_app
         from workers.agents.task_server import serve_in_background
-        from workers.openai_api import create_app
-        from workers.rollout_fns import chat_format
 
         app = create_app(BatchingSampler(self._generate_batch), chat_format(self.task), model=self.task_label)
         self._endpoint = contextlib.ExitStack()
@@ -158,7 +159,7 @@ class AgentRolloutWorker:
             t0 = time.perf_counter()
             groups, group_stats = asyncio.run(
                 collect_groups(
-                    self.generate, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
+                    self.generate_fn, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
                     self.filter_fn,
                 )
             )  # fmt: skip

@@ -27,6 +27,12 @@ def _load_pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
+def _placed(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """``model`` on ``device`` in ``dtype``, in eval mode. ``nn.Module.to`` is the call ``model.to`` makes; transformers
+    wraps ``PreTrainedModel.to`` in a decorator whose typing reads as an unbound method."""
+    return torch.nn.Module.to(model, device=device, dtype=dtype).eval()
+
+
 class HFEngine(Engine):
     """Sample responses with a Hugging Face causal LM, on CPU or one GPU.
 
@@ -77,10 +83,11 @@ class HFEngine(Engine):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if model is None:
+            assert model_path is not None  # exactly one of the two, checked above
             model = _load_pretrained(model_path, dtype)
         self._device = torch.device(device)
         self._dtype = dtype
-        self._model = model.to(device=self._device, dtype=dtype).eval()
+        self._model = _placed(model, self._device, dtype)
         self.pad_token_id = _token_id_or_config(pad_token_id, self._model, "pad_token_id")
         self.eos_token_id = _token_id_or_config(eos_token_id, self._model, "eos_token_id")
         self.max_batch_size = max_batch_size
@@ -173,11 +180,12 @@ class HFEngine(Engine):
 
     def _check_prompts(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         max_positions = getattr(self._model.config, "max_position_embeddings", None)
+        embeddings = self._model.get_input_embeddings()
         check_prompts(
             prompts,
             n,
             params,
-            vocab_size=self._model.get_input_embeddings().num_embeddings,
+            vocab_size=embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None,
             max_len=None if max_positions is None else ("max_position_embeddings", max_positions),
         )
 
@@ -200,8 +208,8 @@ class HFEngine(Engine):
             with torch.no_grad():
                 self._model.load_state_dict(state_dict, strict=False)
         else:
-            model = _load_pretrained(path, self._dtype)
-            self._model = model.to(device=self._device, dtype=self._dtype).eval()
+            assert path is not None  # check_weight_update: exactly one of state_dict and path
+            self._model = _placed(_load_pretrained(path, self._dtype), self._device, self._dtype)
         self._version = version
 
     def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

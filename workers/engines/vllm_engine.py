@@ -103,6 +103,7 @@ class VLLMEngine(Engine):
         from transformers import AutoConfig
         from vllm import LLM
 
+        assert model_path is not None  # given, or the saved model's directory (exactly one was checked above)
         config = AutoConfig.from_pretrained(model_path)
         if eos_token_id is None:
             eos_token_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id

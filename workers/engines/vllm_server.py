@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 from workers.engines.base import AbortCheck, Generation, SamplingParams, check_prompts
 from workers.engines.errors import EngineRequestError
@@ -133,9 +133,10 @@ class VLLMServerEngine(HTTPEngine):
                 f"vllm server at {self.url}: {len(token_ids)} token_ids but {len(logprobs)} token_logprobs"
             )
         reason = choice.get("finish_reason") or "length"
-        if reason not in ("stop", "length"):
-            reason = "abort"
-        return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+        finish: Literal["stop", "length", "abort"] = (
+            "stop" if reason == "stop" else "length" if reason == "length" else "abort"
+        )
+        return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish)
 
     def _load_directory(self, path: str, version: int) -> Any:
         reply = self.request("POST", "/collective_rpc", json={"method": "tq_load_weights_from_dir", "args": [path]})

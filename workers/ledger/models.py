@@ -51,10 +51,10 @@ class Task(BaseModel):
 
 
 _REGISTRY: dict[str, type[Task]] = {}
-T = TypeVar("T", bound=type[Task])
+TaskT = TypeVar("TaskT", bound=Task)
 
 
-def register_new_model(cls: T) -> T:
+def register_new_model(cls: type[TaskT]) -> type[TaskT]:
     """Class decorator: make a ``Task`` subclass storable in (and loadable from) the ledger as its own class.
 
     Types are registered by class name (a script's ``__main__.RFTTask`` and ``mymodule.RFTTask`` are one type when
@@ -185,7 +185,7 @@ class DBRecordData(BaseModel):
 
 class InferenceService(BaseModel):
     """A registered inference endpoint. ``kind`` is ``"openai"`` (``url`` serves ``/v1/chat/completions``, e.g.
-    ``workers/openai_api.py``) or ``"callable"`` (an in-process coroutine registered under ``actor``)."""
+    ``workers/agents/openai_api.py``) or ``"callable"`` (an in-process coroutine registered under ``actor``)."""
 
     name: str
     kind: Literal["openai", "callable"] = "openai"

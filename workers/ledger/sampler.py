@@ -39,7 +39,7 @@ from workers.ledger.services import InferenceClient
 from workers.ledger.store import Ledger
 
 if TYPE_CHECKING:  # the endpoint's module imports the engines (torch): only when a completion is parsed
-    from workers.openai_api import ChatCompletion
+    from workers.agents.openai_api import ChatCompletion
 
 log = logging.getLogger(__name__)
 

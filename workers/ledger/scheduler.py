@@ -134,7 +134,7 @@ class SamplingScheduler:
             check_registered(item)
             tid = item.id if item.id is not None else str(index)
             tasks.append(item.model_copy(update={"id": tid, "split": self.split, "epoch": epoch, "status": "pending"}))
-        ids = Counter(t.id for t in tasks)
+        ids = Counter(t.id for t in tasks if t.id is not None)  # every id is set above
         if dupes := sorted(i for i, n in ids.items() if n > 1):
             raise ValueError(f"task ids must be unique within a split; repeated: {dupes[:10]}")
         return tasks

@@ -1,5 +1,6 @@
-"""Inference services in the ledger: a host registers its OpenAI-compatible endpoint (``workers/openai_api.py``) and
-heart-beats its load; samplers send each chat completion to the least-loaded healthy one.
+"""Inference services in the ledger: a host registers its OpenAI-compatible endpoint
+(``workers/agents/openai_api.py``) and heart-beats its load; samplers send each chat completion to the least-loaded
+healthy one.
 
     with ServiceRegistration(ledger, InferenceService(name="engine-0", url=url + "/v1"), load=lambda: inflight):
         ...                                  # registered and heart-beating; marked down on exit
@@ -25,7 +26,7 @@ from workers.ledger.models import InferenceService
 from workers.ledger.store import Ledger
 
 if TYPE_CHECKING:  # the endpoint's module imports the engines (torch): only when a completion is parsed
-    from workers.openai_api import ChatCompletion
+    from workers.agents.openai_api import ChatCompletion
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class InferenceClient:
             raise InferenceFailed(
                 f"inference service {service.name} at {url} answered {response.status_code}: {response.text[:500]}"
             )
-        from workers.openai_api import ChatCompletion
+        from workers.agents.openai_api import ChatCompletion
 
         completion = ChatCompletion.model_validate(response.json())
         if len(completion.prompt_token_ids) > self.config.max_prompt_tokens:

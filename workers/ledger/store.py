@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,7 +63,8 @@ class Ledger:
             self._engine = create_engine(self.target.url, connect_args={"timeout": 60})
             event.listen(self._engine, "connect", _sqlite_on_connect)
             event.listen(self._engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
-            self._insert = sqlite_insert
+            # SQLite's and PostgreSQL's INSERT both have on_conflict_do_nothing(); one callable serves either
+            self._insert: Callable[[Any], Any] = sqlite_insert
         else:
             self._engine = create_engine(
                 self.target.url, pool_pre_ping=True, pool_size=2, connect_args={"connect_timeout": 5}
@@ -204,7 +205,7 @@ class Ledger:
                         continue
                 attempt = row.attempts + 1
                 deadline = now + lease_s
-                claim_id = conn.execute(
+                inserted = conn.execute(
                     insert(s.claims).values(
                         task_key=row.key,
                         owner=owner,
@@ -214,7 +215,9 @@ class Ledger:
                         created_at=now,
                         updated_at=now,
                     )
-                ).inserted_primary_key[0]
+                ).inserted_primary_key
+                assert inserted is not None  # a one-row INSERT has its primary key
+                claim_id = inserted[0]
                 conn.execute(
                     update(s.tasks)
                     .where(t.key == row.key)
@@ -334,8 +337,8 @@ class Ledger:
                 written = conn.execute(stmt.returning(r.id)).first() is not None
                 if not written and replace_unqueued:
                     where = [r.task_key == record.task_key, r.sample_index == record.sample_index]
-                    stmt = update(s.records).where(*where, r.partition_id.is_(None)).values(**values)
-                    written = conn.execute(stmt.returning(r.id)).first() is not None
+                    replace = update(s.records).where(*where, r.partition_id.is_(None)).values(**values)
+                    written = conn.execute(replace.returning(r.id)).first() is not None
                 query = self._records_query().where(
                     r.task_key == record.task_key, r.sample_index == record.sample_index
                 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from rl_contracts.task import Task
 from workers.hf_models import require_prepared, smollm2_path
@@ -128,7 +128,8 @@ class ArithmeticTask(Task):
             path = require_prepared(self.model_path)
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            # a Hugging Face tokenizer is a ChatTokenizer; its stubs' union of backends does not say so
+            self._tokenizer = cast(ChatTokenizer, AutoTokenizer.from_pretrained(path))
         return self._tokenizer
 
     def prompts(self, split: str, num: int, seed: int) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """The policy side of a task-server environment for a chat model: SmolLM2-135M-Instruct playing ``os-interaction``.
 
 Prompts are the environment's sample ids (the task server builds each episode's first observation); the tokenizer's
-chat template formats the turns (``workers.rollout_fns.chat_format``); the environment scores episodes. Used by
+chat template formats the turns (``workers.agents.rollout_fns.chat_format``); the environment scores episodes. Used by
 ``recipe/configs/agent_os_smollm2.yaml``.
 """
 

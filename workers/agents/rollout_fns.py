@@ -157,4 +157,9 @@ def chat_format(task: Task) -> HFChatFormat | PlainChatFormat:
     tokenizer = task.tokenizer
     if getattr(tokenizer, "chat_template", None):
         return HFChatFormat(tokenizer)
-    return PlainChatFormat(tokenizer.encode, tokenizer.decode)  # type: ignore[attr-defined]
+    encode = getattr(tokenizer, "encode", None)
+    if not callable(encode):
+        raise ValueError(
+            f"{type(task).__name__}'s tokenizer has neither a chat template nor encode(); a chat needs one"
+        )
+    return PlainChatFormat(encode, lambda ids: tokenizer.decode(list(ids)))

@@ -1,0 +1,1 @@
+"""Experiments beside the recipes: single-process baselines the benchmarks compare runs against."""
