@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.ledger.claimers import claim_all, claim_and_hang  # noqa: E402
-from tests.ledger.pg import PostgresServer, postgres_bin  # noqa: E402
+from tests.integration.workers.ledger.claimers import claim_all, claim_and_hang  # noqa: E402
+from tests.integration.workers.ledger.pg import PostgresServer, postgres_bin  # noqa: E402
 from workers.ledger import Ledger, Task  # noqa: E402
 
 CTX = multiprocessing.get_context("spawn")

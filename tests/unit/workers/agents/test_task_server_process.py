@@ -1,0 +1,57 @@
+"""TaskServerProcess: a task server owned by its parent leaves no orphan, however the parent ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parents[4]
+PARENT = """
+import time
+from workers.agents.server_process import TaskServerProcess
+servers = [TaskServerProcess("guess-number") for _ in range(2)]
+for server in servers:
+    print(server.process.pid, server.url, flush=True)
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only a zombie waiting for init to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_killing_the_parent_outright_leaves_no_task_server_running() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert parent.stdout is not None
+        servers = [parent.stdout.readline().split() for _ in range(2)]
+        pids, urls = [int(pid) for pid, _ in servers], [url for _, url in servers]
+        for url in urls:
+            assert httpx.get(f"{url}/api/health", timeout=10).json()["status"] == "healthy"
+        parent.send_signal(signal.SIGKILL)  # no atexit hook runs: only the kernel can tell the servers
+        parent.wait(10)
+        for pid in pids:
+            wait_until(lambda pid=pid: gone(pid), timeout=30, what=f"task server {pid} to exit after its parent")
+        for url in urls:
+            try:
+                httpx.get(f"{url}/api/health", timeout=2)
+            except httpx.TransportError:
+                continue
+            raise AssertionError(f"{url} still answers after its owner was killed")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
