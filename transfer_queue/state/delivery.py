@@ -29,8 +29,9 @@ from transfer_queue.errors import InvalidRequest, NotLeased, StaleBatchMeta
 from transfer_queue.metadata import PartitionKey
 from transfer_queue.state.dp_rounds import end_round, mark_released
 from transfer_queue.state.events import QueueEvents
-from transfer_queue.state.partition import AVAILABLE, CONSUMED, DEAD, LEASED, PartitionState, unique_in_order
+from transfer_queue.state.partition import PartitionState, unique_in_order
 from transfer_queue.state.partition_table import PartitionTable
+from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED
 
 logger = logging.getLogger(__name__)
 

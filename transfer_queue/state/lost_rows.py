@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from transfer_queue.state.partition import AVAILABLE, COMMITTED, CONSUMED, DEAD, LEASED, LOST
+from transfer_queue.state.partition import COMMITTED, LOST
+from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED
 
 if TYPE_CHECKING:
     from transfer_queue.state.partition import PartitionState

@@ -29,8 +29,7 @@ from transfer_queue.errors import (
     SchemaMismatch,
     UnknownField,
 )
-from transfer_queue.metadata import (  # noqa: F401  (MAX_CUSTOM_META_BYTES: part of this module's face)
-    MAX_CUSTOM_META_BYTES,
+from transfer_queue.metadata import (
     BatchMeta,
     FieldSchema,
     PartitionKey,
@@ -38,16 +37,7 @@ from transfer_queue.metadata import (  # noqa: F401  (MAX_CUSTOM_META_BYTES: par
     describe_partition,
     merge_schema,
 )
-from transfer_queue.state.ready_index import (  # noqa: F401  (the row states are part of this module's face)
-    ACKNOWLEDGED,
-    AVAILABLE,
-    CONSUMED,
-    DEAD,
-    LEASED,
-    NO_HOLDER,
-    ReadyIndex,
-    TaskState,
-)
+from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED, NO_HOLDER, ReadyIndex, TaskState
 
 # LOST: its payload died with a storage unit (transfer_queue.state.lost_rows)
 FREE, RESERVED, COMMITTED, LOST = 0, 1, 2, 3

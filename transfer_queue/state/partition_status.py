@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from transfer_queue.state.partition import AVAILABLE, COMMITTED, CONSUMED, DEAD, LEASED, PartitionState
+from transfer_queue.state.partition import COMMITTED, PartitionState
+from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED
 
 
 def production_status(self: PartitionState) -> dict[str, Any]:

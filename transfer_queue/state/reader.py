@@ -20,9 +20,10 @@ from transfer_queue.metadata import BatchMeta, describe_partition
 from transfer_queue.samplers import BaseSampler
 from transfer_queue.state.delivery import ROUND_OWNER, Delivery, check_lease_s
 from transfer_queue.state.dp_rounds import MAX_DP_SIZE, DPRounds, GetMetaJob
-from transfer_queue.state.partition import AVAILABLE, PartitionState
+from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.put_ledger import PutLedger
+from transfer_queue.state.ready_index import AVAILABLE
 from transfer_queue.state.selection import ReadyView, select_with_user_sampler
 
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from transfer_queue.errors import SamplerError, TransferQueueError
 from transfer_queue.samplers import BaseSampler
-from transfer_queue.state.partition import AVAILABLE, COMMITTED, PartitionState, ReadyIndex
+from transfer_queue.state.partition import COMMITTED, PartitionState
+from transfer_queue.state.ready_index import AVAILABLE, ReadyIndex
 
 
 @dataclass

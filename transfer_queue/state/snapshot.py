@@ -25,8 +25,9 @@ from transfer_queue.errors import TransferQueueError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.state.lost_rows import LostRecord
-from transfer_queue.state.partition import AVAILABLE, COMMITTED, LEASED, LOST, RESERVED, PartitionState, TaskState
+from transfer_queue.state.partition import COMMITTED, LOST, RESERVED, PartitionState
 from transfer_queue.state.queue_state import QueueState
+from transfer_queue.state.ready_index import AVAILABLE, LEASED, TaskState
 
 FORMAT_VERSION = 1
 _ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")

@@ -32,7 +32,8 @@ from transfer_queue.samplers import (
     balanced_shares,
     make_sampler,
 )
-from transfer_queue.state.partition import AVAILABLE, COMMITTED
+from transfer_queue.state.partition import COMMITTED
+from transfer_queue.state.ready_index import AVAILABLE
 
 F32 = FieldSchema("dense", "float32", ())
 X = {"x": F32}

@@ -13,8 +13,8 @@ import pytest
 from transfer_queue.errors import InvalidRequest, NotLeased
 from transfer_queue.metadata import BatchMeta
 from transfer_queue.samplers import GRPOSampler
-from transfer_queue.state.partition import ReadyIndex
 from transfer_queue.state.partition_status import row_state_counts
+from transfer_queue.state.ready_index import ReadyIndex
 from transfer_queue.wire import protocol as p
 
 

@@ -11,9 +11,10 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.errors import InvalidRequest, NotLeased, StaleBatchMeta
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.state.delivery import Delivery, TaskOptions
-from transfer_queue.state.partition import AVAILABLE, CONSUMED, DEAD, LEASED, PartitionState
+from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_status import dead_letters
 from transfer_queue.state.partition_table import PartitionTable
+from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED
 
 F32 = FieldSchema("dense", "float32", ())
 

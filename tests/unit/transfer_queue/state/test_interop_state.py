@@ -8,8 +8,7 @@ import pytest
 
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import InvalidRequest, SchemaMismatch, StaleBatchMeta
-from transfer_queue.metadata import FieldSchema
-from transfer_queue.state.partition import MAX_CUSTOM_META_BYTES
+from transfer_queue.metadata import MAX_CUSTOM_META_BYTES, FieldSchema
 from transfer_queue.state.partition_status import production_status
 from transfer_queue.wire import protocol as p
 
