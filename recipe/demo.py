@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 from orchestration import connect_ray, train_and_report
+from orchestration.run_plan import plan_run
 from trainers.config import ConfigError, config_from_cli
-from trainers.run_plan import plan_run
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 

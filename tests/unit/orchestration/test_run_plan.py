@@ -8,9 +8,9 @@ import json
 import pytest
 import yaml
 
+from orchestration.run_plan import plan_run
 from trainers.checkpoint import checkpoint_path
 from trainers.config import ConfigError, config_from_cli, config_keys, config_to_dict, load_config
-from trainers.run_plan import plan_run
 
 DEMO_YAML = "recipe/configs/demo.yaml"
 
