@@ -118,8 +118,19 @@ def block_map(snapshot: dict[str, Any], new_units: int) -> tuple[dict[int, int],
     return mapping, counter
 
 
-def _restore_partition(d: dict[str, Any], mapping: dict[int, int]) -> PartitionState:
-    part = PartitionState(d["key"], d["uid"], d["capacity"], d["group_size"], d["base_index"], keyed=d["keyed"])
+def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: QueueConfig) -> PartitionState:
+    """A saved partition, under the restoring queue's ``max_fields`` and ``promote_jagged`` (as
+    :meth:`PartitionTable.open` builds one), so a resumed run merges and bounds schemas as the saved one did."""
+    part = PartitionState(
+        d["key"],
+        d["uid"],
+        d["capacity"],
+        d["group_size"],
+        d["base_index"],
+        keyed=d["keyed"],
+        max_fields=config.max_fields,
+        promote_jagged=config.promote_jagged,
+    )
     part.group_size = d["group_size"]
     part.closed = d["closed"]
     for name, schema in d["fields"].items():
@@ -174,7 +185,7 @@ def restore_state(
     state._next_put = snapshot["next_put"]
     state._next_block = blocks
     for d in snapshot["partitions"]:
-        part = _restore_partition(d, mapping)
+        part = _restore_partition(d, mapping, config)
         state.partitions[part.key] = part
         state.bytes_held += part.nbytes
     lost = snapshot.get("lost") or {"total": 0, "by_uid": {}}  # written before lost rows were saved: none
