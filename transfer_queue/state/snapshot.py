@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from transfer_queue.config import QueueConfig
-from transfer_queue.errors import TransferQueueError
+from transfer_queue.errors import SnapshotError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.state.lost_rows import LostRecord
@@ -32,10 +32,6 @@ from transfer_queue.state.ready_index import AVAILABLE, LEASED, TaskState
 FORMAT_VERSION = 1
 _ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
 _DICTS = ("group_members", "block_refs", "block_nbytes", "keys", "row_keys")
-
-
-class SnapshotError(TransferQueueError, RuntimeError):
-    """A controller snapshot of another format, or one that does not decode."""
 
 
 def _array(a: np.ndarray) -> dict[str, Any]:

@@ -10,10 +10,10 @@ import pytest
 
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.requests import RequestTable
-from transfer_queue.errors import InvalidRequest
+from transfer_queue.errors import InvalidRequest, SnapshotError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SequentialSampler
-from transfer_queue.state.snapshot import SnapshotError, block_map, read_snapshot, restore_state, snapshot_state
+from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state, snapshot_state
 from transfer_queue.wire import protocol as p
 
 X = {"x": FieldSchema("dense", "float32", ())}
