@@ -5,8 +5,9 @@ the stream (the partition closed, or its step full, and everything consumed). Ev
 iterates its own dataset with its own ``dp_rank``; round ``k`` of every rank is one DP round of the queue, so the
 ranks share rows without overlap, and every rank yields the same number of batches (a collective in the training
 step never waits for a rank that stopped early): the last round, when the stream ends short of a full one, is
-dropped on every rank (``drop_last=True``) or yielded by every rank with empty batches where a rank's share has
-no rows (``drop_last=False``).
+dropped on every rank (``drop_last=True``: every rank acknowledges its share of it, so its rows are not served to the
+task again, as a consumer group commits what it skips) or yielded by every rank with empty batches where a rank's
+share has no rows (``drop_last=False``).
 
 With ``num_workers > 0`` (:class:`StreamingDataLoader`), worker ``w`` takes rounds ``w, w + W, ...``; the workers
 ask the queue for their rounds strictly in round order (a turn shared between them), fetch the data in parallel,
@@ -16,6 +17,7 @@ held back behind a later round that is still waiting for rows.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,9 +28,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from transfer_queue.client import TransferQueueClient, default_client_id
 from transfer_queue.client.channel import _partition
-from transfer_queue.errors import InvalidRequest
+from transfer_queue.errors import InvalidRequest, NotLeased, StaleBatchMeta
 from transfer_queue.metadata import BatchMeta
 from transfer_queue.wire.protocol import ControllerInfo
+
+logger = logging.getLogger(__name__)
 
 
 class RoundTurns:
@@ -72,8 +76,10 @@ class StreamingDataset(IterableDataset):
         timeout: seconds to wait for one round.
         device: where tensors are delivered.
         drop_last: what happens to the last round when the stream ends short of ``dp_size * batch_size`` rows
-            (its shares are uneven, some may be empty). ``True`` (default): every rank drops it (its rows count as
-            served to the task, as ``torch``'s ``drop_last`` drops them), so every rank yields only full rounds.
+            (its shares are uneven, some may be empty). ``True`` (default): every rank drops it, so every rank
+            yields only full rounds; each rank acknowledges its dropped share, so its rows count as served to the
+            task (as ``torch``'s ``drop_last`` drops them for the epoch): they are not served to the task again when
+            the round's lease runs out, only after ``reset_consumption`` (a new pass over the partition).
             ``False``: every rank yields it as ``ceil(largest share / micro_batch_size)`` batches (one without
             micro-batches), padding with batches of **zero rows** where its own share runs out; a training step
             must then accept an empty batch (weight its loss by the rows it has, e.g. sum / global row count).
@@ -146,6 +152,7 @@ class StreamingDataset(IterableDataset):
                         meta = self._round_meta(client, round_index)
                 pieces = self._pieces(meta)
                 if not pieces:  # the end of the stream (or its short last round, dropped on every rank)
+                    self._drop(client, meta)
                     return
                 batches = [(client.get_data(piece, device=self.device), piece) for piece in pieces]
                 if self.turns is not None:  # StreamingDataLoader's worker: the whole round is one item
@@ -171,6 +178,16 @@ class StreamingDataset(IterableDataset):
             timeout=self.timeout,
             **step,
         )
+
+    def _drop(self, client: TransferQueueClient, meta: BatchMeta) -> None:
+        """Acknowledge this rank's share of a round dropped by ``drop_last``: its rows count as served to the task,
+        so they are not served to it again when the round's lease runs out (only after ``reset_consumption``)."""
+        if not len(meta):
+            return
+        try:
+            client.ack(meta)
+        except (NotLeased, StaleBatchMeta) as exc:  # the round's lease ran out first, or the partition was cleared
+            logger.warning("the %d rows of a round dropped by drop_last were not acknowledged: %s", len(meta), exc)
 
     def _pieces(self, meta: BatchMeta) -> list[BatchMeta]:
         """This rank's batches of one round: as many as every other rank yields for it (none: the stream ended)."""

@@ -3,14 +3,23 @@
 Every error is a :class:`TransferQueueError` and also derives from the matching built-in (``ValueError``,
 ``KeyError``, ``TimeoutError``, ...), so ``except ValueError`` keeps working for callers that do not know us.
 An error raised inside the controller or a storage unit travels back over the wire by name and is raised in the
-caller as the same type with the same message (see :func:`error_from_wire`).
+caller as the same type with the same message (see :func:`error_from_wire`): every subclass is registered by name when
+it is defined, and every error of this package is defined here, so a process that imported only this module rebuilds
+each of them (tests/unit/transfer_queue/test_errors.py walks them all).
 """
 
 from __future__ import annotations
 
+# name -> error type, for error_from_wire: filled by TransferQueueError.__init_subclass__ as the classes are defined
+_BY_NAME: dict[str, type[TransferQueueError]] = {}
+
 
 class TransferQueueError(Exception):
     """Base class of every error this package raises on purpose."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        _BY_NAME.setdefault(cls.__name__, cls)  # the first class of a name keeps it: ours, defined below
 
     def __str__(self) -> str:
         # KeyError quotes its argument; an error message is API, so print it as written.
@@ -151,43 +160,16 @@ class MalformedMessage(TransferQueueError, ValueError):
     """A frame received over ZeroMQ could not be decoded; the server replied with this and kept serving."""
 
 
-_BY_NAME: dict[str, type[TransferQueueError]] = {
-    cls.__name__: cls
-    for cls in (
-        TransferQueueError,
-        InvalidRequest,
-        SchemaMismatch,
-        BatchSizeMismatch,
-        PartitionOverfilled,
-        IncompleteGroups,
-        FieldAlreadyProduced,
-        UnsupportedValue,
-        InvalidSampler,
-        UnknownPartition,
-        UnknownField,
-        UnknownKey,
-        PartitionCleared,
-        StaleBatchMeta,
-        SamplerError,
-        NotLeased,
-        GetMetaTimeout,
-        QueueFull,
-        PutExpired,
-        RequestTimeout,
-        StorageUnavailable,
-        StorageUnitDown,
-        RowsLost,
-        AuthenticationFailed,
-        ProtocolMismatch,
-        SessionMismatch,
-        ConfigMismatch,
-        QueueNotFound,
-        ClientClosed,
-        QueueClosed,
-        ServerGone,
-        MalformedMessage,
-    )
-}
+class CheckpointError(TransferQueueError, RuntimeError):
+    """A checkpoint is missing, of another format version, or damaged (the message names the file), or a save
+    failed (the previous checkpoint stays current). Raised by ``transfer_queue.storage.checkpoint``."""
+
+
+class SnapshotError(TransferQueueError, RuntimeError):
+    """A controller snapshot of another format, or one that does not decode (``transfer_queue.state.snapshot``)."""
+
+
+_BY_NAME[TransferQueueError.__name__] = TransferQueueError
 
 
 def error_to_wire(exc: BaseException) -> tuple[str, str]:

@@ -149,7 +149,9 @@ class QueueHarness:
         return self.ok(self.get_request(*args, **kw)).to_meta()
 
     def release(self, meta: BatchMeta, task: str | None = None) -> None:
-        self.ok(p.Release(meta.partition_uid, task or meta.task_name or "train", p.pack_indexes(meta.global_indexes)))
+        task = task or meta.task_name or "train"  # the Release a client sends, naming the meta's DP round (if any)
+        group = meta.extra.get("dp_group_id")
+        self.ok(p.Release(meta.partition_uid, task, p.pack_indexes(meta.global_indexes), dp_group_id=group))
 
     def clear(self, partition: int | str) -> None:
         self.ok(p.Clear(partition))

@@ -332,7 +332,11 @@ class RowCalls(QueueChannel):
         if batch_meta.task_name is None or not len(batch_meta):
             return
         request = p.Ack(
-            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
+            batch_meta.partition_uid,
+            batch_meta.task_name,
+            p.pack_indexes(batch_meta.global_indexes),
+            self.owner,
+            dp_group_id=_dp_group_id(batch_meta),
         )
         post = getattr(self._transport, "post", None)
         if post is not None and not self._closed:  # over a Unix socket: sent, not waited for (ordered before the
@@ -361,7 +365,12 @@ class RowCalls(QueueChannel):
         if batch_meta.task_name is None:
             raise InvalidRequest("ack needs a BatchMeta from get_meta (it names the task that leased it)")
         request = p.Ack(
-            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner, True
+            batch_meta.partition_uid,
+            batch_meta.task_name,
+            p.pack_indexes(batch_meta.global_indexes),
+            self.owner,
+            True,
+            dp_group_id=_dp_group_id(batch_meta),
         )
         await self._control(request, Any, self.config.default_timeout)
 
@@ -374,9 +383,19 @@ class RowCalls(QueueChannel):
         if batch_meta.task_name is None:
             raise InvalidRequest("release needs a BatchMeta from get_meta (it names the task that consumed it)")
         request = p.Release(
-            batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes), self.owner
+            batch_meta.partition_uid,
+            batch_meta.task_name,
+            p.pack_indexes(batch_meta.global_indexes),
+            self.owner,
+            _dp_group_id(batch_meta),
         )
         await self._control(request, Any, self.config.default_timeout)
+
+
+def _dp_group_id(batch_meta: BatchMeta) -> str | None:
+    """The DP round a meta's rows were leased to (acks and releases name it: rows a later round took are not its)."""
+    group = batch_meta.extra.get("dp_group_id")
+    return None if group is None else str(group)
 
 
 def _checked_device(device: str | torch.device | None) -> torch.device | None:

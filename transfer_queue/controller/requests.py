@@ -65,10 +65,10 @@ class RequestTable:
             p.Abort: lambda req: s.ledger.abort(req.put_id),
             p.GetMeta: self._get_meta,
             p.Release: lambda req: s.delivery.release(
-                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner
+                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.dp_group_id
             ),
             p.Ack: lambda req: s.delivery.ack(
-                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.explicit
+                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.explicit, req.dp_group_id
             ),
             p.CancelGetMeta: lambda req: s.cancel_get_meta(req.owner, req.call_id),
             p.SetTaskOptions: lambda req: s.set_task_options(

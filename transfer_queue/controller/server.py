@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from transfer_queue.controller.requests import RequestTable
 from transfer_queue.errors import (
+    CheckpointError,
     TransferQueueError,
     error_to_wire,
 )
@@ -32,7 +33,6 @@ from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
 from transfer_queue.storage.checkpoint import (
-    CheckpointError,
     begin_save,
     commit_save,
     write_controller,

@@ -318,9 +318,10 @@ class Delivery:
 
     # ---- acknowledging and releasing -------------------------------------------------------------------------
     def held_rows(
-        self, uid: int, task_name: str, indexes: np.ndarray, owner: str, what: str
+        self, uid: int, task_name: str, indexes: np.ndarray, owner: str, what: str, dp_group_id: str | None = None
     ) -> tuple[PartitionState, np.ndarray, np.ndarray, np.ndarray]:
-        """The partition, the distinct rows named, and per row: held by ``owner``, held by a DP round."""
+        """The partition, the distinct rows named, and per row: held by ``owner``, held by DP round
+        ``dp_group_id`` (under that round's own lease: not rows a later round took after its lease expired)."""
         part = self.table.by_uid(uid)
         if part is None:
             raise StaleBatchMeta(
@@ -331,35 +332,67 @@ class Delivery:
         rows = unique_in_order(rows[(rows >= 0) & (rows < part.num_rows)])
         task = part.task(task_name)
         holder = task.holder[rows]
-        return part, rows, holder == self.leases.owner_id(owner), holder == self.leases.round_holder
+        by_round = holder == self.leases.round_holder
+        if dp_group_id is None:
+            ours = np.zeros(len(rows), dtype=bool)
+        else:
+            ours = by_round & np.isin(task.lease[rows], self._round_leases(part, (task_name, dp_group_id), rows))
+        return part, rows, holder == self.leases.owner_id(owner), ours
 
-    def ack(self, uid: int, task_name: str, indexes: np.ndarray, owner: str, explicit: bool) -> dict[str, int] | None:
-        """Acknowledge rows ``owner`` holds; ``explicit`` (the user's ack): rows it does not hold are NotLeased."""
+    def _round_leases(self, part: PartitionState, round_key: tuple[str, str], rows: np.ndarray) -> list[int]:
+        """The lease ids under which round ``round_key`` held ``rows``: its own (kept while the partition remembers
+        the round) and any live lease opened for it."""
+        task = part.task(round_key[0])
+        dp_round = part.rounds.get(round_key)
+        ids = [dp_round.lease_id] if dp_round is not None and dp_round.lease_id else []
+        for lease_id in np.unique(task.lease[rows]).tolist():
+            lease = self.leases.leases.get(lease_id)
+            if lease is not None and lease.round_key == round_key:
+                ids.append(lease_id)
+        return ids
+
+    def ack(
+        self,
+        uid: int,
+        task_name: str,
+        indexes: np.ndarray,
+        owner: str,
+        explicit: bool,
+        dp_group_id: str | None = None,
+    ) -> dict[str, int] | None:
+        """Acknowledge rows ``owner`` holds, or its DP round ``dp_group_id`` still holds (a late ack of a round whose
+        lease expired acknowledges nothing another round took since); ``explicit`` (the user's ack): rows not held
+        are NotLeased."""
         if not explicit and (self.options(task_name).ack == "explicit" or self.table.by_uid(uid) is None):
             return None  # a get_data's acknowledgement: the task acknowledges by itself / the meta is stale
-        part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "ack")
+        part, rows, mine, ours = self.held_rows(uid, task_name, indexes, owner, "ack", dp_group_id)
         task = part.task(task_name)
         state = task.consumption[rows]
-        take = (state == LEASED) & (mine | rounds)
+        take = (state == LEASED) & (mine | ours)
         if explicit:
-            again = (state == CONSUMED) & rounds  # TP peers of a DP rank acknowledge the same share: once counts
+            again = (state == CONSUMED) & ours  # TP peers of a DP rank acknowledge the same share: once counts
             bad = ~(take | again)
             if bad.any():
-                raise NotLeased(_not_leased_message(part, task_name, rows[bad], state[bad], mine[bad]))
+                by_round = task.holder[rows[bad]] == self.leases.round_holder
+                raise NotLeased(
+                    _not_leased_message(part, task_name, rows[bad], state[bad], mine[bad] | ours[bad], by_round)
+                )
         acked = rows[take]
         if len(acked):
             self.leases.settled(task.lease[acked])
             part.acknowledge(task_name, acked)
         return {"acknowledged": len(acked)}
 
-    def release(self, uid: int, task_name: str, indexes: np.ndarray, owner: str) -> None:
-        """Hand back rows the caller holds (leased or acknowledged by it, or held by a DP round), behind the rows
-        ready now; rows it does not hold, or names twice, are ignored. A row delivered ``max_deliveries`` times is
-        dead-lettered instead."""
-        part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "release")
+    def release(
+        self, uid: int, task_name: str, indexes: np.ndarray, owner: str, dp_group_id: str | None = None
+    ) -> None:
+        """Hand back rows the caller holds (leased or acknowledged by it, or held by its DP round ``dp_group_id``),
+        behind the rows ready now; rows it does not hold (another round's, after its own round's lease expired), or
+        names twice, are ignored. A row delivered ``max_deliveries`` times is dead-lettered instead."""
+        part, rows, mine, ours = self.held_rows(uid, task_name, indexes, owner, "release", dp_group_id)
         task = part.task(task_name)
         state = task.consumption[rows]
-        rows = rows[((state == LEASED) | (state == CONSUMED)) & (mine | rounds)]
+        rows = rows[((state == LEASED) | (state == CONSUMED)) & (mine | ours)]
         leased = rows[task.consumption[rows] == LEASED]
         self.leases.settled(task.lease[leased])
         worn = rows[task.deliveries[rows] >= self.max_deliveries(task_name)]
@@ -371,11 +404,12 @@ class Delivery:
 
 
 def _not_leased_message(
-    part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray
+    part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray, by_round: np.ndarray
 ) -> str:
     index = rows + part.base_index
     why = {
-        "leased to another client": index[(state == LEASED) & ~mine],
+        "leased to another client": index[(state == LEASED) & ~mine & ~by_round],
+        "leased to another DP round": index[(state == LEASED) & ~mine & by_round],
         "already acknowledged": index[state == CONSUMED],
         "not leased (never handed out, or handed back: lease expired, client gone, released)": index[
             state == AVAILABLE

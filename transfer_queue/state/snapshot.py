@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from transfer_queue.config import QueueConfig
-from transfer_queue.errors import TransferQueueError
+from transfer_queue.errors import SnapshotError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.state.lost_rows import LostRecord
@@ -32,10 +32,6 @@ from transfer_queue.state.ready_index import AVAILABLE, LEASED, TaskState
 FORMAT_VERSION = 1
 _ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
 _DICTS = ("group_members", "block_refs", "block_nbytes", "keys", "row_keys")
-
-
-class SnapshotError(TransferQueueError, RuntimeError):
-    """A controller snapshot of another format, or one that does not decode."""
 
 
 def _array(a: np.ndarray) -> dict[str, Any]:
@@ -118,8 +114,19 @@ def block_map(snapshot: dict[str, Any], new_units: int) -> tuple[dict[int, int],
     return mapping, counter
 
 
-def _restore_partition(d: dict[str, Any], mapping: dict[int, int]) -> PartitionState:
-    part = PartitionState(d["key"], d["uid"], d["capacity"], d["group_size"], d["base_index"], keyed=d["keyed"])
+def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: QueueConfig) -> PartitionState:
+    """A saved partition, under the restoring queue's ``max_fields`` and ``promote_jagged`` (as
+    :meth:`PartitionTable.open` builds one), so a resumed run merges and bounds schemas as the saved one did."""
+    part = PartitionState(
+        d["key"],
+        d["uid"],
+        d["capacity"],
+        d["group_size"],
+        d["base_index"],
+        keyed=d["keyed"],
+        max_fields=config.max_fields,
+        promote_jagged=config.promote_jagged,
+    )
     part.group_size = d["group_size"]
     part.closed = d["closed"]
     for name, schema in d["fields"].items():
@@ -174,7 +181,7 @@ def restore_state(
     state._next_put = snapshot["next_put"]
     state._next_block = blocks
     for d in snapshot["partitions"]:
-        part = _restore_partition(d, mapping)
+        part = _restore_partition(d, mapping, config)
         state.partitions[part.key] = part
         state.bytes_held += part.nbytes
     lost = snapshot.get("lost") or {"total": 0, "by_uid": {}}  # written before lost rows were saved: none

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transfer_queue.errors import TransferQueueError
+from transfer_queue.errors import CheckpointError
 from transfer_queue.metadata import FieldSchema
 
 FORMAT_VERSION = 1
@@ -36,10 +36,6 @@ CURRENT = "CURRENT"
 MANIFEST = "manifest.msgpack"
 PAYLOAD = "payload.bin"
 STAGING_PREFIX = ".staging-"
-
-
-class CheckpointError(TransferQueueError, RuntimeError):
-    """A checkpoint is missing, of another format version, or damaged (the message names the file)."""
 
 
 class BufferEntry(msgspec.Struct, array_like=True, frozen=True):

@@ -157,15 +157,21 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
 
 
 class Release(msgspec.Struct, tag="release"):
+    """Hand back rows the owner holds. ``dp_group_id``: the meta's DP round (its ``extra``), whose rows it may hand
+    back."""
+
     partition_uid: int
     task_name: str
     global_indexes: bytes
     owner: str = ""
+    dp_group_id: str | None = None
 
 
 class Ack(msgspec.Struct, tag="ack"):
     """Acknowledge leased rows. ``explicit``: the user called ``ack`` (rows the owner does not hold are an error);
-    otherwise a ``get_data`` sent it (ignored for tasks that acknowledge explicitly, and for rows not held)."""
+    otherwise a ``get_data`` sent it (ignored for tasks that acknowledge explicitly, and for rows not held).
+    ``dp_group_id``: the meta's DP round (its ``extra``): rows still leased to that round may be acknowledged, not
+    rows a later round holds after this round's lease expired."""
 
     partition_uid: int
     task_name: str
@@ -173,6 +179,7 @@ class Ack(msgspec.Struct, tag="ack"):
     owner: str = ""
     explicit: bool = False
     reply: bool = True  # False: the client does not wait for an answer (get_data's ack over a Unix socket)
+    dp_group_id: str | None = None
 
 
 class CancelGetMeta(msgspec.Struct, tag="cancel_get_meta"):

@@ -10,7 +10,7 @@ import pytest
 
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of
 from trainers.checkpoint import queue_stage
-from transfer_queue.storage.checkpoint import CheckpointError
+from transfer_queue.errors import CheckpointError
 
 
 def checkpoint(tmp_path: Path, extra: dict, with_queue: bool) -> Path:

@@ -34,11 +34,15 @@ def get_request(owner: str, batch: int, task: str = "train", partition=0, *, lea
 
 
 def ack(q, meta: BatchMeta, owner: str, explicit: bool = True):
-    return q.ok(p.Ack(meta.partition_uid, meta.task_name, p.pack_indexes(meta.global_indexes), owner, explicit))
+    """The Ack a client sends for ``meta`` (naming its DP round, if any)."""
+    group = meta.extra.get("dp_group_id")
+    return q.ok(p.Ack(meta.partition_uid, meta.task_name, p.pack_indexes(meta.global_indexes), owner, explicit,
+                      dp_group_id=group))  # fmt: skip
 
 
 def release(q, meta: BatchMeta, owner: str) -> None:
-    q.ok(p.Release(meta.partition_uid, meta.task_name, p.pack_indexes(meta.global_indexes), owner))
+    group = meta.extra.get("dp_group_id")
+    q.ok(p.Release(meta.partition_uid, meta.task_name, p.pack_indexes(meta.global_indexes), owner, group))
 
 
 def states(q, task: str = "train", partition=0) -> dict[str, int]:
@@ -337,6 +341,33 @@ def test_a_dp_round_whose_ranks_all_acknowledged_ends_with_nothing_to_hand_back(
     q.advance(5.0)
     assert states(q) == {"ready": 0, "leased": 0, "acknowledged": 8, "dead_lettered": 0}
     assert indexes(get(q, "rank1", 4, sampler_params=dp(1))) == indexes(shares[1])  # the round is still served
+
+
+def test_a_late_ack_of_an_expired_round_acknowledges_nothing_of_the_round_that_holds_its_rows_now(make):
+    q = make(global_batch_size=8)
+    q.put(0, 8)
+    late = get(q, "rank0", 4, sampler_params=dp(0, "a"), lease_s=5.0)
+    q.advance(5.0)  # round a expires before rank 0's get_data: its rows go back, and round b takes them
+    now = [get(q, f"rank{r}", 4, sampler_params=dp(r, "b"), lease_s=5.0) for r in (0, 1)]
+    assert sorted(indexes(now[0]) + indexes(now[1])) == list(range(8))
+    assert ack(q, late, "rank0", explicit=False) == {"acknowledged": 0}  # rank 0's late get_data of round a
+    with pytest.raises(NotLeased, match=r"leased to another DP round: \[0, 1, 2, 3\]"):
+        ack(q, late, "rank0")
+    assert states(q)["leased"] == 8
+    for r, share in enumerate(now):  # round b's ranks acknowledge their own shares
+        assert ack(q, share, f"rank{r}") == {"acknowledged": 4}
+    assert q.state.leases.leases == {}
+
+
+def test_a_late_release_of_an_expired_round_hands_back_nothing_of_the_round_that_holds_its_rows_now(make):
+    q = make(global_batch_size=8)
+    q.put(0, 8)
+    late = get(q, "rank0", 4, sampler_params=dp(0, "a"), lease_s=5.0)
+    q.advance(5.0)
+    now = [get(q, f"rank{r}", 4, sampler_params=dp(r, "b"), lease_s=5.0) for r in (0, 1)]
+    release(q, late, "rank0")
+    assert states(q)["leased"] == 8
+    assert indexes(get(q, "rank0", 4, sampler_params=dp(0, "b"))) == indexes(now[0])  # not taken for released
 
 
 def test_expiries_and_redeliveries_reach_the_metrics_hook(make_queue):

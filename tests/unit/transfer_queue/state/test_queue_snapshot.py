@@ -10,9 +10,10 @@ import pytest
 
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.requests import RequestTable
+from transfer_queue.errors import InvalidRequest, SnapshotError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SequentialSampler
-from transfer_queue.state.snapshot import SnapshotError, block_map, read_snapshot, restore_state, snapshot_state
+from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state, snapshot_state
 from transfer_queue.wire import protocol as p
 
 X = {"x": FieldSchema("dense", "float32", ())}
@@ -154,3 +155,17 @@ def test_rows_lost_with_a_storage_unit_are_still_reported_after_a_restore(make_q
     assert ask(state, p.ProductionStatus(0))["rows_lost"] == 4
     assert state.lost.total == q.state.lost.total and set(state.lost.by_uid) == {first.partition_uid}
     assert state.lost.lost_below == {}  # the restored queue's units are fresh: nothing on them is gone
+
+
+def test_a_restored_partition_keeps_the_queue_config_promote_jagged_and_max_fields(make_queue):
+    q = make_queue(promote_jagged=True, max_fields=2)
+    short = {"response": FieldSchema("dense", "int64", (3,))}
+    q.put("s", 1, short)
+    state, _ = restored(q, 2)
+    # a longer response after the restore is promoted to jagged, as it would have been before
+    longer = {"response": FieldSchema("dense", "int64", (5,))}
+    assert ask(state, p.Reserve("s", 1, longer, 40)).put_id > 0
+    assert state.partitions["s"].fields["response"] == FieldSchema("jagged", "int64", ())
+    # the queue's max_fields still bounds the restored partition
+    with pytest.raises(InvalidRequest, match=r"a partition holds at most 2 fields \(QueueConfig.max_fields"):
+        ask(state, p.Reserve("s", 1, {"a": X["x"], "b": X["x"]}, 8))

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.transfer_queue.storage.test_block_store import expected, read, row_values, rows, write
+from transfer_queue.errors import CheckpointError
 from transfer_queue.storage import checkpoint as ckpt
-from transfer_queue.storage.checkpoint import CheckpointError, load_unit, restore_into, save_unit
+from transfer_queue.storage.checkpoint import load_unit, restore_into, save_unit
 from transfer_queue.storage.unit import BlockStore
 
 

@@ -174,6 +174,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "call_id": mostly(st.integers(0, 3), HUGE),
     "explicit": st.booleans(),
     "reply": st.booleans(),
+    "dp_group_id": mostly(st.none() | st.sampled_from(["g", "auto-0"]), st.text(max_size=3)),
     "ack": mostly(st.sampled_from(["auto", "explicit"]), st.text(max_size=3)),
     "max_deliveries": mostly(st.none() | st.integers(1, 3), st.integers(-1, 0) | HUGE),
 }
