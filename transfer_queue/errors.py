@@ -151,10 +151,16 @@ class MalformedMessage(TransferQueueError, ValueError):
     """A frame received over ZeroMQ could not be decoded; the server replied with this and kept serving."""
 
 
+class CheckpointError(TransferQueueError, RuntimeError):
+    """A checkpoint is missing, of another format version, or damaged (the message names the file), or a save failed
+    (a storage unit that did not finish in time is named); the previous checkpoint stays current."""
+
+
 _BY_NAME: dict[str, type[TransferQueueError]] = {
     cls.__name__: cls
     for cls in (
         TransferQueueError,
+        CheckpointError,
         InvalidRequest,
         SchemaMismatch,
         BatchSizeMismatch,

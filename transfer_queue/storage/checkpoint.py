@@ -27,19 +27,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transfer_queue.errors import TransferQueueError
+from transfer_queue.errors import CheckpointError
 from transfer_queue.metadata import FieldSchema
 
+__all__ = ["CheckpointError"]  # defined in transfer_queue.errors (it travels by name); importable from here too
 FORMAT_VERSION = 1
 ALIGN = 64  # buffers start on 64-byte boundaries in payload.bin (tensors over them are aligned)
 CURRENT = "CURRENT"
 MANIFEST = "manifest.msgpack"
 PAYLOAD = "payload.bin"
 STAGING_PREFIX = ".staging-"
-
-
-class CheckpointError(TransferQueueError, RuntimeError):
-    """A checkpoint is missing, of another format version, or damaged (the message names the file)."""
 
 
 class BufferEntry(msgspec.Struct, array_like=True, frozen=True):

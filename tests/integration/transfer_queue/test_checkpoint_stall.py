@@ -29,15 +29,17 @@ def test_a_stalled_storage_unit_fails_the_save_after_its_bound_while_every_other
     ray_session, tmp_path
 ) -> None:
     controller = TransferQueueController.remote(
-        4, num_global_batch=2, num_storage_units=2, default_timeout=5.0, checkpoint_timeout=1.5
+        4, num_global_batch=3, num_storage_units=2, default_timeout=5.0, checkpoint_timeout=1.5
     )
     info = ray.get(controller.get_info.remote())
     saver = TransferQueueClient("saver", info)
     root = str(tmp_path)
     pid = ray.get(controller.storage_stats.remote())[1]["pid"]
     try:
-        saver.put({"x": torch.arange(2.0).reshape(2, 1)}, global_step=0)  # put 0: unit 0
-        saver.put({"x": torch.arange(2.0, 4.0).reshape(2, 1)}, global_step=0)  # put 1: unit 1
+        # small puts take the units in turn: put 1 on unit 1, put 2 on unit 0, put 3 on unit 1, put 4 on unit 0
+        saver.put({"x": torch.arange(2.0).reshape(2, 1)}, global_step=0)
+        saver.put({"x": torch.arange(2.0, 4.0).reshape(2, 1)}, global_step=0)
+        saver.put({"x": torch.arange(4.0, 6.0).reshape(2, 1)}, global_step=1)
         first = saver.save_checkpoint(root)
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -45,8 +47,8 @@ def test_a_stalled_storage_unit_fails_the_save_after_its_bound_while_every_other
                 pending = pool.submit(saver.save_checkpoint, root)
                 other = TransferQueueClient("other", info)  # a new connection while the save is pending
                 try:
-                    other.put({"x": torch.full((2, 1), 9.0)}, global_step=1, timeout=3.0)  # put 2: unit 0
-                    meta = other.get_meta(["x"], 2, global_step=1, task_name="t", timeout=3.0)
+                    other.put({"x": torch.full((2, 1), 9.0)}, partition_id="side", timeout=3.0)  # put 4: unit 0
+                    meta = other.get_meta(["x"], 2, partition_id="side", task_name="t", timeout=3.0)
                     assert torch.equal(other.get_data(meta, timeout=3.0)["x"], torch.full((2, 1), 9.0))
                     assert other.get_production_status(global_step=0) is not None
                     assert not pending.done(), "the save answered before its stalled unit wrote anything"
@@ -60,14 +62,14 @@ def test_a_stalled_storage_unit_fails_the_save_after_its_bound_while_every_other
                     pending.result(timeout=30)
             assert current_checkpoint(root) == first  # the previous checkpoint stays current and whole
             read_controller(first)
-            assert [len(load_unit(first, unit)) for unit in (0, 1)] == [1, 1]
+            assert [len(load_unit(first, unit)) for unit in (0, 1)] == [1, 2]
         finally:
             os.kill(pid, signal.SIGCONT)
-        saver.put({"x": torch.zeros(2, 1)}, global_step=1)
+        saver.put({"x": torch.zeros(2, 1)}, global_step=2)
         second = saver.save_checkpoint(root)
         assert second != first and current_checkpoint(root) == second
         assert not [n for n in os.listdir(root) if n.startswith(".staging")]
-        assert sum(len(load_unit(second, unit)) for unit in (0, 1)) == 4
+        assert sum(len(load_unit(second, unit)) for unit in (0, 1)) == 5
     finally:
         saver.close()
         stop(controller)
