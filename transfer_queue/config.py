@@ -40,6 +40,9 @@ class QueueConfig:
         storage_unit_max_restarts: times Ray restarts a storage unit the controller started that died (its process or
             node); a restarted unit comes back empty and the rows it held are reported lost (``client.lost_rows``).
             0: a dead unit stays down.
+        checkpoint_timeout: seconds ``save_checkpoint`` waits for every storage unit to write its files; a unit that
+            takes longer (stalled, overloaded disk) fails the save with ``CheckpointError`` naming it, and the
+            previous checkpoint stays current. The queue serves every other client meanwhile.
     """
 
     global_batch_size: int
@@ -60,6 +63,7 @@ class QueueConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 0
     storage_unit_max_restarts: int = 5
+    checkpoint_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,7 +80,14 @@ class QueueConfig:
             raise InvalidRequest(f"storage_unit_bytes must be an int >= 1, got {self.storage_unit_bytes!r}")
         if not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1:
             raise InvalidRequest(f"max_deliveries must be an int >= 1, got {self.max_deliveries!r}")
-        for name in ("default_timeout", "put_grace", "max_reservation_s", "lease_s", "disconnect_grace"):
+        for name in (
+            "default_timeout",
+            "put_grace",
+            "max_reservation_s",
+            "lease_s",
+            "disconnect_grace",
+            "checkpoint_timeout",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")

@@ -161,8 +161,8 @@ class MalformedMessage(TransferQueueError, ValueError):
 
 
 class CheckpointError(TransferQueueError, RuntimeError):
-    """A checkpoint is missing, of another format version, or damaged (the message names the file), or a save
-    failed (the previous checkpoint stays current). Raised by ``transfer_queue.storage.checkpoint``."""
+    """A checkpoint is missing, of another format version, or damaged (the message names the file), or a save failed
+    (a storage unit that did not finish in time is named); the previous checkpoint stays current."""
 
 
 class SnapshotError(TransferQueueError, RuntimeError):

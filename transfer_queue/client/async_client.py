@@ -125,19 +125,26 @@ class AsyncTransferQueueClient(KVCalls):
     async def save_checkpoint(self, directory: str, timeout: float | None = None) -> str:
         """Save the whole queue under ``directory``: the controller's state (partitions, schemas, production,
         consumption with leases turned back to ready, groups, DP rounds, kv keys, samplers' ``state_dict``) and every
-        storage unit's payload, each unit writing its own files. Nothing is served while it saves. A save that fails
-        or crashes half-way leaves the previous checkpoint current and whole. ``directory`` must be reachable by the
-        controller and every storage unit (a shared filesystem across hosts).
+        storage unit's payload, each unit writing its own files. It holds the committed rows at the moment the
+        controller took its snapshot; every other client is served while the files are written, and this call is
+        answered once the checkpoint is committed. A save that fails, crashes half-way, or has a storage unit that
+        does not finish within ``checkpoint_timeout`` (QueueConfig) leaves the previous checkpoint current and whole.
+        ``directory`` must be reachable by the controller and every storage unit (a shared filesystem across hosts).
+
+        Args:
+            timeout: seconds to wait for the answer (None: the default); at least ``checkpoint_timeout`` is waited.
 
         Returns:
             The committed checkpoint's directory (under ``directory``); ``transfer_queue.init(...,
             restore_from=directory)`` starts a queue from it.
 
         Raises:
-            CheckpointError: a unit or the disk failed (the previous checkpoint stays current).
+            CheckpointError: a unit or the disk failed, a unit did not finish within ``checkpoint_timeout`` (the
+                message names it), or another save is in progress (the previous checkpoint stays current).
         """
         request = p.SaveCheckpoint(os.path.abspath(directory))
-        return await self._control(request, Any, self._timeout(timeout) + REPLY_SLACK)
+        wait = max(self._timeout(timeout), self.config.checkpoint_timeout + 1.0)
+        return await self._control(request, Any, wait + REPLY_SLACK)
 
     # ---- per-row custom meta, per-row clears, status in one word -------------------------------------------
     async def set_custom_meta(

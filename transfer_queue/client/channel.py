@@ -36,7 +36,6 @@ from transfer_queue.wire.transport import AsyncioTransport, Transport
 logger = logging.getLogger(__name__)
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
 KV_READ_ATTEMPTS = 8  # kv_batch_get looks keys up again when a concurrent kv_put replaced them mid-read
-COMMIT_RETRIES = 1  # a commit whose reply did not come is asked again this often (by put id: idempotent)
 
 
 # Sessions of queues this process shut down (``transfer_queue.shutdown``): their clients fail at once.

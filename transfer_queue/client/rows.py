@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from transfer_queue.client.channel import COMMIT_RETRIES, REPLY_SLACK, QueueChannel, _partition
+from transfer_queue.client.channel import REPLY_SLACK, QueueChannel, _partition
 from transfer_queue.errors import (
     BatchSizeMismatch,
     InvalidRequest,
@@ -118,6 +118,8 @@ class RowCalls(QueueChannel):
     async def _put(self, reserve: p.Reserve, columns: dict[str, Column], timeout: float) -> BatchMeta:
         started = time.monotonic()
         reservation: p.Reservation = await self._control(reserve, p.Reservation, timeout + REPLY_SLACK)
+        # the controller applies the commit until commit_within after it reserved, so until this (or later) here
+        commit_by = time.monotonic() + reservation.commit_within if reservation.commit_within else started + timeout
         try:
             writes = []
             for place in reservation.placements:
@@ -128,7 +130,7 @@ class RowCalls(QueueChannel):
                 body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
                 writes.append((place.unit, body, buffers))
             await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
-            wire = await self._commit(reservation.put_id, started + timeout)
+            wire = await self._commit(reservation.put_id, commit_by)
         except BaseException:
             try:
                 await self._control(p.Abort(reservation.put_id), Any, 5.0)
@@ -138,16 +140,21 @@ class RowCalls(QueueChannel):
         return wire.to_meta()
 
     async def _commit(self, put_id: int, deadline: float) -> p.MetaWire:
-        """Commit a put, waiting until the put's own deadline; a commit whose reply did not come is asked again
-        (a commit is idempotent by put id: the controller answers a retry with the same meta, never new rows)."""
-        for attempt in range(1 + COMMIT_RETRIES):
-            wait = max(1.0, deadline - time.monotonic()) if attempt == 0 else REPLY_SLACK
+        """Commit a put. ``deadline`` is at or after the last moment the controller applies the commit; a commit
+        whose reply did not come is asked again (idempotent by put id: a retry gets the same meta, never new rows)
+        until then, and once more after it, when the controller answers for sure: the meta (it was applied) or
+        PutExpired (it never will be). So a put never reports failure for rows that became visible."""
+        while True:
+            last = time.monotonic() >= deadline
+            wait = REPLY_SLACK if last else max(1.0, deadline - time.monotonic())
             try:
                 return await self._control(p.Commit(put_id), p.MetaWire, wait)
-            except RequestTimeout:
-                if attempt == COMMIT_RETRIES:
-                    raise
-        raise AssertionError("unreachable")
+            except RequestTimeout as exc:
+                if last:
+                    raise RequestTimeout(
+                        f"put {put_id}: the controller did not answer its commit by the put's deadline nor after it "
+                        f"({exc}); the commit is refused from now on, but whether it was applied before is unknown"
+                    ) from exc
 
     # ---- get -----------------------------------------------------------------------------------------------
     async def get_meta(

@@ -106,9 +106,7 @@ class ControllerActor:
         incarnations = ray.get([u.incarnation.remote() for u in storage_units])
         if restore_from is not None:
             state = self._restore(restore_from, sampler)
-        self._server = ControllerServer(
-            state, self._session_id, endpoints, bind_host, self._secret, save_units=self._save_units
-        )
+        self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
         self._watcher = UnitWatcher(
             storage_units,
             [e.node_id for e in endpoints],
@@ -156,9 +154,6 @@ class ControllerActor:
         logger.warning("storage unit %d restarted: %s", unit, lost)
         return True
 
-    def _save_units(self, staging: str) -> None:
-        ray.get([unit.save_checkpoint.remote(staging) for unit in self._units])
-
     def _restore(self, root: str, sampler: SamplerSpec | None) -> QueueState:
         checkpoint = current_checkpoint(root)
         snapshot = read_snapshot(read_controller(checkpoint))
@@ -186,8 +181,7 @@ class ControllerActor:
 
     def save_checkpoint(self, directory: str) -> str:
         """Save the queue under ``directory`` (what ``client.save_checkpoint`` asks); returns its directory."""
-        with self._server.lock:
-            return self._server.save(directory)
+        return self._server.save(directory)
 
     def get_info(self) -> p.ControllerInfo:
         """What ``TransferQueueClient(client_id=..., controller_info=...)`` needs."""

@@ -42,6 +42,7 @@ def to_wire(value: Any) -> Any:
             p.pack_indexes(value.global_indexes),
             p.pack_indexes(value.group_ids),
             [p.Placement(*place) for place in value.placements],
+            value.commit_within,
         )
     return value
 

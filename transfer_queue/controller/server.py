@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import shutil
 import threading
 import time
 import typing
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -71,6 +73,21 @@ class HeldReply:
     deadline: float
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint between its snapshot (taken on the serving thread) and its commit: the units it waits for (request
+    id -> unit), the controller's own file being written, then the commit, each off the serving thread."""
+
+    directory: str
+    staging: str
+    name: str
+    deadline: float
+    finish: Callable[[Any, BaseException | None], None]  # answers whoever asked (a client's reply, a Ray call)
+    awaiting: dict[int, int] = field(default_factory=dict)
+    writing: Future[None] | None = None
+    committing: Future[str] | None = None
+
+
 class _ControllerResponder(Responder):
     """Frames the controller's replies: every reply header tells the client which storage units are down."""
 
@@ -105,13 +122,15 @@ class ControllerServer(Server):
         storage: list[p.Endpoint],
         host: str | None = None,
         secret: bytes = b"",
-        save_units: Callable[[str], None] | None = None,
     ):
         super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
         self.state = state
         self.requests = RequestTable(state)  # wire requests in, wire answers out
         self._session = session_id  # what the controller's own messages to the storage units carry
-        self._save_units = save_units  # every storage unit writes its files under a staging directory
+        # one checkpoint at a time: its snapshot on this thread, every file written and committed off it
+        self._save: PendingSave | None = None
+        self._saves_due: list[tuple[str, Callable[[Any, BaseException | None], None]]] = []
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="tq-controller-save")
         self._secret = secret
         self._units: list[zmq.Socket] = []
         self._unit_monitors: dict[zmq.Socket, int] = {}
@@ -194,7 +213,8 @@ class ControllerServer(Server):
 
     # ---- the loop's hooks (transfer_queue.wire.server.Server) -------------------------------------------------------
     def next_wakeup(self) -> float:
-        return min([self.state.next_deadline, *(h.deadline for h in self._held)]) - time.monotonic()
+        save = [self._save.deadline] if self._save is not None else []
+        return min([self.state.next_deadline, *(h.deadline for h in self._held), *save]) - time.monotonic()
 
     def on_disconnect(self, peer: Peer) -> None:
         # a connection closed: its waits are dropped; its leases and open puts go after a grace
@@ -213,8 +233,16 @@ class ControllerServer(Server):
             if monitor in events:
                 self._guard("storage connections", self._follow_unit, monitor, unit)
         self._guard("held replies", self._send_held, time.monotonic())
+        if self._saves_due:
+            with self.lock:
+                due, self._saves_due = self._saves_due, []
+            for directory, finish in due:
+                self._guard("checkpoint", self.start_save, directory, finish)
+        if self._save is not None:
+            self._guard("checkpoint", self._advance_save, time.monotonic())
 
     def close_sockets(self) -> None:
+        self._disk.shutdown(wait=False, cancel_futures=True)
         for dealer in self._units:
             close_watched(dealer)
         self.sockets.close()
@@ -234,17 +262,7 @@ class ControllerServer(Server):
             responder.ok(value)
             return
         if isinstance(request, p.SaveCheckpoint):
-            try:
-                responder.ok(self.save(request.directory))
-            except TransferQueueError as exc:
-                responder.fail(exc)
-            except Exception as exc:  # a disk or a unit failed: the previous checkpoint stays current
-                logger.exception("saving a checkpoint under %s failed", request.directory)
-                responder.fail(
-                    CheckpointError(
-                        f"saving the checkpoint under {request.directory} failed: {type(exc).__name__}: {exc}"
-                    ),
-                )
+            self.start_save(request.directory, responder)  # answered when committed; the others are served meanwhile
             return
 
         # A clear is answered once the storage units dropped its bytes (if it is answered while being handled).
@@ -282,15 +300,109 @@ class ControllerServer(Server):
             else:
                 responder(value, error)
 
+    # ---- checkpoints: a snapshot here, the files written off this thread, the answer once committed -------------
     def save(self, directory: str) -> str:
-        """Save the queue under ``directory`` (call with :attr:`lock` held: nothing is served meanwhile, so the
-        controller's snapshot and the units' payload agree); returns the committed checkpoint's directory."""
-        if self._save_units is None:
-            raise CheckpointError("this controller cannot reach its storage units to save their payload")
-        staging, name = begin_save(directory)
-        write_controller(staging, snapshot_state(self.state))
-        self._save_units(staging)
-        return commit_save(directory, staging, name)
+        """Save the queue under ``directory`` from another thread (a Ray call); returns the committed checkpoint's
+        directory. The serving thread takes the snapshot; this waits for the commit."""
+        done, result = threading.Event(), dict[str, Any]()
+
+        def finish(value: Any, error: BaseException | None) -> None:
+            result.update(value=value, error=error)
+            done.set()
+
+        with self.lock:
+            self._saves_due.append((directory, finish))
+        if not done.wait(self.state.config.checkpoint_timeout + 60.0):
+            raise CheckpointError(f"the checkpoint under {directory} was not answered in time")
+        if result["error"] is not None:
+            raise result["error"]
+        return str(result["value"])
+
+    def start_save(self, directory: str, finish: Callable[[Any, BaseException | None], None]) -> None:
+        """Snapshot the bookkeeping now (on the serving thread: consistent with itself), order every storage unit
+        to write its blocks as of now, and let the files be written in the background; ``finish`` gets the
+        committed checkpoint's directory, or the error."""
+        if self._save is not None:
+            finish(None, CheckpointError(
+                f"a checkpoint is being saved under {self._save.directory}; save again once it is answered"
+            ))  # fmt: skip
+            return
+        down = sorted(self.state.down_units)
+        if down:
+            finish(None, CheckpointError(
+                f"storage unit {down[0]} is down ({self.down_reasons.get(down[0], 'unreachable')}); the previous "
+                "checkpoint stays current"
+            ))  # fmt: skip
+            return
+        try:
+            staging, name = begin_save(directory)
+            blob = snapshot_state(self.state)
+        except Exception as exc:
+            finish(None, _save_failed(directory, exc))
+            return
+        timeout = self.state.config.checkpoint_timeout
+        save = PendingSave(directory, staging, name, time.monotonic() + timeout, finish)
+        self._flush_outbox()  # the drops decided before the snapshot go first; those after follow the order
+        envelope_session = p.PROTOCOL_VERSION, self._session
+        for unit, dealer in enumerate(self._units):
+            request_id = next(self._ids)
+            try:  # the same connection as the drops: the unit takes its block table before any later drop
+                dealer.send_multipart(
+                    [p.encode(p.Envelope(*envelope_session, request_id)), p.encode(p.SaveUnit(staging))], zmq.NOBLOCK
+                )
+            except zmq.Again:
+                self._disk.submit(shutil.rmtree, staging, True)
+                finish(None, CheckpointError(
+                    f"storage unit {unit} takes no messages; the previous checkpoint stays current"
+                ))  # fmt: skip
+                return
+            save.awaiting[request_id] = unit
+        save.writing = self._disk.submit(write_controller, staging, blob)
+        self._save = save
+
+    def _advance_save(self, now: float) -> None:
+        save = self._save
+        assert save is not None
+        error: BaseException | None = None
+        late = [u for u in save.awaiting.values() if u in self.state.down_units]
+        if late:
+            error = CheckpointError(
+                f"storage unit {late[0]} went down during the checkpoint; the previous checkpoint stays current"
+            )
+        elif save.awaiting and now >= save.deadline:
+            error = CheckpointError(
+                f"storage unit {min(save.awaiting.values())} did not finish its checkpoint within "
+                f"{self.state.config.checkpoint_timeout} s; the previous checkpoint stays current"
+            )
+        elif save.writing is not None and save.writing.done() and save.writing.exception() is not None:
+            error = _save_failed(save.directory, save.writing.exception())
+        elif not save.awaiting and save.committing is None and save.writing is not None and save.writing.done():
+            save.committing = self._disk.submit(commit_save, save.directory, save.staging, save.name)
+            return
+        elif save.committing is not None and save.committing.done():
+            self._save = None
+            if save.committing.exception() is not None:
+                save.finish(None, _save_failed(save.directory, save.committing.exception()))
+            else:
+                save.finish(save.committing.result(), None)
+            return
+        if error is not None:
+            self._save = None
+            self._disk.submit(shutil.rmtree, save.staging, True)  # a late unit finds it gone and writes nothing
+            save.finish(None, error)
+
+    def _unit_saved(self, request_id: int, header: p.ReplyHeader) -> None:
+        save = self._save
+        if save is None or request_id not in save.awaiting:
+            return
+        unit = save.awaiting.pop(request_id)
+        if header.error_type:
+            self._save = None
+            self._disk.submit(shutil.rmtree, save.staging, True)
+            save.finish(None, CheckpointError(
+                f"storage unit {unit} failed to write its checkpoint: {header.error_type}: {header.error_message}; "
+                "the previous checkpoint stays current"
+            ))  # fmt: skip
 
     def _vouch(self, reservation: p.Reservation, nbytes: int) -> None:
         """Sign what the put reserved into each placement, so storage units check what arrives (defect 11)."""
@@ -372,6 +484,9 @@ class ControllerServer(Server):
                 header = p.decode_reply_header(frames[0])
             except TransferQueueError:
                 continue
+            if self._save is not None and header.request_id in self._save.awaiting:
+                self._unit_saved(header.request_id, header)
+                continue
             if header.error_type:
                 logger.warning("a storage unit refused a drop: %s: %s", header.error_type, header.error_message)
             for held in self._held:
@@ -408,3 +523,14 @@ class ControllerServer(Server):
     def record_run_row(self, row: dict[str, Any]) -> None:
         with self.lock:
             self.run_history.append(numeric_row(row))
+
+
+def _save_failed(directory: str, exc: BaseException | None) -> CheckpointError:
+    """A disk failure of a save, typed (the previous checkpoint stays current)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    logger.error("saving a checkpoint under %s failed: %r", directory, exc)
+    return CheckpointError(
+        f"saving the checkpoint under {directory} failed: {type(exc).__name__}: {exc}; the previous checkpoint "
+        "stays current"
+    )

@@ -69,6 +69,7 @@ class Reserved:
     global_indexes: np.ndarray
     group_ids: np.ndarray
     placements: list[tuple[int, int, int, int]]
+    commit_within: float = 0.0  # seconds the controller applies the put's commit (its deadline, from now)
 
 
 @dataclass
@@ -280,7 +281,9 @@ class PutLedger:
         self.wake(put.deadline)
         self.bytes_held += req.nbytes
         part.nbytes += req.nbytes
-        return Reserved(put.put_id, part.uid, rows + part.base_index, part.group[rows], placements)
+        return Reserved(
+            put.put_id, part.uid, rows + part.base_index, part.group[rows], placements, put.deadline - self.clock()
+        )
 
     def timeout_error(self, req: PutRequest, waited: float) -> QueueFull:
         """What a put that waited ``waited`` seconds for room is told at its deadline."""
@@ -300,6 +303,15 @@ class PutLedger:
     def commit(self, put_id: int) -> BatchMeta:
         """Make the put's rows visible; a retried commit gets the same meta again."""
         put = self.open_puts.pop(put_id, None)
+        if put is not None and self.clock() > put.deadline:
+            # past the deadline the client gives up (it knows it from the reservation's commit_within), so applying
+            # a late commit (the serving thread was busy, the request sat in a socket) would show rows of a put
+            # that reported failure: refuse it, and free the put now rather than at the next tick
+            self._abort(put)
+            raise PutExpired(
+                f"put {put_id} was not committed within its deadline (its reservation expired); none of its rows "
+                "are visible"
+            )
         if put is None:
             done = self.committed.get(put_id)
             if done is not None and self.table.by_uid(done.uid) is not None:
@@ -321,8 +333,8 @@ class PutLedger:
         self.drop_blocks(part, dead)
         extra = {"keys": put.keys} if put.keys is not None else {}
         meta = part.meta(put.rows, put.names, None, extra)
-        # keep the commit's meta until the put's reservation would have expired (a retry comes before that)
-        self.committed[put.put_id] = Committed(meta, put.uid, put.deadline)
+        # keep the commit's meta a while past the put's deadline: a client that got no answer asks once more then
+        self.committed[put.put_id] = Committed(meta, put.uid, put.deadline + self.config.put_grace)
         while len(self.committed) > COMMITS_REMEMBERED:
             del self.committed[next(iter(self.committed))]
         self.rows_changed(put.key)

@@ -30,6 +30,7 @@ import numpy as np
 from transfer_queue.errors import CheckpointError
 from transfer_queue.metadata import FieldSchema
 
+__all__ = ["CheckpointError"]  # defined in transfer_queue.errors (it travels by name); importable from here too
 FORMAT_VERSION = 1
 ALIGN = 64  # buffers start on 64-byte boundaries in payload.bin (tensors over them are aligned)
 CURRENT = "CURRENT"

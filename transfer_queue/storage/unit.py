@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.ops.metrics import StorageMetrics, nbytes, render, storage_families
 from transfer_queue.ops.web import PROMETHEUS_TEXT, HttpEndpoint
-from transfer_queue.storage.checkpoint import load_unit, restore_into, save_unit
+from transfer_queue.storage.checkpoint import CheckpointError, load_unit, restore_into, save_unit
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.auth import write_token
 from transfer_queue.wire.columns import Column, concat_columns, jagged_take, nframes, take_rows
@@ -251,6 +252,16 @@ class BlockStore:
         }
 
 
+def save_staged(staging: str, unit: int, num_units: int, blocks: dict[int, Block]) -> int:
+    """Write ``blocks`` as unit ``unit``'s files of the checkpoint staged under ``staging``; returns their bytes. A
+    staging directory that is gone belongs to a save the controller gave up (this unit was too slow): nothing is
+    written, so a late unit leaves no files behind."""
+    if not os.path.isdir(staging):
+        raise CheckpointError(f"the checkpoint staged under {staging} was abandoned before this unit wrote it")
+    save_unit(staging, unit, num_units, blocks)
+    return sum(block.nbytes for block in blocks.values())
+
+
 def _take(column: Column, rows: np.ndarray) -> Column:
     """Rows of a block's column; a view when they are one contiguous ascending run."""
 
@@ -311,9 +322,42 @@ class StorageServer(Server):
             ),
             p.StorageStats: lambda req, bufs: self.stats(),
         }
+        # checkpoint saves: the block table is taken on this thread, the files are written by one thread beside it
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix=f"tq-storage-{store.unit}-save")
+        self._saves: list[tuple[Future[int], Responder]] = []
         self.start()
 
+    def _save(self, req: p.SaveUnit, responder: Responder) -> None:
+        """Take the block table now (its blocks' buffers never change once written, so a block dropped after this
+        is still written from here) and write it in the background; answered by :meth:`periodic` once written."""
+        store = self.store
+        blocks = dict(store.blocks)
+        self._saves.append(
+            (self._saver.submit(save_staged, req.staging, store.unit, store.num_units, blocks), responder)
+        )
+
+    def periodic(self, events: dict[Any, int]) -> None:
+        if not self._saves:
+            return
+        pending = []
+        for future, responder in self._saves:
+            if not future.done():
+                pending.append((future, responder))
+            elif future.exception() is not None:
+                exc = future.exception()
+                responder.fail(CheckpointError(f"storage unit {self.store.unit}: {type(exc).__name__}: {exc}"))
+            else:
+                responder.ok(future.result())
+        self._saves = pending
+
+    def close_sockets(self) -> None:
+        self._saver.shutdown(wait=False, cancel_futures=True)
+        super().close_sockets()
+
     def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
+        if isinstance(request, p.SaveUnit):
+            self._save(request, responder)
+            return
         started, kind = time.perf_counter(), type(request).__struct_config__.tag
         try:
             result = self._handlers[type(request)](request, buffers)
@@ -408,14 +452,6 @@ class StorageUnit:
         if self._server is None:
             raise InvalidRequest("this storage unit has not joined a queue yet (attach)")
         return self._server.stats()
-
-    def save_checkpoint(self, root: str) -> int:
-        """Write this unit's blocks as its files of the checkpoint being staged under ``root``; returns the bytes."""
-
-        server = self._joined()
-        with server.lock:
-            save_unit(root, server.store.unit, server.store.num_units, dict(server.store.blocks))
-            return server.store.nbytes
 
     def restore_checkpoint(self, checkpoint: str, old_units: list[int], block_ids: dict[int, int]) -> int:
         """Load the blocks the controller's map names from the files of ``old_units`` (renumbered by ``block_ids``:

@@ -337,6 +337,9 @@ class Reservation(msgspec.Struct, array_like=True):
     global_indexes: bytes
     group_ids: bytes
     placements: list[Placement]
+    # seconds from the reservation during which the controller applies its commit; a commit that arrives later is
+    # refused (PutExpired), so a client that got no answer by then knows its rows never become visible
+    commit_within: float = 0.0
 
 
 class MetaWire(msgspec.Struct, array_like=True):
@@ -428,7 +431,15 @@ class StorageStats(msgspec.Struct, tag="stats"):
     pass
 
 
-StorageRequest = Write | Read | DropBlocks | DropPartition | StorageStats
+class SaveUnit(msgspec.Struct, tag="save_unit"):
+    """The controller's order to write this unit's files of the checkpoint staged under ``staging``. Sent on the
+    controller's connection right after it took its snapshot, so it reaches the unit before any drop sent later: the
+    unit takes its block table at once (the snapshot's blocks are all in it) and writes it in the background."""
+
+    staging: str
+
+
+StorageRequest = Write | Read | DropBlocks | DropPartition | StorageStats | SaveUnit
 
 
 class ReadReply(msgspec.Struct, array_like=True):

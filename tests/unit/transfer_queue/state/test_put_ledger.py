@@ -166,3 +166,22 @@ def test_committed_blocks_carry_the_puts_bytes_and_the_floor_follows_open_puts()
     assert b.ledger.block_floor() == b.ledger.next_block * b.config.num_storage_units
     b.ledger.drop_blocks(part, list(part.block_nbytes))
     assert b.ledger.bytes_held == 0 and part.nbytes == 0
+
+
+def test_a_commit_that_arrives_after_the_puts_deadline_is_refused_even_before_the_timer_aborts_it(make_queue) -> None:
+    # the controller's serving thread was busy past the deadline: the commit is read before the timer runs, and the
+    # client has given up by then, so the rows must stay invisible (issue 23 defect 1)
+    q = make_queue(put_grace=1.0)
+    reservation = q.reserve(0, 4, timeout=2.0)
+    q.now[0] += 3.5  # past 2.0 + 1.0, no tick yet
+    with pytest.raises(PutExpired, match=f"put {reservation.put_id} was not committed within its deadline"):
+        q.commit(reservation)
+    assert not q.state.ledger.open_puts and not q.state.ledger.committed  # aborted: rows and bytes freed
+    with pytest.raises(PutExpired):  # a retry is refused the same way
+        q.commit(reservation)
+
+
+def test_a_reservation_tells_the_client_how_long_its_commit_is_accepted(make_queue) -> None:
+    q = make_queue(put_grace=1.5)
+    reservation = q.reserve(0, 4, timeout=2.0)
+    assert reservation.commit_within == pytest.approx(3.5)
