@@ -33,7 +33,9 @@ def _sync(
 
 class TransferQueueClient:
     """The sync client: the same methods as :class:`AsyncTransferQueueClient`, blocking. It needs no event loop
-    and also works when called from inside a running one. Safe to share between threads (sockets are per thread).
+    and also works when called from inside a running one. Safe to share between threads (each thread uses its own
+    sockets; a thread that ends hands them back to the client, which keeps its connections, and so its leases, until
+    :meth:`close`).
 
     Args:
         client_id: a name for logs.

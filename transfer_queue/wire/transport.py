@@ -9,8 +9,10 @@ loopback. Clients talk through a :class:`Transport`:
   frames (buffers) in order; requests to different servers travel in parallel.
 
 Two transports implement it. :class:`BlockingTransport` (the sync client) uses the Unix socket when the server
-runs on its host and blocking ZeroMQ DEALER sockets otherwise, one per thread and server; its coroutines never
-suspend, so the sync client drives them without an event loop (and works inside a running one).
+runs on its host and blocking ZeroMQ DEALER sockets otherwise, one per thread and server at a time, owned by the
+transport (a thread that ends hands its sockets back, so a client's connections, and the leases the controller ties
+to them, outlive the threads that used them); its coroutines never suspend, so the sync client drives them without
+an event loop (and works inside a running one).
 :class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``. A shared-memory path would be a
 third.
 """
@@ -116,17 +118,34 @@ class BlockingTransport:
         self._local = threading.local()
         self._ids = itertools.count(1)
         self._spin = spin_seconds
-        # Each thread's sockets live in its thread-local: when the thread ends they are closed, so a client used
-        # from short-lived threads (a thread pool, a thread per request) keeps no connection per thread it saw.
-        # Weak references let close() reach the sockets of threads still running.
+        # Each thread uses its own sockets (a socket serves one request at a time), kept in its thread-local. The
+        # sockets belong to the client, not to the thread: when a thread ends, its sockets go back to ``_spare`` and
+        # the next new thread takes them. Closing them would tell the controller that the client's connections are
+        # gone, and after ``disconnect_grace`` it would hand the client's leases to another consumer while the
+        # client is alive (docs/architecture.md "Delivery": leases belong to the client instance). So a client
+        # keeps as many connections as it ran threads at once, never one per thread it saw, and all of them until
+        # close() or its process ends. Weak references let close() reach the sockets of threads still running.
         self._all_sockets: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._spare: dict[str, list[dict[Any, Any]]] = {"sockets": [], "unix": []}
+        self._closed = False
+        self._lock = threading.RLock()  # RLock: a thread-local's finalizer may run while this thread holds it
 
     def _thread_sockets(self, kind: str) -> dict[Any, Any]:
         sockets = self._local.__dict__.get(kind)
         if sockets is None:
-            sockets = self._local.__dict__[kind] = _ThreadSockets()
+            with self._lock:
+                spare = self._spare[kind].pop() if self._spare[kind] else {}
+            sockets = self._local.__dict__[kind] = _ThreadSockets(kind, weakref.WeakMethod(self._take_back), spare)
         return sockets
+
+    def _take_back(self, kind: str, sockets: dict[Any, Any]) -> bool:
+        """A thread ended: its sockets wait for the next thread (False: the transport is closed, close them)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if sockets:
+                self._spare[kind].append(sockets)
+            return True
 
     def next_request_id(self) -> int:
         return next(self._ids)
@@ -341,9 +360,11 @@ class BlockingTransport:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for sock in list(self._all_sockets):
                 _close(sock)
             self._all_sockets.clear()
+            self._spare = {"sockets": [], "unix": []}
         self._local = threading.local()
 
 
@@ -352,14 +373,23 @@ def _close(sock: Any) -> None:
 
 
 class _ThreadSockets(dict):
-    """One thread's sockets by server; closes them when the thread ends (its thread-local goes away)."""
+    """One thread's sockets by server. When the thread ends (its thread-local goes away) they go back to their
+    transport for the next thread, or are closed if the transport is closed or gone."""
+
+    def __init__(self, kind: str, take_back: weakref.WeakMethod, sockets: dict[Any, Any]):
+        super().__init__(sockets)
+        self._kind = kind
+        self._take_back = take_back
 
     def __del__(self) -> None:
-        for sock in self.values():
-            try:
+        try:
+            take_back = self._take_back()
+            if take_back is not None and take_back(self._kind, dict(self)):
+                return
+            for sock in self.values():
                 _close(sock)
-            except Exception:  # interpreter shutdown: nothing left to close cleanly
-                pass
+        except Exception:  # interpreter shutdown: nothing left to close cleanly
+            pass
 
 
 class AsyncioTransport:
