@@ -184,10 +184,11 @@ class BlockingTransport:
             if address not in busy and _gone_event(monitor_of(sock)):
                 self._discard(address)
 
-    def _local_path(self, endpoint: Endpoint) -> str | None:
+    def _local_path(self, endpoint: Endpoint, timeout: float) -> str | None:
         """The Unix socket to take to ``endpoint``, or None for TCP: the server is on this host (same Ray node, or
         same hostname outside Ray, see :meth:`Endpoint.local_path`) and its socket accepts us (the probe: a socket
-        file of another host on a shared /tmp, or one left by a dead server, does not)."""
+        file of another host on a shared /tmp, or one left by a dead server, does not). A server that does not
+        answer the probe within ``timeout`` is hung: RequestTimeout naming it, as a call over TCP would end."""
         if self.force_tcp:
             return None
         routes = self._local.__dict__.setdefault("routes", {})
@@ -195,7 +196,9 @@ class BlockingTransport:
             path = endpoint.local_path()
             if path is not None:
                 try:
-                    self._unix_socket(path)
+                    self._unix_socket(path, timeout)
+                except RequestTimeout as exc:  # (a TimeoutError is an OSError: before the next clause)
+                    raise _hung(path, timeout, exc) from None
                 except AuthenticationFailed:
                     raise
                 except OSError:  # nothing of ours listens there: take TCP (which reports a dead server itself)
@@ -203,11 +206,11 @@ class BlockingTransport:
             routes[endpoint] = path
         return routes[endpoint]
 
-    def _unix_socket(self, path: str) -> socket.socket:
+    def _unix_socket(self, path: str, timeout: float) -> socket.socket:
         sockets = self._thread_sockets("unix")
         sock = sockets.get(path)
         if sock is None:
-            sock = sockets[path] = connect(path, self._secret)
+            sock = sockets[path] = connect(path, self._secret, timeout)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
@@ -217,8 +220,13 @@ class BlockingTransport:
     ) -> list[tuple[int, Frames]]:
         """Calls to servers on this host, over their Unix sockets, all interleaved; replies land in ``into``'s
         arrays where given (by position in ``calls``' original order)."""
+        deadline = time.monotonic() + timeout
+        pairs = []
         try:
-            pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
+            for _, path, frames, _ in calls:
+                pairs.append((self._unix_socket(path, deadline - time.monotonic()), frames))
+        except RequestTimeout as exc:  # it accepted the connection and said nothing: hung (a TimeoutError: first)
+            raise _hung(path, timeout, exc) from None
         except AuthenticationFailed as exc:  # the server refused our secret: another queue's controller_info
             raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
         except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
@@ -231,7 +239,8 @@ class BlockingTransport:
                 [path for _, path, _, _ in calls],
             ) from None
         gone: set[int] = set()
-        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None, gone)
+        arrays = [into[c[0]] for c in calls] if into else None
+        replies, failed = exchange(pairs, max(0.001, deadline - time.monotonic()), arrays, gone)
         for i in failed:  # a socket that timed out or closed may still carry a late reply: never reuse it
             sock = self._local.__dict__["unix"].pop(calls[i][1], None)
             if sock is not None:
@@ -259,11 +268,14 @@ class BlockingTransport:
         server on this host (what the kernel took is delivered even if this process dies or closes the socket next).
         Returns False where it sent nothing (a server on another host, or the socket failed): the caller makes a
         call instead."""
-        path = self._local_path(endpoint)
+        try:
+            path = self._local_path(endpoint, timeout)
+        except RequestTimeout:
+            return False
         if path is None:
             return False
         try:
-            sock = self._unix_socket(path)
+            sock = self._unix_socket(path, timeout)
             send_all(sock, frames, timeout)
         except (OSError, TransferQueueError):  # a half-written message spoils the socket: never reuse it
             stale = self._local.__dict__.get("unix", {}).pop(path, None)
@@ -282,7 +294,7 @@ class BlockingTransport:
         local = []
         remote = []
         for i, (endpoint, frames, request_id) in enumerate(calls):
-            path = self._local_path(endpoint)
+            path = self._local_path(endpoint, timeout)
             if path is not None:
                 local.append((i, path, frames, request_id))
             else:
@@ -366,6 +378,12 @@ class BlockingTransport:
             self._all_sockets.clear()
             self._spare = {"sockets": [], "unix": []}
         self._local = threading.local()
+
+
+def _hung(path: str, timeout: float, cause: RequestTimeout) -> RequestTimeout:
+    """A server on this host that took the connection and did not answer the handshake within the call's timeout: the
+    same error as a request over TCP that got no reply (not AuthenticationFailed: its secret was never checked)."""
+    return with_addresses(RequestTimeout(f"no reply within {timeout:.1f} s from {[path]} ({cause})"), [path])
 
 
 def _close(sock: Any) -> None:
