@@ -189,12 +189,19 @@ class LeaseBook:
         while self._heap and self._heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._heap)
             lease = self.leases.get(lease_id)
-            if lease is not None:
+            if lease is not None and lease.deadline <= now:  # else: extended since, a later entry stands for it
                 out.append(lease)
         return out
 
+    def extend(self, lease: Lease, deadline: float) -> None:
+        """Move ``lease``'s deadline (its earlier heap entry is skipped when it comes up)."""
+        lease.deadline = deadline
+        heapq.heappush(self._heap, (deadline, lease.lease_id))
+
     def next_deadline(self) -> float:
-        while self._heap and self._heap[0][1] not in self.leases:
+        while self._heap and (
+            self._heap[0][1] not in self.leases or self.leases[self._heap[0][1]].deadline != self._heap[0][0]
+        ):
             heapq.heappop(self._heap)
         deadlines = [self._heap[0][0]] if self._heap else []
         return min([*deadlines, *self.orphaned.values()], default=float("inf"))
@@ -345,12 +352,34 @@ class Delivery:
             again = (state == CONSUMED) & rounds  # TP peers of a DP rank acknowledge the same share: once counts
             bad = ~(take | again)
             if bad.any():
-                raise NotLeased(_not_leased_message(part, task_name, rows[bad], state[bad], mine[bad]))
+                raise NotLeased(_not_leased_message(part, task_name, rows[bad], state[bad], mine[bad], "ack"))
         acked = rows[take]
         if len(acked):
             self.leases.settled(task.lease[acked])
             part.acknowledge(task_name, acked)
         return {"acknowledged": len(acked)}
+
+    def extend(self, uid: int, task_name: str, indexes: np.ndarray, owner: str, seconds: float) -> dict[str, int]:
+        """Set the deadline of the leases holding the rows named to now + ``seconds`` (``client.extend_lease``).
+
+        Every row must be leased to ``owner`` (or to a DP round it takes part in); otherwise NotLeased names the
+        others and nothing is extended. A lease's deadline is per ``get_meta``: its rows not named move with it.
+        """
+        self.config.check_extension(seconds)
+        part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "extend_lease")
+        task = part.task(task_name)
+        state = task.consumption[rows]
+        held = (state == LEASED) & (mine | rounds)
+        if not held.all():
+            bad = ~held
+            raise NotLeased(_not_leased_message(part, task_name, rows[bad], state[bad], mine[bad], "extend_lease"))
+        deadline = self.clock() + float(seconds)
+        for lease_id in np.unique(task.lease[rows]).tolist():
+            lease = self.leases.leases.get(lease_id)
+            if lease is not None:
+                self.leases.extend(lease, deadline)
+        self.wake(deadline)
+        return {"extended": len(rows)}
 
     def release(self, uid: int, task_name: str, indexes: np.ndarray, owner: str) -> None:
         """Hand back rows the caller holds (leased or acknowledged by it, or held by a DP round), behind the rows
@@ -371,7 +400,7 @@ class Delivery:
 
 
 def _not_leased_message(
-    part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray
+    part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray, what: str
 ) -> str:
     index = rows + part.base_index
     why = {
@@ -384,6 +413,6 @@ def _not_leased_message(
     }
     detail = "; ".join(f"{what}: {idx[:20].tolist()}" for what, idx in why.items() if len(idx))
     return (
-        f"ack of {len(rows)} rows of task {task_name!r} in {part.name} that this client does not hold "
+        f"{what} of {len(rows)} rows of task {task_name!r} in {part.name} that this client does not hold "
         f"(global indexes {index[:20].tolist()}): {detail}"
     )

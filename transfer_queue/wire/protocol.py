@@ -175,6 +175,17 @@ class Ack(msgspec.Struct, tag="ack"):
     reply: bool = True  # False: the client does not wait for an answer (get_data's ack over a Unix socket)
 
 
+class ExtendLease(msgspec.Struct, tag="extend_lease"):
+    """Set the deadline of leased rows to now + ``seconds`` (``client.extend_lease``): every row named must be
+    leased to ``owner`` (or to a DP round), else nothing is extended and the rows are named in NotLeased."""
+
+    partition_uid: int
+    task_name: str
+    global_indexes: bytes
+    owner: str
+    seconds: float
+
+
 class CancelGetMeta(msgspec.Struct, tag="cancel_get_meta"):
     """The client gave up waiting on get_meta ``call_id``: drop it, or hand back what it was served."""
 
@@ -290,6 +301,7 @@ ControllerRequest = (
     | GetMeta
     | Release
     | Ack
+    | ExtendLease
     | CancelGetMeta
     | SetTaskOptions
     | DeadLetters
