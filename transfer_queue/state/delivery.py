@@ -363,23 +363,24 @@ class Delivery:
         """Set the deadline of the leases holding the rows named to now + ``seconds`` (``client.extend_lease``).
 
         Every row must be leased to ``owner`` (or to a DP round it takes part in); otherwise NotLeased names the
-        others and nothing is extended. A lease's deadline is per ``get_meta``: its rows not named move with it.
+        others and nothing is extended. A round's rows a peer rank already acknowledged are skipped, as ``ack``
+        does. A lease's deadline is per ``get_meta``: its rows not named move with it.
         """
         self.config.check_extension(seconds)
         part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "extend_lease")
         task = part.task(task_name)
         state = task.consumption[rows]
         held = (state == LEASED) & (mine | rounds)
-        if not held.all():
-            bad = ~held
+        bad = ~(held | ((state == CONSUMED) & rounds))
+        if bad.any():
             raise NotLeased(_not_leased_message(part, task_name, rows[bad], state[bad], mine[bad], "extend_lease"))
         deadline = self.clock() + float(seconds)
-        for lease_id in np.unique(task.lease[rows]).tolist():
+        for lease_id in np.unique(task.lease[rows[held]]).tolist():
             lease = self.leases.leases.get(lease_id)
             if lease is not None:
                 self.leases.extend(lease, deadline)
         self.wake(deadline)
-        return {"extended": len(rows)}
+        return {"extended": int(held.sum())}
 
     def release(self, uid: int, task_name: str, indexes: np.ndarray, owner: str) -> None:
         """Hand back rows the caller holds (leased or acknowledged by it, or held by a DP round), behind the rows

@@ -90,3 +90,17 @@ def test_extension_seconds_are_bounded_by_max_lease_s(make_queue):
     ):
         extend(q, meta, "a", 121.0)
     assert extend(q, meta, "a", 120.0) == {"extended": 4}
+
+
+def test_a_dp_rounds_share_is_extended_by_any_rank_and_a_peers_ack_is_no_error(make_queue):
+    q = make_queue(lease_s=10.0)
+    q.put(0, 4)
+    round_params = {"dp_rank": 0, "dp_size": 2, "dp_group_id": "r"}
+    share = get(q, "rank0", 2, sampler_params=round_params)
+    peer_share = get(q, "rank0-tp1", 2, sampler_params=round_params)  # a TP peer of rank 0: the same share
+    assert peer_share.global_indexes.tolist() == share.global_indexes.tolist()
+    assert extend(q, share, "rank0-tp1", 60.0) == {"extended": 2}
+    q.advance(30.0)
+    assert states(q)["leased"] == 4  # the round holds both ranks' shares under one lease: extended together
+    ack(q, share, "rank0")
+    assert extend(q, peer_share, "rank0-tp1", 60.0) == {"extended": 0}  # acknowledged by its peer: nothing to do
