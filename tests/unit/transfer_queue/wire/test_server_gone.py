@@ -259,3 +259,26 @@ def test_a_hung_server_is_a_timeout_after_the_calls_timeout_on_either_transport(
     assert time.monotonic() - started < 8.0  # the call's 0.5 s, not a fixed handshake timeout of 10 s
     assert set(raised.value.addresses) & {hung_server.tcp, hung_server.unix}  # type: ignore[attr-defined]
     transport.close()
+
+
+@pytest.mark.parametrize("route", ["unix", "tcp"])
+def test_a_read_from_a_hung_storage_unit_is_storage_unit_down_on_either_transport(
+    hung_server: p.Endpoint, route: str
+) -> None:
+    """The client's answer, the same on both paths: the unit did not answer within the read's timeout."""
+    import numpy as np
+
+    from transfer_queue.client import TransferQueueClient
+    from transfer_queue.config import QueueConfig
+    from transfer_queue.errors import StorageUnitDown
+    from transfer_queue.metadata import BatchMeta, FieldSchema
+
+    config = QueueConfig(2, num_storage_units=1, default_timeout=0.5)
+    unit = by(hung_server, route)
+    info = p.ControllerInfo(p.PROTOCOL_VERSION, "a" * 32, unit, [unit], config.to_dict(), b"s" * 32)
+    client = TransferQueueClient("reader", info, force_tcp=route == "tcp")
+    zeros = np.zeros((2, 1), dtype=np.int64)
+    meta = BatchMeta(0, 1, np.arange(2), np.arange(2), {"x": FieldSchema("dense", "float32", ())}, zeros, zeros)
+    with pytest.raises(StorageUnitDown, match=r"no reply within 0\.5 s.*storage unit 0 is down"):
+        client.get_data(meta, timeout=0.5)
+    client.close()
