@@ -269,40 +269,42 @@ class GRPOTrainerRank:
         for k in range(rounds):
             meta, data = self._read_round(step, k, rows, clock)
             t1 = time.perf_counter()
-            if "prompt_ids" in data.keys():  # noqa: SIM118 (the prompts trained on: a resume is checked by it)
-                totals_add(totals, {"prompts_crc_sum": float(prompts_checksum(rows_of(data["prompt_ids"])))})
-            batch = build_train_batch(
-                data,
-                meta.group_ids,
-                pad_token_id=self.task.tokenizer.pad_token_id,
-                trainer_version=version,
-                max_staleness=cfg.max_staleness,
-                config=cfg,
-            )
-            if cfg.train.max_train_groups is not None:
-                quota = cfg.train.max_train_groups // (self.world_size * rounds)
-                rows_taken, groups_taken = take_groups(batch.tensors, meta.group_ids, quota)
-                width = int(_global_max(len(rows_taken), self.policy.device))
-                batch.tensors = pad_rows(batch.tensors, rows_taken, width)
-                batch.stats["trained_rows"] = float((batch.tensors["response_mask"] > 0).any(dim=1).sum())
-                batch.stats["trained_groups"] = float(groups_taken)
-            totals_add(totals, batch.stats)
-            t = batch.tensors
-            if cfg.recompute_old_logprobs:
-                totals_add(totals, self._recompute_old_logprobs(t))
-            if self.reference is not None:
-                t["ref_logprobs"] = self.reference.compute_logprobs(
-                    t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
+            # a step longer than the lease keeps its rows: the heartbeat extends the lease until the ack
+            with self.client.keep_leased(meta):
+                if "prompt_ids" in data.keys():  # noqa: SIM118 (the prompts trained on: a resume is checked by it)
+                    totals_add(totals, {"prompts_crc_sum": float(prompts_checksum(rows_of(data["prompt_ids"])))})
+                batch = build_train_batch(
+                    data,
+                    meta.group_ids,
+                    pad_token_id=self.task.tokenizer.pad_token_id,
+                    trainer_version=version,
+                    max_staleness=cfg.max_staleness,
+                    config=cfg,
                 )
-            self._set_rl_lr(version * rounds + k)
-            if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
-                # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
-                # is off from the first step
-                train_metrics.append(
-                    self.policy.train_step(
-                        batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.rollout.temperature)
+                if cfg.train.max_train_groups is not None:
+                    quota = cfg.train.max_train_groups // (self.world_size * rounds)
+                    rows_taken, groups_taken = take_groups(batch.tensors, meta.group_ids, quota)
+                    width = int(_global_max(len(rows_taken), self.policy.device))
+                    batch.tensors = pad_rows(batch.tensors, rows_taken, width)
+                    batch.stats["trained_rows"] = float((batch.tensors["response_mask"] > 0).any(dim=1).sum())
+                    batch.stats["trained_groups"] = float(groups_taken)
+                totals_add(totals, batch.stats)
+                t = batch.tensors
+                if cfg.recompute_old_logprobs:
+                    totals_add(totals, self._recompute_old_logprobs(t))
+                if self.reference is not None:
+                    t["ref_logprobs"] = self.reference.compute_logprobs(
+                        t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
                     )
-                )
+                self._set_rl_lr(version * rounds + k)
+                if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
+                    # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
+                    # is off from the first step
+                    train_metrics.append(
+                        self.policy.train_step(
+                            batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.rollout.temperature)
+                        )
+                    )
             self.client.ack(meta)  # after the optimizer step (explicit acks: get_data left the rows leased)
             train_s += time.perf_counter() - t1
         self.version = version + 1

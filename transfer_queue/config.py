@@ -30,6 +30,8 @@ class QueueConfig:
         seqlen_fields: dense 2-D fields whose row sums count towards a row's length (jagged fields always count).
         lease_s: seconds rows handed out by ``get_meta`` stay leased without an acknowledgement before they go back
             to ready (a task's ``set_task_options(lease_s=...)`` or a call's ``lease_s`` overrides it).
+        max_lease_s: the most seconds one ``extend_lease`` may set a lease's deadline ahead of now (a consumer that
+            needs longer extends again, e.g. with ``keep_leased``): a dead client's rows come back within it.
         max_deliveries: times a row is handed out to a task before, coming back once more, it is dead-lettered.
         max_fields: fields one partition may hold (1..64; each row keeps its produced fields as bits of a uint64).
         promote_jagged: a dense field whose first per-row dimension changes between puts becomes jagged (as
@@ -57,6 +59,7 @@ class QueueConfig:
     max_waiting_requests: int = 65536
     seqlen_fields: tuple[str, ...] = field(default=("attention_mask",))
     lease_s: float = 600.0
+    max_lease_s: float = 3600.0
     max_deliveries: int = 5
     max_fields: int = 64
     promote_jagged: bool = False
@@ -85,6 +88,7 @@ class QueueConfig:
             "put_grace",
             "max_reservation_s",
             "lease_s",
+            "max_lease_s",
             "disconnect_grace",
             "checkpoint_timeout",
         ):
@@ -104,6 +108,14 @@ class QueueConfig:
         if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not -1 <= self.http_port < 65536:
             raise InvalidRequest(f"http_port must be an int in [-1, 65535] (0: free, -1: none), got {self.http_port!r}")
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
+
+    def check_extension(self, seconds: Any) -> None:
+        """``extend_lease``'s seconds: a finite number in (0, max_lease_s]; InvalidRequest otherwise."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= self.max_lease_s:
+            raise InvalidRequest(
+                f"extend_lease: seconds must be a number in (0, {float(self.max_lease_s)}] (max_lease_s), got "
+                f"{seconds!r}"
+            )
 
     @property
     def rows_per_step(self) -> int:

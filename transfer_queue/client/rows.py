@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from transfer_queue.client.channel import REPLY_SLACK, QueueChannel, _partition
+from transfer_queue.client.lease_keeper import AsyncLeaseHeartbeat, beat_schedule
 from transfer_queue.errors import (
     BatchSizeMismatch,
     InvalidRequest,
@@ -380,6 +381,48 @@ class RowCalls(QueueChannel):
             dp_group_id=_dp_group_id(batch_meta),
         )
         await self._control(request, Any, self.config.default_timeout)
+
+    async def extend_lease(self, batch_meta: BatchMeta, seconds: float) -> dict[str, int]:
+        """Keep the rows of ``batch_meta`` leased to this client ``seconds`` from now (Redis ``XCLAIM``, SQS
+        ``ChangeMessageVisibility``): a consumer whose work outlasts ``lease_s`` extends before it runs out (or
+        lets :meth:`keep_leased` do it). The deadline is set, not added to (it may move sooner), and is per
+        ``get_meta``: rows of the same ``get_meta`` not in ``batch_meta`` move with them. Returns
+        ``{"extended": rows}``.
+
+        Raises:
+            InvalidRequest: ``seconds`` is not a number in (0, ``QueueConfig.max_lease_s``].
+            NotLeased: some rows are not leased to this client any more (their lease expired, they were
+                acknowledged, released, or leased to another client); the message names them. Nothing is extended
+                then.
+            StaleBatchMeta: the partition was cleared.
+        """
+        if batch_meta.task_name is None:
+            raise InvalidRequest("extend_lease needs a BatchMeta from get_meta (it names the task that leased it)")
+        self.config.check_extension(seconds)
+        request = p.ExtendLease(
+            batch_meta.partition_uid,
+            batch_meta.task_name,
+            p.pack_indexes(batch_meta.global_indexes),
+            self.owner,
+            float(seconds),
+            _dp_group_id(batch_meta),
+        )
+        return dict(await self._control(request, Any, self.config.default_timeout))
+
+    def keep_leased(
+        self, batch_meta: BatchMeta, every: float | None = None, seconds: float | None = None
+    ) -> AsyncLeaseHeartbeat:
+        """An async context manager that keeps the rows of ``batch_meta`` leased while its block runs: it calls
+        :meth:`extend_lease` ``(batch_meta, seconds)`` on entry and then every ``every`` seconds (defaults: the
+        queue's ``lease_s``, at most ``max_lease_s``, and a third of it), until the block exits. A beat that fails
+        stops the heartbeat; it is logged and kept in the heartbeat's ``error``.
+
+        >>> async with client.keep_leased(meta):  # doctest: +SKIP
+        ...     await train_on(meta)
+        >>> await client.ack(meta)  # doctest: +SKIP
+        """
+        every, seconds = beat_schedule(self.config, every, seconds)
+        return AsyncLeaseHeartbeat(self.extend_lease, batch_meta, every, seconds)
 
     # ---- consumption and lifecycle -------------------------------------------------------------------------
     async def release(self, batch_meta: BatchMeta) -> None:

@@ -10,10 +10,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from transfer_queue.client.async_client import AsyncTransferQueueClient
+from transfer_queue.client.lease_keeper import LeaseHeartbeat, beat_schedule
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
     InvalidRequest,
 )
+from transfer_queue.metadata import BatchMeta
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.transport import BlockingTransport, run_sync
 
@@ -33,7 +35,9 @@ def _sync(
 
 class TransferQueueClient:
     """The sync client: the same methods as :class:`AsyncTransferQueueClient`, blocking. It needs no event loop
-    and also works when called from inside a running one. Safe to share between threads (sockets are per thread).
+    and also works when called from inside a running one. Safe to share between threads (each thread uses its own
+    sockets; a thread that ends hands them back to the client, which keeps its connections, and so its leases, until
+    :meth:`close`).
 
     Args:
         client_id: a name for logs.
@@ -80,11 +84,24 @@ class TransferQueueClient:
     def close(self) -> None:
         self._client.close()
 
+    def keep_leased(
+        self, batch_meta: BatchMeta, every: float | None = None, seconds: float | None = None
+    ) -> LeaseHeartbeat:
+        """A context manager that keeps the rows of ``batch_meta`` leased while its block runs (a thread calls
+        :meth:`extend_lease` every ``every`` seconds); see :meth:`AsyncTransferQueueClient.keep_leased`.
+
+        >>> with client.keep_leased(meta):  # doctest: +SKIP
+        ...     train_on(meta)  # longer than lease_s
+        >>> client.ack(meta)  # doctest: +SKIP
+        """
+        return LeaseHeartbeat(self.extend_lease, batch_meta, *beat_schedule(self.config, every, seconds))
+
     put = _sync(AsyncTransferQueueClient.put)
     get_meta = _sync(AsyncTransferQueueClient.get_meta)
     get_data = _sync(AsyncTransferQueueClient.get_data)
     release = _sync(AsyncTransferQueueClient.release)
     ack = _sync(AsyncTransferQueueClient.ack)
+    extend_lease = _sync(AsyncTransferQueueClient.extend_lease)
     set_task_options = _sync(AsyncTransferQueueClient.set_task_options)
     dead_letters = _sync(AsyncTransferQueueClient.dead_letters)
     clear = _sync(AsyncTransferQueueClient.clear)

@@ -71,6 +71,9 @@ class RequestTable:
             p.Ack: lambda req: s.delivery.ack(
                 req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.explicit, req.dp_group_id
             ),
+            p.ExtendLease: lambda req: s.delivery.extend(
+                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.seconds, req.dp_group_id
+            ),
             p.CancelGetMeta: lambda req: s.cancel_get_meta(req.owner, req.call_id),
             p.SetTaskOptions: lambda req: s.set_task_options(
                 req.task_name, TaskOptions(req.ack, req.lease_s, req.max_deliveries)

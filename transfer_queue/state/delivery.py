@@ -189,12 +189,19 @@ class LeaseBook:
         while self._heap and self._heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._heap)
             lease = self.leases.get(lease_id)
-            if lease is not None:
+            if lease is not None and lease.deadline <= now:  # else: extended since, a later entry stands for it
                 out.append(lease)
         return out
 
+    def extend(self, lease: Lease, deadline: float) -> None:
+        """Move ``lease``'s deadline (its earlier heap entry is skipped when it comes up)."""
+        lease.deadline = deadline
+        heapq.heappush(self._heap, (deadline, lease.lease_id))
+
     def next_deadline(self) -> float:
-        while self._heap and self._heap[0][1] not in self.leases:
+        while self._heap and (
+            self._heap[0][1] not in self.leases or self.leases[self._heap[0][1]].deadline != self._heap[0][0]
+        ):
             heapq.heappop(self._heap)
         deadlines = [self._heap[0][0]] if self._heap else []
         return min([*deadlines, *self.orphaned.values()], default=float("inf"))
@@ -375,13 +382,49 @@ class Delivery:
             if bad.any():
                 by_round = task.holder[rows[bad]] == self.leases.round_holder
                 raise NotLeased(
-                    _not_leased_message(part, task_name, rows[bad], state[bad], mine[bad] | ours[bad], by_round)
+                    _not_leased_message(part, task_name, rows[bad], state[bad], mine[bad] | ours[bad], by_round, "ack")
                 )
         acked = rows[take]
         if len(acked):
             self.leases.settled(task.lease[acked])
             part.acknowledge(task_name, acked)
         return {"acknowledged": len(acked)}
+
+    def extend(
+        self,
+        uid: int,
+        task_name: str,
+        indexes: np.ndarray,
+        owner: str,
+        seconds: float,
+        dp_group_id: str | None = None,
+    ) -> dict[str, int]:
+        """Set the deadline of the leases holding the rows named to now + ``seconds`` (``client.extend_lease``).
+
+        Every row must be leased to ``owner`` (or to its DP round ``dp_group_id``, under that round's own lease);
+        otherwise NotLeased names the others and nothing is extended. A round's rows a peer rank already acknowledged
+        are skipped, as ``ack`` does. A lease's deadline is per ``get_meta``: its rows not named move with it.
+        """
+        self.config.check_extension(seconds)
+        part, rows, mine, rounds = self.held_rows(uid, task_name, indexes, owner, "extend_lease", dp_group_id)
+        task = part.task(task_name)
+        state = task.consumption[rows]
+        held = (state == LEASED) & (mine | rounds)
+        bad = ~(held | ((state == CONSUMED) & rounds))
+        if bad.any():
+            by_round = task.holder[rows[bad]] == self.leases.round_holder
+            raise NotLeased(
+                _not_leased_message(
+                    part, task_name, rows[bad], state[bad], mine[bad] | rounds[bad], by_round, "extend_lease"
+                )
+            )
+        deadline = self.clock() + float(seconds)
+        for lease_id in np.unique(task.lease[rows[held]]).tolist():
+            lease = self.leases.leases.get(lease_id)
+            if lease is not None:
+                self.leases.extend(lease, deadline)
+        self.wake(deadline)
+        return {"extended": int(held.sum())}
 
     def release(
         self, uid: int, task_name: str, indexes: np.ndarray, owner: str, dp_group_id: str | None = None
@@ -404,7 +447,13 @@ class Delivery:
 
 
 def _not_leased_message(
-    part: PartitionState, task_name: str, rows: np.ndarray, state: np.ndarray, mine: np.ndarray, by_round: np.ndarray
+    part: PartitionState,
+    task_name: str,
+    rows: np.ndarray,
+    state: np.ndarray,
+    mine: np.ndarray,
+    by_round: np.ndarray,
+    what: str = "ack",
 ) -> str:
     index = rows + part.base_index
     why = {
@@ -418,6 +467,6 @@ def _not_leased_message(
     }
     detail = "; ".join(f"{what}: {idx[:20].tolist()}" for what, idx in why.items() if len(idx))
     return (
-        f"ack of {len(rows)} rows of task {task_name!r} in {part.name} that this client does not hold "
+        f"{what} of {len(rows)} rows of task {task_name!r} in {part.name} that this client does not hold "
         f"(global indexes {index[:20].tolist()}): {detail}"
     )

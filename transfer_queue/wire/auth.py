@@ -12,7 +12,8 @@ Nothing sent over a socket ever carries it, nor the session id.
   bytes on a network we do not own. It costs CPU per byte, which is why same-host traffic does not take it:
 - **Unix socket: an HMAC challenge.** On accept the server sends a fresh random nonce; the client answers with
   ``HMAC-SHA256(secret, label + nonce)``; the server answers one byte, or closes the connection on a wrong or late
-  proof, before any frame is read (so a client with a stale secret fails at connect time, typed).
+  proof, before any frame is read (so a client with a stale secret fails at connect time, typed). A server that
+  says nothing within the client's timeout is hung, not a refusal: RequestTimeout, as over TCP.
   A fresh nonce per connection makes a recorded answer worthless (no replay). The socket is a real connection we
   own, on one host, in a 0600 file: proving the secret once is enough, and the payload moves at memcpy speed.
 
@@ -31,7 +32,7 @@ import time
 import zmq
 from zmq.utils import z85
 
-from transfer_queue.errors import AuthenticationFailed
+from transfer_queue.errors import AuthenticationFailed, RequestTimeout
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32
@@ -76,7 +77,10 @@ def check_unix_proof(secret: bytes, nonce: bytes, proof: bytes) -> bool:
 
 
 def answer_unix_challenge(sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:
-    """Client side of the Unix-socket handshake on a fresh blocking connection: read the nonce, send the proof."""
+    """Client side of the Unix-socket handshake on a fresh blocking connection: read the nonce, send the proof.
+
+    Raises AuthenticationFailed if the server refuses the proof; RequestTimeout if it sends no challenge, or no
+    answer to the proof, within ``timeout`` (it is alive but hung, e.g. stopped: a timeout, not a wrong secret)."""
     deadline = time.monotonic() + timeout
     nonce = b""
     while len(nonce) < NONCE_BYTES:
@@ -84,7 +88,7 @@ def answer_unix_challenge(sock: socket.socket, secret: bytes, timeout: float = H
         try:
             chunk = sock.recv(NONCE_BYTES - len(nonce))
         except TimeoutError:
-            raise AuthenticationFailed(f"the server sent no challenge within {timeout:.1f} s") from None
+            raise RequestTimeout(f"the server sent no challenge within {timeout:.1f} s (it is hung)") from None
         except OSError:
             chunk = b""
         if not chunk:  # a live server sends its challenge first, whatever the client: this one died (or closes)
@@ -95,7 +99,7 @@ def answer_unix_challenge(sock: socket.socket, secret: bytes, timeout: float = H
     try:
         answer = sock.recv(1)
     except TimeoutError:
-        raise AuthenticationFailed(f"the server did not accept the proof within {timeout:.1f} s") from None
+        raise RequestTimeout(f"the server did not answer the proof within {timeout:.1f} s (it is hung)") from None
     except OSError:
         answer = b""
     if answer != ACCEPTED:

@@ -182,6 +182,18 @@ class Ack(msgspec.Struct, tag="ack"):
     dp_group_id: str | None = None
 
 
+class ExtendLease(msgspec.Struct, tag="extend_lease"):
+    """Set the deadline of leased rows to now + ``seconds`` (``client.extend_lease``): every row named must be
+    leased to ``owner`` (or to a DP round), else nothing is extended and the rows are named in NotLeased."""
+
+    partition_uid: int
+    task_name: str
+    global_indexes: bytes
+    owner: str
+    seconds: float
+    dp_group_id: str | None = None  # the meta's DP round (its ``extra``), as for Ack
+
+
 class CancelGetMeta(msgspec.Struct, tag="cancel_get_meta"):
     """The client gave up waiting on get_meta ``call_id``: drop it, or hand back what it was served."""
 
@@ -297,6 +309,7 @@ ControllerRequest = (
     | GetMeta
     | Release
     | Ack
+    | ExtendLease
     | CancelGetMeta
     | SetTaskOptions
     | DeadLetters

@@ -9,8 +9,10 @@ loopback. Clients talk through a :class:`Transport`:
   frames (buffers) in order; requests to different servers travel in parallel.
 
 Two transports implement it. :class:`BlockingTransport` (the sync client) uses the Unix socket when the server
-runs on its host and blocking ZeroMQ DEALER sockets otherwise, one per thread and server; its coroutines never
-suspend, so the sync client drives them without an event loop (and works inside a running one).
+runs on its host and blocking ZeroMQ DEALER sockets otherwise, one per thread and server at a time, owned by the
+transport (a thread that ends hands its sockets back, so a client's connections, and the leases the controller ties
+to them, outlive the threads that used them); its coroutines never suspend, so the sync client drives them without
+an event loop (and works inside a running one).
 :class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``. A shared-memory path would be a
 third.
 """
@@ -116,17 +118,34 @@ class BlockingTransport:
         self._local = threading.local()
         self._ids = itertools.count(1)
         self._spin = spin_seconds
-        # Each thread's sockets live in its thread-local: when the thread ends they are closed, so a client used
-        # from short-lived threads (a thread pool, a thread per request) keeps no connection per thread it saw.
-        # Weak references let close() reach the sockets of threads still running.
+        # Each thread uses its own sockets (a socket serves one request at a time), kept in its thread-local. The
+        # sockets belong to the client, not to the thread: when a thread ends, its sockets go back to ``_spare`` and
+        # the next new thread takes them. Closing them would tell the controller that the client's connections are
+        # gone, and after ``disconnect_grace`` it would hand the client's leases to another consumer while the
+        # client is alive (docs/architecture.md "Delivery": leases belong to the client instance). So a client
+        # keeps as many connections as it ran threads at once, never one per thread it saw, and all of them until
+        # close() or its process ends. Weak references let close() reach the sockets of threads still running.
         self._all_sockets: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._spare: dict[str, list[dict[Any, Any]]] = {"sockets": [], "unix": []}
+        self._closed = False
+        self._lock = threading.RLock()  # RLock: a thread-local's finalizer may run while this thread holds it
 
     def _thread_sockets(self, kind: str) -> dict[Any, Any]:
         sockets = self._local.__dict__.get(kind)
         if sockets is None:
-            sockets = self._local.__dict__[kind] = _ThreadSockets()
+            with self._lock:
+                spare = self._spare[kind].pop() if self._spare[kind] else {}
+            sockets = self._local.__dict__[kind] = _ThreadSockets(kind, weakref.WeakMethod(self._take_back), spare)
         return sockets
+
+    def _take_back(self, kind: str, sockets: dict[Any, Any]) -> bool:
+        """A thread ended: its sockets wait for the next thread (False: the transport is closed, close them)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if sockets:
+                self._spare[kind].append(sockets)
+            return True
 
     def next_request_id(self) -> int:
         return next(self._ids)
@@ -165,10 +184,11 @@ class BlockingTransport:
             if address not in busy and _gone_event(monitor_of(sock)):
                 self._discard(address)
 
-    def _local_path(self, endpoint: Endpoint) -> str | None:
+    def _local_path(self, endpoint: Endpoint, timeout: float) -> str | None:
         """The Unix socket to take to ``endpoint``, or None for TCP: the server is on this host (same Ray node, or
         same hostname outside Ray, see :meth:`Endpoint.local_path`) and its socket accepts us (the probe: a socket
-        file of another host on a shared /tmp, or one left by a dead server, does not)."""
+        file of another host on a shared /tmp, or one left by a dead server, does not). A server that does not
+        answer the probe within ``timeout`` is hung: RequestTimeout naming it, as a call over TCP would end."""
         if self.force_tcp:
             return None
         routes = self._local.__dict__.setdefault("routes", {})
@@ -176,7 +196,9 @@ class BlockingTransport:
             path = endpoint.local_path()
             if path is not None:
                 try:
-                    self._unix_socket(path)
+                    self._unix_socket(path, timeout)
+                except RequestTimeout as exc:  # (a TimeoutError is an OSError: before the next clause)
+                    raise _hung(path, timeout, exc) from None
                 except AuthenticationFailed:
                     raise
                 except OSError:  # nothing of ours listens there: take TCP (which reports a dead server itself)
@@ -184,11 +206,11 @@ class BlockingTransport:
             routes[endpoint] = path
         return routes[endpoint]
 
-    def _unix_socket(self, path: str) -> socket.socket:
+    def _unix_socket(self, path: str, timeout: float) -> socket.socket:
         sockets = self._thread_sockets("unix")
         sock = sockets.get(path)
         if sock is None:
-            sock = sockets[path] = connect(path, self._secret)
+            sock = sockets[path] = connect(path, self._secret, timeout)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
@@ -198,8 +220,13 @@ class BlockingTransport:
     ) -> list[tuple[int, Frames]]:
         """Calls to servers on this host, over their Unix sockets, all interleaved; replies land in ``into``'s
         arrays where given (by position in ``calls``' original order)."""
+        deadline = time.monotonic() + timeout
+        pairs = []
         try:
-            pairs = [(self._unix_socket(path), frames) for _, path, frames, _ in calls]
+            for _, path, frames, _ in calls:
+                pairs.append((self._unix_socket(path, deadline - time.monotonic()), frames))
+        except RequestTimeout as exc:  # it accepted the connection and said nothing: hung (a TimeoutError: first)
+            raise _hung(path, timeout, exc) from None
         except AuthenticationFailed as exc:  # the server refused our secret: another queue's controller_info
             raise AuthenticationFailed(f"{[path for _, path, _, _ in calls]}: {exc}") from None
         except OSError as exc:  # nothing listens there: the server is gone (its socket file may linger)
@@ -212,7 +239,8 @@ class BlockingTransport:
                 [path for _, path, _, _ in calls],
             ) from None
         gone: set[int] = set()
-        replies, failed = exchange(pairs, timeout, [into[c[0]] for c in calls] if into else None, gone)
+        arrays = [into[c[0]] for c in calls] if into else None
+        replies, failed = exchange(pairs, max(0.001, deadline - time.monotonic()), arrays, gone)
         for i in failed:  # a socket that timed out or closed may still carry a late reply: never reuse it
             sock = self._local.__dict__["unix"].pop(calls[i][1], None)
             if sock is not None:
@@ -240,11 +268,14 @@ class BlockingTransport:
         server on this host (what the kernel took is delivered even if this process dies or closes the socket next).
         Returns False where it sent nothing (a server on another host, or the socket failed): the caller makes a
         call instead."""
-        path = self._local_path(endpoint)
+        try:
+            path = self._local_path(endpoint, timeout)
+        except RequestTimeout:
+            return False
         if path is None:
             return False
         try:
-            sock = self._unix_socket(path)
+            sock = self._unix_socket(path, timeout)
             send_all(sock, frames, timeout)
         except (OSError, TransferQueueError):  # a half-written message spoils the socket: never reuse it
             stale = self._local.__dict__.get("unix", {}).pop(path, None)
@@ -263,7 +294,7 @@ class BlockingTransport:
         local = []
         remote = []
         for i, (endpoint, frames, request_id) in enumerate(calls):
-            path = self._local_path(endpoint)
+            path = self._local_path(endpoint, timeout)
             if path is not None:
                 local.append((i, path, frames, request_id))
             else:
@@ -341,10 +372,18 @@ class BlockingTransport:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for sock in list(self._all_sockets):
                 _close(sock)
             self._all_sockets.clear()
+            self._spare = {"sockets": [], "unix": []}
         self._local = threading.local()
+
+
+def _hung(path: str, timeout: float, cause: RequestTimeout) -> RequestTimeout:
+    """A server on this host that took the connection and did not answer the handshake within the call's timeout: the
+    same error as a request over TCP that got no reply (not AuthenticationFailed: its secret was never checked)."""
+    return with_addresses(RequestTimeout(f"no reply within {timeout:.1f} s from {[path]} ({cause})"), [path])
 
 
 def _close(sock: Any) -> None:
@@ -352,14 +391,23 @@ def _close(sock: Any) -> None:
 
 
 class _ThreadSockets(dict):
-    """One thread's sockets by server; closes them when the thread ends (its thread-local goes away)."""
+    """One thread's sockets by server. When the thread ends (its thread-local goes away) they go back to their
+    transport for the next thread, or are closed if the transport is closed or gone."""
+
+    def __init__(self, kind: str, take_back: weakref.WeakMethod, sockets: dict[Any, Any]):
+        super().__init__(sockets)
+        self._kind = kind
+        self._take_back = take_back
 
     def __del__(self) -> None:
-        for sock in self.values():
-            try:
+        try:
+            take_back = self._take_back()
+            if take_back is not None and take_back(self._kind, dict(self)):
+                return
+            for sock in self.values():
                 _close(sock)
-            except Exception:  # interpreter shutdown: nothing left to close cleanly
-                pass
+        except Exception:  # interpreter shutdown: nothing left to close cleanly
+            pass
 
 
 class AsyncioTransport:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer_queue.errors import RequestTimeout
 from transfer_queue.wire.auth import (
     ACCEPTED,
     HANDSHAKE_TIMEOUT,
@@ -232,15 +233,20 @@ def listen(path: str) -> socket.socket:
     return sock
 
 
-def connect(path: str, secret: bytes = b"") -> socket.socket:
+def connect(path: str, secret: bytes = b"", timeout: float = HANDSHAKE_TIMEOUT) -> socket.socket:
     """A non-blocking connection to the server at ``path``, authenticated with ``secret`` when given (see
-    :mod:`transfer_queue.wire.auth`; AuthenticationFailed if the server does not challenge in time or refuses the proof;
-    an OSError, like a refused connection, if the server closes it before its challenge: it is gone)."""
+    :mod:`transfer_queue.wire.auth`; AuthenticationFailed if the server refuses the proof; RequestTimeout if it does
+    not challenge or answer within ``timeout``, the caller's: it is hung; an OSError, like a refused connection, if
+    the server closes it before its challenge: it is gone)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(path)
+        sock.settimeout(max(0.001, timeout))
+        try:
+            sock.connect(path)
+        except TimeoutError:  # its backlog is full: it accepts nothing (hung)
+            raise RequestTimeout(f"the server accepted no connection within {timeout:.1f} s (it is hung)") from None
         if secret:
-            answer_unix_challenge(sock, secret)
+            answer_unix_challenge(sock, secret, timeout)
     except BaseException:
         sock.close()
         raise

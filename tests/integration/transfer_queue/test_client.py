@@ -607,8 +607,9 @@ def test_one_sync_client_shared_by_threads(queue: Any) -> None:
 
 
 def test_a_sync_client_used_from_short_lived_threads_keeps_no_socket_per_thread(queue: Any) -> None:
-    """Each thread gets its own connections; they close when the thread ends (else a thread pool leaks them on
-    both sides and every server poll walks them all)."""
+    """Each thread uses its own connections; when the thread ends they go back to the client and the next thread
+    takes them (a thread pool keeps as many as it runs at once, not one set per thread it saw, else it leaks them
+    on both sides and every server poll walks them all)."""
     client, partition = queue.new_client("threads"), queue.partition()
     client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id=partition)
     client.get_production_status(partition_id=partition)  # this thread's own connections exist before counting

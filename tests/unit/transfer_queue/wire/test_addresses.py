@@ -126,6 +126,6 @@ def test_a_dead_socket_file_sends_the_client_to_tcp(servers: list[StorageServer]
         s.bind(stale)  # a socket file with no listener
     endpoint = p.Endpoint(server.endpoint.tcp, stale, socket.gethostname(), "")
     transport = BlockingTransport(secret=SECRET)
-    assert transport._local_path(endpoint) is None
+    assert transport._local_path(endpoint, 5.0) is None
     assert stats(transport, endpoint)["unit"] == 0  # served over TCP
-    assert transport._local_path(server.endpoint) == server.endpoint.unix  # the real one is taken
+    assert transport._local_path(server.endpoint, 5.0) == server.endpoint.unix  # the real one is taken

@@ -227,3 +227,58 @@ def test_an_idle_socket_to_a_dead_server_is_closed_by_the_next_call(server: Any,
         other.kill()
         other.wait()
         transport.close()
+
+
+@pytest.fixture
+def hung_server(tmp_path: Any) -> Iterator[p.Endpoint]:
+    """A server that is there and never answers (a process frozen with SIGSTOP): its sockets listen, the kernel
+    completes connections into their backlog, and nothing is ever read or sent (no Unix challenge, no CURVE)."""
+    import socket
+
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(str(tmp_path / "hung.sock"))
+    unix.listen(8)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(8)
+    yield p.Endpoint(f"tcp://127.0.0.1:{tcp.getsockname()[1]}", str(tmp_path / "hung.sock"), socket.gethostname())
+    unix.close()
+    tcp.close()
+
+
+@pytest.mark.parametrize("route", ["unix", "tcp"])
+def test_a_hung_server_is_a_timeout_after_the_calls_timeout_on_either_transport(
+    hung_server: p.Endpoint, route: str
+) -> None:
+    """Not AuthenticationFailed after a fixed 10 s on the Unix socket: the same RequestTimeout as over TCP, naming
+    the call's timeout (the client then reports the storage unit down, StorageUnitDown, on both paths)."""
+    transport = BlockingTransport(secret=b"s" * 32)
+    started = time.monotonic()
+    with pytest.raises(RequestTimeout, match=r"no reply within 0\.5 s") as raised:
+        call(transport, by(hung_server, route), b"hi", timeout=0.5)
+    assert time.monotonic() - started < 8.0  # the call's 0.5 s, not a fixed handshake timeout of 10 s
+    assert set(raised.value.addresses) & {hung_server.tcp, hung_server.unix}  # type: ignore[attr-defined]
+    transport.close()
+
+
+@pytest.mark.parametrize("route", ["unix", "tcp"])
+def test_a_read_from_a_hung_storage_unit_is_storage_unit_down_on_either_transport(
+    hung_server: p.Endpoint, route: str
+) -> None:
+    """The client's answer, the same on both paths: the unit did not answer within the read's timeout."""
+    import numpy as np
+
+    from transfer_queue.client import TransferQueueClient
+    from transfer_queue.config import QueueConfig
+    from transfer_queue.errors import StorageUnitDown
+    from transfer_queue.metadata import BatchMeta, FieldSchema
+
+    config = QueueConfig(2, num_storage_units=1, default_timeout=0.5)
+    unit = by(hung_server, route)
+    info = p.ControllerInfo(p.PROTOCOL_VERSION, "a" * 32, unit, [unit], config.to_dict(), b"s" * 32)
+    client = TransferQueueClient("reader", info, force_tcp=route == "tcp")
+    zeros = np.zeros((2, 1), dtype=np.int64)
+    meta = BatchMeta(0, 1, np.arange(2), np.arange(2), {"x": FieldSchema("dense", "float32", ())}, zeros, zeros)
+    with pytest.raises(StorageUnitDown, match=r"no reply within 0\.5 s.*storage unit 0 is down"):
+        client.get_data(meta, timeout=0.5)
+    client.close()

@@ -170,6 +170,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "lease_s": mostly(
         st.none() | st.sampled_from([1.0, 600.0]), st.sampled_from([float("nan"), float("inf"), -1.0, 0.0])
     ),
+    "seconds": mostly(st.sampled_from([1.0, 60.0]), st.sampled_from([float("nan"), float("inf"), -1.0, 0.0, 1e9])),
     "owner": st.sampled_from(["", "a", "b"]),
     "call_id": mostly(st.integers(0, 3), HUGE),
     "explicit": st.booleans(),
