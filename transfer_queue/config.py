@@ -45,6 +45,9 @@ class QueueConfig:
         checkpoint_timeout: seconds ``save_checkpoint`` waits for every storage unit to write its files; a unit that
             takes longer (stalled, overloaded disk) fails the save with ``CheckpointError`` naming it, and the
             previous checkpoint stays current. The queue serves every other client meanwhile.
+        status_partitions: live partitions the status summary (``client.status()``, ``/status.json``, the status
+            page and command) details one by one: the most recent ones; the rest are counted in aggregate
+            (``partitions_omitted``), so a status read stays bounded however many partitions are live.
     """
 
     global_batch_size: int
@@ -67,6 +70,7 @@ class QueueConfig:
     http_port: int = 0
     storage_unit_max_restarts: int = 5
     checkpoint_timeout: float = 30.0
+    status_partitions: int = 100
 
     def __post_init__(self) -> None:
         for name in (
@@ -75,6 +79,7 @@ class QueueConfig:
             "num_n_samples",
             "num_storage_units",
             "max_waiting_requests",
+            "status_partitions",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -147,6 +147,7 @@ class ControllerServer(Server):
         self._dead: set[int] = set()
         self._ids = itertools.count(1)
         self.metrics = ControllerMetrics()  # recorded on this thread; read by scrapes under ``lock``
+        self.state.events.track(self.metrics.gets, self.metrics.get_rows)  # forgotten with idle task names
         self.run_history: deque[dict[str, float]] = deque(maxlen=RUN_HISTORY)  # an RL run's per-step metrics
         self.endpoints: dict[str, Any] = {}  # the HTTP URLs of the controller and the storage units
         self._held: list[HeldReply] = []

@@ -4,8 +4,9 @@ Recording is plain Python on the serving thread (a counter increment and a bisec
 server holds anyway); ``prometheus_client`` runs only when a scrape arrives, in the HTTP thread, through a collector
 that copies what it needs under that lock. So the hot path pays no lock of its own and no label lookup.
 
-Every name starts with ``transfer_queue_``; labels stay bounded: request kinds, error types, task names and storage
-units are finite sets, and partitions appear only as live/closed counts (never one series per partition).
+Every name starts with ``transfer_queue_``; labels stay bounded: request kinds, error types and storage units are
+finite sets; per-task counters forget a task name no live partition follows (but the most recent few, see
+:mod:`transfer_queue.state.events`); partitions appear only as live/closed counts (never one series per partition).
 
 :class:`QueueEvents` is the hook for the queue's own logic (``QueueState.events``): the lease code calls
 ``events.lease_expired(task, rows)`` and ``events.redelivered(task, rows)``; the counters show up as
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from transfer_queue.state.events import QueueEvents
+from transfer_queue.state.events import count as count_task
 
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -111,8 +113,8 @@ class ControllerMetrics(RequestLog):
             self.put_rows += len(value.global_indexes) // 8  # packed int64
         elif kind == "get_meta":
             task = request.task_name
-            self.gets[task] += 1
-            self.get_rows[task] += len(value.global_indexes) // 8
+            count_task(self.gets, task)
+            count_task(self.get_rows, task, len(value.global_indexes) // 8)
             if "wait_s" in value.extra:
                 self.get_meta_wait.observe(seconds)
 

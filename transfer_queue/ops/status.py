@@ -2,14 +2,15 @@
 
 :func:`queue_summary` reads a :class:`~transfer_queue.state.queue_state.QueueState` in one go, under the controller's
 lock, so the summary is consistent with itself even while partitions are cleared (a driver stitching ``list_partitions``
-and per-partition status calls races a clear and gets ``UnknownPartition``). It costs O(rows x tasks): for people and
-scrapers, never the hot path. :func:`format_summary` renders it as the status command's tables.
+and per-partition status calls races a clear and gets ``UnknownPartition``). It is bounded: O(rows x the tasks each
+partition follows) to count, and at most ``QueueConfig.status_partitions`` partitions detailed (the rest in aggregate),
+so its JSON does not grow with the number of live partitions or task names. For people and scrapers, never the hot
+path. :func:`format_summary` renders it as the status command's tables.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from transfer_queue.ops.metrics import ROW_STATES, ControllerMetrics
@@ -21,7 +22,9 @@ from transfer_queue.state.queue_state import QueueState
 RUN_HISTORY = 2000  # RL step rows the controller keeps for the status page's curves
 
 
-def partition_summary(part: PartitionState, task_names: Sequence[str]) -> dict[str, Any]:
+def partition_summary(part: PartitionState, counts: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """One partition's row of the summary; ``tasks``: only the tasks that follow it (a task absent here has every
+    committed row of it ready)."""
     return {
         "partition_id": part.key,
         "uid": part.uid,
@@ -32,8 +35,31 @@ def partition_summary(part: PartitionState, task_names: Sequence[str]) -> dict[s
         "closed": part.sealed,
         "bytes": part.nbytes,
         "fields": {name: part.field_produced[col] for name, col in part.field_col.items()},
-        "tasks": {task: row_state_counts(part, task) for task in task_names},
+        "tasks": counts if counts is not None else {task: row_state_counts(part, task) for task in part.tasks},
     }
+
+
+def _task_totals(state: QueueState) -> tuple[dict[str, dict[str, int]], dict[int, dict[str, dict[str, int]]]]:
+    """Rows by delivery state per task over every live partition, and each partition's counts of the tasks that
+    follow it (by uid). O(live partitions x the tasks each follows), never x every task name of the queue."""
+    per_part: dict[int, dict[str, dict[str, int]]] = {}
+    followed: dict[str, dict[str, int]] = {}
+    followed_rows: dict[str, int] = {}  # committed rows of the partitions each task follows
+    committed = 0
+    for part in state.partitions.values():
+        committed += part.num_committed
+        counts = per_part[part.uid] = {task: row_state_counts(part, task) for task in part.tasks}
+        for task, c in counts.items():
+            total = followed.setdefault(task, dict.fromkeys(ROW_STATES, 0))
+            for key, value in c.items():
+                total[key] += value
+            followed_rows[task] = followed_rows.get(task, 0) + part.num_committed
+    tasks = {}
+    for task in sorted(set(followed) | set(state.samplers)):
+        total = dict(followed.get(task) or dict.fromkeys(ROW_STATES, 0))
+        total["ready"] += committed - followed_rows.get(task, 0)  # partitions it does not follow: all ready
+        tasks[task] = total
+    return tasks, per_part
 
 
 def queue_summary(
@@ -44,15 +70,18 @@ def queue_summary(
     run: list[dict[str, Any]] | None = None,
     endpoints: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything the status page and command show, from one read of ``state`` (hold the controller's lock)."""
+    """Everything the status page and command show, from one read of ``state`` (hold the controller's lock).
+
+    Bounded: ``partitions`` details the ``config.status_partitions`` most recently opened live partitions (each with
+    the tasks that follow it); the others are counted in ``partitions_omitted``. ``tasks`` and the totals cover
+    every live partition.
+    """
     config = state.config
-    task_names = sorted({t for part in state.partitions.values() for t in part.tasks} | set(state.samplers))
-    partitions = [partition_summary(part, task_names) for part in state.partitions.values()]
-    tasks = {task: dict.fromkeys(ROW_STATES, 0) for task in task_names}
-    for part in partitions:
-        for task, counts in part["tasks"].items():
-            for key, value in counts.items():
-                tasks[task][key] += value
+    tasks, per_part = _task_totals(state)
+    live = list(state.partitions.values())
+    limit = config.status_partitions
+    shown, omitted = live[-limit:], live[: max(0, len(live) - limit)]
+    partitions = [partition_summary(part, per_part[part.uid]) for part in shown]
     units = config.num_storage_units
     unit_bytes = [0] * units
     for state_part in state.partitions.values():
@@ -62,14 +91,21 @@ def queue_summary(
     return {
         "time": time.time(),
         "config": config.to_dict(),
-        "partitions_live": len(partitions),
-        "partitions_closed": sum(1 for p in partitions if p["closed"]),
+        "partitions_live": len(live),
+        "partitions_closed": sum(1 for p in live if p.sealed),
         "max_cleared_step": state.max_cleared_step,
-        "partitions": partitions,
+        "partitions_limit": limit,  # config.status_partitions: at most this many are detailed in "partitions"
+        "partitions": partitions,  # the most recently opened live partitions, oldest first
+        "partitions_omitted": {  # the older live partitions, counted but not detailed
+            "count": len(omitted),
+            "closed": sum(1 for p in omitted if p.sealed),
+            "rows": sum(p.num_committed for p in omitted),
+            "bytes": sum(p.nbytes for p in omitted),
+        },
         "tasks": tasks,
-        "rows_committed": sum(p["rows"] for p in partitions),
-        "rows_in_flight": sum(p["rows_in_flight"] for p in partitions),
-        "rows_lost": sum(p["rows_lost"] for p in partitions),  # in live partitions (lost_rows: since start)
+        "rows_committed": sum(p.num_committed for p in live),
+        "rows_in_flight": sum(p.num_reserved for p in live),
+        "rows_lost": sum(p.num_lost for p in live),  # in live partitions (lost_rows: since start)
         "lost_rows": lost_summary(state),
         "open_puts": len(state.open_puts),
         "waiting_get_meta": sum(len(waiting) for waiting in state.getters.values()),
@@ -153,6 +189,13 @@ def format_summary(summary: dict[str, Any]) -> str:
              _bytes(part["bytes"]), progress or "-"]
         )  # fmt: skip
     lines += _table(["PARTITION", "ROWS", "CLOSED", "BYTES", "CONSUMED (task=acknowledged/rows)"], rows)
+    omitted = summary.get("partitions_omitted") or {}
+    if omitted.get("count"):
+        lines.append(
+            f"... and {omitted['count']} older live partitions not shown ({omitted['closed']} closed, "
+            f"{omitted['rows']} rows, {_bytes(omitted['bytes'])}; at most {summary['partitions_limit']} are detailed: "
+            "QueueConfig.status_partitions)"
+        )
     lines.append("")
     task_rows = [[task, *(c[s] for s in ROW_STATES)] for task, c in summary["tasks"].items()]
     lines += _table(["TASK", "READY", "LEASED", "ACKNOWLEDGED", "DEAD_LETTERED"], task_rows)

@@ -16,7 +16,7 @@ from transfer_queue.metadata import PartitionKey, describe_partition
 from transfer_queue.state.partition import PartitionState
 
 # A cleared name forgotten: get_meta on it waits for a new put (and times out) instead of failing at once (defect 8).
-CLEARED_NAMES_REMEMBERED = 4096
+CLEARED_NAMES_REMEMBERED = 1024  # ~240 bytes each: at most ~250 KB (issue 23 defect 9)
 
 
 class PartitionTable:

@@ -40,7 +40,7 @@ from transfer_queue.state.placement import place_rows
 logger = logging.getLogger(__name__)
 
 MAX_ROWS_PER_PUT = 1 << 24  # bounds the bookkeeping one request can make the controller allocate
-COMMITS_REMEMBERED = 4096  # recent commits whose meta a retried commit (its reply was lost) gets again
+COMMITS_REMEMBERED = 1024  # recent commits whose meta a retried commit (its reply was lost) gets again
 
 
 @dataclass

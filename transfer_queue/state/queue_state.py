@@ -308,9 +308,14 @@ class QueueState:
         for unit in range(self.config.num_storage_units):
             self.outbox.append((unit, DropPartition(part.uid, live, self.table.next_uid - 1, floor)))
         self.rounds.drop_partition(key)
+        self.events.forget_idle(self.followed_tasks())  # per-task metric series stay bounded
         for parked in self.waiting.take_getters(key):
             parked.respond(None, PartitionCleared(f"{part.name} was cleared while get_meta waited for it"))
         self._retry_putters()
+
+    def followed_tasks(self) -> set[str]:
+        """The task names some live partition follows."""
+        return {task for part in self.partitions.values() for task in part.tasks}
 
     def reset_consumption(self, partition: Any, task_name: str | None) -> None:
         """Make ``task_name``'s rows (every task's with None) of ``partition`` (every partition's with None) ready

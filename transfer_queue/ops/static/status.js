@@ -89,6 +89,12 @@ function drawPartitions(s) {
       { "data-partition": pid, "data-rows": p.rows });
     return [el("td", pid), rowsCell, p.rows_in_flight, p.closed ? "yes" : "no", fmtBytes(p.bytes), produced, progress];
   });
+  const omitted = s.partitions_omitted || { count: 0 };
+  if (omitted.count) {  // the summary details only the most recent partitions (QueueConfig.status_partitions)
+    rows.push([el("td", `+${omitted.count} older`, { class: "muted", "data-omitted": omitted.count }),
+      `${omitted.rows} rows`, "", `${omitted.closed} closed`, fmtBytes(omitted.bytes),
+      el("td", `not detailed: at most ${s.partitions_limit} partitions are`, { colspan: 2, class: "muted" })]);
+  }
   fillTable(document.getElementById("partitions"),
     ["partition", "rows", "in flight", "closed", "bytes", "produced per field", "consumption per task"], rows);
 }

@@ -59,7 +59,7 @@ def test_summary_after_known_traffic(make_queue):
         "train": {"ready": 3, "leased": 0, "acknowledged": 3, "dead_lettered": 0},
     }
     step0 = next(part for part in s["partitions"] if part["partition_id"] == 0)
-    assert step0["tasks"]["eval"] == {"ready": 4, "leased": 0, "acknowledged": 0, "dead_lettered": 0}
+    assert "eval" not in step0["tasks"]  # only the tasks that follow it; its 4 rows count as ready in "tasks"
     assert step0["fields"] == {"x": 4} and step0["capacity"] == 4
     assert sum(u["bytes"] for u in s["storage"]["units"]) == s["storage"]["bytes_held"] == 6 * 4
     json.dumps(s)  # what /status.json serves
