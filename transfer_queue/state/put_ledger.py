@@ -29,6 +29,7 @@ from transfer_queue.errors import (
     InvalidRequest,
     PutExpired,
     QueueFull,
+    RequestTimeout,
     StaleBatchMeta,
     TransferQueueError,
 )
@@ -40,7 +41,9 @@ from transfer_queue.state.placement import place_rows
 logger = logging.getLogger(__name__)
 
 MAX_ROWS_PER_PUT = 1 << 24  # bounds the bookkeeping one request can make the controller allocate
-COMMITS_REMEMBERED = 1024  # recent commits whose meta a retried commit (its reply was lost) gets again
+# Recent commits whose meta a retried commit (its reply was lost) gets again; they are forgotten when their put's
+# deadline plus put_grace has passed, or beyond this many (then a retry is told its outcome is unknown, never a lie).
+COMMITS_REMEMBERED = 4096
 
 
 @dataclass
@@ -136,6 +139,7 @@ class PutLedger:
         self.send_drop = drop_blocks
         self.open_puts: dict[int, OpenPut] = {}
         self.committed: dict[int, Committed] = {}  # put id -> its commit, oldest first
+        self.forgotten_upto = 0  # the newest put id whose commit was forgotten for want of room
         self.down_units: set[int] = set()  # storage units the controller lost its connection to: placement skips them
         self.bytes_held = 0
         self.next_put = 1
@@ -317,6 +321,11 @@ class PutLedger:
             if done is not None and self.table.by_uid(done.uid) is not None:
                 # a retry of a commit whose reply was lost: the same rows, not new ones
                 return done.meta
+            if done is None and put_id <= self.forgotten_upto:
+                raise RequestTimeout(
+                    f"put {put_id}: its commit is no longer remembered (more than {COMMITS_REMEMBERED} commits "
+                    "since); whether its rows were made visible is unknown"
+                )
             raise PutExpired(
                 f"put {put_id} expired, was aborted, or its partition was cleared before the commit; "
                 "none of its rows are visible"
@@ -336,7 +345,9 @@ class PutLedger:
         # keep the commit's meta a while past the put's deadline: a client that got no answer asks once more then
         self.committed[put.put_id] = Committed(meta, put.uid, put.deadline + self.config.put_grace)
         while len(self.committed) > COMMITS_REMEMBERED:
-            del self.committed[next(iter(self.committed))]
+            oldest = next(iter(self.committed))
+            self.forgotten_upto = max(self.forgotten_upto, oldest)
+            del self.committed[oldest]
         self.rows_changed(put.key)
         return meta
 

@@ -12,7 +12,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from transfer_queue.errors import GetMetaTimeout, InvalidRequest, PartitionCleared, PutExpired, QueueBusy
+from transfer_queue.errors import (
+    GetMetaTimeout,
+    InvalidRequest,
+    PartitionCleared,
+    PutExpired,
+    QueueBusy,
+    RequestTimeout,
+)
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.state import dp_rounds, partition_table, put_ledger
 from transfer_queue.state import partition as partition_module
@@ -87,7 +94,7 @@ def test_remembered_commits_are_capped(make_queue, monkeypatch):
     for r in reservations:
         q.commit(r)
     assert list(q.state.committed) == [r.put_id for r in reservations[1:]]
-    with pytest.raises(PutExpired):
+    with pytest.raises(RequestTimeout, match="no longer remembered"):  # it was applied: not a PutExpired
         q.commit(reservations[0])
 
 

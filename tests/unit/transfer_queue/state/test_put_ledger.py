@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 
 from transfer_queue.config import QueueConfig
-from transfer_queue.errors import IncompleteGroups, InvalidRequest, PutExpired, QueueFull, StaleBatchMeta
+from transfer_queue.errors import (
+    IncompleteGroups,
+    InvalidRequest,
+    PutExpired,
+    QueueFull,
+    RequestTimeout,
+    StaleBatchMeta,
+)
 from transfer_queue.metadata import FieldSchema
+from transfer_queue.state import put_ledger
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.put_ledger import PutLedger, PutRequest
 
@@ -73,6 +81,19 @@ def test_a_retried_commit_gets_the_same_meta_and_never_doubles_rows():
     b.ledger.expire(b.now[0])
     with pytest.raises(PutExpired, match=f"put {reserved.put_id} expired, was aborted"):
         b.ledger.commit(reserved.put_id)
+
+
+def test_a_retried_commit_forgotten_for_want_of_room_is_told_its_outcome_is_unknown(monkeypatch):
+    monkeypatch.setattr(put_ledger, "COMMITS_REMEMBERED", 2)
+    b = books(global_batch_size=8)
+    puts = [b.reserve(0, 2).put_id for _ in range(3)]
+    for put_id in puts:
+        b.ledger.commit(put_id)
+    assert b.table.partitions[0].num_committed == 6
+    # the first commit was applied, then forgotten: saying "none of its rows are visible" would be a lie
+    with pytest.raises(RequestTimeout, match=f"put {puts[0]}: its commit is no longer remembered .* is unknown"):
+        b.ledger.commit(puts[0])
+    assert b.ledger.commit(puts[2]).global_indexes.tolist() == [4, 5]  # the recent ones are still answered
 
 
 def test_an_abort_frees_rows_bytes_and_blocks():
