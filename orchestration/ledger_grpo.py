@@ -2,7 +2,8 @@
 through ``QueueSink``), keeps the rows whose ledger records it may still train on (rows with ``record_id < 0`` have
 no record: a run taking its prompts from a ``PromptSource`` puts those) (``Ledger.mark_trained`` with
 ``max_trained_count`` / ``retrained_interval``, atomically, so no record is trained twice), and takes a PPO-clip step
-on group-normalised advantages.
+on group-normalised advantages. After the step it frees the rows it read (``clear_samples``), as the GRPO run
+clears its steps: the partition holds only what is not yet trained.
 
     trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition_id="agentrl", batch_rows=128)
     metrics = trainer.step(step)           # then push the policy's weights to the engines
@@ -51,6 +52,7 @@ class LedgerGRPOTrainer:
         self.policy, self.optimizer, self.client, self.ledger = policy, optimizer, client, ledger
         self.partition_id, self.cfg, self.pad_token_id = partition_id, config, pad_token_id
         self.rows_consumed = 0
+        self.rows_cleared = 0  # rows this trainer freed from the queue after their step
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -87,6 +89,9 @@ class LedgerGRPOTrainer:
             torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
             self.optimizer.step()
             metrics["loss"] = loss.item()
+        # the rows are trained (or not trainable any more): free them, or the partition grows until QueueFull
+        self.client.clear_samples(meta)
+        self.rows_cleared += len(meta)
         metrics["step_s"] = time.perf_counter() - t0
         return metrics
 

@@ -12,6 +12,7 @@ from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import (
     ClaimLost,
     InferenceFailed,
+    InvalidSamplingConfig,
     LedgerError,
     LedgerNotFound,
     LedgerUnavailable,
@@ -47,6 +48,7 @@ __all__ = [
     "InferenceClient",
     "InferenceFailed",
     "InferenceService",
+    "InvalidSamplingConfig",
     "Ledger",
     "LedgerError",
     "LedgerNotFound",

@@ -19,6 +19,7 @@ from typing import Protocol
 from urllib.parse import unquote
 
 from workers.ledger.errors import MalformedConnectionString
+from workers.ledger.schema import redact
 
 
 class BlobStore(Protocol):
@@ -106,7 +107,7 @@ def open_blob_store(oss_connection_string: str | None, default_dir: str | os.Pat
         return DirectoryBlobStore(oss_connection_string)
     match = _S3.match(oss_connection_string)
     if match is None:
-        shown = re.sub(r"//([^:@/]+):([^@/]+)@", r"//\1:***@", oss_connection_string)
+        shown = redact(oss_connection_string)
         raise MalformedConnectionString(f"oss_connection_string: expected {EXPECTED}, got {shown!r}")
     return S3BlobStore(
         match["host"], unquote(match["key"]), unquote(match["secret"]), match["bucket"], match["scheme"] == "https"

@@ -12,20 +12,26 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from workers.ledger.errors import InvalidSamplingConfig
 from workers.ledger.schema import parse_connection_string
 
 
 class SamplingConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # a refused value is never echoed (a connection string's password); the errors name what was wrong instead
+    model_config = ConfigDict(extra="allow", hide_input_in_errors=True)
 
     output_dir: str = Field("output/sampling", description="the run's directory: the SQLite ledger and blobs go here")
     db_connection_string: str | None = Field(
-        None, description="'sqlite:///PATH' or 'postgresql://USER@HOST:PORT/DB'; default: output_dir/ledger.db"
+        None,
+        repr=False,  # it may hold a password
+        description="'sqlite:///PATH' or 'postgresql://USER@HOST:PORT/DB'; default: output_dir/ledger.db",
     )
     oss_connection_string: str | None = Field(
-        None, description="blob store: None (output_dir/blobs), a directory, or 'http(s)://KEY:SECRET@HOST:PORT/BUCKET'"
+        None,
+        repr=False,  # it may hold a secret key
+        description="blob store: None (output_dir/blobs), a directory, or 'http(s)://KEY:SECRET@HOST:PORT/BUCKET'",
     )
     split: str = Field("train", description="the split samplers claim from when none is given")
     num_epochs: int = Field(1, ge=1, description="epochs the scheduler writes and samples before it stops")
@@ -41,7 +47,7 @@ class SamplingConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     model: str = Field("policy", description="the model name inference services register under")
     lease_s: float = Field(60.0, gt=0, description="a claim's lease; heartbeats renew it every heartbeat_s")
-    heartbeat_s: float = Field(10.0, gt=0)
+    heartbeat_s: float = Field(10.0, gt=0, description="how often a sampler renews its claim; < lease_s")
     max_attempts: int = Field(3, ge=1, description="claims a task gets before it is marked failed")
     service_stale_s: float = Field(30.0, gt=0, description="services silent this long are marked down")
     request_timeout_s: float = Field(300.0, gt=0, description="one chat completion request's timeout")
@@ -52,6 +58,16 @@ class SamplingConfig(BaseModel):
         if value is not None:
             parse_connection_string(value)
         return value
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> SamplingConfig:
+        # not a ValueError: pydantic would fold it into a ValidationError, and a typed error is what callers catch
+        if self.heartbeat_s >= self.lease_s:
+            raise InvalidSamplingConfig(
+                f"heartbeat_s: expected < lease_s = {self.lease_s} (a claim is renewed every heartbeat_s and lapses "
+                f"lease_s after its last renewal), got heartbeat_s = {self.heartbeat_s}"
+            )
+        return self
 
     @property
     def ledger_url(self) -> str:

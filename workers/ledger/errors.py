@@ -52,3 +52,10 @@ class LockNotAcquired(LedgerError, TimeoutError):
 
 class LedgerNotFound(LedgerError, LookupError):
     """A ledger was opened for reading where none was created (no file, or no ledger tables)."""
+
+
+class InvalidSamplingConfig(LedgerError):
+    """A ``SamplingConfig`` whose settings contradict each other (e.g. ``heartbeat_s >= lease_s``).
+
+    Deliberately not a ``ValueError``: pydantic would fold one into a ``ValidationError``; this one reaches the
+    caller as itself."""

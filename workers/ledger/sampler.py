@@ -187,6 +187,19 @@ class AsyncSampler(ABC):
         newly recorded ones into the queue as one group. Samples an earlier claim of this task recorded and queued
         are kept as they were (returned, not re-written or re-queued)."""
         assert self.claim is not None and self.task is not None, "write_records needs a claimed task"
+        if self.lease_lost:
+            raise ClaimLost(
+                f"claim {self.claim.id} of task {self.claim.task_id} (owner {self.owner}) is no longer the task's "
+                f"live claim (its heartbeat found the lease expired or taken); nothing more is written or queued"
+            )
+        try:
+            return await self._write_and_queue(samples, first_index)
+        except ClaimLost:
+            self.lease_lost = True
+            raise
+
+    async def _write_and_queue(self, samples: Sequence[Sample], first_index: int) -> list[Record]:
+        assert self.claim is not None
         group_id = f"{self.claim.split}/{self.claim.epoch}/{self.claim.task_id}"
         records = []
         for i, sample in enumerate(samples):
@@ -206,10 +219,14 @@ class AsyncSampler(ABC):
             )
             record.score = float(await self.evaluate_record(record))
             records.append(record)
-        # with a sink, a sample an earlier claim recorded but never queued (its worker died in between) is replaced
+        # with a sink, a sample an earlier claim recorded but never queued (its worker died in between) is replaced;
+        # the store writes only while this claim is the task's live claim (ClaimLost otherwise)
         stored = await self._ledger_call(self.ledger.write_records, records, self.sink is not None)
         fresh = [(rec, sample) for (rec, written), sample in zip(stored, samples, strict=True) if written]
         if self.sink is not None and fresh:
+            # still the live claim? The check renews the lease (ClaimLost if lost), so no other claimer can take the
+            # task, and replace these unqueued records, for a whole lease_s while the put runs
+            await self._ledger_call(self.ledger.heartbeat, self.claim.id, self.config.lease_s)
             rows = [
                 {
                     "record_id": rec.id,
@@ -223,7 +240,7 @@ class AsyncSampler(ABC):
             ]
             partition_id, indexes = await asyncio.to_thread(self.sink.put_group, rows, group_id, self.claim.task_key)
             ids = [rec.id for rec, _ in fresh]
-            await self._ledger_call(self.ledger.set_record_locations, ids, partition_id, indexes)
+            await self._ledger_call(self.ledger.set_record_locations, ids, partition_id, indexes, self.claim.id)
             for (rec, _), index in zip(fresh, indexes, strict=True):
                 rec.partition_id, rec.global_indexes = partition_id, [int(index)]
         return [rec for rec, _ in stored]

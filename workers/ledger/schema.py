@@ -156,9 +156,24 @@ def parse_connection_string(value: object) -> ConnectionTarget:
         if path == ":memory:":
             raise MalformedConnectionString(
                 f"db_connection_string: expected {EXPECTED} with a file path (several processes share it), got "
-                f"{value!r}"
+                f"{redact(value)!r}"
             )
         return ConnectionTarget("sqlite", f"sqlite:///{path}", path)
     if match := _POSTGRES.match(value):
         return ConnectionTarget("postgresql", f"postgresql+psycopg://{match['rest']}")
-    raise MalformedConnectionString(f"db_connection_string: expected {EXPECTED}, got {value!r}")
+    raise MalformedConnectionString(f"db_connection_string: expected {EXPECTED}, got {redact(value)!r}")
+
+
+_CREDENTIALS = re.compile(r"^(?P<head>[A-Za-z][\w+.-]*://[^:@/]*):.*@", re.DOTALL)
+
+
+def redact(connection_string: str) -> str:
+    """``connection_string`` with its password (everything between ``USER:`` and the last ``@``) shown as ``***``:
+    what every error or log line shows of a connection string.
+
+    >>> redact("postgresql://alice:s3cret@db:5432/ledger")
+    'postgresql://alice:***@db:5432/ledger'
+    >>> redact("sqlite:///run/ledger.db")
+    'sqlite:///run/ledger.db'
+    """
+    return _CREDENTIALS.sub(r"\g<head>:***@", connection_string)

@@ -38,6 +38,7 @@ from workers.ledger.models import (
     task_from_row,
     task_type_name,
 )
+from workers.ledger.schema import redact
 
 
 class Ledger:
@@ -58,7 +59,9 @@ class Ledger:
         self.backend = self.target.backend
         if self.backend == "sqlite":
             if not create and not os.path.exists(self.target.path or ""):
-                raise LedgerNotFound(f"no ledger at {connection_string}: the file {self.target.path} does not exist")
+                raise LedgerNotFound(
+                    f"no ledger at {redact(connection_string)}: the file {self.target.path} does not exist"
+                )
             os.makedirs(os.path.dirname(os.path.abspath(self.target.path or ".")), exist_ok=True)
             self._engine = create_engine(self.target.url, connect_args={"timeout": 60})
             event.listen(self._engine, "connect", _sqlite_on_connect)
@@ -110,6 +113,9 @@ class Ledger:
         except (OperationalError, DBAPIError) as exc:
             if isinstance(exc, OperationalError) or exc.connection_invalidated:
                 first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+                password = self._engine.url.password
+                if password:  # a driver may echo the connection parameters back
+                    first = first.replace(str(password), "***")
                 raise LedgerUnavailable(f"ledger {self._redacted()} unavailable: {first}") from exc
             raise
 
@@ -303,11 +309,22 @@ class Ledger:
     def _live(self, conn: Connection, claim_id: int) -> Any:
         row = conn.execute(select(s.tasks).where(s.tasks.c.claim_id == claim_id).with_for_update()).first()
         if row is None or row.status != "running":
-            raise ClaimLost(
-                f"claim {claim_id} is not the live claim of any task (its lease expired and the task "
-                f"was claimed again, or it already ended)"
-            )
+            raise ClaimLost(self._lost(conn, claim_id))
         return row
+
+    @staticmethod
+    def _lost(conn: Connection, claim_id: int) -> str:
+        """Why ``claim_id`` is not live, naming its task and claimer."""
+        c, t = s.claims.c, s.tasks.c
+        query = select(c.owner, c.status, t.task_id, t.split, t.epoch).join(s.tasks, c.task_key == t.key)
+        found = conn.execute(query.where(c.id == claim_id)).first()
+        if found is None:
+            return f"claim {claim_id} does not exist: it is not the live claim of any task"
+        return (
+            f"claim {claim_id} of task {found.task_id} (owner {found.owner}) is no longer the task's live claim "
+            f"(split {found.split}, epoch {found.epoch}, claim {found.status}: its lease expired and the task was "
+            f"claimed again, or it already ended); its claimer may not write records or queue samples"
+        )
 
     @staticmethod
     def _end_claim(conn: Connection, claim_id: int, status: str, error: str | None, now: float) -> None:
@@ -326,11 +343,16 @@ class Ledger:
         """:meth:`write_record` for several records (a GRPO group) in one transaction: all visible at once.
 
         ``replace_unqueued``: a sample recorded by an earlier claim whose tensors never reached the queue (its worker
-        died in between) is replaced by this one, so that the record and the queued tensors are the same sample."""
+        died in between) is replaced by this one, so that the record and the queued tensors are the same sample.
+
+        A record that names its ``claim_id`` is written only while that claim is its task's live claim, checked in
+        the same transaction: a claimer whose lease another took gets :class:`ClaimLost` and nothing is written."""
         now = time.time()
         r = s.records.c
         out = []
         with self._tx() as conn:
+            for claim_id in sorted({rec.claim_id for rec in records if rec.claim_id is not None}):
+                self._live(conn, claim_id)
             for record in records:
                 values = record.model_dump(exclude={"id", "task_id", "split", "epoch", "created_at"})
                 stmt = self._insert(s.records).values(**values, created_at=now).on_conflict_do_nothing()
@@ -345,11 +367,20 @@ class Ledger:
                 out.append((Record.model_validate(dict(conn.execute(query).one()._mapping)), written))
         return out
 
-    def set_record_locations(self, record_ids: Sequence[int], partition_id: str, global_indexes: Sequence[int]) -> None:
-        """Where the records' tensors went in the queue (one queue row each, in order)."""
+    def set_record_locations(
+        self,
+        record_ids: Sequence[int],
+        partition_id: str,
+        global_indexes: Sequence[int],
+        claim_id: int | None = None,
+    ) -> None:
+        """Where the records' tensors went in the queue (one queue row each, in order). With ``claim_id``, only while
+        that claim is live (:class:`ClaimLost` otherwise, nothing set)."""
         if len(record_ids) != len(global_indexes):
             raise ValueError(f"{len(record_ids)} record ids but {len(global_indexes)} global indexes")
         with self._tx() as conn:
+            if claim_id is not None:
+                self._live(conn, claim_id)
             for record_id, index in zip(record_ids, global_indexes, strict=True):
                 stmt = update(s.records).where(s.records.c.id == record_id)
                 conn.execute(stmt.values(partition_id=partition_id, global_indexes=[int(index)]))

@@ -66,7 +66,9 @@ def test_claim_heartbeat_complete(ledger_url):
     ledger.complete(claim.id)
     assert ledger.task_counts("train") == {"done": 1, "pending": 1}
     assert [c.status for c in ledger.claims("train")] == ["done"]
-    with pytest.raises(ClaimLost, match=f"claim {claim.id} is not the live claim"):
+    with pytest.raises(
+        ClaimLost, match=rf"claim {claim.id} of task \S+ \(owner \S+\) is no longer the task's live claim"
+    ):
         ledger.complete(claim.id)
 
 
