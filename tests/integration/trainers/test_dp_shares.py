@@ -7,6 +7,7 @@ the step is cleared anyway. Only the shares and the acknowledged count tell."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from trainers.config import load_config
 from trainers.grpo import TRAIN_FIELDS, GRPOTrainerRank
 from transfer_queue import TransferQueueClient
 
-ROOT_CONFIG = "recipe/configs/demo.yaml"
+ROOT_CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 RANKS = 2
 ROUNDS = 2
 
