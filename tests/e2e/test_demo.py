@@ -102,6 +102,22 @@ def test_a_second_run_resumes_where_the_first_stopped(tmp_path):
     assert (out / "checkpoints" / "step_00000003").is_dir()
 
 
+@pytest.mark.slow  # two demo runs, ~4 min on a loaded 2-core machine (the unit tier: test_prompt_resume.py)
+def test_a_sync_resume_trains_the_prompts_an_uninterrupted_run_draws(tmp_path):
+    """A run stopped at step S/2 and resumed to S trains, at every step, the prompt batch an uninterrupted run of the
+    same seed draws (each step's ``prompts_crc``): a resume that does not restore the prompt position starts the
+    second half over from the first batches."""
+    from tests.e2e.test_queue_resume import expected_crcs
+
+    out = tmp_path / "demo"
+    run_demo(out, "steps=2")
+    second = run_demo(out, "steps=4")
+    assert f"resuming {out} from its checkpoint at step 2, on to step 4" in second.stdout
+    grpo = rows(out, "grpo")
+    assert [r["step"] for r in grpo] == [0, 1, 2, 3]
+    assert [r["prompts_crc"] for r in grpo] == expected_crcs(out, 4)
+
+
 @pytest.mark.slow
 def test_the_demo_runs_in_async_mode(tmp_path):
     out = tmp_path / "async"
