@@ -19,6 +19,9 @@ from transfer_queue.client import rows as client_rows
 from transfer_queue.errors import TransferQueueError
 from transfer_queue.storage.checkpoint import CheckpointError, current_checkpoint, load_unit, read_controller
 
+# Each test starts its own queue and stalls a process for seconds: the slow tier keeps make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 
 def stop(controller: Any) -> None:
     ray.get(controller.shutdown.remote(), timeout=60)

@@ -41,6 +41,7 @@ def test_help_lists_the_commands() -> None:
     assert "status" in done.stdout and "targets" in done.stdout
 
 
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
 def test_status_from_another_process_prints_what_the_api_says(started: Any) -> None:
     started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=0)
     started.get_data(started.get_meta(["x"], 4, global_step=0, task_name="train"))  # leased, then acknowledged

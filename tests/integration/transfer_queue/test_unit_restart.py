@@ -25,6 +25,7 @@ def unit_of(meta: Any) -> int:
     return int(meta.blocks[0, 0]) % 2
 
 
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
 def test_a_killed_storage_unit_is_restarted_empty_and_its_rows_are_reported_lost(
     ray_session: Any, wait_until: Callable[..., Any]
 ) -> None:

@@ -50,6 +50,7 @@ def put_prompts(client, step: int, num: int = 4) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
 def test_a_dead_engine_is_restarted_and_its_prompts_are_generated_again(queue, rollout_worker):
     _, _, client = queue
     worker = rollout_worker
@@ -82,6 +83,7 @@ def test_weights_reach_the_engine_with_their_version(queue, rollout_worker):
     client.clear(global_step=1)
 
 
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
 def test_reward_failures_are_marked_and_the_rest_is_scored(queue):
     step = 2
     _, info, client = queue
@@ -106,6 +108,7 @@ def test_reward_failures_are_marked_and_the_rest_is_scored(queue):
     client.clear(global_step=step)
 
 
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
 def test_with_a_weight_channel_the_engine_waits_for_the_version_it_needs(queue, tmp_path):
     _, info, client = queue
     channel = WeightChannel(tmp_path / "weights")
