@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[4] / "transfer_queue"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "transfer_queue"
 
 
 def imported_names(path: pathlib.Path) -> set[str]:
