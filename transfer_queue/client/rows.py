@@ -370,15 +370,8 @@ class RowCalls(QueueChannel):
                 acknowledged then.
             StaleBatchMeta: the partition was cleared.
         """
-        if batch_meta.task_name is None:
-            raise InvalidRequest("ack needs a BatchMeta from get_meta (it names the task that leased it)")
         request = p.Ack(
-            batch_meta.partition_uid,
-            batch_meta.task_name,
-            p.pack_indexes(batch_meta.global_indexes),
-            self.owner,
-            True,
-            dp_group_id=_dp_group_id(batch_meta),
+            *_held_rows(batch_meta, "ack", "leased"), self.owner, True, dp_group_id=_dp_group_id(batch_meta)
         )
         await self._control(request, Any, self.config.default_timeout)
 
@@ -396,17 +389,9 @@ class RowCalls(QueueChannel):
                 then.
             StaleBatchMeta: the partition was cleared.
         """
-        if batch_meta.task_name is None:
-            raise InvalidRequest("extend_lease needs a BatchMeta from get_meta (it names the task that leased it)")
+        rows = _held_rows(batch_meta, "extend_lease", "leased")
         self.config.check_extension(seconds)
-        request = p.ExtendLease(
-            batch_meta.partition_uid,
-            batch_meta.task_name,
-            p.pack_indexes(batch_meta.global_indexes),
-            self.owner,
-            float(seconds),
-            _dp_group_id(batch_meta),
-        )
+        request = p.ExtendLease(*rows, self.owner, float(seconds), _dp_group_id(batch_meta))
         return dict(await self._control(request, Any, self.config.default_timeout))
 
     def keep_leased(
@@ -430,16 +415,15 @@ class RowCalls(QueueChannel):
         served again. Only rows this client holds (leased or acknowledged by it, or held by a DP round) go back;
         others, and rows named twice or released before, are ignored. A DP share handed back this way is not
         served to its rank again under the same round."""
-        if batch_meta.task_name is None:
-            raise InvalidRequest("release needs a BatchMeta from get_meta (it names the task that consumed it)")
-        request = p.Release(
-            batch_meta.partition_uid,
-            batch_meta.task_name,
-            p.pack_indexes(batch_meta.global_indexes),
-            self.owner,
-            _dp_group_id(batch_meta),
-        )
+        request = p.Release(*_held_rows(batch_meta, "release", "consumed"), self.owner, _dp_group_id(batch_meta))
         await self._control(request, Any, self.config.default_timeout)
+
+
+def _held_rows(batch_meta: BatchMeta, call: str, how: str) -> tuple[int, str, bytes]:
+    """The partition uid, task and packed indexes that name ``batch_meta``'s rows to the controller, for ``call``."""
+    if batch_meta.task_name is None:
+        raise InvalidRequest(f"{call} needs a BatchMeta from get_meta (it names the task that {how} it)")
+    return batch_meta.partition_uid, batch_meta.task_name, p.pack_indexes(batch_meta.global_indexes)
 
 
 def _dp_group_id(batch_meta: BatchMeta) -> str | None:
