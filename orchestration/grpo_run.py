@@ -41,7 +41,7 @@ from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
-from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
+from rl_contracts.stages import REDO_GROUP, REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
@@ -202,11 +202,13 @@ class GRPORun:
         put_retrying(self.client, self.prompt_rows([prompt] * n), global_step=step, group_ids=[group] * n)
 
     def relaunch(self, step: int, rollout: bool, reward: bool) -> tuple[list[Any], list[Any]]:
-        """Start the rollout and/or reward of ``step`` again (rows of it were put again after they had finished)."""
+        """Start the rollout and/or reward of ``step`` again (rows of it were put again after they had finished), in
+        the workers' redo group: the step launched ahead may be waiting for this one's weights in their step group."""
         return (
-            [w.generate_step.remote(step, self.prompt_fields(), None) for w in self.rollout] if rollout else [],
-            [w.score_step.remote(step) for w in self.reward] if reward else [],
-        )
+            [w.generate_step.options(concurrency_group=REDO_GROUP).remote(step, self.prompt_fields(), None)
+             for w in self.rollout] if rollout else [],
+            [w.score_step.options(concurrency_group=REDO_GROUP).remote(step) for w in self.reward] if reward else [],
+        )  # fmt: skip
 
     def prompt_fields(self) -> list[str] | None:
         """The fields of a step's rows a rollout worker reads (None: its own default)."""

@@ -10,3 +10,9 @@ from __future__ import annotations
 ROLLOUT_TASK = "rollout"
 REWARD_TASK = "reward"
 TRAIN_TASK = "train"
+
+# The Ray concurrency group a rollout or reward worker runs a step again in (the driver's relaunch, after rows of the
+# step died with a storage unit). Its own group, so the step launched ahead of it (whose rollout waits for weights the
+# trainer publishes only after this step, and whose scoring waits for that rollout) cannot hold it up: queued behind
+# that call, the redo would wait for the trainer, which waits for the redo.
+REDO_GROUP = "redo"

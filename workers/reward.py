@@ -23,7 +23,7 @@ import torch
 from rl_contracts.lost_rows import served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
-from rl_contracts.stages import REWARD_TASK
+from rl_contracts.stages import REDO_GROUP, REWARD_TASK
 from rl_contracts.task import Task, load_reward_fn, load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 
@@ -77,7 +77,7 @@ def score_responses(
     return out
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"score": 1, REDO_GROUP: 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RewardWorker:
     """Scores the responses of global steps.
 
@@ -108,6 +108,7 @@ class RewardWorker:
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
 
+    @ray.method(concurrency_group="score")
     def score_step(self, step: int) -> dict[str, float]:
         fields = ["response_ids", *self.task.reward_fields]
         stats = {"rows": 0.0, "reward_s": 0.0, "failed": 0.0, "non_finite": 0.0}
