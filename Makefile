@@ -1,4 +1,6 @@
-# make setup: .venv with torch 2.13.0 (CPU) first, then the package and its test extras (idempotent).
+# make setup: .venv with torch 2.13.0 (CPU) first, then the package and its test extras (idempotent). --no-compile:
+# pip byte-compiles every file it installs, one at a time (~60 s of a fresh set-up); Python compiles and caches only
+# the modules a run imports (114 s -> 50 s for the set-up, +28 s on the first imports, measured on a loaded machine).
 # make demo:  set-up + the main job.   make test: set-up + the test suite.   make bench: set-up + benchmarks.
 PYTHON ?= python3
 VENV := .venv
@@ -21,8 +23,8 @@ setup: $(STAMP)
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-compile $(TORCH)
+	$(BIN)/python -m pip install -q --no-compile -e ".[test]"
 	touch $(STAMP)
 
 demo: setup
