@@ -8,6 +8,7 @@ Every public name is importable from here; the submodules mirror the rollouts qu
 """
 
 from orchestration.training.backends import TrainFuture, TrainingBackend
+from orchestration.training.rollout_gen import AsyncRolloutManager, generate_rollout_batches
 from orchestration.training.types import (
     LibraryError,
     RLTrainingConfig,
@@ -18,6 +19,7 @@ from orchestration.training.types import (
 )
 
 __all__ = [
+    "AsyncRolloutManager",
     "LibraryError",
     "RLTrainingConfig",
     "RolloutBatch",
@@ -26,4 +28,5 @@ __all__ = [
     "Sample",
     "TrainFuture",
     "TrainingBackend",
+    "generate_rollout_batches",
 ]
