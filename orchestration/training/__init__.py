@@ -18,6 +18,7 @@ from orchestration.training.filters import (
 )
 from orchestration.training.metrics import JSONLLogger
 from orchestration.training.rl_losses import grpo_loss, ppo_loss, token_log_probs
+from orchestration.training.rollout_gen import AsyncRolloutManager, generate_rollout_batches
 from orchestration.training.types import (
     LibraryError,
     RLTrainingConfig,
@@ -28,6 +29,7 @@ from orchestration.training.types import (
 )
 
 __all__ = [
+    "AsyncRolloutManager",
     "DataBuffer",
     "JSONLLogger",
     "LibraryError",
@@ -44,6 +46,7 @@ __all__ = [
     "check_reward_nonzero_std",
     "compute_advantages",
     "compute_group_advantages",
+    "generate_rollout_batches",
     "grpo_loss",
     "load_sft_dataset",
     "ppo_loss",
