@@ -1,1 +1,6 @@
-"""The training loops: ``run_sft_training`` (``sft_loop``) and ``run_rl_training`` (``rl_loop``)."""
+"""The training loops over a ``TrainingBackend``: ``run_sft_training`` (``sft_loop``) and ``run_rl_training``
+(``rl_loop``)."""
+
+from orchestration.training.loops.sft_loop import run_sft_training
+
+__all__ = ["run_sft_training"]
