@@ -25,7 +25,7 @@ from orchestration.training.filters import (
     check_response_diversity,
     check_reward_nonzero_std,
 )
-from orchestration.training.loops import run_sft_training
+from orchestration.training.loops import run_rl_training, run_sft_training
 from orchestration.training.metrics import JSONLLogger
 from orchestration.training.rl_losses import grpo_loss, ppo_loss, token_log_probs
 from orchestration.training.rollout_gen import AsyncRolloutManager, generate_rollout_batches
@@ -69,6 +69,7 @@ __all__ = [
     "load_sft_dataset",
     "next_token_loss",
     "ppo_loss",
+    "run_rl_training",
     "run_sft_training",
     "samples_to_batch",
     "sync_weights_to_engines",

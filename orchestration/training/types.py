@@ -172,6 +172,8 @@ class RLTrainingConfig:
     baseline: float = 0.0  # subtracted from rewards when no group baseline applies (compute_advantages)
     log_every: int = 10  # steps between metric lines
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end)
+    # groups of more than one sample: GRPO's group-normalised advantages; False (or groups of one): reward - baseline
+    group_normalize: bool = True
 
     def __post_init__(self) -> None:
         _positive("RLTrainingConfig.num_steps", self.num_steps)
