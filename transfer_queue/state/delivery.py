@@ -215,7 +215,7 @@ class Delivery:
         table: the live partitions (a lease of a cleared partition is forgotten).
         clock: the queue's clock.
         wake: called with a new deadline (the owner's timer must fire by then).
-        rows_back: called with a partition key whose rows came back to ready (its waiting getters retry).
+        rows_back: called with a partition key and the task whose rows came back to ready (its getters retry).
     """
 
     def __init__(
@@ -224,7 +224,7 @@ class Delivery:
         table: PartitionTable,
         clock: Callable[[], float],
         wake: Callable[[float], None],
-        rows_back: Callable[[PartitionKey], None],
+        rows_back: Callable[[PartitionKey, str], None],
     ):
         self.config = config
         self.table = table
@@ -306,7 +306,7 @@ class Delivery:
                 self.max_deliveries(lease.task_name),
                 reason,
             )
-        self.rows_back(part.key)
+        self.rows_back(part.key, lease.task_name)
 
     def expire(self, now: float) -> None:
         """Hand back the rows of expired leases and of owners gone for good."""
@@ -443,7 +443,7 @@ class Delivery:
             part.give_back(task_name, worn, "released", self.max_deliveries(task_name))
         part.release(task_name, rows)
         mark_released(part, task_name, rows)
-        self.rows_back(part.key)
+        self.rows_back(part.key, task_name)
 
 
 def _not_leased_message(
