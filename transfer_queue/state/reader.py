@@ -1,8 +1,9 @@
 """MetaReader: serving get_meta from a partition's ready rows, without Ray, sockets or the wire format.
 
 A get_meta is validated (all of it, before any waiting) into a :class:`~transfer_queue.state.dp_rounds.GetMetaJob`;
-serving it asks the task's sampler for ready rows (the built-in samplers read the partition's incremental ready index; a
-user's ``filter_ready_indices`` sees the whole table) and leases them to the caller, or, in a DP round, to the
+serving it asks the task's sampler for ready rows (the built-in samplers select from the partition's incremental ready
+index; a user sampler is handed the rows of that index, and only a ``filter_ready_indices`` of the seed's form sees the
+whole table) and leases them to the caller, or, in a DP round, to the
 round (:mod:`transfer_queue.state.dp_rounds`). A call that cannot be served yet returns ``None`` and waits (the caller
 parks it); it is short only when no more rows can come (the partition is closed and nothing is in flight).
 """
@@ -172,7 +173,7 @@ class MetaReader:
                 return None
             return job.sampler.select(view, min(count, available - available % group), job.whole_groups)
         rows = select_with_user_sampler(
-            part, job.sampler, job.params, job.task_name, job.fields, job.whole_groups, count
+            part, index, job.sampler, job.params, job.task_name, job.fields, job.whole_groups, count
         )
         return None if len(rows) < count and not finished else rows
 
