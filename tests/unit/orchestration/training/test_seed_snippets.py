@@ -743,6 +743,7 @@ class DigitAgent:
         return Response(text=prompt + str(digit), correct=digit % 2 == 0)
 
 
+@pytest.mark.slow  # ~13 s: the snippet's quality filter sends the tiny model through many rounds
 def test_rl_with_sglang_inference_generate_fn(tmp_path: Path, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
