@@ -93,6 +93,21 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("internal error: a blocking-transport coroutine suspended")
 
 
+def _dealer(ctx: zmq.Context, secret: bytes, address: str) -> zmq.Socket:
+    """A DEALER socket to ``address``: authenticated, heartbeats on, its disconnects watched (from before connect: no
+    event is missed)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
+    secure_client(sock, secret)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
+    watch(sock, _GONE_EVENTS)
+    sock.connect(address)
+    return sock
+
+
 def _request_id(frames: Frames) -> int:
     return decode_reply_header(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]).request_id
 
@@ -155,16 +170,7 @@ class BlockingTransport:
         sockets = self._thread_sockets("sockets")
         sock = sockets.get(address)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
-            secure_client(sock, self._secret)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
-            watch(sock, _GONE_EVENTS)  # before connect: no event is missed
-            sock.connect(address)
-            sockets[address] = sock
+            sock = sockets[address] = _dealer(self._ctx, self._secret, address)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
@@ -451,7 +457,7 @@ class AsyncioTransport:
                 raw = spare.pop()
                 _gone_event(monitor_of(raw))  # what happened while no loop used it says nothing about what comes
             else:
-                raw = self._connect(address)
+                raw = _dealer(self._ctx, self._secret, address)
             # a fresh view per loop: one of a loop that ended may hold that loop's futures
             sock = self._sockets[key] = zmq.asyncio.Socket.from_socket(raw)
             monitor = self._monitors[key] = zmq.asyncio.Socket.from_socket(monitor_of(raw))
@@ -460,18 +466,6 @@ class AsyncioTransport:
             self._readers[key] = loop.create_task(self._read(sock))
             self._readers[(key[0], f"{address}#monitor")] = loop.create_task(self._watch(monitor, key))
             self._loops[id(loop)] = loop
-        return sock
-
-    def _connect(self, address: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
-        secure_client(sock, self._secret)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
-        watch(sock, _GONE_EVENTS)  # before connect: no event is missed
-        sock.connect(address)
         return sock
 
     async def _watch(self, monitor: zmq.asyncio.Socket, key: tuple[int, str]) -> None:
