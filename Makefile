@@ -1,7 +1,7 @@
 # make setup: .venv with torch 2.13.0 (CPU) first, then the package and its test extras (idempotent). pip's own
 # byte-compiling stays on: where PYTHONDONTWRITEBYTECODE is set (these machines set it) nothing compiled at import is
-# cached, so without it every Ray worker compiles torch, ray and transformers again (--no-compile: the default tier
-# ran 15:36 instead of 8:31).
+# cached, so without it every Ray worker compiles torch, ray and transformers again (with --no-compile the demo's
+# end-to-end test took 137 s instead of 57 s, and the default tier 15:36).
 # make demo:  set-up + the main job.   make test: set-up + the test suite.   make bench: set-up + benchmarks.
 PYTHON ?= python3
 VENV := .venv
