@@ -109,7 +109,7 @@ def save_checkpoint(
         try:
             staged = stage(tmp) if stage is not None else None
             _fsync_tree(tmp)
-            _swap_into_place(tmp, path)
+            swap_into_place(tmp, path)
         except Exception as exc:  # every rank raises (instead of waiting for rank 0 forever)
             failure = [f"{type(exc).__name__}: {exc}"]
             dist.broadcast_object_list(failure, src=0)
@@ -224,7 +224,7 @@ def queue_stage(client: Any, subdir: str) -> Callable[[Path], float | None]:
     return stage
 
 
-def _swap_into_place(new: Path, path: Path) -> None:
+def swap_into_place(new: Path, path: Path) -> None:
     """Rename the complete, synced ``new`` to ``path``; an existing ``path`` is deleted only afterwards."""
     old = path.with_name(f".{path.name}.old")
     if path.exists():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,16 +58,6 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise LibraryError(f"{path} is not a checkpoint written by save_checkpoint (no {METADATA})")
     record: dict[str, Any] = json.loads(file.read_text())
     return record
-
-
-def commit_dir(tmp: Path, path: Path) -> None:
-    """Rename the complete ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted only after."""
-    old = path.with_name(f".{path.name}.old")
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _jsonable(value: Any) -> Any:

@@ -31,9 +31,10 @@ from typing import Any, TypeVar
 import torch
 
 from orchestration.training.backends.base import TrainFuture
-from orchestration.training.backends.checkpoints import commit_dir, metadata_record, read_metadata, step_dir
+from orchestration.training.backends.checkpoints import metadata_record, read_metadata, step_dir
 from orchestration.training.backends.loss_call import LossCall, check_batch, model_logits
 from orchestration.training.types import LibraryError
+from trainers.checkpoint import swap_into_place
 
 T = TypeVar("T")
 
@@ -196,7 +197,7 @@ class PyTorchTrainingBackend:
             save_config(tmp)  # config.json: the directory loads as a Hugging Face model
         record = metadata_record(step, metrics, self.config, optimizer_step=self.step)
         (tmp / "metadata.json").write_text(record)  # written last: its presence marks a complete checkpoint
-        commit_dir(tmp, path)
+        swap_into_place(tmp, path)
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
@@ -217,5 +218,5 @@ class PyTorchTrainingBackend:
         self.model.save_pretrained(tmp)  # type: ignore[operator]
         if hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(tmp)
-        commit_dir(tmp, path)
+        swap_into_place(tmp, path)
         return path
