@@ -165,9 +165,7 @@ class SamplingScheduler:
     async def _sample_epoch(self, epoch: int, running: set[asyncio.Task]) -> None:
         cfg = self.config
         while not self.stopping():
-            counts = await asyncio.to_thread(with_retry, lambda: self.ledger.task_counts(self.split, epoch))
-            claimable = await asyncio.to_thread(with_retry, lambda: self.ledger.claimable_count(self.split, epoch))
-            unfinished = counts.get("pending", 0) + counts.get("running", 0)
+            unfinished, claimable = await asyncio.to_thread(self.epoch_progress, epoch)
             if unfinished == 0 or (claimable == 0 and not cfg.sync_sampling):
                 return
             room = min(cfg.max_concurrent_samples_per_process - len(running), claimable, await self._inference_room())
@@ -181,6 +179,13 @@ class SamplingScheduler:
                 running -= done
             else:
                 await asyncio.sleep(0.1)
+
+    def epoch_progress(self, epoch: int) -> tuple[int, int]:
+        """The scheduler's poll (every 0.2 s while it samples ``epoch``): how many of the epoch's tasks are unfinished
+        (pending or running) and how many a claim would get now."""
+        counts = with_retry(lambda: self.ledger.task_counts(self.split, epoch))
+        claimable = with_retry(lambda: self.ledger.claimable_count(self.split, epoch))
+        return counts.get("pending", 0) + counts.get("running", 0), claimable
 
     async def _inference_room(self) -> int:
         """How many more requests the healthy services take before each carries ``target_concurrency``."""
