@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.timeout(1800)
 
 
 def run_demo(tmp_path: Path, *overrides: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -28,6 +28,7 @@ def run_demo(tmp_path: Path, *overrides: str, timeout: float) -> subprocess.Comp
     return result
 
 
+@pytest.mark.slow
 def test_the_agent_demo_trains_on_episodes_from_task_servers(tmp_path):
     result = run_demo(
         tmp_path, "steps=3", "prompts_per_step=4", "n_samples=4", "rollout.groups_per_request=4", timeout=600
@@ -48,6 +49,7 @@ def test_the_agent_demo_trains_on_episodes_from_task_servers(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.learning  # ~6 minutes: make test-learning, outside CI's time budget
 def test_the_agent_demo_learns(tmp_path):
     # the demo's configuration, 80 of its 120 steps: about 6 minutes on a quiet 2-core machine
     run_demo(tmp_path, "steps=80", timeout=1500)

@@ -108,7 +108,7 @@ def queue_summary(
         "rows_lost": sum(p.num_lost for p in live),  # in live partitions (lost_rows: since start)
         "lost_rows": lost_summary(state),
         "open_puts": len(state.open_puts),
-        "waiting_get_meta": sum(len(waiting) for waiting in state.getters.values()),
+        "waiting_get_meta": state.waiting.num_getters,
         "waiting_puts": len(state.putters),
         "clients": clients,
         "storage": {

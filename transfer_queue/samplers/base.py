@@ -13,7 +13,10 @@ A sampler has the seed's two methods:
 
 Built-in samplers also implement :meth:`BaseSampler.select`, a fast path over the controller's incremental ready
 index (O(batch), never a scan). The controller uses it only when a subclass overrides neither of the two seed
-methods, so a user subclass that changes either gets exactly the behaviour it wrote.
+methods, so a user subclass that changes either gets exactly the behaviour it wrote. A user subclass costs O(ready
+rows) per call: its ``sample`` is handed the ready rows, read from the same ready index, and the whole table is read
+only for a ``filter_ready_indices`` of the seed's form; one that sets :attr:`BaseSampler.ready_rows_only` is handed
+the ready rows instead (the same arguments, one row per ready row).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class BaseSampler(ABC):
 
     #: serve whole GRPO groups only (as ``get_n_samples=True`` does for any sampler)
     serves_whole_groups: bool = False
+    #: hand ``filter_ready_indices`` only the rows ready for the task (O(ready rows) per call), not every committed
+    #: row of the partition (the seed's form, O(rows)); for a readiness rule that reads each row on its own
+    ready_rows_only: bool = False
 
     def filter_ready_indices(
         self,
@@ -59,7 +65,12 @@ class BaseSampler(ABC):
         field_mapping: dict[str, int],
         **kwargs: Any,
     ) -> np.ndarray:
-        """Global indexes whose requested fields are all produced and that this task has not consumed."""
+        """Global indexes whose requested fields are all produced and that this task has not consumed.
+
+        The controller calls it only where a subclass overrides it, with every committed row of the partition, or,
+        where :attr:`ready_rows_only` is set, with the rows ready for the task only (``consumption_status`` all
+        False): the answer must be a subset of those rows either way.
+        """
         all_indices = np.asarray(all_indices, dtype=np.int64)
         cols = [field_mapping[f] for f in data_fields]
         produced = np.asarray(production_status, dtype=bool)[:, cols].all(axis=1)

@@ -8,7 +8,8 @@ ready -> leased -> acknowledged (see docs/architecture.md "Delivery"); the per-r
 - a :class:`Lease` is what one ``get_meta`` (or one DP round) handed out: its owner, task, rows and deadline;
 - the deadlines, in a heap, so the earliest is found in O(1) and an expired one in O(log n);
 - owners (one per client instance) and their connections: when the last connection of an owner closes, its leases
-  are returned after a short grace (a client that reconnects at once keeps them).
+  are returned after a short grace (a client that reconnects at once keeps them). Nothing of an owner outlives its
+  connections and the rows it holds: a week of short-lived clients leaves no trace (``forget_owners``).
 
 A row's lease id identifies the lease that holds it: a lease that expires hands back only the rows that still
 carry its id (an acknowledged row, or one handed back and leased again, is not touched).
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 ACK_MODES = ("auto", "explicit")
 ROUND_OWNER = "\x00dp-round"  # the owner of every DP round's lease (a client's owner never starts with a NUL)
+# The table of owner ids is swept (the ids no live row carries are forgotten) when it has doubled since the last
+# sweep, and holds at least this many before the first: a sweep reads every live row's holder once.
+OWNER_SWEEP_MIN = 1024
 
 
 @dataclass(frozen=True)
@@ -94,20 +98,39 @@ class LeaseBook:
         self.by_owner: dict[str, set[int]] = {}
         self._heap: list[tuple[float, int]] = []
         self._next_id = 1
-        self._owner_ids: dict[str, int] = {}
-        self.owner_names: list[str] = []
+        self._owner_ids: dict[str, int] = {}  # the owners some row may carry as its holder
+        self.next_owner_id = 1  # from 1: 0 means no holder; ids are never reused
+        self._sweep_at = OWNER_SWEEP_MIN
         self.peers: dict[str, set[Hashable]] = {}  # owner -> its open connections
         self.owner_of_peer: dict[Hashable, str] = {}
         self.orphaned: dict[str, float] = {}  # owner whose last connection closed -> when its leases go back
 
     # ---- owners and their connections --------------------------------------------------------------------
     def owner_id(self, owner: str) -> int:
-        """A small int for an owner, stored per row (ids are never reused)."""
+        """A small int for an owner, stored per row as the holder of the rows it leases (ids are never reused)."""
         oid = self._owner_ids.get(owner)
         if oid is None:
-            self.owner_names.append(owner)
-            oid = self._owner_ids[owner] = len(self.owner_names)  # from 1: 0 means no holder
+            oid = self._owner_ids[owner] = self.next_owner_id
+            self.next_owner_id += 1
         return oid
+
+    def holder_of(self, owner: str) -> int:
+        """The holder id of ``owner``'s rows; -1 (no row's) for an owner that holds none."""
+        return self._owner_ids.get(owner, -1)
+
+    def sweep_due(self, owner: str) -> bool:
+        """Whether the table of owner ids should be swept before ``owner`` gets an id: it is new, and the table
+        doubled since the last sweep."""
+        return owner not in self._owner_ids and len(self._owner_ids) >= self._sweep_at
+
+    def forget_owners(self, in_use: np.ndarray) -> None:
+        """Forget the ids of owners that no live row carries (``in_use[id]``: some row does). Such an owner holds
+        no row, so a new id, if it leases again, serves it as its old one did; its leases and connections are
+        kept by name and go with them."""
+        for owner, oid in list(self._owner_ids.items()):
+            if owner != ROUND_OWNER and not (oid < len(in_use) and in_use[oid]):
+                del self._owner_ids[owner]
+        self._sweep_at = max(OWNER_SWEEP_MIN, 2 * len(self._owner_ids))
 
     @property
     def round_holder(self) -> int:
@@ -215,7 +238,7 @@ class Delivery:
         table: the live partitions (a lease of a cleared partition is forgotten).
         clock: the queue's clock.
         wake: called with a new deadline (the owner's timer must fire by then).
-        rows_back: called with a partition key whose rows came back to ready (its waiting getters retry).
+        rows_back: called with a partition key and the task whose rows came back to ready (its getters retry).
     """
 
     def __init__(
@@ -224,7 +247,7 @@ class Delivery:
         table: PartitionTable,
         clock: Callable[[], float],
         wake: Callable[[float], None],
-        rows_back: Callable[[PartitionKey], None],
+        rows_back: Callable[[PartitionKey, str], None],
     ):
         self.config = config
         self.table = table
@@ -271,6 +294,8 @@ class Delivery:
         round_key: tuple[str, str] | None = None,
     ) -> Lease:
         deadline = self.clock() + lease_s
+        if self.leases.sweep_due(owner):
+            self.leases.forget_owners(self._holders_in_use())
         lease = self.leases.open(owner, part.key, part.uid, task_name, rows, deadline, call_id)
         lease.round_key = round_key
         again = int(np.count_nonzero(part.task(task_name).deliveries[rows]))
@@ -279,6 +304,15 @@ class Delivery:
         part.lease(task_name, rows, lease.lease_id, self.leases.owner_id(owner))
         self.wake(deadline)
         return lease
+
+    def _holders_in_use(self) -> np.ndarray:
+        """``in_use[id]``: some row of a live partition has owner id ``id`` as its holder (leased to it, or
+        acknowledged by it: it may release them)."""
+        in_use = np.zeros(self.leases.next_owner_id, dtype=bool)
+        for part in self.table.partitions.values():
+            for task in part.tasks.values():
+                in_use[task.holder] = True
+        return in_use
 
     def give_back(self, lease: Lease, reason: str) -> None:
         """The rows ``lease`` still holds go back to ready for its task, first in line (or to the dead letters)."""
@@ -306,7 +340,7 @@ class Delivery:
                 self.max_deliveries(lease.task_name),
                 reason,
             )
-        self.rows_back(part.key)
+        self.rows_back(part.key, lease.task_name)
 
     def expire(self, now: float) -> None:
         """Hand back the rows of expired leases and of owners gone for good."""
@@ -344,7 +378,7 @@ class Delivery:
             ours = np.zeros(len(rows), dtype=bool)
         else:
             ours = by_round & np.isin(task.lease[rows], self._round_leases(part, (task_name, dp_group_id), rows))
-        return part, rows, holder == self.leases.owner_id(owner), ours
+        return part, rows, holder == self.leases.holder_of(owner), ours
 
     def _round_leases(self, part: PartitionState, round_key: tuple[str, str], rows: np.ndarray) -> list[int]:
         """The lease ids under which round ``round_key`` held ``rows``: its own (kept while the partition remembers
@@ -443,7 +477,7 @@ class Delivery:
             part.give_back(task_name, worn, "released", self.max_deliveries(task_name))
         part.release(task_name, rows)
         mark_released(part, task_name, rows)
-        self.rows_back(part.key)
+        self.rows_back(part.key, task_name)
 
 
 def _not_leased_message(

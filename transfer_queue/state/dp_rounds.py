@@ -60,6 +60,7 @@ class DPRounds:
 
     def __init__(self) -> None:
         self.auto_rounds: dict[AutoRoundCounter, int] = {}
+        self._of_caller: dict[Any, set[AutoRoundCounter]] = {}  # a closed connection forgets its own counters only
 
     # ---- automatic round numbers ------------------------------------------------------------------------------
     def number(self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any) -> tuple[str, Any]:
@@ -67,6 +68,7 @@ class DPRounds:
         counter = (key, task_name, dp_rank, caller)
         number = self.auto_rounds.get(counter, 0)
         self.auto_rounds[counter] = number + 1
+        self._of_caller.setdefault(caller, set()).add(counter)
         return f"auto-{number}", (counter, number)
 
     def forget(self, job: GetMetaJob) -> None:
@@ -79,13 +81,18 @@ class DPRounds:
 
     def drop_caller(self, caller: Any) -> None:
         """Connection ``caller`` closed: forget its counters."""
-        for counter in [c for c in self.auto_rounds if c[3] == caller]:
-            del self.auto_rounds[counter]
+        for counter in self._of_caller.pop(caller, ()):
+            self.auto_rounds.pop(counter, None)
 
     def drop_partition(self, key: PartitionKey, task_name: str | None = None) -> None:
         """Forget the counters of partition ``key`` (of one task; None: every task)."""
         for counter in [c for c in self.auto_rounds if c[0] == key and task_name in (None, c[1])]:
             del self.auto_rounds[counter]
+            mine = self._of_caller.get(counter[3])
+            if mine is not None:
+                mine.discard(counter)
+                if not mine:
+                    del self._of_caller[counter[3]]
 
     # ---- serving a round ------------------------------------------------------------------------------------
     def serve(

@@ -115,7 +115,8 @@ class PutLedger:
         table: the live partitions.
         clock: the queue's clock.
         wake: called with a new deadline (the owner's timer must fire by then).
-        rows_changed: called with a partition key whose rows changed (its waiting getters retry).
+        rows_changed: called with a partition key whose rows changed (its waiting getters retry), and for a commit
+            its rows and fields (None for an abort: anything may have changed).
         space_freed: called when rows, bytes or a ring slot were freed (waiting putters retry).
         drop_blocks: ``(unit, partition_uid, block_ids, block_floor)``: tell a storage unit to drop blocks.
     """
@@ -126,7 +127,7 @@ class PutLedger:
         table: PartitionTable,
         clock: Callable[[], float],
         wake: Callable[[float], None],
-        rows_changed: Callable[[PartitionKey], None],
+        rows_changed: Callable[[PartitionKey, np.ndarray | None, list[str] | None], None],
         space_freed: Callable[[], None],
         drop_blocks: Callable[[int, int, list[int], int], None],
     ):
@@ -348,7 +349,7 @@ class PutLedger:
             oldest = next(iter(self.committed))
             self.forgotten_upto = max(self.forgotten_upto, oldest)
             del self.committed[oldest]
-        self.rows_changed(put.key)
+        self.rows_changed(put.key, put.rows, put.names)  # the getters these rows and fields can serve retry
         return meta
 
     def abort(self, put_id: int) -> None:
@@ -370,7 +371,7 @@ class PutLedger:
                     part.keys.pop(key, None)
             part.free(fresh)
             self.drop_blocks(part, np.unique(put.blocks).tolist())
-            self.rows_changed(put.key)
+            self.rows_changed(put.key, None, None)
         self.space_freed()
 
     def expire(self, now: float) -> None:

@@ -22,9 +22,11 @@ controller to send.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import (
@@ -43,7 +45,7 @@ from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.put_ledger import PutLedger, PutRequest, Reserved
 from transfer_queue.state.reader import MetaReader
-from transfer_queue.state.waiting import WAIT, Parked, Respond, Wait, WaitingRoom
+from transfer_queue.state.waiting import WAIT, Parked, Respond, Topic, Wait, WaitingRoom
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class QueueState:
         self.table = PartitionTable(config)
         self.waiting = WaitingRoom(config.max_waiting_requests, self._describe_failure)
         self.ledger = PutLedger(
-            config, self.table, clock, self._wake, self._retry_getters, self._retry_putters, self._send_drop
+            config, self.table, clock, self._wake, self._rows_changed, self._retry_putters, self._send_drop
         )
         self.delivery = Delivery(config, self.table, clock, self._wake, self._retry_getters)
         self.rounds = DPRounds()
@@ -172,7 +174,10 @@ class QueueState:
             return
         now = self.clock()
         parked = Parked(result.job, respond, now, now + timeout, peer)
-        if self.waiting.park(parked, wait_key, kind):
+        topic, call_name = None, None
+        if isinstance(result.job, GetMetaJob):
+            topic, call_name = _topic(result.job), _call(result.job.owner, result.job.call_id)
+        if self.waiting.park(parked, wait_key, kind, topic, call_name):
             self._wake(parked.deadline)
         elif isinstance(result.job, GetMetaJob):
             self.rounds.forget(result.job)
@@ -210,7 +215,7 @@ class QueueState:
         self.ledger.expire(now)
         self.waiting.expire(now, self._get_meta_timeout, self._put_timeout, self.rounds.forget)
         self.delivery.expire(now)
-        deadlines = [self.leases.next_deadline(), *self.ledger.deadlines(), *self.waiting.deadlines()]
+        deadlines = [self.leases.next_deadline(), *self.ledger.deadlines(), self.waiting.next_deadline()]
         self.next_deadline = min(deadlines, default=float("inf"))
         return None if self.next_deadline == float("inf") else self.next_deadline
 
@@ -227,8 +232,34 @@ class QueueState:
             self._wake(deadline)
 
     # ---- retries (the waiting room's one exception boundary runs them) ---------------------------------------
-    def _retry_getters(self, key: PartitionKey) -> None:
-        self.waiting.retry_getters(key, self._serve_parked_getter, self.rounds.forget)
+    def _retry_getters(self, key: PartitionKey, task_name: str | None = None) -> None:
+        """Retry the getters of partition ``key`` (of task ``task_name`` only: its rows came back)."""
+        wanted = None if task_name is None else (lambda topic: topic.custom or topic.task_name == task_name)
+        self.waiting.retry_getters(key, self._serve_parked_getter, self.rounds.forget, wanted)
+
+    def _rows_changed(self, key: PartitionKey, rows: np.ndarray | None = None, fields: list[str] | None = None) -> None:
+        """Rows of partition ``key`` changed: retry its getters. A commit names its ``rows`` (local) and ``fields``:
+        then only getters of a task whose fields it wrote, and that some of those rows now have all of, are tried,
+        unless it was the partition's last write (getters whose fields every row has are then served what is left)."""
+        part = self.table.partitions.get(key)
+        if rows is None or fields is None or part is None:
+            self._retry_getters(key)
+            return
+        written = set(fields)
+        ended = part.sealed and not self.ledger.in_flight(part.uid)
+
+        def wanted(topic: Topic) -> bool:
+            if topic.custom or (ended and self.reader.finished(part, topic.task_name, topic.fields)):
+                return True
+            if topic.fields.isdisjoint(written):
+                return False
+            mask = part.field_mask(topic.fields)
+            if mask < 0:
+                return False
+            produced = part.produced_mask[rows] & np.uint64(mask)
+            return bool(np.any(produced == np.uint64(mask)))
+
+        self.waiting.retry_getters(key, self._serve_parked_getter, self.rounds.forget, wanted)
 
     def _retry_putters(self) -> None:
         self.waiting.retry_putters(self._serve_parked_putter)
@@ -282,10 +313,7 @@ class QueueState:
         """The client gave up a get_meta: drop it if it still waits, else hand back what it was served."""
         if not owner or not call_id or owner == ROUND_OWNER:
             return
-        # never answered: the client stopped listening
-        self.waiting.drop_getters(
-            lambda parked: parked.job.owner == owner and parked.job.call_id == call_id, self.rounds.forget
-        )
+        self.waiting.withdraw(_call(owner, call_id), self.rounds.forget)  # never answered: the client stopped listening
         self.delivery.cancel(owner, call_id)
 
     def set_task_options(self, task_name: str, options: TaskOptions) -> None:
@@ -299,8 +327,10 @@ class QueueState:
         part = self.table.remove(key)
         if part is None:
             return  # never opened, or already cleared: it must not mark steps up to ``key`` as cleared
-        for waiting in [k for k in self.getters if k != key]:
-            if waiting not in self.partitions:  # waits for a partition to open: fails if it now never can
+        for waiting in self.waiting.waited_on():  # waits for a step to open: fails if it now never can
+            if not isinstance(waiting, int) or waiting in self.partitions or waiting == key:
+                continue
+            if waiting <= self.table.max_cleared_step:
                 self._retry_getters(waiting)
         self.leases.drop_partition(part.uid)
         self.ledger.drop_partition(part)
@@ -324,7 +354,7 @@ class QueueState:
         for part in parts:
             part.reset_consumption(task_name)
             self.rounds.drop_partition(part.key, task_name)
-            self._retry_getters(part.key)
+            self._retry_getters(part.key, task_name)
 
     def close_partition(self, partition: Any) -> None:
         """No more puts to ``partition``: waiting readers get what is there."""
@@ -338,3 +368,19 @@ class QueueState:
             self.clear(partition)
         else:
             self.kv.clear_keys(partition, keys)
+
+
+def _topic(job: GetMetaJob) -> Topic:
+    """What a parked get_meta waits for (see :class:`~transfer_queue.state.waiting.Topic`). Calls of one task, fields,
+    batch size and built-in sampler, outside DP rounds, wait for the same thing: ``MetaReader.select`` makes them wait
+    while fewer rows (or whole groups) are ready than the batch and the partition is not finished, whatever else they
+    ask. A DP rank may be served by its round's first call; a user's sampler decides for itself."""
+    custom = not job.sampler.uses_fast_path
+    in_line = not custom and job.dp_group_id is None
+    shape = (job.batch_size, job.whole_groups, id(job.sampler)) if in_line else ()
+    return Topic(job.task_name, frozenset(job.fields), in_line, custom, shape)
+
+
+def _call(owner: str, call_id: int) -> Hashable:
+    """A client's name for a get_meta (what a cancel names); None when it has none."""
+    return (owner, call_id) if owner and call_id and owner != ROUND_OWNER else None

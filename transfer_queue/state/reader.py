@@ -1,15 +1,16 @@
 """MetaReader: serving get_meta from a partition's ready rows, without Ray, sockets or the wire format.
 
 A get_meta is validated (all of it, before any waiting) into a :class:`~transfer_queue.state.dp_rounds.GetMetaJob`;
-serving it asks the task's sampler for ready rows (the built-in samplers read the partition's incremental ready index; a
-user's ``filter_ready_indices`` sees the whole table) and leases them to the caller, or, in a DP round, to the
+serving it asks the task's sampler for ready rows (the built-in samplers select from the partition's incremental ready
+index; a user sampler is handed the rows of that index, and only a ``filter_ready_indices`` of the seed's form sees the
+whole table) and leases them to the caller, or, in a DP round, to the
 round (:mod:`transfer_queue.state.dp_rounds`). A call that cannot be served yet returns ``None`` and waits (the caller
 parks it); it is short only when no more rows can come (the partition is closed and nothing is in flight).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from transfer_queue.state.dp_rounds import MAX_DP_SIZE, DPRounds, GetMetaJob
 from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.put_ledger import PutLedger
-from transfer_queue.state.ready_index import AVAILABLE
+from transfer_queue.state.ready_index import AVAILABLE, ReadyIndex
 from transfer_queue.state.selection import ReadyView, select_with_user_sampler
 
 
@@ -161,8 +162,7 @@ class MetaReader:
     def select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
         """Rows to hand out (the caller leases them), or ``None`` to wait. Short only when no more can come."""
         index = part.ready_index(job.task_name, job.fields)
-        in_flight = self.ledger.in_flight(part.uid)
-        finished = part.sealed and not in_flight and (index.produced if index else 0) == part.num_committed
+        finished = self._finished(part, index)
         if job.sampler.uses_fast_path:
             if index is None:
                 return np.zeros(0, np.int64) if finished else None
@@ -173,9 +173,17 @@ class MetaReader:
                 return None
             return job.sampler.select(view, min(count, available - available % group), job.whole_groups)
         rows = select_with_user_sampler(
-            part, job.sampler, job.params, job.task_name, job.fields, job.whole_groups, count
+            part, index, job.sampler, job.params, job.task_name, job.fields, job.whole_groups, count
         )
         return None if len(rows) < count and not finished else rows
+
+    def finished(self, part: PartitionState, task_name: str, fields: Iterable[str]) -> bool:
+        """No more rows can become ready for ``task_name``'s ``fields``: a waiting get_meta gets what is left."""
+        return self._finished(part, part.ready_index(task_name, fields))
+
+    def _finished(self, part: PartitionState, index: ReadyIndex | None) -> bool:
+        produced = index.produced if index is not None else 0
+        return part.sealed and produced == part.num_committed and not self.ledger.in_flight(part.uid)
 
     def timeout_error(self, job: GetMetaJob, waited: float) -> GetMetaTimeout:
         """What a get_meta that waited ``waited`` seconds is told at its deadline: what was missing."""

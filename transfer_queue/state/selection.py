@@ -1,5 +1,7 @@
 """Which rows a get_meta hands out: the view built-in samplers select from, and the seed's two-method protocol
-for user samplers, whose answers are checked before any row is served (ready, not served yet, whole groups).
+for user samplers, whose answers are checked before any row is served (ready, not served yet, whole groups). Both
+read the task's ready index: a user sampler is handed the ready rows (O(ready rows)); only a
+``filter_ready_indices`` of the seed's form reads the whole table.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ReadyView:
 
 def select_with_user_sampler(
     part: PartitionState,
+    index: ReadyIndex | None,
     sampler: BaseSampler,
     params: dict[str, Any],
     task_name: str,
@@ -48,11 +51,13 @@ def select_with_user_sampler(
     whole_groups: bool,
     count: int,
 ) -> np.ndarray:
-    """The seed's two-method protocol, for samplers that override it (O(rows): they see the whole table)."""
-    committed = part.committed_rows()
-    all_indices = committed + part.base_index
-    unknown = [f for f in fields if f not in part.field_col]
-    if unknown:
+    """The seed's two-method protocol, for samplers that override it. ``index``: the task's ready index for
+    ``fields`` (None: a field is unknown, nothing is ready).
+
+    ``sample`` is handed the ready rows, read from ``index`` in O(ready rows) and in global index order; a
+    ``filter_ready_indices`` override is handed the whole table (O(rows)), or, with ``ready_rows_only``, the ready
+    rows only."""
+    if index is None:
         return np.zeros(0, np.int64)
     task = part.task(task_name)
     kwargs = {
@@ -62,17 +67,10 @@ def select_with_user_sampler(
         "num_n_samples": part.group_size,
     }
     try:
-        ready = sampler.filter_ready_indices(
-            all_indices,
-            part.production_matrix(committed),
-            task.consumption[committed] != AVAILABLE,
-            list(fields),
-            dict(part.field_col),
-            group_ids=part.group[committed],
-            **kwargs,
-        )
-        ready = np.asarray(ready, dtype=np.int64).reshape(-1)
-        check_ready(part, task.consumption, ready, fields, "filter_ready_indices")
+        if type(sampler).filter_ready_indices is BaseSampler.filter_ready_indices:
+            ready = ready_rows(index) + part.base_index  # what the default filter finds, without reading the table
+        else:
+            ready = filtered(part, sampler, task.consumption, index, fields, kwargs)
         if whole_groups:  # whole groups only, members side by side: any prefix of whole groups is whole
             ready = complete_groups(part, ready)
             ready = ready[groups_together(part.group[ready - part.base_index])]
@@ -93,6 +91,41 @@ def select_with_user_sampler(
     if whole_groups:  # members of a group side by side, as DP splits and consumers expect
         rows = rows[groups_together(part.group[rows])]
     return rows
+
+
+def ready_rows(index: ReadyIndex) -> np.ndarray:
+    """The rows of a ready index in index order, as the whole table lists them: O(ready rows)."""
+    return np.sort(index.first_rows(index.num_rows))
+
+
+def filtered(
+    part: PartitionState,
+    sampler: BaseSampler,
+    consumption: np.ndarray,
+    index: ReadyIndex,
+    fields: list[str],
+    kwargs: dict[str, Any],
+) -> np.ndarray:
+    """What the sampler's own ``filter_ready_indices`` finds ready (checked): among every committed row (the seed's
+    form), or, with ``ready_rows_only``, among the rows ready for the task (``index``)."""
+    if sampler.ready_rows_only:
+        rows = ready_rows(index)
+        consumed = np.zeros(len(rows), dtype=bool)
+    else:
+        rows = part.committed_rows()
+        consumed = consumption[rows] != AVAILABLE
+    ready = sampler.filter_ready_indices(
+        rows + part.base_index,
+        part.production_matrix(rows),
+        consumed,
+        list(fields),
+        dict(part.field_col),
+        group_ids=part.group[rows],
+        **kwargs,
+    )
+    ready = np.asarray(ready, dtype=np.int64).reshape(-1)
+    check_ready(part, consumption, ready, fields, "filter_ready_indices")
+    return ready
 
 
 def check_ready(

@@ -13,8 +13,9 @@ runs on its host and blocking ZeroMQ DEALER sockets otherwise, one per thread an
 transport (a thread that ends hands its sockets back, so a client's connections, and the leases the controller ties
 to them, outlive the threads that used them); its coroutines never suspend, so the sync client drives them without
 an event loop (and works inside a running one).
-:class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``. A shared-memory path would be a
-third.
+:class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``: one DEALER per event loop and
+server at a time, owned by the transport likewise (a loop that ends hands its sockets to the next loop, so the
+client's connections and leases outlive ``asyncio.run``). A shared-memory path would be a third.
 """
 
 from __future__ import annotations
@@ -92,6 +93,21 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("internal error: a blocking-transport coroutine suspended")
 
 
+def _dealer(ctx: zmq.Context, secret: bytes, address: str) -> zmq.Socket:
+    """A DEALER socket to ``address``: authenticated, heartbeats on, its disconnects watched (from before connect: no
+    event is missed)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
+    secure_client(sock, secret)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
+    watch(sock, _GONE_EVENTS)
+    sock.connect(address)
+    return sock
+
+
 def _request_id(frames: Frames) -> int:
     return decode_reply_header(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]).request_id
 
@@ -154,16 +170,7 @@ class BlockingTransport:
         sockets = self._thread_sockets("sockets")
         sock = sockets.get(address)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
-            secure_client(sock, self._secret)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
-            watch(sock, _GONE_EVENTS)  # before connect: no event is missed
-            sock.connect(address)
-            sockets[address] = sock
+            sock = sockets[address] = _dealer(self._ctx, self._secret, address)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
@@ -411,19 +418,30 @@ class _ThreadSockets(dict):
 
 
 class AsyncioTransport:
-    """``zmq.asyncio`` DEALER sockets, one per (event loop, server), with a reader task routing replies by id and
-    a watcher task that fails the requests waiting on a server at once when its monitor says the server is gone."""
+    """DEALER sockets, one per (event loop, server) at a time, each used through its loop's ``zmq.asyncio`` view,
+    with a reader task routing replies by id and a watcher task that fails the requests waiting on a server at once
+    when its monitor says the server is gone.
+
+    The sockets belong to the transport (the client), not to an event loop: when a loop ends (it is closed, as
+    ``asyncio.run`` does), its sockets wait in ``_spare`` and the next loop that calls the same server takes them.
+    Closing them would tell the controller that the client's connections are gone, and after ``disconnect_grace``
+    it would hand the client's leases to another consumer while the client is alive (docs/architecture.md
+    "Delivery": leases belong to the client instance). So a client keeps as many connections per server as it ran
+    loops at once, never one per loop it saw, and all of them until close().
+    """
 
     def __init__(self, secret: bytes = b"") -> None:
         self._secret = secret
-        self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()  # plain sockets, owned here: every loop wraps its own view
         self._ids = itertools.count(1)
-        self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}
+        self._raw: dict[tuple[int, str], zmq.Socket] = {}  # the socket each (loop, server) uses
+        self._sockets: dict[tuple[int, str], zmq.asyncio.Socket] = {}  # its view in that loop
         self._readers: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._monitors: dict[tuple[int, str], zmq.asyncio.Socket] = {}
         self._pending: dict[tuple[int, str], set[int]] = {}  # request ids waiting on each socket
         self._loops: dict[int, asyncio.AbstractEventLoop] = {}
         self._futures: dict[int, asyncio.Future[Frames]] = {}
+        self._spare: dict[str, list[zmq.Socket]] = {}  # sockets of loops that ended, by server address
 
     def next_request_id(self) -> int:
         return next(self._ids)
@@ -433,17 +451,17 @@ class AsyncioTransport:
         key = (id(loop), address)
         sock = self._sockets.get(key)
         if sock is None:
-            self._forget_closed_loops()
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, 1)  # IPv4 addresses too: the server's address may be either
-            secure_client(sock, self._secret)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
-            monitor = self._monitors[key] = watch(sock, _GONE_EVENTS)
-            sock.connect(address)
-            self._sockets[key] = sock
+            self._retire_closed_loops()
+            spare = self._spare.get(address)
+            if spare:
+                raw = spare.pop()
+                _gone_event(monitor_of(raw))  # what happened while no loop used it says nothing about what comes
+            else:
+                raw = _dealer(self._ctx, self._secret, address)
+            # a fresh view per loop: one of a loop that ended may hold that loop's futures
+            sock = self._sockets[key] = zmq.asyncio.Socket.from_socket(raw)
+            monitor = self._monitors[key] = zmq.asyncio.Socket.from_socket(monitor_of(raw))
+            self._raw[key] = raw
             self._pending[key] = set()
             self._readers[key] = loop.create_task(self._read(sock))
             self._readers[(key[0], f"{address}#monitor")] = loop.create_task(self._watch(monitor, key))
@@ -470,17 +488,22 @@ class AsyncioTransport:
                 if future is not None and not future.done():
                     future.set_exception(error)
 
-    def _forget_closed_loops(self) -> None:
-        """Close the sockets of event loops that have ended: a client used through one ``asyncio.run`` per call
-        would otherwise keep a socket (and a dead loop) per call until it runs out of file descriptors."""
+    def _retire_closed_loops(self) -> None:
+        """The sockets of event loops that have ended go to ``_spare`` for the next loop (a client used through one
+        ``asyncio.run`` per call keeps one socket per server, not one per call); a socket whose server went away
+        meanwhile is closed (its connection is gone already: the next loop opens a new one)."""
         for loop_id in [i for i, loop in self._loops.items() if loop.is_closed()]:
             del self._loops[loop_id]
-            for key in [k for k in self._sockets if k[0] == loop_id]:
-                close_watched(self._sockets.pop(key))
-                self._monitors.pop(key)
+            for key in [k for k in self._raw if k[0] == loop_id]:
+                raw = self._raw.pop(key)
+                del self._sockets[key], self._monitors[key]
                 self._pending.pop(key, None)
                 self._readers.pop(key, None)
                 self._readers.pop((key[0], f"{key[1]}#monitor"), None)
+                if _gone_event(monitor_of(raw)):
+                    close_watched(raw)
+                else:
+                    self._spare.setdefault(key[1], []).append(raw)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -522,10 +545,19 @@ class AsyncioTransport:
         for task in self._readers.values():
             if not task.get_loop().is_closed():
                 task.cancel()
-        for sock in self._sockets.values():
-            close_watched(sock)
+        for key, raw in self._raw.items():
+            loop = self._loops.get(key[0])
+            if loop is not None and not loop.is_closed():  # the loop's views stop watching the sockets first
+                loop.remove_reader(raw.FD)
+                loop.remove_reader(monitor_of(raw).FD)
+            close_watched(raw)
+        for spare in self._spare.values():
+            for raw in spare:
+                close_watched(raw)
+        self._raw.clear()
         self._sockets.clear()
         self._monitors.clear()
         self._pending.clear()
         self._readers.clear()
         self._loops.clear()
+        self._spare.clear()

@@ -43,6 +43,7 @@ def put_prompts(client: tq.TransferQueueClient, step: int) -> None:
     client.put(data, global_step=step)
 
 
+@pytest.mark.slow  # ~30 s with its workers' start; the slow tier runs the unit-death run it guards
 def test_a_relaunched_step_runs_while_the_step_ahead_waits_for_it(queue):
     info, client = queue
     rollout = RolloutWorker.remote(

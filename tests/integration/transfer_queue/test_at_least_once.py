@@ -126,3 +126,38 @@ def test_a_cancelled_get_meta_is_never_served(queue: Any) -> None:
     meta = queue.new_client("second").get_meta(["x"], 4, partition_id=partition, task_name="t", timeout=10)
     assert meta.global_indexes.tolist() == [0, 1, 2, 3]
     waiter.close()
+
+
+def test_an_async_clients_leases_outlive_the_event_loop_that_took_them(
+    queue: Any, wait_until: Callable[..., Any]
+) -> None:
+    """Leases belong to the client instance, not to an event loop: the loop that took them ends, another loop uses
+    the client for calls that name no owner, and past ``disconnect_grace`` the rows are still the client's."""
+    partition = queue.partition()
+    task = f"loops-{partition}"  # task options are the queue's: a name of this test's own
+    queue.client.put(TensorDict({"x": torch.arange(8)}, batch_size=[8]), partition_id=partition)
+    consumer = AsyncTransferQueueClient("loops", queue.info)
+
+    async def lease() -> Any:
+        await consumer.set_task_options(task, ack="explicit")
+        return await consumer.get_meta(["x"], 4, partition_id=partition, task_name=task)
+
+    meta = asyncio.run(lease())  # that loop has ended
+    assert partition in asyncio.run(consumer.list_partitions())  # another loop, a call that names no owner
+    # A client that closes after that: once its leases came back, the grace has passed for any close before it.
+    probe = queue.new_client("probe")
+    assert ids(probe.get_meta(["x"], 4, partition_id=partition, task_name=task)) == [4, 5, 6, 7]
+    probe.close()
+    status = lambda: queue.client.get_consumption_status(partition_id=partition, task_name=task)["tasks"][task]  # noqa: E731
+    wait_until(lambda: status()["ready"] == 4, 30, what="the closed probe's leases to come back")
+    assert status()["leased"] == 4
+    queue.client.close_partition(partition_id=partition)  # a short batch of what is ready, at once
+    assert ids(queue.new_client("other").get_meta(["x"], 8, partition_id=partition, task_name=task)) == [4, 5, 6, 7]
+
+    async def finish() -> None:
+        assert await consumer.extend_lease(meta, 30.0) == {"extended": 4}
+        await consumer.ack(meta)
+
+    asyncio.run(finish())  # a third loop
+    assert status()["acknowledged"] == 4
+    consumer.close()

@@ -73,6 +73,12 @@ class EvenGroupsOnly(SequentialSampler):
         return [i for i in ready.tolist() if group_of[i] % 2 == 0]
 
 
+class EvenGroupsOnlyReadyRows(EvenGroupsOnly):
+    """The same rule, its ``filter_ready_indices`` handed only the rows ready for the task."""
+
+    ready_rows_only = True
+
+
 SAMPLERS: dict[str, tuple[Callable[[], BaseSampler], bool]] = {  # name -> (factory, drives DP rounds)
     "sequential": (SequentialSampler, False),
     "grpo": (lambda: GRPOSampler(N), False),
@@ -80,6 +86,7 @@ SAMPLERS: dict[str, tuple[Callable[[], BaseSampler], bool]] = {  # name -> (fact
     "seqlen-balanced": (SeqlenBalancedSampler, True),
     "user-sample": (lambda: RandomGroups(seed=3), False),
     "user-filter": (EvenGroupsOnly, False),
+    "user-filter-ready-rows": (EvenGroupsOnlyReadyRows, False),
 }
 
 
@@ -334,6 +341,7 @@ class OwnSelect(SequentialSampler):
         (OwnSelect(), True),
         (OnlySample(), False),
         (EvenGroupsOnly(), False),
+        (EvenGroupsOnlyReadyRows(), False),
         (RandomGroups(), False),
         (BadFilter(), False),
     ],

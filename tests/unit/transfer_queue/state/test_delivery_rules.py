@@ -36,7 +36,11 @@ class World:
         part.end_write(taken, mask)
         part.commit(taken, ["x"], np.zeros(rows, np.int64), np.arange(rows), None, np.ones(rows, dtype=bool))
         self.delivery = Delivery(
-            self.table.config, self.table, lambda: self.now[0], self.woken.append, self.back.append
+            self.table.config,
+            self.table,
+            lambda: self.now[0],
+            self.woken.append,
+            lambda key, task: self.back.append(key),
         )
 
     def lease(self, rows, owner="alice", lease_s=10.0, call_id=1):

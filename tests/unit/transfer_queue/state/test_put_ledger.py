@@ -43,7 +43,7 @@ class Books:
             self.table,
             lambda: self.now[0],
             self.woken.append,
-            self.changed.append,
+            lambda key, rows, fields: self.changed.append(key),
             lambda: self.freed.append(1),
             lambda *drop: self.drops.append(drop),
         )

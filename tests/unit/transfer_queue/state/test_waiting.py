@@ -109,3 +109,48 @@ def test_dropped_requests_are_never_answered(how):
     assert forgotten == ["mine"] and a.got == {}
     assert [parked.job for parked in r.getters["p"]] == ["theirs"]
     assert [parked.job for parked in r.take_getters("p")] == ["theirs"] and r.getters == {}
+
+
+def test_a_retry_tries_the_wanted_topics_in_arrival_order_and_leaves_a_line_at_its_first_waiter_that_waits():
+    from transfer_queue.state.waiting import Topic
+
+    r, a = room(), Answers()
+    line = Topic("t", frozenset({"x"}), in_line=True)  # the same ask: once one must wait, all behind it must
+    each = Topic("t", frozenset({"x"}), shape=("dp",))  # DP ranks: every one is tried
+    other = Topic("u", frozenset({"x"}), in_line=True)
+    for job, topic in [("l1", line), ("e1", each), ("l2", line), ("e2", each), ("l3", line), ("o1", other)]:
+        r.park(a.parked(job), "p", "GetMeta", topic)
+    tried: list[Any] = []
+
+    def attempt(parked: Parked) -> Any:
+        tried.append(parked.job)
+        return "ok" if parked.job == "l1" else WAIT
+
+    r.retry_getters("p", attempt, lambda job: None, wanted=lambda topic: topic.task_name == "t")
+    assert tried == ["l1", "e1", "l2", "e2"]  # l3 waits behind l2; task u's waiter is not concerned
+    assert a.got == {"l1": [("ok", None)]}
+    assert [parked.job for parked in r.getters["p"]] == ["e1", "l2", "e2", "l3", "o1"]
+
+
+def test_a_cancel_and_a_closed_connection_drop_only_their_own_requests():
+    r, a = room(), Answers()
+    r.park(a.parked("mine", peer="conn"), "p", "GetMeta", call=("me", 1))
+    r.park(a.parked("my other", peer="conn"), "q", "GetMeta", call=("me", 2))
+    r.park(a.parked("my put", peer="conn"), None, "Reserve")
+    r.park(a.parked("theirs", peer="other"), "p", "GetMeta", call=("you", 1))
+    forgotten: list[Any] = []
+    r.withdraw(("me", 1), forgotten.append)
+    assert forgotten == ["mine"] and len(r) == 3
+    r.drop_peer("conn", forgotten.append)
+    assert forgotten == ["mine", "my other"] and r.putters == [] and len(r) == r.num_getters == 1
+    assert r.getters == {"p": r.getters["p"]} and [parked.job for parked in r.getters["p"]] == ["theirs"]
+    assert a.got == {}
+
+
+def test_the_deadlines_kept_stay_bounded_by_the_requests_parked():
+    r, a = room(), Answers()
+    for i in range(1000):  # each served before its deadline: its deadline entry is left behind, then swept
+        r.park(a.parked(i, deadline=100.0 + i), "p", "GetMeta")
+        r.retry_getters("p", lambda parked: "ok", lambda job: None)
+    assert len(r) == 0 and len(r._deadlines) <= 2 * len(r) + 65
+    assert r.next_deadline() == float("inf") and r.deadlines() == []
