@@ -31,7 +31,7 @@ from workers.ledger.models import Task, check_registered
 from workers.ledger.retry import with_retry
 from workers.ledger.sampler import AsyncSampler, TrajectorySink, _blob_dir, shared_ledger
 from workers.ledger.services import InferenceClient
-from workers.ledger.store import Ledger
+from workers.ledger.store import EpochProgress, Ledger
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,7 @@ class SamplingScheduler:
     async def _sample_epoch(self, epoch: int, running: set[asyncio.Task]) -> None:
         cfg = self.config
         while not self.stopping():
-            counts = await asyncio.to_thread(with_retry, lambda: self.ledger.task_counts(self.split, epoch))
-            claimable = await asyncio.to_thread(with_retry, lambda: self.ledger.claimable_count(self.split, epoch))
-            unfinished = counts.get("pending", 0) + counts.get("running", 0)
+            unfinished, claimable = await asyncio.to_thread(self.epoch_progress, epoch)
             if unfinished == 0 or (claimable == 0 and not cfg.sync_sampling):
                 return
             room = min(cfg.max_concurrent_samples_per_process - len(running), claimable, await self._inference_room())
@@ -181,6 +179,14 @@ class SamplingScheduler:
                 running -= done
             else:
                 await asyncio.sleep(0.1)
+
+    def epoch_progress(self, epoch: int) -> EpochProgress:
+        """The scheduler's poll (every 0.2 s while it samples ``epoch``): how many of the epoch's tasks are unfinished
+        (pending or running) and how many a claim would get now, each counted up to
+        ``max_concurrent_samples_per_process`` (all the poll needs: whether any is unfinished, how many samplers to
+        start), so that it reads index ranges, never the whole epoch."""
+        cap = self.config.max_concurrent_samples_per_process
+        return with_retry(lambda: self.ledger.epoch_progress(self.split, epoch, limit=cap))
 
     async def _inference_room(self) -> int:
         """How many more requests the healthy services take before each carries ``target_concurrency``."""

@@ -8,6 +8,11 @@ knows column names besides ``store.py``.
     epochs      which (split, epoch) the scheduler has written (so two schedulers never write one twice)
     locks       named leases (the scheduler's distributed lock)
     meta        schema_version
+
+A claim reads two index ranges of ``tasks``, never the table: ``ix_tasks_claimable`` (split, status, epoch, key)
+gives the oldest pending task and ``ix_tasks_leases`` (split, status, lease_deadline) the longest-expired running
+one, each in O(log n); the scheduler's poll counts on the same ranges. A live claim is found from its id through
+``claims``' primary key. ``MIGRATIONS`` brings an older ledger up to ``SCHEMA_VERSION`` when it is opened.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from sqlalchemy import (
 
 from workers.ledger.errors import MalformedConnectionString
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 metadata = MetaData()
 
@@ -55,6 +60,7 @@ tasks = Table(
     Column("updated_at", Float, nullable=False),
     UniqueConstraint("split", "epoch", "task_id", name="uq_task_split_epoch_id"),
     Index("ix_tasks_claimable", "split", "status", "epoch", "key"),
+    Index("ix_tasks_leases", "split", "status", "lease_deadline"),
 )
 
 claims = Table(
@@ -125,6 +131,12 @@ locks = Table(
     Column("owner", String(256), nullable=False),
     Column("expires_at", Float, nullable=False),
 )
+
+# what opening a ledger of schema version v (the key) adds to bring it to v + 1: only additions, so that a ledger is
+# migrated in one transaction while nothing else changes shape
+MIGRATIONS: dict[int, list[Index]] = {
+    1: [next(index for index in tasks.indexes if index.name == "ix_tasks_leases")],  # expired leases, indexed
+}
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """``Ledger``: the narrow store interface over SQLite (WAL, the default) or PostgreSQL. All SQL lives here.
 
-Every public method is one explicit transaction. Claims take the oldest claimable task row: on PostgreSQL with
-``SELECT ... FOR UPDATE SKIP LOCKED`` (concurrent claimers never wait on each other's rows), on SQLite inside
-``BEGIN IMMEDIATE`` (one writer at a time, the file is the lock). Times are wall-clock seconds of the caller
+Every public method is one explicit transaction. A claim takes a task whose lease expired (the longest expired
+first), else the oldest pending task, each the first row of an index range (O(log n) in the tasks of the ledger,
+see ``schema``): on PostgreSQL with ``SELECT ... FOR UPDATE SKIP LOCKED`` (concurrent claimers never wait on each
+other's rows), on SQLite inside ``BEGIN IMMEDIATE`` (one writer at a time, the file is the lock); reads on SQLite
+take no lock (a deferred ``BEGIN``: WAL lets them run beside the writer). Times are wall-clock seconds of the caller
 (hosts that share a PostgreSQL ledger need synchronised clocks, as leases anywhere do).
 
 >>> ledger = Ledger("sqlite:////tmp/doctest-ledger.db"); ledger.reset()
@@ -19,9 +21,22 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, and_, create_engine, event, func, insert, inspect, or_, select, text, update
+from sqlalchemy import (
+    Connection,
+    Select,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    insert,
+    inspect,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -39,6 +54,13 @@ from workers.ledger.models import (
     task_type_name,
 )
 from workers.ledger.schema import redact
+
+
+class EpochProgress(NamedTuple):
+    """What the scheduler polls of one epoch, each count capped at the poll's ``limit``."""
+
+    unfinished: int  # pending or running
+    claimable: int  # pending, or running on an expired lease
 
 
 class Ledger:
@@ -65,7 +87,7 @@ class Ledger:
             os.makedirs(os.path.dirname(os.path.abspath(self.target.path or ".")), exist_ok=True)
             self._engine = create_engine(self.target.url, connect_args={"timeout": 60})
             event.listen(self._engine, "connect", _sqlite_on_connect)
-            event.listen(self._engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+            event.listen(self._engine, "begin", _sqlite_begin)
             # SQLite's and PostgreSQL's INSERT both have on_conflict_do_nothing(); one callable serves either
             self._insert: Callable[[Any], Any] = sqlite_insert
         else:
@@ -84,10 +106,18 @@ class Ledger:
                 s.metadata.create_all(conn)
             elif not inspect(conn).has_table(s.meta.name):
                 raise LedgerNotFound(f"no ledger tables in {self._redacted()}: nothing was ever written there")
-            found = conn.execute(select(s.meta.c.value).where(s.meta.c.key == "schema_version")).scalar()
+            version = s.meta.c.key == "schema_version"
+            found = conn.execute(select(s.meta.c.value).where(version)).scalar()
             if found is None:
                 conn.execute(insert(s.meta).values(key="schema_version", value=str(s.SCHEMA_VERSION)))
-            elif int(found) != s.SCHEMA_VERSION:
+                return
+            at = int(found)
+            while at < s.SCHEMA_VERSION and at in s.MIGRATIONS:  # an older ledger: add what this version adds
+                for index in s.MIGRATIONS[at]:
+                    index.create(conn, checkfirst=True)
+                at += 1
+                conn.execute(update(s.meta).where(version).values(value=str(at)))
+            if at != s.SCHEMA_VERSION:
                 raise SchemaVersionMismatch(
                     f"ledger {self._redacted()} has schema version {found}; this code expects {s.SCHEMA_VERSION}"
                 )
@@ -105,11 +135,15 @@ class Ledger:
         return self._engine.url.render_as_string(hide_password=True)
 
     @contextmanager
-    def _tx(self) -> Iterator[Connection]:
-        """One transaction; a lost or refused connection becomes :class:`LedgerUnavailable`."""
+    def _tx(self, read_only: bool = False) -> Iterator[Connection]:
+        """One transaction; a lost or refused connection becomes :class:`LedgerUnavailable`. ``read_only``: on SQLite
+        a deferred ``BEGIN`` (no write lock: it reads beside a writer) instead of ``BEGIN IMMEDIATE``."""
         try:
-            with self._engine.begin() as conn:
-                yield conn
+            with self._engine.connect() as conn:
+                if read_only:
+                    conn.execution_options(ledger_read_only=True)
+                with conn.begin():
+                    yield conn
         except (OperationalError, DBAPIError) as exc:
             if isinstance(exc, OperationalError) or exc.connection_invalidated:
                 first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
@@ -152,7 +186,7 @@ class Ledger:
         return True
 
     def written_epochs(self, split: str) -> list[int]:
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             query = select(s.epochs.c.epoch).where(s.epochs.c.split == split).order_by(s.epochs.c.epoch)
             return list(conn.execute(query).scalars())
 
@@ -162,7 +196,7 @@ class Ledger:
             query = query.where(s.tasks.c.split == split)
         if epoch is not None:
             query = query.where(s.tasks.c.epoch == epoch)
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             return [_task(row) for row in conn.execute(query)]
 
     def task_counts(self, split: str | None = None, epoch: int | None = None) -> dict[str, int]:
@@ -171,35 +205,50 @@ class Ledger:
             query = query.where(s.tasks.c.split == split)
         if epoch is not None:
             query = query.where(s.tasks.c.epoch == epoch)
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             return {status: n for status, n in conn.execute(query)}
 
-    def claimable_count(self, split: str, epoch: int | None = None) -> int:
-        """Tasks of ``split`` a claim would get now: pending, or running on an expired lease."""
+    def claimable_count(self, split: str, epoch: int | None = None, limit: int | None = None) -> int:
+        """Tasks of ``split`` a claim would get now: pending, or running on an expired lease; with ``limit``, counted
+        up to ``limit`` (O(log n + limit): two index ranges, never the table)."""
+        params = dict(split=split, epoch=epoch, now=time.time())
+        by_epoch = epoch is not None
+        with self._tx(read_only=True) as conn:
+            pending = _count(conn, _claimable(False, by_epoch), params, limit)
+            expired = _count(conn, _claimable(True, by_epoch), params, limit)
+        return pending + expired if limit is None else min(pending + expired, limit)
+
+    def epoch_progress(self, split: str, epoch: int, limit: int) -> EpochProgress:
+        """The scheduler's poll of ``split``'s ``epoch`` in one read: unfinished (pending or running) and claimable
+        tasks, each counted up to ``limit``, O(log n + limit) (index ranges, never the table)."""
         t = s.tasks.c
-        now = time.time()
-        query = select(func.count()).select_from(s.tasks).where(t.split == split)
-        query = query.where(or_(t.status == "pending", and_(t.status == "running", t.lease_deadline < now)))
-        if epoch is not None:
-            query = query.where(t.epoch == epoch)
-        with self._tx() as conn:
-            return int(conn.execute(query).scalar() or 0)
+        params = dict(split=split, epoch=epoch, now=time.time())
+        running_query = select(t.key).where(t.split == split, t.status == "running", t.epoch == epoch)
+        with self._tx(read_only=True) as conn:
+            pending = _count(conn, _claimable(False, True), params, limit)
+            expired = _count(conn, _claimable(True, True), params, limit)
+            running = _count(conn, running_query.order_by(t.epoch, t.key), {}, limit)
+        return EpochProgress(unfinished=min(pending + running, limit), claimable=min(pending + expired, limit))
 
     # -- claims ----------------------------------------------------------------------------------------------------
     def claim(
         self, split: str, owner: str, lease_s: float = 60.0, epoch: int | None = None
     ) -> tuple[DispatchedSamplingTask, Task] | None:
-        """Claim the oldest claimable task of ``split`` (pending, or running with an expired lease) for ``owner``;
-        ``None`` when there is none. A task whose expired claims used up ``max_attempts`` is marked failed."""
+        """Claim a task of ``split`` (of ``epoch``, if given) for ``owner``: one whose lease expired (its worker died
+        or stalled; the longest expired first), else the oldest pending one (lowest epoch, then the order written);
+        ``None`` when there is none. A task whose expired claims used up ``max_attempts`` is marked failed.
+
+        Each candidate is the first row of an index range (``schema``): O(log n) in the ledger's tasks."""
         t = s.tasks.c
         while True:
             now = time.time()
-            where = [t.split == split, or_(t.status == "pending", and_(t.status == "running", t.lease_deadline < now))]
-            if epoch is not None:
-                where.append(t.epoch == epoch)
-            query = select(s.tasks).where(*where).order_by(t.epoch, t.key).limit(1)
+            params = dict(split=split, epoch=epoch, now=now)
             with self._tx() as conn:
-                row = conn.execute(query.with_for_update(skip_locked=True)).first()
+                row = None
+                for expired in (True, False):
+                    row = conn.execute(_CANDIDATE[expired, epoch is not None], params).first()
+                    if row is not None:
+                        break
                 if row is None:
                     return None
                 if row.status == "running":  # its worker died or stalled: expire that claim
@@ -212,7 +261,8 @@ class Ledger:
                 attempt = row.attempts + 1
                 deadline = now + lease_s
                 inserted = conn.execute(
-                    insert(s.claims).values(
+                    _NEW_CLAIM,
+                    dict(
                         task_key=row.key,
                         owner=owner,
                         attempt=attempt,
@@ -220,17 +270,12 @@ class Ledger:
                         lease_deadline=deadline,
                         created_at=now,
                         updated_at=now,
-                    )
+                    ),
                 ).inserted_primary_key
                 assert inserted is not None  # a one-row INSERT has its primary key
                 claim_id = inserted[0]
-                conn.execute(
-                    update(s.tasks)
-                    .where(t.key == row.key)
-                    .values(
-                        status="running", attempts=attempt, claim_id=claim_id, lease_deadline=deadline, updated_at=now
-                    )
-                )
+                taken = dict(task_key=row.key, attempt=attempt, new_claim_id=claim_id, deadline=deadline, now=now)
+                conn.execute(_TAKE_TASK, taken)
                 claim = DispatchedSamplingTask(
                     id=claim_id,
                     task_key=row.key,
@@ -253,10 +298,10 @@ class Ledger:
         now = time.time()
         deadline = now + lease_s
         with self._tx() as conn:
-            self._live(conn, claim_id)
+            row = self._live(conn, claim_id)
             renew = dict(lease_deadline=deadline, updated_at=now)
             conn.execute(update(s.claims).where(s.claims.c.id == claim_id).values(**renew))
-            conn.execute(update(s.tasks).where(s.tasks.c.claim_id == claim_id).values(lease_deadline=deadline))
+            conn.execute(update(s.tasks).where(s.tasks.c.key == row.key).values(lease_deadline=deadline))
         return deadline
 
     def complete(self, claim_id: int) -> None:
@@ -303,11 +348,13 @@ class Ledger:
             query = query.where(t.split == split)
         if status is not None:
             query = query.where(c.status == status)
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             return [DispatchedSamplingTask.model_validate(dict(row._mapping)) for row in conn.execute(query)]
 
     def _live(self, conn: Connection, claim_id: int) -> Any:
-        row = conn.execute(select(s.tasks).where(s.tasks.c.claim_id == claim_id).with_for_update()).first()
+        """The task row whose live claim ``claim_id`` is, locked; :class:`ClaimLost` if none. Found through the claim's
+        primary key and then the task's (``tasks.claim_id`` has no index: a claim changes it twice)."""
+        row = conn.execute(_LIVE, dict(live_claim_id=claim_id)).first()
         if row is None or row.status != "running":
             raise ClaimLost(self._lost(conn, claim_id))
         return row
@@ -391,7 +438,7 @@ class Ledger:
             query = query.where(s.tasks.c.split == split)
         if epoch is not None:
             query = query.where(s.tasks.c.epoch == epoch)
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             return [Record.model_validate(dict(row._mapping)) for row in conn.execute(query)]
 
     def trainable(
@@ -407,7 +454,7 @@ class Ledger:
             .order_by(r.id)
             .limit(limit)
         )
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             rows = [dict(row._mapping) for row in conn.execute(query)]
         return [DBRecordData.model_validate({**row, "record_id": row["id"]}) for row in rows]
 
@@ -474,7 +521,7 @@ class Ledger:
             query = query.where(c.model == model)
         if healthy_only:
             query = query.where(c.status == "up")
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             return [InferenceService.model_validate(dict(row._mapping)) for row in conn.execute(query)]
 
     # -- locks -----------------------------------------------------------------------------------------------------
@@ -500,7 +547,7 @@ class Ledger:
     def summary(self) -> dict[str, Any]:
         """Counts for the status view: tasks by (split, epoch, status), claims and records by status, services."""
         t, c = s.tasks.c, s.claims.c
-        with self._tx() as conn:
+        with self._tx(read_only=True) as conn:
             tasks = conn.execute(select(t.split, t.epoch, t.status, func.count()).group_by(t.split, t.epoch, t.status))
             claims = conn.execute(select(c.status, func.count()).group_by(c.status))
             out: dict[str, Any] = {
@@ -515,6 +562,61 @@ class Ledger:
         return out
 
 
+def _claimable(expired: bool, by_epoch: bool) -> Select[Any]:
+    """The claimable tasks of split ``:split`` (of epoch ``:epoch`` if ``by_epoch``) in the order a claim takes them,
+    as one index range: running on a lease that ended before ``:now`` (``ix_tasks_leases``, the longest expired
+    first), or pending (``ix_tasks_claimable``, the oldest first). Selects the key."""
+    t = s.tasks.c
+    if expired:
+        query = select(t.key).where(t.split == bindparam("split"), t.status == "running")
+        query = query.where(t.lease_deadline < bindparam("now")).order_by(t.lease_deadline)
+    else:
+        query = select(t.key).where(t.split == bindparam("split"), t.status == "pending").order_by(t.epoch, t.key)
+    return query.where(t.epoch == bindparam("epoch")) if by_epoch else query
+
+
+# a claim's statements, built once: building SQLAlchemy constructs costs more CPU than SQLite takes to run them
+_CANDIDATE = {
+    (expired, by_epoch): _claimable(expired, by_epoch)
+    .with_only_columns(*s.tasks.c)
+    .limit(1)
+    .with_for_update(skip_locked=True)
+    for expired in (True, False)
+    for by_epoch in (False, True)
+}
+_NEW_CLAIM = insert(s.claims)
+_TAKE_TASK = (
+    update(s.tasks)
+    .where(s.tasks.c.key == bindparam("task_key"))
+    .values(
+        status="running",
+        attempts=bindparam("attempt"),
+        claim_id=bindparam("new_claim_id"),
+        lease_deadline=bindparam("deadline"),
+        updated_at=bindparam("now"),
+    )
+)
+
+
+_LIVE = (
+    select(s.tasks)
+    .where(
+        s.tasks.c.key
+        == select(s.claims.c.task_key).where(s.claims.c.id == bindparam("live_claim_id")).scalar_subquery(),
+        s.tasks.c.claim_id == bindparam("live_claim_id"),
+    )
+    .with_for_update(of=s.tasks)
+)
+
+
+def _count(conn: Connection, query: Select[Any], params: dict[str, Any], limit: int | None) -> int:
+    """How many rows ``query`` selects, up to ``limit`` (all of them with ``None``). The query keeps its index's
+    order: under a ``LIMIT`` PostgreSQL would otherwise read the table from its start, on a guess that the rows are
+    spread evenly (they are not: the claimed ones are at its start)."""
+    rows = (query.limit(limit) if limit is not None else query.order_by(None)).subquery()
+    return int(conn.execute(select(func.count()).select_from(rows), params).scalar() or 0)
+
+
 def _task(row: Any) -> Task:
     return task_from_row(
         row.type,
@@ -526,6 +628,12 @@ def _task(row: Any) -> Task:
         attempts=row.attempts,
         last_error=row.last_error,
     )
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    # writers take the write lock up front (no deadlock between two deferred readers that both upgrade); reads do not
+    read_only = conn.get_execution_options().get("ledger_read_only", False)
+    conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _: Any) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import inspect, select, text, update
 
 from workers.ledger import (
     ClaimLost,
@@ -194,8 +194,25 @@ def test_schema_version_is_checked(ledger_url):
     ledger = Ledger(ledger_url)
     with ledger._tx() as conn:
         conn.execute(update(schema.meta).where(schema.meta.c.key == "schema_version").values(value="99"))
-    with pytest.raises(SchemaVersionMismatch, match="has schema version 99; this code expects 1"):
+    with pytest.raises(SchemaVersionMismatch, match="has schema version 99; this code expects 2"):
         Ledger(ledger_url)
+
+
+def test_a_ledger_of_schema_version_1_is_migrated_when_opened(ledger_url):
+    ledger = Ledger(ledger_url)
+    ledger.write_epoch("train", 0, [rft(0), rft(1)], owner="s")
+    claim, _ = ledger.claim("train", owner="w", lease_s=60)
+    with ledger._tx() as conn:  # as version 1 left it: no index on the leases
+        conn.execute(text("DROP INDEX ix_tasks_leases"))
+        conn.execute(update(schema.meta).where(schema.meta.c.key == "schema_version").values(value="1"))
+    ledger.close()
+    reopened = Ledger(ledger_url, create=False)
+    with reopened._tx() as conn:
+        assert "ix_tasks_leases" in {index["name"] for index in inspect(conn).get_indexes("ledger_tasks")}
+        assert conn.execute(select(schema.meta.c.value).where(schema.meta.c.key == "schema_version")).scalar() == "2"
+    reopened.complete(claim.id)  # what was written before is all there
+    _, task = reopened.claim("train", owner="w", lease_s=60)
+    assert task.id == "1" and reopened.task_counts("train") == {"done": 1, "running": 1}
 
 
 def test_bad_input_is_a_typed_error_naming_expected_and_got(ledger_url):
