@@ -4,7 +4,10 @@ carried to the next batch (SLIME's over-sampling and partial caching).
 One batch: take the groups carried over (oldest first), draw ``ceil(batch_size * over_sampling_factor)`` prompts
 less those, generate each prompt's group in its own task (at most ``max_concurrency`` calls of ``generate_fn`` at a
 time), set rewards, drop the groups ``filter_fn`` refuses, keep ``batch_size`` groups in order and carry the rest.
-When too many groups were dropped it draws again (``max_rounds`` rounds at most). The carried groups are part of
+When too many groups were dropped it draws again (``max_rounds`` rounds at most), sized by the share of groups that
+passed so far: ``ceil(missing * over_sampling_factor / pass_rate)``, at most ``MAX_ROUND_GROWTH`` times
+``ceil(missing * over_sampling_factor)``, so a filter that keeps one group in ten early in training costs a few large
+rounds rather than many rounds of one group. The carried groups are part of
 ``state()``, so a resumed run loses none.
 """
 
@@ -33,6 +36,22 @@ from orchestration.training.rollout_gen.rollout_generation import (
 from orchestration.training.types import LibraryError, RolloutBatch, RolloutConfig, Sample
 
 SAMPLE_FIELDS = ("prompt", "response", "tokens", "loss_mask", "reward", "metadata")
+
+
+MAX_ROUND_GROWTH = 4  # a round draws at most this many times the groups a batch still misses (over-sampled)
+
+
+def next_round_size(short: int, over_sampling_factor: float, passed: int, generated: int) -> int:
+    """Prompts to draw for the ``short`` groups a batch still misses, given ``passed`` of ``generated`` groups kept
+    so far in this batch: the over-sampled need divided by the pass rate, never more than ``MAX_ROUND_GROWTH`` times
+    the need.
+
+    >>> next_round_size(2, 1.0, 1, 3), next_round_size(2, 1.5, 0, 12), next_round_size(4, 1.0, 6, 6)
+    (6, 12, 4)
+    """
+    need = math.ceil(short * over_sampling_factor)
+    pass_rate = max(passed / generated if generated else 1.0, 1 / MAX_ROUND_GROWTH)
+    return min(math.ceil(need / pass_rate), need * MAX_ROUND_GROWTH)
 
 
 class AsyncRolloutManager:
@@ -188,7 +207,8 @@ class AsyncRolloutManager:
                     else:
                         ready.append(group)
                 short = config.batch_size - len(ready)
-                want = math.ceil(short * config.over_sampling_factor) if short > 0 else 0
+                passed = len(ready) - carried_in
+                want = next_round_size(short, config.over_sampling_factor, passed, generated) if short > 0 else 0
         except BaseException:
             self._cache.extendleft(reversed(ready))  # groups already made are not lost with the batch
             self._trim_cache()

@@ -138,7 +138,24 @@ def test_a_batch_short_after_filtering_draws_again() -> None:
     batch = asyncio.run(AsyncRolloutManager(InOrderBuffer(PROMPTS), config).generate_batch())
 
     assert group_prompts(batch) == ["p2", "p3", "p4"]
-    assert (batch.metadata["rounds"], batch.metadata["generated_groups"]) == (2, 5)
+    # 1 of 3 passed in round 1, so round 2 draws the 2 missing / (1/3) = 6 (p3..p8); 4 left over, 3 carried
+    assert (batch.metadata["rounds"], batch.metadata["generated_groups"]) == (2, 9)
+    assert (batch.metadata["cached_groups_carried"], batch.metadata["cached_groups_dropped"]) == (3, 1)
+
+
+def test_a_filter_that_keeps_few_groups_gets_larger_rounds_rather_than_running_out_of_them() -> None:
+    # one group in ten passes: rounds of the missing groups alone (12, then 1 at a time) would need 49 rounds
+    config = RolloutConfig(
+        batch_size=8,
+        over_sampling_factor=1.5,
+        generate_fn=my_generate_fn,
+        filter_fn=lambda group: int(group[0].prompt[1:]) % 10 == 0,
+    )
+    manager = AsyncRolloutManager(InOrderBuffer(PROMPTS), config, max_concurrency=4)
+    batch = asyncio.run(manager.generate_batch())
+
+    assert group_prompts(batch) == [f"p{i}" for i in range(0, 80, 10)]
+    assert batch.metadata["rounds"] <= 5, batch.metadata
 
 
 def test_a_filter_that_keeps_too_little_fails_after_max_rounds_saying_how_many_passed() -> None:
@@ -151,7 +168,7 @@ def test_a_filter_that_keeps_too_little_fails_after_max_rounds_saying_how_many_p
         asyncio.run(manager.generate_batch())
     assert str(caught.value) == (
         "only 0 of batch_size=4 groups after max_rounds=2 generation rounds: "
-        "0 of 12 generated groups passed filter_fn (0 failed reward_fn)"
+        "0 of 30 generated groups passed filter_fn (0 failed reward_fn)"  # 6, then 6 / (1/4)
     )
 
 
