@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -150,7 +151,7 @@ class HFEngine(Engine):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                **{_cache_keyword(self._model): cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -307,3 +308,9 @@ def _to_generations(
         )
         for i, (length, stop) in enumerate(zip(lengths, has_stop.tolist(), strict=True))
     ]
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``forward`` takes its KV cache by: ``cache`` since transformers 5.24 (``past_key_values`` still
+    works there but warns on every call), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -1,5 +1,7 @@
 """HFEngine and SamplingParams: shapes, finish reasons, log-probs, determinism and weight updates."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -250,3 +252,9 @@ def test_the_trainer_scores_sampled_tokens_under_the_engines_distribution(engine
                 logits = engine.model(ids).logits
             trainer = token_logprobs(logits, ids, torch.ones_like(ids), logprob_temperature(params.temperature))
             torch.testing.assert_close(trainer[0, len(prompt) :], torch.tensor(g.logprobs), atol=1e-5, rtol=0)
+
+
+def test_generation_warns_nothing(engine):  # transformers 5.24 warned of past_key_values on every decoding step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=4, seed=0))
