@@ -171,7 +171,7 @@ def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="outputs/agentrl_demo")
     parser.add_argument("--db", default=None, help="db_connection_string (default: sqlite:///OUTPUT/ledger.db)")
     parser.add_argument("--steps", type=int, default=150)

@@ -1,7 +1,7 @@
 """The main job: GRPO teaches a tiny Llama two-digit addition, on a local Ray cluster, on CPU.
 
     1. start the queue, 1 rollout worker (+ engine), 1 reward worker, 2 FSDP2 trainer ranks (gloo)
-    2. SFT warm-up until one sampled answer per held-out problem is right 20% of the time
+    2. SFT warm-up until one sampled answer per held-out problem is right sft.target_accuracy of the time (0.7)
     3. GRPO: 32 prompts x 8 samples per step; reward 1 for the exact sum
     4. metrics.jsonl + metrics.png under outputs/demo; the mean reward rises over the run
 

@@ -276,7 +276,7 @@ def run(seed: int, args) -> RunResult:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--grpo-steps", type=int, default=600)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per GRPO step")

@@ -43,7 +43,7 @@ def render_status(ledger: Ledger) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.ledger", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m workers.ledger", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="tasks by status, claims, records, services")
     status.add_argument("--db", required=True, help="the db_connection_string (sqlite:///PATH or postgresql://...)")
