@@ -48,6 +48,7 @@ from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
 from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
+from transfer_queue.runtime import init_ray
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
@@ -557,7 +558,7 @@ def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> No
         return
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(
+            init_ray(
                 num_cpus=max(16, os.cpu_count() or 1),
                 include_dashboard=False,
                 logging_level=logging.WARNING,

@@ -40,6 +40,7 @@ from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from rl_contracts.prompts import PromptSource
+from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transfer_queue
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR)
+    init_ray(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR)
     batch_rows = args.prompts_per_step * args.num_generations
     client = transfer_queue.init(
         global_batch_size=args.prompts_per_step,

@@ -30,6 +30,7 @@ from transfer_queue import (
     TransferQueueController,
 )
 from transfer_queue.errors import GetMetaTimeout
+from transfer_queue.runtime import init_ray
 
 PROMPTS, N = 4, 4  # a step: 4 prompts x 4 responses each
 
@@ -72,7 +73,7 @@ def show(title: str, meta: BatchMeta, client: TransferQueueClient | None = None)
 
 def main() -> None:
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     controller = actor_class(TransferQueueController).remote(
         global_batch_size=PROMPTS, num_global_batch=1, num_n_samples=N
     )

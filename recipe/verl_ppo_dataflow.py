@@ -32,6 +32,7 @@ from tensordict import TensorDict
 import transfer_queue as tq
 from rl_contracts.actors import actor_class
 from transfer_queue.interop import META_INFO_FIELD, from_dataproto, to_dataproto
+from transfer_queue.runtime import init_ray
 
 VOCAB, PROMPT_LEN, MAX_RESPONSE = 16, 4, 6
 
@@ -135,7 +136,7 @@ def prompts(step: int, num_prompts: int, n_samples: int) -> DataProto:
 
 def main(steps: int = 3, num_prompts: int = 4, n_samples: int = 4) -> list[dict[str, float]]:
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False)
+        init_ray(num_cpus=4, include_dashboard=False)
     client = tq.init(global_batch_size=num_prompts, num_n_samples=n_samples, num_global_batch=2, num_storage_units=1)
     rollout, trainer = actor_class(Rollout).remote(n_samples), actor_class(Trainer).remote(n_samples)
     metrics = []

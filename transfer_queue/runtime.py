@@ -8,6 +8,7 @@ by the process that created them, so they live as long as its job (right for ``r
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,23 @@ CONTROLLER_NAME = "TransferQueueController"
 # A non-detached actor dies when its owner drops the last handle, even when it has a name: the process that
 # started the queue keeps this one until shutdown(), so the queue lives exactly as long as its job.
 _started: list[Any] = []
+
+
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_AUTH_DEFAULT_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+def _not_the_auth_default_notice(record: logging.LogRecord) -> bool:
+    return RAY_AUTH_DEFAULT_NOTICE not in record.getMessage()
+
+
+def init_ray(**kwargs: Any) -> Any:
+    """``ray.init(**kwargs)`` without the notice Ray logs on every local start that it turned on token
+    authentication, its default (the warning that it is *disabled* still shows). Authentication is left to Ray."""
+    auth_log = logging.getLogger(RAY_AUTH_LOGGER)
+    if _not_the_auth_default_notice not in auth_log.filters:
+        auth_log.addFilter(_not_the_auth_default_notice)
+    return ray.init(**kwargs)
 
 
 def start_storage_units(
@@ -129,7 +147,7 @@ def init(
     ).to_dict()
     wanted_sampler = type(make_sampler(sampler)).__name__
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     sweep_stale()  # socket directories of queues whose processes died without cleaning up (on this host)
     handle = _find()
     if handle is None:

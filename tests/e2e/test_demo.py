@@ -37,6 +37,7 @@ def run_demo(
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)  # as on a user's machine: a local start states token auth itself, without a warning
     sizes = SHORT if short else []
     cmd = [sys.executable, str(ROOT / "recipe" / "demo.py"), f"output_dir={output_dir}", *sizes, *overrides]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -72,6 +73,7 @@ def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "step_00000002").is_dir()
     assert "GRPO mean reward: first fifth" in first.stdout
+    assert "Token authentication is enabled" not in first.stderr  # Ray's warning of its own default, on every run
 
     # every step is on-policy in sync mode: after each weight sync (not only the first) the engine's and the
     # trainer's log-probs of the sampled tokens agree; an engine that kept old weights would show here
