@@ -10,7 +10,8 @@
     reward = postprocess_reward(sum of step rewards, num_turns, terminal info)
 
 A GRPO group is ``n`` episodes of one sample; when one of them fails (the server died, a step timed out or
-answered malformed JSON) the others are cancelled and the group is dropped whole: a group is never trained on half.
+answered malformed JSON, the engine or the sampler raised) the others are cancelled and the group is dropped whole: a
+group is never trained on half, and the other groups of the step go on.
 Subclass and override the two hooks to change what the policy sees and how it is scored, exactly as in the seed's
 ``CustomOSWorkflow``.
 """
@@ -29,6 +30,11 @@ from workers.agents.trajectory import ChatFormat, Message, Trajectory, Trajector
 from workers.engines.base import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class TurnFailed(RuntimeError):
+    """A turn of an episode failed outside the task server (the engine or the sampler raised, or a hook did); the
+    message names the episode, its server, the turn and the cause, which is chained."""
 
 
 class TokenSampler(Protocol):
@@ -114,6 +120,7 @@ class TaskServerWorkflow:
         Raises:
             TaskServerError: typed (``EpisodeStartError``, ``StepTimeout``, ``MalformedResponse``,
                 ``ServerUnavailable``); the episode is cancelled on its server first.
+            TurnFailed: the engine, the sampler or a hook raised (the cause chained); cancelled on its server too.
         """
         starting = asyncio.ensure_future(self.pool.start(sample_id, self.episode_config))
         try:
@@ -132,12 +139,27 @@ class TaskServerWorkflow:
         return trajectory
 
     async def _play(self, sampler: TokenSampler, episode: Episode, sample_id: str) -> tuple[Trajectory, bool]:
+        turns: list[int] = [1]  # the turn being played, for the error
+        try:
+            return await self._turns(sampler, episode, sample_id, turns)
+        except TaskServerError:
+            raise
+        except Exception as exc:
+            raise TurnFailed(
+                f"episode {episode.episode_id} of sample {sample_id!r} on {episode.server} failed at turn {turns[0]}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _turns(
+        self, sampler: TokenSampler, episode: Episode, sample_id: str, turns: list[int]
+    ) -> tuple[Trajectory, bool]:
         start: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         history = self.format_observation_to_messages(episode.observation, start)
         builder = TrajectoryBuilder(self.chat.prompt_ids(history), self.max_total_tokens)
         max_turns = min(self.max_turns, int(episode.info.get("max_turns") or self.max_turns))
         total, info, done, reason = 0.0, dict(episode.info), False, "max_turns"
         while builder.num_turns < max_turns:
+            turns[0] = builder.num_turns + 1
             params = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, builder.room))
             version, generation = await sampler.sample(builder.tokens, params)
             fits = builder.add_model_turn(generation.token_ids, generation.logprobs, version)
@@ -174,7 +196,7 @@ class TaskServerWorkflow:
         tasks = [asyncio.create_task(self.run_episode(sampler, sample_id)) for _ in range(n)]
         try:
             trajectories = list(await asyncio.gather(*tasks))
-        except TaskServerError as exc:
+        except (TaskServerError, TurnFailed) as exc:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -15,8 +15,9 @@ from workers.agents.environment import environment_class
 from workers.agents.servers import EpisodeStartError, MalformedResponse, ServerUnavailable, StepTimeout, TaskServerPool
 from workers.agents.task_server import create_app, serve_in_background
 from workers.agents.trajectory import PlainChatFormat
-from workers.agents.workflow import TaskServerWorkflow
+from workers.agents.workflow import TaskServerWorkflow, TurnFailed
 from workers.engines.base import Generation, SamplingParams
+from workers.engines.errors import EngineUnavailable
 
 EOS = 1
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789:\n"
@@ -272,3 +273,49 @@ def test_a_step_reply_missing_the_protocols_fields_is_malformed():
 
         with pytest.raises(MalformedResponse, match=r"a step of episode e1 that is not the protocol's EpisodeResponse"):
             run(scenario())
+
+
+class FailingOnLongWords:
+    """A ScriptedSampler that raises ``error`` on the first turn of one episode of a 3-letter word (prompt
+    "guess 3"); every other turn is scripted."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.inner = ScriptedSampler([(encode("no"), [-1.0, -1.0]), (encode("ab"), [-1.0, -1.0])])
+        self.raised = 0
+
+    async def sample(self, prompt_ids, params):
+        if decode(prompt_ids).startswith("user: guess 3") and not self.raised:
+            self.raised += 1
+            raise self.error
+        await asyncio.sleep(0.05)  # siblings are still playing when the failing turn raises
+        return await self.inner.sample(prompt_ids, params)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [EngineUnavailable("engine at http://127.0.0.1:1 refused the connection"), ValueError("prompt_ids is empty")],
+    ids=["engine-unavailable", "value-error"],
+)
+def test_an_engine_or_sampler_error_costs_its_group_and_cancels_its_siblings_but_not_the_step(error, caplog):
+    game = WordGame()
+    with serve_in_background(game.app()) as url:
+        flow = workflow(url)
+        groups = run(flow.run_groups(FailingOnLongWords(error), ["s:ab", "t:abc"], n=3))
+    kept, dropped = groups
+    assert kept.trajectories is not None and len(kept.trajectories) == 3  # the run goes on: the other group trains
+    assert dropped.trajectories is None
+    assert dropped.error.startswith("TurnFailed: episode ") and f"{type(error).__name__}: {error}" in dropped.error
+    assert (flow.stats.groups, flow.stats.dropped_groups, flow.stats.errors) == (1, 1, {"TurnFailed": 1})
+    assert game.episodes == {}  # nothing is left open on the server: the failed episode and its siblings were cancelled
+    assert len(game.cancelled) == 3
+    assert "dropping the group of sample 't:abc': an episode failed with TurnFailed" in caplog.text
+
+
+def test_a_failed_turn_ends_its_episode_with_a_typed_error_naming_episode_server_and_cause():
+    game = WordGame()
+    with serve_in_background(game.app()) as url:
+        expected = rf"episode \w+ of sample 't:abc' on {url} failed at turn 1: ValueError: bad"
+        with pytest.raises(TurnFailed, match=expected):
+            run(workflow(url).run_episode(FailingOnLongWords(ValueError("bad")), "t:abc"))
+    assert game.episodes == {} and len(game.cancelled) == 1
