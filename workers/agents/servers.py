@@ -124,11 +124,14 @@ class TaskServerPool:
         """
         tried: set[str] = set()
         last: Exception | None = None
+        # request_id: a retry of this call (a connection that broke) gets the episode the server may already have
+        # started, never a second one left to expire while holding its environment
+        payload = {"sample_id": sample_id, "config": config or {}, "request_id": uuid.uuid4().hex}
         while (url := self.least_busy(tried)) is not None:
             tried.add(url)
             self.active[url] += 1  # taken before the call, so concurrent starts spread over the servers
             try:
-                body = await self._call(url, "POST", "/episode/start", {"sample_id": sample_id, "config": config or {}})
+                body = await self._call(url, "POST", "/episode/start", payload)
                 reply = EpisodeResponse.model_validate(body)
                 if reply.observation is None:
                     raise MalformedResponse(f"{url} started an episode without an observation")
@@ -188,8 +191,8 @@ class TaskServerPool:
     ) -> dict[str, Any]:
         """One call; a broken connection to a server that still answers ``/health`` is retried once.
 
-        The retry is safe for a step too: a step carries a ``request_id``, and a server that had applied it answers
-        the retry with the same reply (a connection can break after the server applied the step: seen under load
+        The retry is safe for a start and a step: both carry a ``request_id``, and a server that had applied it
+        answers the retry with the same reply (a connection can break after the server applied the step: seen under load
         as a retried winning guess answered "episode ... is already done").
         """
         endpoint = f"{url.rstrip('/')}/api{path}"

@@ -319,3 +319,33 @@ def test_a_failed_turn_ends_its_episode_with_a_typed_error_naming_episode_server
         with pytest.raises(TurnFailed, match=expected):
             run(workflow(url).run_episode(FailingOnLongWords(ValueError("bad")), "t:abc"))
     assert game.episodes == {} and len(game.cancelled) == 1
+
+
+def test_a_start_whose_reply_was_lost_after_the_server_started_it_is_retried_without_a_second_episode():
+    import httpx
+
+    app = create_app(environment_class("guess-number"))
+    with serve_in_background(app) as url:  # the real server
+        pool = TaskServerPool(url, timeout=5.0)
+
+        async def scenario():
+            real, sent = pool.client.request, []
+
+            async def lose_the_first_reply(method, endpoint, **kwargs):
+                response = await real(method, endpoint, **kwargs)
+                if "/episode/start" in endpoint:
+                    sent.append(kwargs["json"])
+                    if len(sent) == 1:  # started (a sandbox is held for it), but the reply never arrives
+                        raise httpx.ReadError("")
+                return response
+
+            pool.client.request = lose_the_first_reply
+            try:
+                return await pool.start("game-05"), sent
+            finally:
+                pool.client.request = real
+
+        episode, sent = run(scenario())
+        assert len(app.state.task_server.table) == 1  # one episode on the server, the one the retry was answered
+        app.state.task_server.table.get(episode.episode_id)  # live (an unknown id raises)
+    assert len(sent) == 2 and sent[0] == sent[1] and len(sent[0]["request_id"]) == 32
