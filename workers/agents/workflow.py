@@ -75,6 +75,8 @@ class TaskServerWorkflow:
         max_total_tokens: tokens per trajectory at most, first observation included (truncated beyond).
         system_prompt: when set, a system message before the first observation.
         episode_config: the ``config`` sent with every ``/episode/start``.
+        start_wait: seconds an episode's start keeps retrying, with a jittered backoff, while the servers answer 503
+            (their ``--max-episodes`` running) before it fails and drops its group.
     """
 
     def __init__(
@@ -87,10 +89,11 @@ class TaskServerWorkflow:
         max_total_tokens: int = 2048,
         system_prompt: str | None = None,
         episode_config: dict[str, Any] | None = None,
+        start_wait: float = 300.0,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.pool = TaskServerPool(task_server_url, timeout)
+        self.pool = TaskServerPool(task_server_url, timeout, start_wait)
         self.chat = chat
         self.sampling = sampling
         self.timeout = timeout

@@ -349,3 +349,55 @@ def test_a_start_whose_reply_was_lost_after_the_server_started_it_is_retried_wit
         assert len(app.state.task_server.table) == 1  # one episode on the server, the one the retry was answered
         app.state.task_server.table.get(episode.episode_id)  # live (an unknown id raises)
     assert len(sent) == 2 and sent[0] == sent[1] and len(sent[0]["request_id"]) == 32
+
+
+def free_port_url() -> str:
+    import socket
+
+    with socket.socket() as sock:  # bound then closed: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_an_unreachable_server_is_named_with_the_error_it_gave():
+    dead = free_port_url()
+    sampler = ScriptedSampler([(encode("ab"), [-1.0, -1.0])])
+    flow = workflow(dead)
+    with pytest.raises(EpisodeStartError, match=rf"no task server could start sample 's:ab': {dead}: .*ConnectError"):
+        run(flow.run_episode(sampler, "s:ab"))  # tried: the call fails and the server is marked dead
+    (group,) = run(flow.run_groups(sampler, ["s:ab"], n=2))  # marked dead by the health check: not tried
+    assert group.trajectories is None
+    assert f"{dead}: not tried, not healthy: GET {dead}/api/health failed: ConnectError" in group.error
+
+
+def test_a_start_refused_at_max_episodes_is_retried_with_backoff_until_a_slot_frees():
+    app = create_app(environment_class("guess-number"), max_episodes=2)
+    with serve_in_background(app) as url:
+        flow = workflow(url, max_turns=6)
+        groups = run(flow.run_groups(BinarySearchPolicy(), ["game-00", "game-05", "game-11", "game-03"], n=2))
+    assert [g.error for g in groups] == [None] * 4 and flow.stats.dropped_groups == 0
+
+
+def test_a_start_refused_at_max_episodes_gives_up_after_start_wait():
+    app = create_app(environment_class("guess-number"), max_episodes=1)
+    with serve_in_background(app) as url:
+        pool = TaskServerPool(url, timeout=5.0, start_wait=0.3)
+
+        async def scenario():
+            await pool.start("game-00")  # holds the server's only slot
+            await pool.start("game-01")
+
+        with pytest.raises(EpisodeStartError, match=rf"within start_wait=0.3 s: {url}: .* answered 503: 1 episodes"):
+            run(scenario())
+
+
+def test_the_backoff_between_start_retries_doubles_is_jittered_and_bounded():
+    import random
+
+    from workers.agents.servers import start_backoff
+
+    rng = random.Random(0)
+    delays = [start_backoff(attempt, rng) for attempt in range(12)]
+    bounds = [min(0.05 * 2**a, 2.0) for a in range(12)]
+    assert all(b / 2 <= d <= b for d, b in zip(delays, bounds, strict=True))
+    assert len(set(delays)) == 12 and max(delays) <= 2.0
