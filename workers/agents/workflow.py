@@ -165,11 +165,14 @@ class TaskServerWorkflow:
             turns[0] = builder.num_turns + 1
             params = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, builder.room))
             version, generation = await sampler.sample(builder.tokens, params)
-            fits = builder.add_model_turn(generation.token_ids, generation.logprobs, version)
+            whole = builder.add_model_turn(generation.token_ids, generation.logprobs, version)
             ids = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
             text = self.chat.decode(ids)
             history = [*history, {"role": "assistant", "content": text}]
-            if not fits:
+            # a turn the budget cut short is trained on but never sent; a turn that fits, even exactly, is sent (a
+            # complete final answer is scored), and the trajectory stops before the environment's reply instead
+            cut_by_budget = generation.finish_reason != "stop" and params.max_new_tokens < self.sampling.max_new_tokens
+            if not whole or (cut_by_budget and len(generation.token_ids) >= params.max_new_tokens):
                 reason = "max_tokens"
                 break
             result = await self.pool.step(episode, self.format_action(text))

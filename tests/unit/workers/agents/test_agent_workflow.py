@@ -401,3 +401,29 @@ def test_the_backoff_between_start_retries_doubles_is_jittered_and_bounded():
     bounds = [min(0.05 * 2**a, 2.0) for a in range(12)]
     assert all(b / 2 <= d <= b for d, b in zip(delays, bounds, strict=True))
     assert len(set(delays)) == 12 and max(delays) <= 2.0
+
+
+def test_a_complete_final_turn_that_exactly_fills_max_total_tokens_is_sent_to_the_environment():
+    prompt = encode("user: guess 2\nassistant: ")
+    game = WordGame()
+    sampler = ScriptedSampler([([*encode("ab"), EOS], [-1.0] * 3)], stop_id=EOS)
+    with serve_in_background(game.app()) as url:
+        t = run(workflow(url, max_total_tokens=len(prompt) + 3).run_episode(sampler, "s:ab"))
+    assert game.actions == ["ab"]  # the complete answer reached the environment and was scored
+    assert (t.reward, t.success, t.finish_reason, len(t.tokens)) == (1.0, True, "done", len(prompt) + 3)
+    assert game.cancelled == []
+
+
+def test_a_final_turn_cut_short_by_max_total_tokens_is_trained_on_but_never_sent():
+    prompt = encode("user: guess 2\nassistant: ")
+    game = WordGame()
+    sampler = ScriptedSampler([([*encode("ab"), EOS], [-1.0] * 3)], stop_id=EOS)
+    with serve_in_background(game.app()) as url:
+        t = run(workflow(url, max_total_tokens=len(prompt) + 2).run_episode(sampler, "s:ab"))
+    assert game.actions == []  # "ab" without its end: the budget cut it, so the environment never sees it
+    assert (t.finish_reason, t.tokens[len(prompt) :], t.loss_mask[len(prompt) :]) == (
+        "max_tokens",
+        encode("ab"),
+        [1, 1],
+    )
+    assert len(game.cancelled) == 1
