@@ -132,9 +132,12 @@ class TaskServerPool:
         candidates = [u for u in self.urls if self.healthy[u] and u not in exclude]
         return min(candidates, key=lambda u: self.active[u]) if candidates else None
 
-    async def start(self, sample_id: str, config: dict[str, Any] | None = None) -> Episode:
+    async def start(
+        self, sample_id: str, config: dict[str, Any] | None = None, abandoned: asyncio.Event | None = None
+    ) -> Episode:
         """Start an episode on the least busy healthy server, trying the next one when a start fails; while servers
-        answer 503 (busy), try them again after a backoff, for up to ``start_wait`` seconds.
+        answer 503 (busy), try them again after a backoff, for up to ``start_wait`` seconds or until ``abandoned``
+        is set (the episode is no longer wanted: its group was dropped meanwhile).
 
         Raises:
             EpisodeStartError: when every healthy server failed, or stayed busy; the message names every server and
@@ -160,9 +163,8 @@ class TaskServerPool:
                         failed.add(url)
                     logger.warning("starting sample %r on %s failed (%s); trying another server", sample_id, url, exc)
             left = deadline - time.monotonic()
-            if not busy or left <= 0:
+            if not busy or left <= 0 or await _set_within(abandoned, min(left, start_backoff(attempt, self._rng))):
                 break
-            await asyncio.sleep(min(left, start_backoff(attempt, self._rng)))
         raise EpisodeStartError(
             f"no task server could start sample {sample_id!r}"
             + (f" within start_wait={self.start_wait:g} s" if busy else "")
@@ -280,6 +282,18 @@ def start_backoff(attempt: int, rng: random.Random) -> float:
     """Seconds to wait before start retry ``attempt`` (0-based): ``min(0.05 * 2**attempt, 2.0)`` with jitter, a
     uniform fraction in [1/2, 1] of it, so the starts refused together do not all come back together."""
     return min(_BACKOFF_FIRST_S * 2 ** min(attempt, 16), _BACKOFF_CAP_S) * rng.uniform(0.5, 1.0)
+
+
+async def _set_within(event: asyncio.Event | None, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``event`` (just sleep without one); whether it was set."""
+    if event is None:
+        await asyncio.sleep(seconds)
+        return False
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _detail(response: httpx.Response) -> str:

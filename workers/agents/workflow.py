@@ -125,12 +125,14 @@ class TaskServerWorkflow:
                 ``ServerUnavailable``); the episode is cancelled on its server first.
             TurnFailed: the engine, the sampler or a hook raised (the cause chained); cancelled on its server too.
         """
-        starting = asyncio.ensure_future(self.pool.start(sample_id, self.episode_config))
+        abandoned = asyncio.Event()
+        starting = asyncio.ensure_future(self.pool.start(sample_id, self.episode_config, abandoned))
         try:
             episode = await asyncio.shield(starting)
         except asyncio.CancelledError:
             # its group was dropped while the server was starting it: once started it is cancelled there too, so
-            # no episode is left running on a server that nobody plays
+            # no episode is left running on a server that nobody plays; a start waiting for a busy server gives up
+            abandoned.set()
             with contextlib.suppress(TaskServerError):
                 await self.pool.finish(await starting, cancel=True)
             raise

@@ -427,3 +427,21 @@ def test_a_final_turn_cut_short_by_max_total_tokens_is_trained_on_but_never_sent
         [1, 1],
     )
     assert len(game.cancelled) == 1
+
+
+def test_an_episode_cancelled_while_its_start_waits_for_a_busy_server_stops_waiting(caplog):
+    app = create_app(environment_class("guess-number"), max_episodes=1)
+    with serve_in_background(app) as url:
+        flow = workflow(url, start_wait=120.0)
+
+        async def scenario():
+            await flow.pool.start("game-00")  # holds the server's only slot
+            waiting = asyncio.create_task(flow.run_episode(BinarySearchPolicy(), "game-01"))
+            while "answered 503" not in caplog.text:
+                await asyncio.sleep(0.01)
+            waiting.cancel()  # its group was dropped: the start gives up now, not after start_wait
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(waiting, timeout=30.0)
+
+        run(scenario())
+        assert len(app.state.task_server.table) == 1  # only the episode holding the slot
