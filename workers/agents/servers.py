@@ -158,9 +158,11 @@ class TaskServerPool:
                     return await self._start_on(url, sample_id, payload)
                 except (TaskServerError, ValidationError) as exc:
                     last, errors[url] = exc, str(exc)
-                    busy = busy or isinstance(exc, ServerBusy)
-                    if not isinstance(exc, ServerBusy):
-                        failed.add(url)
+                    if isinstance(exc, ServerBusy):  # expected at --max-episodes: retried, not worth a warning
+                        busy = True
+                        logger.debug("starting sample %r on %s: busy (%s)", sample_id, url, exc)
+                        continue
+                    failed.add(url)
                     logger.warning("starting sample %r on %s failed (%s); trying another server", sample_id, url, exc)
             left = deadline - time.monotonic()
             if not busy or left <= 0 or await _set_within(abandoned, min(left, start_backoff(attempt, self._rng))):

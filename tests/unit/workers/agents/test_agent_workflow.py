@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -430,6 +431,7 @@ def test_a_final_turn_cut_short_by_max_total_tokens_is_trained_on_but_never_sent
 
 
 def test_an_episode_cancelled_while_its_start_waits_for_a_busy_server_stops_waiting(caplog):
+    caplog.set_level(logging.DEBUG, logger="workers.agents.servers")
     app = create_app(environment_class("guess-number"), max_episodes=1)
     with serve_in_background(app) as url:
         flow = workflow(url, start_wait=120.0)
