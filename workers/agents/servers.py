@@ -1,9 +1,10 @@
 """The client half of the task-server protocol: the calls, their typed failures, and a pool of servers.
 
 :class:`TaskServerPool` keeps one ``httpx.AsyncClient``, knows which servers are healthy and how many episodes each
-runs, starts each episode on the least busy healthy server (another one when a start fails) and keeps every later
-call of that episode on the server that started it. A server that stops answering is marked dead and skipped until
-a health check finds it back.
+runs, starts each episode on the least busy healthy server (another one when a start fails; all of them again, after
+a jittered backoff, while they answer 503 at their ``--max-episodes``) and keeps every later call of that episode on
+the server that started it. A server that stops answering is marked dead and skipped until a health check finds it
+back. Starts and steps carry a ``request_id``, so a call retried after a broken connection is never applied twice.
 """
 
 from __future__ import annotations
