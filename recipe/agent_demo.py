@@ -83,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         servers = [
-            stack.enter_context(TaskServerProcess(env, max_episodes=config.rollout.task_server_max_episodes))
+            stack.enter_context(
+                TaskServerProcess(
+                    env,
+                    max_episodes=config.rollout.task_server_max_episodes,
+                    idle_timeout=config.rollout.task_server_idle_timeout,
+                )
+            )
             for _ in range(config.rollout.num_task_servers)
         ]
         print(f"task servers: {[s.url for s in servers]} pids {[s.process.pid for s in servers]}", flush=True)

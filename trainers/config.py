@@ -58,6 +58,9 @@ class RolloutConfig:
     task_server_env: str | None = None  # environment the run serves (python -m workers.agents.task_server ENV)
     num_task_servers: int = 1  # task servers started; their URLs go to generate_fn as task_server_url
     task_server_max_episodes: int | None = None  # --max-episodes of each task server (None: unbounded)
+    # --idle-timeout of each task server: seconds without a call before an episode expires (its environment closed);
+    # keep it above the slowest turn of the run (a batched generation under load), or live episodes are lost
+    task_server_idle_timeout: float = 1800.0
 
 
 @dataclass
@@ -184,6 +187,9 @@ class RLConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        idle = self.rollout.task_server_idle_timeout
+        if isinstance(idle, bool) or not isinstance(idle, int | float) or not idle > 0:
+            raise ConfigError(f"rollout.task_server_idle_timeout must be a number of seconds > 0, got {idle!r}")
         min_params = self.train.fsdp_min_layer_params
         if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
             raise ConfigError(f"train.fsdp_min_layer_params must be an int >= 0, got {min_params!r}")

@@ -88,6 +88,8 @@ class EpisodeTable:
         self._ended: OrderedDict[str, str] = OrderedDict()
         # per episode, its last step's request_id and reply: a re-sent step is answered again, never applied twice
         self._replies: OrderedDict[str, tuple[str, Any]] = OrderedDict()
+        # per start request_id, its reply: a re-sent start is answered with the same episode, never a second one
+        self._starts: OrderedDict[str, Any] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -141,6 +143,19 @@ class EpisodeTable:
         self._replies.move_to_end(episode_id)
         while len(self._replies) > _ENDED_KEPT:
             self._replies.popitem(last=False)
+
+    def replay_start(self, request_id: str | None) -> Any | None:
+        """The reply of the start that ``request_id`` named (a client re-sending a start whose reply it lost), else
+        None."""
+        return None if request_id is None else self._starts.get(request_id)
+
+    def remember_start(self, request_id: str | None, reply: Any) -> None:
+        """Keep ``reply`` as the answer to a re-sent start ``request_id`` (bounded: the latest starts only)."""
+        if request_id is None:
+            return
+        self._starts[request_id] = reply
+        while len(self._starts) > _ENDED_KEPT:
+            self._starts.popitem(last=False)
 
     def end(self, episode: Episode, why: str) -> Environment | None:
         """Remove ``episode`` (``why``: done, cancelled, expired, failed); its environment is the caller's to close.

@@ -22,10 +22,14 @@ class Action(BaseModel):
 
 
 class StartRequest(BaseModel):
-    """``POST /episode/start``. A decimal ``sample_id`` may also name the sample at that index."""
+    """``POST /episode/start``. A decimal ``sample_id`` may also name the sample at that index. ``request_id``
+    (optional, ours): an idempotency key; a start re-sent with the ``request_id`` of an earlier one (still in flight
+    or answered) gets that start's episode instead of a second one, so a client may retry a start whose reply it
+    lost without leaving an orphaned episode behind."""
 
     sample_id: str | int
     config: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = Field(None, min_length=1, max_length=128)
 
 
 class StepRequest(BaseModel):

@@ -55,6 +55,8 @@ class TaskServerProcess:
         env_name: a registered environment (``guess-number``) or ``"module:Class"``.
         host: the address to bind.
         max_episodes: the server's ``--max-episodes`` (None: unbounded).
+        idle_timeout: the server's ``--idle-timeout``, seconds before an episode without a call expires (None: the
+            server's default, 300).
         start_timeout: seconds to print its URL and answer ``/api/health``.
     """
 
@@ -64,6 +66,7 @@ class TaskServerProcess:
         host: str = "127.0.0.1",
         max_episodes: int | None = None,
         start_timeout: float = 60.0,
+        idle_timeout: float | None = None,
         stop_timeout: float = 5.0,
     ):
         self.env_name = env_name
@@ -73,6 +76,8 @@ class TaskServerProcess:
         cmd = [sys.executable, "-m", "workers.agents.task_server", env_name, "--port", "0", "--host", host]
         if max_episodes is not None:
             cmd += ["--max-episodes", str(max_episodes)]
+        if idle_timeout is not None:
+            cmd += ["--idle-timeout", str(idle_timeout)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
             cmd,

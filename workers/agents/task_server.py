@@ -78,6 +78,8 @@ class TaskServer:
         #: every episode whose environment is not closed yet: shutdown closes them, even one whose close was cut off
         #: (a request cancelled at the end of the graceful-shutdown period)
         self._opened: dict[str, Episode] = {}
+        #: starts in flight by request_id: a start re-sent meanwhile waits for the first one's reply
+        self._starting: dict[str, asyncio.Future[EpisodeResponse]] = {}
 
     async def health(self) -> HealthResponse:
         return HealthResponse(status="healthy", active_episodes=len(self.table), task_name=self.task_name)
@@ -97,6 +99,33 @@ class TaskServer:
         return SampleList(sample_ids=list(self.environment.sample_ids()))
 
     async def start(self, body: StartRequest) -> EpisodeResponse:
+        request_id = body.request_id
+        if request_id is None:
+            return await self._start(body)
+        replayed = self.table.replay_start(request_id)
+        if replayed is not None:
+            return replayed
+        first = self._starting.get(request_id)
+        if first is not None:  # the first try is still starting its episode: answer with it
+            return await asyncio.shield(first)
+        first = self._starting[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            reply = await self._start(body)
+        except asyncio.CancelledError:
+            first.cancel()
+            raise
+        except BaseException as exc:
+            first.set_exception(exc)
+            first.exception()  # a failure nobody re-sent is not "never retrieved"
+            raise
+        else:
+            self.table.remember_start(request_id, reply)
+            first.set_result(reply)
+        finally:
+            del self._starting[request_id]
+        return reply
+
+    async def _start(self, body: StartRequest) -> EpisodeResponse:
         sample_id = str(body.sample_id)
         max_turns = _max_turns(body.config, self.environment.max_turns)
         await self.close(self.table.expire_idle())

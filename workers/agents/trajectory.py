@@ -165,7 +165,8 @@ class TrajectoryBuilder:
         return self.max_total_tokens - len(self.tokens)
 
     def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], version: int) -> bool:
-        """Append the sampled ids (mask 1, their log-probs); returns False when the budget cut them (then full)."""
+        """Append the sampled ids (mask 1, their log-probs); returns whether they fit whole (False: the budget cut
+        them, and the trajectory is full). A turn that fits exactly returns True and leaves no ``room``."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"a turn has {len(token_ids)} tokens but {len(logprobs)} log-probs")
         fits = len(token_ids) <= self.room
@@ -175,7 +176,7 @@ class TrajectoryBuilder:
         self.logprobs += [float(x) for x in logprobs[:keep]]
         self.num_turns += 1
         self.policy_version = version if self.policy_version < 0 else min(self.policy_version, version)
-        return fits and self.room > 0
+        return fits
 
     def add_env_reply(self, token_ids: Sequence[int]) -> bool:
         """Append the environment's templated reply (mask 0, log-prob 0); returns False when it did not fit

@@ -10,7 +10,8 @@
     reward = postprocess_reward(sum of step rewards, num_turns, terminal info)
 
 A GRPO group is ``n`` episodes of one sample; when one of them fails (the server died, a step timed out or
-answered malformed JSON) the others are cancelled and the group is dropped whole: a group is never trained on half.
+answered malformed JSON, the engine or the sampler raised) the others are cancelled and the group is dropped whole: a
+group is never trained on half, and the other groups of the step go on.
 Subclass and override the two hooks to change what the policy sees and how it is scored, exactly as in the seed's
 ``CustomOSWorkflow``.
 """
@@ -29,6 +30,11 @@ from workers.agents.trajectory import ChatFormat, Message, Trajectory, Trajector
 from workers.engines.base import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class TurnFailed(RuntimeError):
+    """A turn of an episode failed outside the task server (the engine or the sampler raised, or a hook did); the
+    message names the episode, its server, the turn and the cause, which is chained."""
 
 
 class TokenSampler(Protocol):
@@ -69,6 +75,8 @@ class TaskServerWorkflow:
         max_total_tokens: tokens per trajectory at most, first observation included (truncated beyond).
         system_prompt: when set, a system message before the first observation.
         episode_config: the ``config`` sent with every ``/episode/start``.
+        start_wait: seconds an episode's start keeps retrying, with a jittered backoff, while the servers answer 503
+            (their ``--max-episodes`` running) before it fails and drops its group.
     """
 
     def __init__(
@@ -81,10 +89,11 @@ class TaskServerWorkflow:
         max_total_tokens: int = 2048,
         system_prompt: str | None = None,
         episode_config: dict[str, Any] | None = None,
+        start_wait: float = 300.0,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.pool = TaskServerPool(task_server_url, timeout)
+        self.pool = TaskServerPool(task_server_url, timeout, start_wait)
         self.chat = chat
         self.sampling = sampling
         self.timeout = timeout
@@ -114,13 +123,16 @@ class TaskServerWorkflow:
         Raises:
             TaskServerError: typed (``EpisodeStartError``, ``StepTimeout``, ``MalformedResponse``,
                 ``ServerUnavailable``); the episode is cancelled on its server first.
+            TurnFailed: the engine, the sampler or a hook raised (the cause chained); cancelled on its server too.
         """
-        starting = asyncio.ensure_future(self.pool.start(sample_id, self.episode_config))
+        abandoned = asyncio.Event()
+        starting = asyncio.ensure_future(self.pool.start(sample_id, self.episode_config, abandoned))
         try:
             episode = await asyncio.shield(starting)
         except asyncio.CancelledError:
             # its group was dropped while the server was starting it: once started it is cancelled there too, so
-            # no episode is left running on a server that nobody plays
+            # no episode is left running on a server that nobody plays; a start waiting for a busy server gives up
+            abandoned.set()
             with contextlib.suppress(TaskServerError):
                 await self.pool.finish(await starting, cancel=True)
             raise
@@ -132,19 +144,37 @@ class TaskServerWorkflow:
         return trajectory
 
     async def _play(self, sampler: TokenSampler, episode: Episode, sample_id: str) -> tuple[Trajectory, bool]:
+        turns: list[int] = [1]  # the turn being played, for the error
+        try:
+            return await self._turns(sampler, episode, sample_id, turns)
+        except TaskServerError:
+            raise
+        except Exception as exc:
+            raise TurnFailed(
+                f"episode {episode.episode_id} of sample {sample_id!r} on {episode.server} failed at turn {turns[0]}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _turns(
+        self, sampler: TokenSampler, episode: Episode, sample_id: str, turns: list[int]
+    ) -> tuple[Trajectory, bool]:
         start: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         history = self.format_observation_to_messages(episode.observation, start)
         builder = TrajectoryBuilder(self.chat.prompt_ids(history), self.max_total_tokens)
         max_turns = min(self.max_turns, int(episode.info.get("max_turns") or self.max_turns))
         total, info, done, reason = 0.0, dict(episode.info), False, "max_turns"
         while builder.num_turns < max_turns:
+            turns[0] = builder.num_turns + 1
             params = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, builder.room))
             version, generation = await sampler.sample(builder.tokens, params)
-            fits = builder.add_model_turn(generation.token_ids, generation.logprobs, version)
+            whole = builder.add_model_turn(generation.token_ids, generation.logprobs, version)
             ids = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
             text = self.chat.decode(ids)
             history = [*history, {"role": "assistant", "content": text}]
-            if not fits:
+            # a turn the budget cut short is trained on but never sent; a turn that fits, even exactly, is sent (a
+            # complete final answer is scored), and the trajectory stops before the environment's reply instead
+            cut_by_budget = generation.finish_reason != "stop" and params.max_new_tokens < self.sampling.max_new_tokens
+            if not whole or (cut_by_budget and len(generation.token_ids) >= params.max_new_tokens):
                 reason = "max_tokens"
                 break
             result = await self.pool.step(episode, self.format_action(text))
@@ -174,7 +204,7 @@ class TaskServerWorkflow:
         tasks = [asyncio.create_task(self.run_episode(sampler, sample_id)) for _ in range(n)]
         try:
             trajectories = list(await asyncio.gather(*tasks))
-        except TaskServerError as exc:
+        except (TaskServerError, TurnFailed) as exc:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -135,3 +135,11 @@ def test_the_run_resolves_the_task_name_and_the_trainer_gets_the_task_object():
     assert isinstance(load_run_task(load_config(DEMO_YAML)), AdditionTask)
     named = load_config(None, {"task.name": "workers.tasks.guess_number:GuessNumberTask"})
     assert isinstance(load_run_task(named), GuessNumberTask)
+
+
+def test_the_idle_timeout_of_the_task_servers_a_run_starts_is_a_config_key_above_the_slowest_turn():
+    config = load_config("recipe/configs/agent_demo.yaml")
+    assert config.rollout.task_server_idle_timeout == 1800.0  # the server's own default (300 s) is not a run's
+    assert load_config(None, {"rollout.task_server_idle_timeout": 60}).rollout.task_server_idle_timeout == 60.0
+    with pytest.raises(ConfigError, match=r"rollout.task_server_idle_timeout must be a number of seconds > 0, got 0.0"):
+        load_config(None, {"rollout.task_server_idle_timeout": 0.0})

@@ -31,6 +31,8 @@ def test_the_builder_marks_model_turns_and_env_replies_and_truncates_at_the_budg
     t = b.build(reward=1.0)
     assert (t.tokens, t.loss_mask, t.logprobs) == (TOKENS, MASK, LOGPROBS)
     assert (t.num_turns, t.policy_version, t.prompt_len) == (2, 3, 2)  # the oldest version that sampled a turn
+    exact = TrajectoryBuilder([11, 12], max_total_tokens=4)
+    assert exact.add_model_turn([21, 22], [-0.5, -0.7], version=0) and exact.room == 0  # fits whole: it is sent
     with pytest.raises(ValueError, match="a turn has 2 tokens but 1 log-probs"):
         TrajectoryBuilder([1], 9).add_model_turn([1, 2], [0.0], version=0)
     with pytest.raises(ValueError, match="the first observation is 3 tokens, max_total_tokens=3 leaves no room"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -15,8 +16,9 @@ from workers.agents.environment import environment_class
 from workers.agents.servers import EpisodeStartError, MalformedResponse, ServerUnavailable, StepTimeout, TaskServerPool
 from workers.agents.task_server import create_app, serve_in_background
 from workers.agents.trajectory import PlainChatFormat
-from workers.agents.workflow import TaskServerWorkflow
+from workers.agents.workflow import TaskServerWorkflow, TurnFailed
 from workers.engines.base import Generation, SamplingParams
+from workers.engines.errors import EngineUnavailable
 
 EOS = 1
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789:\n"
@@ -272,3 +274,176 @@ def test_a_step_reply_missing_the_protocols_fields_is_malformed():
 
         with pytest.raises(MalformedResponse, match=r"a step of episode e1 that is not the protocol's EpisodeResponse"):
             run(scenario())
+
+
+class FailingOnLongWords:
+    """A ScriptedSampler that raises ``error`` on the first turn of one episode of a 3-letter word (prompt
+    "guess 3"); every other turn is scripted."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.inner = ScriptedSampler([(encode("no"), [-1.0, -1.0]), (encode("ab"), [-1.0, -1.0])])
+        self.raised = 0
+
+    async def sample(self, prompt_ids, params):
+        if decode(prompt_ids).startswith("user: guess 3") and not self.raised:
+            self.raised += 1
+            raise self.error
+        await asyncio.sleep(0.05)  # siblings are still playing when the failing turn raises
+        return await self.inner.sample(prompt_ids, params)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [EngineUnavailable("engine at http://127.0.0.1:1 refused the connection"), ValueError("prompt_ids is empty")],
+    ids=["engine-unavailable", "value-error"],
+)
+def test_an_engine_or_sampler_error_costs_its_group_and_cancels_its_siblings_but_not_the_step(error, caplog):
+    game = WordGame()
+    with serve_in_background(game.app()) as url:
+        flow = workflow(url)
+        groups = run(flow.run_groups(FailingOnLongWords(error), ["s:ab", "t:abc"], n=3))
+    kept, dropped = groups
+    assert kept.trajectories is not None and len(kept.trajectories) == 3  # the run goes on: the other group trains
+    assert dropped.trajectories is None
+    assert dropped.error.startswith("TurnFailed: episode ") and f"{type(error).__name__}: {error}" in dropped.error
+    assert (flow.stats.groups, flow.stats.dropped_groups, flow.stats.errors) == (1, 1, {"TurnFailed": 1})
+    assert game.episodes == {}  # nothing is left open on the server: the failed episode and its siblings were cancelled
+    assert len(game.cancelled) == 3
+    assert "dropping the group of sample 't:abc': an episode failed with TurnFailed" in caplog.text
+
+
+def test_a_failed_turn_ends_its_episode_with_a_typed_error_naming_episode_server_and_cause():
+    game = WordGame()
+    with serve_in_background(game.app()) as url:
+        expected = rf"episode \w+ of sample 't:abc' on {url} failed at turn 1: ValueError: bad"
+        with pytest.raises(TurnFailed, match=expected):
+            run(workflow(url).run_episode(FailingOnLongWords(ValueError("bad")), "t:abc"))
+    assert game.episodes == {} and len(game.cancelled) == 1
+
+
+def test_a_start_whose_reply_was_lost_after_the_server_started_it_is_retried_without_a_second_episode():
+    import httpx
+
+    app = create_app(environment_class("guess-number"))
+    with serve_in_background(app) as url:  # the real server
+        pool = TaskServerPool(url, timeout=5.0)
+
+        async def scenario():
+            real, sent = pool.client.request, []
+
+            async def lose_the_first_reply(method, endpoint, **kwargs):
+                response = await real(method, endpoint, **kwargs)
+                if "/episode/start" in endpoint:
+                    sent.append(kwargs["json"])
+                    if len(sent) == 1:  # started (a sandbox is held for it), but the reply never arrives
+                        raise httpx.ReadError("")
+                return response
+
+            pool.client.request = lose_the_first_reply
+            try:
+                return await pool.start("game-05"), sent
+            finally:
+                pool.client.request = real
+
+        episode, sent = run(scenario())
+        assert len(app.state.task_server.table) == 1  # one episode on the server, the one the retry was answered
+        app.state.task_server.table.get(episode.episode_id)  # live (an unknown id raises)
+    assert len(sent) == 2 and sent[0] == sent[1] and len(sent[0]["request_id"]) == 32
+
+
+def free_port_url() -> str:
+    import socket
+
+    with socket.socket() as sock:  # bound then closed: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_an_unreachable_server_is_named_with_the_error_it_gave():
+    dead = free_port_url()
+    sampler = ScriptedSampler([(encode("ab"), [-1.0, -1.0])])
+    flow = workflow(dead)
+    with pytest.raises(EpisodeStartError, match=rf"no task server could start sample 's:ab': {dead}: .*ConnectError"):
+        run(flow.run_episode(sampler, "s:ab"))  # tried: the call fails and the server is marked dead
+    (group,) = run(flow.run_groups(sampler, ["s:ab"], n=2))  # marked dead by the health check: not tried
+    assert group.trajectories is None
+    assert f"{dead}: not tried, not healthy: GET {dead}/api/health failed: ConnectError" in group.error
+
+
+def test_a_start_refused_at_max_episodes_is_retried_with_backoff_until_a_slot_frees():
+    app = create_app(environment_class("guess-number"), max_episodes=2)
+    with serve_in_background(app) as url:
+        flow = workflow(url, max_turns=6)
+        groups = run(flow.run_groups(BinarySearchPolicy(), ["game-00", "game-05", "game-11", "game-03"], n=2))
+    assert [g.error for g in groups] == [None] * 4 and flow.stats.dropped_groups == 0
+
+
+def test_a_start_refused_at_max_episodes_gives_up_after_start_wait():
+    app = create_app(environment_class("guess-number"), max_episodes=1)
+    with serve_in_background(app) as url:
+        pool = TaskServerPool(url, timeout=5.0, start_wait=0.3)
+
+        async def scenario():
+            await pool.start("game-00")  # holds the server's only slot
+            await pool.start("game-01")
+
+        with pytest.raises(EpisodeStartError, match=rf"within start_wait=0.3 s: {url}: .* answered 503: 1 episodes"):
+            run(scenario())
+
+
+def test_the_backoff_between_start_retries_doubles_is_jittered_and_bounded():
+    import random
+
+    from workers.agents.servers import start_backoff
+
+    rng = random.Random(0)
+    delays = [start_backoff(attempt, rng) for attempt in range(12)]
+    bounds = [min(0.05 * 2**a, 2.0) for a in range(12)]
+    assert all(b / 2 <= d <= b for d, b in zip(delays, bounds, strict=True))
+    assert len(set(delays)) == 12 and max(delays) <= 2.0
+
+
+def test_a_complete_final_turn_that_exactly_fills_max_total_tokens_is_sent_to_the_environment():
+    prompt = encode("user: guess 2\nassistant: ")
+    game = WordGame()
+    sampler = ScriptedSampler([([*encode("ab"), EOS], [-1.0] * 3)], stop_id=EOS)
+    with serve_in_background(game.app()) as url:
+        t = run(workflow(url, max_total_tokens=len(prompt) + 3).run_episode(sampler, "s:ab"))
+    assert game.actions == ["ab"]  # the complete answer reached the environment and was scored
+    assert (t.reward, t.success, t.finish_reason, len(t.tokens)) == (1.0, True, "done", len(prompt) + 3)
+    assert game.cancelled == []
+
+
+def test_a_final_turn_cut_short_by_max_total_tokens_is_trained_on_but_never_sent():
+    prompt = encode("user: guess 2\nassistant: ")
+    game = WordGame()
+    sampler = ScriptedSampler([([*encode("ab"), EOS], [-1.0] * 3)], stop_id=EOS)
+    with serve_in_background(game.app()) as url:
+        t = run(workflow(url, max_total_tokens=len(prompt) + 2).run_episode(sampler, "s:ab"))
+    assert game.actions == []  # "ab" without its end: the budget cut it, so the environment never sees it
+    assert (t.finish_reason, t.tokens[len(prompt) :], t.loss_mask[len(prompt) :]) == (
+        "max_tokens",
+        encode("ab"),
+        [1, 1],
+    )
+    assert len(game.cancelled) == 1
+
+
+def test_an_episode_cancelled_while_its_start_waits_for_a_busy_server_stops_waiting(caplog):
+    caplog.set_level(logging.DEBUG, logger="workers.agents.servers")
+    app = create_app(environment_class("guess-number"), max_episodes=1)
+    with serve_in_background(app) as url:
+        flow = workflow(url, start_wait=120.0)
+
+        async def scenario():
+            await flow.pool.start("game-00")  # holds the server's only slot
+            waiting = asyncio.create_task(flow.run_episode(BinarySearchPolicy(), "game-01"))
+            while "answered 503" not in caplog.text:
+                await asyncio.sleep(0.01)
+            waiting.cancel()  # its group was dropped: the start gives up now, not after start_wait
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(waiting, timeout=30.0)
+
+        run(scenario())
+        assert len(app.state.task_server.table) == 1  # only the episode holding the slot

@@ -102,3 +102,12 @@ def test_ended_ids_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch)
         episodes.get(opened[0].episode_id)
     with pytest.raises(UnknownEpisode, match=r"no longer running: cancelled"):
         episodes.get(opened[2].episode_id)
+
+
+def test_start_replies_are_remembered_by_request_id_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(episodes_module, "_ENDED_KEPT", 2)
+    episodes, _ = table()
+    episodes.remember_start(None, "unkeyed")  # a start without a request_id is not remembered
+    for request_id in ("r1", "r2", "r3"):
+        episodes.remember_start(request_id, f"reply of {request_id}")
+    assert [episodes.replay_start(r) for r in (None, "r1", "r2", "r3")] == [None, None, "reply of r2", "reply of r3"]

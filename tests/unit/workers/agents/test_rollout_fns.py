@@ -15,6 +15,7 @@ from workers.agents.server_process import TaskServerError, TaskServerProcess
 from workers.agents.task_server import create_app, serve_in_background
 from workers.agents.trajectory import Sample
 from workers.engines.base import Generation, SamplingParams
+from workers.engines.errors import EngineUnavailable
 from workers.tasks.guess_number import GuessNumberTask
 
 PARAMS = SamplingParams(max_new_tokens=2)
@@ -109,6 +110,30 @@ class _Bisect:
             guess, _, heard = turn.split()[:3]
             lo, hi = (int(guess) + 1, hi) if heard == "higher" else (lo, int(guess) - 1)
         return 0, Generation([*self.tok.encode(str((lo + hi) // 2)), 1], [-0.5, -0.5], "stop")
+
+
+class _EngineDownForGame8(_Bisect):
+    """_Bisect, but the engine is unreachable for the turns of game-07 ("game 8")."""
+
+    async def sample(self, prompt_ids, params):
+        if "game 8 " in self.tok.decode(prompt_ids):
+            raise EngineUnavailable("engine at http://127.0.0.1:1 refused the connection")
+        return await super().sample(prompt_ids, params)
+
+
+def test_an_engine_error_in_one_group_is_counted_as_that_group_dropped_and_the_step_goes_on():
+    task = GuessNumberTask()
+    app = create_app(environment_class("guess-number"))
+    with serve_in_background(app) as url:
+        fn = load_rollout_fn(
+            "workers.agents.rollout_fns:task_server_generate", {"task_server_url": [url], "max_turns": 6},
+            n_samples=2, sampling=PARAMS, task=task,
+        )  # fmt: skip
+        prompts = [{"sample_id": "game-03"}, {"sample_id": "game-07"}, {"sample_id": "game-11"}]
+        groups, stats = asyncio.run(collect_groups(fn, prompts, _EngineDownForGame8(), 2))
+        assert len(app.state.task_server.table) == 0  # the failed group's episodes were all cancelled on the server
+    assert [g is None for g in groups] == [False, True, False]
+    assert (stats.groups, stats.dropped_groups) == (2, 1)  # the step's dropped_groups metric
 
 
 def test_a_task_server_process_is_owned_healthy_then_gone_and_a_bad_one_reports_its_log():

@@ -6,6 +6,7 @@ as a subprocess (banner, health, clean exit on SIGTERM).
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import signal
 import socket
@@ -71,6 +72,9 @@ class Scripted(Environment):
             raise InvalidAction("config mode='bad' is not accepted")
         if self.sample_id == "boom":
             raise RuntimeError("reset exploded")
+        if config.get("mode") == "wait":
+            self.entered.set()
+            self.release.wait(10)
         return f"start {self.sample_id}"
 
     def step(self, action: str) -> Any:
@@ -396,3 +400,33 @@ def test_a_step_re_sent_with_its_request_id_is_answered_again_not_applied_twice(
         assert old.status_code == 400
         bad = client.post("/episode/step", json={"episode_id": episode, "action": {"content": "1"}, "request_id": ""})
         assert bad.status_code == 400 and "request_id" in bad.text
+
+
+def test_a_start_re_sent_with_its_request_id_is_answered_again_not_started_twice(scripted: type[Scripted]) -> None:
+    # a client whose connection broke after the server started its episode re-sends the start with the same
+    # request_id: it gets that episode again, even at --max-episodes, and no second environment is made
+    def send(sample_id: str, request_id: str) -> httpx.Response:
+        return client.post("/episode/start", json={"sample_id": sample_id, "request_id": request_id})
+
+    with served(scripted, max_episodes=1) as client:
+        first = send("a", "r1")
+        again = send("a", "r1")
+        assert first.status_code == again.status_code == 200 and again.json() == first.json()
+        assert client.get("/health").json()["active_episodes"] == 1
+        other = send("b", "r2")  # a new request_id is a new start: refused at --max-episodes=1
+        assert other.status_code == 503
+        bad = client.post("/episode/start", json={"sample_id": "a", "request_id": ""})
+        assert bad.status_code == 400 and "request_id" in bad.text
+    assert scripted.closed == ["a"]  # one environment, closed once
+
+
+def test_a_start_re_sent_while_the_first_is_still_resetting_waits_for_it(scripted: type[Scripted]) -> None:
+    with served(scripted) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        body = {"sample_id": "a", "config": {"mode": "wait"}, "request_id": "r1"}
+        first = pool.submit(client.post, "/episode/start", json=body)
+        assert scripted.entered.wait(10)
+        second = pool.submit(client.post, "/episode/start", json=body)
+        scripted.release.set()  # whether the re-sent start arrived before or after this, it gets the first's episode
+        replies = [first.result(10), second.result(10)]
+        assert [r.status_code for r in replies] == [200, 200] and replies[0].json() == replies[1].json()
+        assert client.get("/health").json()["active_episodes"] == 1

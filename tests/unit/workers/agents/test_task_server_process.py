@@ -55,3 +55,14 @@ def test_killing_the_parent_outright_leaves_no_task_server_running() -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_task_server_process_expires_idle_episodes_after_its_idle_timeout() -> None:
+    from workers.agents.server_process import TaskServerProcess
+
+    with TaskServerProcess("guess-number", idle_timeout=0.5) as server:
+        assert server.process.args[-2:] == ["--idle-timeout", "0.5"]
+        started = httpx.post(f"{server.url}/api/episode/start", json={"sample_id": "game-00"}, timeout=10)
+        assert started.status_code == 200
+        health = f"{server.url}/api/health"
+        wait_until(lambda: httpx.get(health, timeout=10).json()["active_episodes"] == 0, what="the episode to expire")
