@@ -152,6 +152,13 @@ def test_objects_round_trip_as_non_tensor_stack(queue: Any) -> None:
         client.put(TensorDict({"bad": [object(), object()]}, batch_size=[2]), partition_id=partition)
 
 
+def test_a_list_of_sets_is_refused_at_put_time_instead_of_coming_back_as_lists(queue: Any) -> None:
+    client, partition = queue.client, queue.partition()
+    with pytest.raises(UnsupportedValue, match=r"^field 'tags': row 0 holds a set, which would not come back"):
+        client.put(TensorDict({"tags": NonTensorStack({1}, {2})}, batch_size=[2]), partition_id=partition)
+    assert partition not in client.list_partitions()  # refused before anything was sent
+
+
 def test_mixed_fields_in_one_put(queue: Any) -> None:
     client, partition = queue.client, queue.partition()
     lengths = [2, 6, 3]
