@@ -74,6 +74,10 @@ def load_run_task(config: RLConfig) -> Task:
 class GRPORun:
     """Starts the queue and the actors of a run (see the module docstring); call :meth:`run`."""
 
+    # The queue's task_names: it refuses any other (a typo'd stage fails at once instead of reading every row again).
+    # A subclass that reads the queue under other names too adds them.
+    queue_task_names: tuple[str, ...] = (ROLLOUT_TASK, REWARD_TASK, TRAIN_TASK)
+
     def __init__(self, config: RLConfig):
         config.validate()
         self.cfg = cfg = config
@@ -95,6 +99,7 @@ class GRPORun:
             num_storage_units=cfg.num_storage_units,
             default_timeout=cfg.queue_timeout,
             restore_from=self._restorable_queue(),
+            task_names=self.queue_task_names,
         )
         info = self.client.controller_info
         spec = EngineSpec(

@@ -62,7 +62,8 @@ class Rollout:
         self.client, self.model, self.n = tq.get_client("rollout"), policy(), n_samples
 
     def generate(self, step: int) -> int:
-        meta = self.client.get_meta(["input_ids", "uid"], 4 * self.n, global_step=step, task_name="rollout")
+        rows = self.client.config.rows_per_step  # the whole step: its prompts x n_samples
+        meta = self.client.get_meta(["input_ids", "uid"], rows, global_step=step, task_name="rollout")
         prompts = to_dataproto(self.client.get_data(meta))
         gen = torch.Generator().manual_seed(step)
         responses, old_log_probs, rewards = [], [], []
@@ -100,7 +101,8 @@ class Trainer:
 
     def train(self, step: int) -> dict[str, float]:
         fields = ["input_ids", "responses", "old_log_probs", "rewards", "uid", "generator", META_INFO_FIELD]
-        meta = self.client.get_meta(fields, 4 * self.n, global_step=step, task_name="train", get_n_samples=True)
+        rows = self.client.config.rows_per_step
+        meta = self.client.get_meta(fields, rows, global_step=step, task_name="train", get_n_samples=True)
         batch = to_dataproto(self.client.get_data(meta), dataproto_cls=DataProto)
         rewards, uids = batch.batch["rewards"], batch.non_tensor_batch["uid"]
         advantages = torch.zeros_like(rewards)
@@ -137,7 +139,13 @@ def prompts(step: int, num_prompts: int, n_samples: int) -> DataProto:
 def main(steps: int = 3, num_prompts: int = 4, n_samples: int = 4) -> list[dict[str, float]]:
     if not ray.is_initialized():
         init_ray(num_cpus=4, include_dashboard=False)
-    client = tq.init(global_batch_size=num_prompts, num_n_samples=n_samples, num_global_batch=2, num_storage_units=1)
+    client = tq.init(
+        global_batch_size=num_prompts,
+        num_n_samples=n_samples,
+        num_global_batch=2,
+        num_storage_units=1,
+        task_names=["rollout", "train"],  # the two stages below: any other name is refused at once
+    )
     rollout, trainer = actor_class(Rollout).remote(n_samples), actor_class(Trainer).remote(n_samples)
     metrics = []
     try:

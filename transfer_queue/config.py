@@ -45,6 +45,11 @@ class QueueConfig:
         checkpoint_timeout: seconds ``save_checkpoint`` waits for every storage unit to write its files; a unit that
             takes longer (stalled, overloaded disk) fails the save with ``CheckpointError`` naming it, and the
             previous checkpoint stays current. The queue serves every other client meanwhile.
+        task_names: the tasks that consume this queue's rows. Given, ``get_meta``, ``set_task_options`` and
+            ``register_sampler`` refuse any other name with ``UnknownTask`` (a typo fails at once instead of starting
+            a new consumer that is served every row again). Empty (the default): any name is served, and a name
+            never seen before that starts a new consumer of a partition known tasks already consume is warned about
+            once (``UnknownTaskWarning`` in the caller, a warning in the controller's log).
         status_partitions: live partitions the status summary (``client.status()``, ``/status.json``, the status
             page and command) details one by one: the most recent ones; the rest are counted in aggregate
             (``partitions_omitted``), so a status read stays bounded however many partitions are live.
@@ -71,6 +76,7 @@ class QueueConfig:
     storage_unit_max_restarts: int = 5
     checkpoint_timeout: float = 30.0
     status_partitions: int = 100
+    task_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -113,6 +119,15 @@ class QueueConfig:
         if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not -1 <= self.http_port < 65536:
             raise InvalidRequest(f"http_port must be an int in [-1, 65535] (0: free, -1: none), got {self.http_port!r}")
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
+        if not isinstance(self.task_names, (list, tuple)):
+            raise InvalidRequest(f"task_names must be a list or tuple of task names, got {self.task_names!r}")
+        names = tuple(self.task_names)
+        if not all(isinstance(n, str) and n for n in names):
+            raise InvalidRequest(f"task_names must be non-empty strs, got {names!r}")
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise InvalidRequest(f"task_names names {twice!r} twice")
+        object.__setattr__(self, "task_names", names)
 
     def check_extension(self, seconds: Any) -> None:
         """``extend_lease``'s seconds: a finite number in (0, max_lease_s]; InvalidRequest otherwise."""
@@ -129,8 +144,15 @@ class QueueConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["seqlen_fields"] = list(self.seqlen_fields)
+        d["task_names"] = list(self.task_names)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QueueConfig:
-        return cls(**{**d, "seqlen_fields": tuple(d.get("seqlen_fields", ("attention_mask",)))})
+        return cls(
+            **{
+                **d,
+                "seqlen_fields": tuple(d.get("seqlen_fields", ("attention_mask",))),
+                "task_names": tuple(d.get("task_names", ())),
+            }
+        )

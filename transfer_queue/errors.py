@@ -58,6 +58,16 @@ class InvalidSampler(InvalidRequest, TypeError):
     """A sampler spec is not a BaseSampler, a BaseSampler class or a callable returning one."""
 
 
+class UnknownTask(InvalidRequest):
+    """A queue that declares its ``task_names`` was asked for another task (a typo would start a new consumer that is
+    served every row again); the message names the known tasks and the closest one."""
+
+
+class UnknownTaskWarning(UserWarning):
+    """``get_meta`` named a task never seen before that starts a new consumer of a partition known tasks already
+    consume (it is served every row again): a typo, or a task to declare in the queue's ``task_names``."""
+
+
 class UnknownPartition(TransferQueueError, KeyError):
     """A status query or operation names a partition that was never opened."""
 

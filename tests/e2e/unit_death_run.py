@@ -32,6 +32,8 @@ KILLS = {1: 0.0, 3: 0.3}  # step -> seconds after its prompts are put
 
 
 class UnitKillingRun(GRPORun):
+    queue_task_names = (*GRPORun.queue_task_names, "probe", "audit")  # its peeks at the prompts' rows
+
     def __init__(self, config: Any):
         super().__init__(config)
         self.kills: list[dict[str, Any]] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from transfer_queue.errors import (
     StorageUnavailable,
     TransferQueueError,
     UnknownField,
+    UnknownTaskWarning,
 )
 from transfer_queue.metadata import BatchMeta, as_names
 from transfer_queue.wire import protocol as p
@@ -196,7 +198,12 @@ class RowCalls(QueueChannel):
                 ``get_meta`` serves them again. Not within a DP round.
 
         Raises:
-            GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared.
+            GetMetaTimeout (naming what was missing), IncompleteGroups, InvalidRequest, PartitionCleared,
+            UnknownTask (a queue that declares its ``task_names`` was asked for another one).
+
+        Warns:
+            UnknownTaskWarning: ``task_name`` was never seen before and starts a new consumer of a partition known
+            tasks already consume (it is served every row again): a typo? (queues without ``task_names`` only)
 
         >>> meta = client.get_meta(["prompt_ids"], batch_size=8, global_step=0, task_name="rollout")  # doctest: +SKIP
         """
@@ -226,7 +233,11 @@ class RowCalls(QueueChannel):
         except (asyncio.CancelledError, RequestTimeout, KeyboardInterrupt):
             await self._withdraw(call_id)
             raise
-        return wire.to_meta()
+        meta = wire.to_meta()
+        warning = meta.extra.pop("warning", None)
+        if warning:  # a task name never seen before (transfer_queue.state.task_names): the caller hears of it
+            warnings.warn(warning, UnknownTaskWarning, stacklevel=3)
+        return meta
 
     async def _withdraw(self, call_id: int) -> None:
         """Tell the controller this client stopped waiting on get_meta ``call_id`` (best effort: a client that

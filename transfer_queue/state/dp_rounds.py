@@ -53,6 +53,7 @@ class GetMetaJob:
     call_id: int = 0
     peek: bool = False
     auto_round: tuple[AutoRoundCounter, int] | None = None  # (counter, round) when numbered for it
+    warning: str = ""  # for the caller, with its meta (a task name never seen before: transfer_queue.state.task_names)
 
 
 class DPRounds:

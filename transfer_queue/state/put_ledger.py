@@ -27,6 +27,7 @@ from transfer_queue.errors import (
     FieldAlreadyProduced,
     IncompleteGroups,
     InvalidRequest,
+    PartitionOverfilled,
     PutExpired,
     QueueFull,
     RequestTimeout,
@@ -176,6 +177,12 @@ class PutLedger:
             raise IncompleteGroups(
                 f"a put of {req.num_rows} rows without group_ids must hold whole groups of num_n_samples={n} "
                 f"(got {req.num_rows % n} rows too many); pass group_ids to spread a group over several puts"
+            )
+        c = self.config
+        if isinstance(key, int) and req.target_uid is None and req.keys is None and req.num_rows > c.rows_per_step:
+            raise PartitionOverfilled(  # at once, even while the step ring is full: it never fits a step
+                f"a put of {req.num_rows} rows can never fit {describe_partition(key)}: a step holds at most "
+                f"{c.rows_per_step} rows (global_batch_size={c.global_batch_size} x num_n_samples={c.num_n_samples})"
             )
         part = self.table.live(key, reopen=req.target_uid is None)
         if part is not None and req.target_uid is None:  # validate against what the partition holds before waiting

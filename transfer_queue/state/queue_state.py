@@ -45,6 +45,7 @@ from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.put_ledger import PutLedger, PutRequest, Reserved
 from transfer_queue.state.reader import MetaReader
+from transfer_queue.state.task_names import TaskNames
 from transfer_queue.state.waiting import WAIT, Parked, Respond, Topic, Wait, WaitingRoom
 
 
@@ -92,7 +93,10 @@ class QueueState:
         self.rounds = DPRounds()
         self.kv = KvState(self.table, self.ledger, self._retry_getters)
         self.lost = LostRowBook()  # rows lost with storage units that restarted empty (transfer_queue.state.lost_rows)
-        self.reader = MetaReader(config, self.table, self.ledger, self.delivery, self.rounds, self.sampler_for)
+        self.task_names = TaskNames(config)  # declared ones, or those seen (a new one may warn)
+        self.reader = MetaReader(
+            config, self.table, self.ledger, self.delivery, self.rounds, self.sampler_for, self.task_names
+        )
 
     # ---- the bookkeeping's state, by its former names (the controller, status, snapshots and tests read it) ---
     partitions = property(lambda self: self.table.partitions)
@@ -135,6 +139,7 @@ class QueueState:
     def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
+        self.task_names.announce(task_name)
         self.samplers[task_name] = self._checked(make_sampler(sampler))
         saved = self.pending_sampler_states.pop(task_name, None)
         if saved is not None:  # restored from a checkpoint: the task's sampler goes on where it was
@@ -318,6 +323,7 @@ class QueueState:
 
     def set_task_options(self, task_name: str, options: TaskOptions) -> None:
         self.delivery.check_task_name(task_name)
+        self.task_names.announce(task_name)
         self.delivery.set_options(task_name, options)
 
     # ---- clear, reset, close -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.put_ledger import PutLedger
 from transfer_queue.state.ready_index import AVAILABLE, ReadyIndex
 from transfer_queue.state.selection import ReadyView, select_with_user_sampler
+from transfer_queue.state.task_names import TaskNames
 
 
 class MetaReader:
@@ -36,6 +37,7 @@ class MetaReader:
         table, ledger, delivery, rounds: the partitions, the open puts (a partition with a put in flight is not
             finished), the leases and the DP rounds.
         sampler_for: the sampler of a task.
+        task_names: the queue's known task names (a declared queue refuses others; else a new name may warn).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class MetaReader:
         delivery: Delivery,
         rounds: DPRounds,
         sampler_for: Callable[[str], BaseSampler],
+        task_names: TaskNames | None = None,
     ):
         self.config = config
         self.table = table
@@ -53,6 +56,7 @@ class MetaReader:
         self.delivery = delivery
         self.rounds = rounds
         self.sampler_for = sampler_for
+        self.task_names = task_names if task_names is not None else TaskNames(config)
 
     def job(
         self,
@@ -83,6 +87,13 @@ class MetaReader:
             raise InvalidRequest(f"data_fields names a field twice: {fields}")
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
+        if isinstance(key, int) and batch_size > self.config.rows_per_step:  # a step never holds more: never served
+            c = self.config
+            raise InvalidRequest(
+                f"get_meta can never be served: task {task_name!r} asked {describe_partition(key)} for "
+                f"batch_size={batch_size} rows, but a step holds at most {c.rows_per_step} rows "
+                f"(global_batch_size={c.global_batch_size} x num_n_samples={c.num_n_samples})"
+            )
         if not 0 < timeout < float("inf"):
             raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {timeout}")
         check_lease_s(lease_s)
@@ -109,6 +120,7 @@ class MetaReader:
         part = self.table.live(key)  # raises now if the partition was cleared
         if part is not None:
             part.check_new_task(task_name)
+        warning = self.task_names.on_get_meta(task_name, part)
         auto_round = None
         if dp_group_id is None and dp_size > 1:
             world_rank = params.get("world_rank")
@@ -133,6 +145,7 @@ class MetaReader:
             call_id,
             peek,
             auto_round,
+            warning,
         )
 
     def serve(self, job: GetMetaJob) -> BatchMeta | None:
@@ -147,7 +160,7 @@ class MetaReader:
             if len(rows) and not job.peek:  # a peek leases nothing: the rows stay ready for the task
                 lease_s = self.delivery.lease_s(job.task_name, job.lease_s)
                 self.delivery.lease(part, job.task_name, rows, job.owner, lease_s, job.call_id)
-            return part.meta(rows, job.fields, job.task_name, {})
+            return part.meta(rows, job.fields, job.task_name, {"warning": job.warning} if job.warning else {})
 
         def lease_round(rows: np.ndarray, round_key: tuple[str, str]) -> tuple[int, float]:
             lease_s = self.delivery.lease_s(job.task_name, job.lease_s)
@@ -157,7 +170,7 @@ class MetaReader:
         if served is None:
             return None
         share, extra = served
-        return part.meta(share, job.fields, job.task_name, extra)
+        return part.meta(share, job.fields, job.task_name, {**extra, "warning": job.warning} if job.warning else extra)
 
     def select(self, part: PartitionState, job: GetMetaJob, count: int) -> np.ndarray | None:
         """Rows to hand out (the caller leases them), or ``None`` to wait. Short only when no more can come."""

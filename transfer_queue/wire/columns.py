@@ -206,6 +206,7 @@ class Column:
                 f"field {name!r}: non-tensor values must be str, bytes or msgpack-encodable; {_first_bad(objects)}"
                 f" ({exc})"
             ) from None
+        _check_round_trip(name, objects)
         return cls(FieldSchema("object", dtype, ()), num_rows, objects=objects)
 
     @classmethod
@@ -366,6 +367,48 @@ class Column:
 _NUMPY_DTYPES = {v: k for k, v in NUMPY_KINDS.items()}
 
 
+# What comes back as itself: msgpack also encodes sets, dates, UUIDs, enums, dataclasses, ... but they come back as
+# lists, strings or dicts (a set of ints as a list: ``LinkedList([[1], [2]])`` in a NonTensorStack), so they are
+# refused at put time. Subclasses (an IntEnum, an OrderedDict) come back as their base; tuples come back as lists.
+_LEAVES = (str, bytes, bool, int, float, type(None), np.generic)
+_CONTAINERS = (list, tuple, dict)
+
+
+def _check_round_trip(name: str, objects: list[Any]) -> None:
+    """Raise UnsupportedValue naming the first row that holds a value that would not come back as itself."""
+    for row, value in enumerate(objects):
+        if isinstance(value, _LEAVES):
+            continue
+        bad = _lossy_part(value)
+        if bad is not None:
+            kind = type(bad).__qualname__ if type(bad).__module__ == "builtins" else _type_name(bad)
+            raise UnsupportedValue(
+                f"field {name!r}: row {row} holds a {kind}, which would not come back as itself (non-tensor values "
+                "travel as msgpack: str, bytes, bool, int, float, None, numpy scalars, and lists, tuples and dicts of "
+                "them; tuples come back as lists); convert it first, e.g. to a sorted list"
+            )
+
+
+def _lossy_part(value: Any) -> Any:
+    """The first value inside ``value`` (or ``value`` itself) that is neither a leaf nor a container; None if none."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _LEAVES):
+            continue
+        if not isinstance(item, _CONTAINERS):
+            return item
+        if isinstance(item, dict):
+            stack.extend(reversed([v for kv in item.items() for v in kv]))
+        else:
+            stack.extend(reversed(item))
+    return None
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def _first_bad(objects: list[Any]) -> str:
     """Names the first row whose value msgpack cannot encode, and its type."""
     for row, value in enumerate(objects):
@@ -386,7 +429,7 @@ def _bad_part(value: Any) -> str:
             return _bad_part(item)
     if isinstance(value, int):
         return f"{value} lies outside msgpack's integer range"
-    return f"{type(value).__module__}.{type(value).__qualname__} is not msgpack-encodable"
+    return f"{_type_name(value)} is not msgpack-encodable"
 
 
 def nframes(schema: FieldSchema) -> int:

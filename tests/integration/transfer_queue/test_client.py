@@ -152,6 +152,13 @@ def test_objects_round_trip_as_non_tensor_stack(queue: Any) -> None:
         client.put(TensorDict({"bad": [object(), object()]}, batch_size=[2]), partition_id=partition)
 
 
+def test_a_list_of_sets_is_refused_at_put_time_instead_of_coming_back_as_lists(queue: Any) -> None:
+    client, partition = queue.client, queue.partition()
+    with pytest.raises(UnsupportedValue, match=r"^field 'tags': row 0 holds a set, which would not come back"):
+        client.put(TensorDict({"tags": NonTensorStack({1}, {2})}, batch_size=[2]), partition_id=partition)
+    assert partition not in client.list_partitions()  # refused before anything was sent
+
+
 def test_mixed_fields_in_one_put(queue: Any) -> None:
     client, partition = queue.client, queue.partition()
     lengths = [2, 6, 3]
@@ -395,6 +402,18 @@ def test_a_full_step_ring_makes_puts_wait_then_fail(fast_queue: Any) -> None:
     parked.join(timeout=30)
     assert done["meta"].partition_id == third and len(done["meta"]) == 8
     assert sorted(k for k in client.list_partitions() if isinstance(k, int) and k >= first) == [second, third]
+
+
+def test_requests_a_step_can_never_serve_fail_at_once_instead_of_waiting(fast_queue: Any) -> None:
+    client, step = fast_queue.client, fast_queue.step()  # steps of 8 rows
+    with pytest.raises(
+        InvalidRequest,
+        match=r"^get_meta can never be served: task 't' asked global_step=\d+ for batch_size=1000000000 rows, but a "
+        r"step holds at most 8 rows \(global_batch_size=8 x num_n_samples=1\)$",
+    ):
+        client.get_meta(["x"], 10**9, global_step=step, task_name="t", timeout=30)
+    with pytest.raises(PartitionOverfilled, match=r"^a put of 9 rows can never fit global_step=\d+: a step holds at"):
+        client.put(TensorDict({"x": torch.zeros(9)}, batch_size=[9]), global_step=step, timeout=30)
 
 
 def test_a_full_storage_budget_makes_puts_wait_then_fail(fast_queue: Any) -> None:

@@ -247,14 +247,22 @@ def test_overfilling_a_step_is_refused(make_queue):
     q = make_queue()
     with pytest.raises(
         PartitionOverfilled,
-        match=r"a put of 6 rows overfills global_step=0: it holds 4 rows \(global_batch_size x num_n_samples\) "
-        r"and 0 are already taken",
+        match=r"a put of 6 rows can never fit global_step=0: a step holds at most 4 rows \(global_batch_size=4 x "
+        r"num_n_samples=1\)",
     ):
         q.put(0, 6, X)
-    q.put(0, 2, X)
-    q.reserve(0, 1, X)  # reserved rows count as taken
-    with pytest.raises(PartitionOverfilled, match="and 3 are already taken"):
+    q.put(0, 3, X)
+    with pytest.raises(
+        PartitionOverfilled,
+        match=r"a put of 2 rows overfills global_step=0: it holds 4 rows \(global_batch_size x num_n_samples\) "
+        r"and 3 are already taken",
+    ):
         q.put(0, 2, X)
+    q.ok(p.Clear(0))
+    q.put(1, 2, X)
+    q.reserve(1, 1, X)  # reserved rows count as taken
+    with pytest.raises(PartitionOverfilled, match="and 3 are already taken"):
+        q.put(1, 2, X)
 
 
 @pytest.mark.parametrize(
@@ -986,3 +994,36 @@ def test_a_split_that_raises_fails_only_its_waiting_getter_and_the_put_commits(m
         broken.result()
     assert indexes(other.result().to_meta()) == [0, 1, 2, 3]
     assert consumed(q, 0) == 0
+
+
+# ---- requests that can never be served fail at once -----------------------------------------------------------
+def test_a_get_meta_for_more_rows_than_its_step_can_ever_hold_fails_at_once(make_queue):
+    q = make_queue(global_batch_size=2, num_n_samples=4)  # steps of 8 rows
+    q.put(0, 4, X)
+    with pytest.raises(
+        InvalidRequest,
+        match=r"^get_meta can never be served: task 'train' asked global_step=0 for batch_size=1000000000 rows, but "
+        r"a step holds at most 8 rows \(global_batch_size=2 x num_n_samples=4\)$",
+    ):
+        q.ok(q.get_request(0, "x", 10**9))  # answered at once, not after the timeout
+    with pytest.raises(InvalidRequest, match=r"asked global_step=1 for batch_size=9 rows"):
+        q.ok(q.get_request(1, "x", 9))  # a step not opened yet: its size is known all the same
+    assert len(q.get(0, "x", 4)) == 4  # the task took nothing
+
+
+def test_a_get_meta_of_a_string_partition_is_never_refused_for_its_size(make_queue):
+    q = make_queue()
+    q.put("open", 4, X)
+    assert not q.get_async("open", "x", 10**9).done  # unbounded: more rows may come
+
+
+def test_a_put_larger_than_its_step_fails_at_once_even_while_the_step_ring_is_full(make_queue):
+    q = make_queue()  # steps of 4 rows, two live
+    q.put(0, 4, X)
+    q.put(1, 4, X)
+    with pytest.raises(
+        PartitionOverfilled,
+        match=r"^a put of 5 rows can never fit global_step=2: a step holds at most 4 rows "
+        r"\(global_batch_size=4 x num_n_samples=1\)$",
+    ):
+        q.ok(q.reserve_request(2, 5, X))

@@ -136,9 +136,10 @@ def test_waiters_of_partitions_not_opened_yet_wake_on_their_first_commit(make_qu
 
 def test_a_commit_that_ends_a_stream_answers_the_waiters_of_fields_it_did_not_write(make_queue):
     q = make_queue()
-    prompts = q.put(0, 4, X)
-    writing = q.reserve(0, 4, Z, metadata=prompts)  # step 0 is full, but a put into its rows is in flight
-    short = q.get_async(0, "x", 8, "t")
+    prompts = q.put("val", 4, X)
+    q.ok(p.ClosePartition("val"))
+    writing = q.reserve("val", 4, Z, metadata=prompts)  # "val" is closed, but a put into its rows is in flight
+    short = q.get_async("val", "x", 8, "t")
     assert not short.done
     q.commit(writing)  # nothing more can come: the waiter gets what there is
     assert served(short) == [0, 1, 2, 3]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import decimal
+import enum
+import uuid
 import warnings
 
 import numpy as np
@@ -347,3 +352,62 @@ def test_building_a_jagged_tensor_logs_no_torch_fx_notice(caplog):
     with caplog.at_level(logging.WARNING):
         torch.nested.nested_tensor_from_jagged(torch.arange(6), torch.tensor([0, 2, 6]))
     assert not [r for r in caplog.records if "is_fx_tracing" in r.getMessage()]
+
+
+# ---- values msgpack carries but that would come back as something else ---------------------------------------
+class _Color(enum.Enum):
+    RED = 1
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([{1}, {2}], r"row 0 holds a set"),
+        (NonTensorStack(*[{1}, {2}]), r"row 0 holds a set"),
+        ([frozenset({1}), frozenset()], r"row 0 holds a frozenset"),
+        (["a", {"k": [1, {2}]}], r"row 1 holds a set"),
+        ([datetime.date(2020, 1, 1), None], r"row 0 holds a datetime.date"),
+        ([1, decimal.Decimal("1.5")], r"row 1 holds a decimal.Decimal"),
+        ([uuid.UUID(int=0), None], r"row 0 holds a uuid.UUID"),
+        ([_Color.RED, None], r"row 0 holds a .*_Color"),
+        ([_Point(1), None], r"row 0 holds a .*_Point"),
+        ([bytearray(b"a"), b"b"], r"row 0 holds a bytearray"),
+        (np.array([{1}, {2}], dtype=object), r"row 0 holds a set"),
+    ],
+    ids=[
+        "set",
+        "stack-of-sets",
+        "frozenset",
+        "nested",
+        "date",
+        "decimal",
+        "uuid",
+        "enum",
+        "dataclass",
+        "bytearray",
+        "numpy-object",
+    ],
+)
+def test_values_that_would_not_come_back_as_themselves_are_refused(value, message):
+    with pytest.raises(UnsupportedValue, match=rf"^field 'f': {message}, which would not come back as itself"):
+        Column.from_value("f", value, 2)
+
+
+def test_the_refusal_says_what_travels():
+    with pytest.raises(UnsupportedValue) as caught:
+        Column.from_value("tags", [{"a"}, {"b"}], 2)
+    assert str(caught.value) == (
+        "field 'tags': row 0 holds a set, which would not come back as itself (non-tensor values travel as msgpack: "
+        "str, bytes, bool, int, float, None, numpy scalars, and lists, tuples and dicts of them; tuples come back as "
+        "lists); convert it first, e.g. to a sorted list"
+    )
+
+
+def test_plain_values_still_travel():
+    rows = [{"a": [1, 2.5, None, True]}, ("x", b"y", np.int64(3))]
+    assert wire(Column.from_value("f", rows, 2)).objects == [{"a": [1, 2.5, None, True]}, ["x", b"y", 3]]
