@@ -135,3 +135,14 @@ def test_the_run_resolves_the_task_name_and_the_trainer_gets_the_task_object():
     assert isinstance(load_run_task(load_config(DEMO_YAML)), AdditionTask)
     named = load_config(None, {"task.name": "workers.tasks.guess_number:GuessNumberTask"})
     assert isinstance(load_run_task(named), GuessNumberTask)
+
+
+def test_new_with_a_bad_value_leaves_the_old_run_where_it_is(tmp_path, capsys):
+    from recipe.demo import main
+
+    out = tmp_path / "demo"
+    _finished_run(out, 5)
+    assert main(["--new", f"output_dir={out}", "train.lr=-1"]) == 2
+    error = capsys.readouterr().err
+    assert "demo.py: error: train.lr must be a float > 0, got -1 (from the override train.lr=-1)" in error
+    assert (out / "config.yaml").exists() and not (tmp_path / "demo.prev-1").exists()
