@@ -425,6 +425,7 @@ class GRPORun:
             self.prompts.load_state_dict(extra["prompt_source"])
             self.version = int(extra.get("version", extra.get("policy_version", 0)))
             print(f"resumed from {latest} at step {extra['step']}", flush=True)
+            self.metrics.cut_back(int(extra["step"]))  # the crashed run's rows past the checkpoint are written again
             if self._queue_from == latest:
                 self._resume_queue(int(extra["step"]), extra["queue"])
             return int(extra["step"])
