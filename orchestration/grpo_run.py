@@ -344,7 +344,7 @@ class GRPORun:
                 self.step = step + 1
                 progress.update(step, row)
                 plot.maybe_refresh()
-                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
                     self.save(step + 1)
                 self.prompt_states.pop(step, None)
         finally:

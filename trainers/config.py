@@ -119,6 +119,12 @@ class SFTConfig:
     eval_samples: int = 8
 
 
+#: checkpoint_every=None: about this many checkpoints per run ...
+DEFAULT_CHECKPOINTS_PER_RUN = 10
+#: ... and never more than this many steps apart
+DEFAULT_CHECKPOINTS_EVERY_AT_MOST = 100
+
+
 @dataclass
 class RLConfig:
     """A whole GRPO run.
@@ -141,7 +147,9 @@ class RLConfig:
     weight_sync: Literal["memory", "disk", "shm"] = "memory"
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"  # metrics, plot, config and checkpoints of the run
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    # steps between checkpoints (0: only at the end); None: sized to the run, about 10 checkpoints and at least one
+    # every 100 steps (checkpoint_interval), so a stopped or crashed run loses little
+    checkpoint_every: int | None = None
     checkpoint_keep: int = 2  # newest step checkpoints kept in output_dir/checkpoints
     # a checkpoint also holds the queue's rows of the steps launched ahead (async mode, the shm weight channel): a
     # resumed run trains the samples produced before the crash and generates only those that were in flight
@@ -212,6 +220,18 @@ class RLConfig:
         trainer_device = "cuda" if self.train.num_gpus_per_rank > 0 else "cpu"
         same_numerics = self.rollout.engine == "hf" and self.rollout.engine_device.split(":")[0] == trainer_device
         return not same_numerics or self.mode == "async" or self.train.minibatches_per_step > 1
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints: ``checkpoint_every``, or by default ``steps / 10`` rounded up, at most 100
+        (1000 steps: every 100; 200: every 20; 25: every 3). 0: only at the end.
+
+        >>> RLConfig(steps=1000).checkpoint_interval, RLConfig(steps=200, checkpoint_every=0).checkpoint_interval
+        (100, 0)
+        """
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return min(DEFAULT_CHECKPOINTS_EVERY_AT_MOST, -(-self.steps // DEFAULT_CHECKPOINTS_PER_RUN))
 
     @property
     def num_global_batch(self) -> int:
@@ -350,7 +370,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "n_samples": _ints(1),
     "max_staleness": _ints(0),
     "sync_every": _ints(1),
-    "checkpoint_every": _ints(0),
+    "checkpoint_every": _ints(0, optional=True),
     "checkpoint_keep": _ints(1),
     "seed": _ints(0),
     "num_storage_units": _ints(1),

@@ -87,7 +87,7 @@ def drive(out: Path, steps: int, *overrides: str, crash_at: int | None = None) -
         for ahead in range(step, min(step + run.lookahead + 1, steps)):
             if ahead not in recorder.prompts:
                 run.put_prompts(ahead)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
             run.save(step + 1)
             if step + 1 == crash_at:
                 return recorder.prompts

@@ -49,7 +49,7 @@ def test_every_default_is_in_its_own_range():
         ("task.seed", -1, "task.seed must be an int >= 0, got -1"),
         ("seed", -3, "seed must be an int >= 0, got -3"),
         ("queue_timeout", 0, "queue_timeout must be a float > 0, got 0"),
-        ("checkpoint_every", -1, "checkpoint_every must be an int >= 0, got -1"),
+        ("checkpoint_every", -1, "checkpoint_every must be an int >= 0 or None, got -1"),
         ("eval_every", -1, "eval_every must be an int >= 0, got -1"),
         ("max_staleness", -1, "max_staleness must be an int >= 0, got -1"),
         ("prompts_per_step", 2.5, "prompts_per_step must be an int >= 1, got 2.5"),
@@ -91,3 +91,15 @@ def test_values_at_the_edges_of_their_ranges_are_taken():
         },
     )
     assert config.rollout.top_p == 1 and config.train.clip_low == 0
+
+
+@pytest.mark.parametrize(("steps", "interval"), [(1000, 100), (200, 20), (5000, 100), (25, 3), (3, 1)])
+def test_by_default_a_run_checkpoints_about_ten_times_and_at_least_every_100_steps(steps, interval):
+    config = load_config(None, {"steps": steps})
+    assert config.checkpoint_every is None
+    assert config.checkpoint_interval == interval
+
+
+def test_a_checkpoint_every_given_is_kept_and_0_saves_only_at_the_end():
+    assert load_config(None, {"steps": 1000, "checkpoint_every": 7}).checkpoint_interval == 7
+    assert load_config(None, {"steps": 1000, "checkpoint_every": 0}).checkpoint_interval == 0
