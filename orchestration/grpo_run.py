@@ -37,6 +37,7 @@ import transfer_queue
 from orchestration.metric_sinks import run_sinks
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
+from orchestration.stopping import RunStopped
 from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
@@ -132,6 +133,7 @@ class GRPORun:
         self.version = 0  # the version the engines were last sent
         self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
         self._saved_step: int | None = None
+        self.step = 0  # GRPO steps done (what a Ctrl-C reports)
         self._resumed = False
         # prompts whose rows die with a storage unit are put again (orchestration/regenerate.py)
         self.lost_prompts = LostPrompts(self.client, TRAIN_TASK, self.put_group, self.relaunch)
@@ -322,7 +324,7 @@ class GRPORun:
     def run(self) -> list[dict[str, Any]]:
         """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run."""
         cfg = self.cfg
-        start = self._resume_or_warm_up()
+        start = self.step = self._resume_or_warm_up()
         if cfg.train.kl_coef > 0:
             self.init_reference(resumed=self._resumed)
         self.publish(self.version)
@@ -337,19 +339,22 @@ class GRPORun:
         queue_cpu_start = ray.get(controller.cpu_seconds.remote())
         progress = StepReporter(start, cfg.steps, every=cfg.log_every)
         plot = PlotRefresher(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
-        for step in range(start, cfg.steps):
-            row = self._global_step(step, pending, start, first_version)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                row["eval_accuracy"] = self.evaluate()
-            self.metrics.write(row)
-            self.sinks.write(row)
-            rows_out.append(row)
-            progress.update(step, row)
-            plot.maybe_refresh()
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                self.save(step + 1)
-            self.prompt_states.pop(step, None)
-        progress.close()
+        try:
+            for step in range(start, cfg.steps):
+                row = self._global_step(step, pending, start, first_version)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                    row["eval_accuracy"] = self.evaluate()
+                self.metrics.write(row)
+                self.sinks.write(row)
+                rows_out.append(row)
+                self.step = step + 1
+                progress.update(step, row)
+                plot.maybe_refresh()
+                if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
+                    self.save(step + 1)
+                self.prompt_states.pop(step, None)
+        finally:
+            progress.close()  # a Ctrl-C's line starts on a line of its own, not after the bar
         steps_run = max(len(rows_out), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
@@ -431,6 +436,7 @@ class GRPORun:
             self.prompts.load_state_dict(extra["prompt_source"])
             self.version = int(extra.get("version", extra.get("policy_version", 0)))
             print(f"resumed from {latest} at step {extra['step']}", flush=True)
+            self.metrics.cut_back(int(extra["step"]))  # the crashed run's rows past the checkpoint are written again
             if self._queue_from == latest:
                 self._resume_queue(int(extra["step"]), extra["queue"])
             return int(extra["step"])
@@ -578,11 +584,18 @@ def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> No
 
 
 def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
-    """Run ``config`` (SFT if configured, then GRPO), stop its actors, and print how the reward moved."""
+    """Run ``config`` (SFT if configured, then GRPO), stop its actors, and print how the reward moved.
+
+    Raises:
+        RunStopped: on a Ctrl-C (KeyboardInterrupt), once the run's actors and queue are stopped; ``step`` is the
+            GRPO steps done (orchestration/stopping.py).
+    """
     started = time.perf_counter()
     run = GRPORun(config)
     try:
         rows = run.run()
+    except KeyboardInterrupt:
+        raise RunStopped(run.step) from None  # after the finally below: actors killed, queue stopped
     finally:
         run.shutdown()
     first, last = fifth_means([r["reward"] for r in rows])

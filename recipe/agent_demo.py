@@ -20,7 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+import ray
+
 from orchestration import GRPORun, connect_ray
+from orchestration.stopping import EXIT_INTERRUPTED, RunStopped, stopped_line
 from rl_contracts.actors import actor_class
 from trainers.config import ConfigError, RLConfig, config_from_cli
 from trainers.metrics import fifth_means
@@ -75,12 +78,8 @@ class AgentGRPORun(GRPORun):
         return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
-    env = config.rollout.task_server_env
-    if env is None:
-        raise ConfigError("rollout.task_server_env is not set; the agent demo serves an environment, e.g. guess-number")
-    started = time.perf_counter()
+def _run(config: RLConfig, env: str) -> list[dict[str, Any]]:
+    """The task servers, then the run on them; every piece stopped on the way out (RunStopped on a Ctrl-C)."""
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(
@@ -96,9 +95,26 @@ def main(argv: list[str] | None = None) -> int:
         connect_ray()
         run = AgentGRPORun(config, [str(s.url) for s in servers])
         try:
-            rows = run.run()
+            return run.run()
+        except KeyboardInterrupt:
+            raise RunStopped(run.step) from None
         finally:
             run.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
+    env = config.rollout.task_server_env
+    if env is None:
+        raise ConfigError("rollout.task_server_env is not set; the agent demo serves an environment, e.g. guess-number")
+    started = time.perf_counter()
+    try:
+        rows = _run(config, env)
+    except KeyboardInterrupt as exc:  # Ctrl-C: the run's actors, queue and task servers are stopped by now
+        print(stopped_line(config, exc), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        ray.shutdown()
     first, last = fifth_means([r["success"] for r in rows])
     minutes = (time.perf_counter() - started) / 60
     print(f"\nepisode success: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")

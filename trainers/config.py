@@ -14,7 +14,7 @@ import msgspec
 import yaml
 
 from trainers.filters import FilterConfig
-from trainers.losses import LOSSES
+from trainers.losses import LOSS_AGG_MODES, LOSSES
 
 
 class ConfigError(ValueError):
@@ -122,6 +122,12 @@ class SFTConfig:
     eval_samples: int = 8
 
 
+#: checkpoint_every=None: about this many checkpoints per run ...
+DEFAULT_CHECKPOINTS_PER_RUN = 10
+#: ... and never more than this many steps apart
+DEFAULT_CHECKPOINTS_EVERY_AT_MOST = 100
+
+
 @dataclass
 class RLConfig:
     """A whole GRPO run.
@@ -144,7 +150,9 @@ class RLConfig:
     weight_sync: Literal["memory", "disk", "shm"] = "memory"
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"  # metrics, plot, config and checkpoints of the run
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    # steps between checkpoints (0: only at the end); None: sized to the run, about 10 checkpoints and at least one
+    # every 100 steps (checkpoint_interval), so a stopped or crashed run loses little
+    checkpoint_every: int | None = None
     checkpoint_keep: int = 2  # newest step checkpoints kept in output_dir/checkpoints
     # a checkpoint also holds the queue's rows of the steps launched ahead (async mode, the shm weight channel): a
     # resumed run trains the samples produced before the crash and generates only those that were in flight
@@ -164,35 +172,9 @@ class RLConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ConfigError on sizes that cannot work together, before any actor starts."""
-        positive = {
-            "steps": self.steps,
-            "prompts_per_step": self.prompts_per_step,
-            "n_samples": self.n_samples,
-            "rollout.num_workers": self.rollout.num_workers,
-            "rollout.num_reward_workers": self.rollout.num_reward_workers,
-            "rollout.max_new_tokens": self.rollout.max_new_tokens,
-            "rollout.groups_per_request": self.rollout.groups_per_request,
-            "rollout.reward_groups_per_request": self.rollout.reward_groups_per_request,
-            "train.world_size": self.train.world_size,
-            "train.micro_batch_size": self.train.micro_batch_size,
-            "train.minibatches_per_step": self.train.minibatches_per_step,
-            "sync_every": self.sync_every,
-            "checkpoint_keep": self.checkpoint_keep,
-            "log_every": self.log_every,
-            "num_storage_units": self.num_storage_units,
-            "sft.eval_every": self.sft.eval_every,
-            "sft.eval_samples": self.sft.eval_samples,
-        }
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        idle = self.rollout.task_server_idle_timeout
-        if isinstance(idle, bool) or not isinstance(idle, int | float) or not idle > 0:
-            raise ConfigError(f"rollout.task_server_idle_timeout must be a number of seconds > 0, got {idle!r}")
-        min_params = self.train.fsdp_min_layer_params
-        if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
-            raise ConfigError(f"train.fsdp_min_layer_params must be an int >= 0, got {min_params!r}")
+        """Raise ConfigError on a value outside its KEY_RANGES entry or sizes that cannot work together, before any
+        actor starts."""
+        check_ranges(flatten_dict(config_to_dict(self)))
         if self.mode == "sync" and self.max_staleness != 0:
             raise ConfigError(f"mode='sync' trains on-policy: max_staleness must be 0, got {self.max_staleness}")
         if self.mode == "async" and self.max_staleness < 1:
@@ -227,19 +209,11 @@ class RLConfig:
                 f"rollout.generate_fn={self.rollout.generate_fn!r} runs in rollout workers that take weights by "
                 "update: use weight_sync='memory' or 'disk', not 'shm'"
             )
-        if not isinstance(self.train.lr_warmup_steps, int) or self.train.lr_warmup_steps < 0:
-            raise ConfigError(f"train.lr_warmup_steps must be an int >= 0, got {self.train.lr_warmup_steps!r}")
-        if self.train.kl_coef < 0:
-            raise ConfigError(f"train.kl_coef must be >= 0, got {self.train.kl_coef}")
-        if not self.train.rollout_is_high > 0:
-            raise ConfigError(f"train.rollout_is_high must be > 0, got {self.train.rollout_is_high}")
         low = self.train.rollout_is_low
-        if low is not None and not 0 <= low < self.train.rollout_is_high:
+        if low is not None and not low < self.train.rollout_is_high:
             raise ConfigError(
                 f"train.rollout_is_low must be in [0, train.rollout_is_high={self.train.rollout_is_high}), got {low}"
             )
-        if not self.rollout.temperature >= 0:
-            raise ConfigError(f"rollout.temperature must be >= 0, got {self.rollout.temperature}")
 
     @property
     def recompute_old_logprobs(self) -> bool:
@@ -251,6 +225,18 @@ class RLConfig:
         return not same_numerics or self.mode == "async" or self.train.minibatches_per_step > 1
 
     @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints: ``checkpoint_every``, or by default ``steps / 10`` rounded up, at most 100
+        (1000 steps: every 100; 200: every 20; 25: every 3). 0: only at the end.
+
+        >>> RLConfig(steps=1000).checkpoint_interval, RLConfig(steps=200, checkpoint_every=0).checkpoint_interval
+        (100, 0)
+        """
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return min(DEFAULT_CHECKPOINTS_EVERY_AT_MOST, -(-self.steps // DEFAULT_CHECKPOINTS_PER_RUN))
+
+    @property
     def num_global_batch(self) -> int:
         """Steps the queue holds at once: the step in training plus the ones rollout may run ahead."""
         return self.max_staleness + 1
@@ -258,6 +244,192 @@ class RLConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a key takes: ``kind`` (int or float; an int is a float too, a bool is neither), between ``low``
+    and ``high`` (each closed unless ``*_open``), and None too when ``optional``."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+
+    def describe(self) -> str:
+        name = "an int" if self.kind is int else "a float"
+        if self.low is not None and self.high is not None:
+            bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            bounds = ""
+        return name + bounds + (" or None" if self.optional else "")
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if isinstance(value, bool) or not isinstance(value, int if self.kind is int else (int, float)):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below  # False for nan: every comparison with it is
+
+    def judges(self, value: Any) -> bool:
+        """Whether a raw value (YAML or an override, before conversion) is checked here: numbers are, the rest's
+        type is msgspec's to refuse ("Expected `float`, got `str`")."""
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Text:
+    """The strings a key takes: one of ``choices``, or a match of ``pattern`` (described as ``described``)."""
+
+    choices: tuple[str, ...] = ()
+    pattern: str = ""
+    described: str = ""
+    optional: bool = False
+
+    def describe(self) -> str:
+        what = f"one of {sorted(self.choices)}" if self.choices else self.described
+        return what + (" or None" if self.optional else "")
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if not isinstance(value, str):
+            return False
+        return value in self.choices if self.choices else re.fullmatch(self.pattern, value) is not None
+
+    def judges(self, value: Any) -> bool:
+        return isinstance(value, str)
+
+
+def _ints(low: int, optional: bool = False) -> Range:
+    return Range(int, low, optional=optional)
+
+
+def _floats(low: float, *, low_open: bool = False, optional: bool = False) -> Range:
+    return Range(float, low, low_open=low_open, optional=optional)
+
+
+_POSITIVE = Range(float, 0, low_open=True)
+_FRACTION = Range(float, 0, 1)
+_IMPORT_PATH = Text(pattern=r"[\w.]+:[\w.]+", described="'module:name'", optional=True)
+
+#: the type and range of every numeric or constrained key, checked when a config is parsed (:func:`check_ranges`);
+#: tests/unit/trainers/test_config.py fails on a key of the dataclasses that is in neither this nor UNRANGED_KEYS
+KEY_RANGES: dict[str, Range | Text] = {
+    "task.reward_fn": _IMPORT_PATH,
+    "task.name": _IMPORT_PATH,
+    "task.num_train_prompts": _ints(1),
+    "task.num_eval_prompts": _ints(1),
+    "task.seed": _ints(0),
+    "rollout.num_workers": _ints(1),
+    "rollout.engine_device": Text(pattern=r"cpu|cuda(:\d+)?", described="cpu, cuda or cuda:N"),
+    "rollout.max_new_tokens": _ints(1),
+    "rollout.temperature": _floats(0),
+    "rollout.top_p": Range(float, 0, 1, low_open=True),
+    "rollout.groups_per_request": _ints(1),
+    "rollout.num_reward_workers": _ints(1),
+    "rollout.reward_groups_per_request": _ints(1),
+    "rollout.generate_fn": _IMPORT_PATH,
+    "rollout.filter_fn": _IMPORT_PATH,
+    "rollout.reward_fn": _IMPORT_PATH,
+    "rollout.num_task_servers": _ints(1),
+    "rollout.task_server_max_episodes": _ints(1, optional=True),
+    "rollout.task_server_idle_timeout": _POSITIVE,
+    "train.world_size": _ints(1),
+    "train.backend": Text(("gloo", "nccl", "mpi", "ucc"), optional=True),
+    "train.num_gpus_per_rank": _floats(0),
+    "train.lr": _POSITIVE,
+    "train.lr_warmup_steps": _ints(0),
+    "train.weight_decay": _floats(0),
+    "train.grad_clip": _POSITIVE,
+    "train.micro_batch_size": _ints(1),
+    "train.fsdp_min_layer_params": _ints(0),
+    "train.minibatches_per_step": _ints(1),
+    "train.clip_low": Range(float, 0, 1, high_open=True, optional=True),
+    "train.clip_high": _floats(0, optional=True),
+    "train.loss_agg": Text(LOSS_AGG_MODES, optional=True),
+    "train.kl_coef": _floats(0),
+    "train.kl_kind": Text(("k1", "k2", "k3")),
+    "train.filters.zero_advantage_eps": _floats(0),
+    "train.filters.minimal_advantage": _floats(0, optional=True),
+    "train.filters.max_trained_count": _ints(1, optional=True),
+    "train.filters.zero_std_eps": _floats(0),
+    "train.max_train_groups": _ints(1, optional=True),
+    "train.rollout_is_high": _POSITIVE,
+    "train.rollout_is_low": _floats(0, optional=True),
+    "sft.lr": _POSITIVE,
+    "sft.batch_size": _ints(1),
+    "sft.max_steps": _ints(1),
+    "sft.target_accuracy": _FRACTION,
+    "sft.eval_every": _ints(1),
+    "sft.eval_samples": _ints(1),
+    "steps": _ints(1),
+    "prompts_per_step": _ints(1),
+    "n_samples": _ints(1),
+    "max_staleness": _ints(0),
+    "sync_every": _ints(1),
+    "checkpoint_every": _ints(0, optional=True),
+    "checkpoint_keep": _ints(1),
+    "seed": _ints(0),
+    "num_storage_units": _ints(1),
+    "queue_timeout": _POSITIVE,
+    "eval_every": _ints(0),
+    "log_every": _ints(1),
+}
+
+#: keys whose type (a bool, a Literal, a free string or mapping) is all there is to check: msgspec does
+UNRANGED_KEYS = frozenset(
+    {
+        "task.kwargs",
+        "train.loss",  # one of LOSSES, which a user may extend: checked against it in RLConfig.validate
+        "init_from",
+        "rollout.engine",
+        "rollout.engine_url",
+        "rollout.partial_rollout",
+        "rollout.generate_fn_kwargs",
+        "rollout.task_server_env",
+        "train.filters.drop_zero_advantage",
+        "train.filters.skip_non_positive_advantage",
+        "train.filters.nonzero_std_groups",
+        "train.normalize_advantage_std",
+        "train.recompute_old_logprobs",
+        "train.rollout_correction",
+        "train.mask_offpolicy_in_partial_rollout",
+        "sft.enabled",
+        "sft.target_metric",
+        "mode",
+        "weight_sync",
+        "output_dir",
+        "checkpoint_queue",
+        "resume",
+        "tensorboard",
+        "wandb_project",
+        "wandb_mode",
+    }
+)
+
+
+def check_ranges(values: dict[str, Any], raw: bool = False) -> None:
+    """Raise ConfigError on the first of the dotted ``values`` outside its :data:`KEY_RANGES` entry, naming the
+    key, what it takes and the value given. ``raw``: values as parsed from YAML or an override, before msgspec
+    converts them; only those of the right sort are judged (a string for a number is msgspec's type error).
+
+    >>> check_ranges({"train.lr": -1})
+    Traceback (most recent call last):
+    ...
+    trainers.config.ConfigError: train.lr must be a float > 0, got -1
+    """
+    for key, value in values.items():
+        allowed = KEY_RANGES.get(key)
+        if allowed is None or (raw and not allowed.judges(value)) or allowed.admits(value):
+            continue
+        raise ConfigError(f"{key} must be {allowed.describe()}, got {value!r}")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RLConfig:
@@ -284,6 +456,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             node = node.setdefault(part, {})
         node[leaf] = value
     try:
+        check_ranges(flatten_dict(raw), raw=True)  # before msgspec builds the sections (FilterConfig checks its own)
         return msgspec.convert(raw, RLConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid config: {exc}{_source(str(exc), overrides, path)}") from None

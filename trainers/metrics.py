@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,11 +108,49 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(clean, sort_keys=True) + "\n")
 
+    def cut_back(self, step: int) -> int:
+        """Drop the rows of the steps after a checkpoint at ``step`` (a run resuming from it writes them again);
+        returns how many were dropped. A ``grpo`` row's ``step`` is the 0-based step it trained, in the checkpoint
+        of ``step + 1``, so rows of steps ``>= step`` go; other rows (checkpoint, resume) go when their ``step`` is
+        past it. ``sft`` rows count the warm-up's own steps and stay. The file is rewritten to a temporary file,
+        fsynced and renamed over the old one: a crash leaves the old log or the cut one, never a part.
+
+        >>> import tempfile
+        >>> log = MetricsLog(Path(tempfile.mkdtemp()) / "metrics.jsonl")
+        >>> for s in range(3): log.write({"kind": "grpo", "step": s})
+        >>> log.cut_back(1), [r["step"] for r in log.rows()]
+        (2, [0])
+        """
+        if not self.path.exists():
+            return 0
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if not _after(json.loads(line), step)]
+        if len(kept) == len(lines):
+            return 0
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with tmp.open("w") as f:
+            f.write("".join(f"{line}\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return len(lines) - len(kept)
+
     def rows(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
         rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def _after(row: dict[str, Any], step: int) -> bool:
+    """Whether ``row`` belongs to a step after a checkpoint at ``step`` (see :meth:`MetricsLog.cut_back`)."""
+    kind, row_step = row.get("kind"), row.get("step")
+    if kind == "sft" or not isinstance(row_step, int):
+        return False
+    return row_step >= step if kind == "grpo" else row_step > step
 
 
 def plotted_panels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:

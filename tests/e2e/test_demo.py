@@ -179,3 +179,32 @@ def test_the_built_in_single_turn_rollout_runs_as_a_generate_fn(tmp_path):
     assert all(0.0 <= r["reward"] <= 1.0 and 1.0 <= r["response_len"] <= 4.0 for r in grpo)
     for r in grpo:
         assert abs(r["ratio_mean"] - 1.0) < 1e-3 and abs(r["approx_kl"]) < 1e-4, r
+
+
+@pytest.mark.slow  # a demo run stopped by Ctrl-C, then resumed (~2 min); the unit tier: test_stopping.py
+def test_a_ctrl_c_prints_one_line_exits_130_and_the_same_command_resumes(tmp_path, wait_until):
+    import re
+    import signal
+
+    out = tmp_path / "demo"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    demo_py = ROOT / "recipe" / "demo.py"
+    demo = subprocess.Popen(
+        [sys.executable, str(demo_py), f"output_dir={out}", *SHORT, "steps=400", "checkpoint_every=3"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job's SIGINT is ignored
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and metrics.read_text().count('"kind": "grpo"') >= 4, 600, what="4 steps")
+    os.killpg(demo.pid, signal.SIGINT)  # a terminal's Ctrl-C: SIGINT to the foreground process group
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 130, err[-6000:]
+    assert "Traceback" not in err, err[-6000:]
+    stopped = r"^stopped at step (\d+); last checkpoint at step (\d+); run the same command to resume$"
+    line = re.search(stopped, err, re.M)
+    assert line, err[-3000:]
+    saved = int(line.group(2))
+
+    run_demo(out, f"steps={saved + 2}", "checkpoint_every=3")  # resumes; the stopped run's later rows are cut
+    assert [r["step"] for r in rows(out, "grpo")] == list(range(saved + 2))

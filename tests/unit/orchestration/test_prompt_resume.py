@@ -87,7 +87,7 @@ def drive(out: Path, steps: int, *overrides: str, crash_at: int | None = None) -
         for ahead in range(step, min(step + run.lookahead + 1, steps)):
             if ahead not in recorder.prompts:
                 run.put_prompts(ahead)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
             run.save(step + 1)
             if step + 1 == crash_at:
                 return recorder.prompts
@@ -130,3 +130,13 @@ def test_a_run_that_dies_after_a_checkpoint_draws_again_the_prompts_drawn_ahead(
     resumed = {**{s: p for s, p in first.items() if s < STEPS // 2}, **second}
     for step in range(STEPS):
         assert resumed[step] == uninterrupted[step], f"step {step}: resumed {resumed[step]} != {uninterrupted[step]}"
+
+
+def test_a_resumed_run_cuts_metrics_back_to_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    drive(out, STEPS, "checkpoint_every=2", crash_at=2)
+    log = MetricsLog(out / "metrics.jsonl")
+    for step in range(4):  # the crashed run had logged steps 2 and 3 after its checkpoint at 2
+        log.write({"kind": "grpo", "step": step})
+    drive(out, STEPS, "checkpoint_every=2")
+    assert [r["step"] for r in log.rows("grpo")] == [0, 1]

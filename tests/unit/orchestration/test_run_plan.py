@@ -141,5 +141,16 @@ def test_the_idle_timeout_of_the_task_servers_a_run_starts_is_a_config_key_above
     config = load_config("recipe/configs/agent_demo.yaml")
     assert config.rollout.task_server_idle_timeout == 1800.0  # the server's own default (300 s) is not a run's
     assert load_config(None, {"rollout.task_server_idle_timeout": 60}).rollout.task_server_idle_timeout == 60.0
-    with pytest.raises(ConfigError, match=r"rollout.task_server_idle_timeout must be a number of seconds > 0, got 0.0"):
+    with pytest.raises(ConfigError, match=r"rollout.task_server_idle_timeout must be a float > 0, got 0.0"):
         load_config(None, {"rollout.task_server_idle_timeout": 0.0})
+
+
+def test_new_with_a_bad_value_leaves_the_old_run_where_it_is(tmp_path, capsys):
+    from recipe.demo import main
+
+    out = tmp_path / "demo"
+    _finished_run(out, 5)
+    assert main(["--new", f"output_dir={out}", "train.lr=-1"]) == 2
+    error = capsys.readouterr().err
+    assert "demo.py: error: train.lr must be a float > 0, got -1 (from the override train.lr=-1)" in error
+    assert (out / "config.yaml").exists() and not (tmp_path / "demo.prev-1").exists()
