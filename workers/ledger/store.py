@@ -598,18 +598,20 @@ class Ledger:
 
     # -- locks -----------------------------------------------------------------------------------------------------
     def acquire_lock(self, name: str, owner: str, ttl_s: float) -> bool:
-        """Take (or renew) the named lease for ``owner``; ``False`` while another owner holds it unexpired."""
+        """Take (or renew) the named lease for ``owner``; ``False`` while another owner holds it unexpired.
+
+        One upsert: taken if absent, else renewed or taken over if ``owner`` holds it or it expired. (Before, an
+        ``INSERT`` that found the lock held was followed by a read of it, which found nothing on PostgreSQL when its
+        holder released it in between: ``NoResultFound``.)"""
         now = time.time()
         c = s.locks.c
-        with self._tx() as conn:
-            stmt = self._insert(s.locks).values(name=name, owner=owner, expires_at=now + ttl_s)
-            if conn.execute(stmt.on_conflict_do_nothing().returning(c.name)).first() is not None:
-                return True
-            row = conn.execute(select(s.locks).where(c.name == name).with_for_update()).one()
-            if row.owner != owner and row.expires_at >= now:
-                return False
-            conn.execute(update(s.locks).where(c.name == name).values(owner=owner, expires_at=now + ttl_s))
-            return True
+        held = dict(owner=owner, expires_at=now + ttl_s)
+        stmt = self._insert(s.locks).values(name=name, **held)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[c.name], set_=held, where=or_(c.owner == owner, c.expires_at < now)
+        )
+        with self._tx(autocommit=True) as conn:
+            return conn.execute(stmt.returning(c.name)).first() is not None
 
     def release_lock(self, name: str, owner: str) -> None:
         with self._tx() as conn:

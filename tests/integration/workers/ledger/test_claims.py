@@ -1,6 +1,6 @@
 """Claims on PostgreSQL under concurrency: claimers (threads and processes, one task or a batch at a time) never get
 the same task and together claim all of them; a claim is one statement, outside an explicit transaction; batched
-claims keep the order and the semantics of single ones."""
+claims keep the order and the semantics of single ones; the scheduler's lock never fails on a concurrent release."""
 
 from __future__ import annotations
 
@@ -145,3 +145,59 @@ def test_processes_claiming_at_once_never_get_the_same_task_and_claim_them_all(p
     keys = [key for out in outs for key in json.loads(out.read_text())["keys"]]
     assert len(keys) == 400 and len(set(keys)) == 400
     assert ledger.task_counts("train") == {"running": 400}
+
+
+def test_acquire_lock_survives_a_release_between_its_statements(pg_url):
+    """The holder releases the lock while another ledger is taking it. Before, ``acquire_lock`` saw the lock held
+    (its ``INSERT`` conflicted), then read the row, gone by then: ``NoResultFound``. Now it is one upsert."""
+    holder, taker = Ledger(pg_url), Ledger(pg_url)
+    assert holder.acquire_lock("epochs:train", "holder", ttl_s=60)
+    seen: list[str] = []
+
+    def release_after_the_first(conn, cursor, statement, parameters, context, executemany) -> None:
+        if "ledger_locks" in statement:
+            seen.append(statement)
+            if len(seen) == 2:  # between the taker's first and second statement on the lock
+                holder.release_lock("epochs:train", "holder")
+
+    event.listen(taker._engine, "before_cursor_execute", release_after_the_first)
+    try:
+        assert not taker.acquire_lock("epochs:train", "taker", ttl_s=60)  # held when it asked
+    finally:
+        event.remove(taker._engine, "before_cursor_execute", release_after_the_first)
+    holder.release_lock("epochs:train", "holder")  # (a no-op if released above)
+    assert taker.acquire_lock("epochs:train", "taker", ttl_s=60)
+    assert not holder.acquire_lock("epochs:train", "holder", ttl_s=60)
+
+
+def test_acquire_lock_under_concurrent_acquires_and_releases(pg_url):
+    """Threads take, hold and release one lock over and over: never an error, never two holders at once."""
+    holders: list[str] = []
+    errors: list[BaseException] = []
+    taken = Counter[str]()
+    start = threading.Barrier(6)
+
+    def worker(i: int) -> None:
+        ledger = Ledger(pg_url)
+        me = f"w{i}"
+        start.wait()
+        try:
+            for _ in range(60):
+                if ledger.acquire_lock("epochs:train", me, ttl_s=60):
+                    holders.append(me)
+                    assert len(holders) == 1, f"two holders at once: {holders}"
+                    taken[me] += 1
+                    holders.remove(me)
+                    ledger.release_lock("epochs:train", me)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            ledger.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    assert sum(taken.values()) > 0
