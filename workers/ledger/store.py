@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
@@ -42,7 +43,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 
 from workers.ledger import schema as s
 from workers.ledger.errors import ClaimLost, LedgerNotFound, LedgerUnavailable, SchemaVersionMismatch
@@ -94,9 +95,11 @@ class Ledger:
             # SQLite's and PostgreSQL's INSERT both have on_conflict_do_nothing(); one callable serves either
             self._insert: Callable[[Any], Any] = sqlite_insert
         else:
-            self._engine = create_engine(
-                self.target.url, pool_pre_ping=True, pool_size=2, connect_args={"connect_timeout": 5}
-            )
+            self._engine = create_engine(self.target.url, pool_size=2, connect_args={"connect_timeout": 5})
+            # a connection idle a while is pinged before use (a restarted server dropped it); one just used is not:
+            # the ping would be a claim's second round trip
+            event.listen(self._engine, "checkout", partial(_ping_if_idle, self._engine.dialect))
+            event.listen(self._engine, "checkin", _mark_checkin)
             self._insert = pg_insert
         self._open(create)
 
@@ -768,6 +771,28 @@ def _task(row: Any) -> Task:
         attempts=row.attempts,
         last_error=row.last_error,
     )
+
+
+# how long a pooled PostgreSQL connection may sit unused and still be handed out without a ping
+PING_AFTER_IDLE_S = 1.0
+
+
+def _mark_checkin(dbapi_connection: Any, record: Any) -> None:
+    if record is not None:
+        record.info["ledger_checked_in"] = time.monotonic()
+
+
+def _ping_if_idle(dialect: Any, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """``pool_pre_ping`` for connections idle longer than ``PING_AFTER_IDLE_S`` only: one back in use within that
+    second is not pinged (a server restart inside it surfaces as :class:`LedgerUnavailable` on the next call, which
+    callers retry, as they do for a restart during a call). A failed ping makes the pool open a fresh connection."""
+    checked_in = record.info.get("ledger_checked_in")
+    if checked_in is not None and time.monotonic() - checked_in <= PING_AFTER_IDLE_S:
+        return
+    try:
+        dialect.do_ping(dbapi_connection)  # SELECT 1 in autocommit (no transaction left open)
+    except Exception as exc:  # the connection is gone: the pool discards it and connects anew
+        raise DisconnectionError(f"ledger connection lost while idle: {exc}") from exc
 
 
 def _sqlite_begin(conn: Connection) -> None:

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import event, update
 
 from tests.integration.workers.ledger.claimers import claim_batches
-from workers.ledger import Ledger, Task, schema
+from workers.ledger import Ledger, Task, schema, store
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -201,3 +201,24 @@ def test_acquire_lock_under_concurrent_acquires_and_releases(pg_url):
         thread.join(120)
     assert errors == []
     assert sum(taken.values()) > 0
+
+
+def test_a_connection_is_pinged_only_after_it_sat_idle(pg_url, monkeypatch):
+    """Back-to-back claims send no ``SELECT 1`` before their statement; one after ``PING_AFTER_IDLE_S`` does, and a
+    server that dropped the connection meanwhile costs a fresh connection, not an error."""
+    ledger = Ledger(pg_url)
+    ledger.write_epoch("train", 0, [Task(id=str(i)) for i in range(10)], owner="test")
+    pings = []
+    ping = ledger._engine.dialect.do_ping
+    monkeypatch.setattr(ledger._engine.dialect, "do_ping", lambda c: pings.append(1) or ping(c))
+    for _ in range(3):
+        ledger.claim("train", owner="w", lease_s=60)
+    assert pings == []
+    monkeypatch.setattr(store, "PING_AFTER_IDLE_S", 0.0)
+    with ledger._tx() as conn:  # the server ends the ledger's pooled connections
+        conn.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+            "AND datname = current_database()"
+        )
+    assert ledger.claim("train", owner="w", lease_s=60) is not None
+    assert pings
