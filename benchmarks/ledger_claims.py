@@ -17,7 +17,8 @@ vacuumed, analysed and checkpointed, as autovacuum and the checkpointer would), 
 processes released together that claim (``Ledger.claim``, leases far longer than the run) as fast as they can for
 ``--seconds``: claims/s over all of them, the p50 claim latency, and the claims the database refused
 (``LedgerUnavailable``: on SQLite, no write lock within the 60 s busy timeout). Every repetition reloads the table,
-so each one starts from N pending tasks. Each claimed task is checked to be distinct.
+so each one starts from N pending tasks. Each claimed task is checked to be distinct. ``--batch K``: each call claims
+K tasks (``Ledger.claim_many``); the p50 is then a call's.
 """
 
 from __future__ import annotations
@@ -148,24 +149,29 @@ def preload(url: str, backend: str, tasks: int, split: str = "train") -> Ledger:
     return ledger
 
 
-def claim_for(url: str, split: str, owner: str, ready, seconds: float, out_path: str) -> None:
+def claim_for(url: str, split: str, owner: str, ready, seconds: float, out_path: str, batch: int = 1) -> None:
     """Open the ledger, wait at ``ready`` for the others, then claim tasks of ``split`` one after another for
-    ``seconds``; write each claim's task key and latency to ``out_path``, and how many claims the database refused
-    (``LedgerUnavailable``: on SQLite, the write lock not had within its 60 s busy timeout)."""
+    ``seconds`` (``batch`` > 1: that many per call, ``Ledger.claim_many``); write each claimed task's key, each call's
+    latency to ``out_path``, and how many calls the database refused (``LedgerUnavailable``: on SQLite, the write
+    lock not had within its 60 s busy timeout)."""
     ledger = Ledger(url)
     keys, latencies, refused = [], [], 0
     ready.wait()
     began = time.perf_counter()
     while (now := time.perf_counter()) - began < seconds:
         try:
-            got = ledger.claim(split, owner=owner, lease_s=3600)
+            if batch == 1:
+                one = ledger.claim(split, owner=owner, lease_s=3600)
+                got = [] if one is None else [one]
+            else:
+                got = ledger.claim_many(split, owner, batch, lease_s=3600)
         except LedgerUnavailable:
             refused += 1
             continue
         latencies.append(time.perf_counter() - now)
-        if got is None:
+        if not got:
             break
-        keys.append(got[0].task_key)
+        keys += [claim.task_key for claim, _ in got]
     elapsed = time.perf_counter() - began
     with open(out_path, "w") as f:
         json.dump({"keys": keys, "latencies": latencies, "elapsed": elapsed, "refused": refused}, f)
@@ -191,9 +197,11 @@ def scheduler_poll_ms(ledger: Ledger, url: str, out_dir: Path, polls: int) -> fl
     return statistics.median(times) * 1000
 
 
-def claims_at_scale(url: str, backend: str, tasks: int, processes: int, seconds: float, polls: int, out_dir: Path):
-    """One repetition at ``tasks`` tasks: (claims/s, p50 claim latency s, scheduler poll ms, preload s, claims the
-    database refused)."""
+def claims_at_scale(
+    url: str, backend: str, tasks: int, processes: int, seconds: float, polls: int, out_dir: Path, batch: int = 1
+):
+    """One repetition at ``tasks`` tasks: (claims/s, p50 latency s of a claim call, scheduler poll ms, preload s,
+    calls the database refused)."""
     began = time.perf_counter()
     ledger = preload(url, backend, tasks)
     loaded = time.perf_counter() - began
@@ -201,7 +209,7 @@ def claims_at_scale(url: str, backend: str, tasks: int, processes: int, seconds:
     ready = CTX.Barrier(processes + 1)  # every claimer has its ledger open before the clock starts
     outs = [out_dir / f"c{i}.json" for i in range(processes)]
     procs = [
-        CTX.Process(target=claim_for, args=(url, "train", f"c{i}", ready, seconds, str(outs[i])))
+        CTX.Process(target=claim_for, args=(url, "train", f"c{i}", ready, seconds, str(outs[i]), batch))
         for i in range(processes)
     ]
     for p in procs:
@@ -224,7 +232,7 @@ def at_scale(args, backend: str, url: str, work: Path) -> list[dict]:
     rows = []
     for tasks in args.at_scale:
         reps = [
-            claims_at_scale(url, backend, tasks, args.processes, args.seconds, args.polls, work)
+            claims_at_scale(url, backend, tasks, args.processes, args.seconds, args.polls, work, args.batch)
             for _ in range(args.reps)
         ]
         for i, (rate, p50, poll, loaded, refused) in enumerate(reps):
@@ -239,6 +247,7 @@ def at_scale(args, backend: str, url: str, work: Path) -> list[dict]:
             "tasks": tasks,
             "processes": args.processes,
             "seconds": args.seconds,
+            "batch": args.batch,
             "reps": args.reps,
             "claims_per_s": [r[0] for r in reps],
             "median_claims_per_s": statistics.median(r[0] for r in reps),
@@ -292,6 +301,7 @@ def main() -> None:
     parser.add_argument("--at-scale", nargs="+", type=int, metavar="TASKS", help="claims/s at these table sizes")
     parser.add_argument("--seconds", type=float, default=10.0, help="--at-scale: each repetition's claiming window")
     parser.add_argument("--polls", type=int, default=10, help="--at-scale: scheduler polls timed per repetition")
+    parser.add_argument("--batch", type=int, default=1, help="--at-scale: tasks per claim call (claim_many if > 1)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ledger-bench-"))
     server = None

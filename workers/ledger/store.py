@@ -21,12 +21,16 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Connection,
+    Float,
     Select,
+    String,
     bindparam,
+    column,
     create_engine,
     event,
     func,
@@ -39,7 +43,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 
 from workers.ledger import schema as s
 from workers.ledger.errors import ClaimLost, LedgerNotFound, LedgerUnavailable, SchemaVersionMismatch
@@ -91,9 +95,11 @@ class Ledger:
             # SQLite's and PostgreSQL's INSERT both have on_conflict_do_nothing(); one callable serves either
             self._insert: Callable[[Any], Any] = sqlite_insert
         else:
-            self._engine = create_engine(
-                self.target.url, pool_pre_ping=True, pool_size=2, connect_args={"connect_timeout": 5}
-            )
+            self._engine = create_engine(self.target.url, pool_size=2, connect_args={"connect_timeout": 5})
+            # a connection idle a while is pinged before use (a restarted server dropped it); one just used is not:
+            # the ping would be a claim's second round trip
+            event.listen(self._engine, "checkout", partial(_ping_if_idle, self._engine.dialect))
+            event.listen(self._engine, "checkin", _mark_checkin)
             self._insert = pg_insert
         self._open(create)
 
@@ -135,13 +141,16 @@ class Ledger:
         return self._engine.url.render_as_string(hide_password=True)
 
     @contextmanager
-    def _tx(self, read_only: bool = False) -> Iterator[Connection]:
+    def _tx(self, read_only: bool = False, autocommit: bool = False) -> Iterator[Connection]:
         """One transaction; a lost or refused connection becomes :class:`LedgerUnavailable`. ``read_only``: on SQLite
-        a deferred ``BEGIN`` (no write lock: it reads beside a writer) instead of ``BEGIN IMMEDIATE``."""
+        a deferred ``BEGIN`` (no write lock: it reads beside a writer) instead of ``BEGIN IMMEDIATE``. ``autocommit``
+        (PostgreSQL, for a block of one statement, atomic by itself): no ``BEGIN`` and ``COMMIT`` round trips."""
         try:
             with self._engine.connect() as conn:
                 if read_only:
                     conn.execution_options(ledger_read_only=True)
+                if autocommit and self.backend == "postgresql":
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
                 with conn.begin():
                     yield conn
         except (OperationalError, DBAPIError) as exc:
@@ -238,19 +247,86 @@ class Ledger:
         or stalled; the longest expired first), else the oldest pending one (lowest epoch, then the order written);
         ``None`` when there is none. A task whose expired claims used up ``max_attempts`` is marked failed.
 
-        Each candidate is the first row of an index range (``schema``): O(log n) in the ledger's tasks."""
-        t = s.tasks.c
-        while True:
+        Each candidate is the first row of an index range (``schema``): O(log n) in the ledger's tasks. On PostgreSQL
+        the claim is one statement (one round trip, no ``BEGIN``/``COMMIT``), see :meth:`claim_many`."""
+        got = self.claim_many(split, owner, 1, lease_s=lease_s, epoch=epoch)
+        return got[0] if got else None
+
+    def claim_many(
+        self, split: str, owner: str, n: int, lease_s: float = 60.0, epoch: int | None = None
+    ) -> list[tuple[DispatchedSamplingTask, Task]]:
+        """Claim up to ``n`` tasks of ``split`` (of ``epoch``, if given) for ``owner`` at once, in the order
+        :meth:`claim` takes them (expired leases first, the longest expired first, then the oldest pending tasks);
+        fewer (or none) when fewer are claimable. Each task gets a claim of its own (heartbeat, complete... each).
+
+        PostgreSQL: one statement (``_PG_CLAIM``) locks the candidates with ``FOR UPDATE SKIP LOCKED`` (concurrent
+        claimers never wait on each other's rows, nor take the same one), ends their expired claims, inserts the new
+        claims and updates the tasks, run outside an explicit transaction: one round trip for all ``n``. SQLite: one
+        ``BEGIN IMMEDIATE`` transaction (the file is the lock) for all ``n``."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if self.backend == "postgresql":
+            return self._claim_pg(split, owner, n, lease_s, epoch)
+        return self._claim_sqlite(split, owner, n, lease_s, epoch)
+
+    def _claim_pg(
+        self, split: str, owner: str, n: int, lease_s: float, epoch: int | None
+    ) -> list[tuple[DispatchedSamplingTask, Task]]:
+        out: list[tuple[DispatchedSamplingTask, Task]] = []
+        while len(out) < n:
             now = time.time()
-            params = dict(split=split, epoch=epoch, now=now)
-            with self._tx() as conn:
+            deadline = now + lease_s
+            params = dict(
+                split=split,
+                epoch=epoch,
+                now=now,
+                deadline=deadline,
+                owner=owner,
+                n=n - len(out),
+                max_attempts=self.max_attempts,
+            )
+            with self._tx(autocommit=True) as conn:
+                rows = conn.execute(_PG_CLAIM[epoch is not None], params).all()
+            claimed = [row for row in rows if row.claim_id is not None]
+            # the order a claim takes them: expired leases (the longest expired first), then pending tasks
+            claimed.sort(key=lambda r: (0, r.was_deadline, 0, 0) if r.was == "running" else (1, 0.0, r.epoch, r.key))
+            for row in claimed:
+                claim = DispatchedSamplingTask(
+                    id=row.claim_id,
+                    task_key=row.key,
+                    task_id=row.task_id,
+                    split=row.split,
+                    epoch=row.epoch,
+                    owner=owner,
+                    attempt=row.attempts,
+                    status="running",
+                    lease_deadline=deadline,
+                    created_at=now,
+                    updated_at=now,
+                    last_error=row.last_error,
+                )
+                out.append((claim, _task(row)))
+            if len(claimed) == len(rows):  # none failed on its last attempt: there is no more to take now
+                break
+        return out
+
+    def _claim_sqlite(
+        self, split: str, owner: str, n: int, lease_s: float, epoch: int | None
+    ) -> list[tuple[DispatchedSamplingTask, Task]]:
+        t = s.tasks.c
+        out: list[tuple[DispatchedSamplingTask, Task]] = []
+        now = time.time()
+        params = dict(split=split, epoch=epoch, now=now)
+        deadline = now + lease_s
+        with self._tx() as conn:
+            while len(out) < n:
                 row = None
                 for expired in (True, False):
                     row = conn.execute(_CANDIDATE[expired, epoch is not None], params).first()
                     if row is not None:
                         break
                 if row is None:
-                    return None
+                    break
                 if row.status == "running":  # its worker died or stalled: expire that claim
                     error = f"claim {row.claim_id} expired: lease ended {now - row.lease_deadline:.1f} s ago"
                     self._end_claim(conn, row.claim_id, "expired", error, now)
@@ -259,7 +335,6 @@ class Ledger:
                         conn.execute(update(s.tasks).where(t.key == row.key).values(**values))
                         continue
                 attempt = row.attempts + 1
-                deadline = now + lease_s
                 inserted = conn.execute(
                     _NEW_CLAIM,
                     dict(
@@ -290,8 +365,8 @@ class Ledger:
                     updated_at=now,
                     last_error=row.last_error,
                 )
-                task = _task(row).model_copy(update={"status": "running", "attempts": attempt})
-                return claim, task
+                out.append((claim, _task(row).model_copy(update={"status": "running", "attempts": attempt})))
+        return out
 
     def heartbeat(self, claim_id: int, lease_s: float = 60.0) -> float:
         """Renew a live claim's lease; its new deadline. :class:`ClaimLost` if it is no longer the live claim."""
@@ -526,18 +601,20 @@ class Ledger:
 
     # -- locks -----------------------------------------------------------------------------------------------------
     def acquire_lock(self, name: str, owner: str, ttl_s: float) -> bool:
-        """Take (or renew) the named lease for ``owner``; ``False`` while another owner holds it unexpired."""
+        """Take (or renew) the named lease for ``owner``; ``False`` while another owner holds it unexpired.
+
+        One upsert: taken if absent, else renewed or taken over if ``owner`` holds it or it expired. (Before, an
+        ``INSERT`` that found the lock held was followed by a read of it, which found nothing on PostgreSQL when its
+        holder released it in between: ``NoResultFound``.)"""
         now = time.time()
         c = s.locks.c
-        with self._tx() as conn:
-            stmt = self._insert(s.locks).values(name=name, owner=owner, expires_at=now + ttl_s)
-            if conn.execute(stmt.on_conflict_do_nothing().returning(c.name)).first() is not None:
-                return True
-            row = conn.execute(select(s.locks).where(c.name == name).with_for_update()).one()
-            if row.owner != owner and row.expires_at >= now:
-                return False
-            conn.execute(update(s.locks).where(c.name == name).values(owner=owner, expires_at=now + ttl_s))
-            return True
+        held = dict(owner=owner, expires_at=now + ttl_s)
+        stmt = self._insert(s.locks).values(name=name, **held)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[c.name], set_=held, where=or_(c.owner == owner, c.expires_at < now)
+        )
+        with self._tx(autocommit=True) as conn:
+            return conn.execute(stmt.returning(c.name)).first() is not None
 
     def release_lock(self, name: str, owner: str) -> None:
         with self._tx() as conn:
@@ -598,6 +675,72 @@ _TAKE_TASK = (
 )
 
 
+def _pg_claim(by_epoch: bool) -> Any:
+    """PostgreSQL's claim of up to ``:n`` tasks as one statement. ``picked``: the candidates, locked with ``FOR UPDATE
+    SKIP LOCKED`` (rows another claimer holds are passed over, never waited on; a row another claimer took meanwhile
+    fails the re-checked ``WHERE``), expired leases first (``ix_tasks_leases``), then pending tasks
+    (``ix_tasks_claimable``; read only when the expired ones are fewer than ``:n``). ``ended``: their expired claims.
+    ``claimed``: a new claim for each, unless its expired claims used up ``:max_attempts``. Then the tasks: running
+    under their new claim, or failed. Returns the tasks' rows (``claim_id`` NULL for a failed one), with what each
+    was before (``was``, ``was_deadline``: the order a claim takes them)."""
+    in_epoch = " AND epoch = :epoch" if by_epoch else ""
+    columns = "key, status, claim_id, attempts, lease_deadline"
+    expired_error = (
+        "'claim ' || p.claim_id || ' expired: lease ended ' || round((:now - p.lease_deadline)::numeric, 1) || ' s ago'"
+    )
+    sql = f"""
+WITH expired AS (
+    SELECT {columns} FROM ledger_tasks
+    WHERE split = :split AND status = 'running' AND lease_deadline < :now{in_epoch}
+    ORDER BY lease_deadline LIMIT :n FOR UPDATE SKIP LOCKED
+), pending AS (
+    SELECT {columns} FROM ledger_tasks
+    WHERE split = :split AND status = 'pending'{in_epoch}
+    ORDER BY epoch, key LIMIT :n FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM pending) AS candidates LIMIT :n
+), ended AS (
+    UPDATE ledger_claims AS c SET status = 'expired', updated_at = :now, last_error = {expired_error}
+    FROM picked AS p
+    WHERE p.status = 'running' AND c.id = p.claim_id AND c.status = 'running'
+), claimed AS (
+    INSERT INTO ledger_claims (task_key, owner, attempt, status, lease_deadline, created_at, updated_at)
+    SELECT key, :owner, attempts + 1, 'running', :deadline, :now, :now FROM picked
+    WHERE status = 'pending' OR attempts < :max_attempts
+    RETURNING id, task_key
+)
+UPDATE ledger_tasks AS t SET
+    status = CASE WHEN c.id IS NULL THEN 'failed' ELSE 'running' END,
+    attempts = CASE WHEN c.id IS NULL THEN p.attempts ELSE p.attempts + 1 END,
+    claim_id = c.id,
+    lease_deadline = CASE WHEN c.id IS NULL THEN p.lease_deadline ELSE :deadline END,
+    last_error = CASE WHEN c.id IS NULL THEN {expired_error} ELSE t.last_error END,
+    updated_at = :now
+FROM picked AS p LEFT JOIN claimed AS c ON c.task_key = p.key
+WHERE t.key = p.key
+RETURNING t.key, t.task_id, t.split, t.epoch, t.type, t.payload, t.status, t.attempts, t.claim_id, t.last_error,
+    p.status AS was, p.lease_deadline AS was_deadline
+"""
+    t = s.tasks.c
+    return text(sql).columns(
+        t.key,
+        t.task_id,
+        t.split,
+        t.epoch,
+        t.type,
+        t.payload,
+        t.status,
+        t.attempts,
+        t.claim_id,
+        t.last_error,
+        column("was", String),
+        column("was_deadline", Float),
+    )
+
+
+_PG_CLAIM = {by_epoch: _pg_claim(by_epoch) for by_epoch in (False, True)}
+
+
 _LIVE = (
     select(s.tasks)
     .where(
@@ -628,6 +771,28 @@ def _task(row: Any) -> Task:
         attempts=row.attempts,
         last_error=row.last_error,
     )
+
+
+# how long a pooled PostgreSQL connection may sit unused and still be handed out without a ping
+PING_AFTER_IDLE_S = 1.0
+
+
+def _mark_checkin(dbapi_connection: Any, record: Any) -> None:
+    if record is not None:
+        record.info["ledger_checked_in"] = time.monotonic()
+
+
+def _ping_if_idle(dialect: Any, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """``pool_pre_ping`` for connections idle longer than ``PING_AFTER_IDLE_S`` only: one back in use within that
+    second is not pinged (a server restart inside it surfaces as :class:`LedgerUnavailable` on the next call, which
+    callers retry, as they do for a restart during a call). A failed ping makes the pool open a fresh connection."""
+    checked_in = record.info.get("ledger_checked_in")
+    if checked_in is not None and time.monotonic() - checked_in <= PING_AFTER_IDLE_S:
+        return
+    try:
+        dialect.do_ping(dbapi_connection)  # SELECT 1 in autocommit (no transaction left open)
+    except Exception as exc:  # the connection is gone: the pool discards it and connects anew
+        raise DisconnectionError(f"ledger connection lost while idle: {exc}") from exc
 
 
 def _sqlite_begin(conn: Connection) -> None:

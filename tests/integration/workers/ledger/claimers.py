@@ -58,3 +58,23 @@ def claim_and_hang(url: str, split: str, out_path: str, lease_s: float, heartbea
     with open(out_path, "w") as f:
         json.dump({"claim_id": claim.id, "task_key": claim.task_key}, f)
     time.sleep(600)
+
+
+def claim_batches(url: str, split: str, owner: str, batch: int, start, out_path: str) -> None:
+    """Claim tasks of ``split`` ``batch`` at a time (``Ledger.claim_many``; ``batch`` 1: ``Ledger.claim``) until none
+    is left, completing none (leases far longer than the run); write the task keys claimed to ``out_path``."""
+    ledger = Ledger(url)
+    keys = []
+    start.wait()
+    while True:
+        if batch == 1:
+            one = ledger.claim(split, owner=owner, lease_s=3600)
+            got = [] if one is None else [one]
+        else:
+            got = ledger.claim_many(split, owner, batch, lease_s=3600)
+        if not got:
+            break
+        keys += [claim.task_key for claim, _ in got]
+    with open(out_path, "w") as f:
+        json.dump({"keys": keys}, f)
+    ledger.close()

@@ -21,7 +21,11 @@ def full_scans(ledger: Ledger, run: Callable[[], Any]) -> list[str]:
     seen: list[tuple[str, Any]] = []
 
     def capture(conn, cursor, statement, parameters, context, executemany) -> None:
-        if not executemany and statement.lstrip().startswith(("SELECT", "UPDATE")) and "ledger_tasks" in statement:
+        if (
+            not executemany
+            and statement.lstrip().startswith(("SELECT", "UPDATE", "WITH"))
+            and "ledger_tasks" in statement
+        ):
             seen.append((statement, parameters))
 
     event.listen(ledger._engine, "before_cursor_execute", capture)
