@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-from orchestration import connect_ray, train_and_report
 from orchestration.run_plan import plan_run
 from trainers.config import ConfigError, config_from_cli
 
@@ -34,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo.py: error: {exc}", file=sys.stderr)
         return 2
     print(plan.message, flush=True)
+    from orchestration import connect_ray, train_and_report  # here: a refused run never loads Ray and the workers
+
     connect_ray()
     train_and_report(config)
     return 0
