@@ -19,9 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-import ray
-
-from orchestration import connect_ray, train_and_report
 from orchestration.run_plan import plan_run
 from orchestration.stopping import EXIT_INTERRUPTED, stopped_line
 from trainers.config import ConfigError, config_from_cli
@@ -37,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo.py: error: {exc}", file=sys.stderr)
         return 2
     print(plan.message, flush=True)
+    import ray  # here: a refused run never loads Ray and the workers
+
+    from orchestration import connect_ray, train_and_report
+
     try:
         connect_ray()
         train_and_report(config)

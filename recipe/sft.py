@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-from orchestration import GRPORun
-from recipe.demo import DEFAULT_CONFIG, connect_ray
+from orchestration import GRPORun, connect_ray
+from recipe.demo import DEFAULT_CONFIG
 from trainers.config import load_config, parse_overrides
 
 

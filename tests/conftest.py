@@ -187,8 +187,16 @@ class QueuePool:
         return started
 
     def close(self) -> None:
-        for started in self._queues.values():
-            stop_controller(started.controller)
+        import ray
+
+        controllers = [started.controller for started in self._queues.values()]
+        stopping = [controller.shutdown.remote() for controller in controllers]  # all at once, then waited for
+        for controller, ref in zip(controllers, stopping, strict=True):
+            try:
+                ray.get(ref, timeout=30)
+            except Exception:  # already dead: killed below anyway
+                pass
+            ray.kill(controller)
         self._queues.clear()
 
 

@@ -93,6 +93,8 @@ class ControllerActor:
             **config,
         )
         state = QueueState(self._config, sampler)
+        # a checkpoint that is missing or of another queue fails here, before any storage unit is started
+        restoring = self._read_checkpoint(restore_from) if restore_from is not None else None
         self._session_id = uuid.uuid4().hex
         self._secret = new_secret()  # handed out through Ray only (get_info, attach); proven on every connection
         self._owns_units = storage_units is None
@@ -104,8 +106,8 @@ class ControllerActor:
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
         )
         incarnations = ray.get([u.incarnation.remote() for u in storage_units])
-        if restore_from is not None:
-            state = self._restore(restore_from, sampler)
+        if restoring is not None:
+            state = self._restore(*restoring, sampler)
         self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
         self._watcher = UnitWatcher(
             storage_units,
@@ -154,7 +156,9 @@ class ControllerActor:
         logger.warning("storage unit %d restarted: %s", unit, lost)
         return True
 
-    def _restore(self, root: str, sampler: SamplerSpec | None) -> QueueState:
+    def _read_checkpoint(self, root: str) -> tuple[str, str, dict[str, Any]]:
+        """The committed checkpoint under ``root`` and its controller snapshot, checked against this queue's
+        configuration."""
         checkpoint = current_checkpoint(root)
         snapshot = read_snapshot(read_controller(checkpoint))
         saved = snapshot["config"]
@@ -164,7 +168,10 @@ class ControllerActor:
                     f"the checkpoint under {root} is of a queue with {name}={saved[name]}; this one has "
                     f"{name}={getattr(self._config, name)}"
                 )
-        units, old_units = len(self._units), saved["num_storage_units"]
+        return root, checkpoint, snapshot
+
+    def _restore(self, root: str, checkpoint: str, snapshot: dict[str, Any], sampler: SamplerSpec | None) -> QueueState:
+        units, old_units = len(self._units), snapshot["config"]["num_storage_units"]
         mapping, blocks = block_map(snapshot, units)
         ray.get(
             [

@@ -18,6 +18,9 @@ from transfer_queue.wire.sockets import node_ip
 logger = logging.getLogger(__name__)
 Route = Callable[[], tuple[str, bytes]]  # () -> (content type, body)
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# how often the serving loop looks for stop(): stop() waits for it (the standard library's 0.5 s made stopping a
+# controller and its storage units take most of a second); requests are served as they arrive either way
+STOP_POLL_S = 0.05
 
 
 class HttpEndpoint:
@@ -46,7 +49,9 @@ class HttpEndpoint:
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
         self.host, self.port = host, self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tq-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(STOP_POLL_S,), name="tq-http", daemon=True
+        )
         self._thread.start()
 
     @property

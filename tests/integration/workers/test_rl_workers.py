@@ -26,7 +26,9 @@ N = 2
 
 @pytest.fixture(scope="module")
 def queue(ray_session):
-    controller = tq.TransferQueueController.remote(global_batch_size=4, num_n_samples=N, sampler=tq.GRPOSampler(N))
+    controller = tq.TransferQueueController.remote(
+        global_batch_size=4, num_n_samples=N, sampler=tq.GRPOSampler(N), num_storage_units=1
+    )
     info = ray.get(controller.get_info.remote())
     yield controller, info, tq.TransferQueueClient("rl-workers-test", info)
     ray.get(controller.shutdown.remote())

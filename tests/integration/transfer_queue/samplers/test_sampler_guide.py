@@ -114,7 +114,7 @@ def test_grpo_sampler_controller_serves_whole_groups(own_controllers: Any) -> No
     meta = client.get_meta(["prompts"], batch_size=8, global_step=0, task_name="train", get_n_samples=True)
     assert sorted(set(meta.group_ids.tolist())) == [2, 3]
     with pytest.raises(GetMetaTimeout, match="task 'train' asked global_step=0 for 4 rows"):
-        client.get_meta(["prompts"], batch_size=4, global_step=0, task_name="train", get_n_samples=True, timeout=1)
+        client.get_meta(["prompts"], batch_size=4, global_step=0, task_name="train", get_n_samples=True, timeout=0.2)
     client.put(rows(4, 20), global_step=0, group_ids=[5, 4, 5, 4])
     meta = client.get_meta(["prompts"], batch_size=8, global_step=0, task_name="train", get_n_samples=True)
     assert sorted(indexes(meta)) == list(range(16, 24))
@@ -302,7 +302,7 @@ def test_pattern_2_default_sampler_for_all_tasks(own_controllers: Any) -> None:
         assert sorted(meta.group_ids.tolist()) == [0] * 4 + [1] * 4
         assert client.get_meta(["prompts"], batch_size=4, global_step=0, task_name=task).group_ids.tolist() == [2] * 4
         with pytest.raises(GetMetaTimeout, match=f"task '{task}'"):
-            client.get_meta(["prompts"], batch_size=4, global_step=0, task_name=task, timeout=1)
+            client.get_meta(["prompts"], batch_size=4, global_step=0, task_name=task, timeout=0.2)
 
 
 # ---- Pattern 3: task-specific samplers ---------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def test_pattern_4_callable_sampler_constructor(own_controllers: Any) -> None:
     meta = client.get_meta(["prompts"], batch_size=8, global_step=0, task_name="train")
     assert sorted(meta.group_ids.tolist()) == [0] * 4 + [1] * 4
     with pytest.raises(GetMetaTimeout, match="4 rows of fields"):  # group 2 has 3 of its 4 members
-        client.get_meta(["prompts"], batch_size=4, global_step=0, task_name="train", timeout=1)
+        client.get_meta(["prompts"], batch_size=4, global_step=0, task_name="train", timeout=0.2)
 
 
 # ---- Creating custom samplers -------------------------------------------------------------------------------
@@ -440,8 +440,8 @@ def test_custom_sampler_as_written_never_serves(queue: Any) -> None:
     ray.get(queue.controller.register_sampler.remote("custom_task", MyCustomSampler()))
     partition = queue.partition("custom")
     queue.client.put(rows(4), partition_id=partition)
-    with pytest.raises(GetMetaTimeout, match=r"timed out after 1\.0 s: task 'custom_task'.* 4 rows are ready"):
-        queue.client.get_meta(["prompts"], batch_size=2, partition_id=partition, task_name="custom_task", timeout=1)
+    with pytest.raises(GetMetaTimeout, match=r"timed out after 0\.2 s: task 'custom_task'.* 4 rows are ready"):
+        queue.client.get_meta(["prompts"], batch_size=2, partition_id=partition, task_name="custom_task", timeout=0.2)
     # The queue keeps serving other tasks.
     assert len(queue.client.get_meta(["prompts"], batch_size=2, partition_id=partition, task_name="other")) == 2
 
