@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from orchestration.grpo_run import GRPORun, connect_ray, train_and_report
+    from orchestration.grpo_run import GRPORun, connect_ray, train_and_report, train_from_command_line
 
-__all__ = ["GRPORun", "connect_ray", "train_and_report"]
+__all__ = ["GRPORun", "connect_ray", "train_and_report", "train_from_command_line"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import transfer_queue
 from orchestration.metric_sinks import run_sinks
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
-from orchestration.stopping import RunStopped
+from orchestration.stopping import EXIT_INTERRUPTED, RunStopped, stopped_line
 from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
@@ -604,3 +605,21 @@ def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
     print(f"{len(rows)} steps in {minutes:.1f} min; metrics: {config.output_path / 'metrics.jsonl'}")
     print(f"plot: {config.output_path / 'metrics.png'}")
     return rows
+
+
+def train_from_command_line(config: RLConfig, env_vars: dict[str, str] | None = None) -> int:
+    """A recipe's run: ``connect_ray`` then ``train_and_report``; on Ctrl-C one line (where it stopped, how to go on)
+    and exit code 130 instead of a traceback; Ray shut down however it ends.
+
+    Returns:
+        The process's exit code: 0, or ``EXIT_INTERRUPTED``.
+    """
+    try:
+        connect_ray(env_vars)
+        train_and_report(config)
+    except KeyboardInterrupt as exc:  # Ctrl-C: the run's actors and queue are stopped by now
+        print(stopped_line(config, exc), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        ray.shutdown()
+    return 0

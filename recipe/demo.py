@@ -20,7 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 from orchestration.run_plan import plan_run
-from orchestration.stopping import EXIT_INTERRUPTED, stopped_line
 from trainers.config import ConfigError, config_from_cli
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -34,19 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo.py: error: {exc}", file=sys.stderr)
         return 2
     print(plan.message, flush=True)
-    import ray  # here: a refused run never loads Ray and the workers
+    from orchestration import train_from_command_line  # here: a refused run never loads Ray and the workers
 
-    from orchestration import connect_ray, train_and_report
-
-    try:
-        connect_ray()
-        train_and_report(config)
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run's actors and queue are stopped by now
-        print(stopped_line(config, exc), file=sys.stderr)
-        return EXIT_INTERRUPTED
-    finally:
-        ray.shutdown()
-    return 0
+    return train_from_command_line(config)
 
 
 if __name__ == "__main__":

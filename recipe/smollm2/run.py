@@ -18,10 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a checkout without installing
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model file is local; never reach for a hub
 
-import ray
-
-from orchestration import connect_ray, train_and_report
-from orchestration.stopping import EXIT_INTERRUPTED, stopped_line
+from orchestration import train_from_command_line
 from trainers.config import config_from_cli
 from workers.hf_models import prepare_smollm2
 
@@ -35,15 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_smollm2(config.task.kwargs.get("cache_dir"))  # once; returns at once when already prepared
         except ImportError as exc:
             raise SystemExit(str(exc)) from None
-    try:
-        connect_ray({"HF_HUB_OFFLINE": "1"})
-        train_and_report(config)
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run's actors and queue are stopped by now
-        print(stopped_line(config, exc), file=sys.stderr)
-        return EXIT_INTERRUPTED
-    finally:
-        ray.shutdown()
-    return 0
+    return train_from_command_line(config, {"HF_HUB_OFFLINE": "1"})
 
 
 if __name__ == "__main__":

@@ -82,9 +82,9 @@ def test_a_ctrl_c_in_the_demo_prints_one_line_shuts_ray_down_and_exits_130(monke
     def interrupted(config):
         raise RunStopped(2)
 
-    monkeypatch.setattr(demo, "connect_ray", lambda: None)
-    monkeypatch.setattr(demo, "train_and_report", interrupted)
-    monkeypatch.setattr(demo.ray, "shutdown", lambda: shut_down.append(True))
+    monkeypatch.setattr(grpo_run, "connect_ray", lambda env_vars=None: None)
+    monkeypatch.setattr(grpo_run, "train_and_report", interrupted)
+    monkeypatch.setattr(grpo_run.ray, "shutdown", lambda: shut_down.append(True))
     assert demo.main([f"output_dir={tmp_path / 'run'}"]) == 130
     err = capsys.readouterr().err
     assert err == "stopped at step 2; no checkpoint yet; run the same command to start again\n"
