@@ -11,9 +11,16 @@ import pytest
 from transfer_queue import runtime
 
 
-def test_the_notice_of_rays_default_is_dropped_and_the_disabled_warning_kept(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_the_notice_of_rays_default_is_dropped_and_the_disabled_warning_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict[str, Any]] = []
     notice = "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out."
     disabled = "Token authentication is disabled for this Ray cluster. Anyone with network access..."
@@ -25,10 +32,20 @@ def test_the_notice_of_rays_default_is_dropped_and_the_disabled_warning_kept(
 
     monkeypatch.setattr(runtime.ray, "init", fake_init)
 
-    with caplog.at_level(logging.WARNING):
+    # on Ray's own logger, at WARNING: an earlier ray.init in this process stops Ray's loggers propagating to the root
+    # and may have set the "ray" logger's level above WARNING
+    kept = Kept()
+    auth_log = logging.getLogger(runtime.RAY_AUTH_LOGGER)
+    level = auth_log.level
+    auth_log.addHandler(kept)
+    auth_log.setLevel(logging.WARNING)
+    try:
         runtime.init_ray(num_cpus=2)
         runtime.init_ray(num_cpus=2)  # the filter is installed once
+    finally:
+        auth_log.removeHandler(kept)
+        auth_log.setLevel(level)
 
-    assert [r.getMessage() for r in caplog.records] == [disabled, disabled]
+    assert kept.messages == [disabled, disabled]
     assert seen == [{"num_cpus": 2}] * 2
     assert logging.getLogger(runtime.RAY_AUTH_LOGGER).filters.count(runtime._not_the_auth_default_notice) == 1
