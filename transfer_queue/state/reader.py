@@ -87,13 +87,6 @@ class MetaReader:
             raise InvalidRequest(f"data_fields names a field twice: {fields}")
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
-        if isinstance(key, int) and batch_size > self.config.rows_per_step:  # a step never holds more: never served
-            c = self.config
-            raise InvalidRequest(
-                f"get_meta can never be served: task {task_name!r} asked {describe_partition(key)} for "
-                f"batch_size={batch_size} rows, but a step holds at most {c.rows_per_step} rows "
-                f"(global_batch_size={c.global_batch_size} x num_n_samples={c.num_n_samples})"
-            )
         if not 0 < timeout < float("inf"):
             raise InvalidRequest(f"timeout must be a finite number of seconds > 0, got {timeout}")
         check_lease_s(lease_s)

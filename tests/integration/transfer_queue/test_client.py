@@ -404,14 +404,8 @@ def test_a_full_step_ring_makes_puts_wait_then_fail(fast_queue: Any) -> None:
     assert sorted(k for k in client.list_partitions() if isinstance(k, int) and k >= first) == [second, third]
 
 
-def test_requests_a_step_can_never_serve_fail_at_once_instead_of_waiting(fast_queue: Any) -> None:
+def test_a_put_a_step_can_never_hold_fails_at_once_instead_of_waiting(fast_queue: Any) -> None:
     client, step = fast_queue.client, fast_queue.step()  # steps of 8 rows
-    with pytest.raises(
-        InvalidRequest,
-        match=r"^get_meta can never be served: task 't' asked global_step=\d+ for batch_size=1000000000 rows, but a "
-        r"step holds at most 8 rows \(global_batch_size=8 x num_n_samples=1\)$",
-    ):
-        client.get_meta(["x"], 10**9, global_step=step, task_name="t", timeout=30)
     with pytest.raises(PartitionOverfilled, match=r"^a put of 9 rows can never fit global_step=\d+: a step holds at"):
         client.put(TensorDict({"x": torch.zeros(9)}, batch_size=[9]), global_step=step, timeout=30)
 
