@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
-    reason="known race, 3 of 11 local runs failed: after a unit death at step 3 the redo of step 3 makes no progress "
+    reason="known race, 3 of 15 local runs failed: after a unit death at step 3 the redo of step 3 makes no progress "
     "and the rollout of step 4 times out waiting for weights v4 (WeightChannelTimeout) or the trainer for rows "
     "(GetMetaTimeout); see the closing note of 2026-11-25",
 )
