@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
+from sqlalchemy import event
 
-from workers.ledger import AsyncSampler, Ledger, Record, SamplingConfig, SamplingScheduler, Task, schema
+from tests.ledger_states import fill_with_claim_states
+from workers.ledger import AsyncSampler, Ledger, Record, SamplingConfig, SamplingScheduler
 
 FULL_SCAN = re.compile(r"Seq Scan on ledger_tasks|\bSort\b")
 
@@ -54,15 +55,7 @@ class Idle(AsyncSampler):
 @pytest.fixture
 def ledger(postgres_server) -> Ledger:
     """Two epochs of 10,000 tasks, analysed; in epoch 0 one done, one running, one on an expired lease."""
-    ledger = Ledger(postgres_server.create_database())
-    for epoch in range(2):
-        ledger.write_epoch("train", epoch, [Task(id=str(i)) for i in range(10_000)], owner="test")
-    done, _ = ledger.claim("train", owner="w0", lease_s=60)
-    ledger.complete(done.id)
-    ledger.claim("train", owner="w1", lease_s=60)
-    expired, _ = ledger.claim("train", owner="w2", lease_s=60)
-    with ledger._tx() as conn:
-        conn.execute(update(schema.tasks).where(schema.tasks.c.key == expired.task_key).values(lease_deadline=1.0))
+    ledger = fill_with_claim_states(Ledger(postgres_server.create_database()), 10_000)
     with ledger._engine.connect() as conn:  # what autovacuum does after a bulk write
         conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("ANALYZE")
     return ledger

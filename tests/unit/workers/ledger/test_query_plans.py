@@ -11,9 +11,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
+from sqlalchemy import event
 
-from workers.ledger import AsyncSampler, Ledger, Record, SamplingConfig, SamplingScheduler, Task, schema
+from tests.ledger_states import fill_with_claim_states
+from workers.ledger import AsyncSampler, Ledger, Record, SamplingConfig, SamplingScheduler
 
 FULL_SCANS = ("SCAN ledger_tasks", "USE TEMP B-TREE")  # the whole table (or a whole index), or a sort of it
 
@@ -74,17 +75,7 @@ def vm_steps(ledger: Ledger, run: Callable[[], Any]) -> tuple[int, Any]:
 
 
 def make_ledger(path, tasks: int) -> Ledger:
-    """Two epochs of ``tasks`` tasks; in epoch 0 one done, one running on a live lease, one on an expired lease."""
-    ledger = Ledger(f"sqlite:///{path}/ledger.db")
-    for epoch in range(2):
-        ledger.write_epoch("train", epoch, [Task(id=str(i)) for i in range(tasks)], owner="test")
-    done, _ = ledger.claim("train", owner="w0", lease_s=60)
-    ledger.complete(done.id)
-    ledger.claim("train", owner="w1", lease_s=60)
-    expired, _ = ledger.claim("train", owner="w2", lease_s=60)
-    with ledger._tx() as conn:
-        conn.execute(update(schema.tasks).where(schema.tasks.c.key == expired.task_key).values(lease_deadline=1.0))
-    return ledger
+    return fill_with_claim_states(Ledger(f"sqlite:///{path}/ledger.db"), tasks)
 
 
 @pytest.fixture
