@@ -291,21 +291,7 @@ class Ledger:
             # the order a claim takes them: expired leases (the longest expired first), then pending tasks
             claimed.sort(key=lambda r: (0, r.was_deadline, 0, 0) if r.was == "running" else (1, 0.0, r.epoch, r.key))
             for row in claimed:
-                claim = DispatchedSamplingTask(
-                    id=row.claim_id,
-                    task_key=row.key,
-                    task_id=row.task_id,
-                    split=row.split,
-                    epoch=row.epoch,
-                    owner=owner,
-                    attempt=row.attempts,
-                    status="running",
-                    lease_deadline=deadline,
-                    created_at=now,
-                    updated_at=now,
-                    last_error=row.last_error,
-                )
-                out.append((claim, _task(row)))
+                out.append((_new_claim(row, row.claim_id, owner, row.attempts, deadline, now), _task(row)))
             if len(claimed) == len(rows):  # none failed on its last attempt: there is no more to take now
                 break
         return out
@@ -351,20 +337,7 @@ class Ledger:
                 claim_id = inserted[0]
                 taken = dict(task_key=row.key, attempt=attempt, new_claim_id=claim_id, deadline=deadline, now=now)
                 conn.execute(_TAKE_TASK, taken)
-                claim = DispatchedSamplingTask(
-                    id=claim_id,
-                    task_key=row.key,
-                    task_id=row.task_id,
-                    split=row.split,
-                    epoch=row.epoch,
-                    owner=owner,
-                    attempt=attempt,
-                    status="running",
-                    lease_deadline=deadline,
-                    created_at=now,
-                    updated_at=now,
-                    last_error=row.last_error,
-                )
+                claim = _new_claim(row, claim_id, owner, attempt, deadline, now)
                 out.append((claim, _task(row).model_copy(update={"status": "running", "attempts": attempt})))
         return out
 
@@ -758,6 +731,26 @@ def _count(conn: Connection, query: Select[Any], params: dict[str, Any], limit: 
     spread evenly (they are not: the claimed ones are at its start)."""
     rows = (query.limit(limit) if limit is not None else query.order_by(None)).subquery()
     return int(conn.execute(select(func.count()).select_from(rows), params).scalar() or 0)
+
+
+def _new_claim(
+    row: Any, claim_id: int, owner: str, attempt: int, deadline: float, now: float
+) -> DispatchedSamplingTask:
+    """The live claim just taken on the task ``row`` (a row of ``tasks``)."""
+    return DispatchedSamplingTask(
+        id=claim_id,
+        task_key=row.key,
+        task_id=row.task_id,
+        split=row.split,
+        epoch=row.epoch,
+        owner=owner,
+        attempt=attempt,
+        status="running",
+        lease_deadline=deadline,
+        created_at=now,
+        updated_at=now,
+        last_error=row.last_error,
+    )
 
 
 def _task(row: Any) -> Task:
