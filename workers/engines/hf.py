@@ -143,6 +143,7 @@ class HFEngine(Engine):
         input_ids, attention_mask = self._left_pad(rows)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        cache_keyword = _cache_keyword(self._model)  # once per call, not per decoded token
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self._device)
         tokens, logprobs = [], []
         aborted = False
@@ -151,7 +152,7 @@ class HFEngine(Engine):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                **{_cache_keyword(self._model): cache},
+                **{cache_keyword: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
