@@ -45,28 +45,33 @@ def demo(out: Path, *args: str) -> subprocess.Popen:
     )
 
 
+def running_tasks(url: str) -> list[tuple[str, int]]:
+    ledger = Ledger(url)
+    try:
+        return [(t.id, t.epoch) for t in ledger.tasks("train") if t.status == "running"]
+    finally:
+        ledger.close()
+
+
 @pytest.mark.slow  # two demo runs, each starting Ray: two to three minutes on a loaded 2-core machine
 def test_killed_and_resumed_it_redispatches_claimed_tasks_and_trains_no_record_twice(tmp_path):
     out = tmp_path / "demo"
     first = demo(out, "--steps", "40", *SMALL)
     url = f"sqlite:///{out}/ledger.db"
     deadline = time.monotonic() + 300
-    running: list[tuple[str, int]] = []
     try:
         while time.monotonic() < deadline and first.poll() is None:
             metrics = out / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                ledger = Ledger(url)
-                running = [(t.id, t.epoch) for t in ledger.tasks("train") if t.status == "running"]
-                ledger.close()
-                if running:
-                    break
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3 and running_tasks(url):
+                break
             time.sleep(0.05)
         assert first.poll() is None, f"the demo ended before it could be killed:\n{first.stdout.read()[-3000:]}"
-        assert running, "no task was ever seen claimed"
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        os.killpg(first.pid, signal.SIGKILL)  # the ledger's writer (the driver) dies with its process group
         first.wait(30)
+    # read after the kill: a claim seen running a moment before may have finished before the kill landed
+    running = running_tasks(url)
+    assert running, "no task was claimed when the run was killed"
     killed_at = len((out / "metrics.jsonl").read_text().splitlines())
 
     second = demo(out, "--steps", str(killed_at + 6), *SMALL)
