@@ -184,6 +184,8 @@ class RolloutWorker:
             engine = self.engine
             try:
                 if min_version is not None:  # timed apart: waiting for the trainer is not generating
+                    # the wait runs beside the engine: a redo of the step before this one generates meanwhile
+                    ray.get(engine.wait_for_weights.remote(min_version))
                     ray.get(engine.pull_weights.remote(min_version))
                     stats["weights_wait_s"] += time.perf_counter() - t1
                     t1 = time.perf_counter()

@@ -4,6 +4,10 @@ The actor runs one call at a time, so a weight update queued behind a generation
 batch never mixes two policy versions. Weights arrive from memory (an ObjectRef of a state dict, or the dict) or
 from a Hugging Face directory, each with the policy version they are; or, with a weight channel on this host
 (``EngineSpec.weights_channel``), the engine pulls the newest published weights itself before each generation.
+
+Waiting for a version not yet published (``wait_for_weights``) runs beside the engine, in its own concurrency group:
+a generation that needs no newer weights (a step's redo after a storage unit died) must not queue behind a wait for
+weights that only its own training step can publish.
 """
 
 from __future__ import annotations
@@ -75,7 +79,10 @@ class EngineSpec:
         raise ValueError(f"engine kind {self.kind!r} is unknown; expected 'hf', 'vllm', 'vllm-server' or 'sglang'")
 
 
-@ray.remote
+WAIT_GROUP = "weights_wait"  # the concurrency group of wait_for_weights: never the thread that runs the engine
+
+
+@ray.remote(concurrency_groups={WAIT_GROUP: 4})  # type: ignore[call-overload]  # Ray's overloads omit it
 class EngineActor:
     """Hosts one Engine; see the module docstring."""
 
@@ -114,6 +121,18 @@ class EngineActor:
         self._calls += 1
         self.pull_weights(min_version)
         return self._engine.version, self._engine.generate(prompts, n, params)
+
+    @ray.method(concurrency_group=WAIT_GROUP)
+    def wait_for_weights(self, min_version: int) -> int:
+        """Wait until the channel holds weights of at least ``min_version`` (not loading them: ``pull_weights``
+        does, on the engine's thread); returns the newest published version. Without a channel, the engine's version.
+
+        Raises:
+            WeightChannelTimeout: if no such version is published within ``EngineSpec.weights_timeout``.
+        """
+        if self._channel is None:
+            return self._engine.version
+        return self._channel.wait(min_version, self._weights_timeout)[1]
 
     def pull_weights(self, min_version: int | None = None) -> int:
         """Load the channel's newest weights if they are newer than the engine's (waiting for ``min_version``);

@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from rl_contracts.rows import jagged, rows_of
+from rl_contracts.stages import REDO_GROUP
 from rl_contracts.weight_channel import WeightChannel
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
@@ -137,3 +138,36 @@ def test_with_a_weight_channel_the_engine_waits_for_the_version_it_needs(queue, 
     assert client.get_data(meta)["policy_version"].tolist() == [5] * 8
     client.clear(global_step=6)
     ray.kill(worker)
+
+
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
+def test_a_redo_generates_while_the_next_step_waits_for_weights(ray_session, tmp_path):
+    """A step's redo (its prompts put again after a storage unit died) needs the engine while the next step's rollout
+    waits for weights that only the redo's training step can publish: the wait must not hold the engine."""
+    controller = tq.TransferQueueController.remote(
+        global_batch_size=4, num_n_samples=N, sampler=tq.GRPOSampler(N), num_storage_units=1, num_global_batch=2
+    )
+    info = ray.get(controller.get_info.remote())
+    client = tq.TransferQueueClient("rl-workers-redo-test", info)
+    channel = WeightChannel(tmp_path / "weights")
+    channel.write(7, AdditionTask(model_seed=7).build_policy().state_dict())
+    spec = EngineSpec(weights_channel=str(channel.path), weights_timeout=60.0)
+    worker = RolloutWorker.remote(2, info, spec, SamplingParams(max_new_tokens=4), N, 2, timeout=30.0)
+    put_prompts(client, step=7)
+    put_prompts(client, step=8)
+
+    waiting = worker.generate_step.remote(8, None, 8)  # needs version 8: the training step of step 7 publishes it
+    time.sleep(0.5)
+    redo = worker.generate_step.options(concurrency_group=REDO_GROUP).remote(7)
+    done, _ = ray.wait([redo], timeout=30)  # before the fix: stuck behind the wait until its 60 s timeout
+    assert done, "the redo of step 7 waited for the weights step 8 needs"
+    assert ray.get(redo)["rows"] == 8.0
+    channel.write(8, AdditionTask(model_seed=8).build_policy().state_dict())
+    assert ray.get(waiting)["rows"] == 8.0
+    for step in (7, 8):
+        meta = client.get_meta(["policy_version"], 8, global_step=step, task_name="check")
+        assert client.get_data(meta)["policy_version"].tolist() == [step] * 8
+        client.clear(global_step=step)
+    ray.kill(worker)
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
