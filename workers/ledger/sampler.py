@@ -109,10 +109,21 @@ class AsyncSampler(ABC):
         self.claim: DispatchedSamplingTask | None = None
         self.lease_lost = False
         self._heartbeat: asyncio.Task | None = None
+        self._adopted: tuple[DispatchedSamplingTask, Task] | None = None
 
     # -- the claim's lifecycle -------------------------------------------------------------------------------------
+    def adopt(self, claimed: tuple[DispatchedSamplingTask, Task]) -> None:
+        """Own a claim taken for this sampler (a ``SamplingScheduler`` claims the tasks of several samplers in one
+        statement, ``Ledger.claim_many``): ``async with`` then runs it instead of claiming one itself."""
+        if self.claim is not None or self._adopted is not None:
+            raise RuntimeError(f"sampler {self.owner} already holds a claim; adopt() takes one before `async with`")
+        self._adopted = claimed
+        self.owner = claimed[0].owner
+
     async def __aenter__(self) -> AsyncSampler:
-        got = await self._ledger_call(self.ledger.claim, self.split, self.owner, self.config.lease_s)
+        got, self._adopted = self._adopted, None
+        if got is None:
+            got = await self._ledger_call(self.ledger.claim, self.split, self.owner, self.config.lease_s)
         if got is None:
             raise NoTaskAvailable(f"no task of split {self.split!r} can be claimed now (all done, failed or held)")
         self.claim, self.task = got

@@ -7,8 +7,11 @@ Per epoch: under the split's distributed lock (a lease row in the ledger), the e
 another scheduler already wrote them (then this one follows: it samples the same tasks, never writes them twice).
 Then sampler coroutines are started while this process runs fewer than ``max_concurrent_samples_per_process`` and
 the inference services carry less than ``target_concurrency`` requests each; each does
-``async with sampler_class(cfg, ...) as s: await s.run()``. The next epoch starts when no task of this one is left
-to claim (``sync_sampling``: when every task of it has finished). The run ends after ``num_epochs`` or on ``stop()``.
+``async with sampler_class(cfg, ...) as s: await s.run()``. The scheduler claims the tasks of the samplers it starts
+at once, all in one statement (``Ledger.claim_many``), and hands each sampler its claim (``AsyncSampler.adopt``); a
+claim whose sampler never started is released when the run is cancelled. The next epoch starts when no task of this
+one is left to claim (``sync_sampling``: when every task of it has finished). The run ends after ``num_epochs`` or on
+``stop()``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 from workers.ledger.blobs import BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import LockNotAcquired, NoInferenceService, NoTaskAvailable, NotATask
-from workers.ledger.models import Task, check_registered
+from workers.ledger.models import DispatchedSamplingTask, Task, check_registered
 from workers.ledger.retry import with_retry
 from workers.ledger.sampler import AsyncSampler, TrajectorySink, _blob_dir, shared_ledger
 from workers.ledger.services import InferenceClient
@@ -82,6 +85,7 @@ class SamplingScheduler:
         self.stats: Counter[str] = Counter()
         self.epochs_written: list[int] = []
         self._stop = threading.Event()
+        self._unstarted: dict[asyncio.Task, DispatchedSamplingTask] = {}  # claims handed to samplers not yet started
 
     # -- control ---------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, int]:
@@ -114,6 +118,7 @@ class SamplingScheduler:
             for task in running:
                 task.cancel()  # cancelled samplers return their claims
             await asyncio.gather(*running, return_exceptions=True)
+            await self._release_unstarted()  # and so does the scheduler, for those that never started
             raise
         finally:
             await self.inference.aclose()
@@ -171,9 +176,8 @@ class SamplingScheduler:
             room = min(cfg.max_concurrent_samples_per_process - len(running), claimable, await self._inference_room())
             if self.pause_when is not None and self.pause_when():
                 room = 0
-            for _ in range(max(room, 0)):
-                running.add(asyncio.create_task(self._one_sampler(), name=f"sampler-{self.split}-{epoch}"))
-                self.stats["started"] += 1
+            for claimed in await self._claim(room):
+                running.add(self._start(claimed, epoch))
             if running:
                 done, _ = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
                 running -= done
@@ -201,7 +205,43 @@ class SamplingScheduler:
         target = self.config.target_concurrency
         return int(sum(max(target - self.inference.load(s), 0) for s in services))
 
-    async def _one_sampler(self) -> None:
+    async def _claim(self, room: int) -> list[tuple[DispatchedSamplingTask, Task]]:
+        """Claims for ``room`` samplers, taken in one statement (fewer when fewer tasks are claimable now)."""
+        if room < 1:
+            return []
+        lease_s = self.config.lease_s
+        claiming = asyncio.ensure_future(
+            asyncio.to_thread(with_retry, lambda: self.ledger.claim_many(self.split, self.owner, room, lease_s))
+        )
+        try:
+            got = await asyncio.shield(claiming)
+        except asyncio.CancelledError:  # the statement runs on in its thread: return what it claims
+            await self._release([claim for claim, _ in await claiming], "returned: the run was cancelled")
+            raise
+        self.stats["no_task"] += room - len(got)  # another worker took them first
+        return got
+
+    def _start(self, claimed: tuple[DispatchedSamplingTask, Task], epoch: int) -> asyncio.Task:
+        task = asyncio.create_task(self._one_sampler(claimed), name=f"sampler-{self.split}-{epoch}")
+        self._unstarted[task] = claimed[0]
+        self.stats["started"] += 1
+        return task
+
+    async def _release_unstarted(self) -> None:
+        """Return the claims of samplers cancelled before they started (else each would wait out its lease and
+        count as a failed attempt)."""
+        claims, self._unstarted = list(self._unstarted.values()), {}
+        await self._release(claims, "returned: its sampler never started")
+
+    async def _release(self, claims: list[DispatchedSamplingTask], reason: str) -> None:
+        for claim in claims:
+            try:
+                await asyncio.to_thread(with_retry, lambda c=claim: self.ledger.release(c.id, reason))
+            except Exception as exc:  # the lease runs out instead: the task is claimed again then
+                log.warning("could not return claim %s: %s", claim.id, exc)
+
+    async def _one_sampler(self, claimed: tuple[DispatchedSamplingTask, Task]) -> None:
+        self._unstarted.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # always inside a task
         sampler = self.sampler_class(
             self.config,
             ledger=self.ledger,
@@ -210,6 +250,7 @@ class SamplingScheduler:
             blobs=self.blobs,
             split=self.split,
         )
+        sampler.adopt(claimed)
         try:
             async with sampler:
                 await sampler.run()

@@ -246,3 +246,46 @@ def test_a_dataset_item_that_is_not_a_task_is_a_typed_error(cfg):
     assert Ledger(cfg.ledger_url).written_epochs("train") == []
     with pytest.raises(TypeError, match="sampler_class must be a subclass of AsyncSampler"):
         SamplingScheduler(config=cfg, sampler_class=dict, dataset=[])
+
+
+def test_the_scheduler_claims_for_all_the_samplers_it_starts_in_one_statement(cfg):
+    ledger = Ledger(cfg.ledger_url)
+    calls: list[tuple[str, int]] = []
+    claim_many = ledger.claim_many
+    ledger.claim = lambda *a, **k: calls.append(("claim", 1))  # type: ignore[method-assign]
+
+    def spy(split, owner, n, *args, **kwargs):
+        got = claim_many(split, owner, n, *args, **kwargs)
+        calls.append(("claim_many", n))
+        return got
+
+    ledger.claim_many = spy  # type: ignore[method-assign]
+    stats = SamplingScheduler(
+        config=cfg, sampler_class=QuestionSampler, dataset=QuestionDataset(4), ledger=ledger
+    ).run()
+    assert stats["completed"] == 4 and ledger.task_counts("train") == {"done": 4}
+    assert calls[0] == ("claim_many", 4)  # max_concurrent_samples_per_process=4 samplers: their 4 claims at once
+    assert all(kind == "claim_many" for kind, _ in calls)  # no sampler claimed a task of its own
+    owners = {c.owner for c in ledger.claims("train")}
+    assert len(owners) == 1 and owners.pop().startswith("scheduler:")
+
+
+def test_claims_of_samplers_cancelled_before_they_start_go_back(cfg):
+    ledger = Ledger(cfg.ledger_url)
+    write_tasks(ledger, 3)
+    scheduler = SamplingScheduler(config=cfg, sampler_class=QuestionSampler, dataset=QuestionDataset(3), ledger=ledger)
+
+    async def main():
+        started = [scheduler._start(claimed, 0) for claimed in await scheduler._claim(3)]
+        for task in started:  # cancelled before their first step: no sampler ever held these claims
+            task.cancel()
+        await asyncio.gather(*started, return_exceptions=True)
+        await scheduler._release_unstarted()
+
+    asyncio.run(main())
+    assert ledger.task_counts("train") == {"pending": 3}
+    assert {t.attempts for t in ledger.tasks("train")} == {0}  # returned: the attempts do not count
+    claims = ledger.claims("train")
+    assert len(claims) == 3 and {(c.status, c.last_error) for c in claims} == {
+        ("expired", "returned: its sampler never started")
+    }
