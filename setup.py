@@ -69,6 +69,9 @@ setup(
             "orchestration.*",
         ]
     ),
+    # the packages sit at the root: an editable install is then one .pth entry for it (setuptools' plain layout),
+    # not an import finder that prints a warning box on every `pip install -e .`
+    package_dir={"": "."},
     package_data={"transfer_queue": ["py.typed", "ops/static/*"]},
     install_requires=CORE,
     entry_points={"console_scripts": ["transfer-queue = transfer_queue.__main__:main"]},
