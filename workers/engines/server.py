@@ -17,13 +17,10 @@ from a short-lived thread (a thread pool starting several servers at once) outli
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -45,6 +42,7 @@ from workers.engines.errors import (
     PortInUse,
     RestartBudgetExhausted,
 )
+from workers.process_launcher import popen_for_process_lifetime
 
 logger = logging.getLogger(__name__)
 CommandFn = Callable[[str, int], list[str]]  # (host, port) -> argv
@@ -193,7 +191,7 @@ class EngineServer:
             log.write(f"--- {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
             log.flush()
             # on the launcher thread: the server dies with this process, not with the thread that calls start()
-            self.process = _LAUNCHER.popen(
+            self.process = popen_for_process_lifetime(
                 argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -424,71 +422,3 @@ def _install_exit_handlers() -> None:
                 os.kill(os.getpid(), sig)
 
         signal.signal(signum, handler)
-
-
-_Requests = queue.SimpleQueue[
-    tuple[concurrent.futures.Future[Any], tuple[Any, ...], dict[str, Any]]
-]  # (answer, Popen's args, its kwargs)
-
-
-class _Launcher:
-    """The one thread of this process that starts every server process, and lives as long as the process.
-
-    ``PR_SET_PDEATHSIG`` (the kernel's SIGTERM to a child whose parent dies, even by SIGKILL, when no ``atexit`` or
-    signal handler runs) fires when the *thread* that forked the child exits, not the process: a server started
-    from a thread pool worker (the natural way to start several slow servers at once) would be killed as soon as
-    that worker exits. So no caller forks: each hands its ``Popen`` to this thread, which is started once, never
-    returns, and therefore exits only with the process. PDEATHSIG then means "the process died". (A pipe the child
-    watches would need a wrapper around every server command; a watchdog process could itself be killed; this
-    keeps the server's own process as the group leader that ``stop`` signals.)
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pid: int | None = None
-        self._requests: _Requests = queue.SimpleQueue()
-
-    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
-        """``subprocess.Popen(*args, **kwargs)`` run on the launcher thread; the child gets SIGTERM when this
-        process dies."""
-        self._ensure_thread()
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._requests.put((future, args, {**kwargs, "preexec_fn": _die_with_parent(os.getpid())}))
-        return future.result()
-
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._pid != os.getpid():  # first use, or a forked child (threads do not survive a fork)
-                self._requests = queue.SimpleQueue()
-                threading.Thread(
-                    target=self._serve, args=(self._requests,), name="engine-launcher", daemon=True
-                ).start()
-                self._pid = os.getpid()
-
-    @staticmethod
-    def _serve(requests: _Requests) -> None:
-        while True:
-            future, args, kwargs = requests.get()
-            try:
-                future.set_result(subprocess.Popen(*args, **kwargs))
-            except BaseException as exc:  # handed to the caller, the thread goes on
-                future.set_exception(exc)
-
-
-_LAUNCHER = _Launcher()
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn`` (in the child before exec): SIGTERM when the launching thread, i.e. the process, dies, even by
-    SIGKILL (Linux ``PR_SET_PDEATHSIG``); if the process already died before ``prctl`` took effect, exit."""
-
-    def preexec() -> None:
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
-
-
-_PR_SET_PDEATHSIG = 1
