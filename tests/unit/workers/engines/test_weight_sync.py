@@ -14,7 +14,7 @@ class Loaded:
     """A seed-protocol engine that loads at once."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.paths = name, []
+        self.name, self.paths = name, list[str]()
 
     def update_weights_from_checkpoint(self, path: str, version: int | None = None) -> dict:
         self.paths.append(path)
