@@ -1,6 +1,10 @@
 """A loopback SGLang-compatible server for tests: SGLang's native request and response schemas (as of SGLang's
 ``io_struct.py``: ``GenerateReqInput``, ``UpdateWeightFromDiskReqInput``, ``PauseGenerationReqInput``, ...) over a
-real ``HFEngine``, so replies carry real samples and log-probs. SGLang itself cannot run on these CPUs.
+real ``HFEngine``, so replies carry real samples and log-probs. SGLang itself cannot run on these CPUs. As strict as
+the real server where it matters: ``sampling_params`` is one dict or one per input, and each input is sampled with
+its own ``sampling_seed`` (so one seed for the ``n`` copies of a prompt gives ``n`` identical samples, as on a
+deterministic server); ``/flush_cache`` answers 400 while requests run or wait; ``/health`` and
+``/health_generate`` both generate a token.
 
 Also a command-line server for the ``EngineServer`` tests (``python tests/engine_fakes.py --port P --model-path D``)
 with switches that make it misbehave: ``--crash-after N`` (exit after N generate requests), ``--never-healthy``,
@@ -10,19 +14,33 @@ with switches that make it misbehave: ``--crash-after N`` (exit after N generate
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workers.engines.base import SamplingParams
+from workers.engines.base import Generation, SamplingParams
 from workers.engines.hf import HFEngine
+
+
+def _sampling_params(sp: dict[str, Any]) -> SamplingParams:
+    """Ours for one of SGLang's ``sampling_params`` dicts."""
+    return SamplingParams(
+        max_new_tokens=int(sp.get("max_new_tokens", 128)),
+        temperature=float(sp.get("temperature", 1.0)),
+        top_p=float(sp.get("top_p", 1.0)),
+        top_k=max(0, int(sp.get("top_k", -1))),
+        stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+        seed=sp.get("sampling_seed"),
+    )
 
 
 def create_sglang_app(
@@ -40,10 +58,31 @@ def create_sglang_app(
         "generates": 0,
         "generating": threading.Event(),
         "flushes": 0,
+        "in_flight": 0,  # generate requests waiting or running
+        "seeds": [],  # the sampling_seed of each row, one list per generate request
+        "health_generations": 0,
     }
     state["running"].set()
     lock = threading.Lock()  # one generation at a time on the HF model; weight loads wait for it
+    counter = threading.Lock()
     app.state.fake = state
+
+    def _one(row: list[int], params: SamplingParams) -> Generation:
+        if state["abort"].is_set():
+            return Generation([], [], "abort")
+        [[generation]] = engine.generate([row], 1, params, should_abort=state["abort"].is_set)
+        return generation
+
+    @contextlib.contextmanager
+    def in_flight() -> Iterator[None]:
+        """Counts a request from its arrival (waiting) to its reply (running), as SGLang's scheduler queues do."""
+        with counter:
+            state["in_flight"] += 1
+        try:
+            yield
+        finally:
+            with counter:
+                state["in_flight"] -= 1
 
     @app.post("/generate")
     def generate(body: dict[str, Any]) -> Any:
@@ -53,27 +92,28 @@ def create_sglang_app(
         input_ids = body["input_ids"]
         batch = isinstance(input_ids[0], list)
         rows = input_ids if batch else [input_ids]
-        sp = dict(body.get("sampling_params") or {})
         if not body.get("return_logprob"):
             return JSONResponse({"error": "this fake only answers return_logprob=true"}, status_code=400)
-        params = SamplingParams(
-            max_new_tokens=int(sp.get("max_new_tokens", 128)),
-            temperature=float(sp.get("temperature", 1.0)),
-            top_p=float(sp.get("top_p", 1.0)),
-            top_k=max(0, int(sp.get("top_k", -1))),
-            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-            seed=sp.get("sampling_seed"),
-        )
-        state["running"].wait()  # paused in place: wait for /continue_generation
-        with lock:
-            state["abort"].clear()  # /abort_request aborts the requests in the server, not later ones
-            state["generating"].set()
-            try:
-                generations = engine.generate(rows, 1, params, should_abort=state["abort"].is_set)
-            finally:
-                state["generating"].clear()
+        # SGLang: one dict for every input, or a list of one dict per input
+        sps = body.get("sampling_params") or {}
+        if isinstance(sps, list) and len(sps) != len(rows):
+            message = f"sampling_params has {len(sps)} entries for {len(rows)} inputs; expected one per input"
+            return JSONResponse({"error": message}, status_code=400)
+        per_row = [_sampling_params(sp) for sp in (sps if isinstance(sps, list) else [sps] * len(rows))]
+        state["seeds"].append([p.seed for p in per_row])
+        with in_flight():
+            state["running"].wait()  # paused in place: wait for /continue_generation
+            with lock:
+                state["abort"].clear()  # /abort_request aborts the requests in the server, not later ones
+                state["generating"].set()
+                try:
+                    # row by row, each with its own sampling_seed: like a deterministic SGLang server, rows with the
+                    # same prompt and seed give the same sample (the batch does not make them differ)
+                    generations = [_one(row, p) for row, p in zip(rows, per_row, strict=True)]
+                finally:
+                    state["generating"].clear()
         outputs = []
-        for i, [g] in enumerate(generations):
+        for i, g in enumerate(generations):
             reason: dict[str, Any] = {"type": g.finish_reason}
             if g.finish_reason == "stop":
                 reason["matched"] = g.token_ids[-1]
@@ -120,19 +160,28 @@ def create_sglang_app(
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     @app.get("/health_generate")
+    @app.get("/health")
     def health_generate() -> Any:
+        # SGLang answers both routes with one handler that generates a token (200 at once while a request runs)
         if never_healthy or state["released"]:
             return JSONResponse({}, status_code=503)
-        return {}
-
-    @app.get("/health")
-    def health() -> Any:
+        if not state["generating"].is_set():
+            with lock:
+                engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
+            state["health_generations"] += 1
         return {}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     def flush_cache() -> Any:
-        state["flushes"] += 1
-        return "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"  # noqa: E501
+        # SGLang does not flush while requests run or wait, and says so with a 400
+        busy = state["in_flight"] > 0
+        if not busy:
+            state["flushes"] += 1
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+            "the operation will not be performed.)\n",
+            status_code=400 if busy else 200,
+        )
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Any:

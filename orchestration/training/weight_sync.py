@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from orchestration.training.types import LibraryError
+from workers.engines.errors import EngineSyncTimeout
 from workers.engines.sglang import SGLangEngine as _SGLangClient
 from workers.engines.vllm_server import VLLMServerEngine
 
@@ -50,8 +51,10 @@ async def sync_weights_to_engines(
     """Call every engine's ``update_weights_from_checkpoint(checkpoint_path)`` concurrently; one reply each, in order.
 
     A reply is ``{"engine": name, "success": bool, "seconds": float, ...}`` with the engine's own dict, and
-    ``"error"`` when the call raised or did not finish within ``timeout`` seconds: a failing or hung engine never
-    stops the others. (A hung sync method keeps its daemon thread; an async one is cancelled.)
+    ``"error"`` (the message) and ``"exception"`` (the exception) when the call raised or did not finish within
+    ``timeout`` seconds (an :class:`~workers.engines.errors.EngineSyncTimeout` naming the engine and the timeout):
+    a failing or hung engine never stops the others, and the call never waits past the timeout. (A hung sync
+    method keeps its daemon thread; an async one is cancelled.)
 
     Args:
         engines: objects with ``update_weights_from_checkpoint``.
@@ -87,9 +90,11 @@ async def _sync_one(index: int, engine: Any, path: str, version: int | None, tim
         reply.update(result if isinstance(result, dict) else {"reply": result})
         reply.setdefault("success", True)
     except TimeoutError:
-        reply.update(success=False, error=f"TimeoutError: no answer within {timeout} s")
+        assert timeout is not None  # only a bounded wait times out
+        error = EngineSyncTimeout(reply["engine"], timeout)
+        reply.update(success=False, error=f"EngineSyncTimeout: {error}", exception=error)
     except Exception as exc:  # reported, never raised: the other engines go on
-        reply.update(success=False, error=f"{type(exc).__name__}: {exc}")
+        reply.update(success=False, error=f"{type(exc).__name__}: {exc}", exception=exc)
     reply["seconds"] = time.perf_counter() - t0
     return reply
 

@@ -6,7 +6,8 @@
 The server binds a free port on 127.0.0.1 and prints the seed's banner; its URL is read from the banner. The
 process leads its own process group, so stopping it (SIGTERM, then SIGKILL after ``stop_timeout``) also ends
 whatever it started; an ``atexit`` hook stops it if the parent exits without doing so, and if the parent is killed
-outright (SIGKILL, no ``atexit``) the kernel sends the server SIGTERM (``PR_SET_PDEATHSIG``): no orphan is left.
+outright (SIGKILL, no ``atexit``) the kernel sends the server SIGTERM (``PR_SET_PDEATHSIG``, through
+``workers.process_launcher``, so whichever thread started it): no orphan is left.
 """
 
 from __future__ import annotations
@@ -23,25 +24,9 @@ from pathlib import Path
 
 import httpx
 
+from workers.process_launcher import popen_for_process_lifetime
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _die_with_parent(parent_pid: int):
-    """A ``preexec_fn`` (Linux): the child gets SIGTERM when its parent dies, even by SIGKILL, when no ``atexit``
-    hook runs; the server then stops and its sandboxes with it. If the parent is already gone, the child exits."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 class TaskServerError(RuntimeError):
@@ -79,14 +64,15 @@ class TaskServerProcess:
         if idle_timeout is not None:
             cmd += ["--idle-timeout", str(idle_timeout)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen(
+        # forked by the process-lifetime launcher thread: the server outlives the thread that starts it (a pool
+        # worker) and dies with this process
+        self.process = popen_for_process_lifetime(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
         )
         atexit.register(self.stop)
         self._found = threading.Event()

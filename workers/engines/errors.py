@@ -33,3 +33,22 @@ class EngineServerExited(EngineServerError):
 
 class RestartBudgetExhausted(EngineServerError):
     """The server crashed more often than its restart budget allows."""
+
+
+class EngineSyncTimeout(EngineError, TimeoutError):
+    """An engine did not finish loading new weights within the weight sync's timeout (``sync_weights_to_engines``).
+
+    Attributes:
+        engine: the engine's name (its ``name``, its URL, or ``Type[index]``).
+        timeout: the seconds it was given.
+    """
+
+    def __init__(self, engine: str, timeout: float):
+        super().__init__(
+            f"engine {engine} did not finish loading the new weights within {timeout:g} s; expected it to answer "
+            "within the sync's timeout (a late reply is dropped)"
+        )
+        self.engine, self.timeout = engine, timeout
+
+    def __reduce__(self) -> tuple[type, tuple[str, float]]:  # pickles (e.g. through Ray) with its attributes
+        return (type(self), (self.engine, self.timeout))

@@ -5,7 +5,10 @@ The seed's ``InferenceService``: the server is started as a subprocess in its ow
 version, status) in a :class:`ServiceRegistry`, health-checked by a monitor thread while it runs, restarted after a
 crash (a budget of restarts, then :class:`RestartBudgetExhausted`), freed for training and brought back
 (``release_memory`` / ``resume_memory``: the engine's own calls where it has them, stop / start otherwise) and
-stopped with its whole process group (on ``stop``, at exit, and on SIGTERM / SIGINT of the run).
+stopped with its whole process group (on ``stop``, at exit, and on SIGTERM / SIGINT of the run). If the run dies
+without running any of that (SIGKILL), the kernel sends the server SIGTERM: servers are forked by one launcher thread
+that lives as long as the process (``PR_SET_PDEATHSIG`` fires when the forking *thread* exits), so a server started
+from a short-lived thread (a thread pool starting several servers at once) outlives that thread.
 
     server = EngineServer(fake_or_real_command, health_path="/health_generate", engine_factory=SGLangEngine)
     with server:                      # start() ... stop()
@@ -15,7 +18,6 @@ stopped with its whole process group (on ``stop``, at exit, and on SIGTERM / SIG
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -40,6 +42,7 @@ from workers.engines.errors import (
     PortInUse,
     RestartBudgetExhausted,
 )
+from workers.process_launcher import popen_for_process_lifetime
 
 logger = logging.getLogger(__name__)
 CommandFn = Callable[[str, int], list[str]]  # (host, port) -> argv
@@ -187,7 +190,8 @@ class EngineServer:
         with self.log_path.open("ab") as log:
             log.write(f"--- {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(
+            # on the launcher thread: the server dies with this process, not with the thread that calls start()
+            self.process = popen_for_process_lifetime(
                 argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -195,7 +199,6 @@ class EngineServer:
                 env={**os.environ, **self.env},
                 cwd=self.cwd,
                 start_new_session=True,  # its own process group: stop() kills the server and all its children
-                preexec_fn=_die_with_parent,
             )
         _install_exit_handlers()
         _LIVE.add(self)
@@ -419,9 +422,3 @@ def _install_exit_handlers() -> None:
                 os.kill(os.getpid(), sig)
 
         signal.signal(signum, handler)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)

@@ -1,13 +1,14 @@
 """SGLangEngine: the Engine contract over SGLang's native HTTP API (``python -m sglang.launch_server``).
 
-    POST /generate                  {"input_ids": [[...], ...], "sampling_params": {...}, "return_logprob": true}
+    POST /generate                  {"input_ids": [[...], ...], "sampling_params": {...} or [{...} per input],
+                                     "return_logprob": true}
                                     -> one {"output_ids", "meta_info": {"output_token_logprobs": [[logprob, id,
                                        text], ...], "finish_reason": {"type": "stop" | "length" | "abort", ...},
                                        "weight_version", ...}} per input
     POST /update_weights_from_disk  {"model_path", "weight_version", "flush_cache", "abort_all_requests"}
                                     -> {"success", "message", "num_paused_requests"}
-    GET  /health_generate           200 once the server can generate (it runs a one-token generation)
-    POST /flush_cache               drops the radix (prefix) cache
+    GET  /health_generate, /health  200 once the server can generate (both run a one-token generation)
+    POST /flush_cache               drops the radix (prefix) cache; 400 while requests run or wait
     POST /pause_generation          {"mode": "abort" | "retract" | "in_place"}; POST /continue_generation
     POST /abort_request             {"abort_all": true}: unfinished requests return what they have, finish "abort"
     POST /release_memory_occupation, /resume_memory_occupation: free and take back the GPU memory (colocated)
@@ -19,7 +20,9 @@ request and response schemas (``tests/engine_fakes.py``), not against SGLang its
 Log-probs: SGLang reports ``log_softmax(logits / T)`` of the sampled token before top-k/top-p renormalisation
 (unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, which reports temperature 1), the convention of
 docs/rl-conventions.md. Each of the ``n`` responses of a prompt is its own request (the prompt repeated), so the
-order of the replies is the order of the requests whatever the server does with parallel sampling.
+order of the replies is the order of the requests whatever the server does with parallel sampling. A seeded call
+sends one ``sampling_params`` per row, row ``i`` with ``sampling_seed = seed + i`` (as the vLLM clients seed request
+``i``): with one seed the ``n`` samples of a prompt would be identical on a deterministic server.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ class SGLangEngine(HTTPEngine):
         """
         check_prompts(prompts, n, params)
         rows = [list(prompt) for prompt in prompts for _ in range(n)]
-        body = {"input_ids": rows, "sampling_params": self.sampling_params(params), "return_logprob": True}
+        body = {
+            "input_ids": rows,
+            "sampling_params": self.row_sampling_params(params, len(rows)),
+            "return_logprob": True,
+        }
         reply = self.call_abortable(
             self._pool,
             lambda: self.request("POST", "/generate", json=body),
@@ -89,6 +96,16 @@ class SGLangEngine(HTTPEngine):
         if params.seed is not None:
             sp["sampling_seed"] = params.seed
         return sp
+
+    @classmethod
+    def row_sampling_params(cls, params: SamplingParams, rows: int) -> dict[str, Any] | list[dict[str, Any]]:
+        """The ``sampling_params`` of a request of ``rows`` rows: one dict for all rows when unseeded; seeded, one
+        per row, row ``i`` with ``sampling_seed = seed + i`` (as ``VLLMServerEngine`` seeds request ``i``). One seed
+        for all rows would make the ``n`` samples of a prompt identical on a deterministic server."""
+        sp = cls.sampling_params(params)
+        if params.seed is None:
+            return sp
+        return [{**sp, "sampling_seed": params.seed + i} for i in range(rows)]
 
     def _load_directory(self, path: str, version: int) -> Any:
         reply = self.request(

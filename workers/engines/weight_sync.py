@@ -2,7 +2,10 @@
 ``sync_weights_to_engines``) or from memory (``sync_state_dict_to_engines``), each engine recording the version.
 
 Both are concurrent (one thread per engine) and never let one engine's failure stop the others: every engine gets
-a reply dict, ``{"engine", "success", "version", "seconds", ...}`` with ``error`` when it failed.
+a reply dict, ``{"engine", "success", "version", "seconds", ...}`` with ``error`` (the message) and ``exception``
+(the exception itself) when it failed. With ``timeout``, the call returns after at most ``timeout`` seconds
+whatever the engines do: an engine still loading then gets a failed reply whose ``exception`` is an
+:class:`~workers.engines.errors.EngineSyncTimeout` naming it and the timeout, and every other engine its own reply.
 
 Engines can be any :class:`~workers.engines.base.Engine` (``update_weights(version, path=...)``), an
 :class:`~workers.engines.server.EngineServer` (its client engine is used and the server's registry record gets the
@@ -11,12 +14,15 @@ version), or any object with the seed's ``update_weights_from_checkpoint(path)``
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from workers.engines.errors import EngineSyncTimeout
 
 
 def _name(engine: Any, index: int) -> str:
@@ -35,8 +41,15 @@ def _target(engine: Any) -> tuple[Any, Any]:
 
 
 def _run(engines: Sequence[Any], load: Any, timeout: float | None) -> list[dict[str, Any]]:
-    def one(item: tuple[int, Any]) -> dict[str, Any]:
-        index, engine = item
+    """``load`` every engine in a daemon thread of its own; wait for them all, but never past ``timeout`` seconds.
+
+    An engine still loading at the deadline gets a failed reply with an :class:`EngineSyncTimeout` (its thread is
+    left to finish in the background: a daemon thread, so it holds neither this call nor the interpreter's exit;
+    its late reply is dropped). A thread pool would do neither: its ``shutdown`` (and the interpreter's exit) waits
+    for the hung call.
+    """
+
+    def one(index: int, engine: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         reply: dict[str, Any] = {"engine": _name(engine, index)}
         try:
@@ -48,22 +61,53 @@ def _run(engines: Sequence[Any], load: Any, timeout: float | None) -> list[dict[
             reply.setdefault("success", True)
             reply["version"] = version
         except Exception as exc:  # reported, never raised: the other engines go on
-            reply.update(success=False, error=f"{type(exc).__name__}: {exc}")
+            reply.update(success=False, error=f"{type(exc).__name__}: {exc}", exception=exc)
         reply["seconds"] = time.perf_counter() - t0
         return reply
 
-    if not engines:
-        return []
-    with ThreadPoolExecutor(len(engines), thread_name_prefix="weight-sync") as pool:
-        futures = [pool.submit(one, item) for item in enumerate(engines)]
-        return [f.result(timeout=timeout) for f in futures]
+    t0 = time.perf_counter()
+    futures = [_in_daemon_thread(one, index, engine) for index, engine in enumerate(engines)]
+    concurrent.futures.wait(futures, timeout)
+    replies = []
+    for index, (engine, future) in enumerate(zip(engines, futures, strict=True)):
+        if future.done():
+            replies.append(future.result())
+            continue
+        assert timeout is not None  # without a timeout every future is done
+        error = EngineSyncTimeout(_name(engine, index), timeout)
+        replies.append(
+            {
+                "engine": error.engine,
+                "success": False,
+                "version": None,
+                "error": f"EngineSyncTimeout: {error}",
+                "exception": error,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    return replies
+
+
+def _in_daemon_thread(call: Any, *args: Any) -> concurrent.futures.Future[dict[str, Any]]:
+    future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as exc:  # handed to the waiting side
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-sync", daemon=True).start()
+    return future
 
 
 def sync_weights_to_engines(
     engines: Sequence[Any], checkpoint_path: str, version: int | None = None, timeout: float | None = None
 ) -> list[dict[str, Any]]:
     """Load the Hugging Face directory ``checkpoint_path`` into every engine concurrently; one reply per engine,
-    in order. ``version``: the policy version to record (default: each engine's current version + 1)."""
+    in order. ``version``: the policy version to record (default: each engine's current version + 1).
+    ``timeout``: seconds the whole call may take (None: wait for every engine); an engine still loading then has a
+    failed reply with an ``EngineSyncTimeout``, the others their own replies."""
     path = str(checkpoint_path)
 
     def load(engine: Any) -> dict[str, Any]:
@@ -79,7 +123,8 @@ def sync_weights_to_engines(
 def sync_state_dict_to_engines(
     engines: Sequence[Any], state_dict: dict[str, torch.Tensor], version: int, timeout: float | None = None
 ) -> list[dict[str, Any]]:
-    """Load ``state_dict`` (Hugging Face names) into every engine concurrently as ``version``; one reply each."""
+    """Load ``state_dict`` (Hugging Face names) into every engine concurrently as ``version``; one reply each
+    (``timeout``: as ``sync_weights_to_engines``)."""
 
     def load(engine: Any) -> dict[str, Any]:
         engine.update_weights(version, state_dict=state_dict)

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from orchestration.training import LibraryError, SGLangEngine, VLLMEngine, sync_weights_to_engines
 from workers.agents.task_server import serve_in_background
+from workers.engines.errors import EngineSyncTimeout
 
 
 class SyncEngine:
@@ -64,8 +65,13 @@ def test_a_hung_engine_times_out_while_the_others_load() -> None:
     assert [r["success"] for r in replies] == [True, False, True, False, False]
     assert sync.paths == ["/ckpt/step_3"]  # no version keyword: not passed
     assert versioned.calls == [("/ckpt/step_3", 3)] and replies[2]["version"] == 3
-    assert replies[1]["error"] == "TimeoutError: no answer within 0.5 s"
-    assert replies[3]["error"] == "TimeoutError: no answer within 0.5 s"
+    for index, name in ((1, "HungEngine[1]"), (3, "AsyncHungEngine[3]")):
+        assert replies[index]["error"] == (
+            f"EngineSyncTimeout: engine {name} did not finish loading the new weights within 0.5 s; expected it "
+            "to answer within the sync's timeout (a late reply is dropped)"
+        )
+        error = replies[index]["exception"]
+        assert isinstance(error, EngineSyncTimeout) and (error.engine, error.timeout) == (name, 0.5)
     assert replies[4]["error"] == "RuntimeError: disk full"
     assert [r["engine"] for r in replies][:2] == ["SyncEngine[0]", "HungEngine[1]"]
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import wait_until
 
@@ -18,6 +19,21 @@ import time
 from workers.agents.server_process import TaskServerProcess
 servers = [TaskServerProcess("guess-number") for _ in range(2)]
 for server in servers:
+    print(server.process.pid, server.url, flush=True)
+time.sleep(600)
+"""
+# the two servers started at once from a thread pool whose threads then exit (PDEATHSIG follows the forking thread)
+PARENT_POOL = """
+import os, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from workers.agents.server_process import TaskServerProcess
+def start(_):
+    return TaskServerProcess("guess-number"), threading.get_native_id()
+with ThreadPoolExecutor(2) as pool:
+    started = list(pool.map(start, range(2)))
+while any(os.path.exists(f"/proc/self/task/{tid}") for _, tid in started):  # the kernel let the workers go
+    time.sleep(0.01)
+for server, _ in started:
     print(server.process.pid, server.url, flush=True)
 time.sleep(600)
 """
@@ -32,14 +48,15 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_killing_the_parent_outright_leaves_no_task_server_running() -> None:
+@pytest.mark.parametrize("script", [PARENT, PARENT_POOL], ids=["main-thread", "pool-threads"])
+def test_killing_the_parent_outright_leaves_no_task_server_running(script: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         assert parent.stdout is not None
         servers = [parent.stdout.readline().split() for _ in range(2)]
         pids, urls = [int(pid) for pid, _ in servers], [url for _, url in servers]
-        for url in urls:
+        for url in urls:  # alive, also when the threads that started them have exited
             assert httpx.get(f"{url}/api/health", timeout=10).json()["status"] == "healthy"
         parent.send_signal(signal.SIGKILL)  # no atexit hook runs: only the kernel can tell the servers
         parent.wait(10)

@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from workers.engines.errors import EngineNeverHealthy, PortInUse, RestartBudgetExhausted
@@ -168,3 +169,44 @@ def test_no_orphans_when_the_run_is_killed(signum):
         parent.kill()
         for pid in group_members(pgid) if "pgid" in dir() else []:
             os.kill(pid, signal.SIGKILL)
+
+
+THREAD_OWNER = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
+    sys.path.insert(0, {repo!r})
+    from workers.engines.server import EngineServer
+    server = EngineServer(lambda h, p: [sys.executable, {fake!r}, "--host", h, "--port", str(p), "--spawn-child"],
+                          health_interval=0)
+    def start():
+        server.start()
+        return threading.get_native_id()
+    with ThreadPoolExecutor(1) as pool:  # the natural way to start several slow servers at once
+        worker = pool.submit(start).result()
+    while os.path.exists(f"/proc/self/task/{{worker}}"):  # until the kernel has let the worker thread go
+        time.sleep(0.01)
+    print(server.process.pid, server.url, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_server_started_from_a_pool_thread_outlives_the_thread_and_dies_with_the_process():
+    owner = subprocess.Popen(
+        [sys.executable, "-c", THREAD_OWNER.format(repo=REPO, fake=FAKE)], stdout=subprocess.PIPE, text=True
+    )
+    pgid = None
+    try:
+        pid, url = owner.stdout.readline().split()
+        pgid = int(pid)
+        # the thread that started it has exited: the server still runs and answers (PDEATHSIG did not fire)
+        assert httpx.get(url + "/health", timeout=10, trust_env=False).status_code == 200
+        assert len(group_members(pgid)) == 2, "the server (and its child) died with the thread that started it"
+        owner.kill()  # SIGKILL: no atexit, no signal handler; only the kernel can stop the server now
+        owner.wait(30)
+        assert wait_for(lambda: group_members(pgid) == [], timeout=30), f"left behind: {group_members(pgid)}"
+    finally:
+        owner.kill()
+        for pid_left in group_members(pgid) if pgid is not None else []:
+            os.kill(pid_left, signal.SIGKILL)

@@ -4,6 +4,10 @@ and sync_weights_to_engines over several engines, one of them failing."""
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+
+import httpx
 import pytest
 import torch
 
@@ -38,8 +42,23 @@ def server(model_dirs):
         yield url, app.state.fake
 
 
-def reference(path: str, params: SamplingParams, n: int):
-    return HFEngine(model_path=path, pad_token_id=0, eos_token_id=EOS).generate(PROMPTS, n, params)
+def per_row(engine: HFEngine, prompts: list[list[int]], n: int, params: SamplingParams):
+    """What a deterministic server answers: each response sampled alone, response ``i`` (prompt-major) with the seed
+    ``seed + i``, as the client sends them."""
+    groups, index = [], 0
+    for prompt in prompts:
+        group = []
+        for _ in range(n):
+            seed = None if params.seed is None else params.seed + index
+            [[generation]] = engine.generate([prompt], 1, replace(params, seed=seed))
+            group.append(generation)
+            index += 1
+        groups.append(group)
+    return groups
+
+
+def reference(path: str, params: SamplingParams, n: int, prompts: list[list[int]] = PROMPTS):
+    return per_row(HFEngine(model_path=path, pad_token_id=0, eos_token_id=EOS), prompts, n, params)
 
 
 def same(got, expected) -> None:
@@ -64,6 +83,47 @@ def test_generate_matches_the_engine_behind_the_server(server, model_dirs):
 def test_sampling_params_follow_sglang_names():
     sp = SGLangEngine.sampling_params(SamplingParams(max_new_tokens=5, temperature=0.7, top_k=0, seed=9))
     assert sp["max_new_tokens"] == 5 and sp["top_k"] == -1 and sp["sampling_seed"] == 9
+
+
+def test_the_n_samples_of_a_prompt_go_out_with_distinct_seeds(server, model_dirs):
+    url, fake = server
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
+    got = SGLangEngine(url).generate([[1, 5]], 4, params)
+    # one sampling_params per row, row i seeded seed + i (as VLLMServerEngine seeds request i)
+    assert fake["seeds"][-1] == [11, 12, 13, 14]
+    same(got, reference(model_dirs[0], params, 4, prompts=[[1, 5]]))
+    # one seed for all four rows would have made the four samples identical on this (deterministic) server
+    assert len({tuple(g.token_ids) for g in got[0]}) > 1
+    SGLangEngine(url).generate([[1, 5]], 2, replace(params, seed=None))
+    assert fake["seeds"][-1] == [None, None]
+
+
+def test_flush_cache_is_refused_while_a_request_waits(server):
+    url, fake = server
+    engine = SGLangEngine(url)
+    engine.pause_generation("in_place")
+    waiting = threading.Thread(target=engine.generate, args=([[1, 5]], 1, SamplingParams(max_new_tokens=2)))
+    waiting.start()
+    try:
+        while fake["in_flight"] == 0:
+            waiting.join(0.01)
+        with pytest.raises(EngineRequestError, match=r"POST /flush_cache answered HTTP 400, expected 2xx: Cache"):
+            engine.flush_cache()
+    finally:
+        engine.continue_generation()
+        waiting.join()
+    engine.flush_cache()
+    assert fake["flushes"] == 1
+
+
+def test_both_health_routes_generate(server):
+    url, fake = server
+    assert SGLangEngine(url).health()["ok"] is True
+    assert fake["health_generations"] == 1
+    assert httpx.get(url + "/health", trust_env=False).status_code == 200
+    assert fake["health_generations"] == 2
+    fake["released"] = True  # no memory: no generation, on either route
+    assert httpx.get(url + "/health", trust_env=False).status_code == 503
 
 
 def test_weights_from_a_directory_record_the_version(server, model_dirs):
@@ -141,10 +201,10 @@ def test_sync_weights_to_engines_reports_each_engine(server, model_dirs):
     assert good.version == 7 and local.version == 7 and dead.version == 0
     assert all(r["seconds"] >= 0 for r in replies)
     params = SamplingParams(max_new_tokens=4, seed=5)
-    same(good.generate(PROMPTS, 1, params), local.generate(PROMPTS, 1, params))
+    same(good.generate(PROMPTS, 1, params), per_row(local, PROMPTS, 1, params))
 
     state = {k: v.clone() for k, v in local.model.state_dict().items()}
     state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], 0.5)
     replies = sync_state_dict_to_engines([good, local], state, version=8)
     assert [r["version"] for r in replies] == [8, 8]
-    same(good.generate(PROMPTS, 1, params), local.generate(PROMPTS, 1, params))
+    same(good.generate(PROMPTS, 1, params), per_row(local, PROMPTS, 1, params))
