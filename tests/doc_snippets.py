@@ -1,10 +1,11 @@
-"""The Python blocks of README.md and docs/*.md, and how a page's blocks are run (CONTRIBUTING.md, "Doc snippets").
+"""The Python blocks of README.md and docs/*.md, and how a page's blocks are run (CONTRIBUTING.md §4, "Every doc snippet
+runs").
 
 Every ```` ```python ```` block of a page runs as written, the page's blocks in order in one namespace (a later block
 may use what an earlier one defined), in a fresh temporary working directory (relative paths land there). A block
 whose fence line directly follows a line ``<!-- fragment: why -->`` is a fragment: it is not run (it needs a GPU, a
-cluster or a remote server), and the marker says why. A block that raises fails its test naming the page and the
-line of its fence, and tracebacks point at the page's own lines.
+cluster, a remote server, or is a piece of a loop the reader writes), and the marker says why. A block that raises
+fails its test naming the page and the line of its fence, and tracebacks point at the page's own lines.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ RAY_PAGES = ("README.md", "docs/api.md")
 #: pages run by a test of their own, which also checks what their blocks do
 OWN_TESTS = {"docs/library.md": "tests/unit/orchestration/training/test_library_doc.py"}
 
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```python\s*$")
+FENCE = re.compile(r"^[ \t]*```python\s*$")
+#: a fence that looks like Python's but is not ```python (```py, ```python3, ```python fragment): refused, not skipped
+NEAR_FENCE = re.compile(r"^[ \t]*```py")
 FRAGMENT = re.compile(r"^\s*<!--\s*fragment:\s*(?P<why>\S.*?)\s*-->\s*$")
 
 
@@ -55,8 +58,12 @@ def blocks(page: str, root: Path = ROOT) -> list[Block]:
     found: list[Block] = []
     index = 0
     while index < len(lines):
-        fence = FENCE.match(lines[index])
-        if fence is None:
+        if FENCE.match(lines[index]) is None:
+            if NEAR_FENCE.match(lines[index]):
+                raise AssertionError(
+                    f"{page}:{index + 1}: {lines[index].strip()!r} is not run; write ```python "
+                    "(and <!-- fragment: why --> on the line before for a block that cannot run)"
+                )
             index += 1
             continue
         end = index + 1

@@ -39,3 +39,10 @@ def test_a_fragment_is_not_run_and_a_failing_block_names_its_page_and_line(tmp_p
     with pytest.raises(AssertionError, match=failing) as failed:
         run_page("page.md", tmp_path, root=tmp_path)
     assert 'File "page.md", line 20' in str(failed.value)  # the traceback points at the page's own line
+
+
+def test_a_python_fence_spelled_otherwise_is_refused_not_skipped(tmp_path: Path) -> None:
+    (tmp_path / "page.md").write_text("# A page\n\n```py\nraise SystemExit\n```\n")
+
+    with pytest.raises(AssertionError, match=r"^page\.md:3: '```py' is not run; write ```python"):
+        blocks("page.md", tmp_path)
