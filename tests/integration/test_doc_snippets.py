@@ -34,6 +34,7 @@ def stop_what_the_page_started(namespace: dict[str, Any]) -> None:
                 ray.kill(handle)
 
 
+@pytest.mark.slow  # ~30-60 s a page (each starts storage units): the slow tier (.ci/run) keeps make test < 10 min
 @pytest.mark.parametrize("page", RAY_PAGES)
 def test_the_python_blocks_of_the_page_run(
     page: str, ray_session: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
