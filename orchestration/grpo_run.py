@@ -38,7 +38,7 @@ import transfer_queue
 from orchestration.metric_sinks import run_sinks
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
-from orchestration.stopping import EXIT_INTERRUPTED, RunStopped, stopped_line
+from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
@@ -82,7 +82,23 @@ class GRPORun:
 
     def __init__(self, config: RLConfig):
         config.validate()
-        self.cfg = cfg = config
+        self.cfg = config
+        # what shutdown stops; a start-up that fails part way stops what it had started (the weight channel included)
+        self.channel: WeightChannel | None = None
+        self.client: Any = None
+        self.rollout: list[Any] = []
+        self.reward: list[Any] = []
+        self.trainer: list[Any] = []
+        self.sinks: Any = None
+        try:
+            self._start()
+        except BaseException:  # an error, a Ctrl-C or a SIGTERM (orchestration/stopping.py) during start-up
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
+        """Start the run's queue and actors (see the class docstring)."""
+        cfg = self.cfg
         self.task_name = run_task_name(cfg)
         self.out = cfg.output_path
         self.out.mkdir(parents=True, exist_ok=True)
@@ -552,12 +568,18 @@ class GRPORun:
         return self.task_name.rsplit(":", 1)[-1]
 
     def shutdown(self) -> None:
-        self.sinks.close()
-        for actor in [*self.rollout, *self.reward, *self.trainer]:
-            ray.kill(actor)
-        transfer_queue.shutdown()
-        if self.channel is not None:
-            self.channel.close()
+        """Stop the actors and the queue, then remove the weight channel (whatever failed before it): the ranks that
+        write the channel are gone by then. Stops only what started, so it also ends a start-up that failed."""
+        try:
+            if self.sinks is not None:
+                self.sinks.close()
+            for actor in [*self.rollout, *self.reward, *self.trainer]:
+                ray.kill(actor)
+            if self.client is not None:
+                transfer_queue.shutdown()
+        finally:
+            if self.channel is not None:
+                self.channel.close()
 
 
 def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> None:
@@ -608,18 +630,20 @@ def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
 
 
 def train_from_command_line(config: RLConfig, env_vars: dict[str, str] | None = None) -> int:
-    """A recipe's run: ``connect_ray`` then ``train_and_report``; on Ctrl-C one line (where it stopped, how to go on)
-    and exit code 130 instead of a traceback; Ray shut down however it ends.
+    """A recipe's run: ``connect_ray`` then ``train_and_report``; on Ctrl-C or SIGTERM one line (where it stopped,
+    how to go on) and exit code 130 (143 for SIGTERM) instead of a traceback; Ray shut down however it ends.
 
     Returns:
-        The process's exit code: 0, or ``EXIT_INTERRUPTED``.
+        The process's exit code: 0, ``EXIT_INTERRUPTED`` or ``EXIT_TERMINATED``.
     """
+    sigterm = SigtermStops()
     try:
         connect_ray(env_vars)
-        train_and_report(config)
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run's actors and queue are stopped by now
+        with sigterm:  # after Ray's start: ray.init installs a SIGTERM handler of its own
+            train_and_report(config)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the run's actors, queue and weight channel are stopped
         print(stopped_line(config, exc), file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return sigterm.exit_code()
     finally:
         ray.shutdown()
     return 0

@@ -1,21 +1,32 @@
-"""A run stopped by its user (Ctrl-C): the actors and the queue are stopped, and one line says where it stood.
+"""A run stopped by its user (Ctrl-C) or its scheduler (SIGTERM): the actors, the queue and the weight channel are
+stopped, and one line says where it stood.
 
 ``train_and_report`` turns the KeyboardInterrupt into :class:`RunStopped` (the GRPO steps done) once the run's actors
 and queue are stopped; a recipe prints :func:`stopped_line` instead of a traceback, shuts Ray down and exits with
 130 (128 + SIGINT, what a shell reports for a Ctrl-C)::
 
     stopped at step 37; last checkpoint at step 30; run the same command to resume
+
+A SIGTERM (``kill``, a job scheduler, ``docker stop``) takes the same way while :class:`SigtermStops` is entered
+(after Ray's start, which installs its own handler: exit at once, the run's cleanup skipped): it raises
+KeyboardInterrupt in the main thread, and the recipe exits with 143 (128 + SIGTERM).
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
 
 from trainers.checkpoint import latest_checkpoint
 from trainers.config import RLConfig
 
 #: the exit code of a recipe stopped by Ctrl-C
 EXIT_INTERRUPTED = 130
+#: the exit code of a recipe stopped by SIGTERM
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 class RunStopped(KeyboardInterrupt):
@@ -43,3 +54,42 @@ def stopped_line(config: RLConfig, interrupt: BaseException) -> str:
         return f"stopped at step {step}; no checkpoint yet; run the same command to start again"
     again = "run the same command" if config.resume else "run the same command without --new"
     return f"stopped at step {step}; last checkpoint at step {saved}; {again} to resume"
+
+
+class SigtermStops:
+    """While entered, a SIGTERM stops the run as a Ctrl-C does: KeyboardInterrupt in the main thread, so every
+    ``finally`` on the way out runs (actors and queue stopped, the weight channel removed). Further SIGTERMs while
+    that stop runs are ignored (SIGKILL remains). The handler in place before is put back on exit. Outside the main
+    thread (where Python runs no signal handler) it does nothing.
+
+    >>> with SigtermStops() as sigterm:  # doctest: +SKIP
+    ...     train_and_report(config)
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> SigtermStops:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def exit_code(self) -> int:
+        """The exit code of a run this stopped: :data:`EXIT_TERMINATED`, else :data:`EXIT_INTERRUPTED` (a Ctrl-C)."""
+        return EXIT_TERMINATED if self.received else EXIT_INTERRUPTED
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:
+            return
+        self.received = True
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")

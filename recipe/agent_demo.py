@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import ray
 
 from orchestration import GRPORun, connect_ray
-from orchestration.stopping import EXIT_INTERRUPTED, RunStopped, stopped_line
+from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
 from trainers.config import ConfigError, RLConfig, config_from_cli
 from trainers.metrics import fifth_means
@@ -78,8 +78,9 @@ class AgentGRPORun(GRPORun):
         return row
 
 
-def _run(config: RLConfig, env: str) -> list[dict[str, Any]]:
-    """The task servers, then the run on them; every piece stopped on the way out (RunStopped on a Ctrl-C)."""
+def _run(config: RLConfig, env: str, sigterm: SigtermStops) -> list[dict[str, Any]]:
+    """The task servers, then the run on them; every piece stopped on the way out (RunStopped on a Ctrl-C, or on a
+    SIGTERM once Ray is up: ``sigterm``)."""
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(
@@ -93,6 +94,7 @@ def _run(config: RLConfig, env: str) -> list[dict[str, Any]]:
         ]
         print(f"task servers: {[s.url for s in servers]} pids {[s.process.pid for s in servers]}", flush=True)
         connect_ray()
+        stack.enter_context(sigterm)  # after Ray's start: ray.init installs a SIGTERM handler of its own
         run = AgentGRPORun(config, [str(s.url) for s in servers])
         try:
             return run.run()
@@ -108,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     if env is None:
         raise ConfigError("rollout.task_server_env is not set; the agent demo serves an environment, e.g. guess-number")
     started = time.perf_counter()
+    sigterm = SigtermStops()
     try:
-        rows = _run(config, env)
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run's actors, queue and task servers are stopped by now
+        rows = _run(config, env, sigterm)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the run's actors, queue and task servers are stopped by now
         print(stopped_line(config, exc), file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return sigterm.exit_code()
     finally:
         ray.shutdown()
     first, last = fifth_means([r["success"] for r in rows])

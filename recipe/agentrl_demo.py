@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"scheduler: {dict(scheduler.stats)}\n")
     print(render_status(ledger))
+    ledger.close()  # a normal end leaves ledger.db alone: its -wal and -shm files are checkpointed away
     return 0
 
 

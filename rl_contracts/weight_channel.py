@@ -8,6 +8,11 @@ A version appears atomically (written under a temporary name, then renamed), so 
 none. The writer keeps the newest ``keep`` versions; a reader that opened an older one still reads it whole (an
 unlinked file lives until it is closed).
 
+A channel made by :meth:`WeightChannel.create` belongs to the process that made it (``rl_contracts/scratch.py``):
+its directory, ``tq-weights-<pid>-<random>``, is removed by :meth:`WeightChannel.close` (the run's shutdown), at
+interpreter exit if nothing closed it, and, when that process was killed outright, by the next ``create`` on the
+host.
+
 >>> channel = WeightChannel(tempfile.mkdtemp())  # doctest: +SKIP
 >>> channel.write(3, model.state_dict())  # doctest: +SKIP
 >>> channel.newest_version()  # doctest: +SKIP
@@ -19,11 +24,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from rl_contracts.scratch import ScratchDir
 
 _NAME = re.compile(r"^(\d{12})\.v(\d+)\.pt$")  # serial (one per write) and policy version
 
@@ -46,12 +53,17 @@ class WeightChannel:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self._owner: ScratchDir | None = None
 
     @classmethod
-    def create(cls, prefix: str = "tq-weights-") -> WeightChannel:
-        """A new channel in shared memory (``/dev/shm``), or in the temporary directory where there is none."""
-        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        return cls(tempfile.mkdtemp(prefix=prefix, dir=root))
+    def create(cls, prefix: str = "tq-weights-", root: str | None = None) -> WeightChannel:
+        """A new channel this process owns, in shared memory (``/dev/shm``, or ``root``; the temporary directory
+        where there is none): removed by :meth:`close`, at exit, or by a later ``create`` once this process is dead
+        (the channels of dead processes are swept first)."""
+        owner = ScratchDir(prefix, root)
+        channel = cls(owner.path)
+        channel._owner = owner
+        return channel
 
     def write(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Publish ``state_dict`` as policy ``version``: never older than the newest written (the same version may
@@ -111,10 +123,11 @@ class WeightChannel:
             pause = min(pause * 2, 2e-3)
 
     def close(self) -> None:
-        """Delete the channel's files and directory (the writer's side, at the end of a run)."""
-        for entry in self.path.iterdir():
-            entry.unlink(missing_ok=True)
-        self.path.rmdir()
+        """Delete the channel's files and directory (the owner's side, at the end of a run; idempotent)."""
+        if self._owner is not None:
+            self._owner.remove()
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def _writes(self) -> list[tuple[int, int]]:
         return sorted((int(m.group(1)), int(m.group(2))) for name in os.listdir(self.path) if (m := _NAME.match(name)))

@@ -3,14 +3,14 @@ which server it is: the HTTP client, typed errors, policy versions, and new weig
 
 Weights reach a server as a Hugging Face directory it can read (``update_weights(version, path=...)``, or the seed's
 ``update_weights_from_checkpoint(path)``); a state dict from memory is first written as safetensors (plus the
-model's config files) into a fresh directory in ``/dev/shm`` that is removed after the server loaded it.
+model's config files) into a fresh directory in ``/dev/shm`` that is removed after the server loaded it (named
+``tq-engine-weights-<pid>-...``: one left by an engine process killed during a load is swept by the next one made on
+the host, ``rl_contracts/scratch.py``).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import time
 from abc import abstractmethod
 from collections.abc import Callable
@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from rl_contracts.scratch import ScratchDir
 from workers.engines.base import AbortCheck, Engine, check_version, check_weight_update
 from workers.engines.errors import EngineRequestError, EngineUnavailable
 
@@ -108,11 +109,11 @@ class HTTPEngine(Engine):
             self._load_directory(str(path), version)
         else:
             assert state_dict is not None
-            directory = self.save_state_dict(state_dict)
+            scratch = self.save_state_dict(state_dict)
             try:
-                self._load_directory(directory, version)
+                self._load_directory(str(scratch.path), version)
             finally:
-                shutil.rmtree(directory, ignore_errors=True)
+                scratch.remove()
         self._version = version
 
     def update_weights_from_checkpoint(self, checkpoint_path: str, version: int | None = None) -> dict[str, Any]:
@@ -124,20 +125,24 @@ class HTTPEngine(Engine):
         self._version = version
         return {"success": True, "version": version, "reply": reply}
 
-    def save_state_dict(self, state_dict: dict[str, torch.Tensor]) -> str:
-        """Write a state dict as a Hugging Face directory (safetensors + the model's config files); returns it."""
+    def save_state_dict(self, state_dict: dict[str, torch.Tensor]) -> ScratchDir:
+        """Write a state dict as a Hugging Face directory (safetensors + the model's config files) in a scratch
+        directory of this process; returns it (the caller removes it)."""
         from safetensors.torch import save_file
 
-        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        directory = tempfile.mkdtemp(prefix="tq-engine-weights-", dir=root)
-        # clone: tied tensors share storage, which safetensors refuses to save twice
-        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
-        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-        source = self.model_path()
-        for name in CONFIG_FILES:
-            if source is not None and (Path(source) / name).is_file():
-                shutil.copy(Path(source) / name, Path(directory) / name)
-        return directory
+        scratch = ScratchDir("tq-engine-weights-")
+        try:
+            # clone: tied tensors share storage, which safetensors refuses to save twice
+            tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+            save_file(tensors, str(scratch.path / "model.safetensors"), metadata={"format": "pt"})
+            source = self.model_path()
+            for name in CONFIG_FILES:
+                if source is not None and (Path(source) / name).is_file():
+                    shutil.copy(Path(source) / name, scratch.path / name)
+        except BaseException:
+            scratch.remove()
+            raise
+        return scratch
 
     def model_path(self) -> str | None:
         if self._model_path is None:

@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         ledger = Ledger(args.db, create=False)
-        print(render_status(ledger))
+        try:
+            print(render_status(ledger))
+        finally:
+            ledger.close()
     except LedgerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

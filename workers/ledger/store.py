@@ -18,6 +18,7 @@ True
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -135,6 +136,21 @@ class Ledger:
         self._open(create=True)
 
     def close(self) -> None:
+        """Close the connections; on SQLite first fold the write-ahead log into the database file and truncate it
+        (``wal_checkpoint(TRUNCATE)``), so the ``.db`` file alone holds everything, and the ``-wal`` and ``-shm``
+        files disappear with the last connection (another process still reading keeps them, empty, until it closes).
+        A checkpoint a busy reader blocks is skipped: the next open folds the log in."""
+        if self.backend == "sqlite":
+            try:
+                raw = self._engine.raw_connection()  # outside a transaction (a checkpoint cannot run inside one)
+                try:
+                    cursor = raw.cursor()
+                    cursor.execute(f"PRAGMA busy_timeout={CLOSE_CHECKPOINT_WAIT_MS}")  # not 60 s behind a reader
+                    cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                finally:
+                    raw.close()
+            except (OperationalError, sqlite3.Error):  # the file is gone or busy past busy_timeout: still close
+                pass
         self._engine.dispose()
 
     def _redacted(self) -> str:
@@ -765,6 +781,9 @@ def _task(row: Any) -> Task:
         last_error=row.last_error,
     )
 
+
+# how long closing a SQLite ledger waits for readers to let its checkpoint through before it closes without one
+CLOSE_CHECKPOINT_WAIT_MS = 1000
 
 # how long a pooled PostgreSQL connection may sit unused and still be handed out without a ping
 PING_AFTER_IDLE_S = 1.0

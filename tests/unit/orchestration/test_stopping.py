@@ -1,15 +1,19 @@
 """A Ctrl-C during a recipe run: the run's actors and queue are stopped, Ray is shut down, and one line says where
-the run stopped and how to go on; the recipe exits with 130 (issue 25, section 3)."""
+the run stopped and how to go on; the recipe exits with 130. A SIGTERM takes the same way and exits with 143 (issue
+25, section 3)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from typing import ClassVar
 
 import pytest
 
 from orchestration import grpo_run
-from orchestration.stopping import RunStopped, stopped_line
+from orchestration.stopping import EXIT_TERMINATED, RunStopped, SigtermStops, stopped_line
 from trainers.checkpoint import checkpoint_path
 from trainers.config import load_config
 
@@ -89,3 +93,55 @@ def test_a_ctrl_c_in_the_demo_prints_one_line_shuts_ray_down_and_exits_130(monke
     err = capsys.readouterr().err
     assert err == "stopped at step 2; no checkpoint yet; run the same command to start again\n"
     assert shut_down == [True]
+
+
+@pytest.fixture
+def sigterm_recorded():
+    """A SIGTERM handler that only records (in place of the default, which would end the test process); put back
+    after the test. A handler that fails to take over SIGTERM shows as a recorded signal, not a dead pytest."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    yield received
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_stops_like_a_ctrl_c_once_and_the_handler_before_comes_back(sigterm_recorded):
+    with pytest.raises(KeyboardInterrupt, match="signal SIGTERM"), SigtermStops() as sigterm:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode; never reached
+    assert sigterm.received and sigterm.exit_code() == EXIT_TERMINATED == 143
+    with SigtermStops() as sigterm:
+        sigterm.received = True  # a stop under way: a second SIGTERM does not break into its cleanup
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert sigterm_recorded == []
+    os.kill(os.getpid(), signal.SIGTERM)  # after the block: the handler in place before
+    assert sigterm_recorded == [signal.SIGTERM]
+    assert SigtermStops().exit_code() == 130  # a Ctrl-C's
+
+
+def test_a_sigterm_in_the_demo_stops_the_run_prints_one_line_and_exits_143(
+    monkeypatch, tmp_path, capsys, sigterm_recorded
+):
+    import recipe.demo as demo
+
+    shut_down, stopped = [], []
+
+    class _RunUntilSigterm:
+        def __init__(self, config):
+            self.step = 0
+
+        def run(self):
+            self.step = 4
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's kill, mid-run
+            time.sleep(5)
+            return []
+
+        def shutdown(self):
+            stopped.append(self.step)
+
+    monkeypatch.setattr(grpo_run, "connect_ray", lambda env_vars=None: None)
+    monkeypatch.setattr(grpo_run, "GRPORun", _RunUntilSigterm)
+    monkeypatch.setattr(grpo_run.ray, "shutdown", lambda: shut_down.append(True))
+    assert demo.main([f"output_dir={tmp_path / 'run'}"]) == 143
+    assert capsys.readouterr().err == "stopped at step 4; no checkpoint yet; run the same command to start again\n"
+    assert stopped == [4] and shut_down == [True] and sigterm_recorded == []

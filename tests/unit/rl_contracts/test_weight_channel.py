@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from rl_contracts.weight_channel import WeightChannel, WeightChannelTimeout
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
@@ -53,9 +60,31 @@ def test_close_removes_the_channel(tmp_path):
     channel = WeightChannel(tmp_path / "ch")
     channel.write(0, state(0.0))
     channel.close()
+    channel.close()  # idempotent: a run's shutdown after a failed start-up's
     assert not (tmp_path / "ch").exists()
     created = WeightChannel.create()
     try:
-        assert created.path.is_dir()
+        assert created.path.is_dir() and created.path.name.startswith(f"tq-weights-{os.getpid()}-")
     finally:
         created.close()
+    assert not created.path.exists()
+
+
+def test_a_created_channel_belongs_to_its_process_and_is_swept_once_that_is_killed(tmp_path):
+    # a run killed outright (SIGKILL, OOM) runs no cleanup: its channel is swept by the next run's create
+    code = (
+        "import os, signal, torch\n"
+        "from rl_contracts.weight_channel import WeightChannel\n"
+        f"channel = WeightChannel.create(root={str(tmp_path)!r})\n"
+        "channel.write(0, {'w': torch.zeros(3)})\n"
+        "print(channel.path, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    orphan = Path(killed.stdout.strip())
+    assert killed.returncode == -signal.SIGKILL and (orphan / "000000000000.v0.pt").is_file(), killed.stderr
+    channel = WeightChannel.create(root=str(tmp_path))
+    assert not orphan.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [channel.path.name]
+    channel.close()
+    assert list(tmp_path.iterdir()) == []
