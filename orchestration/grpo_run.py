@@ -83,6 +83,7 @@ class GRPORun:
     def __init__(self, config: RLConfig):
         config.validate()
         self.cfg = config
+        self.timings: dict[str, float] = {}  # run(): seconds of the SFT warm-up (or resume) and of the GRPO steps
         # what shutdown stops; a start-up that fails part way stops what it had started (the weight channel included)
         self.channel: WeightChannel | None = None
         self.client: Any = None
@@ -341,7 +342,9 @@ class GRPORun:
     def run(self) -> list[dict[str, Any]]:
         """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run."""
         cfg = self.cfg
+        warm_up_started = time.perf_counter()
         start = self.step = self._resume_or_warm_up()
+        self.timings["warm_up_s"] = time.perf_counter() - warm_up_started
         if cfg.train.kl_coef > 0:
             self.init_reference(resumed=self._resumed)
         self.publish(self.version)
@@ -372,6 +375,7 @@ class GRPORun:
                 self.prompt_states.pop(step, None)
         finally:
             progress.close()  # a Ctrl-C's line starts on a line of its own, not after the bar
+            self.timings["grpo_s"] = time.perf_counter() - run_started
         steps_run = max(len(rows_out), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
@@ -606,6 +610,18 @@ def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> No
             ray.shutdown()
 
 
+def time_line(steps: int, total_s: float, timings: dict[str, float]) -> str:
+    """Where a run's time went, each figure named for what it measures: the GRPO steps alone, then the whole run
+    with its start-up (Ray, the queue, the actors) and its SFT warm-up (or resume)."""
+    grpo_s, warm_up_s = timings.get("grpo_s", 0.0), timings.get("warm_up_s", 0.0)
+    per_step = f", {grpo_s / steps:.3f} s a step" if steps else ""
+    start_up_s = max(total_s - grpo_s - warm_up_s, 0.0)
+    return (
+        f"GRPO: {steps} steps in {grpo_s:.1f} s{per_step}; the whole run {total_s:.1f} s "
+        f"(start-up {start_up_s:.1f} s, SFT warm-up or resume {warm_up_s:.1f} s, GRPO {grpo_s:.1f} s)"
+    )
+
+
 def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
     """Run ``config`` (SFT if configured, then GRPO), stop its actors, and print how the reward moved.
 
@@ -622,9 +638,9 @@ def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
     finally:
         run.shutdown()
     first, last = fifth_means([r["reward"] for r in rows])
-    minutes = (time.perf_counter() - started) / 60
     print(f"\nGRPO mean reward: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
-    print(f"{len(rows)} steps in {minutes:.1f} min; metrics: {config.output_path / 'metrics.jsonl'}")
+    print(time_line(len(rows), time.perf_counter() - started, run.timings))
+    print(f"metrics: {config.output_path / 'metrics.jsonl'}")
     print(f"plot: {config.output_path / 'metrics.png'}")
     return rows
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import ray
 
 from orchestration import GRPORun, connect_ray
+from orchestration.grpo_run import time_line
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
 from trainers.config import ConfigError, RLConfig, config_from_cli
@@ -78,9 +79,9 @@ class AgentGRPORun(GRPORun):
         return row
 
 
-def _run(config: RLConfig, env: str, sigterm: SigtermStops) -> list[dict[str, Any]]:
+def _run(config: RLConfig, env: str, sigterm: SigtermStops) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The task servers, then the run on them; every piece stopped on the way out (RunStopped on a Ctrl-C, or on a
-    SIGTERM once Ray is up: ``sigterm``)."""
+    SIGTERM once Ray is up: ``sigterm``). Returns the GRPO rows and the run's ``timings``."""
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(
@@ -97,7 +98,7 @@ def _run(config: RLConfig, env: str, sigterm: SigtermStops) -> list[dict[str, An
         stack.enter_context(sigterm)  # after Ray's start: ray.init installs a SIGTERM handler of its own
         run = AgentGRPORun(config, [str(s.url) for s in servers])
         try:
-            return run.run()
+            return run.run(), run.timings
         except KeyboardInterrupt:
             raise RunStopped(run.step) from None
         finally:
@@ -112,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     sigterm = SigtermStops()
     try:
-        rows = _run(config, env, sigterm)
+        rows, timings = _run(config, env, sigterm)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the run's actors, queue and task servers are stopped by now
         print(stopped_line(config, exc), file=sys.stderr)
         return sigterm.exit_code()
     finally:
         ray.shutdown()
     first, last = fifth_means([r["success"] for r in rows])
-    minutes = (time.perf_counter() - started) / 60
     print(f"\nepisode success: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
-    print(f"{len(rows)} steps in {minutes:.1f} min; metrics: {config.output_path / 'metrics.jsonl'}")
+    print(time_line(len(rows), time.perf_counter() - started, timings))
+    print(f"metrics: {config.output_path / 'metrics.jsonl'}")
     print(f"plot: {config.output_path / 'metrics.png'}")
     return 0
 

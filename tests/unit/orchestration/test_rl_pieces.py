@@ -350,3 +350,16 @@ def test_without_a_terminal_progress_is_one_plain_line_of_health_metrics_every_n
         f"GRPO step {n}/5 | reward 0.500 | kl 0.0010 | entropy 1.250 | grad_norm 0.500 | step_s 0.20" for n in (2, 4, 5)
     ]
     assert "\r" not in out.getvalue()
+
+
+def test_the_run_report_names_what_each_time_measures():
+    from orchestration.grpo_run import time_line
+
+    line = time_line(1000, 336.0, {"warm_up_s": 52.0, "grpo_s": 216.0})
+    assert line == (
+        "GRPO: 1000 steps in 216.0 s, 0.216 s a step; the whole run 336.0 s "
+        "(start-up 68.0 s, SFT warm-up or resume 52.0 s, GRPO 216.0 s)"
+    )
+    assert time_line(0, 5.0, {}) == (
+        "GRPO: 0 steps in 0.0 s; the whole run 5.0 s (start-up 5.0 s, SFT warm-up or resume 0.0 s, GRPO 0.0 s)"
+    )
