@@ -2,9 +2,9 @@
 
 With no address, the target is this user's newest live run on this machine (its discovery record,
 transfer_queue/ops/runs.py): its cluster's address and the Ray variables joining it takes (token authentication,
-loopback node addresses) come from the record, so ``python -m transfer_queue status`` needs no flags and no
-environment. With an address (``--address`` or ``RAY_ADDRESS``), the environment is the caller's, completed by the
-record of a run at that address if there is one.
+loopback node addresses) come from the record and replace the shell's, so ``python -m transfer_queue status`` needs
+no flags and no environment. With an address (``--address`` or ``RAY_ADDRESS``), the Ray variables are the
+caller's, completed by those of a run recorded at that address if there is one.
 
 Before Ray is asked, a TCP connection to the cluster's GCS port must open within :data:`PROBE_TIMEOUT_S`
 (``ClusterUnreachable`` otherwise), and Ray is given :data:`GCS_CONNECT_TRIES` tries instead of its default 20, one
@@ -24,7 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from transfer_queue.errors import ClusterRefused, ClusterUnreachable, InvalidRequest
-from transfer_queue.ops.runs import STATUS_COMMAND, RunRecord, choose_run, live_runs, others_note, runs_dir
+from transfer_queue.ops.runs import (
+    RAY_ATTACH_VARIABLES,
+    STATUS_COMMAND,
+    RunRecord,
+    choose_run,
+    live_runs,
+    others_note,
+    runs_dir,
+)
 
 PROBE_TIMEOUT_S = 3.0
 # RAY_gcs_server_port_wait_time_s while joining: a running GCS answers the first; Ray's 20 (1 s apart) are for one
@@ -40,6 +48,7 @@ class Target:
 
     address: str
     env: dict[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()  # Ray variables of this process to drop (the run had none: the shell's would mislead)
     run: RunRecord | None = None
     notes: tuple[str, ...] = ()  # lines for the person at the terminal (which run among several)
 
@@ -53,13 +62,16 @@ def find_target(address: str | None = None, run_pid: int | None = None, root: st
     if address and run_pid is not None:
         raise InvalidRequest(f"pass --address ({address}) or --run ({run_pid}), not both")
     address = address or (os.environ.get("RAY_ADDRESS") if run_pid is None else None)
-    if not address or address == "auto":
+    if not address or address == "auto":  # the run's own Ray variables, exactly: the shell's may be another cluster's
         runs = live_runs(root)
         run = choose_run(runs, run_pid, runs_dir(root))
         note = others_note(run, runs)
-        return Target(run.ray_address, dict(run.ray_env), run, (note,) if note else ())
+        unset = tuple(name for name in RAY_ATTACH_VARIABLES if name not in run.ray_env)
+        return Target(run.ray_address, dict(run.ray_env), unset, run, (note,) if note else ())
+    # an address the caller chose: the caller's Ray variables, completed by those of a run recorded there
     recorded = next((r for r in live_runs(root) if r.ray_address == address), None)
-    return Target(address, dict(recorded.ray_env) if recorded else {}, recorded)
+    env = {k: v for k, v in recorded.ray_env.items() if k not in os.environ} if recorded else {}
+    return Target(address, env, run=recorded)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -153,6 +165,8 @@ def join(target: Target) -> None:
             raise InvalidRequest(f"this process already drives the Ray cluster at {current}, not {target.address}")
         return
     probe(target)
+    for name in target.unset:
+        os.environ.pop(name, None)
     os.environ.update(target.env)  # before Ray is imported: it reads some of them once, at import
     if _is_loopback(split_address(target.address)[0]):  # a loopback GCS means the cluster's nodes are loopback too
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -52,6 +52,7 @@ def test_with_no_flags_the_run_s_record_gives_the_address_and_the_ray_variables(
         published.remove()
     assert target.address == "127.0.0.1:7000"
     assert target.env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/home/u/.ray/auth_token"}
+    assert target.unset == ("RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # the shell's would override
     assert target.run is not None and target.run.pid == os.getpid() and target.notes == ()
 
 
@@ -60,14 +61,18 @@ def test_with_no_run_and_no_address_it_says_what_to_pass(tmp_path: Path, no_ray_
         attach.find_target(root=str(tmp_path))
 
 
-def test_an_address_takes_the_ray_variables_of_a_run_recorded_there(tmp_path: Path, no_ray_address: None) -> None:
+def test_an_address_takes_the_ray_variables_of_a_run_recorded_there(
+    tmp_path: Path, no_ray_address: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/mine")  # the caller's own variable wins at an address they chose
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     published = publish(run_record("127.0.0.1:7000"), str(tmp_path))
     try:
         recorded = attach.find_target("127.0.0.1:7000", root=str(tmp_path))
         elsewhere = attach.find_target("10.0.0.1:6379", root=str(tmp_path))
     finally:
         published.remove()
-    assert recorded.env["RAY_AUTH_MODE"] == "token" and recorded.run is not None
+    assert recorded.env == {"RAY_AUTH_MODE": "token"} and recorded.unset == () and recorded.run is not None
     assert elsewhere.env == {} and elsewhere.run is None and elsewhere.address == "10.0.0.1:6379"
 
 
@@ -145,6 +150,7 @@ def test_ray_joins_with_the_run_s_variables_and_bounded_tries(monkeypatch: pytes
     listener = socket.create_server(("127.0.0.1", 0))  # the GCS port answers the probe
     address = f"127.0.0.1:{listener.getsockname()[1]}"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    environ["RAY_AUTH_TOKEN"] = "another cluster's"
     monkeypatch.setattr(os, "environ", environ)
     seen: list[dict[str, Any]] = []
 
@@ -155,12 +161,14 @@ def test_ray_joins_with_the_run_s_variables_and_bounded_tries(monkeypatch: pytes
     monkeypatch.setattr(runtime, "init_ray", refusing_init)
     try:
         with pytest.raises(ClusterRefused, match=f"the Ray cluster at {address} refused"):
-            attach.join(attach.Target(address, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/t"}))
+            attach.join(
+                attach.Target(address, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/t"}, ("RAY_AUTH_TOKEN",))
+            )
     finally:
         listener.close()
     assert seen[0]["address"] == address
     env = seen[0]["env"]
-    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == "/t"
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == "/t" and "RAY_AUTH_TOKEN" not in env
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # a loopback GCS: the cluster's nodes are loopback too
     assert env["RAY_gcs_server_port_wait_time_s"] == str(attach.GCS_CONNECT_TRIES)
     assert "RAY_gcs_server_port_wait_time_s" not in environ  # only while joining
