@@ -119,6 +119,7 @@ class GRPORun:
             default_timeout=cfg.queue_timeout,
             restore_from=self._restorable_queue(),
             task_names=self.queue_task_names,
+            run_metrics=str(self.out / "metrics.jsonl"),
         )
         info = self.client.controller_info
         spec = EngineSpec(

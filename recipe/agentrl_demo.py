@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         num_n_samples=args.num_generations,
         sampler=transfer_queue.GRPOSampler(args.num_generations),
         num_storage_units=1,
+        run_metrics=str(out / "metrics.jsonl"),
     )
     cfg = SamplingConfig(
         output_dir=str(out),

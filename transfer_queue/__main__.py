@@ -1,19 +1,22 @@
 """``python -m transfer_queue COMMAND`` (also installed as ``transfer-queue``): look at a running queue.
 
-    python -m transfer_queue status                      # the queue on the Ray cluster this machine runs
+    python -m transfer_queue status                      # this user's run on this machine: no flags, no environment
+    python -m transfer_queue status --run 12345          # one of several runs (the status command lists them)
     python -m transfer_queue status --address 10.0.0.1:6379 --watch
     python -m transfer_queue status --json               # the same summary as client.status(), as JSON
     python -m transfer_queue targets --output tq.json    # Prometheus file_sd targets of every /metrics endpoint
 
-Any process that can join the cluster can run it (see docs/operations.md: attaching from another process, Ray's
-token authentication). It joins as a Ray driver, finds the queue ``transfer_queue.init`` started, and reads it.
+With no ``--address`` it finds the run by the record ``transfer_queue.init`` wrote for it (transfer_queue/attach.py,
+transfer_queue/ops/runs.py) and joins its Ray cluster with what the record says joining takes; with ``--address``
+any process that can join the cluster can run it (see docs/operations.md). Either way, a cluster that does not answer
+or refuses this process fails within seconds, saying what to pass. It joins as a Ray driver, finds the queue and reads
+it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -21,21 +24,25 @@ from typing import Any
 from urllib.parse import urlparse
 
 
-def _connect(address: str | None) -> Any:
-    """A client of the queue running on the cluster at ``address`` (default: ``RAY_ADDRESS``, else this node's)."""
-    import ray
+def _join(args: argparse.Namespace) -> None:
+    """Join the cluster of the run ``args`` name (``--address``, ``--run``, else this user's newest run); say which
+    run it is on stderr (stdout stays the command's output, e.g. JSON)."""
+    from transfer_queue.attach import attach
 
-    from transfer_queue.runtime import get_client
-
-    if not ray.is_initialized():
-        ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
-    return get_client("transfer-queue-cli")
+    target = attach(args.address, args.run_pid)
+    if target.run is not None:
+        metrics = f" | its metrics: {target.run.run_metrics}" if target.run.run_metrics else ""
+        print(f"run: {target.run.describe()} on Ray {target.address}{metrics}", file=sys.stderr)
+    for note in target.notes:
+        print(note, file=sys.stderr)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    _join(args)  # first: it sets Ray's variables before anything imports Ray
     from transfer_queue.ops.status import format_summary
+    from transfer_queue.runtime import get_client
 
-    client = _connect(args.address)
+    client = get_client("transfer-queue-cli")
     while True:
         summary = client.status()
         if args.json:
@@ -63,12 +70,11 @@ def file_sd(endpoints: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def cmd_targets(args: argparse.Namespace) -> int:
+    _join(args)  # first: it sets Ray's variables before anything imports Ray
     import ray
 
     from transfer_queue.runtime import get_controller
 
-    if not ray.is_initialized():
-        ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
     endpoints = ray.get(get_controller().http_endpoints.remote())
     if not endpoints:
         print("the queue serves no HTTP endpoints (it was started with http_port=-1)", file=sys.stderr)
@@ -92,7 +98,11 @@ def parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="the queue's partitions, tasks, storage units and errors, as tables")
     targets = commands.add_parser("targets", help="Prometheus file_sd targets of the queue's /metrics endpoints")
     for sub in (status, targets):
-        sub.add_argument("--address", help="the Ray cluster (its GCS host:port); default: RAY_ADDRESS or this node's")
+        sub.add_argument(
+            "--address",
+            help="the Ray cluster (its GCS host:port); default: RAY_ADDRESS, else this user's run on this machine",
+        )
+        sub.add_argument("--run", dest="run_pid", type=int, metavar="PID", help="this user's run of that pid")
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
     status.add_argument("--json", action="store_true", help="print client.status() as JSON")

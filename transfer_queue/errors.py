@@ -148,6 +148,16 @@ class QueueNotFound(TransferQueueError, LookupError):
     """No queue runs on this Ray cluster (call ``transfer_queue.init`` first)."""
 
 
+class ClusterUnreachable(TransferQueueError, ConnectionError):
+    """The status command (or another observer) found no Ray cluster answering at the address it was to join; the
+    message names the address, what happened, and what to pass instead."""
+
+
+class ClusterRefused(TransferQueueError, ConnectionError):
+    """The Ray cluster at the address answered but refused this process (token authentication): the message names
+    the environment variables that carry the cluster's token."""
+
+
 class ClientClosed(TransferQueueError, RuntimeError):
     """The client was closed; create a new one."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import ray
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.actor import ControllerActor
 from transfer_queue.errors import ConfigMismatch, InvalidRequest, QueueNotFound
+from transfer_queue.ops.runs import RunFile, RunRecord, command_line, live_runs, publish, ray_attach_env, start_block
 from transfer_queue.samplers import SamplerSpec, make_sampler
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.socket_dirs import sweep_stale
@@ -30,6 +32,8 @@ CONTROLLER_NAME = "TransferQueueController"
 # A non-detached actor dies when its owner drops the last handle, even when it has a name: the process that
 # started the queue keeps this one until shutdown(), so the queue lives exactly as long as its job.
 _started: list[Any] = []
+_run_files: list[RunFile] = []  # this process's discovery record, while the queue it started runs
+logger = logging.getLogger(__name__)
 
 
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
@@ -117,6 +121,7 @@ def init(
     storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
     controller_options: dict[str, Any] | None = None,
     restore_from: str | None = None,
+    run_metrics: str | None = None,
     **config: Any,
 ) -> TransferQueueClient:
     """Start the queue on the current Ray cluster (or attach to the running one) and return a ready client.
@@ -131,6 +136,8 @@ def init(
         restore_from: a directory ``client.save_checkpoint`` wrote: the new queue starts from it (its partitions,
             consumption, DP rounds, kv keys, samplers' states and payload), on ``num_storage_units`` units however
             many saved it. Ignored when a queue already runs (attaching never restores).
+        run_metrics: where the program writes its own metrics (e.g. its ``metrics.jsonl``), for the lines
+            printed when the queue starts and for the status command.
         **config: other QueueConfig fields (``storage_unit_bytes``, ``default_timeout``, ``put_grace``, ...).
 
     Raises:
@@ -168,6 +175,7 @@ def init(
             if not _started:  # a driver that exits without shutdown() still stops its queue (and its sockets)
                 atexit.register(_shutdown_at_exit)
             _started.append(handle)
+            _announce(handle, run_metrics)
         except ValueError:  # another process created it first: attach below
             handle = _find()
             if handle is None:
@@ -186,6 +194,38 @@ def init(
     from transfer_queue.client import TransferQueueClient, default_client_id
 
     return TransferQueueClient(client_id or default_client_id(), info, spin_seconds=spin_seconds)
+
+
+def _announce(handle: Any, run_metrics: str | None) -> None:
+    """Write this run's discovery record (what ``python -m transfer_queue status`` finds it by) and print the status
+    command, the status page and where the metrics go."""
+    url = ray.get(handle.http_endpoints.remote()).get("controller")
+    record = RunRecord(
+        pid=os.getpid(),
+        started_at=time.time(),
+        command=command_line(),
+        ray_address=ray.get_runtime_context().gcs_address,
+        ray_env=ray_attach_env(),
+        namespace=NAMESPACE,
+        controller=CONTROLLER_NAME,
+        status_page=f"{url}/status" if url else None,
+        metrics=f"{url}/metrics" if url else None,
+        run_metrics=run_metrics,
+    )
+    _forget_run()
+    try:
+        _run_files.append(publish(record))
+        runs = live_runs()
+    except OSError as exc:  # the queue runs all the same; only the status command's no-flag lookup misses it
+        logger.warning("could not write the run's discovery record: %s; the status command needs --address", exc)
+        runs = [record]
+    print(start_block(record, runs), file=sys.stderr, flush=True)
+
+
+def _forget_run() -> None:
+    for run_file in _run_files:
+        run_file.remove()
+    _run_files.clear()
 
 
 def _find() -> Any | None:
@@ -226,6 +266,7 @@ def _shutdown_at_exit() -> None:
 
 def shutdown(timeout: float = 30.0) -> None:
     """Stop the queue ``init`` started; returns once its name is free, so ``init`` may follow at once."""
+    _forget_run()  # the status command stops finding this process's run from now on
     if not ray.is_initialized():
         return
     handle = _find()

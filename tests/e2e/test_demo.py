@@ -74,6 +74,9 @@ def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     assert (out / "checkpoints" / "step_00000002").is_dir()
     assert "GRPO mean reward: first fifth" in first.stdout
     assert "Token authentication is enabled" not in first.stderr  # Ray's warning of its own default, on every run
+    # the run says how to look at it when its queue starts: the status command, the status page, its metrics
+    assert "-m transfer_queue status" in first.stderr and "  status page: http://127.0.0.1:" in first.stderr
+    assert f"  metrics:     {out / 'metrics.jsonl'} | Prometheus http://127.0.0.1:" in first.stderr
 
     # every step is on-policy in sync mode: after each weight sync (not only the first) the engine's and the
     # trainer's log-probs of the sampled tokens agree; an engine that kept old weights would show here
