@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from transfer_queue.wire.socket_dirs import lock_held
+
 LOCK_NAME = "owner.lock"
 
 
@@ -43,17 +45,8 @@ def _pid_alive(pid: int) -> bool:
 
 def owner_alive(path: str | os.PathLike[str], pid: int) -> bool:
     """Whether the owner of scratch directory ``path`` (``pid``: the one in its name) still lives."""
-    try:
-        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR)
-    except FileNotFoundError:  # no lock yet (or any more): the name's pid decides
-        return _pid_alive(pid)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # releases the lock if we took it
-    return False
+    held = lock_held(os.path.join(path, LOCK_NAME))
+    return _pid_alive(pid) if held is None else held  # no lock yet (or any more): the name's pid decides
 
 
 def sweep_dead(prefix: str, root: str | None = None) -> list[str]:

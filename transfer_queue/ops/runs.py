@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from transfer_queue.errors import QueueNotFound
+from transfer_queue.wire.socket_dirs import lock_held
 
 RECORD_VERSION = 1
 # Ray reads these from a driver's environment when it joins a cluster: token authentication (the mode, the token or
@@ -153,17 +154,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _writer_alive(path: str) -> bool:
     """Whether a live process holds the record's lock (taking it, when free, proves its writer is dead)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return bool(lock_held(path, shared=True))
 
 
 def _read(path: str) -> RunRecord | None:

@@ -38,19 +38,26 @@ def socket_root() -> str:
     return root
 
 
-def _owner_alive(directory: str) -> bool:
-    """Whether a live process holds the directory's lock (taking it, when free, proves its owner is dead)."""
+def lock_held(path: str | os.PathLike[str], shared: bool = False) -> bool | None:
+    """Whether a live process holds an ``flock`` on the file at ``path`` (taking it, when free, proves its holder is
+    gone: the kernel drops a dead process's locks); ``None`` when there is no such file. ``shared``: try a shared lock
+    (checkers then never block each other), else an exclusive one."""
     try:
-        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return False
+        return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
         os.close(fd)  # releases the lock if we took it
     return False
+
+
+def _owner_alive(directory: str) -> bool:
+    """Whether a live process holds the directory's lock."""
+    return bool(lock_held(os.path.join(directory, LOCK_NAME)))
 
 
 def sweep_stale(root: str | None = None) -> list[str]:
