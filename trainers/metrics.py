@@ -21,6 +21,7 @@ PLOTTED = [
     ("grad_norm", "gradient norm (before clipping)"),
     ("kl", "KL to reference"),
     ("staleness_mean", "staleness (versions)"),
+    ("staleness", "staleness (versions)"),  # recipe/agentrl_demo.py's (LedgerGRPOTrainer)
     ("samples_per_s", "samples / s"),
 ]  # not the GRPO loss: ~0 by construction (group-normalised advantages), it says nothing about the run
 # where a step's time goes: stacked in the last panel of metrics.png

@@ -349,10 +349,12 @@ def test_the_plot_shows_what_tells_a_run_is_healthy_not_the_loss_nor_curves_that
 
 
 def _every_curve(step: int) -> dict[str, Any]:
-    """A GRPO row with every plotted curve, each its own (distinct, non-zero) values."""
+    """A GRPORun row with every curve it plots, each its own (distinct, non-zero) values (not the agentrl demo's
+    ``staleness``: GRPORun's is ``staleness_mean``)."""
     row: dict[str, Any] = {"kind": "grpo", "step": step, "generate_s": 0.1, "train_s": 0.2, "step_s": 0.35}
     for i, (key, _) in enumerate(PLOTTED):
-        row[key] = (i + 1) * (step + 1) + 0.5 * (step % 2)
+        if key != "staleness":
+            row[key] = (i + 1) * (step + 1) + 0.5 * (step % 2)
     return row
 
 

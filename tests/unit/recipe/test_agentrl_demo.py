@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from recipe.agentrl_demo import RunRecord
-from trainers.metrics import MetricsLog
+from trainers.metrics import MetricsLog, plotted_panels
 
 
 def test_the_run_record_plots_the_warm_up_and_the_steps_while_the_run_goes_and_at_its_end(tmp_path):
@@ -13,8 +13,9 @@ def test_the_run_record_plots_the_warm_up_and_the_steps_while_the_run_goes_and_a
     assert png.read_bytes()[:4] == b"\x89PNG"  # drawn during the run, not only at its end
     png.unlink()
     for step in range(4):
-        record.write({"kind": "grpo", "step": step, "reward": step / 4, "staleness": 0.0, "step_s": 0.1})
+        record.write({"kind": "grpo", "step": step, "reward": step / 4, "staleness": step % 2, "step_s": 0.1})
     assert record.finish() == png and png.exists()
+    assert [key for key, _ in plotted_panels(record.log.rows("grpo"))] == ["reward", "staleness"]
 
 
 def test_a_resumed_run_cuts_the_metrics_back_to_its_checkpoint_and_a_fresh_one_starts_over(tmp_path):
