@@ -49,7 +49,7 @@ from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
+from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means, plot_metrics
 from transfer_queue.runtime import init_ray
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
@@ -399,6 +399,7 @@ class GRPORun:
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         accuracy = self.sft()
         logger.info("SFT reached greedy accuracy %.3f", accuracy)
+        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"SFT warm-up on {self.task_label}")
         return self.save(0)
 
     def _global_step(

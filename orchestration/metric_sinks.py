@@ -1,20 +1,41 @@
 """Where a run's per-step metrics go besides ``metrics.jsonl``: the queue's controller (Prometheus gauges
-``transfer_queue_rl_*`` and the status page's curves), and, when configured, TensorBoard and Weights & Biases.
+``transfer_queue_rl_*`` and the status page's curves), and, when configured, TensorBoard, Weights & Biases and MLflow.
 
 Each sink takes the same row ``MetricsLog.write`` takes; a sink that fails is logged and dropped, never the run.
-TensorBoard and W&B are off by default (``tensorboard: true``, ``wandb_project: NAME`` in the run's config); W&B
-runs offline unless ``wandb_mode: online``, so nothing needs the network.
+TensorBoard, W&B and MLflow are off by default (``tensorboard: true``, ``wandb_project: NAME``,
+``mlflow_experiment: NAME`` in the run's config) and none is installed by default: a configured sink whose package is
+missing stops the run at its start with :class:`MetricSinkUnavailable`, naming the package to install. W&B runs
+offline unless ``wandb_mode: online``, MLflow into ``output_dir/mlflow.db`` unless ``mlflow_tracking_uri`` names a
+server, so nothing needs the network.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from transfer_queue.ops.status import numeric_row as numbers
 
 logger = logging.getLogger(__name__)
+
+
+class MetricSinkUnavailable(ImportError):
+    """A configured metric sink's package is not installed."""
+
+
+def _require(module: str, package: str, setting: str) -> Any:
+    """Import ``module``, or raise :class:`MetricSinkUnavailable` naming the ``setting`` that asked for it and the
+    ``package`` to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MetricSinkUnavailable(
+            f"{setting} asks for a metric sink that needs {module}, which is not installed ({exc}): "
+            f"pip install {package}, or turn {setting} off"
+        ) from exc
 
 
 class MetricSink(Protocol):
@@ -40,6 +61,7 @@ class TensorBoardSink:
     """Each row's numbers as scalars ``<kind>/<key>`` at ``step`` (``torch.utils.tensorboard``; needs tensorboard)."""
 
     def __init__(self, log_dir: str | Path):
+        _require("tensorboard", "tensorboard", "tensorboard")  # what torch.utils.tensorboard needs
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
@@ -59,8 +81,7 @@ class WandbSink:
     """Each row's numbers logged to a W&B run (offline by default: files under ``dir``, no network)."""
 
     def __init__(self, project: str, directory: str | Path, mode: str = "offline", config: dict | None = None):
-        import wandb
-
+        wandb = _require("wandb", "wandb", "wandb_project")
         self.run = wandb.init(project=project, dir=str(directory), mode=mode, config=config or {})
 
     def write(self, row: dict[str, Any]) -> None:
@@ -70,6 +91,30 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class MlflowSink:
+    """Each row's numbers as MLflow metrics ``<kind>/<key>`` at ``step``, in a new run of ``experiment`` (created
+    if missing) at ``tracking_uri``: a server (``http://...``) or a local store (``sqlite:///PATH``). Through an
+    ``MlflowClient``, not the ``mlflow.start_run`` global, so an MLflow run the caller has open is left alone."""
+
+    def __init__(self, experiment: str, tracking_uri: str, run_name: str | None = None):
+        mlflow = _require("mlflow", "mlflow", "mlflow_experiment")
+        self._metric = importlib.import_module("mlflow.entities").Metric
+        self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+
+    def write(self, row: dict[str, Any]) -> None:
+        kind, values = row.get("kind", "run"), numbers(row)
+        step = int(values.pop("step", 0))
+        now = int(time.time() * 1000)
+        metrics = [self._metric(f"{kind}/{key}", value, now, step) for key, value in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 class MetricSinks:
@@ -95,10 +140,13 @@ class MetricSinks:
 
 
 def run_sinks(cfg: Any, controller: Any | None, out: Path) -> MetricSinks:
-    """The sinks an RLConfig asks for: the controller (when there is one), TensorBoard, W&B."""
+    """The sinks an RLConfig asks for: the controller (when there is one), TensorBoard, W&B, MLflow."""
     sinks: list[Any] = [] if controller is None else [ControllerSink(controller)]
     if cfg.tensorboard:
         sinks.append(TensorBoardSink(out / "tensorboard"))
     if cfg.wandb_project:
         sinks.append(WandbSink(cfg.wandb_project, out, cfg.wandb_mode))
+    if cfg.mlflow_experiment:
+        uri = cfg.mlflow_tracking_uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        sinks.append(MlflowSink(cfg.mlflow_experiment, uri, run_name=out.name))
     return MetricSinks(sinks)

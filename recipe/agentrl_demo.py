@@ -7,7 +7,8 @@
        endpoint for num_generations answers, scores them (evaluate_record), records them and queues the group
     4. the trainer (this thread): whole groups from the queue -> records marked trained (never twice) -> GRPO step
        -> new weights into the engine (the policy version samplers record)
-    5. ``python -m workers.ledger status --db sqlite:///OUTPUT/ledger.db`` at the end
+    5. metrics.jsonl (the warm-up's ``sft`` rows, a ``grpo`` row per step) and metrics.png (redrawn every minute)
+    6. ``python -m workers.ledger status --db sqlite:///OUTPUT/ledger.db`` at the end
 
 ``--prompts-from prompt-source`` is the switch back to the usual GRPO input: prompts drawn from a ``PromptSource``
 and sampled from the engine by one producer thread, no ledger (the trainer and the queue are the same).
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
 import shutil
@@ -40,6 +40,7 @@ from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from rl_contracts.prompts import PromptSource
+from trainers.metrics import MetricsLog, PlotRefresher
 from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
@@ -109,8 +110,11 @@ class AdditionChat:
 
 
 # --- the run ------------------------------------------------------------------------------------------------------
-def warm_up(policy, engine, tokenizer, target: float, seed: int, max_steps: int = 3000) -> tuple[int, float]:
-    """Supervised steps until one sampled answer per probe problem is right ``target`` of the time."""
+def warm_up(
+    policy, engine, tokenizer, target: float, seed: int, max_steps: int = 3000, record: Callable | None = None
+) -> tuple[int, float]:
+    """Supervised steps until one sampled answer per probe problem is right ``target`` of the time; ``record``
+    gets an ``sft`` row (step, loss, accuracy) at each probe."""
     if target <= 0:
         return 0, 0.0
     probe = make_prompts(256, seed=1_000_000 + seed)
@@ -131,6 +135,8 @@ def warm_up(policy, engine, tokenizer, target: float, seed: int, max_steps: int 
                 for p, [g] in zip(probe, generations, strict=True)
             ]
             accuracy = sum(scores) / len(scores)
+            if record is not None:
+                record({"kind": "sft", "step": step, "sft_loss": loss.item(), "accuracy": accuracy})
             if accuracy >= target:
                 break
     return step, accuracy
@@ -163,6 +169,25 @@ def prompt_source_producer(source, engine, engine_lock, sink, tokenizer, n: int,
             ]
             sink.put_group(rows, f"prompt-source/{group}", group)
             group += 1
+
+
+class RunRecord:
+    """The run's ``metrics.jsonl`` and ``metrics.png``, as GRPORun keeps them: a fresh run starts the file over, a
+    resumed one cuts it back to its checkpoint's step (each step keeps one row); the plot is redrawn at most every
+    ``min_interval_s`` while rows come, and at ``finish``."""
+
+    def __init__(self, out: Path, start: int | None, title: str, min_interval_s: float = 60.0):
+        self.log = MetricsLog(out / "metrics.jsonl", truncate=start is None)
+        if start is not None:
+            self.log.cut_back(start)
+        self.plot = PlotRefresher(self.log.path, out / "metrics.png", title=title, min_interval_s=min_interval_s)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.log.write(row)
+        self.plot.maybe_refresh()
+
+    def finish(self) -> Path:
+        return self.plot.refresh()
 
 
 def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
@@ -214,15 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     engine = HFEngine(copy.deepcopy(policy), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     checkpoint = out / "checkpoint.pt"
-    if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=True)
+    state = torch.load(checkpoint, weights_only=True) if checkpoint.exists() else None
+    title = f"GRPO on two-digit addition (AgentRL demo, prompts from {args.prompts_from})"
+    record = RunRecord(out, None if state is None else int(state["step"]), title)
+    if state is not None:
         policy.load_state_dict(state["policy"])
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
         print(f"resumed from {checkpoint} at step {start}", flush=True)
     else:
         t0 = time.perf_counter()
-        sft_steps, accuracy = warm_up(policy, engine, tokenizer, args.sft_target, args.seed)
+        sft_steps, accuracy = warm_up(policy, engine, tokenizer, args.sft_target, args.seed, record=record.write)
         print(f"SFT warm-up: {sft_steps} steps, sampled accuracy {accuracy:.2f}, {time.perf_counter() - t0:.0f} s")
         optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
         start = 0
@@ -293,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         produce = lambda: prompt_source_producer(  # noqa: E731
             source, engine, engine_lock, sink, tokenizer, args.num_generations, args.prompts_per_step, done, ahead
         )
-    metrics_path = out / "metrics.jsonl"
     rewards = []
     with serve_in_background(app) as url:
         service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
@@ -301,25 +327,23 @@ def main(argv: list[str] | None = None) -> int:
             sampling = threading.Thread(target=produce, name=f"sampling-{args.prompts_from}", daemon=True)
             sampling.start()
             t0 = time.perf_counter()
-            with metrics_path.open("a") as log:
-                for step in range(start, args.steps):
-                    for group in optimizer.param_groups:  # a function of the step: a resumed run picks it up
-                        group["lr"] = args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup_steps))
-                    row = trainer.step(step)
-                    with engine_lock:
-                        engine.update_weights(step + 1, state_dict=policy.state_dict())
-                    rewards.append(row["reward"])
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-                    if (step + 1) % 10 == 0:
-                        recent = rewards[-10:]
-                        print(
-                            f"step {step + 1}: reward {sum(recent) / len(recent):.3f} (last 10), "
-                            f"staleness {row['staleness']:.1f}, {row['rows_trained']}/{row['rows']} rows trained",
-                            flush=True,
-                        )
-                    if (step + 1) % args.checkpoint_every == 0:
-                        save_checkpoint(checkpoint, policy, optimizer, step + 1)
+            for step in range(start, args.steps):
+                for group in optimizer.param_groups:  # a function of the step: a resumed run picks it up
+                    group["lr"] = args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup_steps))
+                row = trainer.step(step)
+                with engine_lock:
+                    engine.update_weights(step + 1, state_dict=policy.state_dict())
+                rewards.append(row["reward"])
+                record.write({"kind": "grpo", **row})
+                if (step + 1) % 10 == 0:
+                    recent = rewards[-10:]
+                    print(
+                        f"step {step + 1}: reward {sum(recent) / len(recent):.3f} (last 10), "
+                        f"staleness {row['staleness']:.1f}, {row['rows_trained']}/{row['rows']} rows trained",
+                        flush=True,
+                    )
+                if (step + 1) % args.checkpoint_every == 0:
+                    save_checkpoint(checkpoint, policy, optimizer, step + 1)
             save_checkpoint(checkpoint, policy, optimizer, args.steps)
             done.set()
             sampling.join(120)
@@ -333,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\nGRPO ({args.prompts_from}): {len(rewards)} steps in {elapsed:.0f} s; "
             f"mean reward first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})"
         )
+    print(f"plot: {record.finish()}")
     print(f"scheduler: {dict(scheduler.stats)}\n")
     print(render_status(ledger))
     ledger.close()  # a normal end leaves ledger.db alone: its -wal and -shm files are checkpointed away

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         path = run.run_sft()
     finally:
         run.shutdown()
+    print(f"plot: {config.output_path / 'metrics.png'}")
     print(f"SFT checkpoint: {path}\nstart RL from it with: python recipe/demo.py sft.enabled=false init_from={path}")
     return 0
 

@@ -167,6 +167,8 @@ class RLConfig:
     tensorboard: bool = False  # also write each step's metrics as TensorBoard scalars in output_dir/tensorboard
     wandb_project: str | None = None  # also log each step's metrics to this Weights & Biases project (needs wandb)
     wandb_mode: Literal["offline", "online"] = "offline"  # offline: W&B files in output_dir/wandb, no network
+    mlflow_experiment: str | None = None  # also log each step's metrics to this MLflow experiment (needs mlflow)
+    mlflow_tracking_uri: str | None = None  # an MLflow server or store; None: sqlite:///output_dir/mlflow.db
 
     def __post_init__(self) -> None:
         self.validate()
@@ -411,6 +413,8 @@ UNRANGED_KEYS = frozenset(
         "tensorboard",
         "wandb_project",
         "wandb_mode",
+        "mlflow_experiment",
+        "mlflow_tracking_uri",
     }
 )
 

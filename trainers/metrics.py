@@ -21,6 +21,7 @@ PLOTTED = [
     ("grad_norm", "gradient norm (before clipping)"),
     ("kl", "KL to reference"),
     ("staleness_mean", "staleness (versions)"),
+    ("staleness", "staleness (versions)"),  # recipe/agentrl_demo.py's (LedgerGRPOTrainer)
     ("samples_per_s", "samples / s"),
 ]  # not the GRPO loss: ~0 by construction (group-normalised advantages), it says nothing about the run
 # where a step's time goes: stacked in the last panel of metrics.png
@@ -153,45 +154,134 @@ def _after(row: dict[str, Any], step: int) -> bool:
     return row_step >= step if kind == "grpo" else row_step > step
 
 
+# the figure: panels of PANEL_INCHES at PLOT_DPI, 3 a row (4 past 9 panels); the whole scaled down to SCREEN_PX
+PANEL_INCHES = (3.2, 2.8)
+PLOT_DPI = 120
+SCREEN_PX = (1920, 1080)
+SFT_PANEL = "SFT warm-up"
+
+
 def plotted_panels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The ``PLOTTED`` curves that say something about these rows: present, and not zero throughout (a sync run's
-    staleness, an agent run without dropped groups)."""
-    return [(key, label) for key, label in PLOTTED if any(r.get(key) not in (None, 0) for r in rows)]
+    staleness, an agent run without dropped groups). A curve equal to an earlier one at every step (reward,
+    accuracy and success on 0/1 rewards) is not drawn again: the earlier panel's label names it, ``(= accuracy)``.
+
+    >>> plotted_panels([{"step": 0, "reward": 1.0, "accuracy": 1.0}, {"step": 1, "reward": 0.0, "accuracy": 0.0}])
+    [('reward', 'GRPO mean reward (= accuracy)')]
+    """
+    present = [(key, label) for key, label in PLOTTED if any(r.get(key) not in (None, 0) for r in rows)]
+    groups: list[tuple[str, str, list[tuple[Any, float]], list[str]]] = []
+    for key, label in present:
+        points = _points(rows, key)
+        same = next((g for g in groups if _same_curve(g[2], points)), None)
+        if same is None:
+            groups.append((key, label, points, []))
+        else:
+            same[3].append(key)
+    return [(key, f"{label} (= {', '.join(also)})" if also else label) for key, label, _, also in groups]
 
 
-def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: str = "GRPO run") -> Path:
-    """Plot the curves of ``PLOTTED`` present in the ``kind`` rows of ``jsonl`` against ``step`` into ``png``."""
+def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[Any, float]]:
+    return [(r.get("step"), r[key]) for r in rows if r.get(key) is not None]
+
+
+def _same_curve(a: list[tuple[Any, float]], b: list[tuple[Any, float]]) -> bool:
+    """Whether two curves have the same steps and, at each, the same value (up to float rounding)."""
+    return len(a) == len(b) and all(
+        sa == sb and math.isclose(va, vb, rel_tol=1e-9, abs_tol=1e-12) for (sa, va), (sb, vb) in zip(a, b, strict=True)
+    )
+
+
+def grid_shape(count: int) -> tuple[int, int, tuple[float, float]]:
+    """``(rows, columns, figsize)`` for ``count`` panels: 3 a row (4 past 9 panels, the width a screen has), panels
+    of ``PANEL_INCHES``, scaled down (keeping the aspect) where the figure would not fit a ``SCREEN_PX`` screen.
+
+    >>> grid_shape(2), grid_shape(7)[:2], grid_shape(12)
+    ((1, 2, (6.4, 2.8)), (3, 3), (3, 4, (12.8, 8.4)))
+    """
+    count = max(count, 1)
+    columns = min(count, 3 if count <= 9 else 4)
+    lines = -(-count // columns)
+    width, height = PANEL_INCHES[0] * columns, PANEL_INCHES[1] * lines
+    scale = min(1.0, SCREEN_PX[0] / PLOT_DPI / width, SCREEN_PX[1] / PLOT_DPI / height)
+    return lines, columns, (round(width * scale, 4), round(height * scale, 4))
+
+
+def metrics_figure(rows: list[dict[str, Any]], kind: str = "grpo", title: str = "GRPO run") -> Any:
+    """The matplotlib figure of ``plot_metrics`` for these rows: the ``sft`` warm-up first (its own panel, its own
+    steps), then the ``PLOTTED`` curves of the ``kind`` rows (one panel per distinct curve), then the seconds per
+    step. The caller closes it (``matplotlib.pyplot.close``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = MetricsLog(jsonl).rows(kind)
+    sft = [r for r in rows if r.get("kind") == "sft"]
+    rows = [r for r in rows if r.get("kind") == kind]
     panels = plotted_panels(rows)
     parts = [(key, label) for key, label in TIME_PARTS if any(r.get(key) is not None for r in rows)]
-    png = Path(png)
-    count = max(len(panels) + bool(parts), 1)
-    fig, axes = plt.subplots(1, count, figsize=(3.2 * count, 2.8), squeeze=False)
+    count = bool(sft) + len(panels) + bool(parts)
+    lines, columns, figsize = grid_shape(count)
+    fig, grid = plt.subplots(lines, columns, figsize=figsize, squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[max(count, 1) :]:
+        ax.set_visible(False)
+    if sft:
+        _plot_sft(axes.pop(0), sft)
+    for ax, (key, label) in zip(axes, panels, strict=False):
+        _plot_curve(ax, _points(rows, key), label)
     if parts:
-        _plot_time_breakdown(axes[0][-1], rows, parts)
-    for ax, (key, label) in zip(axes[0], panels, strict=False):
-        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        xs, ys = zip(*points, strict=True) if points else ((), ())
-        ax.plot(xs, ys, lw=0.8, alpha=0.5)
-        if len(ys) >= 10:
-            width = max(len(ys) // 20, 3)
-            smooth = [sum(ys[max(0, i - width) : i + 1]) / len(ys[max(0, i - width) : i + 1]) for i in range(len(ys))]
-            ax.plot(xs, smooth, lw=1.8)
-        ax.set_title(label, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
+        _plot_time_breakdown(axes[len(panels)], rows, parts)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(jsonl: str | Path, png: str | Path, kind: str = "grpo", title: str = "GRPO run") -> Path:
+    """Draw :func:`metrics_figure` of the rows of ``jsonl`` into ``png`` (a grid that fits a 1920x1080 screen)."""
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(MetricsLog(jsonl).rows(), kind, title)
+    png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=PLOT_DPI)
     plt.close(fig)
     return png
+
+
+def _plot_curve(ax: Any, points: list[tuple[Any, float]], label: str) -> None:
+    """The raw curve, and its running mean once there are 10 points."""
+    xs, ys = zip(*points, strict=True) if points else ((), ())
+    ax.plot(xs, ys, lw=0.8, alpha=0.5, label=label)
+    if len(ys) >= 10:
+        width = max(len(ys) // 20, 3)
+        smooth = [sum(ys[max(0, i - width) : i + 1]) / len(ys[max(0, i - width) : i + 1]) for i in range(len(ys))]
+        ax.plot(xs, smooth, lw=1.8, label=f"{label}, running mean")
+    _style(ax, label)
+
+
+def _plot_sft(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """The warm-up's loss (left axis) and accuracy (right axis, 0..1) against its own steps."""
+    handles = []
+    loss = _points(rows, "sft_loss")
+    if loss:
+        handles += ax.plot(*zip(*loss, strict=True), color="C0", lw=1.2, label="SFT loss")
+    accuracy = _points(rows, "accuracy")
+    if accuracy:
+        right = ax.twinx()
+        handles += right.plot(*zip(*accuracy, strict=True), color="C1", lw=1.2, marker=".", label="SFT accuracy")
+        right.set_ylim(0, 1)
+        right.tick_params(labelsize=7)
+    if handles:
+        ax.legend(handles=handles, fontsize=6, loc="center right")
+    _style(ax, SFT_PANEL)
+
+
+def _style(ax: Any, title: str) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
 
 
 def _plot_time_breakdown(ax: Any, rows: list[dict[str, Any]], parts: list[tuple[str, str]]) -> None:
@@ -200,11 +290,8 @@ def _plot_time_breakdown(ax: Any, rows: list[dict[str, Any]], parts: list[tuple[
     ax.stackplot(steps, *[[r.get(key) or 0.0 for r in rows] for key, _ in parts], labels=[lb for _, lb in parts])
     if any(r.get("step_s") is not None for r in rows):
         ax.plot(steps, [r.get("step_s") or 0.0 for r in rows], color="black", lw=0.8, label="step wall time")
-    ax.set_title("seconds per step", fontsize=9)
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=7)
     ax.legend(fontsize=6, loc="upper right")
-    ax.grid(alpha=0.3)
+    _style(ax, "seconds per step")
 
 
 def fifth_means(values: list[float]) -> tuple[float, float]:

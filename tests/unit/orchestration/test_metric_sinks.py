@@ -1,13 +1,23 @@
-"""Where a run's per-step metrics go besides metrics.jsonl: the controller, TensorBoard, W&B (off by default)."""
+"""Where a run's per-step metrics go besides metrics.jsonl: the controller, TensorBoard, W&B, MLflow (off by
+default)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-from orchestration.metric_sinks import ControllerSink, MetricSinks, TensorBoardSink, WandbSink, run_sinks
+from orchestration.metric_sinks import (
+    ControllerSink,
+    MetricSinks,
+    MetricSinkUnavailable,
+    MlflowSink,
+    TensorBoardSink,
+    WandbSink,
+    run_sinks,
+)
 from tests.conftest import requirement
 from trainers.config import RLConfig
 
@@ -30,7 +40,7 @@ def test_controller_sink_posts_the_finite_numbers():
 
 def test_tensorboard_and_wandb_are_off_by_default(tmp_path):
     cfg = RLConfig()
-    assert not cfg.tensorboard and cfg.wandb_project is None
+    assert not cfg.tensorboard and cfg.wandb_project is None and cfg.mlflow_experiment is None
     sinks = run_sinks(cfg, None, tmp_path)
     assert sinks.sinks == []
     assert [type(s) for s in run_sinks(cfg, RecordingHandle(), tmp_path).sinks] == [ControllerSink]
@@ -71,3 +81,82 @@ def test_a_failing_sink_is_dropped_and_the_others_go_on():
     sinks.write(ROW)
     sinks.write(ROW)
     assert len(handle.rows) == 2 and len(sinks.sinks) == 1
+
+
+class FakeMlflow(ModuleType):
+    """Stands in for the ``mlflow`` package (not installed by default): an ``MlflowClient`` that records its calls."""
+
+    def __init__(self) -> None:
+        super().__init__("mlflow")
+        self.calls: list[tuple[Any, ...]] = []
+        self.experiments: dict[str, str] = {"existing": "7"}
+        fake = self
+
+        class MlflowClient:
+            def __init__(self, tracking_uri: str) -> None:
+                fake.calls.append(("client", tracking_uri))
+
+            def get_experiment_by_name(self, name: str) -> Any:
+                found = fake.experiments.get(name)
+                return None if found is None else SimpleNamespace(experiment_id=found)
+
+            def create_experiment(self, name: str) -> str:
+                fake.calls.append(("create_experiment", name))
+                fake.experiments[name] = "8"
+                return "8"
+
+            def create_run(self, experiment_id: str, run_name: str | None = None) -> Any:
+                fake.calls.append(("create_run", experiment_id, run_name))
+                return SimpleNamespace(info=SimpleNamespace(run_id="run-1"))
+
+            def log_batch(self, run_id: str, metrics: list[Any]) -> None:
+                fake.calls.append(("log_batch", run_id, sorted((m.key, m.value, m.step) for m in metrics)))
+
+            def set_terminated(self, run_id: str) -> None:
+                fake.calls.append(("set_terminated", run_id))
+
+        self.MlflowClient = MlflowClient
+        entities = ModuleType("mlflow.entities")
+        vars(entities).update(
+            Metric=lambda key, value, timestamp, step: SimpleNamespace(key=key, value=value, step=step)
+        )
+        self.entities = entities
+
+
+@pytest.fixture
+def fake_mlflow(monkeypatch):
+    fake = FakeMlflow()
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    monkeypatch.setitem(sys.modules, "mlflow.entities", fake.entities)
+    return fake
+
+
+def test_the_mlflow_sink_logs_each_rows_numbers_at_its_step_in_a_run_of_the_experiment(fake_mlflow, tmp_path):
+    cfg = RLConfig(mlflow_experiment="tq-runs")
+    sinks = run_sinks(cfg, None, tmp_path / "demo")
+    [sink] = sinks.sinks
+    assert isinstance(sink, MlflowSink)
+    sinks.write(ROW)
+    sinks.close()
+    assert fake_mlflow.calls == [
+        ("client", f"sqlite:///{(tmp_path / 'demo' / 'mlflow.db').resolve()}"),  # a local store: no network
+        ("create_experiment", "tq-runs"),
+        ("create_run", "8", "demo"),
+        ("log_batch", "run-1", [("grpo/reward", 0.25, 3)]),  # the finite numbers, as TensorBoard gets them
+        ("set_terminated", "run-1"),
+    ]
+
+
+def test_the_mlflow_sink_goes_to_the_tracking_uri_given_and_an_existing_experiment(fake_mlflow, tmp_path):
+    cfg = RLConfig(mlflow_experiment="existing", mlflow_tracking_uri="http://mlflow.internal:5000")
+    run_sinks(cfg, None, tmp_path)
+    assert fake_mlflow.calls == [("client", "http://mlflow.internal:5000"), ("create_run", "7", tmp_path.name)]
+
+
+def test_a_configured_sink_without_its_package_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # an import of it raises ImportError
+    with pytest.raises(MetricSinkUnavailable, match=r"mlflow_experiment asks for .* pip install mlflow, or turn"):
+        run_sinks(RLConfig(mlflow_experiment="tq-runs"), None, tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MetricSinkUnavailable, match=r"wandb_project asks for .* pip install wandb"):
+        run_sinks(RLConfig(wandb_project="tq"), None, tmp_path)

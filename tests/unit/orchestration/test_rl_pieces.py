@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,15 @@ from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
-from trainers.metrics import MetricsLog, StepReporter, fifth_means, plot_metrics, plotted_panels
+from trainers.metrics import (
+    PLOTTED,
+    MetricsLog,
+    StepReporter,
+    fifth_means,
+    metrics_figure,
+    plot_metrics,
+    plotted_panels,
+)
 from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
 
@@ -337,6 +346,77 @@ def test_the_plot_shows_what_tells_a_run_is_healthy_not_the_loss_nor_curves_that
     assert [key for key, _ in plotted_panels(rows)] == ["reward", "entropy", "grad_norm"]
     rows[1]["staleness_mean"] = 1.0  # an async run's staleness is a curve worth a panel
     assert [key for key, _ in plotted_panels(rows)][-1] == "staleness_mean"
+
+
+def _every_curve(step: int) -> dict[str, Any]:
+    """A GRPORun row with every curve it plots, each its own (distinct, non-zero) values (not the agentrl demo's
+    ``staleness``: GRPORun's is ``staleness_mean``)."""
+    row: dict[str, Any] = {"kind": "grpo", "step": step, "generate_s": 0.1, "train_s": 0.2, "step_s": 0.35}
+    for i, (key, _) in enumerate(PLOTTED):
+        if key != "staleness":
+            row[key] = (i + 1) * (step + 1) + 0.5 * (step % 2)
+    return row
+
+
+def test_many_panels_are_a_grid_that_fits_a_screen(tmp_path):
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    log = MetricsLog(tmp_path / "m.jsonl")
+    for step in range(12):
+        log.write(_every_curve(step))
+    png = plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png")
+    height, width = matplotlib.image.imread(png).shape[:2]
+    # 11 curves + the seconds per step: 4 columns x 3 rows of 3.2 x 2.8 inches at 120 dpi (was one 4608 x 336 strip)
+    assert (width, height) == (1536, 1008)
+    fig = metrics_figure(log.rows())
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 12 and len({round(ax.get_position().y0, 3) for ax in visible}) == 3
+    plt.close(fig)
+    log.write({"kind": "sft", "step": 25, "sft_loss": 1.0, "accuracy": 0.5})  # 13 panels: 4 rows, scaled down
+    height, width = matplotlib.image.imread(plot_metrics(log.path, tmp_path / "m.png")).shape[:2]
+    assert (width, height) == (1234, 1080)
+
+
+def test_a_curve_equal_to_another_is_drawn_once_under_both_names():
+    import matplotlib.pyplot as plt
+
+    rows = [{"kind": "grpo", "step": s, "reward": r, "accuracy": r, "success": r} for s, r in enumerate([0.25, 0.5])]
+    rows[1]["success"] = 0.75  # success differs at one step: a curve of its own
+    assert plotted_panels(rows) == [
+        ("reward", "GRPO mean reward (= accuracy)"),
+        ("success", "episode success rate"),
+    ]
+    rows[1]["success"] = 0.5
+    fig = metrics_figure(rows)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["GRPO mean reward (= accuracy, success)"]
+    [line] = fig.axes[0].get_lines()
+    assert list(line.get_ydata()) == [0.25, 0.5]
+    plt.close(fig)
+
+
+def test_the_sft_warm_up_has_its_own_panel_before_the_grpo_curves(tmp_path):
+    import matplotlib.pyplot as plt
+
+    log = MetricsLog(tmp_path / "m.jsonl")
+    for step in (25, 50, 75):
+        log.write({"kind": "sft", "step": step, "sft_loss": 3.0 / step, "accuracy": step / 100, "elapsed_s": 1.0})
+    for step in range(3):
+        log.write({"kind": "grpo", "step": step, "reward": 0.8, "grad_norm": 0.1 * (step + 1)})
+    fig = metrics_figure(log.rows())
+    sft, *others = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    assert sft.get_title() == "SFT warm-up" and [ax.get_title() for ax in others] == [
+        "GRPO mean reward",
+        "gradient norm (before clipping)",
+    ]
+    loss, accuracy = [line for ax in fig.axes if ax.bbox.bounds == sft.bbox.bounds for line in ax.get_lines()]
+    assert list(loss.get_xdata()) == [25, 50, 75] and list(accuracy.get_ydata()) == [0.25, 0.5, 0.75]
+    plt.close(fig)
+    # an SFT-only run (recipe/sft.py) still gets a plot
+    only_sft = MetricsLog(tmp_path / "sft.jsonl")
+    only_sft.write({"kind": "sft", "step": 25, "sft_loss": 1.0, "accuracy": 0.5})
+    assert plot_metrics(only_sft.path, tmp_path / "sft.png", title="SFT").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_without_a_terminal_progress_is_one_plain_line_of_health_metrics_every_n_steps():

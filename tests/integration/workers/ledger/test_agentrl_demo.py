@@ -100,6 +100,8 @@ def test_the_demo_learns(tmp_path):
     output, _ = run.communicate(timeout=1800)
     assert run.returncode == 0, output[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kind"] == "sft" and (tmp_path / "demo" / "metrics.png").exists()
+    rows = [row for row in rows if row["kind"] == "grpo"]
     k = len(rows) // 5
     first, last = (sum(r["reward"] for r in part) / k for part in (rows[:k], rows[-k:]))
     # a fifth is 50 steps x 128 samples: a standard error of about 0.01, so 0.05 is a margin noise does not reach
