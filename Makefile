@@ -28,11 +28,12 @@ $(STAMP): setup.py pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# make demo ARGS="steps=200 seed=1" (dotted overrides, --new, --help: see recipe/demo.py --help)
 demo: setup
-	$(TEST_ENV) $(BIN)/python recipe/demo.py
+	$(TEST_ENV) $(BIN)/python recipe/demo.py $(ARGS)
 
 agent-demo: setup
-	$(TEST_ENV) $(BIN)/python recipe/agent_demo.py
+	$(TEST_ENV) $(BIN)/python recipe/agent_demo.py $(ARGS)
 
 test: setup
 	$(TEST_ENV) $(BIN)/python -m pytest tests
