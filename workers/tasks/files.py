@@ -174,6 +174,11 @@ class FileTask(Task):
         self._rows_of("train")  # a missing file or column fails when the run starts, not at the first step
         self._tokenizer: ChatTokenizer | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the rows read (the task travels to the trainer ranks, which use only its tokenizer and
+        policy): they are read again where prompts are drawn."""
+        return {**self.__dict__, "_rows": {}}
+
     def _rows_of(self, split: str) -> list[dict[str, Any]]:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")

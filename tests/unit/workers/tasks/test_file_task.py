@@ -196,3 +196,16 @@ def test_reward_fn_may_name_a_python_file(model_dir: Path, jsonl: Path, tmp_path
         FileTask(str(model_dir), str(jsonl), f"{tmp_path}/my_reward.py:nothing")
     with pytest.raises(FileTaskError, match=r"no file at '.*/other.py'$"):
         FileTask(str(model_dir), str(jsonl), f"{tmp_path}/other.py:score")
+
+
+def test_the_rows_read_do_not_travel_with_the_pickled_task(model_dir: Path, tmp_path: Path) -> None:
+    import pickle
+
+    path = tmp_path / "big.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=" + "x" * 200, "answer": 2 * i}) + "\n" for i in range(300))
+    )
+    task = task_of(model_dir, path)
+    copy = pickle.loads(pickle.dumps(task))
+    assert len(pickle.dumps(task)) < 20_000  # the 300 rows hold 60 kB
+    assert copy.prompts("train", 2, seed=3) == task.prompts("train", 2, seed=3)  # read again where drawn
