@@ -19,6 +19,7 @@ RL = [
     "transformers>=4.50",
     "matplotlib>=3.8",
     "pyyaml>=6",
+    "datasets==5.2.0",  # data.train_files / data.val_files: JSONL and Parquet rows (pyarrow comes with it)
 ]
 AGENTS = [
     # the task server (workers/agents/task_server.py) and its clients; the sandbox needs bubblewrap (apt) too

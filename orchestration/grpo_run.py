@@ -60,17 +60,45 @@ logger = logging.getLogger(__name__)
 
 #: the task of a run whose config names none (``task.name: null``): the demo's addition task
 DEFAULT_TASK = "workers.tasks.addition:AdditionTask"
+#: the task of a run on your own files (``model.path``, ``data.*``, ``reward.fn``; docs/quickstart.md)
+FILE_TASK = "workers.tasks.files:FileTask"
 
 
 def run_task_name(config: RLConfig) -> str:
     """The ``"module:Class"`` of the run's task: ``task.name``, or :data:`DEFAULT_TASK` when the config names none.
     Task names are resolved here, above workers and trainers: the trainer ranks are handed the task object."""
+    if config.trains_on_files:
+        return FILE_TASK
     return config.task.name or DEFAULT_TASK
 
 
+def run_task_kwargs(config: RLConfig) -> dict[str, Any]:
+    """The constructor arguments of the run's task: ``task.kwargs``, or for a run on your own files those of
+    :data:`FILE_TASK`, from the ``model``, ``data`` and ``reward`` sections (they travel to every actor)."""
+    if not config.trains_on_files:
+        return config.task.kwargs
+    reward_file, _, reward_name = (config.reward.fn or "").rpartition(":")
+    return {
+        # absolute paths: actors may run in another working directory than the driver's
+        "model_path": _absolute(config.model.path),
+        "train_files": _absolute(config.data.train_files),
+        "val_files": _absolute(config.data.val_files),
+        "prompt_key": config.data.prompt_key,
+        "reward_fn": f"{_absolute(reward_file)}:{reward_name}" if reward_file.endswith(".py") else config.reward.fn,
+        "reward_batch": config.reward.batch,
+    }
+
+
+def _absolute(paths: Any) -> Any:
+    """A path, or each of a list of paths, made absolute against this process's working directory (None stays)."""
+    if isinstance(paths, list):
+        return [_absolute(p) for p in paths]
+    return str(Path(paths).expanduser().absolute()) if paths else paths
+
+
 def load_run_task(config: RLConfig) -> Task:
-    """The run's task object: :func:`run_task_name` built with ``task.kwargs``."""
-    return load_task(run_task_name(config), config.task.kwargs)
+    """The run's task object: :func:`run_task_name` built with :func:`run_task_kwargs`."""
+    return load_task(run_task_name(config), run_task_kwargs(config))
 
 
 class GRPORun:
@@ -125,7 +153,7 @@ class GRPORun:
         spec = EngineSpec(
             kind=cfg.rollout.engine,
             task_name=self.task_name,
-            task_kwargs=cfg.task.kwargs,
+            task_kwargs=run_task_kwargs(cfg),
             device=cfg.rollout.engine_device,
             weights_channel=str(self.channel.path) if self.channel is not None else None,
             weights_timeout=cfg.queue_timeout,
@@ -196,7 +224,7 @@ class GRPORun:
                 i,
                 info,
                 self.task_name,
-                cfg.task.kwargs,
+                run_task_kwargs(cfg),
                 cfg.task.reward_fn,
                 cfg.n_samples,
                 cfg.rollout.reward_groups_per_request,

@@ -95,8 +95,11 @@ def plan_run(config: RLConfig) -> RunPlan:
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, saved value, current value)`` for every setting that differs and may not change on resume."""
-    old, new = flatten_dict(saved), flatten_dict(current)
+    """``(dotted key, saved value, current value)`` for every setting that differs and may not change on resume. A key
+    the saved config lacks (added since that run started, or left at its default) counts as its default, which that
+    run ran with."""
+    defaults = flatten_dict(config_to_dict(RLConfig()))
+    old, new = {**defaults, **flatten_dict(saved)}, {**defaults, **flatten_dict(current)}
     return [
         (key, old.get(key), new.get(key))
         for key in sorted(old.keys() | new.keys())

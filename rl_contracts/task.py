@@ -45,6 +45,18 @@ class Task(ABC):
     def build_policy(self) -> Any:
         """The starting policy: a Hugging Face causal LM on CPU, in float32."""
 
+    def rewards(self, response_texts: list[str], **fields: list[str]) -> list[float | Exception]:
+        """Score a batch of decoded responses, ``fields`` a column per reward field: the reward workers call this.
+        The default calls :meth:`reward` on each; a response whose reward raises holds the exception instead of a
+        score (it fails alone). A task whose reward is cheaper a batch at a time overrides it."""
+        out: list[float | Exception] = []
+        for i, text in enumerate(response_texts):
+            try:
+                out.append(self.reward(text, **{name: column[i] for name, column in fields.items()}))
+            except Exception as exc:  # a user function's bug fails its sample only
+                out.append(exc)
+        return out
+
     def sft_target(self, prompt: dict[str, Any]) -> list[int]:
         """Token ids of the reference response of ``prompt`` (eos included), for the SFT warm-up."""
         raise NotImplementedError(f"{type(self).__name__} has no SFT targets; disable sft in the config")

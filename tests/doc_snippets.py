@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 #: pages whose blocks need Ray: run by tests/integration/test_doc_snippets.py, in the shared Ray session
-RAY_PAGES = ("README.md", "docs/api.md")
+RAY_PAGES = ("README.md", "docs/api.md", "docs/quickstart.md")
 #: pages run by a test of their own, which also checks what their blocks do
 OWN_TESTS = {"docs/library.md": "tests/unit/orchestration/training/test_library_doc.py"}
 

@@ -36,6 +36,32 @@ class TaskConfig:
 
 
 @dataclass
+class ModelConfig:
+    """The model of a run trained on your own files (docs/quickstart.md): a local Hugging Face directory."""
+
+    path: str | None = None  # a local Hugging Face model directory: weights, tokenizer and its chat template
+
+
+@dataclass
+class DataConfig:
+    """Your own prompts (docs/quickstart.md): JSONL or Parquet files read with ``datasets``, one prompt a row."""
+
+    train_files: str | list[str] | None = None  # JSONL (.jsonl, .json) or Parquet (.parquet) files of training prompts
+    val_files: str | list[str] | None = None  # held-out prompts for the evaluations; None: the training files
+    prompt_key: str = "prompt"  # the column of the prompt: a string (the user turn) or a list of chat messages
+
+
+@dataclass
+class RewardConfig:
+    """The reward of a run trained on your own files: a plain function, no Task class (docs/quickstart.md)."""
+
+    # "module:function" or "path/to/file.py:function": reward(prompt, response, **fields) -> float, sync or async;
+    # fields are the row's other columns
+    fn: str | None = None
+    batch: bool = False  # fn scores a batch: reward(prompts, responses, **fields) -> list[float], each field a list
+
+
+@dataclass
 class RolloutConfig:
     """Generation: engines, sampling, and how rows are taken from the queue."""
 
@@ -136,6 +162,9 @@ class RLConfig:
     """
 
     task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -204,6 +233,7 @@ class RLConfig:
                 f"train.max_train_groups={groups} is more than the prompts_per_step={self.prompts_per_step} groups "
                 "rolled out per step; over-sampling rolls out more prompts than it trains on"
             )
+        self._check_own_files()
         if self.train.loss not in LOSSES:
             raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")
         if self.rollout.generate_fn and self.weight_sync == "shm":
@@ -215,6 +245,34 @@ class RLConfig:
         if low is not None and not low < self.train.rollout_is_high:
             raise ConfigError(
                 f"train.rollout_is_low must be in [0, train.rollout_is_high={self.train.rollout_is_high}), got {low}"
+            )
+
+    @property
+    def trains_on_files(self) -> bool:
+        """Whether the run trains on your own files (``model.path``, ``data.*``, ``reward.fn``) instead of a Task."""
+        return any((self.model.path, self.data.train_files, self.data.val_files, self.reward.fn))
+
+    def _check_own_files(self) -> None:
+        """``model.path``, ``data.train_files`` and ``reward.fn`` come together, and exclude a Task of the config."""
+        if not self.trains_on_files:
+            return
+        given = {"model.path": self.model.path, "data.train_files": self.data.train_files, "reward.fn": self.reward.fn}
+        missing = [key for key, value in given.items() if not value]
+        if missing:
+            raise ConfigError(
+                "training on your own files needs model.path, data.train_files and reward.fn together; missing "
+                + ", ".join(missing)
+            )
+        clashes = {"task.name": self.task.name, "task.reward_fn": self.task.reward_fn, "task.kwargs": self.task.kwargs}
+        for key, value in clashes.items():
+            if value:
+                raise ConfigError(
+                    f"{key}={value!r} conflicts with model.path/data.train_files, which train on your own files with "
+                    "reward.fn: drop the task.* keys, or drop model/data/reward to train a Task class"
+                )
+        if self.sft.enabled:
+            raise ConfigError(
+                "sft.enabled=True needs reference responses, which data.train_files has none of: set sft.enabled=false"
             )
 
     @property
@@ -329,6 +387,10 @@ KEY_RANGES: dict[str, Range | Text] = {
     "task.num_train_prompts": _ints(1),
     "task.num_eval_prompts": _ints(1),
     "task.seed": _ints(0),
+    "data.prompt_key": Text(pattern=r"\S.*", described="a column name"),
+    "reward.fn": Text(
+        pattern=r"(?:[\w.]+|\S+\.py):\w+", described="'module:function' or 'path/to/file.py:function'", optional=True
+    ),
     "rollout.num_workers": _ints(1),
     "rollout.engine_device": Text(pattern=r"cpu|cuda(:\d+)?", described="cpu, cuda or cuda:N"),
     "rollout.max_new_tokens": _ints(1),
@@ -391,6 +453,10 @@ UNRANGED_KEYS = frozenset(
         "task.kwargs",
         "train.loss",  # one of LOSSES, which a user may extend: checked against it in RLConfig.validate
         "init_from",
+        "model.path",  # any local directory: the file task checks it holds a model and a tokenizer
+        "data.train_files",  # one path or a list: the file task checks they exist and are JSONL or Parquet
+        "data.val_files",
+        "reward.batch",
         "rollout.engine",
         "rollout.engine_url",
         "rollout.partial_rollout",

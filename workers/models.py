@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,3 +74,53 @@ def build_tiny_causal_lm(
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+#: ChatML, the chat template of :func:`save_tiny_chat_model`'s tokenizer (SmolLM2's and Qwen's layout)
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
+
+
+def save_tiny_chat_model(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
+    """Save a tiny random chat model as a normal Hugging Face directory at ``path`` (made if missing): a
+    character-level tokenizer over printable ASCII and newline with a ChatML chat template
+    (:data:`TINY_CHAT_TEMPLATE`; ``<|im_end|>`` is its eos), and a :func:`build_tiny_causal_lm` model for it. The
+    directory loads with ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` like any downloaded model; for
+    tests and docs that need a ``model.path`` without a download.
+
+    >>> from transformers import AutoTokenizer
+    >>> import tempfile
+    >>> tok = AutoTokenizer.from_pretrained(save_tiny_chat_model(tempfile.mkdtemp()))
+    >>> tok.decode(tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
+    ...     return_dict=False))
+    '<|im_start|>user\\n2+2?<|im_end|>\\n<|im_start|>assistant\\n'
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    symbols = [*TINY_SPECIAL_TOKENS, "\n", *(chr(c) for c in range(32, 127))]
+    # BPE without merges over single characters: every character is its own token
+    core = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    model = build_tiny_causal_lm(
+        len(symbols),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=seed,
+    )
+    model.save_pretrained(path)
+    return path

@@ -60,17 +60,48 @@ def score_responses(
 
     A function that raises, or returns NaN / +-inf (:class:`NonFiniteReward`), fails that sample only.
     """
-    ids = list(range(len(texts))) if sample_ids is None else list(sample_ids)
-    out = Scores()
+    outcomes: list[Any] = []
     for i, text in enumerate(texts):
         try:
-            value = float(reward_fn(text, **{name: column[i] for name, column in fields.items()}))
+            outcomes.append(reward_fn(text, **{name: column[i] for name, column in fields.items()}))
+        except Exception as exc:  # a user function's bug must not stop the run: mark the sample, log it
+            outcomes.append(exc)
+    return scores_of(outcomes, sample_ids)
+
+
+def score_task(
+    task: Task, texts: Sequence[str], fields: dict[str, Sequence[Any]], sample_ids: Sequence[int] | None = None
+) -> Scores:
+    """:func:`score_responses` with the task's own batch scoring (:meth:`~rl_contracts.task.Task.rewards`): a task
+    may score a batch in one call. A ``rewards`` that raises, or returns another number of scores than responses,
+    fails the whole batch."""
+    try:
+        outcomes: list[Any] = list(task.rewards(list(texts), **{name: list(column) for name, column in fields.items()}))
+        if len(outcomes) != len(texts):
+            raise ValueError(
+                f"{type(task).__name__}.rewards returned {len(outcomes)} scores for {len(texts)} responses"
+            )
+    except Exception as exc:
+        outcomes = [exc] * len(texts)
+    return scores_of(outcomes, sample_ids)
+
+
+def scores_of(outcomes: Sequence[Any], sample_ids: Sequence[int] | None = None) -> Scores:
+    """Scores from each response's reward or the exception its reward raised: an exception, or a value that is not a
+    finite number, fails its sample."""
+    ids = list(range(len(outcomes))) if sample_ids is None else list(sample_ids)
+    out = Scores()
+    for i, outcome in enumerate(outcomes):
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            value = float(outcome)
             if not math.isfinite(value):
                 out.non_finite += 1
                 raise NonFiniteReward(f"sample global_index={ids[i]}: the reward function returned {value}")
             out.rewards.append(value)
             out.failed.append(False)
-        except Exception as exc:  # a user function's bug must not stop the run: mark the sample, log it
+        except Exception as exc:
             out.rewards.append(0.0)
             out.failed.append(True)
             out.errors.append(f"{type(exc).__name__}: {exc}")
@@ -104,7 +135,7 @@ class RewardWorker:
         self.worker_id = worker_id
         self.client = TransferQueueClient(f"reward-{worker_id}", controller_info)
         self.task: Task = load_task(task_name, task_kwargs)
-        self.reward_fn = load_reward_fn(reward_fn) if reward_fn else self.task.reward
+        self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None  # None: the task's own rewards
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
 
@@ -120,7 +151,11 @@ class RewardWorker:
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
-            scores = score_responses(self.reward_fn, texts, columns, sample_ids=meta.global_indexes.tolist())
+            ids = meta.global_indexes.tolist()
+            if self.reward_fn is not None:
+                scores = score_responses(self.reward_fn, texts, columns, sample_ids=ids)
+            else:
+                scores = score_task(self.task, texts, columns, sample_ids=ids)
             for message in scores.errors[:3]:
                 logger.warning("reward worker %d: a reward function failed: %s", self.worker_id, message)
             stats["reward_s"] += time.perf_counter() - t1

@@ -5,7 +5,8 @@ Where the data comes from (never the Hugging Face hub: a name that is not a loca
     - a directory holding ``<split>.jsonl`` (or ``<subset>/<split>.jsonl`` when ``subset`` is given);
     - a directory written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose ``split``
       is taken; ``<dir>/<subset>`` is read when ``subset`` names a subdirectory). This needs the ``datasets``
-      package, which the project does not install: without it such a directory is refused with a message saying so.
+      package (in the ``rl`` extra; a library install may lack it): without it such a directory is refused with a
+      message saying so.
 
 What a row may hold (the first that fits wins):
     - ``messages``: a chat, a list of ``{"role", "content"}`` ending with the ``assistant`` turn trained on; every
@@ -135,7 +136,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _saved_dataset(path: Path, split: str) -> Iterator[tuple[str, Any]]:
     try:
-        import datasets  # optional: not a dependency of the project
+        import datasets  # the rl extra's; a library install may lack it
     except ImportError:
         raise LibraryError(
             f"{str(path)!r} is a datasets save_to_disk directory, and reading it needs the 'datasets' package, which "

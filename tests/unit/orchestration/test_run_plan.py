@@ -154,3 +154,16 @@ def test_new_with_a_bad_value_leaves_the_old_run_where_it_is(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "demo.py: error: train.lr must be a float > 0, got -1 (from the override train.lr=-1)" in error
     assert (out / "config.yaml").exists() and not (tmp_path / "demo.prev-1").exists()
+
+
+def test_a_key_added_since_a_run_was_saved_counts_as_its_default_on_resume():
+    from orchestration.run_plan import changed_settings
+    from trainers.config import RLConfig
+
+    saved = config_to_dict(RLConfig())  # every key, written out
+    del saved["data"], saved["reward"]["batch"]  # as a config.yaml written before these keys existed
+    assert changed_settings(saved, config_to_dict(RLConfig())) == []
+    assert changed_settings(config_to_dict(RLConfig()), {}) == []  # every key written out, or only those set
+    assert changed_settings(saved, config_to_dict(load_config(None, {"data.prompt_key": "question"}))) == [
+        ("data.prompt_key", "prompt", "question")
+    ]

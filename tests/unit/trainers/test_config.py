@@ -3,6 +3,8 @@ naming the key, the allowed values and the value given, before anything starts (
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainers.config import KEY_RANGES, UNRANGED_KEYS, ConfigError, RLConfig, TrainConfig, config_keys, load_config
@@ -103,3 +105,45 @@ def test_by_default_a_run_checkpoints_about_ten_times_and_at_least_every_100_ste
 def test_a_checkpoint_every_given_is_kept_and_0_saves_only_at_the_end():
     assert load_config(None, {"steps": 1000, "checkpoint_every": 7}).checkpoint_interval == 7
     assert load_config(None, {"steps": 1000, "checkpoint_every": 0}).checkpoint_interval == 0
+
+
+OWN_FILES = {"model.path": "m", "data.train_files": "t.jsonl", "reward.fn": "rw:score", "sft.enabled": False}
+
+
+def test_own_files_keys_load_and_select_the_file_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestration.grpo_run import FILE_TASK, run_task_kwargs, run_task_name
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, {**OWN_FILES, "data.val_files": ["v1.parquet", "v2.parquet"], "reward.batch": True})
+    assert config.trains_on_files and run_task_name(config) == FILE_TASK
+    assert run_task_kwargs(config) == {  # paths made absolute in the driver: actors have other working directories
+        "model_path": f"{tmp_path}/m", "train_files": f"{tmp_path}/t.jsonl",
+        "val_files": [f"{tmp_path}/v1.parquet", f"{tmp_path}/v2.parquet"], "prompt_key": "prompt",
+        "reward_fn": "rw:score", "reward_batch": True,
+    }  # fmt: skip
+    in_file = load_config(None, {**OWN_FILES, "reward.fn": "lib/my_reward.py:score"})
+    assert run_task_kwargs(in_file)["reward_fn"] == f"{tmp_path}/lib/my_reward.py:score"
+    plain = load_config(None, {"task.kwargs": {"a": 1}})
+    assert not plain.trains_on_files and run_task_kwargs(plain) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model.path": "m"}, "training on your own files needs model.path, data.train_files and reward.fn together; "
+         "missing data.train_files, reward.fn"),
+        ({**OWN_FILES, "task.name": "pkg.mod:MyTask"}, "task.name='pkg.mod:MyTask' conflicts with "
+         "model.path/data.train_files, which train on your own files with reward.fn: drop the task.* keys, or drop "
+         "model/data/reward to train a Task class"),
+        ({**OWN_FILES, "task.reward_fn": "a:b"}, "task.reward_fn='a:b' conflicts with model.path/data.train_files"),
+        ({**OWN_FILES, "sft.enabled": True}, "sft.enabled=True needs reference responses, which data.train_files has "
+         "none of: set sft.enabled=false"),
+        ({**OWN_FILES, "reward.fn": "score"}, "reward.fn must be 'module:function' or "
+         "'path/to/file.py:function' or None, got 'score'"),
+        ({**OWN_FILES, "data.prompt_key": ""}, "data.prompt_key must be a column name, got ''"),
+    ],
+)  # fmt: skip
+def test_own_files_keys_refuse_what_cannot_work(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)

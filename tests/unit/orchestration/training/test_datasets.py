@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,8 @@ def test_a_hub_name_is_refused_never_downloaded(tmp_path: Path, monkeypatch: pyt
         load_sft_dataset("gsm8k", tokenizer=AdditionTokenizer(), subset="main")
 
 
-def test_a_save_to_disk_directory_needs_the_datasets_package(tmp_path: Path) -> None:
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        (tmp_path / "state.json").write_text("{}")
-        with pytest.raises(LibraryError, match="needs the 'datasets' package, which is not installed"):
-            load_sft_dataset(tmp_path, tokenizer=AdditionTokenizer())
-    else:  # pragma: no cover - the project does not install datasets
-        pytest.skip("datasets is installed")
+def test_a_save_to_disk_directory_needs_the_datasets_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as without the package: its import raises ImportError
+    (tmp_path / "state.json").write_text("{}")
+    with pytest.raises(LibraryError, match="needs the 'datasets' package, which is not installed"):
+        load_sft_dataset(tmp_path, tokenizer=AdditionTokenizer())
