@@ -20,6 +20,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -44,9 +45,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def owner_alive(path: str | os.PathLike[str], pid: int) -> bool:
-    """Whether the owner of scratch directory ``path`` (``pid``: the one in its name) still lives."""
-    held = lock_held(os.path.join(path, LOCK_NAME))
-    return _pid_alive(pid) if held is None else held  # no lock yet (or any more): the name's pid decides
+    """Whether the owner of scratch directory ``path`` (``pid``: the one in its name) may still live: dead only when
+    nobody holds its lock (or it has none) **and** the pid in its name is gone. The lock alone is not enough: between
+    making the directory and locking it, its owner holds nothing."""
+    return bool(lock_held(os.path.join(path, LOCK_NAME), shared=True)) or _pid_alive(pid)
 
 
 def sweep_dead(prefix: str, root: str | None = None) -> list[str]:
@@ -59,11 +61,16 @@ def sweep_dead(prefix: str, root: str | None = None) -> list[str]:
         names = os.listdir(root)
     except FileNotFoundError:
         return removed
+    uid = os.getuid()
     for name in names:
         match = pattern.match(name)
         path = os.path.join(root, name)
-        if match is None or os.path.islink(path) or not os.path.isdir(path):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
             continue
+        if match is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+            continue  # not one of ours (a link, a file, another user's run on a shared /dev/shm): never touched
         if not owner_alive(path, int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -84,7 +91,7 @@ class ScratchDir:
         sweep_dead(prefix, root)
         self.path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
         self._lock = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # blocking: a sweeper may hold it (shared) for an instant
         atexit.register(self.remove)
 
     def remove(self) -> None:

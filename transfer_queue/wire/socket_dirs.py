@@ -46,6 +46,8 @@ def lock_held(path: str | os.PathLike[str], shared: bool = False) -> bool | None
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except PermissionError:  # another user's: it cannot be told, so it counts as held (never swept)
+        return True
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:

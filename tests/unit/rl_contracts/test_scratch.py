@@ -77,3 +77,21 @@ def test_a_dir_caught_before_its_lock_existed_is_judged_by_the_pid_in_its_name(t
     (tmp_path / "tq-test-notapid").mkdir()  # not a name this module makes
     assert sweep_dead("tq-test-", str(tmp_path)) == [str(tmp_path / f"tq-test-{dead_pid}-abc")]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"tq-test-{os.getpid()}-abc", "tq-test-notapid"]
+
+
+def test_a_dir_whose_lock_is_free_but_whose_owner_lives_is_kept(tmp_path):
+    """Between making its directory and locking it, an owner holds no lock: a sweep then must not take it."""
+    mine = tmp_path / f"tq-test-{os.getpid()}-abc"
+    mine.mkdir()
+    (mine / LOCK_NAME).write_bytes(b"")  # created, not locked yet
+    assert owner_alive(mine, os.getpid())
+    assert sweep_dead("tq-test-", str(tmp_path)) == [] and mine.is_dir()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory owned by another user")
+def test_another_users_dir_is_never_touched(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    theirs = tmp_path / f"tq-test-{int(dead.stdout)}-abc"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody's, on a /dev/shm shared by every user
+    assert sweep_dead("tq-test-", str(tmp_path)) == [] and theirs.is_dir()
