@@ -242,15 +242,25 @@ class SamplingScheduler:
 
     async def _one_sampler(self, claimed: tuple[DispatchedSamplingTask, Task]) -> None:
         self._unstarted.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # always inside a task
-        sampler = self.sampler_class(
-            self.config,
-            ledger=self.ledger,
-            inference=self.inference,
-            sink=self.sink,
-            blobs=self.blobs,
-            split=self.split,
-        )
-        sampler.adopt(claimed)
+        try:
+            sampler = self.sampler_class(
+                self.config,
+                ledger=self.ledger,
+                inference=self.inference,
+                sink=self.sink,
+                blobs=self.blobs,
+                split=self.split,
+            )
+            sampler.adopt(claimed)
+        except Exception as exc:  # the claim fails as one whose run() raised: the attempt counts, the error shows
+            self.stats["failed"] += 1
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("sampler of task %s could not be built: %s", claimed[1].id, error)
+            try:
+                await asyncio.to_thread(with_retry, lambda: self.ledger.fail(claimed[0].id, error))
+            except Exception as failing:  # its lease runs out instead
+                log.warning("could not fail claim %s: %s", claimed[0].id, failing)
+            return
         try:
             async with sampler:
                 await sampler.run()

@@ -289,3 +289,18 @@ def test_claims_of_samplers_cancelled_before_they_start_go_back(cfg):
     assert len(claims) == 3 and {(c.status, c.last_error) for c in claims} == {
         ("expired", "returned: its sampler never started")
     }
+
+
+class BrokenSampler(QuestionSampler):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("broken sampler")
+
+
+def test_a_sampler_that_cannot_be_built_fails_its_claim_with_the_error(cfg):
+    ledger = Ledger(cfg.ledger_url)
+    stats = SamplingScheduler(config=cfg, sampler_class=BrokenSampler, dataset=QuestionDataset(1), ledger=ledger).run()
+    (task,) = ledger.tasks("train")
+    assert task.status == "failed" and task.last_error == "RuntimeError: broken sampler", task
+    claims = ledger.claims("train")
+    assert claims and all(c.status == "failed" for c in claims)  # none left to wait out its lease
+    assert stats["failed"] == len(claims)
