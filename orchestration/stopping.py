@@ -67,13 +67,16 @@ class SigtermStops:
     """
 
     def __init__(self) -> None:
-        self.received = False
+        self.received = False  # a SIGTERM began the stop
+        self.stopping = False  # a stop is under way (a SIGTERM's or a Ctrl-C's)
         self._previous: Any = None
+        self._previous_int: Any = None
         self._installed = False
 
     def __enter__(self) -> SigtermStops:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous_int = signal.signal(signal.SIGINT, self._interrupt)
             self._installed = True
         return self
 
@@ -82,6 +85,7 @@ class SigtermStops:
     ) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
+            signal.signal(signal.SIGINT, self._previous_int)
             self._installed = False
 
     def exit_code(self) -> int:
@@ -89,7 +93,17 @@ class SigtermStops:
         return EXIT_TERMINATED if self.received else EXIT_INTERRUPTED
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received:
+        if self.stopping:  # the cleanup of a stop (a Ctrl-C's too) runs to its end
             return
-        self.received = True
+        self.stopping = self.received = True
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        """A Ctrl-C: what the handler before does (Python's: KeyboardInterrupt), noting that a stop is under way."""
+        previous = self._previous_int
+        if previous == signal.SIG_IGN:
+            return
+        self.stopping = True
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt

@@ -111,12 +111,22 @@ def test_a_sigterm_stops_like_a_ctrl_c_once_and_the_handler_before_comes_back(si
         time.sleep(5)  # the handler runs at the next bytecode; never reached
     assert sigterm.received and sigterm.exit_code() == EXIT_TERMINATED == 143
     with SigtermStops() as sigterm:
-        sigterm.received = True  # a stop under way: a second SIGTERM does not break into its cleanup
+        sigterm.stopping = True  # a stop under way: a second SIGTERM does not break into its cleanup
         os.kill(os.getpid(), signal.SIGTERM)
     assert sigterm_recorded == []
     os.kill(os.getpid(), signal.SIGTERM)  # after the block: the handler in place before
     assert sigterm_recorded == [signal.SIGTERM]
     assert SigtermStops().exit_code() == 130  # a Ctrl-C's
+
+
+def test_a_sigterm_during_a_ctrl_c_s_cleanup_does_not_break_into_it(sigterm_recorded):
+    with SigtermStops() as sigterm:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # never reached
+        os.kill(os.getpid(), signal.SIGTERM)  # the cleanup runs on (a scheduler's kill after the user's Ctrl-C)
+        cleaned_up = True
+    assert cleaned_up and sigterm.exit_code() == 130 and sigterm_recorded == []
 
 
 def test_a_sigterm_in_the_demo_stops_the_run_prints_one_line_and_exits_143(
