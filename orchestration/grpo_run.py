@@ -642,13 +642,14 @@ def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> No
 
 def time_line(steps: int, total_s: float, timings: dict[str, float]) -> str:
     """Where a run's time went, each figure named for what it measures: the GRPO steps alone, then the whole run
-    with its start-up (Ray, the queue, the actors) and its SFT warm-up (or resume)."""
+    with its SFT warm-up (or resume) and the rest: start-up (Ray, the queue, the actors, the reference policy, the
+    first publish) and wind-down (the last checkpoint and plot, stopping the actors)."""
     grpo_s, warm_up_s = timings.get("grpo_s", 0.0), timings.get("warm_up_s", 0.0)
     per_step = f", {grpo_s / steps:.3f} s a step" if steps else ""
     start_up_s = max(total_s - grpo_s - warm_up_s, 0.0)
     return (
         f"GRPO: {steps} steps in {grpo_s:.1f} s{per_step}; the whole run {total_s:.1f} s "
-        f"(start-up {start_up_s:.1f} s, SFT warm-up or resume {warm_up_s:.1f} s, GRPO {grpo_s:.1f} s)"
+        f"(start-up and wind-down {start_up_s:.1f} s, SFT warm-up or resume {warm_up_s:.1f} s, GRPO {grpo_s:.1f} s)"
     )
 
 

@@ -79,13 +79,33 @@ def tmpdir_of_run() -> Iterator[Path]:
 
 
 def start(out: Path, tmpdir: Path, *args: str) -> subprocess.Popen[str]:
+    """The run, its output in files beside ``out`` (a pipe nobody reads until the end would fill and block it)."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TMPDIR": str(tmpdir)}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen(
-        [sys.executable, *args, f"output_dir={out}", *ENDLESS],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job's SIGINT is ignored
-    )  # fmt: skip
+    logs = out.parent / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    name = str(len(list(logs.iterdir())) // 2)
+    with open(logs / f"{name}.out", "w") as stdout, open(logs / f"{name}.err", "w") as stderr:
+        run = subprocess.Popen(
+            [sys.executable, *args, f"output_dir={out}", *ENDLESS],
+            cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job's SIGINT is ignored
+        )  # fmt: skip
+    STDERR[run.pid] = logs / f"{name}.err"
+    return run
+
+
+STDERR: dict[int, Path] = {}  # a run's pid -> the file its stderr goes to
+
+
+def stderr_of(run: subprocess.Popen[str]) -> str:
+    return STDERR[run.pid].read_text()
+
+
+def finish(run: subprocess.Popen[str], timeout: float) -> str:
+    """Wait for ``run`` to end; its stderr."""
+    run.wait(timeout)
+    return stderr_of(run)
 
 
 def wait_for_a_step(run: subprocess.Popen[str], out: Path, wait_until) -> None:
@@ -96,7 +116,7 @@ def wait_for_a_step(run: subprocess.Popen[str], out: Path, wait_until) -> None:
         600,
         what="a GRPO step",
     )
-    assert run.poll() is None, run.communicate()[1][-6000:]
+    assert run.poll() is None, stderr_of(run)[-6000:]
     channel = [n for n in shm_scratch() if n.startswith(f"tq-weights-{run.pid}-")]
     assert len(channel) == 1 and any((Path(shm_root() or tempfile.gettempdir()) / channel[0]).glob("*.pt"))
 
@@ -120,7 +140,7 @@ def test_a_run_that_dies_leaves_no_files(tmp_path, tmpdir_of_run, wait_until, ho
             os.kill(run.pid, signal.SIGTERM)  # the driver only, as `kill PID` or a job scheduler
         else:
             os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
-    _, err = run.communicate(timeout=300)
+    err = finish(run, 300)
     assert run.returncode == returncode, err[-6000:]
     if how == "start-up-error":
         assert "RuntimeError: start-up failed on purpose" in err, err[-6000:]
@@ -137,12 +157,12 @@ def test_a_killed_runs_files_are_swept_by_the_next_run(tmp_path, tmpdir_of_run, 
     killed = start(out, tmpdir_of_run, str(ROOT / "recipe" / "demo.py"))
     wait_for_a_step(killed, out, wait_until)
     os.killpg(killed.pid, signal.SIGKILL)  # the whole job, as an OOM kill or a lost node: nothing runs after
-    killed.communicate(timeout=120)
+    finish(killed, 120)
     assert [n for n in shm_scratch() if n.startswith(f"tq-weights-{killed.pid}-")]  # left behind, for now
     assert our_tmp_files(tmpdir_of_run)  # the queue's socket directories too
 
     again = start(out, tmpdir_of_run, "-c", FAILING_START, "--new")  # the next run on the host, here a short one
-    _, err = again.communicate(timeout=300)
+    err = finish(again, 300)
     assert again.returncode == 1 and "start-up failed on purpose" in err, err[-6000:]
     assert dead_scratch(shm_scratch() - before) == []
     assert our_tmp_files(tmpdir_of_run) == []

@@ -438,8 +438,9 @@ def test_the_run_report_names_what_each_time_measures():
     line = time_line(1000, 336.0, {"warm_up_s": 52.0, "grpo_s": 216.0})
     assert line == (
         "GRPO: 1000 steps in 216.0 s, 0.216 s a step; the whole run 336.0 s "
-        "(start-up 68.0 s, SFT warm-up or resume 52.0 s, GRPO 216.0 s)"
+        "(start-up and wind-down 68.0 s, SFT warm-up or resume 52.0 s, GRPO 216.0 s)"
     )
     assert time_line(0, 5.0, {}) == (
-        "GRPO: 0 steps in 0.0 s; the whole run 5.0 s (start-up 5.0 s, SFT warm-up or resume 0.0 s, GRPO 0.0 s)"
+        "GRPO: 0 steps in 0.0 s; the whole run 5.0 s "
+        "(start-up and wind-down 5.0 s, SFT warm-up or resume 0.0 s, GRPO 0.0 s)"
     )
