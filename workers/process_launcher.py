@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+_LAUNCH_TIMEOUT_S = 60.0  # a Popen (fork + exec) takes milliseconds; past this the launcher thread is stuck
 _Requests = queue.SimpleQueue[tuple[concurrent.futures.Future[Any], tuple[Any, ...], dict[str, Any]]]
 
 
@@ -47,7 +48,15 @@ class _Launcher:
         future: concurrent.futures.Future[subprocess.Popen[Any]] = concurrent.futures.Future()
         kwargs["preexec_fn"] = _die_with_process(os.getpid(), kwargs.get("preexec_fn"))
         self._requests.put((future, args, kwargs))
-        return future.result()
+        try:
+            return future.result(timeout=_LAUNCH_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            started = "may still start" if not future.cancel() else "was not started"
+            command = args[0] if args else kwargs.get("args")
+            raise RuntimeError(
+                f"the process launcher did not start {command!r} within {_LAUNCH_TIMEOUT_S:g} s (it {started}); "
+                "expected Popen to return within the launch timeout: the launcher thread is stuck"
+            ) from None
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -61,6 +70,8 @@ class _Launcher:
 def _serve(requests: _Requests) -> None:
     while True:
         future, args, kwargs = requests.get()
+        if not future.set_running_or_notify_cancel():  # the caller gave up waiting (the launch timeout)
+            continue
         try:
             future.set_result(subprocess.Popen(*args, **kwargs))
         except BaseException as exc:  # handed to the caller; the thread goes on
@@ -72,8 +83,9 @@ def _die_with_process(parent_pid: int, then: Callable[[], Any] | None) -> Callab
     ``PR_SET_PDEATHSIG``); if the process died before ``prctl`` took effect, exit at once."""
 
     def preexec() -> None:
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if _PRCTL is not None:  # resolved in the parent: no dlopen between fork and exec in a threaded process
+            with contextlib.suppress(Exception):
+                _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent_pid:
             os._exit(1)
         if then is not None:
@@ -82,4 +94,14 @@ def _die_with_process(parent_pid: int, then: Callable[[], Any] | None) -> Callab
     return preexec
 
 
+def _libc_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, or None where there is none (not Linux)."""
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+_PRCTL = _libc_prctl()
 _LAUNCHER = _Launcher()

@@ -80,23 +80,27 @@ async def _sync_one(index: int, engine: Any, path: str, version: int | None, tim
     kwargs = {"version": version} if version is not None and _takes(method, "version") else {}
     reply: dict[str, Any] = {"engine": _name(engine, index)}
     t0 = time.perf_counter()
+    deadline = asyncio.timeout(timeout)
     try:
-        if inspect.iscoroutinefunction(method):
-            result = await asyncio.wait_for(method(path, **kwargs), timeout)
-        else:
-            result = await asyncio.wait_for(_in_daemon_thread(lambda: method(path, **kwargs)), timeout)
-            if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, timeout)
+        async with deadline:
+            result = await _call(method, path, kwargs)
         reply.update(result if isinstance(result, dict) else {"reply": result})
         reply.setdefault("success", True)
-    except TimeoutError:
-        assert timeout is not None  # only a bounded wait times out
-        error = EngineSyncTimeout(reply["engine"], timeout)
-        reply.update(success=False, error=f"EngineSyncTimeout: {error}", exception=error)
     except Exception as exc:  # reported, never raised: the other engines go on
+        if isinstance(exc, TimeoutError) and deadline.expired():  # the sync's wait ran out, not the engine's own
+            assert timeout is not None  # only a bounded wait expires
+            exc = EngineSyncTimeout(reply["engine"], timeout)
         reply.update(success=False, error=f"{type(exc).__name__}: {exc}", exception=exc)
     reply["seconds"] = time.perf_counter() - t0
     return reply
+
+
+async def _call(method: Any, path: str, kwargs: dict[str, Any]) -> Any:
+    """The engine's reply: an async method awaited, a sync one run in a daemon thread (its awaitable result awaited)."""
+    if inspect.iscoroutinefunction(method):
+        return await method(path, **kwargs)
+    result = await _in_daemon_thread(lambda: method(path, **kwargs))
+    return await result if inspect.isawaitable(result) else result
 
 
 def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:

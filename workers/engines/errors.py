@@ -52,3 +52,22 @@ class EngineSyncTimeout(EngineError, TimeoutError):
 
     def __reduce__(self) -> tuple[type, tuple[str, float]]:  # pickles (e.g. through Ray) with its attributes
         return (type(self), (self.engine, self.timeout))
+
+
+class EngineBusy(EngineError):
+    """An engine was still loading the weights of an earlier sync (one that timed out) when a new sync came: the new
+    sync does not start a second load beside it (the older one could finish last and leave the old weights served).
+
+    Attributes:
+        engine: the engine's name (its ``name``, its URL, or ``Type[index]``).
+    """
+
+    def __init__(self, engine: str):
+        super().__init__(
+            f"engine {engine} is still loading the weights of an earlier sync (it did not finish within that sync's "
+            "timeout); expected it idle before a new load, so this sync did not load it"
+        )
+        self.engine = engine
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # pickles (e.g. through Ray) with its attribute
+        return (type(self), (self.engine,))

@@ -6,6 +6,8 @@ a reply dict, ``{"engine", "success", "version", "seconds", ...}`` with ``error`
 (the exception itself) when it failed. With ``timeout``, the call returns after at most ``timeout`` seconds
 whatever the engines do: an engine still loading then gets a failed reply whose ``exception`` is an
 :class:`~workers.engines.errors.EngineSyncTimeout` naming it and the timeout, and every other engine its own reply.
+Until that engine's load ends, a later sync does not load it again (two loads at once could leave the older weights
+served): its reply there is a failure whose ``exception`` is an :class:`~workers.engines.errors.EngineBusy`.
 
 Engines can be any :class:`~workers.engines.base.Engine` (``update_weights(version, path=...)``), an
 :class:`~workers.engines.server.EngineServer` (its client engine is used and the server's registry record gets the
@@ -15,14 +17,34 @@ version), or any object with the seed's ``update_weights_from_checkpoint(path)``
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from workers.engines.errors import EngineSyncTimeout
+from workers.engines.errors import EngineBusy, EngineSyncTimeout
+
+# ids of the engines being loaded now: a load that outlived its sync's timeout still runs in its daemon thread, and a
+# second load beside it could finish first and be overwritten with the older weights (so the next sync skips them)
+_LOADING: set[int] = set()
+_LOADING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _only_load(engine: Any, name: str) -> Iterator[None]:
+    """Hold ``engine`` for one load; raise :class:`EngineBusy` if an earlier load of it still runs."""
+    with _LOADING_LOCK:
+        if id(engine) in _LOADING:
+            raise EngineBusy(name)
+        _LOADING.add(id(engine))  # the id stays this engine's: the loading thread holds a reference until discard
+    try:
+        yield
+    finally:
+        with _LOADING_LOCK:
+            _LOADING.discard(id(engine))
 
 
 def _name(engine: Any, index: int) -> str:
@@ -46,7 +68,8 @@ def _run(engines: Sequence[Any], load: Any, timeout: float | None) -> list[dict[
     An engine still loading at the deadline gets a failed reply with an :class:`EngineSyncTimeout` (its thread is
     left to finish in the background: a daemon thread, so it holds neither this call nor the interpreter's exit;
     its late reply is dropped). A thread pool would do neither: its ``shutdown`` (and the interpreter's exit) waits
-    for the hung call.
+    for the hung call. Until that load ends, a later sync gives the engine a failed reply with an :class:`EngineBusy`
+    and does not load it.
     """
 
     def one(index: int, engine: Any) -> dict[str, Any]:
@@ -54,7 +77,8 @@ def _run(engines: Sequence[Any], load: Any, timeout: float | None) -> list[dict[
         reply: dict[str, Any] = {"engine": _name(engine, index)}
         try:
             target, server = _target(engine)
-            reply.update(load(target) or {})
+            with _only_load(target, reply["engine"]):
+                reply.update(load(target) or {})
             version = reply.get("version", getattr(target, "version", None))
             if server is not None and version is not None:
                 server.set_version(int(version))

@@ -76,6 +76,30 @@ def test_a_hung_engine_times_out_while_the_others_load() -> None:
     assert [r["engine"] for r in replies][:2] == ["SyncEngine[0]", "HungEngine[1]"]
 
 
+class SocketTimeoutEngine:
+    """An engine whose own call times out (a socket timeout is a TimeoutError): its failure, not the sync's."""
+
+    def update_weights_from_checkpoint(self, checkpoint_path: str) -> None:
+        raise TimeoutError("timed out reading from 127.0.0.1:30000")
+
+
+class AsyncSocketTimeoutEngine:
+    async def update_weights_from_checkpoint(self, checkpoint_path: str) -> None:
+        raise TimeoutError("timed out reading from 127.0.0.1:30001")
+
+
+@pytest.mark.parametrize("timeout", [None, 60.0])
+def test_an_engines_own_timeout_error_is_its_failure_not_the_syncs_timeout(timeout: float | None) -> None:
+    sync = SyncEngine()
+    engines = [SocketTimeoutEngine(), AsyncSocketTimeoutEngine(), sync]
+    replies = asyncio.run(sync_weights_to_engines(engines, "/ckpt/step_4", timeout=timeout))
+
+    assert [r["success"] for r in replies] == [False, False, True] and sync.paths == ["/ckpt/step_4"]
+    for reply, port in zip(replies[:2], ("30000", "30001"), strict=True):
+        assert reply["error"] == f"TimeoutError: timed out reading from 127.0.0.1:{port}"
+        assert type(reply["exception"]) is TimeoutError
+
+
 def test_an_engine_without_the_method_is_refused_before_any_call() -> None:
     sync = SyncEngine()
     with pytest.raises(LibraryError, match=r"engine 1 \(dict\) has no update_weights_from_checkpoint"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 import threading
 
-from workers.engines.errors import EngineSyncTimeout
+from workers.engines.errors import EngineBusy, EngineSyncTimeout
 from workers.engines.weight_sync import sync_state_dict_to_engines, sync_weights_to_engines
 
 
@@ -28,8 +28,10 @@ class Hung:
 
     def __init__(self) -> None:
         self.release, self.entered = threading.Event(), threading.Event()
+        self.loads: list[str] = []
 
     def update_weights_from_checkpoint(self, path: str, version: int | None = None) -> dict:
+        self.loads.append(path)
         self.entered.set()
         self.release.wait(10)
         return {"success": True, "version": version}
@@ -91,6 +93,35 @@ def test_without_a_timeout_every_engine_is_waited_for() -> None:
     threading.Timer(0.2, hung.release.set).start()
     [reply] = sync_weights_to_engines([hung], "/ckpt", version=1)
     assert reply["success"] is True and reply["version"] == 1 and "exception" not in reply
+
+
+def test_an_engine_still_loading_a_timed_out_sync_is_not_given_a_second_load() -> None:
+    hung, other = Hung(), Loaded("other")
+    try:
+        [first] = sync_weights_to_engines([hung], "/ckpt/step_1", version=1, timeout=0.2)
+        assert isinstance(first["exception"], EngineSyncTimeout)
+        # the step-1 load still runs: a step-2 load beside it could finish first and be overwritten by step 1's
+        busy, done = sync_weights_to_engines([hung, other], "/ckpt/step_2", version=2)
+        assert hung.loads == ["/ckpt/step_1"] and other.paths == ["/ckpt/step_2"] and done["success"] is True
+    finally:
+        hung.release.set()
+    assert busy["success"] is False and busy.get("version") is None
+    error = busy["exception"]
+    assert isinstance(error, EngineBusy) and error.engine == "hung-engine"
+    assert busy["error"] == (
+        "EngineBusy: engine hung-engine is still loading the weights of an earlier sync (it did not finish within "
+        "that sync's timeout); expected it idle before a new load, so this sync did not load it"
+    )
+    restored = pickle.loads(pickle.dumps(error))
+    assert (type(restored), restored.engine, str(restored)) == (EngineBusy, "hung-engine", str(error))
+    # once the earlier load ends (the third sync waits for it: no timeout), the engine loads again
+    for _ in range(100):
+        [third] = sync_weights_to_engines([hung], "/ckpt/step_3", version=3)
+        if third["success"]:
+            break
+        threading.Event().wait(0.05)  # the step-1 thread is between its load's return and releasing the engine
+    assert third["success"] is True and third["version"] == 3
+    assert hung.loads == ["/ckpt/step_1", "/ckpt/step_3"]
 
 
 def test_no_engines_no_replies() -> None:
