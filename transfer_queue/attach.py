@@ -154,17 +154,17 @@ def join(target: Target) -> None:
     """Make this process a driver of ``target``'s cluster, or fail within seconds (see the module docstring).
 
     Raises:
-        ClusterUnreachable: nothing answers at the address, or Ray could not join it.
+        ClusterUnreachable: nothing answers at the address (checked first), or Ray could not join it.
         ClusterRefused: the cluster refused this process's token.
         InvalidRequest: this process already drives another cluster.
     """
+    probe(target)  # first: an address where nothing answers is the news, whatever this process drives
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
         if current != target.address:
             raise InvalidRequest(f"this process already drives the Ray cluster at {current}, not {target.address}")
         return
-    probe(target)
     for name in target.unset:
         os.environ.pop(name, None)
     os.environ.update(target.env)  # before Ray is imported: it reads some of them once, at import

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,27 @@ def closed_port() -> str:
 @pytest.fixture
 def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def not_a_ray_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests hold whether or not this process drives a Ray cluster (a whole-suite run's session does)."""
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+class DrivingAnotherCluster:
+    """A ``ray`` module as seen by a process that already drives the cluster at 10.0.0.9:6379."""
+
+    class _Context:
+        gcs_address = "10.0.0.9:6379"
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_runtime_context(self) -> Any:
+        return self._Context()
 
 
 def test_with_no_flags_the_run_s_record_gives_the_address_and_the_ray_variables(
@@ -99,6 +121,20 @@ def test_an_unreachable_address_fails_at_once_saying_what_to_pass(monkeypatch: p
     with pytest.raises(ClusterUnreachable, match=rf"no Ray cluster answers at {address} \(Connection refused\); pass"):
         attach.join(attach.Target(address, {"RAY_AUTH_MODE": "token"}))
     assert not any(k.startswith("RAY_") for k in environ)  # failed before Ray was set up or asked
+
+
+def test_a_driver_of_another_cluster_hears_first_that_nothing_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", DrivingAnotherCluster())
+    address = closed_port()
+    with pytest.raises(ClusterUnreachable, match=rf"no Ray cluster answers at {address} \(Connection refused\)"):
+        attach.join(attach.Target(address))
+    listener = socket.create_server(("127.0.0.1", 0))  # a cluster that answers: then the other one is the news
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(InvalidRequest, match=rf"already drives the Ray cluster at 10.0.0.9:6379, not {address}$"):
+            attach.join(attach.Target(address))
+    finally:
+        listener.close()
 
 
 def test_the_probe_waits_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
