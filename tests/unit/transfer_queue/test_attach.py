@@ -208,3 +208,41 @@ def test_ray_joins_with_the_run_s_variables_and_bounded_tries(monkeypatch: pytes
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # a loopback GCS: the cluster's nodes are loopback too
     assert env["RAY_gcs_server_port_wait_time_s"] == str(attach.GCS_CONNECT_TRIES)
     assert "RAY_gcs_server_port_wait_time_s" not in environ  # only while joining
+
+
+def test_token_mode_with_no_token_found_is_a_refusal_naming_the_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.exceptions import AuthenticationError, RaySystemError
+
+    from transfer_queue import runtime
+
+    listener = socket.create_server(("127.0.0.1", 0))  # the GCS port answers the probe
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    monkeypatch.setattr(os, "environ", environ)
+    deleted = tmp_path / "auth_token"  # the run recorded a token file that is gone since
+    errors: list[Exception] = [
+        AuthenticationError("Token authentication is enabled but no token was found"),
+        RaySystemError("x"),
+    ]
+
+    def failing_init(**kwargs: Any) -> None:  # what Ray does with RAY_AUTH_MODE=token and no token to read
+        raise errors.pop(0)
+
+    monkeypatch.setattr(runtime, "init_ray", failing_init)
+    try:
+        with pytest.raises(ClusterRefused) as refused_here:
+            attach.join(attach.Target(address, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(deleted)}))
+        with pytest.raises(ClusterUnreachable, match=f"Ray could not join the cluster at {address}"):
+            attach.join(attach.Target(address))
+    finally:
+        listener.close()
+    assert str(refused_here.value).startswith(
+        f"this process has no authentication token for the Ray cluster at {address} (RAY_AUTH_TOKEN_PATH={deleted} "
+        "is not a file); pass RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or "
+        "RAY_AUTH_TOKEN_PATH=<its file>) in the environment"
+    )
+    environ.pop("RAY_AUTH_TOKEN_PATH")
+    error = attach.refusal(attach.Target(address), AuthenticationError("no token was found"))
+    assert isinstance(error, ClusterRefused) and f"at {address} (no token was found); pass" in str(error)
