@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -93,18 +94,37 @@ class WandbSink:
         self.run.finish()
 
 
+def _already_exists(exc: Exception) -> bool:
+    return getattr(exc, "error_code", None) == "RESOURCE_ALREADY_EXISTS"
+
+
 class MlflowSink:
     """Each row's numbers as MLflow metrics ``<kind>/<key>`` at ``step``, in a new run of ``experiment`` (created
     if missing) at ``tracking_uri``: a server (``http://...``) or a local store (``sqlite:///PATH``). Through an
     ``MlflowClient``, not the ``mlflow.start_run`` global, so an MLflow run the caller has open is left alone."""
 
-    def __init__(self, experiment: str, tracking_uri: str, run_name: str | None = None):
+    def __init__(
+        self, experiment: str, tracking_uri: str, run_name: str | None = None, artifact_location: str | None = None
+    ):
         mlflow = _require("mlflow", "mlflow", "mlflow_experiment")
         self._metric = importlib.import_module("mlflow.entities").Metric
         self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        experiment_id = self._experiment_id(experiment, artifact_location)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+
+    def _experiment_id(self, name: str, artifact_location: str | None) -> str:
+        """The experiment's id, created (artifacts at ``artifact_location``) if missing; one another run created
+        between the look-up and the creation is looked up again."""
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(self.client.create_experiment(name, artifact_location=artifact_location))
+        except Exception as exc:  # MlflowException, error_code RESOURCE_ALREADY_EXISTS: created since the look-up
+            raced = self.client.get_experiment_by_name(name) if _already_exists(exc) else None
+            if raced is None:
+                raise
+            return str(raced.experiment_id)
 
     def write(self, row: dict[str, Any]) -> None:
         kind, values = row.get("kind", "run"), numbers(row)
@@ -139,14 +159,38 @@ class MetricSinks:
                 logger.exception("metric sink %s failed to close", type(sink).__name__)
 
 
-def run_sinks(cfg: Any, controller: Any | None, out: Path) -> MetricSinks:
-    """The sinks an RLConfig asks for: the controller (when there is one), TensorBoard, W&B, MLflow."""
-    sinks: list[Any] = [] if controller is None else [ControllerSink(controller)]
+def _configured(cfg: Any, out: Path) -> list[tuple[str, Callable[[], Any]]]:
+    """The optional sinks ``cfg`` turns on, each as its name and how to build it."""
+    wanted: list[tuple[str, Callable[[], Any]]] = []
     if cfg.tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
+        wanted.append(("TensorBoardSink", lambda: TensorBoardSink(out / "tensorboard")))
     if cfg.wandb_project:
-        sinks.append(WandbSink(cfg.wandb_project, out, cfg.wandb_mode))
+        wanted.append(("WandbSink", lambda: WandbSink(cfg.wandb_project, out, cfg.wandb_mode)))
     if cfg.mlflow_experiment:
+        # a local store keeps its artifacts beside it (MLflow's default, ./mlruns, is the current directory's)
+        local = cfg.mlflow_tracking_uri is None
         uri = cfg.mlflow_tracking_uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
-        sinks.append(MlflowSink(cfg.mlflow_experiment, uri, run_name=out.name))
-    return MetricSinks(sinks)
+        artifacts = (out / "mlruns").resolve().as_uri() if local else None
+        wanted.append(("MlflowSink", lambda: MlflowSink(cfg.mlflow_experiment, uri, out.name, artifacts)))
+    return wanted
+
+
+def run_sinks(cfg: Any, controller: Any | None, out: Path) -> MetricSinks:
+    """The sinks an RLConfig asks for: the controller (when there is one), TensorBoard, W&B, MLflow.
+
+    A sink whose package is missing raises :class:`MetricSinkUnavailable` (the sinks built before it are closed);
+    one that fails otherwise at its start is logged and dropped, as one that fails later is.
+
+    Raises:
+        MetricSinkUnavailable: a configured sink's package is not installed.
+    """
+    sinks = MetricSinks([] if controller is None else [ControllerSink(controller)])
+    for name, build in _configured(cfg, out):
+        try:
+            sinks.sinks.append(build())
+        except MetricSinkUnavailable:
+            sinks.close()
+            raise
+        except Exception:
+            logger.exception("metric sink %s failed to start; going on without it", name)
+    return sinks

@@ -137,8 +137,26 @@ def _bounded_gcs_tries(tries: int = GCS_CONNECT_TRIES) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+def _missing_token(target: Target, exc: BaseException) -> ClusterRefused:
+    """Ray's ``AuthenticationError`` before it asked the cluster: token mode, but no token where it looked."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path and not os.path.isfile(path):
+        found = f"RAY_AUTH_TOKEN_PATH={path} is not a file"
+    else:
+        found = getattr(exc, "message", None) or type(exc).__name__
+    return ClusterRefused(
+        f"this process has no authentication token for the Ray cluster at {target.address} ({found}); pass "
+        f"{TOKEN_VARIABLES} in the environment, or run `python {STATUS_COMMAND}` with no flags on the run's "
+        "machine, as the user who started it"
+    )
+
+
 def refusal(target: Target, exc: BaseException) -> ClusterRefused | ClusterUnreachable:
-    """The typed error for Ray's failure to join: a token refusal, or a cluster that did not answer."""
+    """The typed error for Ray's failure to join: no token to send, a token refused, or a cluster not answering."""
+    from ray.exceptions import AuthenticationError
+
+    if isinstance(exc, AuthenticationError):
+        return _missing_token(target, exc)
     text = f"{exc} {exc.__cause__ or ''}"
     if any(mark.lower() in text.lower() for mark in AUTH_REFUSAL_MARKS):
         told = "" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else " (this process had no RAY_AUTH_MODE)"
@@ -154,29 +172,31 @@ def join(target: Target) -> None:
     """Make this process a driver of ``target``'s cluster, or fail within seconds (see the module docstring).
 
     Raises:
-        ClusterUnreachable: nothing answers at the address, or Ray could not join it.
+        ClusterUnreachable: nothing answers at the address (checked first), or Ray could not join it.
         ClusterRefused: the cluster refused this process's token.
         InvalidRequest: this process already drives another cluster.
     """
+    probe(target)  # first: an address where nothing answers is the news, whatever this process drives
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
         if current != target.address:
             raise InvalidRequest(f"this process already drives the Ray cluster at {current}, not {target.address}")
         return
-    probe(target)
     for name in target.unset:
         os.environ.pop(name, None)
     os.environ.update(target.env)  # before Ray is imported: it reads some of them once, at import
     if _is_loopback(split_address(target.address)[0]):  # a loopback GCS means the cluster's nodes are loopback too
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+    from ray.exceptions import RayError  # AuthenticationError: token mode, and no token found
+
     from transfer_queue.runtime import init_ray
 
     try:
         with _bounded_gcs_tries():
             init_ray(address=target.address, logging_level=logging.ERROR, log_to_driver=False)
-    except (ConnectionError, RuntimeError) as exc:
+    except (ConnectionError, RuntimeError, RayError) as exc:
         raise refusal(target, exc) from exc
 
 

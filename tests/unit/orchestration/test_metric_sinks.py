@@ -83,6 +83,12 @@ def test_a_failing_sink_is_dropped_and_the_others_go_on():
     assert len(handle.rows) == 2 and len(sinks.sinks) == 1
 
 
+class AlreadyExists(Exception):
+    """What ``MlflowException`` carries when an experiment of that name was created since it was looked up."""
+
+    error_code = "RESOURCE_ALREADY_EXISTS"
+
+
 class FakeMlflow(ModuleType):
     """Stands in for the ``mlflow`` package (not installed by default): an ``MlflowClient`` that records its calls."""
 
@@ -90,6 +96,8 @@ class FakeMlflow(ModuleType):
         super().__init__("mlflow")
         self.calls: list[tuple[Any, ...]] = []
         self.experiments: dict[str, str] = {"existing": "7"}
+        self.created_elsewhere: dict[str, str] = {}  # by another run, between this one's look-up and its creation
+        self.fail_create_run: Exception | None = None
         fake = self
 
         class MlflowClient:
@@ -100,13 +108,18 @@ class FakeMlflow(ModuleType):
                 found = fake.experiments.get(name)
                 return None if found is None else SimpleNamespace(experiment_id=found)
 
-            def create_experiment(self, name: str) -> str:
-                fake.calls.append(("create_experiment", name))
+            def create_experiment(self, name: str, artifact_location: str | None = None) -> str:
+                fake.calls.append(("create_experiment", name, artifact_location))
+                if name in fake.created_elsewhere:
+                    fake.experiments[name] = fake.created_elsewhere[name]
+                    raise AlreadyExists(f"Experiment(name={name}) already exists.")
                 fake.experiments[name] = "8"
                 return "8"
 
             def create_run(self, experiment_id: str, run_name: str | None = None) -> Any:
                 fake.calls.append(("create_run", experiment_id, run_name))
+                if fake.fail_create_run is not None:
+                    raise fake.fail_create_run
                 return SimpleNamespace(info=SimpleNamespace(run_id="run-1"))
 
             def log_batch(self, run_id: str, metrics: list[Any]) -> None:
@@ -140,7 +153,7 @@ def test_the_mlflow_sink_logs_each_rows_numbers_at_its_step_in_a_run_of_the_expe
     sinks.close()
     assert fake_mlflow.calls == [
         ("client", f"sqlite:///{(tmp_path / 'demo' / 'mlflow.db').resolve()}"),  # a local store: no network
-        ("create_experiment", "tq-runs"),
+        ("create_experiment", "tq-runs", (tmp_path / "demo" / "mlruns").resolve().as_uri()),  # not ./mlruns
         ("create_run", "8", "demo"),
         ("log_batch", "run-1", [("grpo/reward", 0.25, 3)]),  # the finite numbers, as TensorBoard gets them
         ("set_terminated", "run-1"),
@@ -160,3 +173,40 @@ def test_a_configured_sink_without_its_package_says_what_to_install(monkeypatch,
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(MetricSinkUnavailable, match=r"wandb_project asks for .* pip install wandb"):
         run_sinks(RLConfig(wandb_project="tq"), None, tmp_path)
+
+
+def test_an_experiment_another_run_created_meanwhile_is_looked_up_again(fake_mlflow, tmp_path):
+    fake_mlflow.created_elsewhere["tq-runs"] = "9"
+    [sink] = run_sinks(RLConfig(mlflow_experiment="tq-runs"), None, tmp_path).sinks
+    assert isinstance(sink, MlflowSink) and fake_mlflow.calls[-1] == ("create_run", "9", tmp_path.name)
+
+
+def test_an_mlflow_sink_failing_at_its_start_is_logged_and_dropped_not_the_run(fake_mlflow, tmp_path, caplog):
+    fake_mlflow.fail_create_run = OSError("database is locked")
+    handle = RecordingHandle()
+    sinks = run_sinks(RLConfig(mlflow_experiment="tq-runs"), handle, tmp_path)
+    assert [type(sink) for sink in sinks.sinks] == [ControllerSink]
+    assert "metric sink MlflowSink failed to start; going on without it" in caplog.text
+    assert "database is locked" in caplog.text
+
+
+def test_a_missing_package_closes_the_sinks_already_started(monkeypatch, tmp_path):
+    from orchestration import metric_sinks
+
+    closed: list[str] = []
+
+    class StartedSink:
+        def __init__(self, log_dir: Any) -> None:
+            pass
+
+        def write(self, row: dict[str, Any]) -> None:
+            pass
+
+        def close(self) -> None:
+            closed.append("tensorboard")
+
+    monkeypatch.setattr(metric_sinks, "TensorBoardSink", StartedSink)
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(MetricSinkUnavailable, match=r"mlflow_experiment asks for"):
+        run_sinks(RLConfig(tensorboard=True, mlflow_experiment="tq-runs"), None, tmp_path)
+    assert closed == ["tensorboard"]

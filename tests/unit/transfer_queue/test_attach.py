@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,27 @@ def closed_port() -> str:
 @pytest.fixture
 def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def not_a_ray_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests hold whether or not this process drives a Ray cluster (a whole-suite run's session does)."""
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+class DrivingAnotherCluster:
+    """A ``ray`` module as seen by a process that already drives the cluster at 10.0.0.9:6379."""
+
+    class _Context:
+        gcs_address = "10.0.0.9:6379"
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_runtime_context(self) -> Any:
+        return self._Context()
 
 
 def test_with_no_flags_the_run_s_record_gives_the_address_and_the_ray_variables(
@@ -99,6 +121,20 @@ def test_an_unreachable_address_fails_at_once_saying_what_to_pass(monkeypatch: p
     with pytest.raises(ClusterUnreachable, match=rf"no Ray cluster answers at {address} \(Connection refused\); pass"):
         attach.join(attach.Target(address, {"RAY_AUTH_MODE": "token"}))
     assert not any(k.startswith("RAY_") for k in environ)  # failed before Ray was set up or asked
+
+
+def test_a_driver_of_another_cluster_hears_first_that_nothing_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", DrivingAnotherCluster())
+    address = closed_port()
+    with pytest.raises(ClusterUnreachable, match=rf"no Ray cluster answers at {address} \(Connection refused\)"):
+        attach.join(attach.Target(address))
+    listener = socket.create_server(("127.0.0.1", 0))  # a cluster that answers: then the other one is the news
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(InvalidRequest, match=rf"already drives the Ray cluster at 10.0.0.9:6379, not {address}$"):
+            attach.join(attach.Target(address))
+    finally:
+        listener.close()
 
 
 def test_the_probe_waits_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,3 +208,41 @@ def test_ray_joins_with_the_run_s_variables_and_bounded_tries(monkeypatch: pytes
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # a loopback GCS: the cluster's nodes are loopback too
     assert env["RAY_gcs_server_port_wait_time_s"] == str(attach.GCS_CONNECT_TRIES)
     assert "RAY_gcs_server_port_wait_time_s" not in environ  # only while joining
+
+
+def test_token_mode_with_no_token_found_is_a_refusal_naming_the_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.exceptions import AuthenticationError, RaySystemError
+
+    from transfer_queue import runtime
+
+    listener = socket.create_server(("127.0.0.1", 0))  # the GCS port answers the probe
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    monkeypatch.setattr(os, "environ", environ)
+    deleted = tmp_path / "auth_token"  # the run recorded a token file that is gone since
+    errors: list[Exception] = [
+        AuthenticationError("Token authentication is enabled but no token was found"),
+        RaySystemError("x"),
+    ]
+
+    def failing_init(**kwargs: Any) -> None:  # what Ray does with RAY_AUTH_MODE=token and no token to read
+        raise errors.pop(0)
+
+    monkeypatch.setattr(runtime, "init_ray", failing_init)
+    try:
+        with pytest.raises(ClusterRefused) as refused_here:
+            attach.join(attach.Target(address, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(deleted)}))
+        with pytest.raises(ClusterUnreachable, match=f"Ray could not join the cluster at {address}"):
+            attach.join(attach.Target(address))
+    finally:
+        listener.close()
+    assert str(refused_here.value).startswith(
+        f"this process has no authentication token for the Ray cluster at {address} (RAY_AUTH_TOKEN_PATH={deleted} "
+        "is not a file); pass RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or "
+        "RAY_AUTH_TOKEN_PATH=<its file>) in the environment"
+    )
+    environ.pop("RAY_AUTH_TOKEN_PATH")
+    error = attach.refusal(attach.Target(address), AuthenticationError("no token was found"))
+    assert isinstance(error, ClusterRefused) and f"at {address} (no token was found); pass" in str(error)
