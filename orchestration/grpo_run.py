@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 import transfer_queue
 from orchestration.metric_sinks import run_sinks
+from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means, plot_metrics
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
@@ -49,7 +50,6 @@ from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
-from trainers.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means, plot_metrics
 from transfer_queue.runtime import init_ray
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec

@@ -24,10 +24,10 @@ import ray
 
 from orchestration import GRPORun, connect_ray
 from orchestration.grpo_run import time_line
+from orchestration.metrics import fifth_means
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
 from trainers.config import ConfigError, RLConfig, config_from_cli
-from trainers.metrics import fifth_means
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.agents.server_process import TaskServerProcess
 from workers.engines.host import EngineSpec

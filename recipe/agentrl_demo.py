@@ -39,8 +39,8 @@ import torch
 from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
+from orchestration.metrics import MetricsLog, PlotRefresher
 from rl_contracts.prompts import PromptSource
-from trainers.metrics import MetricsLog, PlotRefresher
 from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate

@@ -4,7 +4,7 @@ of every numeric series (``<dir>/metrics.png``).
 Each line holds the logged metrics plus ``step`` (the ``step`` argument) and ``timestamp`` (Unix seconds). Values are
 made JSON-safe: one-element tensors and numpy scalars become numbers, larger tensors and arrays lists, non-finite
 floats (NaN, inf) ``null``, anything else its ``str``. Lines are appended and flushed one by one
-(``trainers.metrics.MetricsLog``), so a crash loses nothing logged.
+(``orchestration.metrics.MetricsLog``), so a crash loses nothing logged.
 
 >>> import tempfile
 >>> with JSONLLogger(Path(tempfile.mkdtemp()) / "run", plot=False) as logger:
@@ -20,8 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from orchestration.metrics import MetricsLog
 from orchestration.training.types import LibraryError
-from trainers.metrics import MetricsLog
 
 _NOT_PLOTTED = {"step", "timestamp"}
 _MAX_PANELS = 16

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainers.metrics import fifth_means
+from orchestration.metrics import fifth_means
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)  # whole demo runs: start-up of ~8 processes dominates on a cold machine

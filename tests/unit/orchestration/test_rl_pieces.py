@@ -12,13 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rl_contracts.prompts import PromptSource, sft_step_batch
-from rl_contracts.rows import jagged, rows_of
-from rl_contracts.task import import_object, load_reward_fn, load_task
-from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
-from trainers.filters import FilterConfig
-from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
-from trainers.metrics import (
+from orchestration.metrics import (
     PLOTTED,
     MetricsLog,
     StepReporter,
@@ -27,6 +21,12 @@ from trainers.metrics import (
     plot_metrics,
     plotted_panels,
 )
+from rl_contracts.prompts import PromptSource, sft_step_batch
+from rl_contracts.rows import jagged, rows_of
+from rl_contracts.task import import_object, load_reward_fn, load_task
+from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
+from trainers.filters import FilterConfig
+from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
 from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from orchestration.metrics import MetricsLog, plotted_panels
 from recipe.agentrl_demo import RunRecord
-from trainers.metrics import MetricsLog, plotted_panels
 
 
 def test_the_run_record_plots_the_warm_up_and_the_steps_while_the_run_goes_and_at_its_end(tmp_path):

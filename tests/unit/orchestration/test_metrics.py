@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from trainers.metrics import MetricsLog
+from orchestration.metrics import MetricsLog
 
 
 def _crashed_log(path):
