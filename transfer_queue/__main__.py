@@ -4,6 +4,7 @@
     python -m transfer_queue status --run 12345          # one of several runs (the status command lists them)
     python -m transfer_queue status --address 10.0.0.1:6379 --watch
     python -m transfer_queue status --json               # the same summary as client.status(), as JSON
+    python -m transfer_queue status --why-stuck          # what each waiting get_meta / put is blocked on, and why
     python -m transfer_queue targets --output tq.json    # Prometheus file_sd targets of every /metrics endpoint
 
 With no ``--address`` it finds the run by the record ``transfer_queue.init`` wrote for it (transfer_queue/attach.py,
@@ -39,6 +40,8 @@ def _join(args: argparse.Namespace) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     _join(args)  # first: it sets Ray's variables before anything imports Ray
+    if args.why_stuck:
+        return _why_stuck(args)
     from transfer_queue.ops.status import format_summary
     from transfer_queue.runtime import get_client
 
@@ -51,6 +54,30 @@ def cmd_status(args: argparse.Namespace) -> int:
             if args.watch:
                 print("\033[2J\033[H", end="")  # clear the terminal, cursor home
             print(format_summary(summary), flush=True)
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _why_stuck(args: argparse.Namespace) -> int:
+    """Print what every waiting get_meta and put is blocked on (``--json``: the report as JSON)."""
+    import ray
+
+    from transfer_queue.ops.why_stuck import format_why_stuck
+    from transfer_queue.runtime import get_controller
+
+    controller = get_controller()
+    while True:
+        report = ray.get(controller.why_stuck.remote())
+        if args.json:
+            print(json.dumps(report, indent=2, default=str))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            print(format_why_stuck(report), flush=True)
         if not args.watch:
             return 0
         try:
@@ -105,7 +132,12 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--run", dest="run_pid", type=int, metavar="PID", help="this user's run of that pid")
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
-    status.add_argument("--json", action="store_true", help="print client.status() as JSON")
+    status.add_argument("--json", action="store_true", help="print client.status() (or the --why-stuck report) as JSON")
+    status.add_argument(
+        "--why-stuck",
+        action="store_true",
+        help="what every waiting get_meta and put is blocked on: client, task, partition, rows, and why",
+    )
     status.set_defaults(run=cmd_status)
     targets.add_argument("--output", help="write the targets to this file (default: print them)")
     targets.set_defaults(run=cmd_targets)

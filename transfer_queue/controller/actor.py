@@ -227,6 +227,10 @@ class ControllerActor:
         """The whole-queue summary (the same as ``client.status()``), through Ray."""
         return self._server.summary(run_history)
 
+    def why_stuck(self) -> dict[str, Any]:
+        """What every parked get_meta and put waits for, and why (``python -m transfer_queue status --why-stuck``)."""
+        return self._server.why_stuck()
+
     def http_endpoints(self) -> dict[str, Any]:
         """Where the read-only HTTP endpoints listen: ``controller`` (``/metrics``, ``/status``, ``/status.json``) and
         ``storage_units`` (each ``/metrics``); empty when ``http_port=-1``."""

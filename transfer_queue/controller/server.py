@@ -32,6 +32,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.ops.metrics import ControllerMetrics
 from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
+from transfer_queue.ops.why_stuck import why_stuck
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
 from transfer_queue.storage.checkpoint import (
@@ -520,6 +521,11 @@ class ControllerServer(Server):
     def summary(self, run_history: bool = False) -> dict[str, Any]:
         with self.lock:
             return self.summary_locked(run_history)
+
+    def why_stuck(self) -> dict[str, Any]:
+        """What every parked get_meta and put waits for (transfer_queue.ops.why_stuck)."""
+        with self.lock:
+            return why_stuck(self.state)
 
     def record_run_row(self, row: dict[str, Any]) -> None:
         with self.lock:

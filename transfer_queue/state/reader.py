@@ -193,13 +193,18 @@ class MetaReader:
 
     def timeout_error(self, job: GetMetaJob, waited: float) -> GetMetaTimeout:
         """What a get_meta that waited ``waited`` seconds is told at its deadline: what was missing."""
+        return GetMetaTimeout(f"get_meta timed out after {waited:.1f} s: {self.explain(job)}")
+
+    def explain(self, job: GetMetaJob) -> str:
+        """What ``job`` asks and why it cannot be served now: rows ready and unconsumed, fields missing on how many
+        rows, rows committed (what a timeout says, and ``status --why-stuck``). O(the partition's rows)."""
         ask = (
-            f"get_meta timed out after {waited:.1f} s: task {job.task_name!r} asked {describe_partition(job.partition)}"
-            f" for {job.batch_size} rows of fields {job.fields}"
+            f"task {job.task_name!r} asked {describe_partition(job.partition)} for {job.batch_size} rows of fields "
+            f"{job.fields}"
         )
         part = self.table.partitions.get(job.partition)
         if part is None:
-            return GetMetaTimeout(f"{ask}; the partition was never opened (no put reached it yet)")
+            return f"{ask}; the partition was never opened (no put reached it yet)"
         task = part.task(job.task_name)
         rows = part.committed_rows()
         rows = rows[task.consumption[rows] == AVAILABLE]
@@ -212,7 +217,7 @@ class MetaReader:
         index = part.ready_index(job.task_name, job.fields)
         ready = 0 if index is None else index.num_rows
         detail = ", ".join(f"{f!r} missing on {c} rows" for f, c in missing.items()) or "no field missing"
-        return GetMetaTimeout(
+        return (
             f"{ask}; {ready} rows are ready, {len(rows)} unconsumed rows exist ({detail}); "
             f"{part.num_committed} of {part.capacity or 'unbounded'} rows are committed"
         )

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +56,7 @@ def test_status_from_another_process_prints_what_the_api_says(started: Any) -> N
     assert as_json.returncode == 0, as_json.stderr[-3000:]
     summary = json.loads(as_json.stdout)
     assert summary["tasks"]["train"] == started.status()["tasks"]["train"]
+    started.clear(global_step=0)  # the queue holds one step at a time (num_global_batch=1)
 
 
 def test_targets_for_prometheus(started: Any, tmp_path: Any) -> None:
@@ -65,3 +68,60 @@ def test_targets_for_prometheus(started: Any, tmp_path: Any) -> None:
     assert targets == file_sd(endpoints)
     assert [t["labels"]["component"] for t in targets] == ["controller", "storage"]
     assert targets[0]["targets"][0].startswith("127.0.0.1:")
+
+
+def waiting_consumer(client: Any, step: int, task: str) -> tuple[Any, list[Any]]:
+    """A thread whose get_meta of ``step`` waits for a field nobody has put yet; the report it needs polled."""
+    got: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: got.append(client.get_meta(["x", "y"], 6, global_step=step, task_name=task, timeout=60)),
+        daemon=True,
+    )
+    thread.start()
+    return thread, got
+
+
+def produce_y(client: Any, step: int) -> None:
+    """The producer's turn: field ``y`` written into the step's rows (what the waiting consumer needs)."""
+    meta = client.get_meta(["x"], 6, global_step=step, task_name="producer")
+    client.put(TensorDict({"y": torch.ones(6, 1)}, batch_size=[6]), metadata=meta)
+
+
+def wait_for_report(task: str) -> dict[str, Any]:
+    controller = transfer_queue.get_controller()
+    for _ in range(600):
+        report = ray.get(controller.why_stuck.remote())
+        if any(w.get("task") == task for w in report["waiting"]):
+            return report
+        time.sleep(0.05)
+    raise AssertionError(f"no waiting get_meta of task {task!r} in {report}")
+
+
+def test_why_stuck_names_a_waiting_consumer_and_the_field_it_waits_for(started: Any) -> None:
+    started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=1)
+    thread, got = waiting_consumer(started, 1, "why-test")
+    [entry] = [w for w in wait_for_report("why-test")["waiting"] if w["task"] == "why-test"]
+    assert (entry["kind"], entry["partition"], entry["batch_size"], entry["fields"]) == (
+        "get_meta", "global_step=1", 6, ["x", "y"]
+    )  # fmt: skip
+    assert "'y' missing on 6 rows" in entry["reason"], entry
+    assert entry["client"] != "?"  # the client's own name
+    produce_y(started, 1)
+    thread.join(timeout=60)
+    assert len(got) == 1 and got[0].size == 6
+    started.clear(global_step=1)
+
+
+@pytest.mark.slow  # a CLI process attaching to the cluster: ~15-50 s
+def test_status_why_stuck_from_another_process(started: Any) -> None:
+    started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=2)
+    thread, got = waiting_consumer(started, 2, "why-cli")
+    wait_for_report("why-cli")
+    done = cli("status", "--why-stuck")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "task 'why-cli', global_step=2, 6 rows, waiting" in done.stdout, done.stdout
+    assert "why: task 'why-cli' asked global_step=2 for 6 rows of fields ['x', 'y']" in done.stdout, done.stdout
+    produce_y(started, 2)
+    thread.join(timeout=60)
+    assert len(got) == 1
+    started.clear(global_step=2)
