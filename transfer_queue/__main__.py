@@ -6,6 +6,7 @@
     python -m transfer_queue status --json               # the same summary as client.status(), as JSON
     python -m transfer_queue status --why-stuck          # what each waiting get_meta / put is blocked on, and why
     python -m transfer_queue targets --output tq.json    # Prometheus file_sd targets of every /metrics endpoint
+    python -m transfer_queue trace --seconds 30          # the controller's requests as a Perfetto trace file
 
 With no ``--address`` it finds the run by the record ``transfer_queue.init`` wrote for it (transfer_queue/attach.py,
 transfer_queue/ops/runs.py) and joins its Ray cluster with what the record says joining takes; with ``--address``
@@ -86,6 +87,30 @@ def _why_stuck(args: argparse.Namespace) -> int:
             return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Record the controller's requests for ``--seconds`` and write them as a Chrome/Perfetto trace."""
+    _join(args)  # first: it sets Ray's variables before anything imports Ray
+    import ray
+
+    from transfer_queue.ops.trace import chrome_trace
+    from transfer_queue.runtime import get_controller
+
+    controller = get_controller()
+    started = ray.get(controller.trace_start.remote(args.max_events))
+    try:
+        time.sleep(args.seconds)
+    except KeyboardInterrupt:
+        pass  # write what was recorded so far
+    # a trace this command started stops with it; one already on (a run's own) goes on
+    events = ray.get(controller.trace_stop.remote() if started else controller.trace_events.remote())
+    if not started:
+        cutoff = (time.time() - args.seconds) * 1e6
+        events = [e for e in events if e["ts"] + e["dur"] >= cutoff]
+    path = chrome_trace(args.output, events)
+    print(f"{len(events)} spans in {path}: open it in https://ui.perfetto.dev (or chrome://tracing)")
+    return 0
+
+
 def file_sd(endpoints: dict[str, Any]) -> list[dict[str, Any]]:
     """Prometheus ``file_sd_configs`` entries for the controller's and the storage units' ``/metrics``."""
     out = []
@@ -124,7 +149,10 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
     status = commands.add_parser("status", help="the queue's partitions, tasks, storage units and errors, as tables")
     targets = commands.add_parser("targets", help="Prometheus file_sd targets of the queue's /metrics endpoints")
-    for sub in (status, targets):
+    trace = commands.add_parser(
+        "trace", help="record the controller's requests for a while and write a Chrome/Perfetto trace file"
+    )
+    for sub in (status, targets, trace):
         sub.add_argument(
             "--address",
             help="the Ray cluster (its GCS host:port); default: RAY_ADDRESS, else this user's run on this machine",
@@ -141,6 +169,10 @@ def parser() -> argparse.ArgumentParser:
     status.set_defaults(run=cmd_status)
     targets.add_argument("--output", help="write the targets to this file (default: print them)")
     targets.set_defaults(run=cmd_targets)
+    trace.add_argument("--seconds", type=float, default=10.0, help="how long to record (default 10; Ctrl-C ends it)")
+    trace.add_argument("--output", default="transfer_queue_trace.json", help="the trace file to write")
+    trace.add_argument("--max-events", type=int, default=200_000, help="spans kept in memory, the newest")
+    trace.set_defaults(run=cmd_trace)
     return top
 
 

@@ -227,6 +227,19 @@ class ControllerActor:
         """The whole-queue summary (the same as ``client.status()``), through Ray."""
         return self._server.summary(run_history)
 
+    def trace_start(self, max_events: int = 200_000) -> bool:
+        """Record every request the controller answers as a span, the newest ``max_events`` kept (``python -m
+        transfer_queue trace``; transfer_queue/ops/trace.py); returns False if a trace was already on."""
+        return self._server.trace_start(max_events)
+
+    def trace_stop(self) -> list[dict[str, Any]]:
+        """Stop the trace; returns its spans as Chrome trace events."""
+        return self._server.trace_stop()
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """The spans recorded so far, as Chrome trace events (the trace goes on)."""
+        return self._server.trace_events()
+
     def why_stuck(self) -> dict[str, Any]:
         """What every parked get_meta and put waits for, and why (``python -m transfer_queue status --why-stuck``)."""
         return self._server.why_stuck()

@@ -16,6 +16,7 @@ from typing import Any
 
 from transfer_queue.errors import InvalidRequest
 from transfer_queue.metadata import BatchMeta
+from transfer_queue.ops.trace import RequestTrace
 from transfer_queue.state.delivery import TaskOptions
 from transfer_queue.state.lost_rows import lost_rows_report
 from transfer_queue.state.partition_status import consumption_status, dead_letters, production_status
@@ -59,6 +60,7 @@ class RequestTable:
 
     def __init__(self, state: QueueState):
         self.state = state
+        self.trace: RequestTrace | None = None  # on: every answered request is a span (transfer_queue.ops.trace)
         s = state
         self._calls: dict[type, Callable[[Any], Any]] = {
             p.Reserve: self._reserve,
@@ -113,10 +115,10 @@ class RequestTable:
         def packed(value: Any, error: BaseException | None) -> None:
             respond(to_wire(value), error)
 
-        answer: Respond = packed
+        answer: Respond = packed if self.trace is None else self.trace.wrap(request, packed)
         reserve = isinstance(request, p.Reserve)
         if reserve and peer is not None:
-            answer = self.state.owned_by(peer, packed)
+            answer = self.state.owned_by(peer, answer)
         self.state.serve(
             lambda: call(request),
             answer,

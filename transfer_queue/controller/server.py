@@ -32,6 +32,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.ops.metrics import ControllerMetrics
 from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
+from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
@@ -521,6 +522,26 @@ class ControllerServer(Server):
     def summary(self, run_history: bool = False) -> dict[str, Any]:
         with self.lock:
             return self.summary_locked(run_history)
+
+    def trace_start(self, max_events: int = DEFAULT_MAX_EVENTS) -> bool:
+        """Start recording every answered request as a span (a trace already on goes on); returns whether it was
+        off."""
+        with self.lock:
+            if self.requests.trace is not None:
+                return False
+            self.requests.trace = RequestTrace(max_events)
+            return True
+
+    def trace_stop(self) -> list[dict[str, Any]]:
+        """Stop recording; returns the spans recorded (see :meth:`trace_events`)."""
+        with self.lock:
+            trace, self.requests.trace = self.requests.trace, None
+            return [] if trace is None else trace.events()
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """The spans recorded so far (tracing goes on); empty when tracing is off."""
+        with self.lock:
+            return [] if self.requests.trace is None else self.requests.trace.events()
 
     def why_stuck(self) -> dict[str, Any]:
         """What every parked get_meta and put waits for (transfer_queue.ops.why_stuck)."""

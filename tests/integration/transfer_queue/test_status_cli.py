@@ -24,7 +24,7 @@ CONFIG = {"global_batch_size": 6, "num_n_samples": 1, "default_timeout": 15.0, "
 
 @pytest.fixture(scope="module")
 def started(ray_session: Any) -> Iterator[Any]:
-    client = transfer_queue.init(**CONFIG)
+    client = transfer_queue.init(**CONFIG, client_id="status-cli-test")
     yield client
     client.close()
     transfer_queue.shutdown()
@@ -125,3 +125,57 @@ def test_status_why_stuck_from_another_process(started: Any) -> None:
     thread.join(timeout=60)
     assert len(got) == 1
     started.clear(global_step=2)
+
+
+def test_a_trace_records_the_rows_life_through_the_controller(started: Any) -> None:
+    controller = transfer_queue.get_controller()
+    assert ray.get(controller.trace_start.remote()) is True
+    assert ray.get(controller.trace_start.remote()) is False  # already on: goes on
+    try:
+        started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=3)
+        meta = started.get_meta(["x"], 6, global_step=3, task_name="traced")
+        started.get_data(meta)  # acknowledged on read
+    finally:
+        events = ray.get(controller.trace_stop.remote())
+    started.clear(global_step=3)
+    assert ray.get(controller.trace_events.remote()) == []  # off again
+    names = [e["name"] for e in events]
+    for name in ("put.reserve", "put.commit", "get_meta", "ack"):
+        assert name in names, names
+    get = next(e for e in events if e["name"] == "get_meta")
+    assert get["args"]["task_name"] == "traced" and get["args"]["rows"] == 6
+    assert get["tid"].startswith("status-cli-test#")  # the client that asked: its id and instance
+
+
+@pytest.mark.slow  # a CLI process attaching to the cluster: ~15-50 s
+def test_the_trace_command_writes_a_perfetto_file(started: Any, tmp_path: Any) -> None:
+    path = tmp_path / "trace.json"
+    stop = threading.Event()
+
+    errors: list[BaseException] = []
+
+    def traffic() -> None:
+        step = 4
+        try:
+            while not stop.is_set():  # a cleared step is behind the live window: each round a new one
+                started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=step)
+                started.get_data(started.get_meta(["x"], 6, global_step=step, task_name="cli-traced"))
+                started.clear(global_step=step)
+                step += 1
+                time.sleep(0.1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    try:
+        done = cli("trace", "--seconds", "3", "--output", str(path))
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"spans in {path}: open it in https://ui.perfetto.dev" in done.stdout
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e["name"] == "get_meta" and e["args"].get("task_name") == "cli-traced" for e in events)
+    assert any(e["ph"] == "M" and e["args"]["name"] == "transfer_queue controller" for e in events)
