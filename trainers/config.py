@@ -522,7 +522,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 @overload
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None, *, cls: type[C]) -> C: ...
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *, cls: type[C]) -> C: ...
 
 
 def load_config(
