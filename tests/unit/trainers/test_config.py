@@ -147,3 +147,9 @@ def test_own_files_keys_refuse_what_cannot_work(overrides: dict, message: str) -
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert message in str(error.value)
+
+
+def test_the_class_variable_of_the_ranges_is_not_a_config_key() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'KEY_RANGES' in the override KEY_RANGES=\{\}"):
+        load_config(None, {"KEY_RANGES": {}})
+    assert "KEY_RANGES" not in config_keys() and RLConfig.KEY_RANGES is KEY_RANGES

@@ -17,26 +17,13 @@ import recipe.agentrl_demo  # noqa: F401  (registers the demo's AdditionProblem 
 from workers.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[4]
-SMALL = [
-    "--sft-target",
-    "0",
-    "--prompts-per-step",
-    "4",
-    "--num-generations",
-    "4",
-    "--num-tasks",
-    "32",
-    "--checkpoint-every",
-    "2",
-    "--lease-s",
-    "2",
-]
+SMALL = ["sft_target=0", "prompts_per_step=4", "num_generations=4", "num_tasks=32", "checkpoint_every=2", "lease_s=2"]
 
 
 def demo(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "recipe" / "agentrl_demo.py"), "--output-dir", str(out), *args],
+        [sys.executable, str(ROOT / "recipe" / "agentrl_demo.py"), f"output_dir={out}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -56,7 +43,7 @@ def running_tasks(url: str) -> list[tuple[str, int]]:
 @pytest.mark.slow  # two demo runs, each starting Ray: two to three minutes on a loaded 2-core machine
 def test_killed_and_resumed_it_redispatches_claimed_tasks_and_trains_no_record_twice(tmp_path):
     out = tmp_path / "demo"
-    first = demo(out, "--steps", "40", *SMALL)
+    first = demo(out, "steps=40", *SMALL)
     url = f"sqlite:///{out}/ledger.db"
     deadline = time.monotonic() + 300
     try:
@@ -74,7 +61,7 @@ def test_killed_and_resumed_it_redispatches_claimed_tasks_and_trains_no_record_t
     assert running, "no task was claimed when the run was killed"
     killed_at = len((out / "metrics.jsonl").read_text().splitlines())
 
-    second = demo(out, "--steps", str(killed_at + 6), *SMALL)
+    second = demo(out, f"steps={killed_at + 6}", *SMALL)
     output, _ = second.communicate(timeout=300)
     assert second.returncode == 0, output[-3000:]
     assert "resumed from" in output
@@ -96,7 +83,7 @@ def test_killed_and_resumed_it_redispatches_claimed_tasks_and_trains_no_record_t
 
 @pytest.mark.slow  # about 2 minutes on a quiet 2-core machine
 def test_the_demo_learns(tmp_path):
-    run = demo(tmp_path / "demo", "--steps", "250")
+    run = demo(tmp_path / "demo", "steps=250")
     output, _ = run.communicate(timeout=1800)
     assert run.returncode == 0, output[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
