@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.agents.sandbox_cgroup import SandboxCgroup, create_cgroup, join_argv, resident_bytes
+from workers.agents.sandbox_cgroup import SandboxCgroup, create_cgroup, join_argv, resident_bytes, sweep_cgroups
 from workers.agents.sandbox_seccomp import seccomp_program
 
 BWRAP = shutil.which("bwrap")
@@ -141,7 +141,8 @@ class Sandbox:
                         f"{folder} is not searchable by other users (mode {folder.stat().st_mode & 0o777:o}), so the "
                         "sandbox's own uid cannot reach its directory; set TMPDIR to a directory that is"
                     )
-            _sweep_leaked_mounts(base)
+            sweep_cgroups(_of_a_dead_process)
+        _sweep_leftovers(base)
         self.root = Path(tempfile.mkdtemp(prefix=f"tq-sandbox-{os.getpid()}-", dir=base))
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
@@ -415,8 +416,16 @@ class Sandbox:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
-#: the tmpfs home of a sandbox of process PID: ``BASE/tq-sandbox-PID-XXXXXXXX/home``
-_HOME_MOUNT = re.compile(r"/tq-sandbox-(\d+)-[^/]+/home$")
+#: the name of a sandbox's directory and cgroup, made by process PID: ``tq-sandbox-PID-XXXXXXXX``
+_NAME = re.compile(r"tq-sandbox-(\d+)-[^/]+")
+#: the tmpfs home of a sandbox: ``BASE/tq-sandbox-PID-XXXXXXXX/home``
+_HOME_MOUNT = re.compile(rf"/({_NAME.pattern})/home$")
+
+
+def _of_a_dead_process(name: str) -> bool:
+    """``name`` is a sandbox's, made by a process that no longer runs (killed before it closed the sandbox)."""
+    match = _NAME.fullmatch(name)
+    return match is not None and not Path(f"/proc/{match.group(1)}").exists()
 
 
 def _mount_tmpfs(path: Path, size: int, inodes: int, uid: int) -> None:
@@ -432,18 +441,20 @@ def _unmount(path: Path) -> None:
         raise OSError(code, f"cannot unmount {path}: {os.strerror(code)}")
 
 
-def _sweep_leaked_mounts(base: Path) -> None:
-    """Unmount and delete the tmpfs homes under ``base`` left by sandbox processes that died without closing them
-    (SIGKILL), so that their memory is not held until a reboot."""
+def _sweep_leftovers(base: Path) -> None:
+    """Unmount the tmpfs homes and delete the directory trees under ``base`` of sandboxes whose process died without
+    closing them (SIGKILL), so that their memory and disk are not held until a reboot."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         point = line.split()[4]
         match = _HOME_MOUNT.search(point)
-        if match and Path(point).parent.parent == base and not Path(f"/proc/{match.group(1)}").exists():
+        if match and Path(point).parent.parent == base and _of_a_dead_process(match.group(1)):
             try:
                 _unmount(Path(point))
-                shutil.rmtree(Path(point).parent, ignore_errors=True)
             except OSError:
-                pass
+                continue
+    for entry in os.scandir(base):
+        if _of_a_dead_process(entry.name) and not os.path.ismount(Path(entry.path, "home")):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _exit_code(returncode: int) -> int:

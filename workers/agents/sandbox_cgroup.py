@@ -16,6 +16,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,19 @@ def create_cgroup(name: str, memory_bytes: int, max_processes: int) -> SandboxCg
         return None
     memory_settings = {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}
     return _make(1, [(memory / name, memory_settings), (pids / name, {"pids.max": max_processes})])
+
+
+def sweep_cgroups(leaked: Callable[[str], bool]) -> None:
+    """Remove the cgroups whose name ``leaked`` accepts where :func:`create_cgroup` makes them (those of a sandbox
+    whose process was killed before it could close it). A cgroup that will not go is left."""
+    places = [(2, _v2_parent()), (1, _v1_directory("memory")), (1, _v1_directory("pids"))]
+    for version, parent in places:
+        for child in parent.iterdir() if parent is not None else []:
+            if child.is_dir() and leaked(child.name):
+                try:
+                    SandboxCgroup(version, (child,)).remove()
+                except OSError:
+                    pass
 
 
 def _make(version: int, layout: list[tuple[Path, dict[str, int]]]) -> SandboxCgroup:

@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import requirement, wait_until
 from workers.agents.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, sandbox_unavailable_reason
+from workers.agents.sandbox_cgroup import create_cgroup
 from workers.agents.sandbox_seccomp import _ARCHES, REFUSED
 
 pytestmark = pytest.mark.skipif(
@@ -293,19 +294,27 @@ def base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @needs_root
-def test_a_tmpfs_home_left_by_a_killed_process_is_swept(base: Path) -> None:
+def test_the_tmpfs_home_and_cgroup_of_a_killed_process_are_swept(base: Path) -> None:
     exited = subprocess.Popen(["true"])
     exited.wait()
-    leaked = base / f"tq-sandbox-{exited.pid}-leaked" / "home"
+    name = f"tq-sandbox-{exited.pid}-leaked"  # as a sandbox of that process names them
+    leaked = base / name / "home"
     leaked.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(leaked)], check=True)
+    cgroup = create_cgroup(name, 2**20, 1)
+    alive = create_cgroup(f"tq-sandbox-{os.getpid()}-alive", 2**20, 1)  # this process runs: not swept
     try:
         with Sandbox() as sandbox:
             assert sandbox.run("echo ok").output == "ok\n"
         assert not leaked.parent.exists()
         assert str(leaked) not in Path("/proc/self/mountinfo").read_text()
+        assert cgroup is None or not any(directory.exists() for directory in cgroup.directories)
+        assert alive is None or all(directory.exists() for directory in alive.directories)
     finally:
         subprocess.run(["umount", "-l", str(leaked)], check=False, capture_output=True)
+        for made in (cgroup, alive):
+            if made is not None:
+                made.remove()
 
 
 @needs_root
