@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import secrets
@@ -37,6 +38,7 @@ from pathlib import Path
 from workers.agents.sandbox_cgroup import SandboxCgroup, create_cgroup, join_argv, resident_bytes, sweep_cgroups
 from workers.agents.sandbox_seccomp import seccomp_program
 
+logger = logging.getLogger(__name__)
 BWRAP = shutil.which("bwrap")
 PRLIMIT = shutil.which("prlimit")
 SETPRIV = shutil.which("setpriv")
@@ -231,11 +233,19 @@ class Sandbox:
             self._release()
 
     def _release(self) -> None:
+        """Remove the cgroup, the home's tmpfs and the tree; what cannot go is logged (close() never raises)."""
         if self._cgroup is not None:
-            self._cgroup.remove()
+            try:
+                self._cgroup.remove()
+            except OSError as err:  # a process that would not die: its cgroup (empty or not) stays, logged
+                logger.warning("cannot remove the sandbox's %s: %s", self._cgroup.description, err)
             self._cgroup = None
         if self._home_mounted:
-            _unmount(self.home)
+            try:
+                _unmount(self.home)
+            except OSError as err:
+                logger.warning("%s; its files stay", err)
+                return
             self._home_mounted = False
         shutil.rmtree(self.root, ignore_errors=True)
 
