@@ -170,6 +170,15 @@ def test_limits_are_validated(bad: dict[str, float]) -> None:
         SandboxLimits(**bad)  # type: ignore[arg-type]
 
 
+def test_the_memory_budget_must_exceed_what_the_filesystems_hold() -> None:
+    message = (
+        r"SandboxLimits.episode_memory_bytes=96 must exceed what its filesystems may hold "
+        r"\(disk_bytes \+ tmp_bytes \+ shm_bytes = 96\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        SandboxLimits(episode_memory_bytes=96, disk_bytes=32, tmp_bytes=32, shm_bytes=32)
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0, reason=requirement("root (only root runs commands under a uid of their own)", "run as root")
 )
