@@ -93,7 +93,7 @@ class RolloutConfig:
     reward_fn: str | None = None  # "module:fn", a per-sample reward fn(sample) -> float
     task_server_env: str | None = None  # environment the run serves (python -m workers.agents.task_server ENV)
     num_task_servers: int = 1  # task servers started; their URLs go to generate_fn as task_server_url
-    task_server_max_episodes: int | None = None  # --max-episodes of each task server (None: unbounded)
+    task_server_max_episodes: int | None = None  # --max-episodes of each task server (None: the server's default)
     # --idle-timeout of each task server: seconds without a call before an episode expires (its environment closed);
     # keep it above the slowest turn of the run (a batched generation under load), or live episodes are lost
     task_server_idle_timeout: float = 1800.0

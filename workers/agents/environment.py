@@ -83,6 +83,9 @@ class Environment(ABC):
     max_turns: ClassVar[int] = 8
     observation_type: ClassVar[str] = "text"
     action_type: ClassVar[str] = "text"
+    #: the most memory one episode may hold (a sandbox's budget), or None for an environment that holds little: the
+    #: task server's default ``--max-episodes`` is the memory free at its start divided by this
+    episode_memory_bytes: ClassVar[int | None] = None
 
     @classmethod
     @abstractmethod

@@ -1,11 +1,17 @@
 """Sandbox: run an agent's shell commands in a throwaway directory tree, with no network and bounded resources.
 
 Each command runs in its own bubblewrap (``bwrap``) container: new user, PID, mount, network, IPC, UTS and cgroup
-namespaces; the host's ``/usr`` read-only; the episode's directory as the only writable, persistent place
-(``/home/agent``, the working directory); a fresh size-limited ``/tmp``; no host network (not even its loopback).
-Resource limits come from ``prlimit``: CPU seconds, address space, file size, open files and the number of processes;
-the wall time is enforced here (the whole container is killed). When this process runs as root, commands run under
-an unprivileged uid of their own, so the process limit counts exactly the sandbox's processes.
+namespaces (no further user namespace inside); a syscall filter (:mod:`workers.agents.sandbox_seccomp`); the host's
+``/usr`` read-only; the episode's directory as the only writable, persistent place (``/home/agent``, the working
+directory); a fresh size-limited ``/tmp`` and ``/dev/shm``, the rest of ``/dev`` read-only device nodes; no host
+network (not even its loopback). Per-process limits come from ``prlimit``: CPU seconds, address space, file size, open
+files and the number of processes; the wall time is enforced here (the whole container is killed).
+
+When this process runs as root, commands run under an unprivileged uid of their own, so the process limit counts
+exactly the sandbox's processes; the episode's directory is a tmpfs of ``disk_bytes`` (a hard bound on what all its
+processes together write); and, where the host allows it, one cgroup per sandbox caps the memory and the processes
+of the whole episode (:mod:`workers.agents.sandbox_cgroup`). Elsewhere the disk quota and the episode's memory are
+polled while a command runs, and a command beyond either is killed.
 
 >>> with Sandbox() as sandbox:                                                              # doctest: +SKIP
 ...     sandbox.run("echo 3 > n && cat n").output
@@ -14,7 +20,11 @@ an unprivileged uid of their own, so the process limit counts exactly the sandbo
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -25,8 +35,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.agents.sandbox_cgroup import SandboxCgroup, create_cgroup, join_argv, resident_bytes, sweep_cgroups
+from workers.agents.sandbox_seccomp import seccomp_program
+
+logger = logging.getLogger(__name__)
 BWRAP = shutil.which("bwrap")
 PRLIMIT = shutil.which("prlimit")
+SETPRIV = shutil.which("setpriv")
 #: where a command starts, and the home directory inside the sandbox
 WORKDIR = "/home/agent"
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -44,7 +59,7 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one command may use. Each limit applies per command; the directory quota to the whole episode."""
+    """What one command may use. Each limit applies per command; the disk quota and memory budget to the episode."""
 
     #: CPU seconds per process (SIGKILL beyond)
     cpu_seconds: int = 5
@@ -60,15 +75,25 @@ class SandboxLimits:
     open_files: int = 256
     #: size of the command's private /tmp, bytes
     tmp_bytes: int = 16 * 2**20
+    #: size of the command's private /dev/shm, bytes
+    shm_bytes: int = 16 * 2**20
     #: output (stdout and stderr together) kept per command; the rest is discarded
     output_bytes: int = 16 * 2**10
-    #: what the episode's directory tree may hold (bytes on disk); checked while a command runs
+    #: what the episode's directory tree may hold (bytes on disk; a tmpfs of this size as root, else polled)
     disk_bytes: int = 64 * 2**20
+    #: memory of all the episode's processes together, its tmpfs files included (a cgroup's limit, else polled)
+    episode_memory_bytes: int = 1024 * 2**20
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value > 0:
                 raise ValueError(f"SandboxLimits.{name}={value!r} must be > 0")
+        held = self.disk_bytes + self.tmp_bytes + self.shm_bytes
+        if self.episode_memory_bytes <= held:
+            raise ValueError(
+                f"SandboxLimits.episode_memory_bytes={self.episode_memory_bytes} must exceed what its filesystems "
+                f"may hold (disk_bytes + tmp_bytes + shm_bytes = {held})"
+            )
 
 
 @dataclass(frozen=True)
@@ -81,8 +106,10 @@ class CommandResult:
     timed_out: bool = False
     #: the output went beyond ``output_bytes`` and was cut
     truncated: bool = False
-    #: killed because the directory tree outgrew ``disk_bytes`` (the episode cannot go on)
+    #: the directory tree filled ``disk_bytes`` (the episode cannot go on)
     quota_exceeded: bool = False
+    #: a process was killed because the episode's processes together reached ``episode_memory_bytes``
+    memory_exceeded: bool = False
 
 
 class Sandbox:
@@ -97,10 +124,14 @@ class Sandbox:
     """
 
     def __init__(self, limits: SandboxLimits | None = None, files: dict[str, str] | None = None) -> None:
-        if BWRAP is None or PRLIMIT is None:
+        if BWRAP is None or PRLIMIT is None or SETPRIV is None:
             raise SandboxUnavailable(
-                "the sandbox needs bubblewrap (apt-get install bubblewrap) and prlimit (util-linux)"
+                "the sandbox needs bubblewrap (apt-get install bubblewrap), prlimit and setpriv (util-linux)"
             )
+        try:
+            self._seccomp = seccomp_program()
+        except OSError as err:
+            raise SandboxUnavailable(str(err)) from err
         self.limits = limits or SandboxLimits()
         # As root: a uid of our own (never a real account), so RLIMIT_NPROC counts only this sandbox's processes.
         self._uid = secrets.randbelow(2**30) + 2**20 if os.geteuid() == 0 else None
@@ -112,18 +143,32 @@ class Sandbox:
                         f"{folder} is not searchable by other users (mode {folder.stat().st_mode & 0o777:o}), so the "
                         "sandbox's own uid cannot reach its directory; set TMPDIR to a directory that is"
                     )
-        self.root = Path(tempfile.mkdtemp(prefix="tq-sandbox-", dir=base))
+            sweep_cgroups(_of_a_dead_process)
+        _sweep_leftovers(base)
+        self.root = Path(tempfile.mkdtemp(prefix=f"tq-sandbox-{os.getpid()}-", dir=base))
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
+        self._home_mounted = False
+        self._cgroup: SandboxCgroup | None = None
         try:
             self._populate(files or {})
+            if self._uid is not None:
+                self._cgroup = create_cgroup(self.root.name, self.limits.episode_memory_bytes, self._process_cap())
         except BaseException:
-            shutil.rmtree(self.root, ignore_errors=True)
+            self._release()
             raise
+
+    @property
+    def memory_budget(self) -> str:
+        """How ``episode_memory_bytes`` is enforced: ``"cgroup v1 (...)"``, ``"cgroup v2 (...)"`` or ``"polled"``."""
+        return self._cgroup.description if self._cgroup is not None else "polled"
 
     def _populate(self, files: dict[str, str]) -> None:
         self.home.mkdir(mode=0o755)
+        if self._uid is not None:  # the quota as a filesystem's size: every process together cannot write more
+            _mount_tmpfs(self.home, self.limits.disk_bytes, _MAX_WALKED_ENTRIES, self._uid)
+            self._home_mounted = True
         for relative, content in files.items():
             path = (self.home / relative).resolve()
             if not path.is_relative_to(self.home):
@@ -155,17 +200,21 @@ class Sandbox:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the sandbox is closed")
-            self._process = subprocess.Popen(
-                self._argv(command),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                user=self._uid,
-                group=self._uid,
-                extra_groups=[] if self._uid is not None else None,
-                close_fds=True,
-            )
+            seccomp, writer = os.pipe()  # bwrap reads the filter from this pipe until EOF
+            try:
+                os.write(writer, self._seccomp)
+                os.close(writer)
+                self._process = subprocess.Popen(
+                    self._argv(command, seccomp),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(seccomp,),
+                )
+            finally:
+                os.close(seccomp)
             try:
                 if self._closed:  # close() ran between the check above and now: it could not see this process
                     self._kill(self._process)
@@ -175,23 +224,43 @@ class Sandbox:
                 self._process = None
 
     def close(self) -> None:
-        """Kill a command still running and delete the directory tree. Idempotent."""
+        """Kill a command still running, remove the cgroup and delete the directory tree. Idempotent."""
         self._closed = True
         process = self._process
         if process is not None:
             self._kill(process)
         with self._lock:
-            shutil.rmtree(self.root, ignore_errors=True)
+            self._release()
 
-    def _argv(self, command: str) -> list[str]:
-        limits = self.limits
-        nproc = limits.max_processes
+    def _release(self) -> None:
+        """Remove the cgroup, the home's tmpfs and the tree; what cannot go is logged (close() never raises)."""
+        if self._cgroup is not None:
+            try:
+                self._cgroup.remove()
+            except OSError as err:  # a process that would not die: its cgroup (empty or not) stays, logged
+                logger.warning("cannot remove the sandbox's %s: %s", self._cgroup.description, err)
+            self._cgroup = None
+        if self._home_mounted:
+            try:
+                _unmount(self.home)
+            except OSError as err:
+                logger.warning("%s; its files stay", err)
+                return
+            self._home_mounted = False
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _process_cap(self) -> int:
+        nproc = self.limits.max_processes
         if self._uid is None:  # our own uid: RLIMIT_NPROC counts every thread we already run too
             nproc += _tasks_of_uid(os.getuid())
+        return nproc
+
+    def _argv(self, command: str, seccomp_fd: int) -> list[str]:
+        limits = self.limits
         rlimits = [
             f"--cpu={limits.cpu_seconds}",
             f"--as={limits.memory_bytes}",
-            f"--nproc={nproc}",
+            f"--nproc={self._process_cap()}",
             f"--fsize={limits.file_bytes}",
             f"--nofile={limits.open_files}",
             "--core=0",
@@ -204,11 +273,20 @@ class Sandbox:
                 mounts += ["--ro-bind", top, top]
         for path in _ETC:
             mounts += ["--ro-bind-try", path, path]
-        return [
+        # As root: join the cgroup (still root), then become the sandbox's uid, no groups, and set the limits.
+        privileges = []
+        if self._uid is not None:
+            privileges = [SETPRIV or "setpriv", f"--reuid={self._uid}", f"--regid={self._uid}", "--clear-groups"]
+        argv = [
+            *privileges,
             PRLIMIT or "prlimit",
             *rlimits,
             BWRAP or "bwrap",
             "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",  # no user namespace inside (the seccomp filter refuses them again)
+            "--seccomp",
+            str(seccomp_fd),
             "--die-with-parent",
             "--new-session",
             "--hostname",
@@ -217,6 +295,12 @@ class Sandbox:
             "--proc",
             "/proc",
             "--dev",
+            "/dev",
+            "--size",
+            str(limits.shm_bytes),
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",  # not recursive: /dev/shm stays writable, the device nodes stay usable
             "/dev",
             "--size",
             str(limits.tmp_bytes),
@@ -249,6 +333,7 @@ class Sandbox:
             "-c",
             command,
         ]
+        return join_argv(self._cgroup, argv)
 
     def _collect(self, process: subprocess.Popen[bytes]) -> CommandResult:
         """Read at most ``output_bytes`` of output until the command exits or its wall time runs out."""
@@ -271,24 +356,45 @@ class Sandbox:
         reader = threading.Thread(target=read, name="sandbox-output", daemon=True)
         reader.start()
         deadline = time.monotonic() + self.limits.wall_seconds
-        timed_out = over_quota = False
+        oom_kills = self._cgroup.oom_kills() if self._cgroup is not None else 0
+        timed_out = over_quota = over_memory = False
         while process.poll() is None:
             try:
                 process.wait(timeout=min(_QUOTA_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
             except subprocess.TimeoutExpired:
                 timed_out = time.monotonic() >= deadline
-                over_quota = self.disk_usage() > self.limits.disk_bytes
-                if timed_out or over_quota:
+                over_quota = self._over_quota()
+                # no cgroup: the resident memory of the command's processes, polled (tmpfs pages are not seen)
+                over_memory = self._cgroup is None and resident_bytes(process.pid) > self.limits.episode_memory_bytes
+                if timed_out or over_quota or over_memory:
                     self._kill(process)
-        over_quota = over_quota or self.disk_usage() > self.limits.disk_bytes
+        over_quota = over_quota or self._over_quota()
+        over_memory = over_memory or (self._cgroup is not None and self._cgroup.oom_kills() > oom_kills)
         reader_done.wait(timeout=5.0)
         process.stdout.close()
         output = kept.decode("utf-8", errors="replace")
         code = 124 if timed_out else _exit_code(process.returncode)
-        return CommandResult(output, code, timed_out=timed_out, truncated=truncated, quota_exceeded=over_quota)
+        return CommandResult(
+            output,
+            code,
+            timed_out=timed_out,
+            truncated=truncated,
+            quota_exceeded=over_quota,
+            memory_exceeded=over_memory,
+        )
+
+    def _over_quota(self) -> bool:
+        """The home tmpfs is full (no block or no inode left), or the polled tree holds more than ``disk_bytes``."""
+        if self._home_mounted:
+            filesystem = os.statvfs(self.home)
+            return filesystem.f_bavail == 0 or filesystem.f_favail == 0
+        return self.disk_usage() > self.limits.disk_bytes
 
     def disk_usage(self) -> int:
         """Bytes on disk under ``/home/agent`` (counted up to a bound: a tree too large to walk counts as full)."""
+        if self._home_mounted:
+            filesystem = os.statvfs(self.home)
+            return (filesystem.f_blocks - filesystem.f_bfree) * filesystem.f_frsize
         total, entries, stack = 0, 0, [str(self.home)]
         while stack:
             try:
@@ -305,15 +411,60 @@ class Sandbox:
                 continue
         return total
 
-    @staticmethod
-    def _kill(process: subprocess.Popen[bytes]) -> None:
-        """SIGKILL bwrap's process group: its PID-1 child dies with it, and the PID namespace with that."""
+    def _kill(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGKILL bwrap's process group (its PID-1 child dies with it, and the PID namespace with that) and the
+        cgroup's processes."""
         if process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             process.wait()
+        if self._cgroup is not None:
+            self._cgroup.kill()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+#: the name of a sandbox's directory and cgroup, made by process PID: ``tq-sandbox-PID-XXXXXXXX``
+_NAME = re.compile(r"tq-sandbox-(\d+)-[^/]+")
+#: the tmpfs home of a sandbox: ``BASE/tq-sandbox-PID-XXXXXXXX/home``
+_HOME_MOUNT = re.compile(rf"/({_NAME.pattern})/home$")
+
+
+def _of_a_dead_process(name: str) -> bool:
+    """``name`` is a sandbox's, made by a process that no longer runs (killed before it closed the sandbox)."""
+    match = _NAME.fullmatch(name)
+    return match is not None and not Path(f"/proc/{match.group(1)}").exists()
+
+
+def _mount_tmpfs(path: Path, size: int, inodes: int, uid: int) -> None:
+    options = f"size={size},nr_inodes={inodes},mode=0755,uid={uid},gid={uid}"
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, options.encode()) != 0:
+        code = ctypes.get_errno()
+        raise SandboxUnavailable(f"cannot mount a tmpfs ({options}) on {path}: {os.strerror(code)}")
+
+
+def _unmount(path: Path) -> None:
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot unmount {path}: {os.strerror(code)}")
+
+
+def _sweep_leftovers(base: Path) -> None:
+    """Unmount the tmpfs homes and delete the directory trees under ``base`` of sandboxes whose process died without
+    closing them (SIGKILL), so that their memory and disk are not held until a reboot."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        match = _HOME_MOUNT.search(point)
+        if match and Path(point).parent.parent == base and _of_a_dead_process(match.group(1)):
+            try:
+                _unmount(Path(point))
+            except OSError:
+                continue
+    for entry in os.scandir(base):
+        if _of_a_dead_process(entry.name) and not os.path.ismount(Path(entry.path, "home")):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _exit_code(returncode: int) -> int:

@@ -39,7 +39,7 @@ class TaskServerProcess:
     Args:
         env_name: a registered environment (``guess-number``) or ``"module:Class"``.
         host: the address to bind.
-        max_episodes: the server's ``--max-episodes`` (None: unbounded).
+        max_episodes: the server's ``--max-episodes`` (None: its default, from the memory free and the environment).
         idle_timeout: the server's ``--idle-timeout``, seconds before an episode without a call expires (None: the
             server's default, 300).
         start_timeout: seconds to print its URL and answer ``/api/health``.

@@ -48,6 +48,7 @@ from workers.agents.protocol import (
     StepRequest,
     TaskInfo,
 )
+from workers.agents.sandbox_cgroup import memory_available
 
 logger = logging.getLogger(__name__)
 
@@ -357,13 +358,31 @@ def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, ti
         sock.close()
 
 
+def default_max_episodes(environment: type[Environment], available: int | None = None) -> int | None:
+    """``--max-episodes`` when not given: the memory free now (``available``, default :func:`memory_available`) over
+    the environment's ``episode_memory_bytes``, at least 1; None (unbounded) for an environment that declares none.
+
+    >>> default_max_episodes(environment_class("os-interaction"), available=20 * 2**30)  # a 1 GiB budget each
+    20
+    """
+    if environment.episode_memory_bytes is None:
+        return None
+    free = memory_available() if available is None else available
+    return max(1, free // environment.episode_memory_bytes)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, build the app, print the banner and serve until SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m workers.agents.task_server", description=__doc__.split("\n")[0])
     parser.add_argument("env_name", metavar="ENV_NAME", help="a registered environment, or 'package.module:Class'")
     parser.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--max-episodes", type=int, default=None, help="most episodes at once (503 beyond)")
+    parser.add_argument(
+        "--max-episodes",
+        type=int,
+        default=None,
+        help="most episodes at once (503 beyond); default: the free memory over the environment's episode budget",
+    )
     parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle episode expires")
     parser.add_argument(
         "--shutdown-timeout",
@@ -376,8 +395,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         environment = environment_class(args.env_name)
+        max_episodes = args.max_episodes if args.max_episodes is not None else default_max_episodes(environment)
+        logger.info("serving at most %s episodes at once", max_episodes if max_episodes is not None else "unbounded")
         app = create_app(
-            environment, task_name=args.env_name, max_episodes=args.max_episodes, idle_timeout=args.idle_timeout
+            environment, task_name=args.env_name, max_episodes=max_episodes, idle_timeout=args.idle_timeout
         )
     except (LookupError, ValueError) as err:
         parser.error(str(err))

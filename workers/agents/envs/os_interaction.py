@@ -169,6 +169,7 @@ class OsInteractionEnvironment(Environment):
         "Reward 1.0 for a correct answer or a change that passes its check, else 0.0."
     )
     max_turns = 8
+    episode_memory_bytes = SandboxLimits().episode_memory_bytes
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
         self.limits = limits
@@ -191,7 +192,10 @@ class OsInteractionEnvironment(Environment):
             result = self.sandbox.run(code.group(1))
             if result.quota_exceeded:
                 return Step(_shown(result), 0.0, True, {"success": False, "error": "disk quota exceeded"})
-            return Step(_shown(result), 0.0, False, {"exit_code": result.exit_code, "timed_out": result.timed_out})
+            info = {"exit_code": result.exit_code, "timed_out": result.timed_out}
+            return Step(
+                _shown(result), 0.0, False, info | ({"memory_exceeded": True} if result.memory_exceeded else {})
+            )
         if _FINISH.search(action) is not None:
             if self.task.check is None:
                 return self._finish(None, None)
@@ -222,5 +226,7 @@ def _shown(result: CommandResult) -> str:
     if result.timed_out:
         text += "\n[the command was killed: it ran past its time limit]"
     if result.quota_exceeded:
-        text += "\n[the command was killed: the working directory outgrew its disk quota]"
+        text += "\n[the working directory is full: it reached its disk quota]"
+    if result.memory_exceeded:
+        text += "\n[a process was killed: the episode's processes together reached their memory budget]"
     return "The output of the OS:\n" + text if text.strip() else "The output of the OS is empty."

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from tests.unit.workers.agents.test_task_server import served, start, step
 from workers.agents.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate, problem
 from workers.agents.envs.guess_number import GuessNumberEnvironment
 from workers.agents.envs.os_interaction import TASKS, OsInteractionEnvironment, build_task
-from workers.agents.sandbox import SandboxLimits, sandbox_unavailable_reason
+from workers.agents.sandbox import Sandbox, SandboxLimits, sandbox_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[4]
 needs_sandbox = pytest.mark.skipif(
@@ -137,9 +138,58 @@ def test_escapes_are_contained_and_the_server_keeps_serving(tmp_path: Path) -> N
     wait_until(lambda: running("sleep 86420") == [] and running("bomb()") == [], what="no sandboxed process left")
 
 
+#: a small episode: 32 MiB of memory for all its processes, 4 MiB for each of its filesystems
+SMALL = SandboxLimits(
+    episode_memory_bytes=32 * 2**20,
+    disk_bytes=4 * 2**20,
+    tmp_bytes=4 * 2**20,
+    shm_bytes=4 * 2**20,
+    wall_seconds=20,
+    max_processes=16,
+)
+
+
+@needs_sandbox
+def test_resource_and_privilege_escapes_are_bounded_and_the_server_keeps_serving(tmp_path: Path) -> None:
+    sentinel = tmp_path / "sentinel"
+    sentinel.write_text("host\n")
+    allocators = "python3 -c 'import time; x = b\"a\" * (16 << 20); time.sleep(3)'"
+    with (
+        socket.create_server(("127.0.0.1", 0)) as listener,
+        served(OsInteractionEnvironment, environment_kwargs={"limits": SMALL}) as client,
+    ):
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        episode = start(client, "count-logs-000")["episode_id"]
+        fill = "for i in $(seq 20); do head -c 3000000 /dev/zero > /dev/shm/f$i; done 2> /dev/null; du -sb /dev/shm"
+        shm = step(client, episode, bash(fill)).json()["observation"]["content"]
+        assert 0 < int(shm.split()[-2]) <= SMALL.shm_bytes  # not 60 MB
+        memory = step(client, episode, bash(f"for i in $(seq 8); do {allocators} & done; wait")).json()
+        assert memory["info"]["memory_exceeded"] is True and memory["done"] is False
+        assert memory["observation"]["content"].endswith("together reached their memory budget]")
+        escape = f"unshare -U true; mount -t tmpfs x /tmp; echo > /dev/tcp/127.0.0.1/{port}"
+        nested = step(client, episode, bash(escape)).json()["observation"]["content"]
+        assert "unshare failed: Operation not permitted" in nested and "must be superuser" in nested
+        assert "Connection refused" in nested
+        assert client.get("/health").json()["active_episodes"] == 1
+
+        writers = "for i in $(seq 30); do head -c 3000000 /dev/zero > f$i & done; wait"
+        disk = step(client, episode, bash(f"{writers}; echo pwned > {sentinel}")).json()
+        assert disk["done"] is True and disk["info"]["error"] == "disk quota exceeded" and not disk["info"]["success"]
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+        other = start(client, "sum-column-000")["episode_id"]
+        solved = step(client, other, bash(SOLUTIONS["sum-column"])).json()
+        answer = solved["observation"]["content"].splitlines()[-1]
+        assert step(client, other, f"Act: answer({answer})").json()["reward"] == 1.0
+    assert sentinel.read_text() == "host\n"
+    wait_until(lambda: running("time.sleep(3)") == [], what="no sandboxed process left")
+
+
 @needs_sandbox
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_no_sandboxed_process_outlives_its_server(stop: signal.Signals) -> None:
+def test_no_sandboxed_process_outlives_its_server(stop: signal.Signals, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL: the sandbox dies with its parent. SIGTERM: after --shutdown-timeout every sandbox is closed."""
     # the sandbox's own uid must be able to pass through its parents to reach it (pytest's tmp_path is 0700)
     tmp_path = Path(tempfile.mkdtemp(prefix="tq-sandbox-test-"))
@@ -175,6 +225,10 @@ def test_no_sandboxed_process_outlives_its_server(stop: signal.Signals) -> None:
         wait_until(lambda: running("sleep 97531") == [], timeout=10, what="the sandbox to die with its server")
         if stop == signal.SIGTERM:
             assert list(tmp_path.iterdir()) == []  # every episode's directory tree removed
+        else:  # what the killed server left (its tree, a tmpfs home and cgroup as root) goes at the next sandbox here
+            monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+            with Sandbox(FAST["limits"]) as sandbox:
+                assert [path.name for path in tmp_path.iterdir()] == [sandbox.root.name]
     finally:
         if server.poll() is None:
             server.kill()

@@ -32,7 +32,8 @@ from workers.agents.environment import (
     register_environment,
 )
 from workers.agents.envs.guess_number import GuessNumberEnvironment
-from workers.agents.task_server import create_app, main, serve_in_background
+from workers.agents.envs.os_interaction import OsInteractionEnvironment
+from workers.agents.task_server import create_app, default_max_episodes, main, serve_in_background
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -430,3 +431,12 @@ def test_a_start_re_sent_while_the_first_is_still_resetting_waits_for_it(scripte
         replies = [first.result(10), second.result(10)]
         assert [r.status_code for r in replies] == [200, 200] and replies[0].json() == replies[1].json()
         assert client.get("/health").json()["active_episodes"] == 1
+
+
+def test_the_default_max_episodes_fits_the_free_memory() -> None:
+    budget = OsInteractionEnvironment.episode_memory_bytes
+    assert budget == 2**30
+    assert default_max_episodes(OsInteractionEnvironment, available=5 * budget + 1) == 5
+    assert default_max_episodes(OsInteractionEnvironment, available=budget // 2) == 1  # never 0
+    assert default_max_episodes(OsInteractionEnvironment) >= 1  # type: ignore[operator]  # this machine's figure
+    assert default_max_episodes(GuessNumberEnvironment) is None  # holds little: unbounded
