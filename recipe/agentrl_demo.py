@@ -45,9 +45,11 @@ from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
+from workers.api_key import new_api_key
 from workers.engines import HFEngine, SamplingParams
 from workers.ledger import (
     AsyncSampler,
+    InferenceClient,
     InferenceService,
     SamplingConfig,
     SamplingScheduler,
@@ -291,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         with engine_lock:
             return generate(prompts, params)
 
-    app = create_app(BatchingSampler(locked_generate), AdditionChat(tokenizer), model="adder", max_tokens=4)
+    api_key = new_api_key()  # the endpoint's, for this run: its samplers send it, the ledger never holds it
+    app = create_app(
+        BatchingSampler(locked_generate), AdditionChat(tokenizer), model="adder", max_tokens=4, api_key=api_key
+    )
     sink = QueueSink(client, PARTITION)
     trainer = LedgerGRPOTrainer(
         policy,
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset=AdditionDataset(args.num_tasks, seed=args.seed),
         split="train",
         sink=sink,
+        inference=InferenceClient(ledger, cfg, api_key=api_key),
         stop_when=done.is_set,
         pause_when=ahead,
     )
