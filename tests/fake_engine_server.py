@@ -64,6 +64,8 @@ def main() -> None:
             pass
 
     print(f"fake engine server: starting on {args.host}:{args.port}", flush=True)
+    if key is not None:
+        print(f"fake engine server: api_key={key!r}", flush=True)  # as SGLang prints its server_args
     server = ThreadingHTTPServer((args.host, args.port), Handler)  # raises "Address already in use" when taken
 
     def stop(signum: int, frame: object) -> None:

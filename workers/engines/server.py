@@ -205,6 +205,7 @@ class EngineServer:
             env[API_KEY_ENV] = self.api_key
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            os.chmod(self.log_path, 0o600)  # the server may print its arguments, key included (SGLang does)
             log.write(f"--- {time.strftime('%H:%M:%S')} start: {shown}\n".encode())
             log.flush()
             # on the launcher thread: the server dies with this process, not with the thread that calls start()
@@ -392,8 +393,9 @@ class EngineServer:
             self._set_status(self.record.status)
 
     def log_tail(self, lines: int = 20) -> str:
+        """The log's last lines, the key redacted (they go into error messages)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return redact("\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:]), self.api_key)
         except FileNotFoundError:
             return "(no log)"
 
