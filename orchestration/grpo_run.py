@@ -51,6 +51,7 @@ from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_
 from trainers.config import RLConfig, config_to_dict
 from trainers.grpo import GRPOTrainerRank
 from transfer_queue.runtime import init_ray
+from workers.api_key import key_from_env
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
@@ -158,6 +159,7 @@ class GRPORun:
             weights_channel=str(self.channel.path) if self.channel is not None else None,
             weights_timeout=cfg.queue_timeout,
             url=cfg.rollout.engine_url,
+            api_key=key_from_env(),  # the key of engine_url's server, handed to the actors through Ray
             partial_rollout=cfg.rollout.partial_rollout,
             seed=cfg.seed,
         )

@@ -30,6 +30,7 @@ from rl_contracts.actors import actor_class
 from trainers.config import ConfigError, RLConfig, config_from_cli
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.agents.server_process import TaskServerProcess
+from workers.api_key import new_api_key
 from workers.engines.host import EngineSpec
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "agent_demo.yaml"
@@ -38,8 +39,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "agent_demo.yaml"
 class AgentGRPORun(GRPORun):
     """GRPORun whose rollouts are episodes against task servers (``rollout.generate_fn``); rewards come with them."""
 
-    def __init__(self, config: RLConfig, task_server_urls: list[str]):
+    def __init__(self, config: RLConfig, task_server_urls: list[str], task_server_api_key: str | None = None):
         self.task_server_urls = task_server_urls
+        self.task_server_api_key = task_server_api_key  # to the rollout actors through Ray, never logged
         super().__init__(config)
 
     def prompt_fields(self) -> list[str]:
@@ -47,7 +49,11 @@ class AgentGRPORun(GRPORun):
 
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
         cfg = self.cfg
-        kwargs = {"task_server_url": self.task_server_urls, **cfg.rollout.generate_fn_kwargs}
+        kwargs = {
+            "task_server_url": self.task_server_urls,
+            "api_key": self.task_server_api_key,
+            **cfg.rollout.generate_fn_kwargs,
+        }
         workers = [
             actor_class(AgentRolloutWorker).remote(
                 i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
@@ -83,12 +89,14 @@ def _run(config: RLConfig, env: str, sigterm: SigtermStops) -> tuple[list[dict[s
     """The task servers, then the run on them; every piece stopped on the way out (RunStopped on a Ctrl-C, or on a
     SIGTERM once Ray is up: ``sigterm``). Returns the GRPO rows and the run's ``timings``."""
     with contextlib.ExitStack() as stack:
+        api_key = new_api_key()  # this run's task servers all take one fresh key
         servers = [
             stack.enter_context(
                 TaskServerProcess(
                     env,
                     max_episodes=config.rollout.task_server_max_episodes,
                     idle_timeout=config.rollout.task_server_idle_timeout,
+                    api_key=api_key,
                 )
             )
             for _ in range(config.rollout.num_task_servers)
@@ -96,7 +104,7 @@ def _run(config: RLConfig, env: str, sigterm: SigtermStops) -> tuple[list[dict[s
         print(f"task servers: {[s.url for s in servers]} pids {[s.process.pid for s in servers]}", flush=True)
         connect_ray()
         stack.enter_context(sigterm)  # after Ray's start: ray.init installs a SIGTERM handler of its own
-        run = AgentGRPORun(config, [str(s.url) for s in servers])
+        run = AgentGRPORun(config, [str(s.url) for s in servers], api_key)
         try:
             return run.run(), run.timings
         except KeyboardInterrupt:

@@ -47,9 +47,11 @@ from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
+from workers.api_key import new_api_key
 from workers.engines import HFEngine, SamplingParams
 from workers.ledger import (
     AsyncSampler,
+    InferenceClient,
     InferenceService,
     MalformedConnectionString,
     SamplingConfig,
@@ -354,7 +356,10 @@ def train(config: AgentRLDemoConfig) -> int:
         with engine_lock:
             return generate(prompts, params)
 
-    app = create_app(BatchingSampler(locked_generate), AdditionChat(tokenizer), model="adder", max_tokens=4)
+    api_key = new_api_key()  # the endpoint's, for this run: its samplers send it, the ledger never holds it
+    app = create_app(
+        BatchingSampler(locked_generate), AdditionChat(tokenizer), model="adder", max_tokens=4, api_key=api_key
+    )
     sink = QueueSink(client, PARTITION)
     trainer = LedgerGRPOTrainer(
         policy,
@@ -373,6 +378,7 @@ def train(config: AgentRLDemoConfig) -> int:
         dataset=AdditionDataset(config.num_tasks, seed=config.seed),
         split="train",
         sink=sink,
+        inference=InferenceClient(ledger, cfg, api_key=api_key),
         stop_when=done.is_set,
         pause_when=ahead,
     )

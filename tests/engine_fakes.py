@@ -4,7 +4,8 @@ real ``HFEngine``, so replies carry real samples and log-probs. SGLang itself ca
 the real server where it matters: ``sampling_params`` is one dict or one per input, and each input is sampled with
 its own ``sampling_seed`` (so one seed for the ``n`` copies of a prompt gives ``n`` identical samples, as on a
 deterministic server); ``/flush_cache`` answers 400 while requests run or wait; ``/health`` and
-``/health_generate`` both generate a token.
+``/health_generate`` both generate a token. With ``api_key``, every route but ``/health*`` and ``/metrics`` answers
+401 without ``Authorization: Bearer <api_key>``, as SGLang's ``--api-key`` does.
 
 Also a command-line server for the ``EngineServer`` tests (``python tests/engine_fakes.py --port P --model-path D``)
 with switches that make it misbehave: ``--crash-after N`` (exit after N generate requests), ``--never-healthy``,
@@ -44,11 +45,26 @@ def _sampling_params(sp: dict[str, Any]) -> SamplingParams:
 
 
 def create_sglang_app(
-    model_path: str, *, crash_after: int | None = None, never_healthy: bool = False, eos_token_id: int | None = None
+    model_path: str,
+    *,
+    crash_after: int | None = None,
+    never_healthy: bool = False,
+    eos_token_id: int | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """An app answering SGLang's routes for the model in ``model_path`` (see the module docstring)."""
     engine = HFEngine(model_path=model_path, eos_token_id=eos_token_id, pad_token_id=0)
     app = FastAPI()
+    if api_key is not None:
+
+        @app.middleware("http")
+        async def authentication(request: Request, call_next: Any) -> Any:  # SGLang's add_api_key_middleware
+            if request.method == "OPTIONS" or request.url.path.startswith(("/health", "/metrics")):
+                return await call_next(request)
+            if request.headers.get("Authorization") != "Bearer " + api_key:
+                return JSONResponse(content={"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
     state: dict[str, Any] = {
         "weight_version": "default",
         "abort": threading.Event(),
@@ -231,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--startup-delay", type=float, default=0.0)
     parser.add_argument("--eos-token-id", type=int, default=None)
+    parser.add_argument("--api-key", default=None)
     parser.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild (orphan test)")
     args = parser.parse_args(argv)
     import subprocess
@@ -242,7 +259,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"fake sglang server: loading {args.model_path}", flush=True)
     time.sleep(args.startup_delay)
     app = create_sglang_app(
-        args.model_path, crash_after=args.crash_after, never_healthy=args.never_healthy, eos_token_id=args.eos_token_id
+        args.model_path,
+        crash_after=args.crash_after,
+        never_healthy=args.never_healthy,
+        eos_token_id=args.eos_token_id,
+        api_key=args.api_key,
     )
     print(f"fake sglang server: serving on {args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -1,16 +1,19 @@
 """A tiny stand-in engine server for the EngineServer lifecycle tests: standard library only, so it starts in a
 fraction of a second (no torch). Like a real server, on SIGTERM it stops its own child processes, then exits.
 
-    python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind]
+    python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind] [--api-key KEY]
+                                       [--key-from-env]
 
 Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation,
-POST /resume_memory_occupation (health answers 503 while released).
+POST /resume_memory_occupation (health answers 503 while released). With ``--api-key`` (or ``--key-from-env``:
+``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +26,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--spawn-child", action="store_true")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--key-from-env", action="store_true")
     args = parser.parse_args()
+    key = os.environ.get("TQ_API_KEY") if args.key_from_env else args.api_key
     state = {"released": False}
     children: list[subprocess.Popen[bytes]] = []
     if args.spawn_child:
@@ -46,7 +52,9 @@ def main() -> None:
                 self._reply(404, {"error": self.path})
 
         def do_POST(self) -> None:
-            if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            if key is not None and self.headers.get("Authorization") != f"Bearer {key}":
+                self._reply(401, {"error": "Unauthorized"})
+            elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 state["released"] = self.path.startswith("/release")
                 self._reply(200, {})
             else:
@@ -56,6 +64,8 @@ def main() -> None:
             pass
 
     print(f"fake engine server: starting on {args.host}:{args.port}", flush=True)
+    if key is not None:
+        print(f"fake engine server: api_key={key!r}", flush=True)  # as SGLang prints its server_args
     server = ThreadingHTTPServer((args.host, args.port), Handler)  # raises "Address already in use" when taken
 
     def stop(signum: int, frame: object) -> None:

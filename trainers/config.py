@@ -77,7 +77,7 @@ class RolloutConfig:
 
     num_workers: int = 1  # rollout worker actors, each with one engine
     engine: Literal["hf", "vllm", "vllm-server", "sglang"] = "hf"  # vllm: in-process vllm.LLM; *-server: engine_url
-    engine_url: str | None = None  # the running server of a vllm-server or sglang engine
+    engine_url: str | None = None  # the running server of a vllm-server or sglang engine (its key: TQ_API_KEY env)
     engine_device: str = "cpu"  # where each engine runs: cpu, cuda, cuda:1
     max_new_tokens: int = 8  # longest response, in tokens
     temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)

@@ -8,8 +8,12 @@ Each choice carries, besides the OpenAI fields, ``token_ids`` and ``token_logpro
 log-probs, as vLLM's ``return_token_ids``); the response carries ``prompt_token_ids`` and ``policy_version``. With
 the ``openai`` client they are ``choice.model_extra["token_ids"]`` and so on.
 
-    app = create_app(sampler, chat, model="policy")   # a TokenSampler over the engines, a ChatFormat
+    app = create_app(sampler, chat, model="policy", api_key=key)   # a TokenSampler over the engines, a ChatFormat
     with serve_in_background(app) as url: ...          # (workers.agents.task_server) 127.0.0.1, a free port
+    openai.OpenAI(base_url=url + "/v1", api_key=key)
+
+With ``api_key`` every route answers 401 (OpenAI's error shape) without ``Authorization: Bearer <api_key>``, which
+is what the ``openai`` client sends; ``AgentRolloutWorker.serve_openai`` draws a fresh key for its endpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from workers.agents.trajectory import ChatFormat
 from workers.agents.workflow import TokenSampler
+from workers.api_key import BearerAuth
 from workers.engines.base import Generation, SamplingParams
 
 
@@ -73,7 +78,13 @@ class ChatCompletion(BaseModel):
     policy_version: int
 
 
-def create_app(sampler: TokenSampler, chat: ChatFormat, model: str = "policy", max_tokens: int = 256) -> FastAPI:
+def create_app(
+    sampler: TokenSampler,
+    chat: ChatFormat,
+    model: str = "policy",
+    max_tokens: int = 256,
+    api_key: str | None = None,
+) -> FastAPI:
     """The endpoint's app over ``sampler`` (e.g. a ``BatchingSampler`` over the run's engine actors).
 
     Args:
@@ -81,8 +92,11 @@ def create_app(sampler: TokenSampler, chat: ChatFormat, model: str = "policy", m
         chat: renders ``messages`` to prompt ids (the chat template) and decodes sampled ids.
         model: the model id ``/v1/models`` lists and responses name.
         max_tokens: the completion length when a request gives none.
+        api_key: when set, every route refuses a request without ``Authorization: Bearer <api_key>`` (401).
     """
     app = FastAPI(title="transfer_queue OpenAI-compatible endpoint")
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)

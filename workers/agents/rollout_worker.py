@@ -117,18 +117,22 @@ class AgentRolloutWorker:
             return self.engine.generate(prompts, n, params)
 
     @ray.method(concurrency_group="control")
-    def serve_openai(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def serve_openai(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> tuple[str, str]:
         """Serve the OpenAI-compatible endpoint (``workers/agents/openai_api.py``) over this worker's engine, in a
-        thread of this actor, until the actor ends; returns its base URL. Its calls share the engine lock with the
-        rollout."""
+        thread of this actor, until the actor ends; returns its base URL and the key it requires (``api_key``, or a
+        fresh one). Its calls share the engine lock with the rollout."""
         import contextlib
 
         from workers.agents.openai_api import create_app
         from workers.agents.task_server import serve_in_background
+        from workers.api_key import new_api_key
 
-        app = create_app(BatchingSampler(self._generate_batch), chat_format(self.task), model=self.task_label)
+        key = api_key or new_api_key()
+        app = create_app(
+            BatchingSampler(self._generate_batch), chat_format(self.task), model=self.task_label, api_key=key
+        )
         self._endpoint = contextlib.ExitStack()
-        return self._endpoint.enter_context(serve_in_background(app, host, port))
+        return self._endpoint.enter_context(serve_in_background(app, host, port)), key
 
     @ray.method(concurrency_group="rollout")
     def generate_step(

@@ -8,6 +8,9 @@ process leads its own process group, so stopping it (SIGTERM, then SIGKILL after
 whatever it started; an ``atexit`` hook stops it if the parent exits without doing so, and if the parent is killed
 outright (SIGKILL, no ``atexit``) the kernel sends the server SIGTERM (``PR_SET_PDEATHSIG``, through
 ``workers.process_launcher``, so whichever thread started it): no orphan is left.
+
+Each server gets a fresh API key by default (``server.api_key``; through ``TQ_API_KEY`` in its environment, never its
+command line): hand it to the clients, ``TaskServerWorkflow(server.url, ..., api_key=server.api_key)``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from workers.api_key import API_KEY_ENV, bearer_headers, new_api_key
 from workers.process_launcher import popen_for_process_lifetime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +47,8 @@ class TaskServerProcess:
         idle_timeout: the server's ``--idle-timeout``, seconds before an episode without a call expires (None: the
             server's default, 300).
         start_timeout: seconds to print its URL and answer ``/api/health``.
+        api_key: the key the server requires: True (default) a fresh one, a string that one, False none (the server
+            then answers everyone).
     """
 
     def __init__(
@@ -53,8 +59,10 @@ class TaskServerProcess:
         start_timeout: float = 60.0,
         idle_timeout: float | None = None,
         stop_timeout: float = 5.0,
+        api_key: str | bool = True,
     ):
         self.env_name = env_name
+        self.api_key: str | None = new_api_key() if api_key is True else (api_key or None)
         self.stop_timeout = stop_timeout
         self.url: str | None = None
         self.lines: collections.deque[str] = collections.deque(maxlen=40)
@@ -64,6 +72,9 @@ class TaskServerProcess:
         if idle_timeout is not None:
             cmd += ["--idle-timeout", str(idle_timeout)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env.pop(API_KEY_ENV, None)
+        if self.api_key is not None:
+            env[API_KEY_ENV] = self.api_key
         # forked by the process-lifetime launcher thread: the server outlives the thread that starts it (a pool
         # worker) and dies with this process
         self.process = popen_for_process_lifetime(
@@ -96,7 +107,8 @@ class TaskServerProcess:
         while time.monotonic() < deadline and self.process.poll() is None:
             if self._found.wait(0.05):
                 try:
-                    if httpx.get(f"{self.url}/api/health", timeout=2).json().get("status") == "healthy":
+                    reply = httpx.get(f"{self.url}/api/health", headers=bearer_headers(self.api_key), timeout=2)
+                    if reply.json().get("status") == "healthy":
                         return
                 except (httpx.HTTPError, ValueError):
                     pass
@@ -119,6 +131,9 @@ class TaskServerProcess:
             self.process.wait()
         except ProcessLookupError:
             pass
+
+    def __repr__(self) -> str:  # the key stays out
+        return f"TaskServerProcess({self.env_name!r}, url={self.url!r})"
 
     def __enter__(self) -> TaskServerProcess:
         return self

@@ -24,6 +24,7 @@ import httpx
 from pydantic import ValidationError
 
 from workers.agents.protocol import EpisodeResponse
+from workers.api_key import bearer_headers, key_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class ServerUnavailable(TaskServerError):
 
 class ServerBusy(ServerUnavailable):
     """The server answered 503: its ``--max-episodes`` are running (a start is retried there after a backoff)."""
+
+
+class Unauthorized(TaskServerError):
+    """The task server answered 401: the call carried no key, or not the server's (the pool's ``api_key``)."""
 
 
 class EpisodeStartError(TaskServerError):
@@ -78,9 +83,16 @@ class TaskServerPool:
         timeout: seconds each call may take.
         start_wait: seconds a start may keep retrying while servers answer 503 (their ``--max-episodes`` running),
             after a jittered exponential backoff (:func:`start_backoff`) each time every healthy server refused.
+        api_key: the servers' key, sent as ``Authorization: Bearer`` on every call (None: ``TQ_API_KEY`` if set).
     """
 
-    def __init__(self, urls: str | Sequence[str], timeout: float = 60.0, start_wait: float = 300.0):
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        timeout: float = 60.0,
+        start_wait: float = 300.0,
+        api_key: str | None = None,
+    ):
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ValueError("task_server_url is empty; expected a URL or a list of URLs")
@@ -88,6 +100,7 @@ class TaskServerPool:
             raise ValueError(f"start_wait={start_wait} must be >= 0 seconds")
         self.timeout = timeout
         self.start_wait = start_wait
+        self._headers = bearer_headers(api_key if api_key is not None else key_from_env())
         self.active = {url: 0 for url in self.urls}
         self.healthy = {url: True for url in self.urls}
         #: why each server was last found not healthy (its health check's or its last call's error)
@@ -104,7 +117,7 @@ class TaskServerPool:
             # Idle connections are dropped after 2 s, before the server's keep-alive (uvicorn: 5 s) closes them:
             # reusing one the server is closing fails the request with a ReadError although the server is fine.
             limits = httpx.Limits(max_connections=256, keepalive_expiry=2.0)
-            self._client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
+            self._client = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self._headers)
             self._loop = loop
         return self._client
 
@@ -274,7 +287,12 @@ class TaskServerPool:
 
 
 #: the typed error of an error status (any other: TaskServerError)
-_ERROR_OF_STATUS: dict[int, type[TaskServerError]] = {502: ServerUnavailable, 503: ServerBusy, 504: ServerUnavailable}
+_ERROR_OF_STATUS: dict[int, type[TaskServerError]] = {
+    401: Unauthorized,
+    502: ServerUnavailable,
+    503: ServerBusy,
+    504: ServerUnavailable,
+}
 
 #: the backoff between start retries while servers are busy: first delay, doubling up to the cap
 _BACKOFF_FIRST_S = 0.05

@@ -1,12 +1,16 @@
 """The task server: one environment behind the task-server HTTP protocol (AReaL / AgentBench compatible).
 
-    python -m workers.agents.task_server ENV_NAME --port P [--host 127.0.0.1] [--max-episodes N] [--idle-timeout S]
-                                         [--shutdown-timeout S]
+    TQ_API_KEY=KEY python -m workers.agents.task_server ENV_NAME --port P [--host 127.0.0.1] [--max-episodes N]
+                                                    [--idle-timeout S] [--shutdown-timeout S]
 
 Endpoints, under ``/api``: ``GET /health``, ``GET /task/info``, ``GET /task/samples``, ``POST /episode/start``,
 ``POST /episode/step``, ``POST /episode/cancel`` (bodies in :mod:`workers.agents.protocol`). Errors answer
 ``{"detail": "..."}`` with 400 (bad request, episode already done), 404 (unknown sample or episode), 503
 (``--max-episodes`` running) or 500 (the environment failed).
+
+With a key (``TQ_API_KEY`` in its environment, ``create_app(api_key=...)``), every route but ``/api/health`` answers
+401 without ``Authorization: Bearer KEY`` (``workers/api_key.py``); ``TaskServerProcess`` starts each server with a
+fresh one. Without a key the server answers everyone, and says so at its start.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from workers.agents.protocol import (
     TaskInfo,
 )
 from workers.agents.sandbox_cgroup import memory_available
+from workers.api_key import BearerAuth, key_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +245,7 @@ def create_app(
     max_episodes: int | None = None,
     idle_timeout: float = 300.0,
     environment_kwargs: dict[str, Any] | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``environment`` (a fresh instance per episode, built with ``environment_kwargs``).
 
@@ -247,6 +253,7 @@ def create_app(
         task_name: reported by ``/health`` and ``/task/info`` (default: the environment's registered name).
         max_episodes: most episodes running at once; ``/episode/start`` answers 503 beyond it.
         idle_timeout: seconds without a call after which an episode expires (its environment closed).
+        api_key: when set, every route but ``/api/health`` answers 401 without ``Authorization: Bearer <api_key>``.
 
     >>> app = create_app(environment_class("guess-number"), max_episodes=64)
     """
@@ -255,6 +262,8 @@ def create_app(
     server = TaskServer(environment, name, table, dict(environment_kwargs or {}))
     app = FastAPI(title=f"task server: {name}", lifespan=server.lifespan)
     app.state.task_server = server
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, open_paths=("/api/health",))
     app.add_exception_handler(EpisodeRefused, _refused)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.get("/api/health")(server.health)
@@ -306,8 +315,8 @@ def _close_quietly(target: Episode | Environment) -> None:
         target.close_returned = True
 
 
-def banner(task_name: str, host: str, port: int) -> str:
-    """The startup banner: server URL, API base, health and task-info URLs."""
+def banner(task_name: str, host: str, port: int, authenticated: bool = False) -> str:
+    """The startup banner: server URL, API base, health and task-info URLs, and whether a key is required."""
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     rule = "=" * 70
     return "\n".join(
@@ -319,6 +328,9 @@ def banner(task_name: str, host: str, port: int) -> str:
             f"API Base:   {url}/api",
             f"Health:     {url}/api/health",
             f"Task Info:  {url}/api/task/info",
+            "Auth:       bearer key (TQ_API_KEY) on every route but /api/health"
+            if authenticated
+            else "Auth:       none (no TQ_API_KEY): every request is accepted",
             rule,
         ]
     )
@@ -393,12 +405,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = key_from_env()
     try:
         environment = environment_class(args.env_name)
         max_episodes = args.max_episodes if args.max_episodes is not None else default_max_episodes(environment)
         logger.info("serving at most %s episodes at once", max_episodes if max_episodes is not None else "unbounded")
         app = create_app(
-            environment, task_name=args.env_name, max_episodes=max_episodes, idle_timeout=args.idle_timeout
+            environment,
+            task_name=args.env_name,
+            max_episodes=max_episodes,
+            idle_timeout=args.idle_timeout,
+            api_key=api_key,
         )
     except (LookupError, ValueError) as err:
         parser.error(str(err))
@@ -406,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         sock = bind(args.host, args.port)
     except OSError as err:
         parser.error(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
-    print(banner(args.env_name, args.host, sock.getsockname()[1]), flush=True)
+    print(banner(args.env_name, args.host, sock.getsockname()[1], api_key is not None), flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT (episodes drained, environments closed), then re-raises the
     # signal under the handler it found: make that handler an ordinary exit, so a clean shutdown exits 0.
     for signum in (signal.SIGTERM, signal.SIGINT):

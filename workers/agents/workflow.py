@@ -77,6 +77,7 @@ class TaskServerWorkflow:
         episode_config: the ``config`` sent with every ``/episode/start``.
         start_wait: seconds an episode's start keeps retrying, with a jittered backoff, while the servers answer 503
             (their ``--max-episodes`` running) before it fails and drops its group.
+        api_key: the task servers' key (``TaskServerProcess.api_key``); None: ``TQ_API_KEY`` if set.
     """
 
     def __init__(
@@ -90,10 +91,11 @@ class TaskServerWorkflow:
         system_prompt: str | None = None,
         episode_config: dict[str, Any] | None = None,
         start_wait: float = 300.0,
+        api_key: str | None = None,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.pool = TaskServerPool(task_server_url, timeout, start_wait)
+        self.pool = TaskServerPool(task_server_url, timeout, start_wait, api_key)
         self.chat = chat
         self.sampling = sampling
         self.timeout = timeout

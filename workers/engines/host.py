@@ -38,6 +38,8 @@ class EngineSpec:
     url: str | None = None  # the server of a "vllm-server" or "sglang" engine
     partial_rollout: bool = False  # a weight update stops generation mid-way and resumes it (engines/partial.py)
     seed: int = 0  # the engine's own seed (vLLM)
+    # the key of the "vllm-server" / "sglang" server (sent as a bearer token; None: TQ_API_KEY of the actor's env)
+    api_key: str | None = field(default=None, repr=False)
 
     def build(self) -> Engine:
         if self.kind in ("vllm-server", "sglang"):
@@ -46,10 +48,10 @@ class EngineSpec:
             if self.kind == "sglang":
                 from workers.engines.sglang import SGLangEngine
 
-                return SGLangEngine(self.url, model_path=self.model_path)
+                return SGLangEngine(self.url, model_path=self.model_path, api_key=self.api_key)
             from workers.engines.vllm_server import VLLMServerEngine
 
-            return VLLMServerEngine(self.url, model_path=self.model_path)
+            return VLLMServerEngine(self.url, model_path=self.model_path, api_key=self.api_key)
         task = load_task(self.task_name, self.task_kwargs)
         tok = task.tokenizer
         if self.kind == "vllm":

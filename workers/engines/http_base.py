@@ -22,6 +22,7 @@ import httpx
 import torch
 
 from rl_contracts.scratch import ScratchDir
+from workers.api_key import bearer_headers, key_from_env
 from workers.engines.base import AbortCheck, Engine, check_version, check_weight_update
 from workers.engines.errors import EngineRequestError, EngineUnavailable
 
@@ -40,18 +41,34 @@ class HTTPEngine(Engine):
             asked from the server when not given.
         version: the policy version the server's weights are (0 for the initial weights).
         timeout: seconds a request may take (a generation included).
+        api_key: the server's API key, sent as ``Authorization: Bearer``; None: ``TQ_API_KEY`` from the environment
+            if set (``EngineServer`` hands its server's key to the engine it builds with :meth:`use_api_key`).
     """
 
     kind = "http"
     health_path = "/health"  # a GET that answers 200 while the server can generate
 
-    def __init__(self, url: str, *, model_path: str | None = None, version: int = 0, timeout: float = 300.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        model_path: str | None = None,
+        version: int = 0,
+        timeout: float = 300.0,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._model_path = model_path
         self._version = version
         # trust_env=False: the servers are local; a proxy from the environment must not intercept loopback calls
         self._client = httpx.Client(base_url=self.url, timeout=timeout, trust_env=False)
+        self.use_api_key(api_key if api_key is not None else key_from_env())
+
+    def use_api_key(self, api_key: str | None) -> None:
+        """Send ``api_key`` with every later request (None: none)."""
+        self._client.headers.pop("Authorization", None)
+        self._client.headers.update(bearer_headers(api_key))
 
     @property
     def version(self) -> int:

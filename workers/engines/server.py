@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from workers.api_key import API_KEY_ENV, KEY_PLACEHOLDER, REDACTED, bearer_headers, new_api_key, redact
 from workers.engines.errors import (
     EngineNeverHealthy,
     EngineServerError,
@@ -127,6 +128,10 @@ class EngineServer:
         registry: where the server's record is kept.
         on_restart: called with the new engine client after a crash restart (e.g. to load the newest weights:
             a restarted server starts from the weights on its command line).
+        api_key: the key the server requires (``workers/api_key.py``): True (default) draws a fresh one for this
+            server, a string is used as is, False runs without one. The server gets it as ``TQ_API_KEY`` in its
+            environment, and in place of any argv item equal to ``KEY_PLACEHOLDER`` (SGLang's ``--api-key``);
+            the engine client, the health checks and nothing else get it: the logged command shows it redacted.
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class EngineServer:
         engine_factory: Callable[[str], Any] | None = None,
         registry: ServiceRegistry | None = None,
         on_restart: Callable[[Any], None] | None = None,
+        api_key: str | bool = True,
     ):
         self.command, self.name, self.model = command, name, model
         self.health_path, self.host, self.fixed_port = health_path, host, port
@@ -162,6 +168,10 @@ class EngineServer:
         self._stop_monitor = threading.Event()
         self._monitor: threading.Thread | None = None
         self._released_by_stop = False
+        self.api_key: str | None = new_api_key() if api_key is True else (api_key or None)
+
+    def __repr__(self) -> str:  # the key stays out
+        return f"EngineServer(name={self.name!r}, url={self.record.url!r}, status={self.record.status!r})"
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> str:
@@ -186,9 +196,17 @@ class EngineServer:
         if self.fixed_port is not None and not port_is_free(self.host, port):
             raise PortInUse(f"{self.name}: port {self.host}:{port} is already in use; expected a free port")
         argv = self.command(self.host, port)
+        shown = redact(" ".join(argv), self.api_key).replace(KEY_PLACEHOLDER, REDACTED)
+        env = {**os.environ, **self.env}
+        if self.api_key is None and KEY_PLACEHOLDER in argv:
+            raise ValueError(f"{self.name}: the command asks for the API key ({KEY_PLACEHOLDER}) but api_key=False")
+        if self.api_key is not None:
+            argv = [self.api_key if item == KEY_PLACEHOLDER else item for item in argv]
+            env[API_KEY_ENV] = self.api_key
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            log.write(f"--- {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
+            os.chmod(self.log_path, 0o600)  # the server may print its arguments, key included (SGLang does)
+            log.write(f"--- {time.strftime('%H:%M:%S')} start: {shown}\n".encode())
             log.flush()
             # on the launcher thread: the server dies with this process, not with the thread that calls start()
             self.process = popen_for_process_lifetime(
@@ -196,7 +214,7 @@ class EngineServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
+                env=env,
                 cwd=self.cwd,
                 start_new_session=True,  # its own process group: stop() kills the server and all its children
             )
@@ -205,6 +223,8 @@ class EngineServer:
         url_host = self.host if self.host != "0.0.0.0" else socket.gethostbyname(socket.gethostname())
         self.record.url, self.record.port, self.record.pid = f"http://{url_host}:{port}", port, self.process.pid
         self.engine = self.engine_factory(self.record.url) if self.engine_factory is not None else None
+        if self.engine is not None and self.api_key is not None and hasattr(self.engine, "use_api_key"):
+            self.engine.use_api_key(self.api_key)
         if self.engine is not None and hasattr(self.engine, "_version"):
             self.engine._version = self.record.version  # a restarted server is reloaded to this version
         self._set_status("starting")
@@ -242,7 +262,12 @@ class EngineServer:
         if self.process is None or self.process.poll() is not None or self.record.url is None:
             return False
         try:
-            response = httpx.get(self.record.url + self.health_path, timeout=timeout, trust_env=False)
+            response = httpx.get(
+                self.record.url + self.health_path,
+                headers=bearer_headers(self.api_key),
+                timeout=timeout,
+                trust_env=False,
+            )
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -368,8 +393,9 @@ class EngineServer:
             self._set_status(self.record.status)
 
     def log_tail(self, lines: int = 20) -> str:
+        """The log's last lines, the key redacted (they go into error messages)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return redact("\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:]), self.api_key)
         except FileNotFoundError:
             return "(no log)"
 

@@ -14,6 +14,12 @@
     POST /release_memory_occupation, /resume_memory_occupation: free and take back the GPU memory (colocated)
     GET  /get_model_info            {"model_path", ...};  GET /get_weight_version {"weight_version"}
 
+Authentication: started with ``--api-key KEY``, SGLang refuses every route but ``/health*`` and ``/metrics``
+without ``Authorization: Bearer KEY`` (401); the client sends it (``api_key=``, or ``TQ_API_KEY``).
+:func:`sglang_server_command` puts ``KEY_PLACEHOLDER`` after ``--api-key``, which ``EngineServer`` replaces by its
+server's key at launch and shows redacted in its log (SGLang reads the key from no environment variable, so it is
+on the server's command line, visible to the node's local users in ``ps``).
+
 SGLang needs CUDA (or Intel AMX on CPU), so here it is tested against a loopback server that reproduces these
 request and response schemas (``tests/engine_fakes.py``), not against SGLang itself; see docs/rl.md.
 
@@ -27,13 +33,37 @@ sends one ``sampling_params`` per row, row ``i`` with ``sampling_seed = seed + i
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from workers.api_key import KEY_PLACEHOLDER
 from workers.engines.base import AbortCheck, Generation, SamplingParams, check_prompts
 from workers.engines.errors import EngineRequestError
 from workers.engines.http_base import HTTPEngine
+
+
+def sglang_server_command(
+    model_path: str, port: int, host: str = "127.0.0.1", *, extra: list[str] | None = None
+) -> list[str]:
+    """The command line of an SGLang server for ``EngineServer`` (which puts its key where ``KEY_PLACEHOLDER``
+    stands): ``EngineServer(lambda h, p: sglang_server_command(path, p, h), health_path="/health_generate",
+    engine_factory=SGLangEngine)``."""
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--api-key",
+        KEY_PLACEHOLDER,
+        *(extra or []),
+    ]
 
 
 class SGLangEngine(HTTPEngine):

@@ -10,6 +10,12 @@
 Everything but the completions and health routes is vLLM's development API: the server must run with
 ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls workers.engines.vllm_ext.WeightSyncExtension`` (both set by
 :func:`vllm_server_command` / :func:`vllm_server_env`), and must be able to import this package.
+
+Authentication: vLLM's own ``--api-key`` (or ``VLLM_API_KEY``) guards only the routes under ``/v1``, not the
+development routes (``/collective_rpc`` runs a method in every worker). :func:`vllm_server_command` therefore adds
+``--middleware`` :class:`VLLMServerAuth`, which requires the bearer key on every route but ``/health``, read from
+``TQ_API_KEY`` in the server's environment (``EngineServer`` sets it; :func:`vllm_server_env` takes it too): the key
+is never on the command line.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from workers.api_key import API_KEY_ENV, ASGIApp, BearerAuth
 from workers.engines.base import AbortCheck, Generation, SamplingParams, check_prompts
 from workers.engines.errors import EngineRequestError
 from workers.engines.http_base import HTTPEngine
@@ -50,13 +57,31 @@ def vllm_server_command(
         "--worker-extension-cls",
         EXTENSION,
         "--disable-log-stats",
+        "--middleware",
+        AUTH_MIDDLEWARE,
         *(extra or []),
     ]
 
 
-def vllm_server_env() -> dict[str, str]:
-    """Environment additions for the server: development routes on, CPU KV cache of 1 GiB, no hub."""
-    return {**DEFAULT_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+def vllm_server_env(api_key: str | None = None) -> dict[str, str]:
+    """Environment additions for the server: development routes on, CPU KV cache of 1 GiB, no hub; with
+    ``api_key``, the key (``TQ_API_KEY`` for :class:`VLLMServerAuth`, ``VLLM_API_KEY`` for vLLM's own check of
+    ``/v1``). ``EngineServer`` adds its server's key itself."""
+    env = {**DEFAULT_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+    if api_key:
+        env.update({API_KEY_ENV: api_key, "VLLM_API_KEY": api_key})
+    return env
+
+
+class VLLMServerAuth(BearerAuth):
+    """The server's ``--middleware``: the bearer key from ``TQ_API_KEY`` on every route but ``/health`` (vLLM
+    builds it with the app alone; a server started without the key refuses to start)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        super().__init__(app, open_paths=("/health",))
+
+
+AUTH_MIDDLEWARE = f"{__name__}.{VLLMServerAuth.__name__}"
 
 
 class VLLMServerEngine(HTTPEngine):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from workers.api_key import bearer_headers, key_from_env
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import InferenceFailed, LedgerUnavailable, NoInferenceService
 from workers.ledger.models import InferenceService
@@ -74,10 +75,15 @@ class ServiceRegistration:
 
 class InferenceClient:
     """Chat completions from the least-loaded healthy ``InferenceService`` of ``config.model``. Load is the larger
-    of what the service last reported and this process's own requests in flight to it."""
+    of what the service last reported and this process's own requests in flight to it. ``api_key``: the services'
+    key (their endpoint's ``create_app(api_key=...)``), sent as a bearer token; None: ``TQ_API_KEY`` if set (the
+    ledger never holds it)."""
 
-    def __init__(self, ledger: Ledger, config: SamplingConfig, refresh_s: float = 1.0):
+    def __init__(
+        self, ledger: Ledger, config: SamplingConfig, refresh_s: float = 1.0, api_key: str | None = None
+    ) -> None:
         self.ledger, self.config, self.refresh_s = ledger, config, refresh_s
+        self._headers = bearer_headers(api_key if api_key is not None else key_from_env())
         self.inflight: Counter[str] = Counter()
         self._services: list[InferenceService] = []
         self._fetched = 0.0
@@ -120,7 +126,7 @@ class InferenceClient:
             **sampling,
         }
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
+            self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s, headers=self._headers)
         url = f"{service.url.rstrip('/')}/chat/completions" if service.url else None
         if url is None:
             raise InferenceFailed(f"inference service {service.name} has no url (kind {service.kind})")

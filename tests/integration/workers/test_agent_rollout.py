@@ -61,8 +61,11 @@ def test_trajectories_land_in_the_rows_and_a_failed_group_is_dropped_whole(setup
 
 def test_the_openai_endpoint_serves_the_workers_engine(setup):
     worker, _ = setup
-    url = ray.get(worker.serve_openai.remote())
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    url, key = ray.get(worker.serve_openai.remote())
+    unauthenticated = openai.OpenAI(base_url=url + "/v1", api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
+        unauthenticated.models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
     out = client.chat.completions.create(
         model="GuessNumberTask",
         messages=[{"role": "user", "content": "guess a number from 1 to 16"}],

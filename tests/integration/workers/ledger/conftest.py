@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -47,8 +48,11 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path) -> str:
     return request.getfixturevalue("postgres_server").create_database()
 
 
-@pytest.fixture(scope="module")
-def endpoint_url() -> Iterator[str]:
+ENDPOINT_KEY = "ledger-test-key"
+
+
+@contextlib.contextmanager
+def serve_endpoint(api_key: str | None = None) -> Iterator[str]:
     """The OpenAI-compatible endpoint (workers/agents/openai_api.py) over a tiny random model, on 127.0.0.1: its base
     URL."""
     from workers.agents.openai_api import create_app
@@ -60,6 +64,20 @@ def endpoint_url() -> Iterator[str]:
 
     model = build_tiny_causal_lm(BASE + len(CHARS), max_position_embeddings=128, seed=1)
     engine = HFEngine(model, pad_token_id=PAD, eos_token_id=EOS)
-    app = create_app(BatchingSampler(engine_generate(engine)), PlainChatFormat(encode, decode), model="tiny")
+    sampler = BatchingSampler(engine_generate(engine))
+    app = create_app(sampler, PlainChatFormat(encode, decode), model="tiny", api_key=api_key)
     with serve_in_background(app) as url:
         yield url + "/v1"
+
+
+@pytest.fixture(scope="module")
+def endpoint_url() -> Iterator[str]:
+    with serve_endpoint() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_endpoint_url() -> Iterator[str]:
+    """The endpoint requiring ``ENDPOINT_KEY``."""
+    with serve_endpoint(ENDPOINT_KEY) as url:
+        yield url

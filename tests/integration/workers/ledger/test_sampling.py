@@ -9,10 +9,11 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.workers.ledger.conftest import encode
+from tests.integration.workers.ledger.conftest import ENDPOINT_KEY, encode
 from workers.ledger import (
     AsyncSampler,
     InferenceClient,
+    InferenceFailed,
     InferenceService,
     Ledger,
     NoInferenceService,
@@ -171,6 +172,27 @@ def test_requests_go_to_the_least_loaded_healthy_service(cfg, endpoint_url):
     ledger.set_service_status("busy", "down")
     with pytest.raises(NoInferenceService, match="no healthy inference service for model 'tiny'"):
         asyncio.run(InferenceClient(ledger, cfg).pick())
+
+
+def test_a_service_with_a_key_refuses_a_client_without_it(cfg, keyed_endpoint_url, monkeypatch):
+    monkeypatch.delenv("TQ_API_KEY", raising=False)
+    ledger = Ledger(cfg.ledger_url)
+    ledger.register_service(InferenceService(name="keyed-0", url=keyed_endpoint_url, model="keyed"))
+    keyed = cfg.model_copy(update={"model": "keyed"})
+    messages = [{"role": "user", "content": "1+1="}]
+
+    async def chat(client: InferenceClient):
+        try:
+            return await client.chat(messages, n=1)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(InferenceFailed, match=r"keyed-0 at .* answered 401: .*missing or wrong API key") as refused:
+        asyncio.run(chat(InferenceClient(ledger, keyed)))
+    assert ENDPOINT_KEY not in str(refused.value)
+    assert len(asyncio.run(chat(InferenceClient(ledger, keyed, api_key=ENDPOINT_KEY))).choices) == 1
+    monkeypatch.setenv("TQ_API_KEY", ENDPOINT_KEY)  # a sampler process given the key through its environment
+    assert len(asyncio.run(chat(InferenceClient(ledger, keyed))).choices) == 1
 
 
 def test_service_registration_heartbeats_and_goes_down_on_exit(cfg, endpoint_url):

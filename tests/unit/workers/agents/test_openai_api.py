@@ -84,3 +84,22 @@ def test_a_stop_string_cuts_the_completion_and_bad_requests_get_openai_errors(en
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], temperature=-1)
     with pytest.raises(openai.BadRequestError, match=r"characters \['\?', 'A'\] are not in the vocabulary"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A?"}])
+
+
+def test_with_a_key_the_endpoint_refuses_a_client_without_it(endpoint):
+    _, engine = endpoint
+    app = create_app(
+        BatchingSampler(engine_generate(engine)), PlainChatFormat(encode, decode), model="tiny", api_key="sk-run"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    with serve_in_background(app) as url:
+        for key in ("unused", "sk-run-not"):
+            refused = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError, match="missing or wrong API key") as error:
+                refused.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+            assert error.value.status_code == 401 and error.value.body["type"] == "authentication_error"
+            with pytest.raises(openai.AuthenticationError):
+                refused.models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-run", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert len(client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices) == 1

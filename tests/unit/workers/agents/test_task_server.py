@@ -7,6 +7,7 @@ as a subprocess (banner, health, clean exit on SIGTERM).
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import signal
 import socket
@@ -288,6 +289,7 @@ def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "workers.agents.task_server", "guess-number", "--port", "0", "--max-episodes", "4"],
         cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "TQ_API_KEY"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -295,13 +297,14 @@ def test_cli_prints_the_banner_serves_and_exits_on_sigterm() -> None:
     )
     try:
         assert process.stdout is not None
-        lines = [process.stdout.readline().rstrip("\n") for _ in range(8)]
-        assert lines[0] == "=" * 70 and lines[1] == "Starting Task Server: guess-number" and lines[7] == "=" * 70
+        lines = [process.stdout.readline().rstrip("\n") for _ in range(9)]
+        assert lines[0] == "=" * 70 and lines[1] == "Starting Task Server: guess-number" and lines[8] == "=" * 70
         url = re.fullmatch(r"Server URL: (http://127\.0\.0\.1:\d+)", lines[3]).group(1)  # type: ignore[union-attr]
-        assert lines[4:7] == [
+        assert lines[4:8] == [
             f"API Base:   {url}/api",
             f"Health:     {url}/api/health",
             f"Task Info:  {url}/api/task/info",
+            "Auth:       none (no TQ_API_KEY): every request is accepted",
         ]
         health = wait_until(lambda: _get(f"{url}/api/health"), what="the CLI server to answer")
         assert health == {"status": "healthy", "active_episodes": 0, "task_name": "guess-number"}
@@ -440,3 +443,49 @@ def test_the_default_max_episodes_fits_the_free_memory() -> None:
     assert default_max_episodes(OsInteractionEnvironment, available=budget // 2) == 1  # never 0
     assert default_max_episodes(OsInteractionEnvironment) >= 1  # type: ignore[operator]  # this machine's figure
     assert default_max_episodes(GuessNumberEnvironment) is None  # holds little: unbounded
+
+
+def test_with_a_key_every_route_but_health_refuses_a_request_without_it() -> None:
+    app = create_app(GuessNumberEnvironment, api_key="task-key")
+    with serve_in_background(app) as url:
+        for method, path, body in [
+            ("GET", "/api/task/info", None),
+            ("GET", "/api/task/samples", None),
+            ("POST", "/api/episode/start", {"sample_id": "game-00"}),
+            ("POST", "/api/episode/step", {"episode_id": "x", "action": {"type": "text", "content": "5"}}),
+            ("POST", "/api/episode/cancel", {"episode_id": "x"}),
+        ]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "task-key"}):
+                reply = httpx.request(method, url + path, json=body, headers=headers)
+                assert reply.status_code == 401, (path, headers, reply.text)
+                assert reply.json()["detail"].startswith("missing or wrong API key")
+        assert httpx.get(f"{url}/api/health").json()["status"] == "healthy"  # open: liveness probes
+        with httpx.Client(base_url=f"{url}/api", headers={"Authorization": "Bearer task-key"}) as client:
+            episode = start(client)
+            assert step(client, episode["episode_id"], "5").status_code == 200
+
+
+def test_the_cli_takes_its_key_from_the_environment_and_says_so() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workers.agents.task_server", "guess-number", "--port", "0"],
+        cwd=REPO,
+        env={**os.environ, "TQ_API_KEY": "cli-key"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline().rstrip("\n") for _ in range(9)]
+        assert lines[7] == "Auth:       bearer key (TQ_API_KEY) on every route but /api/health"
+        assert not any("cli-key" in line for line in lines)
+        url = lines[3].split(": ", 1)[1]
+        wait_until(lambda: _get(f"{url}/api/health"), what="the CLI server to answer")
+        assert httpx.get(f"{url}/api/task/info").status_code == 401
+        assert httpx.get(f"{url}/api/task/info", headers={"Authorization": "Bearer cli-key"}).status_code == 200
+    finally:
+        process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()

@@ -79,7 +79,36 @@ def test_a_task_server_process_expires_idle_episodes_after_its_idle_timeout() ->
 
     with TaskServerProcess("guess-number", idle_timeout=0.5) as server:
         assert server.process.args[-2:] == ["--idle-timeout", "0.5"]
-        started = httpx.post(f"{server.url}/api/episode/start", json={"sample_id": "game-00"}, timeout=10)
+        started = httpx.post(
+            f"{server.url}/api/episode/start",
+            json={"sample_id": "game-00"},
+            headers={"Authorization": f"Bearer {server.api_key}"},
+            timeout=10,
+        )
         assert started.status_code == 200
         health = f"{server.url}/api/health"
         wait_until(lambda: httpx.get(health, timeout=10).json()["active_episodes"] == 0, what="the episode to expire")
+
+
+def test_each_task_server_process_requires_its_own_fresh_key_which_its_clients_send() -> None:
+    import asyncio
+
+    from workers.agents.server_process import TaskServerProcess
+    from workers.agents.servers import EpisodeStartError, TaskServerPool, Unauthorized
+
+    with TaskServerProcess("guess-number") as server, TaskServerProcess("guess-number") as other:
+        assert server.api_key and other.api_key and server.api_key != other.api_key
+        assert server.api_key not in " ".join(server.process.args) and server.api_key not in repr(server)
+        assert not any(server.api_key in line for line in server.lines)
+        assert httpx.post(f"{server.url}/api/episode/start", json={"sample_id": "game-00"}).status_code == 401
+
+        async def start_one(pool: TaskServerPool) -> str:
+            try:
+                return (await pool.start("game-00")).episode_id
+            finally:
+                await pool.aclose()
+
+        with pytest.raises(EpisodeStartError, match=r"answered 401: missing or wrong API key") as refused:
+            asyncio.run(start_one(TaskServerPool(server.url, start_wait=0, api_key=other.api_key)))
+        assert isinstance(refused.value.__cause__, Unauthorized)
+        assert asyncio.run(start_one(TaskServerPool(server.url, api_key=server.api_key)))

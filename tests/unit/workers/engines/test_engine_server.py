@@ -210,3 +210,51 @@ def test_a_server_started_from_a_pool_thread_outlives_the_thread_and_dies_with_t
         owner.kill()
         for pid_left in group_members(pgid) if pgid is not None else []:
             os.kill(pid_left, signal.SIGKILL)
+
+
+def test_a_server_gets_a_fresh_key_that_its_engine_sends_and_its_log_never_shows(tmp_path):
+    from workers.api_key import KEY_PLACEHOLDER
+
+    command = lambda host, port: [*fake()(host, port), "--api-key", KEY_PLACEHOLDER]  # noqa: E731  (as SGLang's)
+    servers = [
+        EngineServer(command, name=f"k{i}", engine_factory=_KeyedEngine, health_interval=0, log_dir=str(tmp_path))
+        for i in range(2)
+    ]
+    assert servers[0].api_key and servers[1].api_key and servers[0].api_key != servers[1].api_key
+    with servers[0] as server:
+        assert httpx.post(server.url + "/release_memory_occupation", trust_env=False).status_code == 401
+        assert server.release_memory() == "engine"  # the engine client sends the key
+        server.resume_memory()
+        assert server.healthy()
+        log = server.log_path.read_text()
+        assert "--api-key <redacted>" in log.splitlines()[0]  # what we log; the server itself prints the key:
+        assert server.api_key in log and server.api_key not in server.log_tail()  # the tail quoted in errors
+        assert server.log_path.stat().st_mode & 0o777 == 0o600
+        assert server.api_key not in repr(server)
+
+
+def test_the_key_reaches_the_server_through_its_environment(tmp_path):
+    with EngineServer(
+        fake("--key-from-env"), name="k2", api_key="my-key", health_interval=0, log_dir=str(tmp_path)
+    ) as server:
+        assert "my-key" not in server.log_path.read_text().splitlines()[0]
+        post = lambda **kw: httpx.post(server.url + "/resume_memory_occupation", trust_env=False, **kw)  # noqa: E731
+        assert post().status_code == 401
+        assert post(headers={"Authorization": "Bearer my-key"}).status_code == 200
+
+
+def test_a_key_placeholder_without_a_key_is_refused(tmp_path):
+    from workers.api_key import KEY_PLACEHOLDER
+
+    server = EngineServer(
+        lambda h, p: [*fake()(h, p), "--api-key", KEY_PLACEHOLDER], api_key=False, log_dir=str(tmp_path)
+    )
+    with pytest.raises(ValueError, match=r"asks for the API key \(<api-key>\) but api_key=False"):
+        server.start()
+
+
+class _KeyedEngine(_Engine):
+    """``_Engine`` that sends the key ``EngineServer`` hands it, as ``HTTPEngine.use_api_key``."""
+
+    def use_api_key(self, api_key):
+        self._http.headers["Authorization"] = f"Bearer {api_key}"

@@ -208,3 +208,25 @@ def test_sync_weights_to_engines_reports_each_engine(server, model_dirs):
     replies = sync_state_dict_to_engines([good, local], state, version=8)
     assert [r["version"] for r in replies] == [8, 8]
     same(good.generate(PROMPTS, 1, params), per_row(local, PROMPTS, 1, params))
+
+
+def test_a_server_with_an_api_key_refuses_a_client_without_it_and_serves_one_with_it(model_dirs):
+    app = create_sglang_app(model_dirs[0], eos_token_id=EOS, api_key="run-key")
+    with serve_in_background(app) as url:
+        refused = SGLangEngine(url)
+        with pytest.raises(EngineRequestError, match=r"POST /update_weights_from_disk answered HTTP 401"):
+            refused.update_weights(1, path=model_dirs[1])
+        assert refused.version == 0
+        assert httpx.post(f"{url}/generate", json={}, trust_env=False).status_code == 401
+        assert httpx.get(f"{url}/health_generate", trust_env=False).status_code == 200  # open, as SGLang's
+        engine = SGLangEngine(url, api_key="run-key")
+        engine.update_weights(1, path=model_dirs[1])
+        assert engine.served_version() == "1"
+        assert len(engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))) == 2
+
+
+def test_the_client_takes_the_key_from_the_environment(model_dirs, monkeypatch):
+    monkeypatch.setenv("TQ_API_KEY", "env-key")
+    app = create_sglang_app(model_dirs[0], eos_token_id=EOS, api_key="env-key")
+    with serve_in_background(app) as url:
+        assert SGLangEngine(url).served_version() == "default"
