@@ -15,6 +15,11 @@ class EngineUnavailable(EngineError, ConnectionError):
     """An engine server could not be reached (refused, reset, timed out)."""
 
 
+class EngineUnsupported(EngineError, NotImplementedError):
+    """An engine client was asked for a call its server cannot do as it was started (the message names the route,
+    the engine and what the call needs)."""
+
+
 class EngineServerError(EngineError):
     """Base of the errors of ``EngineServer`` (the server process's lifecycle)."""
 

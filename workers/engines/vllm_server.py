@@ -26,9 +26,11 @@ from typing import Any, Literal
 
 from workers.api_key import API_KEY_ENV, ASGIApp, BearerAuth
 from workers.engines.base import AbortCheck, Generation, SamplingParams, check_prompts
-from workers.engines.errors import EngineRequestError
+from workers.engines.errors import EngineRequestError, EngineUnsupported
 from workers.engines.http_base import HTTPEngine
 from workers.engines.vllm_engine import DEFAULT_ENV, EXTENSION
+
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
 
 
 def vllm_server_command(
@@ -177,16 +179,44 @@ class VLLMServerEngine(HTTPEngine):
         return None
 
     def release_memory(self) -> Any:
-        """vLLM's sleep mode (level 1: weights to host memory, KV cache dropped); ``resume_memory`` wakes it."""
+        """vLLM's sleep mode (level 1: weights to host memory, KV cache dropped); ``resume_memory`` wakes it.
+
+        Raises:
+            EngineUnsupported: if this client was made without ``sleep_mode`` (nothing is sent): vLLM's CPU build
+                refuses ``--enable-sleep-mode`` and its CPU worker ignores ``/sleep`` (the server answers 200, frees
+                nothing and stays paused until ``/wake_up``).
+        """
+        self._check_sleep_mode("/sleep")
         return self.request("POST", "/sleep", params={"level": 1})
 
     def resume_memory(self) -> Any:
+        """vLLM's ``/wake_up`` after ``release_memory``; raises ``EngineUnsupported`` as it does."""
+        self._check_sleep_mode("/wake_up")
         return self.request("POST", "/wake_up")
 
+    def _check_sleep_mode(self, route: str) -> None:
+        if not self.supports_release_memory:
+            raise EngineUnsupported(
+                f"{self.kind} server at {self.url}: POST {route} needs a server started with --enable-sleep-mode "
+                "(a GPU: vLLM's CPU build refuses the flag and ignores /sleep) and VLLMServerEngine(sleep_mode=True), "
+                "got sleep_mode=False; EngineServer.release_memory() stops such a server instead"
+            )
+
     def pause_generation(self, mode: str = "abort") -> Any:
+        """vLLM's ``/pause``: ``abort`` ends the requests in flight (their ``generate`` returns them with finish
+        reason ``abort`` and the tokens sampled so far), ``wait`` lets them finish, ``keep`` freezes them until
+        ``continue_generation``; requests sent while paused wait and run after ``continue_generation``.
+
+        Raises:
+            ValueError: if ``mode`` is not one of vLLM's (``abort``, ``wait``, ``keep``; SGLang's ``retract`` and
+                ``in_place`` are not), before anything is sent.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"{self.kind} pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         return self.request("POST", "/pause", params={"mode": mode})
 
     def continue_generation(self) -> Any:
+        """vLLM's ``/resume``: the requests that waited during the pause run."""
         return self.request("POST", "/resume")
 
     def close(self) -> None:
