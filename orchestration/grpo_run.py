@@ -39,6 +39,7 @@ from orchestration.metric_sinks import run_sinks
 from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means, plot_metrics
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
+from orchestration.run_trace import StageTrace
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
@@ -108,6 +109,7 @@ class GRPORun:
     # The queue's task_names: it refuses any other (a typo'd stage fails at once instead of reading every row again).
     # A subclass that reads the queue under other names too adds them.
     queue_task_names: tuple[str, ...] = (ROLLOUT_TASK, REWARD_TASK, TRAIN_TASK)
+    stage_trace: StageTrace | None = None  # trace=true: the run's trace (orchestration/run_trace.py)
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -179,6 +181,8 @@ class GRPORun:
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         # each GRPO row also goes to the controller (Prometheus gauges, the status page) and TensorBoard/W&B if asked
         self.sinks = run_sinks(cfg, transfer_queue.get_controller(), self.out)
+        # trace=true: the queue's requests and each step's stages, written to trace.json when the run ends
+        self.stage_trace = StageTrace(transfer_queue.get_controller(), self.out / "trace.json") if cfg.trace else None
         self.version = 0  # the version the engines were last sent
         self.prompt_states: dict[int, dict[str, Any]] = {}  # PromptSource state before each launched step's draw
         self._saved_step: int | None = None
@@ -407,6 +411,8 @@ class GRPORun:
         finally:
             progress.close()  # a Ctrl-C's line starts on a line of its own, not after the bar
             self.timings["grpo_s"] = time.perf_counter() - run_started
+            if self.stage_trace is not None:  # however the run ends: what was recorded is worth a look
+                print(f"trace: {self.stage_trace.write()} (open it in https://ui.perfetto.dev)", flush=True)
         steps_run = max(len(rows_out), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
@@ -437,10 +443,11 @@ class GRPORun:
     ) -> dict[str, Any]:
         """Train on ``step`` and publish the weights; launches the rollouts of the steps ahead; its metrics row."""
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         if step not in pending:
             pending[step] = self.launch(step, self._min_version(step, start, first_version))
         train_refs = [rank.train_step.remote(step) for rank in self.trainer]
+        train_launched = time.time()
         version = first_version + step - start + 1  # the trainer's after this step
         publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
         publish_refs = []
@@ -450,6 +457,7 @@ class GRPORun:
             if ahead not in pending:
                 pending[ahead] = self.launch(ahead, self._min_version(ahead, start, first_version))
         train = self.lost_prompts.wait(train_refs, pending)[0]  # puts again prompts lost with a storage unit
+        train_done = time.time()
         rollout_refs, reward_refs = pending.pop(step)
         rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
         if self.channel is not None:
@@ -463,6 +471,9 @@ class GRPORun:
             sync_s = self.publish(version) if publish else 0.0
         self.client.clear(global_step=step)
         self.lost_prompts.forget(step)
+        if self.stage_trace is not None:
+            wall = (wall0, time.time())
+            self.stage_trace.step(step, wall, (train_launched, train_done), rollout_stats, reward_stats, sync_s)
         return self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
 
     def _min_version(self, step: int, start: int, first_version: int) -> int | None:

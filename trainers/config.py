@@ -204,6 +204,9 @@ class RLConfig:
     eval_every: int = 0  # greedy accuracy on the eval prompts every k steps (0: never)
     log_every: int = 10  # without a terminal: one plain line of metrics every k steps (a bar on a terminal)
     tensorboard: bool = False  # also write each step's metrics as TensorBoard scalars in output_dir/tensorboard
+    # write output_dir/trace.json at the end: the queue's requests and each step's stages (generate, reward, train,
+    # publish) as a Chrome/Perfetto trace (python -m transfer_queue trace records a running queue's alone)
+    trace: bool = False
     wandb_project: str | None = None  # also log each step's metrics to this Weights & Biases project (needs wandb)
     wandb_mode: Literal["offline", "online"] = "offline"  # offline: W&B files in output_dir/wandb, no network
     mlflow_experiment: str | None = None  # also log each step's metrics to this MLflow experiment (needs mlflow)
@@ -491,6 +494,7 @@ UNRANGED_KEYS = frozenset(
         "checkpoint_queue",
         "resume",
         "tensorboard",
+        "trace",
         "wandb_project",
         "wandb_mode",
         "mlflow_experiment",

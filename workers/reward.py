@@ -148,6 +148,7 @@ class RewardWorker:
             self.client, clock, fields, self.batch_rows, step=step, task_name=REWARD_TASK, timeout=self.timeout
         )
         for meta, data in batches:
+            stats.setdefault("started_at", time.time())  # wall clock: the run's trace (orchestration) draws the span
             t1 = time.perf_counter()
             texts = [self.task.decode(ids) for ids in rows_of(data["response_ids"])]
             columns = {name: data.get(name).tolist() for name in self.task.reward_fields}
@@ -168,4 +169,4 @@ class RewardWorker:
             stats["rows"] += len(meta)
             stats["failed"] += sum(scores.failed)
             stats["non_finite"] += scores.non_finite
-        return {**stats, **clock.stats()}
+        return {**stats, **clock.stats(), "ended_at": time.time()}

@@ -178,6 +178,7 @@ class RolloutWorker:
             read=["prompt_ids"],
         )  # fmt: skip
         for meta, data in batches:
+            stats.setdefault("started_at", time.time())  # wall clock: the run's trace (orchestration) draws the span
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             t1 = time.perf_counter()
@@ -201,7 +202,7 @@ class RolloutWorker:
                 continue  # the prompts were lost meanwhile (a storage unit died): they come back as new rows
             stats["rows"] += len(meta)
             stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
-        return {**stats, **clock.stats()}
+        return {**stats, **clock.stats(), "ended_at": time.time()}
 
     def _responses(self, generations: list[list[Any]], version: int) -> dict[str, Any]:
         """The fields to write into the prompt rows (a plain dict: a put takes one, and it skips building a

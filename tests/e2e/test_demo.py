@@ -53,7 +53,7 @@ def rows(path: Path, kind: str) -> list[dict]:
 def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     out = tmp_path / "demo"
     # over-sampling: 8 groups rolled out, 4 trained; the trainer re-scores the engine's tokens (on CPU both are fp32)
-    first = run_demo(out, "steps=2", "train.max_train_groups=4", "train.recompute_old_logprobs=true")
+    first = run_demo(out, "steps=2", "train.max_train_groups=4", "train.recompute_old_logprobs=true", "trace=true")
     assert f"starting a new run in {out}" in first.stdout
 
     grpo = rows(out, "grpo")
@@ -78,6 +78,17 @@ def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
     assert "-m transfer_queue status" in first.stderr and "  status page: http://127.0.0.1:" in first.stderr
     assert f"  metrics:     {out / 'metrics.jsonl'} | Prometheus http://127.0.0.1:" in first.stderr
 
+    # trace=true: the queue's requests and the steps' stages in one Perfetto file
+    assert f"trace: {out / 'trace.json'} (open it in https://ui.perfetto.dev)" in first.stdout
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    named = {(e["name"], e["args"].get("step")) for e in events if e["ph"] == "X"}
+    for stage in ("step 0", "train", "generate", "reward"):
+        assert (stage, 0) in named and (stage if stage != "step 0" else "step 1", 1) in named, (stage, named)
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"driver", "trainer", "rollout worker 0", "reward worker 0"} <= tracks, tracks
+    gets = [e for e in events if e["name"] == "get_meta"]
+    assert {e["args"].get("task_name") for e in gets} >= {"rollout", "reward", "train"}, gets[:3]
+
     # every step is on-policy in sync mode: after each weight sync (not only the first) the engine's and the
     # trainer's log-probs of the sampled tokens agree; an engine that kept old weights would show here
     for r in grpo:
@@ -87,7 +98,9 @@ def test_the_demo_trains_syncs_weights_and_writes_metrics(tmp_path):
         assert r["is_truncated_frac"] == 0.0, r
 
     # the same command again would train nothing: refused before any actor starts, saying what to do
-    again = run_demo(out, "steps=2", "train.max_train_groups=4", "train.recompute_old_logprobs=true", returncode=2)
+    again = run_demo(
+        out, "steps=2", "train.max_train_groups=4", "train.recompute_old_logprobs=true", "trace=true", returncode=2
+    )
     assert "already finished 2 steps; steps=2 would train nothing" in again.stderr
 
 
