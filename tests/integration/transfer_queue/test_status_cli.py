@@ -134,7 +134,11 @@ def test_a_trace_records_the_rows_life_through_the_controller(started: Any) -> N
     try:
         started.put(TensorDict({"x": torch.zeros(6, 3)}, batch_size=[6]), global_step=3)
         meta = started.get_meta(["x"], 6, global_step=3, task_name="traced")
-        started.get_data(meta)  # acknowledged on read
+        started.get_data(meta)  # acknowledged on read: the ack goes out without waiting for an answer
+        deadline = time.monotonic() + 60
+        while not any(e["name"] == "ack" for e in ray.get(controller.trace_events.remote())):
+            assert time.monotonic() < deadline, "the read's acknowledgement never reached the controller"
+            time.sleep(0.05)
     finally:
         events = ray.get(controller.trace_stop.remote())
     started.clear(global_step=3)
