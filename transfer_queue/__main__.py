@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -47,14 +47,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     from transfer_queue.runtime import get_client
 
     client = get_client("transfer-queue-cli")
+    return _show(args, client.status, format_summary)
+
+
+def _show(args: argparse.Namespace, read: Callable[[], Any], render: Callable[[Any], str]) -> int:
+    """Print ``read()`` as JSON (``--json``) or as ``render`` draws it; with ``--watch`` again every ``--interval``
+    seconds until Ctrl-C."""
     while True:
-        summary = client.status()
+        value = read()
         if args.json:
-            print(json.dumps(summary, indent=2, default=str))
+            print(json.dumps(value, indent=2, default=str))
         else:
             if args.watch:
                 print("\033[2J\033[H", end="")  # clear the terminal, cursor home
-            print(format_summary(summary), flush=True)
+            print(render(value), flush=True)
         if not args.watch:
             return 0
         try:
@@ -71,20 +77,7 @@ def _why_stuck(args: argparse.Namespace) -> int:
     from transfer_queue.runtime import get_controller
 
     controller = get_controller()
-    while True:
-        report = ray.get(controller.why_stuck.remote())
-        if args.json:
-            print(json.dumps(report, indent=2, default=str))
-        else:
-            if args.watch:
-                print("\033[2J\033[H", end="")
-            print(format_why_stuck(report), flush=True)
-        if not args.watch:
-            return 0
-        try:
-            time.sleep(args.interval)
-        except KeyboardInterrupt:
-            return 0
+    return _show(args, lambda: ray.get(controller.why_stuck.remote()), format_why_stuck)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

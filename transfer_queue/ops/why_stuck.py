@@ -25,11 +25,13 @@ def why_stuck(state: QueueState, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
     """``{"waiting": [...], "omitted": n, "down_units": [...]}``: every parked request, oldest first, with
     ``reason`` (what it waits for) and, for a get_meta, ``leased`` (rows of its task and partition held by clients)."""
     now = state.clock()
-    held: dict[tuple[Any, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    # (partition, task) -> owner -> [rows still leased, the earliest lease deadline]
+    held: dict[tuple[Any, str], dict[str, list[float]]] = defaultdict(dict)
     for lease in state.delivery.leases.leases.values():
         if lease.remaining:
-            entry = held[(lease.key, lease.task_name)][lease.owner]
-            entry.extend([lease.remaining, lease.deadline])
+            entry = held[(lease.key, lease.task_name)].setdefault(lease.owner, [0, lease.deadline])
+            entry[0] += lease.remaining
+            entry[1] = min(entry[1], lease.deadline)
     getters = [w for line in state.waiting.getters.values() for w in line]
     parked = sorted([*getters, *state.waiting.putters], key=lambda w: w.started)
     down = sorted(state.down_units)
@@ -52,8 +54,8 @@ def why_stuck(state: QueueState, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
         job = waiter.job
         leases = held.get((job.partition, job.task_name), {})
         leased = {
-            owner: {"rows": int(sum(v[0::2])), "lease_ends_in_s": round(min(v[1::2]) - now, 3)}
-            for owner, v in sorted(leases.items())
+            owner: {"rows": int(rows), "lease_ends_in_s": round(deadline - now, 3)}
+            for owner, (rows, deadline) in sorted(leases.items())
         }
         reason = state.reader.explain(job)
         if leased:
