@@ -12,7 +12,10 @@ share has no rows (``drop_last=False``).
 With ``num_workers > 0`` (:class:`StreamingDataLoader`), worker ``w`` takes rounds ``w, w + W, ...``; the workers
 ask the queue for their rounds strictly in round order (a turn shared between them), fetch the data in parallel,
 and hand each round over whole, so the loader yields batches in round order and a round's micro-batches are never
-held back behind a later round that is still waiting for rows.
+held back behind a later round that is still waiting for rows. The workers are started by a ``forkserver`` (not
+forked from the loader's process, whose Ray, ZeroMQ and torch threads may hold locks at the fork that the child then
+waits on forever); like ``spawn``, that needs the dataset to be picklable and a script's top level guarded by
+``if __name__ == "__main__":``. Pass ``multiprocessing_context="fork"`` to fork anyway.
 """
 
 from __future__ import annotations
@@ -209,9 +212,28 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _flatten(rounds: Iterator[list[Any]], turns: RoundTurns) -> Iterator[Any]:
+    """The batches of the workers' rounds, in order. ``turns`` stays referenced (in this frame) while the pass lasts:
+    a worker that is not forked opens its semaphores by name, and they are unlinked once this process drops them."""
+    for batches in rounds:
+        yield from batches
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Where :class:`StreamingDataLoader` starts its workers by default: a ``forkserver`` that has imported this
+    module (and so torch) once, so a worker starts in milliseconds and inherits none of the loader's threads."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # takes effect when the server starts (once per process)
+    return context
+
+
 class StreamingDataLoader(DataLoader):
     """A DataLoader over a :class:`StreamingDataset`, yielding ``(TensorDict, BatchMeta)`` tuples; ``num_workers``
-    and ``prefetch_factor`` fetch rounds ahead in worker processes, and batches still come in round order."""
+    and ``prefetch_factor`` fetch rounds ahead in worker processes, and batches still come in round order.
+
+    The workers start from a ``forkserver`` unless ``multiprocessing_context`` says otherwise (see the module's
+    docstring): a worker forked from a process that runs Ray and ZeroMQ threads can wait forever on a lock one of
+    them held at the fork."""
 
     def __init__(
         self, dataset: StreamingDataset, num_workers: int = 0, prefetch_factor: int | None = None, **kwargs: Any
@@ -223,6 +245,8 @@ class StreamingDataLoader(DataLoader):
                 "StreamingDataLoader does not keep workers between passes (persistent_workers=True): every pass "
                 "takes new DP rounds, which the workers learn when they start"
             )
+        if num_workers > 0 and kwargs.get("multiprocessing_context") is None:
+            kwargs["multiprocessing_context"] = worker_context()
         super().__init__(
             dataset,
             batch_size=None,
@@ -238,9 +262,9 @@ class StreamingDataLoader(DataLoader):
         # Workers copy the dataset as it is now: give this pass its own rounds, and one turn for its workers.
         assert isinstance(self.dataset, StreamingDataset)
         self.dataset.epoch += 1
-        self.dataset.turns = RoundTurns(self.multiprocessing_context)
+        turns = self.dataset.turns = RoundTurns(self.multiprocessing_context)
         try:
             rounds = super().__iter__()
         finally:
             self.dataset.turns = None  # the workers have their copy; a direct iteration must not wait on it
-        return (batch for batches in rounds for batch in batches)
+        return _flatten(rounds, turns)

@@ -106,3 +106,39 @@ def test_workers_yield_rounds_in_order_and_never_hold_a_ready_round_back(queue: 
         rest.append(item)
     thread.join(timeout=10)
     assert rest == [[f"row{i}", f"row{i + 1}"] for i in range(4, 16, 2)]
+
+
+# Held by the test while the loader's workers start: a lock some thread of the loader's process holds at the fork.
+HELD_AT_FORK = threading.Lock()
+
+
+class LockingDataset(StreamingDataset):
+    """Takes ``HELD_AT_FORK`` where a worker starts, as a worker takes the locks of the libraries it calls."""
+
+    def _client(self) -> Any:
+        with HELD_AT_FORK:
+            return super()._client()
+
+
+@pytest.mark.timeout(120)
+def test_workers_inherit_no_lock_the_loaders_process_held(queue: Any) -> None:
+    """A worker forked while the loader's process held a lock (Ray's, ZeroMQ's and torch's threads hold theirs at any
+    moment) waited on it forever: CI saw a worker hang. Workers start from a forkserver, with the locks unheld."""
+    partition = queue.partition("held")
+    put_rows(queue, partition, 0, 4)
+    queue.client.close_partition(partition_id=partition)
+    loader = StreamingDataLoader(
+        LockingDataset(["text"], 2, partition_id=partition, task_name="t", controller_info=queue.info),
+        num_workers=1,
+        timeout=60,  # a hung worker fails the test with the DataLoader's timeout, not pytest's
+    )
+    with HELD_AT_FORK:
+        assert [s for batch in loader for s in texts(batch)] == ["row0", "row1", "row2", "row3"]
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+
+
+def test_a_context_the_caller_names_is_kept(queue: Any) -> None:
+    loader = StreamingDataLoader(
+        dataset(queue, queue.partition(), batch_size=2), num_workers=1, multiprocessing_context="spawn"
+    )
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
