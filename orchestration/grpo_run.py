@@ -31,7 +31,6 @@ from typing import Any
 
 import ray
 import torch
-import yaml
 from tqdm import tqdm
 
 import transfer_queue
@@ -39,6 +38,7 @@ from orchestration.metric_sinks import run_sinks
 from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means, plot_metrics
 from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
 from orchestration.regenerate import LostPrompts
+from orchestration.run_plan import save_config
 from orchestration.run_trace import StageTrace
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
@@ -49,7 +49,7 @@ from rl_contracts.stages import REDO_GROUP, REWARD_TASK, ROLLOUT_TASK, TRAIN_TAS
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
-from trainers.config import RLConfig, config_to_dict
+from trainers.config import RLConfig
 from trainers.grpo import GRPOTrainerRank
 from transfer_queue.runtime import init_ray
 from workers.api_key import key_from_env
@@ -134,7 +134,7 @@ class GRPORun:
         self.task_name = run_task_name(cfg)
         self.out = cfg.output_path
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        save_config(self.out, cfg)
         self.task = load_run_task(cfg)
         self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
         # with a weight channel, producers run one step further ahead: the queue holds that step too

@@ -74,16 +74,7 @@ def plan_run(config: RLConfig) -> RunPlan:
         return RunPlan(
             "new", 0, f"--new: moved the previous run ({done} steps) to {moved}; starting over in {out}", moved
         )
-    saved_path = out / "config.yaml"
-    saved = yaml.safe_load(saved_path.read_text()) if saved_path.exists() else None
-    if saved is not None:
-        changed = changed_settings(saved, config_to_dict(config))
-        if changed:
-            listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed)
-            raise ConfigError(
-                f"{out} holds a run started with other settings ({listed}), which cannot apply on resume; "
-                f"start over with --new, or pick a new output_dir"
-            )
+    refuse_changed_settings(out, config, CHANGEABLE_ON_RESUME)
     if config.steps <= done:
         raise ConfigError(
             f"{out} holds a run that already finished {done} steps; steps={config.steps} would train nothing. "
@@ -93,16 +84,50 @@ def plan_run(config: RLConfig) -> RunPlan:
     return RunPlan("resume", done, f"resuming {out} from its checkpoint at step {done}, on to step {config.steps}")
 
 
-def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, saved value, current value)`` for every setting that differs and may not change on resume. A key
-    the saved config lacks (added since that run started, or left at its default) counts as its default, which that
-    run ran with."""
-    defaults = flatten_dict(config_to_dict(RLConfig()))
-    old, new = {**defaults, **flatten_dict(saved)}, {**defaults, **flatten_dict(current)}
+def save_config(out: Path, config: Any) -> Path:
+    """Write ``config`` (a config dataclass) to ``out/config.yaml``: the settings a resume of this run is checked
+    against (:func:`refuse_changed_settings`)."""
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    return path
+
+
+def refuse_changed_settings(out: Path, config: Any, changeable: tuple[str, ...]) -> None:
+    """Refuse a resume of the run in ``out`` with other training settings than it was started with (its
+    ``config.yaml``; a run that has none is not checked). ``changeable``: dotted keys (or prefixes ending in ".")
+    a resume may change.
+
+    Raises:
+        ConfigError: naming every changed setting (old -> new) and the way out.
+    """
+    saved_path = out / "config.yaml"
+    if not saved_path.exists():
+        return
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    changed = changed_settings(saved, config_to_dict(config), config_to_dict(type(config)()), changeable)
+    if changed:
+        listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed)
+        raise ConfigError(
+            f"{out} holds a run started with other settings ({listed}), which cannot apply on resume; "
+            f"start over with --new, or pick a new output_dir"
+        )
+
+
+def changed_settings(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    defaults: dict[str, Any] | None = None,
+    changeable: tuple[str, ...] = CHANGEABLE_ON_RESUME,
+) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` for every setting that differs and may not change on resume
+    (``changeable``). A key the saved config lacks (added since that run started, or left at its default) counts as
+    its default (``defaults``: the config class's, as nested dicts; RLConfig's by default), which that run ran with."""
+    flat_defaults = flatten_dict(defaults if defaults is not None else config_to_dict(RLConfig()))
+    old, new = {**flat_defaults, **flatten_dict(saved)}, {**flat_defaults, **flatten_dict(current)}
     return [
         (key, old.get(key), new.get(key))
         for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key) and not key.startswith(CHANGEABLE_ON_RESUME)
+        if old.get(key) != new.get(key) and not key.startswith(changeable)
     ]
 
 

@@ -15,7 +15,8 @@ and sampled from the engine by one producer thread, no ledger (the trainer and t
 
 Run it with ``make agentrl-demo`` (or ``python recipe/agentrl_demo.py [--config FILE] [--new] [--print-config]
 [key=value ...]``; ``--help`` lists every key, recipe/configs/agentrl_demo.yaml holds the defaults). Run again into
-the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run, tasks claimed by a killed
+the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run (a resume that changes a
+setting which shapes the training is refused: CHANGEABLE_ON_RESUME lists those it may change), tasks claimed by a killed
 run are re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over (the previous
 run is moved aside to OUTPUT_DIR.prev-N, once the config is valid).
 """
@@ -40,7 +41,7 @@ from torch.utils.data import Dataset
 
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from orchestration.metrics import MetricsLog, PlotRefresher
-from orchestration.run_plan import move_aside
+from orchestration.run_plan import move_aside, refuse_changed_settings, save_config
 from rl_contracts.prompts import PromptSource
 from trainers.config import ConfigError, Range, Text, check_ranges, config_from_cli, config_to_dict, flatten_dict
 from transfer_queue.runtime import init_ray
@@ -122,6 +123,11 @@ class AgentRLDemoConfig:
                 parse_connection_string(self.db)
             except MalformedConnectionString as exc:
                 raise ConfigError(str(exc).replace("db_connection_string", "db", 1)) from None
+
+
+# Settings a resumed run may change (everything else shapes the training: a resume that changes it is refused): how
+# long to go on, bookkeeping, the leases' length, and the SFT warm-up's target (a resumed run does not warm up again).
+CHANGEABLE_ON_RESUME = ("steps", "output_dir", "resume", "checkpoint_every", "lease_s", "sft_target")
 
 
 # --- the user's side, as in the seed: a task type, a dataset of tasks, a sampler -------------------------------------
@@ -275,7 +281,8 @@ def plan_output(config: AgentRLDemoConfig) -> str | None:
     (None: the run says it), provided ``steps`` goes past it.
 
     Raises:
-        ConfigError: a resume that would train nothing (``steps`` not above the checkpoint's step).
+        ConfigError: a resume that would train nothing (``steps`` not above the checkpoint's step), or with other
+            training settings than the run was started with (its ``config.yaml``).
     """
     out = Path(config.output_dir)
     checkpoint = out / "checkpoint.pt"
@@ -283,6 +290,7 @@ def plan_output(config: AgentRLDemoConfig) -> str | None:
         return f"--new: moved the previous run to {move_aside(out)}; starting over in {out}"
     if not config.resume or not checkpoint.exists():
         return f"starting a new run in {out}"
+    refuse_changed_settings(out, config, CHANGEABLE_ON_RESUME)
     done = int(torch.load(checkpoint, weights_only=True)["step"])
     if config.steps <= done:
         raise ConfigError(
@@ -297,6 +305,7 @@ def train(config: AgentRLDemoConfig) -> int:
     """The run itself: warm-up (or resume), then GRPO from the ledger's records (or a PromptSource)."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    save_config(out, config)  # what a resume of this run is checked against
     torch.set_num_threads(1)
     torch.manual_seed(config.seed)
     tokenizer = AdditionTokenizer()

@@ -11,6 +11,7 @@ import torch
 
 import recipe.agentrl_demo as demo
 from orchestration.metrics import MetricsLog, plotted_panels
+from orchestration.run_plan import save_config
 from recipe.agentrl_demo import AgentRLDemoConfig, RunRecord
 from trainers.config import config_from_cli, config_keys
 
@@ -149,3 +150,20 @@ def test_a_resume_goes_on_past_the_checkpoint_and_one_that_would_train_nothing_i
 
     assert demo.main([f"output_dir={out}", "steps=11"]) == 0
     assert [config.steps for config in started] == [11] and (out / "checkpoint.pt").exists()
+
+
+def test_a_resume_with_other_training_settings_is_refused_and_one_with_changeable_ones_goes_on(
+    tmp_path, started, capsys
+):
+    """The run's config.yaml (written as it starts) is what a resume is checked against, as recipe/demo.py does."""
+    out = tmp_path / "run"
+    old_run(out)
+    save_config(out, AgentRLDemoConfig(output_dir=str(out), steps=10, lr=5e-4))
+
+    assert demo.main([f"output_dir={out}", "steps=20", "lr=0.001", "num_generations=4"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds a run started with other settings (lr: 0.0005 -> 0.001, num_generations: 8 -> 4)" in err
+    assert "start over with --new, or pick a new output_dir" in err and started == []
+
+    assert demo.main([f"output_dir={out}", "steps=20", "lease_s=2", "sft_target=0.5", "checkpoint_every=5"]) == 0
+    assert [config.steps for config in started] == [20]
