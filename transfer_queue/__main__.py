@@ -83,22 +83,10 @@ def _why_stuck(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     """Record the controller's requests for ``--seconds`` and write them as a Chrome/Perfetto trace."""
     _join(args)  # first: it sets Ray's variables before anything imports Ray
-    import ray
-
-    from transfer_queue.ops.trace import chrome_trace
+    from transfer_queue.ops.trace import chrome_trace, record_for
     from transfer_queue.runtime import get_controller
 
-    controller = get_controller()
-    started = ray.get(controller.trace_start.remote(args.max_events))
-    try:
-        time.sleep(args.seconds)
-    except KeyboardInterrupt:
-        pass  # write what was recorded so far
-    # a trace this command started stops with it; one already on (a run's own) goes on
-    events = ray.get(controller.trace_stop.remote() if started else controller.trace_events.remote())
-    if not started:
-        cutoff = (time.time() - args.seconds) * 1e6
-        events = [e for e in events if e["ts"] + e["dur"] >= cutoff]
+    events = record_for(get_controller(), args.seconds, args.max_events)
     path = chrome_trace(args.output, events)
     print(f"{len(events)} spans in {path}: open it in https://ui.perfetto.dev (or chrome://tracing)")
     return 0

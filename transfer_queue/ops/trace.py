@@ -110,6 +110,29 @@ class RequestTrace:
         return list(self.spans)
 
 
+def record_for(
+    controller: Any,
+    seconds: float,
+    max_events: int = DEFAULT_MAX_EVENTS,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.time,
+) -> list[dict[str, Any]]:
+    """The controller's spans of the next ``seconds`` (``python -m transfer_queue trace``); a Ctrl-C ends the wait early
+    and keeps what was recorded. A trace this call starts stops with it; one already on (a run's ``trace=true``) goes
+    on, and only the spans that ended after this call began are returned."""
+    import ray
+
+    started = ray.get(controller.trace_start.remote(max_events))
+    began = clock()
+    try:
+        sleep(seconds)
+    except KeyboardInterrupt:
+        pass
+    if started:
+        return list(ray.get(controller.trace_stop.remote()))
+    return [e for e in ray.get(controller.trace_events.remote()) if e["ts"] + e["dur"] >= began * 1e6]
+
+
 def span(name: str, start: float, end: float, process: str, thread: str, **args: Any) -> dict[str, Any]:
     """One complete span (``ph: X``) of another process, e.g. an RL stage: ``start``/``end`` in ``time.time()``
     seconds."""

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 import transfer_queue
 from transfer_queue.__main__ import file_sd
+from transfer_queue.ops.trace import record_for
 
 CONFIG = {"global_batch_size": 6, "num_n_samples": 1, "default_timeout": 15.0, "num_storage_units": 1}
 
@@ -149,6 +150,31 @@ def test_a_trace_records_the_rows_life_through_the_controller(started: Any) -> N
     get = next(e for e in events if e["name"] == "get_meta")
     assert get["args"]["task_name"] == "traced" and get["args"]["rows"] == 6
     assert get["tid"].startswith("status-cli-test#")  # the client that asked: its id and instance
+
+
+def test_the_trace_command_leaves_a_trace_already_on_running_and_keeps_only_its_window(started: Any) -> None:
+    """A run's own trace (``trace=true``) is on: ``python -m transfer_queue trace`` must not stop it, and writes only
+    the spans of its own seconds."""
+    controller = transfer_queue.get_controller()
+    assert ray.get(controller.trace_start.remote()) is True  # the run's
+    try:
+        started.put(
+            TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2]), partition_id="trace-window"
+        )  # before the window
+
+        def traffic(seconds: float) -> None:  # what happens while the command records
+            time.sleep(0.05)  # the window's start is taken after the trace call: a span from then on is in it
+            started.get_data(started.get_meta(["x"], 2, partition_id="trace-window", task_name="in-window"))
+
+        events = record_for(controller, 0.5, sleep=traffic)
+        names = {(e["name"], e["args"].get("task_name")) for e in events}
+        assert ("get_meta", "in-window") in names
+        assert not any(e["name"].startswith("put.") for e in events)  # the put came before the window
+        assert ray.get(controller.trace_start.remote()) is False  # still on: the run's trace goes on
+        assert any(e["name"] == "put.commit" for e in ray.get(controller.trace_events.remote()))  # nothing dropped
+    finally:
+        ray.get(controller.trace_stop.remote())
+        started.clear(partition_id="trace-window")
 
 
 @pytest.mark.slow  # a CLI process attaching to the cluster: ~15-50 s
