@@ -49,7 +49,7 @@ from rl_contracts.stages import REDO_GROUP, REWARD_TASK, ROLLOUT_TASK, TRAIN_TAS
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
-from trainers.config import RLConfig
+from trainers.config import RLConfig, TrainerConfig
 from trainers.grpo import GRPOTrainerRank
 from transfer_queue.runtime import init_ray
 from workers.api_key import key_from_env
@@ -170,8 +170,11 @@ class GRPORun:
         )
         self.rollout, self.reward = self.start_workers(info, spec)
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
+        trainer_config = TrainerConfig.from_run(cfg)  # the trainer's part of the run's config
         self.trainer = [
-            actor_class(GRPOTrainerRank).options(**rank_options).remote(r, cfg.train.world_size, info, cfg, self.task)
+            actor_class(GRPOTrainerRank)
+            .options(**rank_options)
+            .remote(r, cfg.train.world_size, info, trainer_config, self.task)
             for r in range(cfg.train.world_size)
         ]
         master = ray.get(self.trainer[0].address.remote())

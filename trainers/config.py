@@ -8,6 +8,7 @@ recipe/agentrl_demo.py's AgentRLDemoConfig is another.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import re
@@ -320,6 +321,45 @@ class RLConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """What the trainer ranks (``trainers.grpo.GRPOTrainerRank``) and ``trainers.grpo.build_train_batch`` read: the
+    run's ``train`` section and the few run-wide values the trainer needs, so a run's whole config stays with its
+    orchestration. :meth:`from_run` builds it from an :class:`RLConfig`; it is picklable (it crosses Ray to the
+    ranks)."""
+
+    train: TrainConfig  # the FSDP2 trainer's section: ranks, optimisation, loss, filters, rollout correction
+    seed: int  # seeds the starting weights (torch.manual_seed) and the SFT batches (the run's seed)
+    prompts_per_step: int  # GRPO groups per global step: with n_samples, the rows a step trains on
+    n_samples: int  # rows per GRPO group (the group size the filters see)
+    max_staleness: int  # policy versions a sample may lag the trainer's and still be trained on
+    queue_timeout: float  # seconds a rank's queue read waits for its share
+    recompute_old_logprobs: bool  # score the old policy with the training model (the run's resolved choice)
+    temperature: float  # the rollout's sampling temperature: log-probs are scored at it (0, greedy: at 1)
+    partial_rollout: bool  # rows carry response_versions (a weight update may cut a generation)
+    trajectories: bool  # rows are multi-turn trajectories (tokens, loss_mask, logprobs) of a rollout.generate_fn
+    num_train_prompts: int  # the task's training split, the SFT warm-up's prompts ...
+    task_seed: int  # ... drawn with this seed (the task's)
+
+    @classmethod
+    def from_run(cls, config: RLConfig) -> TrainerConfig:
+        """The trainer's part of a run's ``config`` (its ``train`` section copied: the run's stays its own)."""
+        return cls(
+            train=copy.deepcopy(config.train),
+            seed=config.seed,
+            prompts_per_step=config.prompts_per_step,
+            n_samples=config.n_samples,
+            max_staleness=config.max_staleness,
+            queue_timeout=config.queue_timeout,
+            recompute_old_logprobs=config.recompute_old_logprobs,
+            temperature=config.rollout.temperature,
+            partial_rollout=config.rollout.partial_rollout,
+            trajectories=bool(config.rollout.generate_fn),
+            num_train_prompts=config.task.num_train_prompts,
+            task_seed=config.task.seed,
+        )
 
 
 @dataclass(frozen=True)

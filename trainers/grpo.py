@@ -34,7 +34,7 @@ from rl_contracts.trajectories import TRAJECTORY_FIELDS, split_trajectories
 from rl_contracts.weight_channel import WeightChannel
 from trainers.advantages import group_advantages_by_id
 from trainers.checkpoint import queue_stage
-from trainers.config import RLConfig
+from trainers.config import TrainerConfig
 from trainers.filters import apply_filters
 from trainers.fsdp import AdamWConfig, FSDPPolicy, all_gather_single, init_process_group
 from trainers.losses import policy_loss
@@ -80,7 +80,7 @@ def build_train_batch(
     pad_token_id: int,
     trainer_version: int,
     max_staleness: int,
-    config: RLConfig,
+    config: TrainerConfig,
 ) -> TrainBatch:
     """The training tensors of one rank's share (whole groups), aligned as in ``docs/rl-conventions.md``.
 
@@ -88,6 +88,7 @@ def build_train_batch(
     out of their group's advantage statistics and of the loss (their ``response_mask`` is zeroed); so are rows
     dropped by the configured filters.
     """
+    config = expect_trainer_config(config)
     response_loss_masks = None
     if "tokens" in data.keys():  # noqa: SIM118 (a TensorDict has no `in`)
         # Multi-turn trajectories (workers/agents): jagged tokens/loss_mask/logprobs. The response mask is built
@@ -182,6 +183,18 @@ def pad_rows(tensors: dict[str, torch.Tensor], rows: np.ndarray, total: int) -> 
     return out
 
 
+def expect_trainer_config(config: object) -> TrainerConfig:
+    """``config`` itself if it is a :class:`TrainerConfig`, else a TypeError naming what the trainer takes and what
+    arrived (a run's whole config is not one: ``TrainerConfig.from_run`` takes the trainer's part of it)."""
+    if not isinstance(config, TrainerConfig):
+        kind = type(config)
+        raise TypeError(
+            "the trainer takes a trainers.config.TrainerConfig (TrainerConfig.from_run(config) builds one from a "
+            f"run's config), got {kind.__module__}.{kind.__qualname__}"
+        )
+    return config
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -196,10 +209,10 @@ class GRPOTrainerRank:
     orchestration from ``task.name``: the trainer never resolves a task name itself.
     """
 
-    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: RLConfig, task: Task):
+    def __init__(self, rank: int, world_size: int, controller_info: ControllerInfo, config: TrainerConfig, task: Task):
         self.rank = rank
         self.world_size = world_size
-        self.config = config
+        self.config = expect_trainer_config(config)
         self.client = TransferQueueClient(f"trainer-{rank}", controller_info)
         # a batch is done once the optimizer stepped on it: a rank that dies mid-step gets its rows redelivered
         self.client.set_task_options(TRAIN_TASK, ack="explicit")
@@ -294,7 +307,7 @@ class GRPOTrainerRank:
                     totals_add(totals, self._recompute_old_logprobs(t))
                 if self.reference is not None:
                     t["ref_logprobs"] = self.reference.compute_logprobs(
-                        t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
+                        t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.temperature)
                     )
                 self._set_rl_lr(version * rounds + k)
                 if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
@@ -302,7 +315,7 @@ class GRPOTrainerRank:
                     # is off from the first step
                     train_metrics.append(
                         self.policy.train_step(
-                            batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.rollout.temperature)
+                            batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.temperature)
                         )
                     )
             self.client.ack(meta)  # after the optimizer step (explicit acks: get_data left the rows leased)
@@ -325,9 +338,7 @@ class GRPOTrainerRank:
         so the ranks stay in step (lost rows come back as new rows, put again by the driver)."""
         cfg = self.config
         fields = (
-            TRAJECTORY_FIELDS
-            if cfg.rollout.generate_fn
-            else TRAIN_FIELDS + (PARTIAL_FIELDS if cfg.rollout.partial_rollout else [])
+            TRAJECTORY_FIELDS if cfg.trajectories else TRAIN_FIELDS + (PARTIAL_FIELDS if cfg.partial_rollout else [])
         )
         for attempt in itertools.count():
             round_id = f"train/{step}/{k}" + (f"/again{attempt}" if attempt else "")
@@ -362,7 +373,7 @@ class GRPOTrainerRank:
         assert self.policy is not None
         cfg = self.config
         old = self.policy.compute_logprobs(
-            t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.rollout.temperature)
+            t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.temperature)
         )
         t["old_logprobs"] = old * t["attention_mask"].to(old.dtype)
         weights, metrics = rollout_correction(
@@ -405,7 +416,7 @@ class GRPOTrainerRank:
         for group in optimizer.param_groups:
             group["lr"] = lr
         if self._sft_prompts is None:  # built once: a large split takes a while to draw
-            self._sft_prompts = self.task.prompts("train", self.config.task.num_train_prompts, self.config.task.seed)
+            self._sft_prompts = self.task.prompts("train", self.config.num_train_prompts, self.config.task_seed)
         prompts = self._sft_prompts
         per_rank = batch_size // self.world_size
         losses = []

@@ -17,7 +17,7 @@ import torch
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.stages import TRAIN_TASK
 from trainers import grpo
-from trainers.config import load_config
+from trainers.config import TrainerConfig, load_config
 from trainers.grpo import TRAIN_FIELDS, GRPOTrainerRank
 from transfer_queue import TransferQueueClient
 
@@ -97,7 +97,7 @@ def test_the_trainer_ranks_own_read_path_reads_disjoint_shares(
     n, prompts = grpo_queue.config["num_n_samples"], grpo_queue.config["global_batch_size"]
     step = grpo_queue.step()
     put_step(grpo_queue.client, step, prompts, n)
-    cfg = load_config(ROOT_CONFIG)
+    cfg = TrainerConfig.from_run(load_config(ROOT_CONFIG))
     monkeypatch.setattr(grpo, "_global_sum", lambda value, device: value)
     rank_class = GRPOTrainerRank.__ray_metadata__.modified_class  # the plain class behind the Ray actor
     ranks = [rank_class(r, RANKS, grpo_queue.info, cfg, None) for r in range(RANKS)]

@@ -24,7 +24,7 @@ from orchestration.metrics import (
 from rl_contracts.prompts import PromptSource, sft_step_batch
 from rl_contracts.rows import jagged, rows_of
 from rl_contracts.task import import_object, load_reward_fn, load_task
-from trainers.config import ConfigError, RLConfig, TrainConfig, load_config, parse_overrides
+from trainers.config import ConfigError, RLConfig, TrainConfig, TrainerConfig, load_config, parse_overrides
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
 from workers.reward import NonFiniteReward, score_responses
@@ -131,10 +131,15 @@ def _config(**train):
     return RLConfig(prompts_per_step=2, n_samples=2, train=TrainConfig(world_size=1, **train))
 
 
+def _trainer_config(**train):
+    """The trainer's part of :func:`_config` (what build_train_batch takes)."""
+    return TrainerConfig.from_run(_config(**train))
+
+
 def test_the_batch_aligns_old_logprobs_and_masks_with_input_ids():
     data = _rollout_data([1.0, 0.0], [0, 0], response_lens=[3, 1])
     batch = build_train_batch(
-        data, np.array([0, 0]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+        data, np.array([0, 0]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_trainer_config()
     ).tensors
     assert batch["input_ids"].tolist() == [[1, 1, 5, 5, 5], [1, 1, 6, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
@@ -168,7 +173,7 @@ def test_staleness_is_counted_per_trained_token():
     # rows of 3 tokens at staleness 1, 0, 2 (the last too stale: not trained) -> (3*1 + 3*0) / 6 tokens
     data = _rollout_data([1.0, 0.0, 1.0], [4, 5, 3])
     out = build_train_batch(
-        data, np.array([0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_config()
+        data, np.array([0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_trainer_config()
     )
     assert out.stats["token_staleness_sum"] / out.stats["trained_tokens"] == pytest.approx(0.5)
 
@@ -177,7 +182,7 @@ def test_advantages_are_normalised_within_each_group():
     # group 0: rewards 1, 0 -> +-0.7071 (unbiased std of [1, 0] is 0.7071); group 1: constant -> 0
     data = _rollout_data([1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0])
     out = build_train_batch(
-        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_trainer_config()
     )
     assert out.tensors["advantages"].tolist() == pytest.approx([0.7071, -0.7071, 0.0, 0.0], abs=1e-3)
     assert out.stats["reward_sum"] == 3.0 and out.stats["correct_sum"] == 3.0
@@ -187,7 +192,7 @@ def test_stale_and_failed_samples_are_left_out_of_advantages_and_loss():
     # row 1 is two versions old (max_staleness=1), row 3 failed its reward
     data = _rollout_data([1.0, 1.0, 0.0, 1.0], [5, 3, 5, 5], failed=[False, False, False, True])
     out = build_train_batch(
-        data, np.array([0, 0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_config()
+        data, np.array([0, 0, 0, 0]), pad_token_id=0, trainer_version=5, max_staleness=1, config=_trainer_config()
     )
     mask = out.tensors["response_mask"].sum(1)
     assert mask.tolist() == [3, 0, 3, 0]
@@ -199,7 +204,7 @@ def test_stale_and_failed_samples_are_left_out_of_advantages_and_loss():
 
 def test_zero_variance_groups_are_filtered_when_asked():
     data = _rollout_data([1.0, 1.0, 1.0, 0.0], [0, 0, 0, 0])
-    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    config = _trainer_config(filters=FilterConfig(nonzero_std_groups=True))
     out = build_train_batch(
         data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
     )
@@ -210,7 +215,7 @@ def test_failed_rows_do_not_make_a_constant_group_look_informative():
     # group 0: one correct answer and one failed reward (its placeholder 0 is no score) -> constant, dropped;
     # group 1: scored 1 and 0 -> kept
     data = _rollout_data([1.0, 0.0, 1.0, 0.0], [0] * 4, failed=[False, True, False, False])
-    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    config = _trainer_config(filters=FilterConfig(nonzero_std_groups=True))
     out = build_train_batch(
         data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
     )
@@ -220,7 +225,7 @@ def test_failed_rows_do_not_make_a_constant_group_look_informative():
 def test_a_non_finite_reward_that_slips_through_counts_as_failed():
     data = _rollout_data([float("inf"), 0.0, 1.0, 0.0], [0] * 4)
     out = build_train_batch(
-        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_config()
+        data, np.array([0, 0, 1, 1]), pad_token_id=0, trainer_version=0, max_staleness=0, config=_trainer_config()
     )
     assert torch.isfinite(out.tensors["advantages"]).all()
     assert out.stats["failed_rows"] == 1.0 and out.tensors["response_mask"][0].sum() == 0
@@ -230,7 +235,7 @@ def test_over_sampling_trains_on_the_first_groups_the_filters_keep():
     # four groups of two: group 0 all correct, group 2 all wrong (no signal); 1 and 3 carry signal
     data = _rollout_data([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0] * 8)
     group_ids = np.array([0, 0, 1, 1, 2, 2, 3, 3])
-    config = _config(filters=FilterConfig(nonzero_std_groups=True))
+    config = _trainer_config(filters=FilterConfig(nonzero_std_groups=True))
     tensors = build_train_batch(
         data, group_ids, pad_token_id=0, trainer_version=0, max_staleness=0, config=config
     ).tensors

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from rl_contracts.rows import rows_of
 from rl_contracts.trajectories import split_trajectories
-from trainers.config import RLConfig, TrainConfig
+from trainers.config import RLConfig, TrainConfig, TrainerConfig
 from trainers.grpo import build_train_batch
 from trainers.losses import policy_loss
 from workers.agents.trajectory import Sample, TrajectoryBuilder, samples_to_fields
@@ -62,7 +62,7 @@ def test_losses_and_kl_honour_the_loss_mask_on_a_two_turn_trajectory():
         ),
         batch_size=[2],
     )
-    config = RLConfig(prompts_per_step=1, n_samples=2, train=TrainConfig(world_size=1))
+    config = TrainerConfig.from_run(RLConfig(prompts_per_step=1, n_samples=2, train=TrainConfig(world_size=1)))
     batch = build_train_batch(
         data, np.array([0, 0]), pad_token_id=0, trainer_version=0, max_staleness=0, config=config
     ).tensors

@@ -123,14 +123,16 @@ def test_the_trainer_masks_offpolicy_tokens_of_partial_rollouts():
     import numpy as np
 
     from rl_contracts.rows import jagged
-    from tests.unit.orchestration.test_rl_pieces import _config, _rollout_data
+    from tests.unit.orchestration.test_rl_pieces import _rollout_data, _trainer_config
     from trainers.grpo import build_train_batch
 
     data = _rollout_data([1.0, 0.0], [5, 5], response_lens=[3, 3])
     data["response_versions"] = jagged([[3, 4, 5], [5, 5, 5]], torch.int64)  # row 0 spans two updates
     kwargs = dict(pad_token_id=0, trainer_version=5, max_staleness=1)
-    plain = build_train_batch(data, np.array([0, 0]), config=_config(), **kwargs)
-    masked = build_train_batch(data, np.array([0, 0]), config=_config(mask_offpolicy_in_partial_rollout=True), **kwargs)
+    plain = build_train_batch(data, np.array([0, 0]), config=_trainer_config(), **kwargs)
+    masked = build_train_batch(
+        data, np.array([0, 0]), config=_trainer_config(mask_offpolicy_in_partial_rollout=True), **kwargs
+    )
     assert plain.tensors["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
     assert masked.tensors["response_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
 
