@@ -4,16 +4,19 @@
     rollout = RolloutWorker x k (each with an engine actor)
     reward  = RewardWorker x m
     trainer = GRPOTrainerRank x world_size (FSDP2)
-    [SFT warm-up until greedy accuracy >= target]  -> checkpoint "sft"
+    resume from the latest checkpoint | init_from | SFT warm-up -> checkpoint 0   (run_resume.py, sft_warm_up.py)
     for step:
         put the step's prompts, n-times expanded     (async: up to max_staleness steps ahead)
         rollout workers stream responses into those rows; reward workers stream rewards into them
         trainer ranks stream complete groups (DP rounds) and step
-        publish weights to the engines (every sync_every steps), clear the step, log, checkpoint
+        publish weights to the engines (every sync_every steps), clear the step, log, checkpoint (run_resume.py)
 
 With ``weight_sync: shm`` the trainer writes each version into a WeightChannel on this host and engines pull it
 themselves, so the driver launches step s+1's rollout while step s trains: the rollout waits inside the engine for
 the version it needs (sync: the one step s produces) and starts the moment it is written, with no driver round trip.
+
+Where the run starts and what its checkpoints hold (the queue's snapshot included) is orchestration/run_resume.py's;
+the SFT warm-up is orchestration/sft_warm_up.py's. GRPORun holds the run's state and the loop, and calls them.
 
 Everything a person needs to follow a run is written under ``output_dir``: ``metrics.jsonl`` (one row per step),
 ``metrics.png``, ``config.yaml`` and ``checkpoints/``.
@@ -31,15 +34,26 @@ from typing import Any
 
 import ray
 import torch
-from tqdm import tqdm
 
 import transfer_queue
 from orchestration.metric_sinks import run_sinks
-from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means, plot_metrics
-from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, reconcile_step
+from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
+from orchestration.queue_resume import QueueResume, resume_steps
 from orchestration.regenerate import LostPrompts
 from orchestration.run_plan import save_config
+from orchestration.run_resume import (
+    Start,
+    init_reference,
+    load_checkpoint,
+    queue_record,
+    restorable_queue,
+    restored_outputs,
+    save_checkpoint,
+    start_from_weights,
+    start_point,
+)
 from orchestration.run_trace import StageTrace
+from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
 from rl_contracts.lost_rows import put_retrying
@@ -48,7 +62,6 @@ from rl_contracts.rows import jagged
 from rl_contracts.stages import REDO_GROUP, REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
-from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
 from trainers.config import RLConfig, TrainerConfig
 from trainers.grpo import GRPOTrainerRank
 from transfer_queue.runtime import init_ray
@@ -313,69 +326,27 @@ class GRPORun:
         return self.task.accuracy(self.eval_prompts, [[g.token_ids for g in group] for group in groups])
 
     def save(self, step: int) -> Path:
-        """Checkpoint the trainer (model, optimizer, RNG) with the prompt position and policy version, then keep
-        the newest ``checkpoint_keep``. An existing checkpoint of ``step`` is replaced only once the new one is
-        complete and on disk.
+        """Checkpoint the run at ``step`` (orchestration/run_resume.py), the newest ``checkpoint_keep`` kept.
 
         The prompt position is the one before step ``step`` drew its prompts: in async mode rollout has already
         drawn up to ``max_staleness`` steps ahead, and a resumed run must draw those again, not skip them.
 
         Unless ``checkpoint_queue`` is off, the steps launched ahead (their rows in the queue) are saved with it: the
         queue's snapshot goes into the same checkpoint directory before it is committed (see
-        :meth:`_queue_record`), and a resumed run trains those rows instead of drawing and generating them again.
+        :func:`~orchestration.run_resume.queue_record`), and a resumed run trains those rows instead of drawing and
+        generating them again.
         """
-        root = self.out / "checkpoints"
-        path = checkpoint_path(root, step)
         prompt_state = self.prompt_states.get(step, self.prompts.state_dict())
         extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
-        queue = self._queue_record(step)
-        extra.update({"queue": queue} if queue else {})
-        t0 = time.perf_counter()
-        queue_dir = QUEUE_DIR if queue else None
-        saved = ray.get([r.save_checkpoint.remote(str(path), extra, True, queue_dir) for r in self.trainer])
-        self._log_checkpoint(step, time.perf_counter() - t0, saved[0], queue)
-        prune_checkpoints(root, self.cfg.checkpoint_keep)
+        queue = queue_record(step, self.prompt_states, self.prompts.state_dict()) if self.cfg.checkpoint_queue else None
+        path = save_checkpoint(self.trainer, self.out, extra, queue, self.cfg.checkpoint_keep, self.metrics)
         self._saved_step = step
         return path
 
-    def init_reference(self, resumed: bool) -> None:
-        """The frozen KL reference: the run's original one (saved in ``output_dir/reference`` when the run began)
-        on resume, never the resumed weights; else the current weights, saved for later resumes."""
-        path = self.out / "reference"
-        if resumed and is_complete_checkpoint(path):
-            ray.get([r.init_reference.remote(str(path)) for r in self.trainer])
-            print(f"KL reference restored from {path}", flush=True)
-            return
-        if resumed:
-            logger.warning("no saved KL reference in %s: the resumed weights become the reference", path)
-        ray.get([r.init_reference.remote() for r in self.trainer])
-        ray.get([r.save_reference.remote(str(path)) for r in self.trainer])
-
     # ---- the run -------------------------------------------------------------------------------------------
-    def sft(self) -> float:
-        """Supervised warm-up until accuracy reaches the target (or ``max_steps``); returns the accuracy.
-
-        Stopping on *sampled* accuracy (the default) matters: at temperature 1 a model with 20% greedy accuracy
-        samples the right answer only ~8% of the time, and GRPO then needs several times more steps to take off.
-        """
-        cfg = self.cfg.sft
-        accuracy, done, t0 = 0.0, 0, time.perf_counter()
-        with tqdm(total=cfg.max_steps, desc="SFT warm-up", unit="step", dynamic_ncols=True) as bar:
-            while done < cfg.max_steps:
-                k = min(cfg.eval_every, cfg.max_steps - done)
-                stats = ray.get([r.sft_steps.remote(done, k, cfg.lr, cfg.batch_size) for r in self.trainer])[0]
-                done += k
-                self.publish(0)
-                accuracy = self.evaluate(sampled=cfg.target_metric == "sampled", samples=cfg.eval_samples)
-                self.metrics.write(
-                    {"kind": "sft", "step": done, "accuracy": accuracy, **stats, "elapsed_s": time.perf_counter() - t0}
-                )
-                bar.update(k)
-                bar.set_postfix(loss=f"{stats['sft_loss']:.3f}", **{f"{cfg.target_metric}_acc": f"{accuracy:.2f}"})
-                if accuracy >= cfg.target_accuracy:
-                    break
-        ray.get([r.reset_optimizer.remote() for r in self.trainer])
-        return accuracy
+    def warm_up(self) -> float:
+        """The SFT warm-up (orchestration/sft_warm_up.py); returns the accuracy it reached."""
+        return sft_warm_up(self.cfg.sft, self.trainer, self.publish, self.evaluate, self.metrics)
 
     def run(self) -> list[dict[str, Any]]:
         """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run."""
@@ -384,7 +355,7 @@ class GRPORun:
         start = self.step = self._resume_or_warm_up()
         self.timings["warm_up_s"] = time.perf_counter() - warm_up_started
         if cfg.train.kl_coef > 0:
-            self.init_reference(resumed=self._resumed)
+            init_reference(self.trainer, self.out, resumed=self._resumed)
         self.publish(self.version)
         # the trainer's own version (what the channel holds; a resumed run may have published an older one)
         newest = self.channel.newest_version() if self.channel is not None else None
@@ -432,14 +403,6 @@ class GRPORun:
             self.save(cfg.steps)
         plot.refresh()
         return rows_out
-
-    def run_sft(self) -> Path:
-        """Only the supervised warm-up; returns its checkpoint, a starting point for RL (``init_from``)."""
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
-        accuracy = self.sft()
-        logger.info("SFT reached greedy accuracy %.3f", accuracy)
-        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"SFT warm-up on {self.task_label}")
-        return self.save(0)
 
     def _global_step(
         self, step: int, pending: dict[int, tuple[list[Any], list[Any]]], start: int, first_version: int
@@ -494,83 +457,53 @@ class GRPORun:
         time.sleep(seconds)
         return (ray.get(controller.cpu_seconds.remote()) - start) / seconds
 
+    # ---- where the run starts (orchestration/run_resume.py) ---------------------------------------------------
     def _resume_or_warm_up(self) -> int:
-        """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT."""
-        latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
-        self._resumed = latest is not None
-        if latest is not None:
-            extra = ray.get([r.load_checkpoint.remote(str(latest)) for r in self.trainer])[0]
-            self.prompts.load_state_dict(extra["prompt_source"])
-            self.version = int(extra.get("version", extra.get("policy_version", 0)))
-            print(f"resumed from {latest} at step {extra['step']}", flush=True)
-            self.metrics.cut_back(int(extra["step"]))  # the crashed run's rows past the checkpoint are written again
-            if self._queue_from == latest:
-                self._resume_queue(int(extra["step"]), extra["queue"])
-            return int(extra["step"])
+        """Go on from this run's latest checkpoint; or start from ``init_from``; or warm up with SFT. Returns the
+        first GRPO step."""
+        start = start_point(self.cfg, self.out)
+        self._resumed = start.kind is Start.RESUME
+        if start.kind is Start.RESUME:
+            assert start.checkpoint is not None
+            return self._resume(start.checkpoint)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
-        if self.cfg.init_from:
-            ray.get([r.load_checkpoint.remote(self.cfg.init_from) for r in self.trainer])
-            ray.get([r.reset_optimizer.remote() for r in self.trainer])
-            ray.get([r.set_version.remote(0) for r in self.trainer])
-            logger.info("starting RL from the weights of %s", self.cfg.init_from)
-        elif self.cfg.sft.enabled:
-            self.sft()
+        if start.kind is Start.INIT_FROM:
+            start_from_weights(self.trainer, str(self.cfg.init_from))
+        elif start.kind is Start.SFT:
+            self.warm_up()
             self.save(0)
         return 0
 
-    # ---- the queue in a checkpoint (orchestration/queue_resume.py) -------------------------------------------
-    def _queue_record(self, step: int) -> dict[str, Any] | None:
-        """What a checkpoint of ``step`` records about the queue saved with it: the steps in flight (launched, not
-        trained), the prompt position after their draws, and where each of them drew. None: nothing is in flight
-        (or ``checkpoint_queue`` is off), no snapshot is taken."""
-        queued = sorted(s for s in self.prompt_states if s >= step) if self.cfg.checkpoint_queue else []
-        if not queued:
-            return None
-        return {
-            "dir": QUEUE_DIR,
-            "steps": queued,
-            "prompt_source": self.prompts.state_dict(),
-            "prompt_states": [[s, self.prompt_states[s]] for s in queued],
-        }
-
-    def _log_checkpoint(self, step: int, seconds: float, queue_s: float | None, queue: dict | None) -> None:
-        row = {"kind": "checkpoint", "step": step, "checkpoint_s": seconds, "queue_s": queue_s or 0.0}
-        self.metrics.write({**row, "queue_steps": queue["steps"] if queue and queue_s is not None else []})
+    def _resume(self, checkpoint: Path) -> int:
+        """The trainer, the prompt position, the policy version and the metrics as ``checkpoint`` left them (and
+        the queue, if it started from this checkpoint's snapshot); returns its step."""
+        resumed = load_checkpoint(self.trainer, checkpoint)
+        self.prompts.load_state_dict(resumed.prompt_source)
+        self.version = resumed.version
+        print(f"resumed from {checkpoint} at step {resumed.step}", flush=True)
+        self.metrics.cut_back(resumed.step)  # the crashed run's rows past the checkpoint are written again
+        if self._queue_from == checkpoint and resumed.queue is not None:
+            self._resume_queue(resumed.step, resumed.queue)
+        return resumed.step
 
     def _restorable_queue(self) -> str | None:
         """The queue snapshot of the checkpoint this run will resume from, if it has one: the queue starts from it."""
-        latest = latest_checkpoint(self.out / "checkpoints") if self.cfg.resume else None
-        snapshot = queue_snapshot_of(latest) if latest is not None and self.cfg.checkpoint_queue else None
-        if snapshot is None:
+        restorable = restorable_queue(self.cfg, self.out)
+        if restorable is None:
             return None
-        self._queue_from = latest
-        return str(snapshot[0])
-
-    def restored_outputs(self) -> dict[str, str]:
-        """Worker task -> the field it writes into a step's rows (a restored row that has it is done for it)."""
-        outputs = {ROLLOUT_TASK: "tokens" if self.cfg.rollout.generate_fn else "response_ids"}
-        return {**outputs, REWARD_TASK: "reward"} if self.reward else outputs
+        self._queue_from = restorable[0]
+        return str(restorable[1])
 
     def _resume_queue(self, step: int, record: dict[str, Any]) -> None:
         """Go on with the steps the restored queue holds: the prompt source after their draws, and each task's
         consumption agreeing with what was produced before the crash (what was in flight is handed out again)."""
         self.prompts.load_state_dict(record["prompt_source"])
         self.prompt_states.update({int(s): state for s, state in record["prompt_states"]})
-        resume = QueueResume(step, self.cfg.prompts_per_step * self.cfg.n_samples)
-        outputs = self.restored_outputs()
-        for queued in record["steps"]:
-            resume.kept[int(queued)] = reconcile_step(self.client, int(queued), outputs, self.cfg.queue_timeout)
-        self.queue_resume = resume
-        print(resume.message(ROLLOUT_TASK), flush=True)
-        self.metrics.write(
-            {
-                "kind": "resume",
-                "step": step,
-                "restored_steps": resume.steps,
-                "restored_rows": resume.restored_rows(ROLLOUT_TASK),
-                "relaunched_rows": resume.rows_per_step * len(resume.steps) - resume.restored_rows(ROLLOUT_TASK),
-            }
-        )
+        outputs = restored_outputs(self.cfg, with_reward_workers=bool(self.reward))
+        rows = self.cfg.prompts_per_step * self.cfg.n_samples
+        self.queue_resume = resume_steps(self.client, step, record, rows, outputs, self.cfg.queue_timeout)
+        print(self.queue_resume.message(ROLLOUT_TASK), flush=True)
+        self.metrics.write(self.queue_resume.row(ROLLOUT_TASK))
 
     def _relaunch_restored(self, start: int, first_version: int) -> dict[int, tuple[list[Any], list[Any]]]:
         """Rollout and reward of the steps restored from the queue checkpoint (their prompts are in the queue):

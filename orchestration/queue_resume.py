@@ -1,7 +1,8 @@
 """An RL run resumed with its queue: rows produced before the crash are trained, rows in flight are produced again.
 
-``GRPORun.save`` puts the queue's snapshot into each checkpoint that has steps in flight (launched, not trained: in
-async mode up to ``max_staleness`` steps, with the shm weight channel one more). After ``transfer_queue.init(...,
+``GRPORun.save`` (orchestration/run_resume.py's ``save_checkpoint``) puts the queue's snapshot into each checkpoint
+that has steps in flight (launched, not trained: in async mode up to ``max_staleness`` steps, with the shm weight
+channel one more). After ``transfer_queue.init(...,
 restore_from=...)`` those steps' partitions are back with every row that had been put, and leased rows are ready
 again. One case the queue cannot know about: a worker that had taken rows (``get_data`` acknowledges them for its
 task) but had not written its output yet when the checkpoint was taken. Those rows are acknowledged in the snapshot,
@@ -42,13 +43,26 @@ class QueueResume:
         """Rows of the restored steps whose ``task`` output came back from the checkpoint (not produced again)."""
         return sum(kept.get(task, 0) for kept in self.kept.values())
 
+    def relaunched_rows(self, task: str) -> int:
+        """Rows of the restored steps whose ``task`` output is produced again (it was not in the checkpoint)."""
+        return self.rows_per_step * len(self.kept) - self.restored_rows(task)
+
     def message(self, task: str) -> str:
-        restored = self.restored_rows(task)
-        relaunched = self.rows_per_step * len(self.kept) - restored
         return (
-            f"resumed from step {self.step}: {restored} rows of steps {self.steps} restored from the queue "
-            f"checkpoint, {relaunched} re-launched"
+            f"resumed from step {self.step}: {self.restored_rows(task)} rows of steps {self.steps} restored from the "
+            f"queue checkpoint, {self.relaunched_rows(task)} re-launched"
         )
+
+    def row(self, task: str) -> dict[str, Any]:
+        """The run's metrics row of this resume: the steps restored, and their rows restored and re-launched for
+        ``task``."""
+        return {
+            "kind": "resume",
+            "step": self.step,
+            "restored_steps": self.steps,
+            "restored_rows": self.restored_rows(task),
+            "relaunched_rows": self.relaunched_rows(task),
+        }
 
 
 def queue_snapshot_of(checkpoint: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -64,6 +78,17 @@ def queue_snapshot_of(checkpoint: Path) -> tuple[Path, dict[str, Any]] | None:
         logger.warning("%s holds no queue snapshot in %s: the steps in flight are drawn again", checkpoint, directory)
         return None
     return directory, record
+
+
+def resume_steps(
+    client: Any, step: int, record: dict[str, Any], rows_per_step: int, outputs: dict[str, str], timeout: float
+) -> QueueResume:
+    """Go on with the steps a queue restored from the checkpoint of ``step`` holds (``record["steps"]``): each
+    one reconciled (:func:`reconcile_step`, ``outputs`` and ``timeout`` as there)."""
+    resume = QueueResume(step, rows_per_step)
+    for queued in record["steps"]:
+        resume.kept[int(queued)] = reconcile_step(client, int(queued), outputs, timeout)
+    return resume
 
 
 def reconcile_step(client: Any, step: int, outputs: dict[str, str], timeout: float) -> dict[str, int]:

@@ -35,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     if not config.resume:  # --new: the previous run is moved aside (SFT otherwise starts over in place)
         print(plan_run(config).message, flush=True)
     from orchestration import GRPORun, connect_ray  # here: a refused run never loads Ray and the workers
+    from orchestration.sft_warm_up import run_sft
 
     connect_ray()
     run = GRPORun(config)
     try:
-        path = run.run_sft()
+        path = run_sft(run)
     finally:
         run.shutdown()
     print(f"plot: {config.output_path / 'metrics.png'}")

@@ -1,5 +1,5 @@
 """The bookkeeping of resuming an RL run's queue (orchestration/queue_resume.py), without Ray: which checkpoints
-carry a queue snapshot, and what the resume says it restored and re-launched."""
+carry a queue snapshot, which steps a resume reconciles, and what it says it restored and re-launched."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of
+from orchestration import queue_resume
+from orchestration.queue_resume import QUEUE_DIR, QueueResume, queue_snapshot_of, resume_steps
 from trainers.checkpoint import queue_stage
 from transfer_queue.errors import CheckpointError
 
@@ -76,3 +77,29 @@ def test_the_resume_message_counts_restored_and_relaunched_rows() -> None:
     assert resume.message("rollout") == (
         "resumed from step 4: 40 rows of steps [4, 5] restored from the queue checkpoint, 24 re-launched"
     )
+
+
+def test_the_resume_row_counts_the_rows_of_one_task() -> None:
+    resume = QueueResume(step=4, rows_per_step=32, kept={5: {"rollout": 8}, 4: {"rollout": 32}})
+    assert resume.relaunched_rows("rollout") == 24 and resume.relaunched_rows("reward") == 64
+    assert resume.row("rollout") == {
+        "kind": "resume",
+        "step": 4,
+        "restored_steps": [4, 5],
+        "restored_rows": 40,
+        "relaunched_rows": 24,
+    }
+
+
+def test_each_step_of_the_record_is_reconciled_with_the_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+
+    def reconcile(client: object, step: int, outputs: dict[str, str], timeout: float) -> dict[str, int]:
+        seen.append((client, step, outputs, timeout))
+        return {"rollout": 8 * step}
+
+    monkeypatch.setattr(queue_resume, "reconcile_step", reconcile)
+    record = {"dir": QUEUE_DIR, "steps": [4, 5], "prompt_source": {}, "prompt_states": []}
+    resume = resume_steps("client", 4, record, 32, {"rollout": "response_ids"}, 9.0)
+    assert seen == [("client", 4, {"rollout": "response_ids"}, 9.0), ("client", 5, {"rollout": "response_ids"}, 9.0)]
+    assert resume == QueueResume(step=4, rows_per_step=32, kept={4: {"rollout": 32}, 5: {"rollout": 40}})
