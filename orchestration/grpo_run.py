@@ -29,8 +29,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import ray
 import torch
@@ -206,6 +207,12 @@ class GRPORun:
         self._resumed = False
         # prompts whose rows die with a storage unit are put again (orchestration/regenerate.py)
         self.lost_prompts = LostPrompts(self.client, TRAIN_TASK, self.put_group, self.relaunch)
+        # the loop's state (begin(), steps()): where GRPO starts, the steps launched and not yet trained, the rows
+        self.start = 0
+        self.first_version = 0
+        self.pending: dict[int, tuple[list[Any], list[Any]]] = {}
+        self.rows: list[dict[str, Any]] = []
+        self._publish_refs: list[Any] = []
 
     def start_workers(self, info: Any, spec: EngineSpec) -> tuple[list[Any], list[Any]]:
         """The rollout and reward worker actors (a subclass, e.g. the agent recipe's, starts others).
@@ -343,57 +350,65 @@ class GRPORun:
         self._saved_step = step
         return path
 
-    # ---- the run -------------------------------------------------------------------------------------------
+    # ---- the run: GRPORun.run() and the recipes call these, in this order (docs/rl.md) ----------------------
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Stop the actors and the queue however the block ends; a Ctrl-C (or a SIGTERM under
+        :class:`~orchestration.stopping.SigtermStops`) becomes :class:`RunStopped` with the GRPO steps done."""
+        self.shutdown()
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not isinstance(exc, RunStopped):
+            raise RunStopped(self.step) from None
+
     def warm_up(self) -> float:
         """The SFT warm-up (orchestration/sft_warm_up.py); returns the accuracy it reached."""
         return sft_warm_up(self.cfg.sft, self.trainer, self.publish, self.evaluate, self.metrics)
 
-    def run(self) -> list[dict[str, Any]]:
-        """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run."""
-        cfg = self.cfg
+    def begin(self) -> int:
+        """Where GRPO starts: this run's latest checkpoint, or ``init_from``, or an SFT warm-up (then checkpoint 0);
+        the KL reference, the engines' first weights, and the steps a restored queue holds relaunched. Returns the
+        first GRPO step."""
         warm_up_started = time.perf_counter()
-        start = self.step = self._resume_or_warm_up()
+        self.start = self.step = self._resume_or_warm_up()
         self.timings["warm_up_s"] = time.perf_counter() - warm_up_started
-        if cfg.train.kl_coef > 0:
+        if self.cfg.train.kl_coef > 0:
             init_reference(self.trainer, self.out, resumed=self._resumed)
         self.publish(self.version)
         # the trainer's own version (what the channel holds; a resumed run may have published an older one)
         newest = self.channel.newest_version() if self.channel is not None else None
-        first_version = newest if newest is not None else self.version
-        pending = self._relaunch_restored(start, first_version)
-        rows_out = []
+        self.first_version = newest if newest is not None else self.version
+        self.pending = self._relaunch_restored(self.start, self.first_version)
+        return self.start
+
+    def steps(self) -> Iterator[int]:
+        """The GRPO steps from :meth:`begin`'s to ``steps``, with a progress line; :meth:`log` each one's row. After
+        the last: the run's summary row, its final checkpoint and plot."""
+        cfg = self.cfg
         controller = transfer_queue.get_controller()
         idle_cpu_per_s = self._queue_idle_cpu(controller)
         run_started = time.perf_counter()
         queue_cpu_start = ray.get(controller.cpu_seconds.remote())
-        progress = StepReporter(start, cfg.steps, every=cfg.log_every)
-        plot = PlotRefresher(self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}")
+        self.progress = StepReporter(self.start, cfg.steps, every=cfg.log_every)
+        self.plot = PlotRefresher(
+            self.out / "metrics.jsonl", self.out / "metrics.png", title=f"GRPO on {self.task_label}"
+        )
         try:
-            for step in range(start, cfg.steps):
-                row = self._global_step(step, pending, start, first_version)
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                    row["eval_accuracy"] = self.evaluate()
-                self.metrics.write(row)
-                self.sinks.write(row)
-                rows_out.append(row)
-                self.step = step + 1
-                progress.update(step, row)
-                plot.maybe_refresh()
-                if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
-                    self.save(step + 1)
-                self.prompt_states.pop(step, None)
+            for step in range(self.start, cfg.steps):
+                self._step_started = (time.perf_counter(), time.time())
+                yield step
         finally:
-            progress.close()  # a Ctrl-C's line starts on a line of its own, not after the bar
+            self.progress.close()  # a Ctrl-C's line starts on a line of its own, not after the bar
             self.timings["grpo_s"] = time.perf_counter() - run_started
             if self.stage_trace is not None:  # however the run ends: what was recorded is worth a look
                 print(f"trace: {self.stage_trace.write()} (open it in https://ui.perfetto.dev)", flush=True)
-        steps_run = max(len(rows_out), 1)
+        steps_run = max(len(self.rows), 1)
         server_cpu = ray.get(controller.cpu_seconds.remote()) - queue_cpu_start
         idle_cpu = idle_cpu_per_s * (time.perf_counter() - run_started)
         self.metrics.write(
             {
                 "kind": "summary",
-                "steps": len(rows_out),
+                "steps": len(self.rows),
                 "grpo_wall_s": time.perf_counter() - run_started,
                 "queue_server_cpu_s_per_step": server_cpu / steps_run,
                 "queue_idle_cpu_s_per_step": idle_cpu / steps_run,
@@ -401,46 +416,95 @@ class GRPORun:
         )
         if self._saved_step != cfg.steps:  # the last periodic checkpoint may already be this one
             self.save(cfg.steps)
-        plot.refresh()
-        return rows_out
+        self.plot.refresh()
 
-    def _global_step(
-        self, step: int, pending: dict[int, tuple[list[Any], list[Any]]], start: int, first_version: int
-    ) -> dict[str, Any]:
-        """Train on ``step`` and publish the weights; launches the rollouts of the steps ahead; its metrics row."""
-        cfg = self.cfg
-        t0, wall0 = time.perf_counter(), time.time()
-        if step not in pending:
-            pending[step] = self.launch(step, self._min_version(step, start, first_version))
+    def generate(self, step: int) -> None:
+        """Put the prompts of ``step``, and of the steps up to ``max_staleness`` ahead (async mode; with a weight
+        channel one more), that are not in the queue yet: rollout workers generate into their rows and reward workers
+        score them as they come (Ray calls: this returns at once)."""
+        for s in range(step, min(step + self.lookahead + 1, self.cfg.steps)):
+            if s not in self.pending:
+                self.pending[s] = self.launch(s, self._min_version(s, self.start, self.first_version))
+
+    def train(self, step: int) -> dict[str, float]:
+        """The trainer ranks read ``step``'s scored groups from the queue as they are produced and take one optimizer
+        step (prompts lost with a storage unit are put again meanwhile); returns the trainer's metrics. With a weight
+        channel, the publish of the new version is queued right behind the step on the ranks: no round trip."""
         train_refs = [rank.train_step.remote(step) for rank in self.trainer]
-        train_launched = time.time()
-        version = first_version + step - start + 1  # the trainer's after this step
-        publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
-        publish_refs = []
-        if publish and self.channel is not None:  # queued right behind the step on the ranks: no round trip
-            publish_refs = [rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer]
-        for ahead in range(step + 1, min(step + self.lookahead + 1, cfg.steps)):
-            if ahead not in pending:
-                pending[ahead] = self.launch(ahead, self._min_version(ahead, start, first_version))
-        train = self.lost_prompts.wait(train_refs, pending)[0]  # puts again prompts lost with a storage unit
-        train_done = time.time()
-        rollout_refs, reward_refs = pending.pop(step)
-        rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
-        if self.channel is not None:
-            if int(train["policy_version"]) != version:  # the rollouts launched ahead wait for `version`
-                raise RuntimeError(f"the trainer is at version {train['policy_version']}, expected {version}")
-            sync_s = float(ray.get(publish_refs)[0]) if publish_refs else 0.0
-            self.version = version if publish_refs else self.version
-        else:
+        self._train_launched = time.time()
+        self._publish_refs = []
+        if self.channel is not None and self._publishes(step, self._version_after(step)):
+            self._publish_refs = [rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer]
+        train = self.lost_prompts.wait(train_refs, self.pending)[0]  # puts again prompts lost with a storage unit
+        self._train_done = time.time()
+        return train
+
+    def sync_weights(self, step: int, train: dict[str, float]) -> float:
+        """The engines get the trainer's new weights when a publish is due (every ``sync_every`` versions, and after
+        the last step); returns the seconds it took (0 when none was due)."""
+        if self.channel is None:
             version = int(train["policy_version"])
-            publish = version % cfg.sync_every == 0 or step == cfg.steps - 1
-            sync_s = self.publish(version) if publish else 0.0
+            return self.publish(version) if self._publishes(step, version) else 0.0
+        version = self._version_after(step)
+        if int(train["policy_version"]) != version:  # the rollouts launched ahead wait for `version`
+            raise RuntimeError(f"the trainer is at version {train['policy_version']}, expected {version}")
+        if not self._publish_refs:
+            return 0.0
+        self.version = version
+        return float(ray.get(self._publish_refs)[0])
+
+    def end_step(self, step: int, train: dict[str, float], sync_s: float) -> dict[str, Any]:
+        """Gather the step's rollout and reward figures, clear its rows from the queue; returns its metrics row."""
+        rollout_refs, reward_refs = self.pending.pop(step)
+        rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
         self.client.clear(global_step=step)
         self.lost_prompts.forget(step)
+        t0, wall0 = self._step_started
         if self.stage_trace is not None:
             wall = (wall0, time.time())
-            self.stage_trace.step(step, wall, (train_launched, train_done), rollout_stats, reward_stats, sync_s)
+            train_wall = (self._train_launched, self._train_done)
+            self.stage_trace.step(step, wall, train_wall, rollout_stats, reward_stats, sync_s)
         return self._step_row(step, train, rollout_stats, reward_stats, sync_s, time.perf_counter() - t0)
+
+    def eval_due(self, step: int) -> bool:
+        """Whether an evaluation follows ``step`` (every ``eval_every`` steps; never when it is 0)."""
+        return bool(self.cfg.eval_every) and (step + 1) % self.cfg.eval_every == 0
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Write a step's row (metrics.jsonl, the controller's gauges and any sinks), move the progress line, redraw
+        the plot now and then, and checkpoint every ``checkpoint_interval`` steps."""
+        step = int(row["step"])
+        self.metrics.write(row)
+        self.sinks.write(row)
+        self.rows.append(row)
+        self.step = step + 1
+        self.progress.update(step, row)
+        self.plot.maybe_refresh()
+        if self.cfg.checkpoint_interval and (step + 1) % self.cfg.checkpoint_interval == 0:
+            self.save(step + 1)
+        self.prompt_states.pop(step, None)
+
+    def run(self) -> list[dict[str, Any]]:
+        """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run. The same loop
+        is written out in recipe/demo.py."""
+        self.begin()
+        for step in self.steps():
+            self.generate(step)
+            train = self.train(step)
+            sync_s = self.sync_weights(step, train)
+            row = self.end_step(step, train, sync_s)
+            if self.eval_due(step):
+                row["eval_accuracy"] = self.evaluate()
+            self.log(row)
+        return self.rows
+
+    def _version_after(self, step: int) -> int:
+        """The trainer's policy version once it has trained ``step``."""
+        return self.first_version + step - self.start + 1
+
+    def _publishes(self, step: int, version: int) -> bool:
+        """Whether the weights of ``version`` (after ``step``) go to the engines: every ``sync_every``, and the last."""
+        return version % self.cfg.sync_every == 0 or step == self.cfg.steps - 1
 
     def _min_version(self, step: int, start: int, first_version: int) -> int | None:
         """The oldest policy version the rollout of ``step`` may use (weight channel only; else None): the newest
@@ -552,17 +616,25 @@ class GRPORun:
 
     def shutdown(self) -> None:
         """Stop the actors and the queue, then remove the weight channel (whatever failed before it): the ranks that
-        write the channel are gone by then. Stops only what started, so it also ends a start-up that failed."""
+        write the channel are gone by then. Stops only what started, so it also ends a start-up that failed; a
+        second call does nothing."""
+        sinks, actors, client, channel = (
+            self.sinks,
+            [*self.rollout, *self.reward, *self.trainer],
+            self.client,
+            self.channel,
+        )
+        self.sinks, self.rollout, self.reward, self.trainer, self.client, self.channel = None, [], [], [], None, None
         try:
-            if self.sinks is not None:
-                self.sinks.close()
-            for actor in [*self.rollout, *self.reward, *self.trainer]:
+            if sinks is not None:
+                sinks.close()
+            for actor in actors:
                 ray.kill(actor)
-            if self.client is not None:
+            if client is not None:
                 transfer_queue.shutdown()
         finally:
-            if self.channel is not None:
-                self.channel.close()
+            if channel is not None:
+                channel.close()
 
 
 def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> None:
@@ -602,21 +674,21 @@ def time_line(steps: int, total_s: float, timings: dict[str, float]) -> str:
     )
 
 
-def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
-    """Run ``config`` (SFT if configured, then GRPO), stop its actors, and print how the reward moved.
+#: a run's loop: called with the started run, returns its GRPO rows (``GRPORun.run``, or a recipe's own)
+Loop = Callable[[GRPORun], list[dict[str, Any]]]
+
+
+def train_and_report(config: RLConfig, loop: Loop | None = None) -> list[dict[str, Any]]:
+    """Start ``config``'s run, go through ``loop`` (by default ``GRPORun.run``: SFT if configured, then GRPO), stop
+    its actors, and print how the reward moved.
 
     Raises:
         RunStopped: on a Ctrl-C (KeyboardInterrupt), once the run's actors and queue are stopped; ``step`` is the
             GRPO steps done (orchestration/stopping.py).
     """
     started = time.perf_counter()
-    run = GRPORun(config)
-    try:
-        rows = run.run()
-    except KeyboardInterrupt:
-        raise RunStopped(run.step) from None  # after the finally below: actors killed, queue stopped
-    finally:
-        run.shutdown()
+    with GRPORun(config) as run:
+        rows = loop(run) if loop is not None else run.run()
     first, last = fifth_means([r["reward"] for r in rows])
     print(f"\nGRPO mean reward: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
     print(time_line(len(rows), time.perf_counter() - started, run.timings))
@@ -625,9 +697,10 @@ def train_and_report(config: RLConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def train_from_command_line(config: RLConfig, env_vars: dict[str, str] | None = None) -> int:
-    """A recipe's run: ``connect_ray`` then ``train_and_report``; on Ctrl-C or SIGTERM one line (where it stopped,
-    how to go on) and exit code 130 (143 for SIGTERM) instead of a traceback; Ray shut down however it ends.
+def train_from_command_line(config: RLConfig, env_vars: dict[str, str] | None = None, loop: Loop | None = None) -> int:
+    """A recipe's run: ``connect_ray`` then ``train_and_report`` with ``loop``; on Ctrl-C or SIGTERM one line (where
+    it stopped, how to go on) and exit code 130 (143 for SIGTERM) instead of a traceback; Ray shut down however it
+    ends.
 
     Returns:
         The process's exit code: 0, ``EXIT_INTERRUPTED`` or ``EXIT_TERMINATED``.
@@ -636,7 +709,7 @@ def train_from_command_line(config: RLConfig, env_vars: dict[str, str] | None = 
     try:
         connect_ray(env_vars)
         with sigterm:  # after Ray's start: ray.init installs a SIGTERM handler of its own
-            train_and_report(config)
+            train_and_report(config, loop)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the run's actors, queue and weight channel are stopped
         print(stopped_line(config, exc), file=sys.stderr)
         return sigterm.exit_code()

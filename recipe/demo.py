@@ -16,13 +16,32 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 from orchestration.run_plan import plan_run
 from trainers.config import ConfigError, config_from_cli
 
+if TYPE_CHECKING:
+    from orchestration import GRPORun
+
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+
+
+def grpo(run: GRPORun) -> list[dict[str, Any]]:
+    """The loop (``GRPORun.run`` is the same): every stage streams through the queue, so in async mode
+    (``max_staleness`` > 0) the next steps generate while this one trains."""
+    run.begin()  # resume from the latest checkpoint | init_from | SFT warm-up, then checkpoint 0
+    for step in run.steps():  # a progress line; after the last step a checkpoint and the plot
+        run.generate(step)  # prompts x n_samples into the queue: rollout workers generate, reward workers score
+        train = run.train(step)  # the FSDP2 ranks read the step's scored groups and take one optimizer step
+        sync_s = run.sync_weights(step, train)  # every sync_every versions, the engines get the new weights
+        row = run.end_step(step, train, sync_s)  # the step's rows cleared from the queue; its metrics
+        if run.eval_due(step):
+            row["eval_accuracy"] = run.evaluate()  # greedy accuracy on the held-out problems
+        run.log(row)  # metrics.jsonl, the plot, checkpoints every checkpoint_every steps
+    return run.rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.message, flush=True)
     from orchestration import train_from_command_line  # here: a refused run never loads Ray and the workers
 
-    return train_from_command_line(config)
+    return train_from_command_line(config, loop=grpo)  # Ray, the run's actors; Ctrl-C/SIGTERM: one line, 130/143
 
 
 if __name__ == "__main__":

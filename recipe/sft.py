@@ -38,11 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from orchestration.sft_warm_up import run_sft
 
     connect_ray()
-    run = GRPORun(config)
-    try:
+    with GRPORun(config) as run:  # the queue and the actors, stopped however this ends
         path = run_sft(run)
-    finally:
-        run.shutdown()
     print(f"plot: {config.output_path / 'metrics.png'}")
     print(f"SFT checkpoint: {path}\nstart RL from it with: python recipe/demo.py sft.enabled=false init_from={path}")
     return 0

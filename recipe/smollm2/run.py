@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model file is local; never reach for a hub
 
 from orchestration import train_from_command_line
+from recipe.demo import grpo  # the demo's GRPO loop, on the page there
 from trainers.config import config_from_cli
 from workers.hf_models import prepare_smollm2
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_smollm2(config.task.kwargs.get("cache_dir"))  # once; returns at once when already prepared
         except ImportError as exc:
             raise SystemExit(str(exc)) from None
-    return train_from_command_line(config, {"HF_HUB_OFFLINE": "1"})
+    return train_from_command_line(config, {"HF_HUB_OFFLINE": "1"}, loop=grpo)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def test_after_new_the_line_says_to_resume_without_it(tmp_path):
     )
 
 
-class _InterruptedRun:
+class _InterruptedRun(grpo_run.GRPORun):
+    """A GRPORun without actors (its own start-up and shutdown), interrupted mid-run."""
+
     instances: ClassVar[list[_InterruptedRun]] = []
 
     def __init__(self, config):
@@ -83,7 +85,7 @@ def test_a_ctrl_c_in_the_demo_prints_one_line_shuts_ray_down_and_exits_130(monke
 
     shut_down = []
 
-    def interrupted(config):
+    def interrupted(config, loop=None):
         raise RunStopped(2)
 
     monkeypatch.setattr(grpo_run, "connect_ray", lambda env_vars=None: None)
@@ -136,15 +138,15 @@ def test_a_sigterm_in_the_demo_stops_the_run_prints_one_line_and_exits_143(
 
     shut_down, stopped = [], []
 
-    class _RunUntilSigterm:
+    class _RunUntilSigterm(grpo_run.GRPORun):  # no actors: the recipe's loop stopped in its first call
         def __init__(self, config):
             self.step = 0
 
-        def run(self):
+        def begin(self):
             self.step = 4
             os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's kill, mid-run
             time.sleep(5)
-            return []
+            return 4
 
         def shutdown(self):
             stopped.append(self.step)
@@ -155,3 +157,21 @@ def test_a_sigterm_in_the_demo_stops_the_run_prints_one_line_and_exits_143(
     assert demo.main([f"output_dir={tmp_path / 'run'}"]) == 143
     assert capsys.readouterr().err == "stopped at step 4; no checkpoint yet; run the same command to start again\n"
     assert stopped == [4] and shut_down == [True] and sigterm_recorded == []
+
+
+def test_a_run_is_stopped_once_however_often_shutdown_is_called(monkeypatch):
+    killed, queues_stopped, closed = [], [], []
+    monkeypatch.setattr(grpo_run.ray, "kill", killed.append)
+    monkeypatch.setattr(grpo_run.transfer_queue, "shutdown", lambda: queues_stopped.append(True))
+    run = grpo_run.GRPORun.__new__(grpo_run.GRPORun)  # no actors started: only what shutdown stops
+    run.sinks = type("Sinks", (), {"close": lambda self: closed.append("sinks")})()
+    run.channel = type("Channel", (), {"close": lambda self: closed.append("channel")})()
+    run.rollout, run.reward, run.trainer, run.client = ["rollout"], ["reward"], ["rank0", "rank1"], object()
+    # a with block stops the run as it ends; a Ctrl-C in it says how far the run got
+    with pytest.raises(RunStopped, match="stopped at step 3") as stopped, run:
+        run.step = 3
+        raise KeyboardInterrupt
+    assert stopped.value.step == 3
+    run.shutdown()  # again (a recipe's finally after the with): nothing is stopped twice
+    assert killed == ["rollout", "reward", "rank0", "rank1"]
+    assert queues_stopped == [True] and closed == ["sinks", "channel"]
