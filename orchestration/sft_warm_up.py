@@ -63,6 +63,6 @@ def run_sft(run: GRPORun) -> Path:
     (step 0), a starting point for RL (``init_from``)."""
     run.metrics = MetricsLog(run.out / "metrics.jsonl", truncate=True)
     accuracy = run.warm_up()
-    logger.info("SFT reached greedy accuracy %.3f", accuracy)
+    logger.info("SFT reached %s accuracy %.3f", run.cfg.sft.target_metric, accuracy)
     plot_metrics(run.out / "metrics.jsonl", run.out / "metrics.png", title=f"SFT warm-up on {run.task_label}")
     return run.save(0)

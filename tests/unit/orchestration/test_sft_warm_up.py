@@ -4,6 +4,7 @@ the optimizer reset at the end. ``run_sft``: the warm-up alone, its fresh metric
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ class SFTOnlyRun:
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.cfg = type("RunConfig", (), {"sft": SFTConfig(target_metric="sampled")})()
         self.metrics = MetricsLog(out / "metrics.jsonl")
         self.saved: list[int] = []
 
@@ -104,10 +106,14 @@ class SFTOnlyRun:
         return self.out / "checkpoints" / f"step_{step:08d}"
 
 
-def test_sft_alone_starts_its_metrics_over_plots_them_and_checkpoints_step_0(tmp_path: Path) -> None:
+def test_sft_alone_starts_its_metrics_over_plots_them_and_checkpoints_step_0(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     MetricsLog(tmp_path / "metrics.jsonl").write({"kind": "grpo", "step": 3})  # a previous run in the same dir
     run = SFTOnlyRun(tmp_path)
-    assert run_sft(run) == tmp_path / "checkpoints" / "step_00000000"  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="orchestration.sft_warm_up"):
+        assert run_sft(run) == tmp_path / "checkpoints" / "step_00000000"  # type: ignore[arg-type]
+    assert "SFT reached sampled accuracy 0.500" in caplog.text  # the metric the run stops on, not always greedy
     assert run.saved == [0]
     assert [r["kind"] for r in MetricsLog(tmp_path / "metrics.jsonl").rows()] == ["sft"]
     assert (tmp_path / "metrics.png").stat().st_size > 0
