@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.agents.environment import Environment, Step, register_environment
-from workers.agents.sandbox import CommandResult, Sandbox, SandboxLimits
+from workers.agents.environment import Step, register_environment
+from workers.agents.envs.sandboxed import SandboxedEnvironment
+from workers.agents.sandbox import CommandResult, Sandbox
 
 INSTRUCTIONS = """You are an assistant that will act like a person. I will play the role of a Linux (Ubuntu) operating \
 system. Your goal is to implement the operations required by me or answer the question proposed by me. For each of \
@@ -55,7 +56,6 @@ _ANSWER = re.compile(r"Act:\s*answer\((.*)\)")
 _FINISH = re.compile(r"Act:\s*finish\b")
 #: output shown to the agent per command (AgentBench truncates similarly)
 _SHOWN_CHARS = 800
-SAMPLES_PER_KIND = 20
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def normalise(answer: str) -> str:
 
 
 @register_environment("os-interaction")
-class OsInteractionEnvironment(Environment):
+class OsInteractionEnvironment(SandboxedEnvironment):
     """Shell tasks with answer checking; every command runs in a fresh bubblewrap container on the episode's files.
 
     Args:
@@ -169,15 +169,7 @@ class OsInteractionEnvironment(Environment):
         "Reward 1.0 for a correct answer or a change that passes its check, else 0.0."
     )
     max_turns = 8
-    episode_memory_bytes = SandboxLimits().episode_memory_bytes
-
-    def __init__(self, limits: SandboxLimits | None = None) -> None:
-        self.limits = limits
-        self.sandbox: Sandbox | None = None
-
-    @classmethod
-    def sample_ids(cls) -> list[str]:
-        return [f"{kind}-{i:03d}" for kind in TASKS for i in range(SAMPLES_PER_KIND)]
+    task_kinds = TASKS
 
     def reset(self, sample_id: str, config: dict[str, Any]) -> str:
         self.task = build_task(self.resolve_sample_id(sample_id))
@@ -213,10 +205,6 @@ class OsInteractionEnvironment(Environment):
         else:
             success = check is not None and check.exit_code == 0 and not check.timed_out
         return Step(None, float(success), True, {"success": success})
-
-    def close(self) -> None:
-        if self.sandbox is not None:
-            self.sandbox.close()
 
 
 def _shown(result: CommandResult) -> str:
