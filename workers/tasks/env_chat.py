@@ -14,6 +14,7 @@ from typing import Any
 import workers.agents.envs  # noqa: F401 (registers the shipped environments)
 from rl_contracts.task import Task
 from workers.agents.environment import environment_class
+from workers.agents.sample_dataset import load_sample_ids
 from workers.hf_models import require_prepared, smollm2_path
 
 
@@ -24,13 +25,23 @@ class ChatEnvTask(Task):
         env: a registered environment name (``os-interaction``) or ``"module:Class"``.
         model_path: a prepared Hugging Face directory; default: :func:`workers.hf_models.smollm2_path`.
         cache_dir: the model cache root of the default path.
+        dataset: a JSONL file of sample ids as AReaL's examples ship them (``{"index": ..., "messages": [...]}``,
+            workers/agents/sample_dataset.py): prompts are drawn from its samples only; default: every sample.
     """
 
     reward_fields = ()
 
-    def __init__(self, env: str = "os-interaction", model_path: str | None = None, cache_dir: str | None = None):
+    def __init__(
+        self,
+        env: str = "os-interaction",
+        model_path: str | None = None,
+        cache_dir: str | None = None,
+        dataset: str | None = None,
+    ):
         self.env = env
         self.sample_ids = list(environment_class(env).sample_ids())
+        if dataset is not None:
+            self.sample_ids = load_sample_ids(dataset, self.sample_ids)
         self.model_path = Path(model_path).expanduser() if model_path else smollm2_path(cache_dir)
         self._tokenizer: Any = None
 
@@ -43,7 +54,8 @@ class ChatEnvTask(Task):
         return self._tokenizer
 
     def prompts(self, split: str, num: int, seed: int) -> list[dict[str, Any]]:
-        """``num`` sample ids drawn (seeded) from the environment's samples; no prompt ids, the server makes them."""
+        """``num`` sample ids drawn (seeded) from the environment's samples (or the dataset's); no prompt ids, the
+        server makes them."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         rng = random.Random(f"{split}-{seed}")
