@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import ray
 
 from orchestration import GRPORun, connect_ray
+from orchestration.config import ConfigError, RLConfig, config_from_cli
 from orchestration.grpo_run import time_line
 from orchestration.metrics import fifth_means
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
-from trainers.config import ConfigError, RLConfig, config_from_cli
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.agents.server_process import TaskServerProcess
 from workers.api_key import new_api_key

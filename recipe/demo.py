@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+from orchestration.config import ConfigError, config_from_cli
 from orchestration.run_plan import plan_run
-from trainers.config import ConfigError, config_from_cli
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from orchestration import grpo_run
+from orchestration.config import load_config
 from orchestration.grpo_run import GRPORun
 from rl_contracts.weight_channel import WeightChannel
-from trainers.config import load_config
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 
