@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestration.config import RLConfig
 from orchestration.grpo_run import GRPORun
 from rl_contracts.actors import actor_class
-from trainers.config import RLConfig
 from workers.agents.rollout_worker import AgentRolloutWorker
 from workers.engines.host import EngineSpec
 

@@ -37,6 +37,7 @@ import ray
 import torch
 
 import transfer_queue
+from orchestration.config import RLConfig
 from orchestration.metric_sinks import run_sinks
 from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from orchestration.queue_resume import QueueResume, resume_steps
@@ -63,7 +64,7 @@ from rl_contracts.rows import jagged
 from rl_contracts.stages import REDO_GROUP, REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
-from trainers.config import RLConfig, TrainerConfig
+from trainers.config import TrainerConfig
 from trainers.grpo import GRPOTrainerRank
 from transfer_queue.runtime import init_ray
 from workers.api_key import key_from_env

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
+from orchestration.config import ConfigError, RLConfig, config_to_dict, flatten_dict
 from trainers.checkpoint import latest_checkpoint
-from trainers.config import ConfigError, RLConfig, config_to_dict, flatten_dict
 
 # Settings a resumed run may change: sizes of the machinery, bookkeeping and how long to go on. Everything else
 # shapes the training itself (model, data, optimisation, loss, sampling) and would silently mix two runs.

@@ -22,11 +22,11 @@ from typing import Any
 
 import ray
 
+from orchestration.config import RLConfig
 from orchestration.metrics import MetricsLog
 from orchestration.queue_resume import QUEUE_DIR, queue_snapshot_of
 from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint, latest_checkpoint, prune_checkpoints
-from trainers.config import RLConfig
 
 logger = logging.getLogger(__name__)
 

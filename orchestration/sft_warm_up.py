@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 from tqdm import tqdm
 
+from orchestration.config import SFTConfig
 from orchestration.metrics import MetricsLog, plot_metrics
-from trainers.config import SFTConfig
 
 if TYPE_CHECKING:
     from orchestration.grpo_run import GRPORun

@@ -20,8 +20,8 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+from orchestration.config import RLConfig
 from trainers.checkpoint import latest_checkpoint
-from trainers.config import RLConfig
 
 #: the exit code of a recipe stopped by Ctrl-C
 EXIT_INTERRUPTED = 130

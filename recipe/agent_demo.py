@@ -24,10 +24,10 @@ import ray
 
 from orchestration import connect_ray
 from orchestration.agent_run import AgentGRPORun
+from orchestration.config import ConfigError, config_from_cli
 from orchestration.grpo_run import time_line
 from orchestration.metrics import fifth_means
 from orchestration.stopping import SigtermStops, stopped_line
-from trainers.config import ConfigError, config_from_cli
 from workers.agents.server_process import TaskServerProcess
 from workers.api_key import new_api_key
 
@@ -38,9 +38,7 @@ def agent_grpo(run: AgentGRPORun) -> list[dict[str, Any]]:
     """The loop: the demo's (recipe/demo.py), with episodes for rollouts."""
     run.begin()  # resume from the latest checkpoint | init_from | SFT warm-up (off in this recipe's config)
     for step in run.steps():
-        run.generate(
-            step
-        )  # the step's sample ids, n rows each: agent workers play the episodes; rewards come with them
+        run.generate(step)  # the step's sample ids, n rows each: agents play the episodes, rewards come with them
         train = run.train(step)  # the FSDP2 ranks train on the model's own tokens (loss_mask) of whole groups
         sync_s = run.sync_weights(step, train)  # every sync_every versions, the engines get the new weights
         run.log(run.end_step(step, train, sync_s))  # + success, num_turns, env_reward, dropped/filtered groups

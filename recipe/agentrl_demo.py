@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import torch
 from torch.utils.data import Dataset
 
+from orchestration.config import ConfigError, Range, Text, check_ranges, config_from_cli, config_to_dict, flatten_dict
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from orchestration.metrics import MetricsLog, PlotRefresher
 from orchestration.run_plan import move_aside, refuse_changed_settings, save_config
 from rl_contracts.prompts import PromptSource
-from trainers.config import ConfigError, Range, Text, check_ranges, config_from_cli, config_to_dict, flatten_dict
 from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
@@ -73,7 +73,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "agentrl_demo.yaml"
 
 @dataclass
 class AgentRLDemoConfig:
-    """The demo's run: recipe/configs/agentrl_demo.yaml with dotted overrides on top (trainers.config's loader)."""
+    """The demo's run: recipe/configs/agentrl_demo.yaml with dotted overrides on top (orchestration.config's loader)."""
 
     steps: int = 150  # GRPO steps of the run (a resumed run with more steps extends it)
     # scheduler: tasks from the ledger through a SamplingScheduler; prompt-source: a plain PromptSource, no ledger

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+from orchestration.config import ConfigError, config_from_cli
 from orchestration.run_plan import plan_run
-from trainers.config import ConfigError, config_from_cli
 
 if TYPE_CHECKING:
     from orchestration import GRPORun

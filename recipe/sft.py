@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
+from orchestration.config import ConfigError, config_from_cli
 from orchestration.run_plan import plan_run
 from recipe.demo import DEFAULT_CONFIG
-from trainers.config import ConfigError, config_from_cli
 
 #: the recipe's own overrides of recipe/configs/demo.yaml (under those of the command line)
 PRESET = {"output_dir": "outputs/sft"}

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model file is local; never reach for a hub
 
 from orchestration import train_from_command_line
+from orchestration.config import config_from_cli
 from recipe.demo import grpo  # the demo's GRPO loop, on the page there
-from trainers.config import config_from_cli
 from workers.hf_models import prepare_smollm2
 
 DEFAULT_CONFIG = Path(__file__).parent / "config.yaml"

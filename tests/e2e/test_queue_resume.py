@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestration.config import load_config, parse_overrides
 from orchestration.grpo_run import load_run_task
 from rl_contracts.prompts import PromptSource, prompts_checksum
 from tests.e2e.test_demo import ROOT, SHORT, run_demo
 from trainers.checkpoint import latest_checkpoint
-from trainers.config import load_config, parse_overrides
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = 10

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 import transfer_queue  # noqa: E402
+from orchestration.config import config_from_cli  # noqa: E402
 from orchestration.grpo_run import GRPORun, connect_ray  # noqa: E402
 from rl_contracts.stages import TRAIN_TASK  # noqa: E402
-from trainers.config import config_from_cli  # noqa: E402
 
 KILLS = {1: 0.0, 3: 0.3}  # step -> seconds after its prompts are put
 

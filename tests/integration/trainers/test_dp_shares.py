@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from orchestration.config import load_config
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.stages import TRAIN_TASK
 from trainers import grpo
-from trainers.config import TrainerConfig, load_config
+from trainers.config import TrainerConfig
 from trainers.grpo import TRAIN_FIELDS, GRPOTrainerRank
 from transfer_queue import TransferQueueClient
 

@@ -18,7 +18,7 @@ import ray
 
 import transfer_queue  # the checkout, on PYTHONPATH (the fixture sets it for every host)
 from orchestration import grpo_run
-from trainers.config import config_from_cli
+from orchestration.config import config_from_cli
 
 address, node_ip, output_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 ray.init(address=address, _node_ip_address=node_ip, logging_level="ERROR")

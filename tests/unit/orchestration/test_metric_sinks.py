@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from orchestration.config import RLConfig
 from orchestration.metric_sinks import (
     ControllerSink,
     MetricSinks,
@@ -19,7 +20,6 @@ from orchestration.metric_sinks import (
     run_sinks,
 )
 from tests.conftest import requirement
-from trainers.config import RLConfig
 
 ROW = {"kind": "grpo", "step": 3, "reward": 0.25, "loss": float("nan"), "note": "text", "ok": True}
 

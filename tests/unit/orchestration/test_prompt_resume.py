@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from orchestration import grpo_run
+from orchestration.config import load_config, parse_overrides
 from orchestration.grpo_run import GRPORun
 from orchestration.metrics import MetricsLog
 from rl_contracts.prompts import PromptSource
 from trainers import checkpoint
-from trainers.config import load_config, parse_overrides
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 STEPS = 6

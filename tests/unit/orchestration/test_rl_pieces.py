@@ -12,6 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from orchestration.config import ConfigError, RLConfig, load_config, parse_overrides
 from orchestration.metrics import (
     PLOTTED,
     MetricsLog,
@@ -24,7 +25,7 @@ from orchestration.metrics import (
 from rl_contracts.prompts import PromptSource, sft_step_batch
 from rl_contracts.rows import jagged, rows_of
 from rl_contracts.task import import_object, load_reward_fn, load_task
-from trainers.config import ConfigError, RLConfig, TrainConfig, TrainerConfig, load_config, parse_overrides
+from trainers.config import TrainConfig, TrainerConfig
 from trainers.filters import FilterConfig
 from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
 from workers.reward import NonFiniteReward, score_responses

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from orchestration import grpo_run
+from orchestration.config import load_config
 from orchestration.grpo_run import GRPORun
 from rl_contracts.weight_channel import WeightChannel
-from trainers.config import load_config
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 
@@ -71,9 +71,9 @@ def test_a_start_up_that_fails_with_the_queue_up_stops_the_queue_and_removes_the
 
 def test_a_shutdown_that_fails_part_way_still_removes_the_channel(monkeypatch):
     run = GRPORun.__new__(GRPORun)  # a started run, its sinks failing to close
-    run.channel = WeightChannel.create()
+    channel = run.channel = WeightChannel.create()
     run.sinks = SimpleNamespace(close=_fail(OSError("the TensorBoard directory is gone")))
     run.client, run.rollout, run.reward, run.trainer = None, [], [], []
     with pytest.raises(OSError, match="TensorBoard"):
         run.shutdown()
-    assert not run.channel.path.exists()
+    assert not channel.path.exists()

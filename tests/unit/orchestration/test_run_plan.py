@@ -1,5 +1,5 @@
-"""The run as its user drives it: config keys checked by name, --help/--print-config, and what a run does with an
-output_dir that already holds one (resume, extend, refuse, --new), decided before any actor starts."""
+"""The run as its user drives it: what a run does with an output_dir that already holds one (resume, extend, refuse,
+--new), decided before any actor starts. The config's keys, --help and --print-config: test_config.py."""
 
 from __future__ import annotations
 
@@ -8,65 +8,11 @@ import json
 import pytest
 import yaml
 
+from orchestration.config import ConfigError, config_from_cli, config_to_dict, load_config
 from orchestration.run_plan import plan_run
 from trainers.checkpoint import checkpoint_path
-from trainers.config import ConfigError, config_from_cli, config_keys, config_to_dict, load_config
 
 DEMO_YAML = "recipe/configs/demo.yaml"
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"stepz": 3}, r"unknown config key 'stepz' in the override stepz=3; did you mean steps\?"),
-        ({"train.lrr": 1}, r"unknown config key 'train.lrr' in the override train.lrr=1; did you mean train.lr,"),
-        ({"train.filters.nonzero_std": True}, r"did you mean train.filters.nonzero_std_groups"),
-        ({"train": 3}, r"train is a section: expected a mapping of its keys in the override train=3, got 3"),
-    ],
-)
-def test_unknown_keys_are_refused_naming_the_closest_valid_ones(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
-
-
-def test_unknown_keys_in_a_yaml_file_name_the_file(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("rollout:\n  temprature: 0.5\n")
-    with pytest.raises(ConfigError, match=rf"unknown config key 'rollout.temprature' in {path}; did you mean"):
-        load_config(path)
-
-
-def test_a_bad_value_names_the_override_that_carried_it(tmp_path):
-    with pytest.raises(
-        ConfigError, match=r"Expected `float`, got `str` - at `\$.train.lr` \(from the override train.lr='x'\)"
-    ):
-        load_config(DEMO_YAML, {"train.lr": "x"})
-    with pytest.raises(ConfigError, match=r"steps must be an int >= 1, got 0 \(from the override steps=0\)"):
-        load_config(DEMO_YAML, {"steps": 0})
-    path = tmp_path / "bad.yaml"
-    path.write_text("steps: 0\n")
-    with pytest.raises(ConfigError, match=rf"steps must be an int >= 1, got 0 \(from {path}\)"):
-        load_config(path)
-
-
-def test_help_lists_every_key_with_default_and_meaning(capsys):
-    keys = config_keys()
-    assert all(meaning for _, meaning in keys.values()), [k for k, (_, m) in keys.items() if not m]
-    with pytest.raises(SystemExit):
-        config_from_cli("demo", DEMO_YAML, ["--help"])
-    out = capsys.readouterr().out
-    for key in keys:
-        assert f"  {key} = " in out, key
-    assert "  output_dir = 'outputs/demo'" in out  # the recipe's YAML value, not the dataclass default
-
-
-def test_print_config_prints_the_resolved_config(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        config_from_cli("demo", DEMO_YAML, ["--print-config", "steps=7", "train.lr=0.01"])
-    assert exit_info.value.code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["steps"] == 7 and printed["train"]["lr"] == 0.01
-    assert printed == config_to_dict(load_config(DEMO_YAML, {"steps": 7, "train.lr": 0.01}))
 
 
 def _finished_run(out, steps: int, **overrides):
@@ -157,8 +103,8 @@ def test_new_with_a_bad_value_leaves_the_old_run_where_it_is(tmp_path, capsys):
 
 
 def test_a_key_added_since_a_run_was_saved_counts_as_its_default_on_resume():
+    from orchestration.config import RLConfig
     from orchestration.run_plan import changed_settings
-    from trainers.config import RLConfig
 
     saved = config_to_dict(RLConfig())  # every key, written out
     del saved["data"], saved["reward"]["batch"]  # as a config.yaml written before these keys existed

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from orchestration import run_resume
+from orchestration.config import RLConfig, load_config, parse_overrides
 from orchestration.metrics import MetricsLog
 from orchestration.queue_resume import QUEUE_DIR
 from orchestration.run_resume import (
@@ -33,7 +34,6 @@ from orchestration.run_resume import (
 )
 from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK
 from trainers.checkpoint import checkpoint_path, is_complete_checkpoint
-from trainers.config import RLConfig, load_config, parse_overrides
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 

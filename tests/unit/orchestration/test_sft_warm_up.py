@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import ray
 
+from orchestration.config import SFTConfig
 from orchestration.metrics import MetricsLog
 from orchestration.sft_warm_up import run_sft, sft_warm_up
-from trainers.config import SFTConfig
 
 
 class _Remote:

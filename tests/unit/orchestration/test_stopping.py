@@ -13,9 +13,9 @@ from typing import ClassVar
 import pytest
 
 from orchestration import grpo_run
+from orchestration.config import load_config
 from orchestration.stopping import EXIT_TERMINATED, RunStopped, SigtermStops, stopped_line
 from trainers.checkpoint import checkpoint_path
-from trainers.config import load_config
 
 DEMO_YAML = "recipe/configs/demo.yaml"
 

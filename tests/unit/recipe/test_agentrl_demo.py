@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import recipe.agentrl_demo as demo
+from orchestration.config import config_from_cli, config_keys
 from orchestration.metrics import MetricsLog, plotted_panels
 from orchestration.run_plan import save_config
 from recipe.agentrl_demo import AgentRLDemoConfig, RunRecord
-from trainers.config import config_from_cli, config_keys
 
 
 def test_the_run_record_plots_the_warm_up_and_the_steps_while_the_run_goes_and_at_its_end(tmp_path):

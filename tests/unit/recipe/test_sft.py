@@ -9,8 +9,8 @@ import pytest
 
 import orchestration
 import recipe.sft as sft
+from orchestration.config import config_from_cli
 from trainers.checkpoint import checkpoint_path
-from trainers.config import config_from_cli
 
 
 class Started(Exception):

@@ -1,5 +1,6 @@
 """The trainer takes its own config (issue 24): ``TrainerConfig``, the trainer's part of a run's ``RLConfig``, built by
-``TrainerConfig.from_run``; ``trainers/grpo.py`` never sees the whole run config, and refuses one by type."""
+``TrainerConfig.from_run``; ``trainers/grpo.py`` never sees the whole run config, and refuses one by type. The run's
+config lives in ``orchestration/config.py``; ``trainers/config.py`` knows only the shape it reads of it."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import ast
 import dataclasses
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from orchestration.config import RLConfig, RolloutConfig, TaskConfig
 from tests.unit.orchestration.test_rl_pieces import _rollout_data
 from trainers import grpo
-from trainers.config import RLConfig, RolloutConfig, TaskConfig, TrainConfig, TrainerConfig
+from trainers.config import RunConfigView, TrainConfig, TrainerConfig
 from trainers.filters import FilterConfig
 
 GRPO_SOURCE = Path(grpo.__file__).read_text(encoding="utf-8")
@@ -54,6 +57,25 @@ def test_from_run_takes_each_field_from_its_place_in_the_run_config() -> None:
     assert {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainerConfig)} == expected
     assert config.train is not run.train  # a copy: the run's section stays its own
     assert run.train.recompute_old_logprobs is None  # the resolved value came from the run, not the section
+
+
+def test_from_run_reads_any_config_of_a_run_s_shape_not_only_the_orchestration_s_class() -> None:
+    """trainers/ cannot import orchestration.config (tests/unit/test_layering.py): from_run reads the shape it names
+    (RunConfigView), so a run config of another class, with only those values, gives the same TrainerConfig."""
+    run = _run_config()
+    shaped = SimpleNamespace(
+        train=run.train,
+        rollout=SimpleNamespace(temperature=0.7, partial_rollout=True, generate_fn="my_rollouts:generate"),
+        task=SimpleNamespace(num_train_prompts=15, seed=16),
+        seed=11,
+        prompts_per_step=12,
+        n_samples=13,
+        max_staleness=3,
+        queue_timeout=14.5,
+        recompute_old_logprobs=True,
+    )
+    assert TrainerConfig.from_run(shaped) == TrainerConfig.from_run(run)
+    assert {name for name in dir(RunConfigView) if not name.startswith("_")} == set(vars(shaped))
 
 
 def test_the_defaults_of_a_run_map_to_the_trainer_defaults_of_a_plain_run() -> None:
@@ -102,7 +124,7 @@ def test_the_trainer_reads_exactly_the_fields_of_its_config() -> None:
 def test_a_run_config_given_to_the_trainer_is_a_type_error_naming_both() -> None:
     message = (
         r"the trainer takes a trainers\.config\.TrainerConfig \(TrainerConfig\.from_run\(config\) builds one from a "
-        r"run's config\), got trainers\.config\.RLConfig"
+        r"run's config\), got orchestration\.config\.RLConfig"
     )
     with pytest.raises(TypeError, match=message):
         grpo.expect_trainer_config(RLConfig())

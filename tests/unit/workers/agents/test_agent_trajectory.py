@@ -10,9 +10,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from orchestration.config import RLConfig
 from rl_contracts.rows import rows_of
 from rl_contracts.trajectories import split_trajectories
-from trainers.config import RLConfig, TrainConfig, TrainerConfig
+from trainers.config import TrainConfig, TrainerConfig
 from trainers.grpo import build_train_batch
 from trainers.losses import policy_loss
 from workers.agents.trajectory import Sample, TrajectoryBuilder, samples_to_fields

@@ -138,7 +138,7 @@ def test_the_trainer_masks_offpolicy_tokens_of_partial_rollouts():
 
 
 def test_engine_spec_kinds_and_config():
-    from trainers.config import ConfigError, RLConfig, RolloutConfig
+    from orchestration.config import ConfigError, RLConfig, RolloutConfig
     from workers.engines.host import EngineSpec
 
     with pytest.raises(ValueError, match="engine kind 'sglang' is a client of a running server: give url="):
