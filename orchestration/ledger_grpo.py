@@ -1,9 +1,10 @@
 """GRPO from the ledger: a trainer step reads whole groups of trajectories from the queue (put there by samplers
 through ``QueueSink``), keeps the rows whose ledger records it may still train on (rows with ``record_id < 0`` have
 no record: a run taking its prompts from a ``PromptSource`` puts those) (``Ledger.mark_trained`` with
-``max_trained_count`` / ``retrained_interval``, atomically, so no record is trained twice), and takes a PPO-clip step
-on group-normalised advantages. After the step it frees the rows it read (``clear_samples``), as the GRPO run
-clears its steps: the partition holds only what is not yet trained.
+``max_trained_count`` / ``retrained_interval``, atomically, so no record is trained twice), and takes a step of the
+configured policy loss (``LedgerTrainingConfig.loss``: GRPO's PPO-clip by default) on group-normalised advantages.
+After the step it frees the rows it read (``clear_samples``), as the GRPO run clears its steps: the partition holds
+only what is not yet trained.
 
     trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition_id="agentrl", batch_rows=128)
     metrics = trainer.step(step)           # then push the policy's weights to the engines
@@ -19,7 +20,7 @@ import torch
 
 from rl_contracts.rows import float_rows_of, rows_of
 from trainers.advantages import group_advantages_by_id
-from trainers.losses import grpo_loss
+from trainers.losses import loss_named, policy_loss
 from workers.ledger.queue_sink import FIELDS
 from workers.ledger.store import Ledger
 
@@ -34,6 +35,10 @@ class LedgerTrainingConfig:
     temperature: float = 1.0  # the sampling temperature (the old log-probs were taken at it)
     grad_clip: float = 1.0
     queue_timeout: float = 120.0
+    loss: str = "grpo"  # the policy loss: a key of trainers.losses.LOSSES, in any case (token-mean aggregated)
+
+    def __post_init__(self) -> None:
+        self.loss = loss_named(self.loss)  # ValueError naming the losses and the closest
 
 
 class LedgerGRPOTrainer:
@@ -112,10 +117,15 @@ class LedgerGRPOTrainer:
             "old_logprobs": torch.tensor(old),
         }
 
-    def _loss(self, batch: dict, advantages: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, batch: dict) -> torch.Tensor:
+        """The policy's log-probs of ``input_ids`` at the sampling temperature, aligned with them (position 0: 0)."""
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        logprobs = torch.zeros_like(batch["old_logprobs"])
+        logprobs = torch.zeros(batch["input_ids"].shape, dtype=logits.dtype)
         scaled = torch.log_softmax(logits[:, :-1] / self.cfg.temperature, dim=-1)
         logprobs[:, 1:] = scaled.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-        loss, _ = grpo_loss(logprobs, batch["old_logprobs"], advantages, batch["response_mask"], loss_agg="token-mean")
+        return logprobs
+
+    def _loss(self, batch: dict, advantages: torch.Tensor) -> torch.Tensor:
+        logprobs, old, mask = self._logprobs(batch), batch["old_logprobs"], batch["response_mask"]
+        loss, _ = policy_loss(self.cfg.loss, logprobs, old, advantages, mask, loss_agg="token-mean")
         return loss

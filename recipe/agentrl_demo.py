@@ -14,7 +14,8 @@
 and sampled from the engine by one producer thread, no ledger (the trainer and the queue are the same).
 
 Run it with ``make agentrl-demo`` (or ``python recipe/agentrl_demo.py [--config FILE] [--new] [--print-config]
-[key=value ...]``; ``--help`` lists every key, recipe/configs/agentrl_demo.yaml holds the defaults). Run again into
+[key=value ...]``; ``--help`` lists every key, recipe/configs/agentrl_demo.yaml holds the defaults; ``--key value``,
+as AgentRL's guide writes ``--loss_calculater GRPO``, is ``key=value``). Run again into
 the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run (a resume that changes a
 setting which shapes the training is refused: CHANGEABLE_ON_RESUME lists those it may change), tasks claimed by a killed
 run are re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over (the previous
@@ -44,6 +45,7 @@ from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
 from orchestration.metrics import MetricsLog, PlotRefresher
 from orchestration.run_plan import move_aside, refuse_changed_settings, save_config
 from rl_contracts.prompts import PromptSource
+from trainers.losses import loss_named
 from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
@@ -82,6 +84,10 @@ class AgentRLDemoConfig:
     num_generations: int = 8  # answers sampled per prompt (the group size)
     num_tasks: int = 512  # tasks per epoch (prompts the dataset holds)
     lr: float = 5e-4  # AdamW learning rate of GRPO
+    beta1: float = 0.9  # AdamW's beta1 for GRPO (AgentRL's name): the decay of the gradient's running mean
+    beta2: float = 0.999  # AdamW's beta2 for GRPO (AgentRL's name): the decay of the squared gradient's running mean
+    # the policy loss (AgentRL's name, spelt as there): grpo, gspo, cispo, minirl or ppo (trainers.losses), any case
+    loss_calculater: str = "grpo"
     # linear learning-rate warm-up over the first k GRPO steps: a fresh AdamW's first steps are full-size whatever
     # the gradient, and without it the first GRPO steps can undo the SFT warm-up
     lr_warmup_steps: int = 20
@@ -106,6 +112,8 @@ class AgentRLDemoConfig:
         "num_generations": Range(int, 1),
         "num_tasks": Range(int, 1),
         "lr": Range(float, 0, low_open=True),
+        "beta1": Range(float, 0, 1, high_open=True),
+        "beta2": Range(float, 0, 1, high_open=True),
         "lr_warmup_steps": Range(int, 0),
         "sft_target": Range(float, 0, 1),
         "max_trained_count": Range(int, 1),
@@ -118,6 +126,10 @@ class AgentRLDemoConfig:
 
     def __post_init__(self) -> None:
         check_ranges(flatten_dict(config_to_dict(self)), ranges=self.KEY_RANGES)
+        try:
+            self.loss_calculater = loss_named(self.loss_calculater)  # "GRPO", as AgentRL's guide writes it
+        except ValueError as exc:
+            raise ConfigError(f"loss_calculater: {exc}") from None
         if self.db is not None:
             try:
                 parse_connection_string(self.db)
@@ -257,6 +269,11 @@ class RunRecord:
         return self.plot.refresh()
 
 
+def grpo_optimizer(policy: torch.nn.Module, config: AgentRLDemoConfig) -> torch.optim.AdamW:
+    """GRPO's AdamW: ``lr`` (the warm-up scales it per step), betas ``(beta1, beta2)``."""
+    return torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=(config.beta1, config.beta2))
+
+
 def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
@@ -265,6 +282,7 @@ def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = guide_flags(sys.argv[1:] if argv is None else argv)
         config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv, cls=AgentRLDemoConfig)
         message = plan_output(config)
     except ConfigError as exc:
@@ -273,6 +291,30 @@ def main(argv: list[str] | None = None) -> int:
     if message:
         print(message, flush=True)
     return train(config)
+
+
+# the command line's own flags; any other --KEY is a config key written as AgentRL's guide writes its arguments
+CLI_FLAGS = ("--config", "--new", "--print-config", "--help")
+
+
+def guide_flags(argv: list[str]) -> list[str]:
+    """``--KEY VALUE`` and ``--KEY=VALUE`` (AgentRL's guide: ``--loss_calculater GRPO``) as ``KEY=VALUE`` overrides;
+    the command line's own flags (``CLI_FLAGS``, ``-h``) and ``KEY=VALUE`` pass as they are. An unknown KEY is then
+    refused as any override is, naming the closest keys."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("--") or name in CLI_FLAGS:
+            out.append(arg)
+        elif "=" in arg:
+            out.append(arg[2:])
+        else:
+            value = next(args, None)
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"{arg} needs a value: expected {arg} VALUE or {arg[2:]}=VALUE, got none")
+            out.append(f"{arg[2:]}={value}")
+    return out
 
 
 def plan_output(config: AgentRLDemoConfig) -> str | None:
@@ -311,7 +353,7 @@ def train(config: AgentRLDemoConfig) -> int:
     tokenizer = AdditionTokenizer()
     policy = build_model(tokenizer.vocab_size, seed=config.seed)
     engine = HFEngine(copy.deepcopy(policy), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
+    optimizer = grpo_optimizer(policy, config)
     checkpoint = out / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=True) if checkpoint.exists() else None
     title = f"GRPO on two-digit addition (AgentRL demo, prompts from {config.prompts_from})"
@@ -325,7 +367,7 @@ def train(config: AgentRLDemoConfig) -> int:
         t0 = time.perf_counter()
         sft_steps, accuracy = warm_up(policy, engine, tokenizer, config.sft_target, config.seed, record=record.write)
         print(f"SFT warm-up: {sft_steps} steps, sampled accuracy {accuracy:.2f}, {time.perf_counter() - t0:.0f} s")
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
+        optimizer = grpo_optimizer(policy, config)
         start = 0
         save_checkpoint(checkpoint, policy, optimizer, start)
     engine.update_weights(start, state_dict=policy.state_dict())
@@ -376,7 +418,9 @@ def train(config: AgentRLDemoConfig) -> int:
         client,
         ledger,
         PARTITION,
-        LedgerTrainingConfig(batch_rows, config.max_trained_count, config.retrained_interval),
+        LedgerTrainingConfig(
+            batch_rows, config.max_trained_count, config.retrained_interval, loss=config.loss_calculater
+        ),
         pad_token_id=tokenizer.pad_token_id,
     )
     done = threading.Event()

@@ -15,6 +15,7 @@ a zero loss that is still attached to the graph, never NaN.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 
@@ -297,6 +298,23 @@ LOSSES: dict[str, Callable[..., LossOutput]] = {
 _DEFAULT_LOSS_AGG = {name: inspect.signature(fn).parameters["loss_agg"].default for name, fn in LOSSES.items()}
 
 
+def loss_named(name: str) -> str:
+    """The key of ``LOSSES`` that ``name`` names, in any case (AgentRL's guide writes ``--loss_calculater GRPO``).
+
+    Raises:
+        ValueError: ``name`` is no key of ``LOSSES`` in any case; the message lists them and the closest.
+
+    >>> loss_named("GRPO")
+    'grpo'
+    """
+    by_lower = {key.lower(): key for key in LOSSES}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    close = [by_lower[m] for m in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown policy loss name={name!r}, expected one of {sorted(LOSSES)} (in any case){hint}")
+
+
 def policy_loss(
     name: str,
     logprobs: Tensor,
@@ -314,7 +332,7 @@ def policy_loss(
     The KL term is aggregated with the same ``loss_agg`` as the policy loss.
 
     Args:
-        name: a key of ``LOSSES``.
+        name: a key of ``LOSSES``, in any case (``loss_named``).
         logprobs, old_logprobs, advantages, response_mask: as in ``ppo_clip_loss``.
         ref_logprobs: ``[B, T]`` reference log-probs; when given the KL is logged even if ``kl_coef`` is 0.
         kl_coef: ``beta >= 0``; needs ``ref_logprobs`` when > 0.
@@ -324,8 +342,7 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: the loss's metrics plus ``kl`` (when ``ref_logprobs`` is given) and ``loss``.
     """
-    if name not in LOSSES:
-        raise ValueError(f"unknown policy loss name={name!r}, expected one of {sorted(LOSSES)}")
+    name = loss_named(name)
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:

@@ -1,7 +1,12 @@
 """``SamplingConfig``: the sampling control plane's settings, with AgentRL's names (``target_concurrency``,
 ``max_concurrent_samples_per_process``, ``num_generations``, ``max_new_tokens``, ``max_prompt_tokens``,
-``sync_sampling``, ``db_connection_string``, ``oss_connection_string``). Extra fields are kept (a recipe's own
-settings, e.g. ``train_file``), as AgentRL's ``AgentTrainingConfig`` does.
+``sync_sampling``, ``db_connection_string``, ``oss_connection_string``). A setting it does not know is refused
+(``InvalidSamplingConfig``, naming the closest valid names), and so is a knob of AgentRL's guides that this run cannot
+honour (``inf_tp_size``, ``inf_ep_size``, ``inf_mem_ratio``: it starts no inference services). A recipe's own
+settings (AgentRL's ``AgentTrainingConfig`` carries e.g. ``train_file``) go in a subclass::
+
+    class OSWorldConfig(SamplingConfig):
+        train_file: str = "assets/osworld_dataset.jsonl"
 
 >>> cfg = SamplingConfig(output_dir="/tmp/run")
 >>> cfg.ledger_url
@@ -10,17 +15,39 @@ settings, e.g. ``train_file``), as AgentRL's ``AgentTrainingConfig`` does.
 
 from __future__ import annotations
 
+import difflib
 import os
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.ledger.errors import InvalidSamplingConfig
 from workers.ledger.schema import parse_connection_string
 
+# knobs of AgentRL's guides that a SamplingConfig cannot honour here, each refused saying why (not kept silently)
+_INFERENCE_SIZING = (
+    "AgentRL's guide sizes the inference services it starts with it, and this run starts none (an engine registers "
+    "itself as an InferenceService: ServiceRegistration, docs/sampling.md); remove it, and size your engine where you "
+    "start it"
+)
+UNHONOURED_GUIDE_KNOBS: dict[str, str] = {
+    "inf_tp_size": _INFERENCE_SIZING,
+    "inf_ep_size": _INFERENCE_SIZING,
+    "inf_mem_ratio": _INFERENCE_SIZING,
+}
+
 
 class SamplingConfig(BaseModel):
-    # a refused value is never echoed (a connection string's password); the errors name what was wrong instead
-    model_config = ConfigDict(extra="allow", hide_input_in_errors=True)
+    """The sampling control plane's settings (see the module docstring).
+
+    Raises:
+        InvalidSamplingConfig: a setting it does not know (a subclass declares a recipe's own), a guide knob it
+            cannot honour, or settings that contradict each other.
+    """
+
+    # a refused value is never echoed (a connection string's password); the errors name what was wrong instead.
+    # Unknown keys never reach pydantic's extra="forbid": _known_settings_only refuses them first, with a typed error
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     output_dir: str = Field("output/sampling", description="the run's directory: the SQLite ledger and blobs go here")
     db_connection_string: str | None = Field(
@@ -52,6 +79,16 @@ class SamplingConfig(BaseModel):
     service_stale_s: float = Field(30.0, gt=0, description="services silent this long are marked down")
     request_timeout_s: float = Field(300.0, gt=0, description="one chat completion request's timeout")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings_only(cls, data: Any) -> Any:
+        # not a ValueError: pydantic would fold it into a ValidationError, and a typed error is what callers catch
+        if isinstance(data, dict):
+            refusals = [_refusal(cls, str(key), value) for key, value in data.items() if key not in cls.model_fields]
+            if refusals:
+                raise InvalidSamplingConfig("; ".join(sorted(refusals)))
+        return data
+
     @field_validator("db_connection_string")
     @classmethod
     def _valid_url(cls, value: str | None) -> str | None:
@@ -75,3 +112,19 @@ class SamplingConfig(BaseModel):
         if self.db_connection_string is not None:
             return self.db_connection_string
         return f"sqlite:///{os.path.abspath(os.path.join(self.output_dir, 'ledger.db'))}"
+
+
+def _refusal(cls: type[SamplingConfig], key: str, value: Any) -> str:
+    """Why ``key`` is refused: a guide knob this run cannot honour (its value is a number, never a secret), or a name
+    ``cls`` does not have, with the closest ones it has."""
+    if key in UNHONOURED_GUIDE_KNOBS:
+        shown = value if isinstance(value, int | float) else "..."
+        return f"{key}={shown}: {UNHONOURED_GUIDE_KNOBS[key]}"
+    valid = sorted(cls.model_fields)
+    by_lower = {name.lower(): name for name in valid}
+    close = [by_lower[m] for m in difflib.get_close_matches(key.lower(), list(by_lower), n=3, cutoff=0.6)]
+    hint = f"did you mean {', '.join(close)}?" if close else f"expected one of {valid}"
+    return (
+        f"unknown {cls.__name__} setting {key!r}; {hint} (a recipe's own settings go in a subclass: "
+        f"class MyConfig(SamplingConfig): train_file: str)"
+    )

@@ -175,8 +175,9 @@ class AsyncSampler(ABC):
     # -- helpers -------------------------------------------------------------------------------------------------
     async def create_chat_completions(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
         """A chat completion from the least-loaded healthy inference service; ``sampling`` overrides the config's
-        (``n``, ``temperature``, ``max_tokens``, ``top_p``, ``stop``, ``seed``). Choices carry ``token_ids`` and
-        ``token_logprobs``; the completion carries ``prompt_token_ids`` and ``policy_version``."""
+        (``n``: ``num_generations`` choices by default; ``temperature``, ``max_tokens``, ``top_p``, ``stop``,
+        ``seed``). Choices carry ``token_ids`` and ``token_logprobs``; the completion carries ``prompt_token_ids``
+        and ``policy_version``."""
         return await self.inference.chat(messages, **sampling)
 
     async def record_completion(self, messages: list[dict[str, Any]], completion: ChatCompletion) -> list[Record]:

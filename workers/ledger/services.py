@@ -77,12 +77,18 @@ class InferenceClient:
     """Chat completions from the least-loaded healthy ``InferenceService`` of ``config.model``. Load is the larger
     of what the service last reported and this process's own requests in flight to it. ``api_key``: the services'
     key (their endpoint's ``create_app(api_key=...)``), sent as a bearer token; None: ``TQ_API_KEY`` if set (the
-    ledger never holds it)."""
+    ledger never holds it). ``transport``: httpx's transport for the requests (None: the network; a test passes
+    ``httpx.MockTransport``)."""
 
     def __init__(
-        self, ledger: Ledger, config: SamplingConfig, refresh_s: float = 1.0, api_key: str | None = None
+        self,
+        ledger: Ledger,
+        config: SamplingConfig,
+        refresh_s: float = 1.0,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.ledger, self.config, self.refresh_s = ledger, config, refresh_s
+        self.ledger, self.config, self.refresh_s, self._transport = ledger, config, refresh_s, transport
         self._headers = bearer_headers(api_key if api_key is not None else key_from_env())
         self.inflight: Counter[str] = Counter()
         self._services: list[InferenceService] = []
@@ -114,11 +120,13 @@ class InferenceClient:
         return min(services, key=lambda s: (self.load(s), s.name))
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
-        """One chat completion (``n`` choices); each choice has ``token_ids`` and ``token_logprobs``."""
+        """One chat completion of ``n`` choices (``config.num_generations`` unless ``sampling`` says); each choice has
+        ``token_ids`` and ``token_logprobs``."""
         service = await self.pick()
         body = {
             "model": self.config.model,
             "messages": messages,
+            "n": self.config.num_generations,
             "max_tokens": self.config.max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
@@ -126,7 +134,9 @@ class InferenceClient:
             **sampling,
         }
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s, headers=self._headers)
+            self._http = httpx.AsyncClient(
+                timeout=self.config.request_timeout_s, headers=self._headers, transport=self._transport
+            )
         url = f"{service.url.rstrip('/')}/chat/completions" if service.url else None
         if url is None:
             raise InferenceFailed(f"inference service {service.name} has no url (kind {service.kind})")

@@ -75,6 +75,14 @@ def test_a_dotted_override_is_applied_on_top_of_the_recipes_yaml(tmp_path, start
         ("checkpoint_every=0", "checkpoint_every must be an int >= 1, got 0"),
         ("prompts_from=ledger", "prompts_from must be one of ['prompt-source', 'scheduler'], got 'ledger'"),
         ("db=mysql://x", "db: expected 'sqlite:///PATH' or 'postgresql://"),
+        (
+            "loss_calculater=GRPOO",
+            "loss_calculater: unknown policy loss name='GRPOO', expected one of ['cispo', 'grpo', 'gspo', 'minirl', "
+            "'ppo'] (in any case); did you mean grpo, gspo?",
+        ),
+        ("beta1=1", "beta1 must be a float in [0, 1), got 1"),
+        ("beta2=-0.1", "beta2 must be a float in [0, 1), got -0.1"),
+        ("inf_mem_ratio=0.6", "unknown config key 'inf_mem_ratio' in the override inf_mem_ratio=0.6"),
     ],
 )
 def test_a_bad_key_or_value_is_refused_with_exit_code_2_before_anything_starts(
@@ -100,10 +108,50 @@ def test_help_lists_every_key_with_its_meaning_after_the_whole_description():
     keys = config_keys(AgentRLDemoConfig)
     assert set(keys) == {"steps", "prompts_from", "prompts_per_step", "num_generations", "num_tasks", "lr",
                          "lr_warmup_steps", "sft_target", "max_trained_count", "retrained_interval", "max_steps_ahead",
-                         "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume"}  # fmt: skip
+                         "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume", "loss_calculater",
+                         "beta1", "beta2"}  # fmt: skip
     for key, (_, meaning) in keys.items():
         assert meaning and f"{key} = " in text and " ".join(meaning.split()) in text, key
     assert text.endswith(" ".join(keys["resume"][1].split()))  # the last key's meaning, whole
+
+
+@pytest.mark.parametrize(("given", "loss"), [("GRPO", "grpo"), ("grpo", "grpo"), ("Gspo", "gspo"), ("CISPO", "cispo")])
+def test_the_loss_calculater_is_a_policy_loss_in_any_case(tmp_path, started, given, loss):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", f"loss_calculater={given}"]) == 0
+
+    assert [config.loss_calculater for config in started] == [loss]
+
+
+def test_the_guides_own_flags_are_overrides_too(tmp_path, started):
+    """The RL guide's example says ``--loss_calculater GRPO``: ``--KEY VALUE`` and ``--KEY=VALUE`` are ``KEY=VALUE``."""
+    argv = [f"--output_dir={tmp_path / 'run'}", "--loss_calculater", "GRPO", "--beta2", "0.95", "steps=3", "--new"]
+
+    assert demo.main(argv) == 0
+
+    [config] = started
+    assert (config.loss_calculater, config.beta2, config.steps, config.resume) == ("grpo", 0.95, 3, False)
+
+
+def test_a_guide_flag_the_demo_does_not_have_is_refused_naming_the_closest_keys(tmp_path, started, capsys):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "--num_generation", "4"]) == 2
+    assert "unknown config key 'num_generation' in the override num_generation=4; did you mean num_generations?" in (
+        capsys.readouterr().err
+    )
+
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "--loss_calculater"]) == 2
+    assert "--loss_calculater needs a value: expected --loss_calculater VALUE or loss_calculater=VALUE, got none" in (
+        capsys.readouterr().err
+    )
+    assert started == []
+
+
+def test_beta1_and_beta2_are_the_grpo_optimizers_adam_betas():
+    config = AgentRLDemoConfig(lr=1e-3, beta1=0.8, beta2=0.95)
+
+    optimizer = demo.grpo_optimizer(torch.nn.Linear(2, 2), config)
+
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [(g["lr"], g["betas"]) for g in optimizer.param_groups] == [(1e-3, (0.8, 0.95))]
 
 
 def test_every_numeric_key_has_a_range():

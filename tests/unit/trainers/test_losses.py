@@ -15,6 +15,7 @@ from trainers.losses import (
     cispo_loss,
     gspo_loss,
     kl_penalty,
+    loss_named,
     minirl_loss,
     policy_loss,
     ppo_clip_loss,
@@ -229,6 +230,28 @@ def test_policy_loss_validates_name_and_kl():
         policy_loss("dpo", LOGPROBS, LOGPROBS, torch.zeros(2), MASK)
     with pytest.raises(ValueError, match=r"kl_coef=0.1 needs ref_logprobs \[B, T\], got None"):
         policy_loss("grpo", LOGPROBS, LOGPROBS, torch.zeros(2), MASK, kl_coef=0.1)
+
+
+@pytest.mark.parametrize(
+    ("given", "name"), [("GRPO", "grpo"), ("Gspo", "gspo"), ("MINIRL", "minirl"), ("cispo", "cispo")]
+)
+def test_a_loss_name_is_accepted_in_any_case(given, name):
+    """AgentRL's guide writes ``--loss_calculater GRPO``."""
+    assert loss_named(given) == name
+    loss, _ = policy_loss(given, leaf(LOGPROBS.tolist()), LOGPROBS, torch.ones(2), MASK)
+    assert loss.item() == pytest.approx(
+        policy_loss(name, leaf(LOGPROBS.tolist()), LOGPROBS, torch.ones(2), MASK)[0].item()
+    )
+
+
+def test_an_unknown_loss_name_is_refused_naming_the_closest():
+    with pytest.raises(ValueError) as refused:
+        loss_named("GSPOO")
+
+    assert str(refused.value) == (
+        "unknown policy loss name='GSPOO', expected one of ['cispo', 'grpo', 'gspo', 'minirl', 'ppo'] (in any case); "
+        "did you mean gspo, grpo, cispo?"
+    )
 
 
 def test_minirl_masks_the_tokens_the_clip_would_stop_and_weights_by_the_rollout_gap():
