@@ -24,7 +24,7 @@ import msgspec
 import yaml
 
 from trainers.config import TrainConfig
-from trainers.losses import LOSS_AGG_MODES, LOSSES
+from trainers.losses import LOSS_AGG_MODES, LOSSES, loss_named
 
 
 class ConfigError(ValueError):
@@ -210,8 +210,10 @@ class RLConfig:
                 "rolled out per step; over-sampling rolls out more prompts than it trains on"
             )
         self._check_own_files()
-        if self.train.loss not in LOSSES:
-            raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}")
+        try:
+            self.train.loss = loss_named(self.train.loss)  # in any case, as AgentRL's guide writes it: GRPO is grpo
+        except ValueError:
+            raise ConfigError(f"train.loss={self.train.loss!r} is not one of {sorted(LOSSES)}") from None
         if self.rollout.generate_fn and self.weight_sync == "shm":
             raise ConfigError(
                 f"rollout.generate_fn={self.rollout.generate_fn!r} runs in rollout workers that take weights by "

@@ -221,3 +221,12 @@ def test_print_config_prints_the_resolved_config(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["steps"] == 7 and printed["train"]["lr"] == 0.01
     assert printed == config_to_dict(load_config(DEMO_YAML, {"steps": 7, "train.lr": 0.01}))
+
+
+def test_a_loss_is_named_in_any_case_and_an_unknown_one_refused() -> None:
+    assert load_config(None, {"train.loss": "GRPO"}).train.loss == "grpo"  # AgentRL's guide writes GRPO
+    assert load_config(None, {"train.loss": "Cispo"}).train.loss == "cispo"
+    with pytest.raises(
+        ConfigError, match=r"train.loss='GRPX' is not one of \['cispo', 'grpo', 'gspo', 'minirl', 'ppo'\]"
+    ):
+        load_config(None, {"train.loss": "GRPX"})
