@@ -445,6 +445,7 @@ UNRANGED_KEYS = frozenset(
         "train.filters.skip_non_positive_advantage",
         "train.filters.nonzero_std_groups",
         "train.normalize_advantage_std",
+        "train.gradient_checkpointing",
         "train.recompute_old_logprobs",
         "train.rollout_correction",
         "train.mask_offpolicy_in_partial_rollout",

@@ -34,6 +34,9 @@ class TrainConfig:
     # rank); per-layer units bound a large model's memory (SmolLM2-135M's ~3.5M-parameter layers stay units)
     fsdp_min_layer_params: int = 1_000_000
     minibatches_per_step: int = 1  # optimizer steps per global step (one DP round each)
+    # recompute each decoder layer in the backward instead of keeping its activations: much less memory for one
+    # more forward's compute, the same gradients (Hugging Face models)
+    gradient_checkpointing: bool = False
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
     clip_high: float | None = None  # upper clip range (clip-higher); None: the loss's own default

@@ -168,13 +168,17 @@ class FSDPPolicy:
         reshard_after_forward: free each unit's gathered weights after the forward and gather them again for the
             backward (FSDP2's default), or keep them until the backward (one all-gather fewer per unit and step,
             more memory).
+        gradient_checkpointing: keep only each decoder layer's inputs during the training forward and recompute
+            the layer in the backward (Hugging Face's ``gradient_checkpointing_enable``, non-reentrant): far less
+            activation memory for one more forward's compute, the same gradients. Hugging Face models only.
 
     Gradient synchronisation: over the micro-batches of one ``train_step`` gradients accumulate unsharded on each
     rank (``set_requires_gradient_sync(False)``), and are reduce-scattered once, in the last micro-batch's
     backward, as DDP's ``no_sync`` does.
 
     Raises:
-        ValueError: on a non-positive ``micro_batch_size`` or ``grad_clip``, or an unknown ``loss_weighting``.
+        ValueError: on a non-positive ``micro_batch_size`` or ``grad_clip``, an unknown ``loss_weighting``, or
+            ``gradient_checkpointing`` on a model that is not a Hugging Face one.
         RuntimeError: if no default process group exists.
     """
 
@@ -192,6 +196,7 @@ class FSDPPolicy:
         trainable: bool = True,
         min_layer_params: int = 0,
         reshard_after_forward: bool = True,
+        gradient_checkpointing: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -212,6 +217,14 @@ class FSDPPolicy:
         module = model if isinstance(model, nn.Module) else model()
         self._model_class = type(module)  # fully_shard swaps in a subclass; keep the original for HF export
         self._is_hf = _is_pretrained_model(module)
+        if gradient_checkpointing:
+            if not self._is_hf:
+                raise ValueError(
+                    "gradient_checkpointing needs a Hugging Face model (its gradient_checkpointing_enable), got "
+                    f"{type(module).__name__}"
+                )
+            hf_model: Any = module  # a PreTrainedModel (checked above)
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if sync_module_states:
             _broadcast_from_rank0(module, self.device)
         if mixed_precision is None:

@@ -239,6 +239,7 @@ class GRPOTrainerRank:
             micro_batch_size=cfg.train.micro_batch_size,
             loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
             min_layer_params=cfg.train.fsdp_min_layer_params,
+            gradient_checkpointing=cfg.train.gradient_checkpointing,
         )
         return self.rank
 

@@ -146,10 +146,17 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     out["step2"] = policy.full_state_dict()
 
     policy_mb4 = _policy(workdir, micro_batch_size=4)
-    with _counting_reduce_scatters() as calls:
+    with _counting_reduce_scatters() as calls, _saved_for_backward() as kept:
         policy_mb4.train_step(batch1, token_mean_nll)
-    out["reduce_scatters_mb4"] = calls[0]
+    out["reduce_scatters_mb4"], out["saved_bytes_mb4"] = calls[0], kept[0]
     out["step1_mb4"] = policy_mb4.full_state_dict()
+
+    # gradient checkpointing: the decoder layers recomputed in the backward, the same update
+    checkpointed = _policy(workdir, micro_batch_size=4, gradient_checkpointing=True)
+    with _saved_for_backward() as kept:
+        checkpointed.train_step(batch1, token_mean_nll)
+    out["saved_bytes_checkpointed"] = kept[0]
+    out["step1_checkpointed"] = checkpointed.full_state_dict()
 
     # small layers sharded with the root: one FSDP unit, one reduce-scatter, the same update
     one_unit = _policy(workdir, micro_batch_size=1, min_layer_params=10**9, reshard_after_forward=False)
@@ -193,6 +200,19 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
 
 
+@contextlib.contextmanager
+def _saved_for_backward():
+    """Bytes of the tensors autograd keeps for the backward (outside checkpointed regions, which keep none)."""
+    kept = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield kept
+
+
 def _staged_saves(rank: int, policy: FSDPPolicy, root: Path) -> dict:
     """A caller's files staged into a checkpoint (rank 0's ``stage``) commit with it, or not at all."""
 
@@ -232,6 +252,7 @@ def _errors(rank: int, world_size: int, port: int, policy: FSDPPolicy, batch: di
         "missing_key": lambda: policy.train_step({"input_ids": batch["input_ids"]}, token_mean_nll),
         "uneven_ranks": lambda: policy.train_step(rank_rows(batch, 0, 2 + rank), token_mean_nll),
         "temperature_0": lambda: policy.compute_logprobs(batch["input_ids"], batch["attention_mask"], 0.0),
+        "checkpointing_not_hf": lambda: FSDPPolicy(nn.Linear(2, 2), gradient_checkpointing=True),
     }
     errors = {}
     for name, call in calls.items():
@@ -355,6 +376,15 @@ def test_train_step_matches_single_process_adamw(run):
 def test_micro_batching_gives_the_same_update(run):
     rank0 = run["ranks"][0]
     assert_weights_close(rank0["step1_mb4"], rank0["step1"], atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_update_keeping_fewer_activations(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["step1_checkpointed"], rank0["step1_mb4"], atol=1e-6)
+    assert rank0["saved_bytes_checkpointed"] < 0.5 * rank0["saved_bytes_mb4"], (
+        rank0["saved_bytes_checkpointed"],
+        rank0["saved_bytes_mb4"],
+    )
 
 
 def test_rows_weighting_is_exact_for_a_sequence_mean_loss(run):
@@ -484,6 +514,10 @@ def test_bad_input_raises_the_same_error_on_every_rank(run):
             f"this rank has {2 - rank} rows at micro_batch_size=1): give every rank the same number of rows"
         )
         assert errors["temperature_0"].startswith("ValueError: temperature must be > 0 to score tokens, got 0.0")
+        assert errors["checkpointing_not_hf"] == (
+            "ValueError: gradient_checkpointing needs a Hugging Face model (its gradient_checkpointing_enable), "
+            "got Linear"
+        )
 
 
 def test_a_non_finite_gradient_skips_the_update(run):
