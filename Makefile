@@ -40,8 +40,14 @@ agent-demo: setup
 agentrl-demo: setup
 	$(TEST_ENV) $(BIN)/python recipe/agentrl_demo.py $(ARGS)
 
+# Two pytest workers (pytest-xdist), each with its own Ray session and shared queues (tests/conftest.py); a file's
+# tests stay on one worker (--dist loadfile), so module fixtures start once. Much of the default tier's time is
+# waiting on process starts (Ray, controllers, storage units, PostgreSQL), which two workers overlap.
+# make test TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(TEST_ENV) $(BIN)/python -m pytest tests
+	$(TEST_ENV) $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup
 	$(TEST_ENV) $(BIN)/python -m pytest tests -m slow

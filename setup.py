@@ -31,6 +31,7 @@ AGENTS = [
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.6",  # make test runs two workers (-n 2 --dist loadfile)
     "psutil>=5.9",  # the ray-job test stops exactly the head it started
     "hypothesis>=6.100",
     "openai==3.54.0",  # the OpenAI-compatible endpoint is tested with the real client

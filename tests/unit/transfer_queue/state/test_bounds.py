@@ -1,6 +1,6 @@
 """What a long run leaves behind stays bounded (issue 8 defect 8): cleared names, DP rounds, storage tombstones,
 per-task state, parked requests, remembered commits and automatic round counters. Each bound is lowered here so
-a test crosses it in a few steps; tests/unit/transfer_queue/state/test_soak.py runs 100,000 cycles at the real bounds
+a test crosses it in a few steps; tests/unit/transfer_queue/state/test_soak.py runs 16,000 cycles at the real bounds
 (slow tier)."""
 
 from __future__ import annotations
