@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +22,11 @@ import pytest
 
 # Before anything imports Ray: bind Ray to 127.0.0.1, so no test sends traffic outside loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+# A test run started with SIGINT ignored (a background job of a non-interactive shell, `(make test &)`, inherits
+# SIG_IGN, and so does every process it starts) would make the Ctrl-C tests see no Ctrl-C: Python's own handler back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 T = TypeVar("T")
 
