@@ -86,22 +86,28 @@ def test_a_put_that_reports_failure_leaves_none_of_its_rows_visible(ray_session,
     inner = client._client
     commit = inner._commit
 
+    # a safety net only: the controller runs again once the put has reported failure, however long that took
+    # (a fixed stall of 3 s lost to a loaded CI machine, where the client's 2.5 s of waiting ran past it)
+    resume = threading.Timer(60.0, os.kill, (pid, signal.SIGCONT))
+
     async def stalled_commit(*args: Any, **kwargs: Any) -> Any:
-        # the controller stops answering between the put's write and its commit, for longer than the client waits
+        # the controller stops answering between the put's write and its commit, until the client has given up
         os.kill(pid, signal.SIGSTOP)
-        threading.Timer(3.0, os.kill, (pid, signal.SIGCONT)).start()
+        resume.start()
         return await commit(*args, **kwargs)
 
     monkeypatch.setattr(inner, "_commit", stalled_commit)
     try:
-        with pytest.raises(TransferQueueError):
+        with pytest.raises(TransferQueueError, match=r"did not answer its commit by the put's deadline nor after it"):
             client.put({"x": torch.ones(4, 1)}, global_step=0, timeout=1.0)
+        os.kill(pid, signal.SIGCONT)
         monkeypatch.setattr(inner, "_commit", commit)
         status = client.get_production_status(global_step=0)  # answered once the controller runs again
         assert (status["rows"], status["rows_in_flight"]) == (0, 0), "a put that reported failure left rows visible"
         client.put({"x": torch.ones(4, 1)}, global_step=0)  # the producer puts again: 4 rows, not 8
         assert client.get_production_status(global_step=0)["rows"] == 4
     finally:
+        resume.cancel()
         os.kill(pid, signal.SIGCONT)
         client.close()
         stop(controller)
