@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -125,6 +125,7 @@ class GRPORun:
     # A subclass that reads the queue under other names too adds them.
     queue_task_names: tuple[str, ...] = (ROLLOUT_TASK, REWARD_TASK, TRAIN_TASK)
     stage_trace: StageTrace | None = None  # trace=true: the run's trace (orchestration/run_trace.py)
+    _steps_iter: Generator[int, None, None] | None = None  # what steps() handed out: __exit__ closes it
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -358,6 +359,8 @@ class GRPORun:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Stop the actors and the queue however the block ends; a Ctrl-C (or a SIGTERM under
         :class:`~orchestration.stopping.SigtermStops`) becomes :class:`RunStopped` with the GRPO steps done."""
+        if self._steps_iter is not None:  # a loop left early: its progress line closed, its trace written, first
+            self._steps_iter.close()
         self.shutdown()
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not isinstance(exc, RunStopped):
             raise RunStopped(self.step) from None
@@ -384,7 +387,13 @@ class GRPORun:
 
     def steps(self) -> Iterator[int]:
         """The GRPO steps from :meth:`begin`'s to ``steps``, with a progress line; :meth:`log` each one's row. After
-        the last: the run's summary row, its final checkpoint and plot."""
+        the last: the run's summary row, its final checkpoint and plot. A loop that ends early (an error, a Ctrl-C)
+        in a ``with`` block has the progress line closed and the trace written by the block's exit, before the
+        actors stop (not whenever the interpreter collects the generator)."""
+        self._steps_iter = self._steps()
+        return self._steps_iter
+
+    def _steps(self) -> Generator[int, None, None]:
         cfg = self.cfg
         controller = transfer_queue.get_controller()
         idle_cpu_per_s = self._queue_idle_cpu(controller)

@@ -175,3 +175,27 @@ def test_a_run_is_stopped_once_however_often_shutdown_is_called(monkeypatch):
     run.shutdown()  # again (a recipe's finally after the with): nothing is stopped twice
     assert killed == ["rollout", "reward", "rank0", "rank1"]
     assert queues_stopped == [True] and closed == ["sinks", "channel"]
+
+
+def test_a_loop_left_early_has_its_steps_closed_before_the_actors_stop(monkeypatch):
+    events = []
+
+    class _Run(grpo_run.GRPORun):  # no actors: steps() hands out a loop whose end is recorded
+        def __init__(self, config=None):
+            self.step = 0
+
+        def _steps(self):
+            try:
+                yield 0
+                yield 1
+            finally:
+                events.append("steps closed")  # the progress line closed, the trace written
+
+        def shutdown(self):
+            events.append("actors stopped")
+
+    with pytest.raises(ValueError, match="a bad reward"), _Run() as run:
+        for step in run.steps():
+            run.step = step
+            raise ValueError("a bad reward")
+    assert events == ["steps closed", "actors stopped"]  # not at some later garbage collection, after the actors
