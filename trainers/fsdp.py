@@ -314,7 +314,8 @@ class FSDPPolicy:
 
         Args:
             batch: ``[B, ...]`` tensors with at least ``input_ids``, ``attention_mask`` and ``response_mask``
-                (``[B, T]``); every tensor is split by rows and handed to ``loss_fn`` on the device.
+                (``[B, T]``); every tensor is split by rows (with dynamic batching, those of ``[B, T, ...]`` also
+                trimmed to the micro-batch's longest row) and handed to ``loss_fn`` on the device.
             loss_fn: ``loss, metrics = loss_fn(logprobs=..., batch=micro_batch)``, see :class:`LossFn`.
             temperature: divides the logits, as in :meth:`compute_logprobs`.
 
