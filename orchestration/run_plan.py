@@ -42,6 +42,8 @@ CHANGEABLE_ON_RESUME = (
     "rollout.engine_device",
     "train.num_gpus_per_rank",
     "train.micro_batch_size",
+    "train.dynamic_batching",  # the same update, packed differently (trainers/fsdp.py: FSDPPolicy)
+    "train.max_tokens_per_micro_batch",
     "sft.",  # a resumed run does not warm up again
     "init_from",
 )

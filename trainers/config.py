@@ -37,6 +37,11 @@ class TrainConfig:
     # recompute each decoder layer in the backward instead of keeping its activations: much less memory for one
     # more forward's compute, the same gradients (Hugging Face models)
     gradient_checkpointing: bool = False
+    # pack each rank's rows into micro-batches of at most max_tokens_per_micro_batch padded tokens (rows x longest
+    # row), rows of similar length together, each trimmed to its longest row, instead of micro_batch_size rows: less
+    # padding computed, the same update (AgentRL's dynamic_batching)
+    dynamic_batching: bool = False
+    max_tokens_per_micro_batch: int = 4096  # a dynamic micro-batch's budget; a longer row gets one of its own
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
     clip_high: float | None = None  # upper clip range (clip-higher); None: the loss's own default

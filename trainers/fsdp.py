@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -131,7 +131,8 @@ class FSDPPolicy:
     """A causal LM sharded with FSDP2 across the default process group, with its AdamW optimizer.
 
     Every public method except :meth:`save_hf_pretrained`'s file writing is a collective: all ranks call it, in
-    the same order, with the same number of rows (micro-batches must line up across ranks).
+    the same order, with the same number of rows (micro-batches must line up across ranks; with
+    ``dynamic_batching`` the row counts may differ, see below).
 
     Gradient accumulation (``loss_weighting``):
         Each micro-batch loss is multiplied by ``w_mb * world_size / W`` before ``backward``, where ``w_mb`` is the
@@ -171,14 +172,29 @@ class FSDPPolicy:
         gradient_checkpointing: keep only each decoder layer's inputs during the training forward and recompute
             the layer in the backward (Hugging Face's ``gradient_checkpointing_enable``, non-reentrant): far less
             activation memory for one more forward's compute, the same gradients. Hugging Face models only.
+        dynamic_batching: pack micro-batches to a token budget instead of ``micro_batch_size`` rows (which is then
+            unused), in ``train_step`` and ``compute_logprobs``: see "Dynamic batching" below.
+        max_tokens_per_micro_batch: the budget of a dynamic micro-batch, in padded tokens (rows x its longest row).
+
+    Dynamic batching (``dynamic_batching=True``):
+        This rank's rows are planned by :func:`plan_micro_batches` from their lengths (a row's length is the
+        position after its last ``attention_mask`` 1): longest first, so rows of similar length share a
+        micro-batch, each micro-batch within ``max_tokens_per_micro_batch`` padded tokens. A row longer than the
+        budget gets a micro-batch of its own (it is neither cut nor refused). Each micro-batch's ``[B, T]`` tensors
+        (every tensor of two or more dimensions whose second one is ``input_ids``' ``T``) are trimmed to its longest
+        row: only trailing all-padding columns go, so right padding (the trainer's) saves compute and left padding
+        is handled too, without saving any. Ranks may so have different micro-batch counts; the ranks with fewer
+        run filler passes (one token, no loss, zero gradient) until every rank has run as many as the rank with
+        the most, so FSDP's collectives line up. The accumulation weights are those above, so the update is the
+        fixed-count one's (up to float rounding).
 
     Gradient synchronisation: over the micro-batches of one ``train_step`` gradients accumulate unsharded on each
     rank (``set_requires_gradient_sync(False)``), and are reduce-scattered once, in the last micro-batch's
     backward, as DDP's ``no_sync`` does.
 
     Raises:
-        ValueError: on a non-positive ``micro_batch_size`` or ``grad_clip``, an unknown ``loss_weighting``, or
-            ``gradient_checkpointing`` on a model that is not a Hugging Face one.
+        ValueError: on a non-positive ``micro_batch_size``, ``max_tokens_per_micro_batch`` or ``grad_clip``, an
+            unknown ``loss_weighting``, or ``gradient_checkpointing`` on a model that is not a Hugging Face one.
         RuntimeError: if no default process group exists.
     """
 
@@ -197,11 +213,15 @@ class FSDPPolicy:
         min_layer_params: int = 0,
         reshard_after_forward: bool = True,
         gradient_checkpointing: bool = False,
+        dynamic_batching: bool = False,
+        max_tokens_per_micro_batch: int = 4096,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        if max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch={max_tokens_per_micro_batch} must be >= 1")
         if grad_clip is not None and grad_clip <= 0:
             raise ValueError(f"grad_clip={grad_clip} must be > 0 or None")
         if loss_weighting not in ("tokens", "rows"):
@@ -211,6 +231,11 @@ class FSDPPolicy:
         self.rank = dist.get_rank()
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.dynamic_batching = dynamic_batching
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        #: every rank's number of micro-batches in the last ``train_step`` or ``compute_logprobs``, in rank order,
+        #: before any filler passes (they differ across ranks only with dynamic batching)
+        self.micro_batch_counts: list[int] = []
         self.loss_weighting = loss_weighting
         self.optimizer_config = optimizer or AdamWConfig()
 
@@ -269,11 +294,14 @@ class FSDPPolicy:
 
         Returns:
             ``[B, T]`` float32 on ``input_ids.device``: ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``
-            for ``t >= 1``; position 0 and padding hold 0.
+            for ``t >= 1``; position 0 and padding hold 0. With dynamic batching too: rows in their order, at
+            their width (0 beyond the columns a row's micro-batch was trimmed to).
         """
         _check_rows(input_ids, attention_mask)
-        self._check_micro_batch_count(input_ids.shape[0])
         self.model.eval()
+        if self.dynamic_batching:
+            return self._dynamic_logprobs(input_ids, attention_mask, temperature)
+        self._check_micro_batch_count(input_ids.shape[0])
         chunks = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             rows = slice(start, start + self.micro_batch_size)
@@ -286,7 +314,8 @@ class FSDPPolicy:
 
         Args:
             batch: ``[B, ...]`` tensors with at least ``input_ids``, ``attention_mask`` and ``response_mask``
-                (``[B, T]``); every tensor is split by rows and handed to ``loss_fn`` on the device.
+                (``[B, T]``); every tensor is split by rows (with dynamic batching, those of ``[B, T, ...]`` also
+                trimmed to the micro-batch's longest row) and handed to ``loss_fn`` on the device.
             loss_fn: ``loss, metrics = loss_fn(logprobs=..., batch=micro_batch)``, see :class:`LossFn`.
             temperature: divides the logits, as in :meth:`compute_logprobs`.
 
@@ -297,14 +326,22 @@ class FSDPPolicy:
 
         Raises:
             ValueError: on missing keys, tensors with different row counts, ranks whose row counts give
-                different numbers of micro-batches, or a global batch with nothing to train on.
+                different numbers of micro-batches (without dynamic batching), a rank without rows (with it), or a
+                global batch with nothing to train on.
         """
         optimizer = self.require_optimizer("train_step")
         micro_batches = self._split(batch, check_count=False)
         weights = [self._weight(mb) for mb in micro_batches]
-        # one collective for both: every rank's micro-batch count (they must agree) and the global weight
+        # one collective for both: every rank's micro-batch count (they must agree, or with dynamic batching be
+        # evened out with filler passes) and the global weight
         counts, rank_weights = _all_gather_pairs(len(micro_batches), sum(weights), self.device, self.world_size)
-        self._raise_on_uneven_counts(counts, batch["input_ids"].shape[0])
+        self.micro_batch_counts = counts
+        if not self.dynamic_batching:
+            self._raise_on_uneven_counts(counts, batch["input_ids"].shape[0])
+        elif min(counts) == 0:  # its metrics' names come from loss_fn: a rank that never calls it has none
+            raise ValueError(
+                f"with dynamic batching every rank needs at least one row to train on; micro-batches per rank: {counts}"
+            )
         total_weight = sum(rank_weights)
         if total_weight == 0:
             what = "response tokens" if self.loss_weighting == "tokens" else "rows"
@@ -312,7 +349,7 @@ class FSDPPolicy:
 
         self.model.train()
         sums: dict[str, Tensor] = {}
-        last = len(micro_batches) - 1
+        last = max(counts) - 1
         for i, (mb, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             # reduce-scatter the accumulated gradients once, in the last micro-batch's backward
             self._fsdp.set_requires_gradient_sync(i == last)
@@ -325,6 +362,9 @@ class FSDPPolicy:
                 if value.numel() != 1:
                     raise ValueError(f"loss_fn metric {name!r} has shape {tuple(value.shape)}, expected a scalar")
                 sums[name] = sums.get(name, 0) + value.reshape(()) * weight
+        for i in range(len(micro_batches), last + 1):  # only with dynamic batching: even the ranks' counts out
+            self._fsdp.set_requires_gradient_sync(i == last)
+            self._filler_pass(backward=True)
         grad_norm = self._clip_grad_norm()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
@@ -418,6 +458,8 @@ class FSDPPolicy:
         for name, value in batch.items():
             if value.dim() == 0 or value.shape[0] != rows:
                 raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}, expected {rows} rows like input_ids")
+        if self.dynamic_batching:
+            return self._dynamic_split(batch)
         if check_count:
             self._check_micro_batch_count(rows)
         return [
@@ -425,12 +467,53 @@ class FSDPPolicy:
             for start in range(0, rows, self.micro_batch_size)
         ]
 
+    def _dynamic_split(self, batch: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        """This rank's rows in the micro-batches :func:`plan_micro_batches` plans, each trimmed to its longest row."""
+        lengths = row_lengths(batch["attention_mask"])
+        width = batch["input_ids"].shape[1]
+        out = []
+        for rows in plan_micro_batches(lengths.tolist(), self.max_tokens_per_micro_batch):
+            index = torch.tensor(rows, device=lengths.device)
+            trim = max(1, int(lengths[index].max()))
+            out.append({name: _trim(value[index.to(value.device)], width, trim) for name, value in batch.items()})
+        return out
+
+    def _dynamic_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+        lengths = row_lengths(attention_mask)
+        plan = plan_micro_batches(lengths.tolist(), self.max_tokens_per_micro_batch)
+        counts = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        all_gather_single(counts, torch.tensor([len(plan)], dtype=torch.int64, device=self.device))
+        self.micro_batch_counts = counts.tolist()
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        for rows in plan:
+            index = torch.tensor(rows, device=input_ids.device)
+            trim = max(1, int(lengths[index].max()))
+            ids = input_ids[index, :trim].to(self.device)
+            mask = attention_mask[index, :trim].to(self.device)
+            out[index, :trim] = self._logprobs(ids, mask, temperature).to(out.device)
+        for _ in range(len(plan), max(self.micro_batch_counts)):
+            self._filler_pass(backward=False)
+        return out
+
+    def _filler_pass(self, backward: bool) -> None:
+        """A forward (and backward) pass of one real token that changes nothing: the FSDP collectives of one
+        micro-batch, for a rank with fewer micro-batches than another. The token is attended (a row with no attended
+        token can give NaN logits, and NaN times 0 is NaN); its gradient is exactly 0."""
+        ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        mask = torch.ones((1, 1), dtype=torch.int64, device=self.device)
+        kwargs = {"use_cache": False} if self._is_hf else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=torch.zeros_like(ids), **kwargs)
+        logits = out if isinstance(out, Tensor) else out.logits
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
     def _check_micro_batch_count(self, rows: int) -> None:
         # Each micro-batch runs FSDP collectives: ranks with different counts would wait on each other forever.
         count = math.ceil(rows / self.micro_batch_size)
         counts = torch.tensor([count, -count], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         self._raise_on_uneven_counts([-int(counts[1].item()), int(counts[0].item())], rows)
+        self.micro_batch_counts = [count] * self.world_size
 
     def _raise_on_uneven_counts(self, counts: list[int], rows: int) -> None:
         if min(counts) != max(counts):
@@ -452,6 +535,55 @@ class FSDPPolicy:
         if isinstance(norm, DTensor):  # sharded grads: the local norm is a partial, reduce it
             norm = norm.full_tensor()
         return float(norm.item())
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rows packed into micro-batches of at most ``max_tokens`` padded tokens: a micro-batch's rows times its
+    longest row's length.
+
+    Rows are taken longest first (ties in index order), so rows of similar length share a micro-batch; each
+    micro-batch takes the next rows while its padded size stays within ``max_tokens``. A row longer than
+    ``max_tokens`` gets a micro-batch of its own: it is neither cut nor refused. A length of 0 counts as 1 (a
+    pass computes at least one column).
+
+    Args:
+        lengths: each row's length in tokens (see :func:`row_lengths`).
+        max_tokens: the budget, >= 1.
+
+    Returns:
+        The micro-batches as lists of row indices (longest row first); every row in exactly one; ``[]`` for no rows.
+
+    Raises:
+        ValueError: on ``max_tokens < 1`` or a negative length.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
+    plan: list[list[int]] = []
+    width = 0  # the current micro-batch's longest (first) row
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if plan and (len(plan[-1]) + 1) * width <= max_tokens:
+            plan[-1].append(row)
+        else:
+            plan.append([row])
+            width = max(1, lengths[row])
+    return plan
+
+
+def row_lengths(attention_mask: Tensor) -> Tensor:
+    """``[B]`` int64: each row's position after its last attended token (its length when right-padded, the full
+    width when left-padded; 0 for a row with none), so trimming a micro-batch to its longest row cuts only
+    trailing all-padding columns."""
+    if attention_mask.shape[-1] == 0:
+        return torch.zeros(attention_mask.shape[0], dtype=torch.int64, device=attention_mask.device)
+    positions = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)
+    return ((attention_mask != 0) * positions).amax(-1)
+
+
+def _trim(value: Tensor, width: int, trim: int) -> Tensor:
+    """``value``'s first ``trim`` columns if it is token-aligned (two or more dims, the second ``width``)."""
+    return value[:, :trim] if value.dim() >= 2 and value.shape[1] == width else value
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:

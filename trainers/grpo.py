@@ -240,6 +240,8 @@ class GRPOTrainerRank:
             loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
             min_layer_params=cfg.train.fsdp_min_layer_params,
             gradient_checkpointing=cfg.train.gradient_checkpointing,
+            dynamic_batching=cfg.train.dynamic_batching,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         )
         return self.rank
 
@@ -261,6 +263,8 @@ class GRPOTrainerRank:
             trainable=False,
             sync_module_states=path is None,
             min_layer_params=self.config.train.fsdp_min_layer_params,
+            dynamic_batching=self.config.train.dynamic_batching,
+            max_tokens_per_micro_batch=self.config.train.max_tokens_per_micro_batch,
         )
         if path is not None:
             self.reference.load_weights(path)

@@ -49,6 +49,7 @@ def test_every_default_is_in_its_own_range():
         ("train.clip_high", -0.2, "train.clip_high must be a float >= 0 or None, got -0.2"),
         ("train.rollout_is_high", 0, "train.rollout_is_high must be a float > 0, got 0"),
         ("train.micro_batch_size", 0, "train.micro_batch_size must be an int >= 1, got 0"),
+        ("train.max_tokens_per_micro_batch", 0, "train.max_tokens_per_micro_batch must be an int >= 1, got 0"),
         ("train.world_size", 0, "train.world_size must be an int >= 1, got 0"),
         ("train.filters.max_trained_count", 0, "train.filters.max_trained_count must be an int >= 1 or None, got 0"),
         ("train.filters.zero_std_eps", -1.0, "train.filters.zero_std_eps must be a float >= 0, got -1.0"),

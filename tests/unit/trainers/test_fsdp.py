@@ -24,7 +24,15 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.checkpoint import checkpoint_path, latest_checkpoint, prune_checkpoints
-from trainers.fsdp import AdamWConfig, FSDPPolicy, _shard_rows, decoder_layers, init_process_group
+from trainers.fsdp import (
+    AdamWConfig,
+    FSDPPolicy,
+    _shard_rows,
+    decoder_layers,
+    init_process_group,
+    plan_micro_batches,
+    row_lengths,
+)
 
 WORLD_SIZE = 2
 VOCAB = 32
@@ -197,6 +205,10 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     after = resumed.full_state_dict()  # a collective: every rank calls it, only rank 0 gets tensors
     out["nan_unchanged"] = after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())
     out.update(_staged_saves(rank, resumed, workdir / "staged"))
+
+    # dynamic_batching: micro-batches packed to a token budget; rank 0's rows are long, rank 1's short, so the
+    # ranks plan different micro-batch counts
+    out.update(_dynamic_batching(rank, workdir, batch1))
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
 
 
@@ -279,6 +291,66 @@ def _counting_reduce_scatters():
         yield calls
     finally:
         dist.reduce_scatter_single = original
+
+
+DYNAMIC_BUDGET = 12  # tokens: rank 0's rows (8-10 tokens) one per micro-batch, rank 1's (2-4 tokens) up to three
+
+
+def _dynamic_batching(rank: int, workdir: Path, batch: dict[str, torch.Tensor]) -> dict:
+    """One step and log-probs with dynamic batching, what each micro-batch held and how many tokens went through
+    the model (``dynamic_batching_*`` keys)."""
+    out: dict = {}
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    seen: list[tuple[list[int], tuple[int, ...], tuple[int, ...]]] = []
+
+    def recording_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
+        seen.append((batch["row_ids"].tolist(), tuple(batch["input_ids"].shape), tuple(batch["response_mask"].shape)))
+        return token_mean_nll(logprobs=logprobs, batch=batch)
+
+    policy = _policy(workdir, micro_batch_size=1, dynamic_batching=True, max_tokens_per_micro_batch=DYNAMIC_BUDGET)
+    row_ids = torch.arange(ids.shape[0])  # a [B] tensor: split by rows, never trimmed
+    with _counting_forward_tokens(policy.model) as tokens:
+        out["dynamic_batching_metrics"] = policy.train_step({**batch, "row_ids": row_ids}, recording_loss)
+    out["dynamic_batching_train_counts"] = policy.micro_batch_counts
+    out["dynamic_batching_train_tokens"] = tokens[0]
+    out["dynamic_batching_seen"] = seen
+    out["dynamic_batching_step1"] = policy.full_state_dict()
+    with _counting_forward_tokens(policy.model) as tokens:
+        out["dynamic_batching_logprobs"] = policy.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    out["dynamic_batching_logprob_counts"] = policy.micro_batch_counts
+    out["dynamic_batching_logprob_tokens"] = tokens[0]
+    policy.dynamic_batching = False  # the same weights, micro-batches of one full-width row
+    out["dynamic_batching_fixed_logprobs"] = policy.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    policy.dynamic_batching = True
+    mine = slice(None) if rank == 0 else slice(0)  # rank 1 has no rows: filler passes only
+    out["dynamic_batching_no_rows"] = policy.compute_logprobs(ids[mine], mask[mine], temperature=TEMPERATURE)
+    out["dynamic_batching_no_rows_counts"] = policy.micro_batch_counts
+    try:
+        policy.train_step({name: value[mine] for name, value in batch.items()}, token_mean_nll)
+        out["dynamic_batching_no_rows_train"] = ""
+    except ValueError as error:
+        out["dynamic_batching_no_rows_train"] = f"ValueError: {error}"
+    try:
+        _policy(workdir, micro_batch_size=1, dynamic_batching=True, max_tokens_per_micro_batch=0)
+        out["dynamic_batching_bad_budget"] = ""
+    except ValueError as error:
+        out["dynamic_batching_bad_budget"] = f"ValueError: {error}"
+    return out
+
+
+@contextlib.contextmanager
+def _counting_forward_tokens(model: nn.Module):
+    """Tokens (``input_ids`` elements, padding included) the model's forward computes inside the block."""
+    tokens = [0]
+
+    def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens[0] += kwargs["input_ids"].numel()
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        yield tokens
+    finally:
+        handle.remove()
 
 
 def nan_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
@@ -611,3 +683,91 @@ def test_the_trainers_all_gather_concatenates_in_rank_order_without_torchs_depre
         assert out.tolist() == [1.0, 2.0, 3.0]
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- dynamic_batching
+
+
+def test_dynamic_batching_gives_the_same_update_and_metrics_as_one_row_micro_batches(run):
+    assert_weights_close(run["ranks"][0]["dynamic_batching_step1"], run["ranks"][0]["step1"], atol=1e-6)
+    for result in run["ranks"]:
+        assert result["dynamic_batching_metrics"].keys() == result["metrics1"].keys()
+        for name, value in result["metrics1"].items():
+            assert result["dynamic_batching_metrics"][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+
+
+def test_dynamic_batching_packs_rows_by_length_and_trims_padding_columns(run):
+    # rank 0's rows are 10, 9, 10 and 8 tokens long: one per micro-batch (two would pass the 12-token budget),
+    # longest first; rank 1's are 3, 4, 2 and 3: the 4-, 3- and 3-token rows in 3 x 4 columns, the 2-token one alone
+    assert run["ranks"][0]["dynamic_batching_seen"] == [
+        ([0], (1, 10), (1, 10)),
+        ([2], (1, 10), (1, 10)),
+        ([1], (1, 9), (1, 9)),
+        ([3], (1, 8), (1, 8)),
+    ]
+    assert run["ranks"][1]["dynamic_batching_seen"] == [([1, 0, 3], (3, 4), (3, 4)), ([2], (1, 2), (1, 2))]
+
+
+def test_dynamic_batching_evens_out_different_micro_batch_counts_across_ranks(run):
+    for result in run["ranks"]:  # every rank learns every rank's count; rank 1 ran 2 filler passes, nothing hung
+        assert result["dynamic_batching_train_counts"] == [4, 2]
+        assert result["dynamic_batching_logprob_counts"] == [4, 2]
+        assert result["dynamic_batching_no_rows_counts"] == [4, 0]
+        assert result["dynamic_batching_no_rows_train"] == (
+            "ValueError: with dynamic batching every rank needs at least one row to train on; "
+            "micro-batches per rank: [4, 0]"
+        )
+        assert result["dynamic_batching_bad_budget"] == "ValueError: max_tokens_per_micro_batch=0 must be >= 1"
+
+
+def test_dynamic_batching_computes_fewer_padded_tokens_than_fixed_micro_batches(run):
+    fixed = 4 * SEQ_LEN  # 4 full-width rows per rank, whatever micro_batch_size
+    rank0, rank1 = run["ranks"]
+    assert rank0["dynamic_batching_train_tokens"] == rank0["dynamic_batching_logprob_tokens"] == 10 + 10 + 9 + 8
+    # 3 x 4 and 1 x 2 tokens, then two 1-token filler passes to match rank 0's 4 micro-batches
+    assert rank1["dynamic_batching_train_tokens"] == rank1["dynamic_batching_logprob_tokens"] == 12 + 2 + 2
+    computed = rank0["dynamic_batching_train_tokens"] + rank1["dynamic_batching_train_tokens"]
+    assert computed < 0.7 * (2 * fixed)
+
+
+def test_dynamic_batching_logprobs_equal_fixed_ones_in_the_original_order_and_width(run):
+    for rank, result in enumerate(run["ranks"]):
+        mask = rank_rows(run["batch1"], rank, WORLD_SIZE)["attention_mask"]
+        logprobs = result["dynamic_batching_logprobs"]
+        assert logprobs.shape == (4, SEQ_LEN) and logprobs.dtype == torch.float32
+        torch.testing.assert_close(logprobs, result["dynamic_batching_fixed_logprobs"], atol=1e-6, rtol=0)
+        assert (logprobs[mask == 0] == 0).all() and (logprobs[mask == 1] != 0).any()
+    torch.testing.assert_close(
+        run["ranks"][0]["dynamic_batching_no_rows"], run["ranks"][0]["dynamic_batching_logprobs"], atol=0, rtol=0
+    )
+    assert run["ranks"][1]["dynamic_batching_no_rows"].shape == (0, SEQ_LEN)
+
+
+def test_plan_micro_batches_keeps_the_budget_and_takes_every_row_once():
+    lengths = [3, 10, 4, 0, 7, 7, 2, 9]
+    plan = plan_micro_batches(lengths, 14)
+    assert plan == [[1], [7], [4, 5], [2, 0, 6], [3]]  # longest first: similar lengths share a micro-batch
+    assert sorted(row for rows in plan for row in rows) == list(range(len(lengths)))
+    padded = [len(rows) * max(1, *(lengths[row] for row in rows)) for rows in plan]
+    assert max(padded) <= 14
+    assert sum(padded) == 46 < len(lengths) * max(lengths)  # fixed micro-batches compute every row at full width
+
+
+def test_plan_micro_batches_gives_a_row_over_the_budget_a_micro_batch_of_its_own():
+    assert plan_micro_batches([20, 3, 3, 30], 8) == [[3], [0], [1, 2]]
+    assert plan_micro_batches([5, 5, 5], 1) == [[0], [1], [2]]
+    assert plan_micro_batches([], 8) == []
+
+
+def test_plan_micro_batches_refuses_a_bad_budget_or_length():
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= 1, got 0$"):
+        plan_micro_batches([1], 0)
+    with pytest.raises(ValueError, match=r"^lengths must be >= 0, got -1$"):
+        plan_micro_batches([2, -1], 4)
+
+
+def test_row_lengths_end_at_the_last_attended_token():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0], [0, 0, 0, 0]])
+    # right padding: the length; left padding: the full width (nothing to trim); none attended: 0
+    assert row_lengths(mask).tolist() == [2, 4, 3, 0]
+    assert row_lengths(torch.zeros((2, 0))).tolist() == [0, 0]

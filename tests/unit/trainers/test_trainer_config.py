@@ -145,3 +145,27 @@ def test_a_run_config_given_to_the_trainer_is_a_type_error_naming_both() -> None
 def test_a_trainer_config_passes_the_check_unchanged() -> None:
     config = TrainerConfig.from_run(_run_config())
     assert grpo.expect_trainer_config(config) is config
+
+
+def test_the_dynamic_batching_keys_reach_the_policy_and_the_kl_reference(monkeypatch) -> None:
+    built: list[dict] = []
+
+    class RecordedPolicy:
+        def __init__(self, model: object, **kwargs: object) -> None:
+            built.append(kwargs)
+            self.device = "cpu"
+
+        def full_state_dict(self) -> dict:
+            return {}
+
+    monkeypatch.setattr(grpo, "FSDPPolicy", RecordedPolicy)
+    monkeypatch.setattr(grpo, "init_process_group", lambda *args: "cpu")
+    rank = object.__new__(grpo.GRPOTrainerRank.__ray_metadata__.modified_class)  # no queue client, no Ray
+    train = TrainConfig(dynamic_batching=True, max_tokens_per_micro_batch=321)
+    rank.rank, rank.world_size, rank.policy = 1, 2, None
+    rank.config = dataclasses.replace(TrainerConfig.from_run(_run_config()), train=train)
+    rank.task = SimpleNamespace(build_policy=lambda: object())
+    rank.setup("127.0.0.1", 1)
+    rank.init_reference()
+    assert [(kw["dynamic_batching"], kw["max_tokens_per_micro_batch"]) for kw in built] == [(True, 321)] * 2
+    assert TrainConfig().dynamic_batching is False  # off by default: micro_batch_size rows, as before
