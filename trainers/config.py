@@ -37,6 +37,10 @@ class TrainConfig:
     # recompute each decoder layer in the backward instead of keeping its activations: much less memory for one
     # more forward's compute, the same gradients (Hugging Face models)
     gradient_checkpointing: bool = False
+    # score at most this many positions at a time: the output head and log-softmax run chunk by chunk, each recomputed
+    # in the backward, so the [B, T, V] float32 logits are never held whole (long sequences, large vocabularies);
+    # the same log-probs and gradients. None: the whole sequence at once
+    loss_seq_chunk_size: int | None = None
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
     clip_high: float | None = None  # upper clip range (clip-higher); None: the loss's own default

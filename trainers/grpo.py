@@ -240,6 +240,7 @@ class GRPOTrainerRank:
             loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
             min_layer_params=cfg.train.fsdp_min_layer_params,
             gradient_checkpointing=cfg.train.gradient_checkpointing,
+            loss_seq_chunk_size=cfg.train.loss_seq_chunk_size,
         )
         return self.rank
 
@@ -261,6 +262,7 @@ class GRPOTrainerRank:
             trainable=False,
             sync_module_states=path is None,
             min_layer_params=self.config.train.fsdp_min_layer_params,
+            loss_seq_chunk_size=self.config.train.loss_seq_chunk_size,
         )
         if path is not None:
             self.reference.load_weights(path)
