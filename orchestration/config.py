@@ -393,6 +393,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "train.micro_batch_size": _ints(1),
     "train.max_tokens_per_micro_batch": _ints(1),
     "train.fsdp_min_layer_params": _ints(0),
+    "train.loss_seq_chunk_size": _ints(1, optional=True),
     "train.minibatches_per_step": _ints(1),
     "train.clip_low": Range(float, 0, 1, high_open=True, optional=True),
     "train.clip_high": _floats(0, optional=True),

@@ -42,6 +42,10 @@ class TrainConfig:
     # padding computed, the same update (AgentRL's dynamic_batching)
     dynamic_batching: bool = False
     max_tokens_per_micro_batch: int = 4096  # a dynamic micro-batch's budget; a longer row gets one of its own
+    # score at most this many positions at a time: the output head and log-softmax run chunk by chunk, each recomputed
+    # in the backward, so the [B, T, V] float32 logits are never held whole (long sequences, large vocabularies);
+    # the same log-probs and gradients. None: the whole sequence at once
+    loss_seq_chunk_size: int | None = None
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
     clip_high: float | None = None  # upper clip range (clip-higher); None: the loss's own default

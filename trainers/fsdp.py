@@ -13,10 +13,11 @@ GPU with NCCL; the device follows the process-group backend.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 from trainers.checkpoint import load_checkpoint, save_checkpoint
 
@@ -175,6 +177,11 @@ class FSDPPolicy:
         dynamic_batching: pack micro-batches to a token budget instead of ``micro_batch_size`` rows (which is then
             unused), in ``train_step`` and ``compute_logprobs``: see "Dynamic batching" below.
         max_tokens_per_micro_batch: the budget of a dynamic micro-batch, in padded tokens (rows x its longest row).
+        loss_seq_chunk_size: ``None``, or score at most this many positions at a time: the output head (an
+            ``nn.Linear``: Hugging Face's ``get_output_embeddings()``, else the model's ``lm_head``) and the
+            tempered log-softmax run chunk by chunk over the sequence, each chunk recomputed in the backward, so the
+            ``[B, T, V]`` float32 logits are never held whole, nor kept for the backward; the same log-probs and
+            gradients (see :func:`chunked_token_logprobs`). The model's logits must be the head's output as it is.
 
     Dynamic batching (``dynamic_batching=True``):
         This rank's rows are planned by :func:`plan_micro_batches` from their lengths (a row's length is the
@@ -193,8 +200,10 @@ class FSDPPolicy:
     backward, as DDP's ``no_sync`` does.
 
     Raises:
-        ValueError: on a non-positive ``micro_batch_size``, ``max_tokens_per_micro_batch`` or ``grad_clip``, an
-            unknown ``loss_weighting``, or ``gradient_checkpointing`` on a model that is not a Hugging Face one.
+        ValueError: on a non-positive ``micro_batch_size``, ``max_tokens_per_micro_batch``, ``grad_clip`` or
+            ``loss_seq_chunk_size``, an unknown ``loss_weighting``, ``gradient_checkpointing`` on a model that is not
+            a Hugging Face one, or ``loss_seq_chunk_size`` on a model without an ``nn.Linear`` output head (or one
+            whose logits are transformed after it: a final logit soft-cap).
         RuntimeError: if no default process group exists.
     """
 
@@ -215,6 +224,7 @@ class FSDPPolicy:
         gradient_checkpointing: bool = False,
         dynamic_batching: bool = False,
         max_tokens_per_micro_batch: int = 4096,
+        loss_seq_chunk_size: int | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -226,6 +236,8 @@ class FSDPPolicy:
             raise ValueError(f"grad_clip={grad_clip} must be > 0 or None")
         if loss_weighting not in ("tokens", "rows"):
             raise ValueError(f"loss_weighting={loss_weighting!r} is not one of 'tokens', 'rows'")
+        if loss_seq_chunk_size is not None and loss_seq_chunk_size < 1:
+            raise ValueError(f"loss_seq_chunk_size={loss_seq_chunk_size} must be >= 1 or None")
         self.device = device or default_device()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -242,6 +254,9 @@ class FSDPPolicy:
         module = model if isinstance(model, nn.Module) else model()
         self._model_class = type(module)  # fully_shard swaps in a subclass; keep the original for HF export
         self._is_hf = _is_pretrained_model(module)
+        self.loss_seq_chunk_size = loss_seq_chunk_size
+        # the head the chunked path calls chunk by chunk (a submodule of the root: sharded with it)
+        self._head = _output_head(module) if loss_seq_chunk_size is not None else None
         if gradient_checkpointing:
             if not self._is_hf:
                 raise ValueError(
@@ -446,9 +461,20 @@ class FSDPPolicy:
         # Positions count real tokens, so left padding (if any) does not shift them.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs = {"use_cache": False} if self._is_hf else {}  # no KV cache to build during training
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        logits = out if isinstance(out, Tensor) else out.logits
-        return token_logprobs(logits, input_ids, attention_mask, temperature)
+        if self._head is None or self.loss_seq_chunk_size is None:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+            logits = out if isinstance(out, Tensor) else out.logits
+            return token_logprobs(logits, input_ids, attention_mask, temperature)
+        _check_temperature(temperature)
+        with _head_scores_tokens(self._head, input_ids, temperature, self.loss_seq_chunk_size):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        logprobs = out if isinstance(out, Tensor) else out.logits
+        if logprobs.shape != input_ids.shape:
+            raise RuntimeError(
+                f"loss_seq_chunk_size: the model's output is {tuple(logprobs.shape)}, expected the head's log-probs "
+                f"{tuple(input_ids.shape)}: its forward must return its output head's result as the logits"
+            )
+        return logprobs * attention_mask.to(logprobs.dtype)
 
     def _split(self, batch: dict[str, Tensor], check_count: bool = True) -> list[dict[str, Tensor]]:
         missing = {"input_ids", "attention_mask", "response_mask"} - batch.keys()
@@ -595,19 +621,93 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, te
     Raises:
         ValueError: if ``temperature`` is not > 0 (greedy decoding reports log-probs at temperature 1).
     """
+    _check_temperature(temperature)
+    logprobs = torch.nn.functional.pad(_target_logprobs(logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
+    return logprobs * attention_mask.to(logprobs.dtype)
+
+
+def chunked_token_logprobs(
+    hidden: Tensor, head: nn.Linear, input_ids: Tensor, temperature: float, chunk_size: int
+) -> Tensor:
+    """:func:`token_logprobs` of ``head(hidden)`` (without the padding mask), ``chunk_size`` positions at a time.
+
+    Only one chunk's ``[B, chunk_size, V]`` logits exist at a time; with gradients enabled each chunk runs under a
+    non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so the backward recomputes them from the chunk's hidden
+    states instead of keeping them: one more head matmul for at most ``B * chunk_size * V`` floats held.
+
+    Args:
+        hidden: ``[B, T, H]``, the final hidden states (the head's input).
+        head: the output head; its ``weight`` (and ``bias``) are read when this is called (inside the model's
+            forward under FSDP, where they are unsharded).
+        input_ids: ``[B, T]``.
+        temperature: > 0, see :func:`token_logprobs`.
+        chunk_size: positions per chunk, >= 1.
+
+    Returns:
+        ``[B, T]`` float32: ``out[b, t] = log_softmax(head(hidden[b, t - 1]) / temperature)[input_ids[b, t]]``,
+        0 at ``t = 0``.
+    """
+    _check_temperature(temperature)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    hidden, targets = hidden[:, :-1], input_ids[:, 1:]  # position t - 1 predicts token t
+    chunks = []
+    # one empty chunk when there is no position to score (T = 1), on the graph as token_logprobs' empty slice is
+    for start in range(0, max(targets.shape[1], 1), chunk_size):
+        args = (hidden[:, start : start + chunk_size], head.weight, head.bias, targets[:, start : start + chunk_size])
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(_head_logprobs, *args, temperature, use_reentrant=False))
+        else:
+            chunks.append(_head_logprobs(*args, temperature))
+    return torch.nn.functional.pad(torch.cat(chunks, dim=1), (1, 0))
+
+
+def _head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float) -> Tensor:
+    return _target_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
+
+
+def _target_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / temperature)`` at ``targets`` (``[B, n, V]`` and ``[B, n]``), in float32."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _check_temperature(temperature: float) -> None:
     if not temperature > 0:  # also NaN
         raise ValueError(
             f"temperature must be > 0 to score tokens, got {temperature} "
             "(greedy decoding reports log-probs at temperature 1: pass 1.0)"
         )
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # gather - logsumexp instead of log_softmax: never materialises a second [B, T, V] tensor.
-    shifted = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
-    logprobs = torch.nn.functional.pad(shifted, (1, 0))
-    return logprobs * attention_mask.to(logprobs.dtype)
+
+
+@contextlib.contextmanager
+def _head_scores_tokens(head: nn.Linear, input_ids: Tensor, temperature: float, chunk_size: int) -> Iterator[None]:
+    """Within the block, ``head(hidden)`` returns :func:`chunked_token_logprobs` of ``hidden`` instead of logits.
+
+    Why the head's ``forward`` is swapped rather than the head applied after the model's forward to its hidden
+    states: FSDP2 unshards the root unit's parameters (the head's, tied to the embedding or not) only inside the
+    root module's forward (and again for its backward). FSDPPolicy passes ``reshard_after_forward`` to the root
+    too, which turns off FSDP2's keep-the-root-unsharded heuristic (``FSDPState._lazy_init`` applies it only when
+    the argument is left out): with ``True``, the default, the root's post-forward hook reshards them, so after the
+    forward ``head.weight`` is a sharded DTensor again, and a gradient reaching it from outside the forward would
+    bypass FSDP's gradient accumulation and reduce-scatter. Called by the model's own forward, the chunks use the
+    unsharded weight as the whole head would: the log-probs leave as the root's output, on which FSDP hooks its
+    pre-backward (gathering the weight again before the chunks are recomputed), and the weight's gradient
+    accumulates into the unsharded parameter and is reduced as any other. The module tree, the parameters and
+    every hook stay as they are.
+    """
+
+    def score(hidden: Tensor) -> Tensor:
+        return chunked_token_logprobs(hidden, head, input_ids, temperature, chunk_size)
+
+    head.forward = score  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -620,6 +720,27 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     # Reversed pre-order puts nested blocks before their parents, as fully_shard requires.
     return [m for m in reversed(list(model.modules())) if type(m).__name__ in names and m is not model]
+
+
+def _output_head(module: nn.Module) -> nn.Linear:
+    """The head that turns a model's final hidden states into its logits, for ``loss_seq_chunk_size``: Hugging
+    Face's ``get_output_embeddings()``, else an ``lm_head`` attribute; an ``nn.Linear`` whose output the model
+    returns as its logits unchanged."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else getattr(module, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            "loss_seq_chunk_size needs a model whose logits are an nn.Linear output head applied to its final "
+            "hidden states (Hugging Face's get_output_embeddings(), or an lm_head attribute), got "
+            f"{type(module).__name__} with head {type(head).__name__}"
+        )
+    softcap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"loss_seq_chunk_size needs the logits to be the output head's result as it is; {type(module).__name__} "
+            f"soft-caps them (final_logit_softcapping={softcap})"
+        )
+    return head
 
 
 def _num_params(module: nn.Module) -> int:

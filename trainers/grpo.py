@@ -242,6 +242,7 @@ class GRPOTrainerRank:
             gradient_checkpointing=cfg.train.gradient_checkpointing,
             dynamic_batching=cfg.train.dynamic_batching,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+            loss_seq_chunk_size=cfg.train.loss_seq_chunk_size,
         )
         return self.rank
 
@@ -265,6 +266,7 @@ class GRPOTrainerRank:
             min_layer_params=self.config.train.fsdp_min_layer_params,
             dynamic_batching=self.config.train.dynamic_batching,
             max_tokens_per_micro_batch=self.config.train.max_tokens_per_micro_batch,
+            loss_seq_chunk_size=self.config.train.loss_seq_chunk_size,
         )
         if path is not None:
             self.reference.load_weights(path)

@@ -51,6 +51,7 @@ def test_every_default_is_in_its_own_range():
         ("train.micro_batch_size", 0, "train.micro_batch_size must be an int >= 1, got 0"),
         ("train.max_tokens_per_micro_batch", 0, "train.max_tokens_per_micro_batch must be an int >= 1, got 0"),
         ("train.world_size", 0, "train.world_size must be an int >= 1, got 0"),
+        ("train.loss_seq_chunk_size", 0, "train.loss_seq_chunk_size must be an int >= 1 or None, got 0"),
         ("train.filters.max_trained_count", 0, "train.filters.max_trained_count must be an int >= 1 or None, got 0"),
         ("train.filters.zero_std_eps", -1.0, "train.filters.zero_std_eps must be a float >= 0, got -1.0"),
         ("rollout.top_p", 1.5, "rollout.top_p must be a float in (0, 1], got 1.5"),

@@ -28,10 +28,12 @@ from trainers.fsdp import (
     AdamWConfig,
     FSDPPolicy,
     _shard_rows,
+    chunked_token_logprobs,
     decoder_layers,
     init_process_group,
     plan_micro_batches,
     row_lengths,
+    token_logprobs,
 )
 
 WORLD_SIZE = 2
@@ -209,7 +211,74 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     # dynamic_batching: micro-batches packed to a token budget; rank 0's rows are long, rank 1's short, so the
     # ranks plan different micro-batch counts
     out.update(_dynamic_batching(rank, workdir, batch1))
+
+    # ---- loss_seq_chunk_size: the head and log-softmax run over sequence chunks, recomputed in the backward
+    chunked = _policy(workdir, micro_batch_size=4, loss_seq_chunk_size=3)
+    chunked.train_step(batch1, token_mean_nll)
+    out["seq_chunk_step1"] = chunked.full_state_dict()
+    out["seq_chunk_logprobs"] = chunked.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    out["seq_chunk_logprobs_unchunked"] = policy_mb4.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    out.update(_seq_chunk_long_sequence(rank))
+    out.update(_seq_chunk_other_models(ids, mask))
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
+
+
+SEQ_CHUNK_VOCAB, SEQ_CHUNK_LEN, SEQ_CHUNK_SIZE = 4096, 96, 16
+
+
+def _seq_chunk_long_sequence(rank: int) -> dict:
+    """A train step with and without ``loss_seq_chunk_size`` on a larger-vocabulary model and a longer sequence,
+    where the ``[B, T, V]`` logits are most of what the backward keeps: the bytes kept, and the weights after."""
+
+    def build() -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        config = tiny_config()
+        config.vocab_size, config.max_position_embeddings = SEQ_CHUNK_VOCAB, SEQ_CHUNK_LEN
+        return LlamaForCausalLM(config)
+
+    generator = torch.Generator().manual_seed(20 + rank)
+    input_ids = torch.randint(1, SEQ_CHUNK_VOCAB, (4, SEQ_CHUNK_LEN), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, SEQ_CHUNK_LEN // 2 :] = 0  # one right-padded row
+    response_mask = attention_mask.float()
+    response_mask[:, :4] = 0  # a 4-token prompt
+    batch = {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "response_mask": response_mask}
+    out: dict = {}
+    for name, chunk_size in (("unchunked", None), ("chunked", SEQ_CHUNK_SIZE)):
+        policy = FSDPPolicy(build, optimizer=OPTIMIZER, micro_batch_size=4, loss_seq_chunk_size=chunk_size)
+        with _saved_for_backward() as kept:
+            policy.train_step(batch, token_mean_nll, temperature=TEMPERATURE)
+        out[f"seq_chunk_long_saved_bytes_{name}"] = kept[0]
+        out[f"seq_chunk_long_step1_{name}"] = policy.full_state_dict()
+    return out
+
+
+class _TinyNonHFLM(nn.Module):
+    """Not a Hugging Face model, but its logits are its ``lm_head`` applied to its last hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.mix = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return self.lm_head(torch.tanh(self.mix(self.embed(input_ids))))
+
+
+def _seq_chunk_other_models(ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """A non-HF model with an ``lm_head`` scores the same tokens chunked; one without is refused up front."""
+    out: dict = {}
+    for name, chunk_size in (("unchunked", None), ("chunked", 4)):
+        policy = FSDPPolicy(_TinyNonHFLM, trainable=False, loss_seq_chunk_size=chunk_size)
+        out[f"seq_chunk_non_hf_logprobs_{name}"] = policy.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    try:
+        FSDPPolicy(nn.Linear(2, 2), loss_seq_chunk_size=4)
+        out["seq_chunk_no_head_error"] = ""
+    except ValueError as error:
+        out["seq_chunk_no_head_error"] = str(error)
+    return out
 
 
 @contextlib.contextmanager
@@ -597,6 +666,51 @@ def test_a_non_finite_gradient_skips_the_update(run):
         assert result["nan_metrics"]["skipped"] == 1.0
         assert not np.isfinite(result["nan_metrics"]["grad_norm"])
         assert result["nan_unchanged"]
+
+
+def test_loss_seq_chunk_size_gives_the_same_update_and_logprobs(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["seq_chunk_step1"], rank0["step1_mb4"], atol=1e-6)
+    for result in run["ranks"]:
+        torch.testing.assert_close(
+            result["seq_chunk_logprobs"], result["seq_chunk_logprobs_unchunked"], atol=1e-5, rtol=1e-5
+        )
+        non_hf = result["seq_chunk_non_hf_logprobs_chunked"], result["seq_chunk_non_hf_logprobs_unchunked"]
+        torch.testing.assert_close(*non_hf, atol=1e-6, rtol=0)
+
+
+def test_loss_seq_chunk_size_keeps_far_fewer_bytes_for_a_long_sequence(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["seq_chunk_long_step1_chunked"], rank0["seq_chunk_long_step1_unchunked"], atol=1e-6)
+    chunked, unchunked = (rank0[f"seq_chunk_long_saved_bytes_{name}"] for name in ("chunked", "unchunked"))
+    logits_bytes = 4 * (SEQ_CHUNK_LEN - 1) * SEQ_CHUNK_VOCAB * 4  # one float32 [B, T - 1, V]
+    assert unchunked - chunked >= logits_bytes, (chunked, unchunked)
+
+
+def test_loss_seq_chunk_size_refuses_a_model_without_an_output_head(run):
+    assert run["ranks"][0]["seq_chunk_no_head_error"] == (
+        "loss_seq_chunk_size needs a model whose logits are an nn.Linear output head applied to its final hidden "
+        "states (Hugging Face's get_output_embeddings(), or an lm_head attribute), got Linear with head NoneType"
+    )
+
+
+@pytest.mark.parametrize("seq_len, chunk_size", [(9, 1), (9, 3), (9, 5), (9, 8), (9, 100), (1, 4)])
+def test_chunked_token_logprobs_equal_the_whole_sequences_values_and_gradients(seq_len, chunk_size):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, seq_len, 8, requires_grad=True)
+    head = nn.Linear(8, VOCAB)
+    input_ids = torch.randint(0, VOCAB, (3, seq_len))
+    expected = token_logprobs(head(hidden), input_ids, torch.ones_like(input_ids), TEMPERATURE)
+    actual = chunked_token_logprobs(hidden, head, input_ids, TEMPERATURE, chunk_size)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
+    grads = [torch.autograd.grad(out.sum(), (hidden, head.weight, head.bias)) for out in (actual, expected)]
+    for chunked_grad, whole_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(chunked_grad, whole_grad, atol=1e-6, rtol=0)
+    with torch.no_grad():  # without gradients the chunks run as they are (nothing to recompute): the same values
+        unrecorded = chunked_token_logprobs(hidden, head, input_ids, TEMPERATURE, chunk_size)
+    torch.testing.assert_close(unrecorded, expected.detach(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="chunk_size=0 must be >= 1"):
+        chunked_token_logprobs(hidden, head, input_ids, TEMPERATURE, 0)
 
 
 def test_init_process_group_rejects_a_bad_rank():
