@@ -25,6 +25,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.checkpoint import checkpoint_path, latest_checkpoint, prune_checkpoints
 from trainers.fsdp import AdamWConfig, FSDPPolicy, _shard_rows, decoder_layers, init_process_group
+from trainers.grpo import train_epochs
+from trainers.losses import policy_loss
 
 WORLD_SIZE = 2
 VOCAB = 32
@@ -197,6 +199,28 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     after = resumed.full_state_dict()  # a collective: every rank calls it, only rank 0 gets tensors
     out["nan_unchanged"] = after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())
     out.update(_staged_saves(rank, resumed, workdir / "staged"))
+
+    # ---- ppo_epochs (trainers.grpo.train_epochs): two optimizer steps on one batch, both against the old
+    # log-probs of the policy before the first (as the GRPO trainer recomputes them), each at its own learning rate
+    epochs_policy = _policy(workdir, micro_batch_size=4)
+    grpo_batch = {
+        **batch1,
+        "old_logprobs": epochs_policy.compute_logprobs(ids, mask),
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    }
+    out["ppo_epochs_metrics"] = train_epochs(
+        epochs_policy, grpo_batch, grpo_loss, lrs=[OPTIMIZER.lr, OPTIMIZER.lr / 2], temperature=1.0
+    )
+    optimizer_state = next(iter(epochs_policy.require_optimizer("test").state.values()))
+    out["ppo_epochs_adam_steps"] = float(optimizer_state["step"])
+
+    # ---- activation_offloading: the training forward's saved tensors go to save_on_cpu's hooks (on a CPU device,
+    # where they stay: nothing moves), the same update
+    offloaded = _policy(workdir, micro_batch_size=4, activation_offloading=True)
+    with _saved_for_backward() as kept:  # the innermost hooks take the saved tensors: offloading's, if it is on
+        offloaded.train_step(batch1, token_mean_nll)
+    out["activation_offloading_saved_bytes_outside"] = kept[0]
+    out["activation_offloading_step1"] = offloaded.full_state_dict()
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
 
 
@@ -279,6 +303,10 @@ def _counting_reduce_scatters():
         yield calls
     finally:
         dist.reduce_scatter_single = original
+
+
+def grpo_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
+    return policy_loss("grpo", logprobs, batch["old_logprobs"], batch["advantages"], batch["response_mask"])
 
 
 def nan_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
@@ -525,6 +553,79 @@ def test_a_non_finite_gradient_skips_the_update(run):
         assert result["nan_metrics"]["skipped"] == 1.0
         assert not np.isfinite(result["nan_metrics"]["grad_norm"])
         assert result["nan_unchanged"]
+
+
+def test_ppo_epochs_take_one_optimizer_step_each_against_the_same_old_logprobs(run):
+    for result in run["ranks"]:
+        first, second = result["ppo_epochs_metrics"]
+        assert result["ppo_epochs_adam_steps"] == 2.0  # AdamW stepped twice on the one batch
+        assert [first["lr"], second["lr"]] == [OPTIMIZER.lr, OPTIMIZER.lr / 2]
+        # the first epoch's policy is the old one; the second's moved away from it after the first update
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["approx_kl"] == pytest.approx(0, abs=1e-9)
+        assert abs(second["ratio_mean"] - 1.0) > 1e-3 and second["approx_kl"] > 1e-5, second
+        assert second["loss"] < first["loss"]  # a second pass on the batch improved its surrogate further
+
+
+def test_activation_offloading_gives_the_same_update_through_save_on_cpu(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["activation_offloading_step1"], rank0["step1_mb4"], atol=0)
+    for result in run["ranks"]:
+        # the saved tensors went to save_on_cpu's hooks, none to the hooks around train_step (all of them without)
+        assert result["activation_offloading_saved_bytes_outside"] == 0 < result["saved_bytes_mb4"]
+
+
+WIDE = 128  # hidden size of the GPU test's model: activations of a long batch dwarf its weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_activation_offloading_keeps_no_activations_on_the_gpu():
+    """One rank on NCCL (a world of one): the CUDA bytes allocated when the loss is computed (after the forward,
+    before the backward) above those before the step are the activations kept for the backward; with offloading
+    they are in pinned host memory instead, and the update is the same."""
+    device = init_process_group(0, 1, "127.0.0.1", _free_ports(1)[0], backend="nccl")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDE,
+        intermediate_size=2 * WIDE,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1, VOCAB, (8, 512), generator=generator)}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["response_mask"] = (torch.arange(512) >= 2).float().expand(8, 512).contiguous()
+    held, weights = {}, {}
+    try:
+        for offloading in (False, True):
+            torch.manual_seed(0)
+            policy = FSDPPolicy(
+                lambda: LlamaForCausalLM(config),
+                device=device,
+                optimizer=OPTIMIZER,
+                micro_batch_size=8,
+                activation_offloading=offloading,
+            )
+            at_loss: list[int] = []
+
+            def measured_nll(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor], at_loss=at_loss):
+                at_loss.append(torch.cuda.memory_allocated(device))
+                return token_mean_nll(logprobs=logprobs, batch=batch)
+
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            policy.train_step(batch, measured_nll)
+            held[offloading] = at_loss[0] - before
+            weights[offloading] = policy.full_state_dict()
+            del policy
+    finally:
+        dist.destroy_process_group()
+    assert held[False] > 10 * 2**20, held  # tens of MB of activations without offloading ...
+    assert held[True] < 0.05 * held[False], held  # ... about none with it
+    assert_weights_close(weights[True], weights[False], atol=1e-5)  # the same update (CUDA kernels may reorder sums)
 
 
 def test_init_process_group_rejects_a_bad_rank():
