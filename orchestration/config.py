@@ -260,7 +260,8 @@ class RLConfig:
             return self.train.recompute_old_logprobs
         trainer_device = "cuda" if self.train.num_gpus_per_rank > 0 else "cpu"
         same_numerics = self.rollout.engine == "hf" and self.rollout.engine_device.split(":")[0] == trainer_device
-        return not same_numerics or self.mode == "async" or self.train.minibatches_per_step > 1
+        several_updates = self.train.minibatches_per_step > 1 or self.train.ppo_epochs > 1
+        return not same_numerics or self.mode == "async" or several_updates
 
     @property
     def checkpoint_interval(self) -> int:
@@ -355,6 +356,7 @@ def _floats(low: float, *, low_open: bool = False, optional: bool = False) -> Ra
 
 _POSITIVE = Range(float, 0, low_open=True)
 _FRACTION = Range(float, 0, 1)
+_ADAM_BETA = Range(float, 0, 1, high_open=True)  # 1 would never forget a gradient (and Adam's bias correction / 0)
 _IMPORT_PATH = Text(pattern=r"[\w.]+:[\w.]+", described="'module:name'", optional=True)
 
 #: the type and range of every numeric or constrained key, checked when a config is parsed (:func:`check_ranges`);
@@ -389,12 +391,15 @@ KEY_RANGES: dict[str, Range | Text] = {
     "train.lr": _POSITIVE,
     "train.lr_warmup_steps": _ints(0),
     "train.weight_decay": _floats(0),
+    "train.beta1": _ADAM_BETA,
+    "train.beta2": _ADAM_BETA,
     "train.grad_clip": _POSITIVE,
     "train.micro_batch_size": _ints(1),
     "train.max_tokens_per_micro_batch": _ints(1),
     "train.fsdp_min_layer_params": _ints(0),
     "train.loss_seq_chunk_size": _ints(1, optional=True),
     "train.minibatches_per_step": _ints(1),
+    "train.ppo_epochs": _ints(1),
     "train.clip_low": Range(float, 0, 1, high_open=True, optional=True),
     "train.clip_high": _floats(0, optional=True),
     "train.loss_agg": Text(LOSS_AGG_MODES, optional=True),
@@ -449,6 +454,7 @@ UNRANGED_KEYS = frozenset(
         "train.normalize_advantage_std",
         "train.gradient_checkpointing",
         "train.dynamic_batching",
+        "train.activation_offloading",
         "train.recompute_old_logprobs",
         "train.rollout_correction",
         "train.mask_offpolicy_in_partial_rollout",

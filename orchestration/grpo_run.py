@@ -437,8 +437,8 @@ class GRPORun:
                 self.pending[s] = self.launch(s, self._min_version(s, self.start, self.first_version))
 
     def train(self, step: int) -> dict[str, float]:
-        """The trainer ranks read ``step``'s scored groups from the queue as they are produced and take one optimizer
-        step (prompts lost with a storage unit are put again meanwhile); returns the trainer's metrics. With a weight
+        """The trainer ranks read ``step``'s scored groups from the queue as they are produced and take their optimizer
+        steps (prompts lost with a storage unit are put again meanwhile); returns the trainer's metrics. With a weight
         channel, the publish of the new version is queued right behind the step on the ranks: no round trip."""
         train_refs = [rank.train_step.remote(step) for rank in self.trainer]
         self._train_launched = time.time()

@@ -27,6 +27,8 @@ class TrainConfig:
     # first steps move every weight by about lr whatever the gradient, which can knock a warmed-up policy over
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0  # AdamW weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay (betas[0]), in [0, 1)
+    beta2: float = 0.999  # AdamW's second-moment decay (betas[1]), in [0, 1)
     grad_clip: float = 1.0  # max global gradient norm
     micro_batch_size: int = 128  # rows per forward/backward pass (gradients accumulate over them)
     # a decoder layer with fewer parameters than this is sharded with the root module instead of as an FSDP unit of
@@ -34,6 +36,9 @@ class TrainConfig:
     # rank); per-layer units bound a large model's memory (SmolLM2-135M's ~3.5M-parameter layers stay units)
     fsdp_min_layer_params: int = 1_000_000
     minibatches_per_step: int = 1  # optimizer steps per global step (one DP round each)
+    # optimizer passes over each DP round's batch (PPO epochs), all against the same old log-probs: a global step
+    # takes minibatches_per_step x ppo_epochs optimizer steps
+    ppo_epochs: int = 1
     # recompute each decoder layer in the backward instead of keeping its activations: much less memory for one
     # more forward's compute, the same gradients (Hugging Face models)
     gradient_checkpointing: bool = False
@@ -46,6 +51,9 @@ class TrainConfig:
     # in the backward, so the [B, T, V] float32 logits are never held whole (long sequences, large vocabularies);
     # the same log-probs and gradients. None: the whole sequence at once
     loss_seq_chunk_size: int | None = None
+    # keep the activations saved for the backward in host memory (torch.autograd.graph.save_on_cpu) instead of on
+    # the GPU: less GPU memory for copies over PCIe, the same gradients; nothing changes on a CPU trainer
+    activation_offloading: bool = False
     loss: str = "grpo"  # one of trainers.losses.LOSSES
     clip_low: float | None = None  # None: the loss's own default
     clip_high: float | None = None  # upper clip range (clip-higher); None: the loss's own default
@@ -61,7 +69,7 @@ class TrainConfig:
     # Score the sampled tokens with the training model before the update, and use those as the old (proximal)
     # policy; the engine's log-probs are kept for the rollout correction. None: on when the trainer's and the
     # engine's numerics differ (another engine or device, so another dtype), in async mode (decoupled PPO needs the
-    # proximal policy) and with several minibatches per step.
+    # proximal policy) and with several minibatches per step or several ppo_epochs.
     recompute_old_logprobs: bool | None = None
     rollout_correction: Literal["none", "tis", "mis"] = "tis"  # trainer-vs-engine IS weights (with recompute)
     rollout_is_high: float = 2.0  # TIS cap / MIS upper bound on exp(trainer - engine logprob)

@@ -182,6 +182,12 @@ class FSDPPolicy:
             tempered log-softmax run chunk by chunk over the sequence, each chunk recomputed in the backward, so the
             ``[B, T, V]`` float32 logits are never held whole, nor kept for the backward; the same log-probs and
             gradients (see :func:`chunked_token_logprobs`). The model's logits must be the head's output as it is.
+        activation_offloading: run the training forward and backward under
+            ``torch.autograd.graph.save_on_cpu`` (pinned host memory on CUDA): every tensor autograd keeps for the
+            backward (the gathered weights a matmul keeps too) is copied to host memory in the forward and back to
+            the device in the backward, so the GPU holds no activations between the two, for those copies' PCIe
+            traffic; the same gradients. On a CPU device the activations are in host memory already: a no-op
+            (``save_on_cpu`` keeps a CPU tensor as it is), the same update.
 
     Dynamic batching (``dynamic_batching=True``):
         This rank's rows are planned by :func:`plan_micro_batches` from their lengths (a row's length is the
@@ -225,6 +231,7 @@ class FSDPPolicy:
         dynamic_batching: bool = False,
         max_tokens_per_micro_batch: int = 4096,
         loss_seq_chunk_size: int | None = None,
+        activation_offloading: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -250,6 +257,7 @@ class FSDPPolicy:
         self.micro_batch_counts: list[int] = []
         self.loss_weighting = loss_weighting
         self.optimizer_config = optimizer or AdamWConfig()
+        self.activation_offloading = activation_offloading
 
         module = model if isinstance(model, nn.Module) else model()
         self._model_class = type(module)  # fully_shard swaps in a subclass; keep the original for HF export
@@ -369,9 +377,10 @@ class FSDPPolicy:
             # reduce-scatter the accumulated gradients once, in the last micro-batch's backward
             self._fsdp.set_requires_gradient_sync(i == last)
             mb = {name: value.to(self.device, non_blocking=True) for name, value in mb.items()}
-            logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
-            loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
-            (loss * (weight * self.world_size / total_weight)).backward()
+            with self._saved_for_backward():
+                logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
+                loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
+                (loss * (weight * self.world_size / total_weight)).backward()
             for name, value in {"loss": loss, **metrics}.items():
                 value = torch.as_tensor(value, dtype=torch.float64, device=self.device).detach()
                 if value.numel() != 1:
@@ -456,6 +465,13 @@ class FSDPPolicy:
         if self.optimizer is None:
             raise RuntimeError(f"{what} needs a trainable policy; this one was built with trainable=False")
         return self.optimizer
+
+    def _saved_for_backward(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the training forward keeps the tensors its backward needs: host memory with
+        ``activation_offloading`` (pinned on CUDA, for asynchronous copies), else autograd's default (the device)."""
+        if not self.activation_offloading:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
     def _logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
         # Positions count real tokens, so left padding (if any) does not shift them.

@@ -5,8 +5,8 @@ sample's staleness is the trainer's version at the start of the step minus the v
 
 Each global step is ``minibatches_per_step`` DP rounds: in round ``k`` every rank asks the queue for its share
 (``dp_group_id = f"train/{step}/{k}"``, whole groups only), builds the training batch (:func:`build_train_batch`:
-group-normalised advantages, staleness and failed-sample masks, filters), and takes one optimizer step together
-with the other ranks. The same code runs with gloo on CPU and NCCL on GPU.
+group-normalised advantages, staleness and failed-sample masks, filters), and takes ``ppo_epochs`` optimizer steps
+on it together with the other ranks (:func:`train_epochs`). The same code runs with gloo on CPU and NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from trainers.advantages import group_advantages_by_id
 from trainers.checkpoint import queue_stage
 from trainers.config import TrainerConfig
 from trainers.filters import apply_filters
-from trainers.fsdp import AdamWConfig, FSDPPolicy, all_gather_single, init_process_group
+from trainers.fsdp import AdamWConfig, FSDPPolicy, LossFn, all_gather_single, init_process_group
 from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
@@ -234,7 +234,7 @@ class GRPOTrainerRank:
         self.policy = FSDPPolicy(
             self.task.build_policy(),
             device=device,
-            optimizer=AdamWConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay),
+            optimizer=rl_adamw(cfg),
             grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size,
             loss_weighting="tokens" if loss_agg == "token-mean" else "rows",
@@ -243,6 +243,7 @@ class GRPOTrainerRank:
             dynamic_batching=cfg.train.dynamic_batching,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
             loss_seq_chunk_size=cfg.train.loss_seq_chunk_size,
+            activation_offloading=cfg.train.activation_offloading,
         )
         return self.rank
 
@@ -277,10 +278,10 @@ class GRPOTrainerRank:
         self.reference.save_checkpoint(path, {"reference": True}, overwrite=True)
 
     def train_step(self, step: int) -> dict[str, float]:
-        """Train on global step ``step``: ``minibatches_per_step`` DP rounds, one optimizer step each."""
+        """Train on global step ``step``: ``minibatches_per_step`` DP rounds, ``ppo_epochs`` optimizer steps each."""
         assert self.policy is not None
         cfg = self.config
-        rounds = cfg.train.minibatches_per_step
+        rounds, epochs = cfg.train.minibatches_per_step, cfg.train.ppo_epochs
         rows = cfg.prompts_per_step * cfg.n_samples // (self.world_size * rounds)
         totals: dict[str, float] = {}
         train_metrics: list[dict[str, float]] = []
@@ -316,14 +317,12 @@ class GRPOTrainerRank:
                     t["ref_logprobs"] = self.reference.compute_logprobs(
                         t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.temperature)
                     )
-                self._set_rl_lr(version * rounds + k)
                 if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
+                    lrs = [self._rl_lr(rl_optimizer_step(version, k, e, rounds, epochs)) for e in range(epochs)]
                     # the engine's log-probs are at the rollout temperature: the policy's must be too, or the ratio
                     # is off from the first step
-                    train_metrics.append(
-                        self.policy.train_step(
-                            batch.tensors, self._loss_fn, temperature=logprob_temperature(cfg.temperature)
-                        )
+                    train_metrics += train_epochs(
+                        self.policy, t, self._loss_fn, lrs=lrs, temperature=logprob_temperature(cfg.temperature)
                     )
             self.client.ack(meta)  # after the optimizer step (explicit acks: get_data left the rows leased)
             train_s += time.perf_counter() - t1
@@ -366,13 +365,10 @@ class GRPOTrainerRank:
             release_quietly(self.client, meta)
         raise AssertionError("unreachable")
 
-    def _set_rl_lr(self, optimizer_step: int) -> None:
-        """The RL learning rate of optimizer step ``optimizer_step`` (0-based, counted from the start of RL): a
-        linear warm-up over ``train.lr_warmup_steps`` steps, then ``train.lr``."""
-        assert self.policy is not None and self.policy.optimizer is not None
-        lr = self.config.train.lr * warmup_factor(optimizer_step, self.config.train.lr_warmup_steps)
-        for group in self.policy.optimizer.param_groups:
-            group["lr"] = lr
+    def _rl_lr(self, optimizer_step: int) -> float:
+        """The RL learning rate of optimizer step ``optimizer_step`` (0-based, counted from the start of RL, see
+        :func:`rl_optimizer_step`): a linear warm-up over ``train.lr_warmup_steps`` steps, then ``train.lr``."""
+        return self.config.train.lr * warmup_factor(optimizer_step, self.config.train.lr_warmup_steps)
 
     def _recompute_old_logprobs(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
         """Replace ``old_logprobs`` with the training model's, weight tokens by the rollout correction, and return
@@ -482,6 +478,38 @@ class GRPOTrainerRank:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+
+def rl_adamw(config: TrainerConfig) -> AdamWConfig:
+    """The RL policy's AdamW: ``train.lr``, ``train.beta1`` / ``train.beta2`` and ``train.weight_decay``."""
+    train = config.train
+    return AdamWConfig(lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)
+
+
+def train_epochs(
+    policy: FSDPPolicy, tensors: dict[str, torch.Tensor], loss_fn: LossFn, *, lrs: list[float], temperature: float
+) -> list[dict[str, float]]:
+    """PPO epochs on one DP round's batch: one optimizer step (``policy.train_step``, a collective) per learning
+    rate of ``lrs``, all on the same ``tensors``, so every epoch's ratio is against the same old log-probs (the
+    policy before the first epoch's update when the trainer recomputes them); from the second epoch on it moves
+    away from 1, and the clip bounds how far. Returns each step's metrics."""
+    optimizer = policy.require_optimizer("train_epochs")
+    metrics = []
+    for lr in lrs:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        metrics.append(policy.train_step(tensors, loss_fn, temperature=temperature))
+    return metrics
+
+
+def rl_optimizer_step(version: int, k: int, epoch: int, rounds: int, epochs: int) -> int:
+    """The RL optimizer step (0-based, as the learning-rate warm-up counts them) of PPO epoch ``epoch`` of DP round
+    ``k`` of the global step that starts at policy ``version``: each step takes ``rounds x epochs`` of them.
+
+    >>> [rl_optimizer_step(1, k, e, rounds=2, epochs=2) for k in range(2) for e in range(2)]
+    [4, 5, 6, 7]
+    """
+    return (version * rounds + k) * epochs + epoch
 
 
 def warmup_factor(optimizer_step: int, warmup_steps: int) -> float:

@@ -139,10 +139,11 @@ def test_a_sync_resume_trains_the_prompts_an_uninterrupted_run_draws(tmp_path):
 @pytest.mark.slow
 def test_the_demo_runs_in_async_mode(tmp_path):
     out = tmp_path / "async"
-    run_demo(out, "steps=3", "mode=async", "max_staleness=1")
+    run_demo(out, "steps=3", "mode=async", "max_staleness=1", "train.ppo_epochs=2")
     grpo = rows(out, "grpo")
     assert [r["step"] for r in grpo] == [0, 1, 2]
     assert max(r["staleness_max"] for r in grpo) <= 1
+    assert all(r["optimizer_steps"] == 2 for r in grpo)  # one DP round, trained for two PPO epochs
 
 
 @pytest.mark.slow

@@ -27,7 +27,16 @@ from rl_contracts.rows import jagged, rows_of
 from rl_contracts.task import import_object, load_reward_fn, load_task
 from trainers.config import TrainConfig, TrainerConfig
 from trainers.filters import FilterConfig
-from trainers.grpo import build_train_batch, pad_rows, pad_sequences, take_groups, warmup_factor
+from trainers.fsdp import AdamWConfig
+from trainers.grpo import (
+    build_train_batch,
+    pad_rows,
+    pad_sequences,
+    rl_adamw,
+    rl_optimizer_step,
+    take_groups,
+    warmup_factor,
+)
 from workers.reward import NonFiniteReward, score_responses
 from workers.tasks.addition import AdditionTask
 
@@ -303,6 +312,20 @@ def test_the_rl_learning_rate_warms_up_linearly_as_the_single_process_scheduler_
     assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
 
 
+def test_the_warm_up_counts_every_ppo_epoch_of_every_round_as_an_optimizer_step():
+    # 3 global steps of 2 DP rounds of 3 epochs: 18 optimizer steps, numbered in the order they are taken
+    taken = [rl_optimizer_step(v, k, e, rounds=2, epochs=3) for v in range(3) for k in range(2) for e in range(3)]
+    assert taken == list(range(18))
+    assert [rl_optimizer_step(v, 0, 0, rounds=1, epochs=1) for v in range(3)] == [0, 1, 2]  # as before the epochs
+
+
+def test_the_rl_adamw_takes_the_betas_of_the_train_section_and_keeps_adamws_by_default():
+    assert rl_adamw(_trainer_config()).betas == AdamWConfig().betas == (0.9, 0.999)
+    assert rl_adamw(_trainer_config(beta1=0.8, beta2=0.95, lr=1e-3, weight_decay=0.1)) == AdamWConfig(
+        lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1
+    )
+
+
 def test_the_async_window_sets_the_step_ring():
     config = load_config(None, {"mode": "async", "max_staleness": 2})
     assert config.num_global_batch == 3
@@ -455,3 +478,14 @@ def test_the_run_report_names_what_each_time_measures():
         "GRPO: 0 steps in 0.0 s; the whole run 5.0 s "
         "(start-up and wind-down 5.0 s, SFT warm-up or resume 0.0 s, GRPO 0.0 s)"
     )
+
+
+def test_several_ppo_epochs_recompute_the_old_logprobs_unless_told_not_to():
+    # the demo's sync run on CPU keeps the engine's log-probs with one epoch, recomputes them with two
+    assert not _config().recompute_old_logprobs
+    assert _config(ppo_epochs=2).recompute_old_logprobs
+    # an explicit choice wins, as it does with several minibatches or in async mode
+    assert not _config(ppo_epochs=2, recompute_old_logprobs=False).recompute_old_logprobs
+    assert not RLConfig(
+        mode="async", max_staleness=1, train=TrainConfig(ppo_epochs=2, recompute_old_logprobs=False)
+    ).recompute_old_logprobs

@@ -35,6 +35,8 @@ from trainers.fsdp import (
     row_lengths,
     token_logprobs,
 )
+from trainers.grpo import train_epochs
+from trainers.losses import policy_loss
 
 WORLD_SIZE = 2
 VOCAB = 32
@@ -220,6 +222,28 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
     out["seq_chunk_logprobs_unchunked"] = policy_mb4.compute_logprobs(ids, mask, temperature=TEMPERATURE)
     out.update(_seq_chunk_long_sequence(rank))
     out.update(_seq_chunk_other_models(ids, mask))
+
+    # ---- ppo_epochs (trainers.grpo.train_epochs): two optimizer steps on one batch, both against the old
+    # log-probs of the policy before the first (as the GRPO trainer recomputes them), each at its own learning rate
+    epochs_policy = _policy(workdir, micro_batch_size=4)
+    grpo_batch = {
+        **batch1,
+        "old_logprobs": epochs_policy.compute_logprobs(ids, mask),
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    }
+    out["ppo_epochs_metrics"] = train_epochs(
+        epochs_policy, grpo_batch, grpo_loss, lrs=[OPTIMIZER.lr, OPTIMIZER.lr / 2], temperature=1.0
+    )
+    optimizer_state = next(iter(epochs_policy.require_optimizer("test").state.values()))
+    out["ppo_epochs_adam_steps"] = float(optimizer_state["step"])
+
+    # ---- activation_offloading: the training forward's saved tensors go to save_on_cpu's hooks (on a CPU device,
+    # where they stay: nothing moves), the same update
+    offloaded = _policy(workdir, micro_batch_size=4, activation_offloading=True)
+    with _saved_for_backward() as kept:  # the innermost hooks take the saved tensors: offloading's, if it is on
+        offloaded.train_step(batch1, token_mean_nll)
+    out["activation_offloading_saved_bytes_outside"] = kept[0]
+    out["activation_offloading_step1"] = offloaded.full_state_dict()
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
 
 
@@ -420,6 +444,10 @@ def _counting_forward_tokens(model: nn.Module):
         yield tokens
     finally:
         handle.remove()
+
+
+def grpo_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
+    return policy_loss("grpo", logprobs, batch["old_logprobs"], batch["advantages"], batch["response_mask"])
 
 
 def nan_loss(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]):
@@ -711,6 +739,79 @@ def test_chunked_token_logprobs_equal_the_whole_sequences_values_and_gradients(s
     torch.testing.assert_close(unrecorded, expected.detach(), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="chunk_size=0 must be >= 1"):
         chunked_token_logprobs(hidden, head, input_ids, TEMPERATURE, 0)
+
+
+def test_ppo_epochs_take_one_optimizer_step_each_against_the_same_old_logprobs(run):
+    for result in run["ranks"]:
+        first, second = result["ppo_epochs_metrics"]
+        assert result["ppo_epochs_adam_steps"] == 2.0  # AdamW stepped twice on the one batch
+        assert [first["lr"], second["lr"]] == [OPTIMIZER.lr, OPTIMIZER.lr / 2]
+        # the first epoch's policy is the old one; the second's moved away from it after the first update
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["approx_kl"] == pytest.approx(0, abs=1e-9)
+        assert abs(second["ratio_mean"] - 1.0) > 1e-3 and second["approx_kl"] > 1e-5, second
+        assert second["loss"] < first["loss"]  # a second pass on the batch improved its surrogate further
+
+
+def test_activation_offloading_gives_the_same_update_through_save_on_cpu(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["activation_offloading_step1"], rank0["step1_mb4"], atol=0)
+    for result in run["ranks"]:
+        # the saved tensors went to save_on_cpu's hooks, none to the hooks around train_step (all of them without)
+        assert result["activation_offloading_saved_bytes_outside"] == 0 < result["saved_bytes_mb4"]
+
+
+WIDE = 128  # hidden size of the GPU test's model: activations of a long batch dwarf its weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_activation_offloading_keeps_no_activations_on_the_gpu():
+    """One rank on NCCL (a world of one): the CUDA bytes allocated when the loss is computed (after the forward,
+    before the backward) above those before the step are the activations kept for the backward; with offloading
+    they are in pinned host memory instead, and the update is the same."""
+    device = init_process_group(0, 1, "127.0.0.1", _free_ports(1)[0], backend="nccl")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDE,
+        intermediate_size=2 * WIDE,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1, VOCAB, (8, 512), generator=generator)}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["response_mask"] = (torch.arange(512) >= 2).float().expand(8, 512).contiguous()
+    held, weights = {}, {}
+    try:
+        for offloading in (False, True):
+            torch.manual_seed(0)
+            policy = FSDPPolicy(
+                lambda: LlamaForCausalLM(config),
+                device=device,
+                optimizer=OPTIMIZER,
+                micro_batch_size=8,
+                activation_offloading=offloading,
+            )
+            at_loss: list[int] = []
+
+            def measured_nll(*, logprobs: torch.Tensor, batch: dict[str, torch.Tensor], at_loss=at_loss):
+                at_loss.append(torch.cuda.memory_allocated(device))
+                return token_mean_nll(logprobs=logprobs, batch=batch)
+
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            policy.train_step(batch, measured_nll)
+            held[offloading] = at_loss[0] - before
+            weights[offloading] = policy.full_state_dict()
+            del policy
+    finally:
+        dist.destroy_process_group()
+    assert held[False] > 10 * 2**20, held  # tens of MB of activations without offloading ...
+    assert held[True] < 0.05 * held[False], held  # ... about none with it
+    assert_weights_close(weights[True], weights[False], atol=1e-5)  # the same update (CUDA kernels may reorder sums)
 
 
 def test_init_process_group_rejects_a_bad_rank():
