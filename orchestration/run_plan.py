@@ -44,6 +44,8 @@ CHANGEABLE_ON_RESUME = (
     "train.micro_batch_size",
     "train.dynamic_batching",  # the same update, packed differently (trainers/fsdp.py: FSDPPolicy)
     "train.max_tokens_per_micro_batch",
+    "train.loss_seq_chunk_size",  # the same log-probs and gradients, computed in chunks
+    "train.activation_offloading",  # the same gradients, activations kept in host memory
     "sft.",  # a resumed run does not warm up again
     "init_from",
 )
