@@ -24,7 +24,7 @@ import ray
 
 from orchestration import connect_ray
 from orchestration.agent_run import AgentGRPORun
-from orchestration.config import ConfigError, config_from_cli
+from orchestration.config import ConfigError, RLConfig, config_from_cli
 from orchestration.grpo_run import time_line
 from orchestration.metrics import fifth_means
 from orchestration.stopping import SigtermStops, stopped_line
@@ -45,18 +45,35 @@ def agent_grpo(run: AgentGRPORun) -> list[dict[str, Any]]:
     return run.rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
-    cfg = config.rollout
-    if cfg.task_server_env is None:
+def refuse_unused_settings(config: RLConfig) -> None:
+    """Settings of a GRPO run that this loop would leave unused, refused instead of ignored (ConfigError)."""
+    if config.rollout.task_server_env is None:
         raise ConfigError("rollout.task_server_env is not set; the agent demo serves an environment, e.g. guess-number")
+    if config.eval_every:
+        raise ConfigError(
+            f"eval_every={config.eval_every}: the agent demo evaluates no held-out split (the run's evaluation scores "
+            "single-turn answers); every step's episodes report success, num_turns and env_reward in metrics.jsonl. "
+            "Set eval_every=0"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv)
+        refuse_unused_settings(config)
+    except ConfigError as exc:
+        print(f"agent_demo.py: error: {exc}", file=sys.stderr)
+        return 2
+    cfg = config.rollout
+    env = cfg.task_server_env
+    assert env is not None  # refused above
     started, sigterm = time.perf_counter(), SigtermStops()
     try:
         with contextlib.ExitStack() as stack:  # every piece stopped on the way out, the run first
             api_key = new_api_key()  # this run's task servers all take one fresh key
             servers = [
                 stack.enter_context(
-                    TaskServerProcess(cfg.task_server_env, max_episodes=cfg.task_server_max_episodes,
+                    TaskServerProcess(env, max_episodes=cfg.task_server_max_episodes,
                                       idle_timeout=cfg.task_server_idle_timeout, api_key=api_key)
                 )
                 for _ in range(cfg.num_task_servers)
