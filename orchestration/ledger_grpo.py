@@ -20,6 +20,7 @@ import torch
 
 from rl_contracts.rows import float_rows_of, rows_of
 from trainers.advantages import group_advantages_by_id
+from trainers.fsdp import token_logprobs
 from trainers.losses import loss_named, policy_loss
 from workers.ledger.queue_sink import FIELDS
 from workers.ledger.store import Ledger
@@ -119,11 +120,8 @@ class LedgerGRPOTrainer:
 
     def _logprobs(self, batch: dict) -> torch.Tensor:
         """The policy's log-probs of ``input_ids`` at the sampling temperature, aligned with them (position 0: 0)."""
-        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        logprobs = torch.zeros(batch["input_ids"].shape, dtype=logits.dtype)
-        scaled = torch.log_softmax(logits[:, :-1] / self.cfg.temperature, dim=-1)
-        logprobs[:, 1:] = scaled.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-        return logprobs
+        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_logprobs(logits, batch["input_ids"], batch["attention_mask"], self.cfg.temperature)
 
     def _loss(self, batch: dict, advantages: torch.Tensor) -> torch.Tensor:
         logprobs, old, mask = self._logprobs(batch), batch["old_logprobs"], batch["response_mask"]
