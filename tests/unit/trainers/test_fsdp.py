@@ -35,7 +35,7 @@ from trainers.fsdp import (
     row_lengths,
     token_logprobs,
 )
-from trainers.grpo import train_epochs
+from trainers.grpo import _reduce_stats, train_epochs
 from trainers.losses import policy_loss
 
 WORLD_SIZE = 2
@@ -279,6 +279,12 @@ def _tensor_parallel(workdir: Path, inputs: dict, data_parallel: FSDPPolicy) -> 
         config = tiny_config()
         config.num_attention_heads = config.num_key_value_heads = n
         return LlamaForCausalLM(config)
+
+    # the GRPO trainer's step counters: both ranks of the TP group read the same 4 rows (3 scored, reward 2)
+    counters = {"rows": 4.0, "scored_rows": 3.0, "reward_sum": 2.0, "correct_sum": 1.0, "trained_rows": 4.0}
+    counters |= {"failed_rows": 1.0, "stale_rows": 0.0, "staleness_sum": 0.0, "response_len_sum": 8.0}
+    out["tp_reduced_stats"] = _reduce_stats(counters, torch.device("cpu"), tp_size=2)
+    out["tp_reduced_stats_as_dp"] = _reduce_stats(counters, torch.device("cpu"))
 
     refused = {
         "tp_3": lambda: _policy(workdir, micro_batch_size=1, tp_size=3),
@@ -846,6 +852,14 @@ def test_tensor_parallel_exports_full_weights_and_its_checkpoint_reloads_without
     assert_weights_close(model.state_dict(), rank0["tp_step1"], atol=0)
     # DCP resharded the 2-D (dp, tp) weights and Adam's moments onto 2 DP ranks: the same second step
     assert_weights_close(rank0["tp_resumed_as_dp_step2"], rank0["tp_step2"], atol=1e-5)
+
+
+def test_the_grpo_trainers_step_counters_count_a_tp_groups_rows_once(run):
+    for result in run["ranks"]:
+        stats, as_dp = result["tp_reduced_stats"], result["tp_reduced_stats_as_dp"]
+        assert (stats["rows"], stats["trained_rows"], stats["failed_rows"]) == (4.0, 4.0, 1.0)
+        assert stats["reward"] == pytest.approx(2 / 3) and stats["response_len"] == 2.0
+        assert (as_dp["rows"], as_dp["reward"]) == (8.0, pytest.approx(2 / 3))  # two DP ranks' rows: both count
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split(run):
