@@ -280,6 +280,14 @@ def _tensor_parallel(workdir: Path, inputs: dict, data_parallel: FSDPPolicy) -> 
         config.num_attention_heads = config.num_key_value_heads = n
         return LlamaForCausalLM(config)
 
+    # with the other ways of computing the same update: recomputed layers, chunked head, packed micro-batches
+    combined = _policy(workdir, micro_batch_size=4, tp_size=2, gradient_checkpointing=True, loss_seq_chunk_size=3)
+    combined.train_step(batch1, token_mean_nll)
+    out["tp_checkpointed_chunked_step1"] = combined.full_state_dict()
+    packed = _policy(workdir, micro_batch_size=1, tp_size=2, dynamic_batching=True, max_tokens_per_micro_batch=20)
+    packed.train_step(batch1, token_mean_nll)
+    out["tp_dynamic_batching_step1"] = packed.full_state_dict()
+
     # the GRPO trainer's step counters: both ranks of the TP group read the same 4 rows (3 scored, reward 2)
     counters = {"rows": 4.0, "scored_rows": 3.0, "reward_sum": 2.0, "correct_sum": 1.0, "trained_rows": 4.0}
     counters |= {"failed_rows": 1.0, "stale_rows": 0.0, "staleness_sum": 0.0, "response_len_sum": 8.0}
@@ -843,6 +851,12 @@ def test_tensor_parallel_gives_the_single_process_update_and_logprobs(run):
         "(Shard(dim=0),)",
         "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
     ]
+
+
+def test_tensor_parallel_composes_with_checkpointing_chunked_scoring_and_dynamic_batching(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["tp_checkpointed_chunked_step1"], rank0["tp_step1"], atol=1e-6)
+    assert_weights_close(rank0["tp_dynamic_batching_step1"], rank0["tp_step1"], atol=1e-6)
 
 
 def test_tensor_parallel_exports_full_weights_and_its_checkpoint_reloads_without_tp(run):
