@@ -191,17 +191,22 @@ class RLConfig:
                 f"sync_every={self.sync_every} leaves engines up to {self.sync_every - 1} versions behind, more than "
                 f"max_staleness={self.max_staleness}; use mode='async' with max_staleness >= {self.sync_every - 1}"
             )
-        rounds = self.train.world_size * self.train.minibatches_per_step
+        self._check_parallelism()
+        tp, world = self.train.tp_size, self.train.world_size
+        rounds = world // tp * self.train.minibatches_per_step  # each TP group reads one DP share
+        ranks = f"train.world_size={world} ranks"
+        if tp > 1:
+            ranks = f"train.world_size={world} / train.tp_size={tp} = {world // tp} DP ranks"
         if self.prompts_per_step % rounds:
             raise ConfigError(
-                f"prompts_per_step={self.prompts_per_step} groups must split evenly over train.world_size="
-                f"{self.train.world_size} ranks x train.minibatches_per_step={self.train.minibatches_per_step}; "
-                f"use a multiple of {rounds}"
+                f"prompts_per_step={self.prompts_per_step} groups must split evenly over {ranks} x "
+                f"train.minibatches_per_step={self.train.minibatches_per_step}; use a multiple of {rounds}"
             )
         groups = self.train.max_train_groups
         if groups is not None and (not isinstance(groups, int) or groups < rounds or groups % rounds):
+            per = "train.world_size" if tp == 1 else "train.world_size / train.tp_size"
             raise ConfigError(
-                f"train.max_train_groups must be a multiple of train.world_size x train.minibatches_per_step = "
+                f"train.max_train_groups must be a multiple of {per} x train.minibatches_per_step = "
                 f"{rounds} (each rank's share of a round), got {groups!r}"
             )
         if groups is not None and groups > self.prompts_per_step:
@@ -223,6 +228,26 @@ class RLConfig:
         if low is not None and not low < self.train.rollout_is_high:
             raise ConfigError(
                 f"train.rollout_is_low must be in [0, train.rollout_is_high={self.train.rollout_is_high}), got {low}"
+            )
+
+    def _check_parallelism(self) -> None:
+        """``train.tp_size`` divides ``train.world_size``; the parallelisms the trainer has not are refused."""
+        supported = (
+            "supported: train.world_size (FSDP2 data parallel) and train.tp_size (tensor parallel within a node)"
+        )
+        for key, what in (
+            ("pp_size", "pipeline parallelism"),
+            ("ep_size", "expert parallelism"),
+            ("cp_size", "context (sequence) parallelism"),
+        ):
+            value = getattr(self.train, key)
+            if value > 1:
+                raise ConfigError(f"train.{key}={value}: {what} is not supported; {supported}")
+        tp, world = self.train.tp_size, self.train.world_size
+        if world % tp:
+            raise ConfigError(
+                f"train.tp_size={tp} must divide train.world_size={world}: the ranks form world_size / tp_size "
+                "tensor-parallel groups of tp_size ranks, one data-parallel rank each"
             )
 
     @property
@@ -386,6 +411,10 @@ KEY_RANGES: dict[str, Range | Text] = {
     "rollout.task_server_max_episodes": _ints(1, optional=True),
     "rollout.task_server_idle_timeout": _POSITIVE,
     "train.world_size": _ints(1),
+    "train.tp_size": _ints(1),
+    "train.pp_size": _ints(1),
+    "train.ep_size": _ints(1),
+    "train.cp_size": _ints(1),
     "train.backend": Text(("gloo", "nccl", "mpi", "ucc"), optional=True),
     "train.num_gpus_per_rank": _floats(0),
     "train.lr": _POSITIVE,

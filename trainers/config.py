@@ -20,6 +20,14 @@ class TrainConfig:
     """The FSDP2 trainer: ranks, optimisation, loss and filters."""
 
     world_size: int = 2  # FSDP2 trainer ranks
+    # tensor parallelism: groups of tp_size ranks split each decoder layer (Llama-style Hugging Face models), FSDP2
+    # shards over the world_size // tp_size groups, each of which reads one data-parallel share; divides world_size
+    tp_size: int = 1
+    # pipeline, expert and context (sequence) parallelism: not supported, each refused above 1 when the config is
+    # checked (naming what is)
+    pp_size: int = 1  # pipeline-parallel degree: 1 only (not supported)
+    ep_size: int = 1  # expert-parallel degree: 1 only (not supported)
+    cp_size: int = 1  # context (sequence) parallel degree: 1 only (not supported)
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
     num_gpus_per_rank: float = 0.0  # GPUs per trainer rank (0: CPU)
     lr: float = 5e-4  # AdamW learning rate of RL

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from trainers.checkpoint import load_checkpoint, save_checkpoint
@@ -188,6 +189,19 @@ class FSDPPolicy:
             the device in the backward, so the GPU holds no activations between the two, for those copies' PCIe
             traffic; the same gradients. On a CPU device the activations are in host memory already: a no-op
             (``save_on_cpu`` keeps a CPU tensor as it is), the same update.
+        tp_size: tensor-parallel degree, dividing the world size: see "Tensor parallelism" below. 1 (the default):
+            FSDP2 over every rank, no tensor parallelism.
+
+    Tensor parallelism (``tp_size > 1``):
+        The ranks form a 2-D mesh ``(dp, tp)`` of ``world_size // tp_size`` x ``tp_size``, consecutive ranks in one
+        TP group (this rank's DP rank is ``rank // tp_size``). The decoder layers of a Llama-style Hugging Face
+        model (``model.model.layers``, each with ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``) are
+        split over ``tp`` with ``torch.distributed.tensor.parallel`` (q/k/v/gate/up column-wise, o/down row-wise:
+        each TP rank computes ``num_attention_heads / tp_size`` query heads and ``num_key_value_heads / tp_size``
+        key/value heads, and the row-wise layers all-reduce their outputs), then FSDP2 shards everything over
+        ``dp``; embeddings, norms and the output head are replicated over ``tp``. The ranks of one TP group must
+        be given the same rows (their DP rank's share); the loss weights count each DP share once. The weights,
+        log-probs and update are those of ``world_size // tp_size`` data-parallel ranks (up to float rounding).
 
     Dynamic batching (``dynamic_batching=True``):
         This rank's rows are planned by :func:`plan_micro_batches` from their lengths (a row's length is the
@@ -209,7 +223,9 @@ class FSDPPolicy:
         ValueError: on a non-positive ``micro_batch_size``, ``max_tokens_per_micro_batch``, ``grad_clip`` or
             ``loss_seq_chunk_size``, an unknown ``loss_weighting``, ``gradient_checkpointing`` on a model that is not
             a Hugging Face one, or ``loss_seq_chunk_size`` on a model without an ``nn.Linear`` output head (or one
-            whose logits are transformed after it: a final logit soft-cap).
+            whose logits are transformed after it: a final logit soft-cap); a ``tp_size`` that does not divide the
+            world size, or ``tp_size > 1`` on a model that is not Llama-like (see above) or whose head counts do not
+            divide by it.
         RuntimeError: if no default process group exists.
     """
 
@@ -232,6 +248,7 @@ class FSDPPolicy:
         max_tokens_per_micro_batch: int = 4096,
         loss_seq_chunk_size: int | None = None,
         activation_offloading: bool = False,
+        tp_size: int = 1,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group; call init_process_group first")
@@ -248,6 +265,12 @@ class FSDPPolicy:
         self.device = device or default_device()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        if not isinstance(tp_size, int) or tp_size < 1 or self.world_size % tp_size:
+            raise ValueError(f"tp_size={tp_size!r} must be an int >= 1 that divides the world size {self.world_size}")
+        #: tensor-parallel degree; data-parallel degree and this rank's DP rank (its TP group's place)
+        self.tp_size = tp_size
+        self.dp_size = self.world_size // tp_size
+        self.dp_rank = self.rank // tp_size
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.dynamic_batching = dynamic_batching
@@ -260,6 +283,8 @@ class FSDPPolicy:
         self.activation_offloading = activation_offloading
 
         module = model if isinstance(model, nn.Module) else model()
+        if tp_size > 1:
+            _check_tensor_parallel(module, tp_size)
         self._model_class = type(module)  # fully_shard swaps in a subclass; keep the original for HF export
         self._is_hf = _is_pretrained_model(module)
         self.loss_seq_chunk_size = loss_seq_chunk_size
@@ -282,7 +307,13 @@ class FSDPPolicy:
             if mixed_precision
             else MixedPrecisionPolicy()
         )
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if tp_size == 1:
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+        else:  # the 2-D recipe: tensor parallel within each TP group first, then FSDP2 over the DP dimension
+            mesh_2d = init_device_mesh(self.device.type, (self.dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+            for layer in decoder_layers(module):
+                parallelize_module(layer, mesh_2d["tp"], _llama_layer_plan())
+            mesh = mesh_2d["dp"]
         self.units = [m for m in decoder_layers(module) if _num_params(m) >= min_layer_params]
         for layer in self.units:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -358,6 +389,7 @@ class FSDPPolicy:
         # one collective for both: every rank's micro-batch count (they must agree, or with dynamic batching be
         # evened out with filler passes) and the global weight
         counts, rank_weights = _all_gather_pairs(len(micro_batches), sum(weights), self.device, self.world_size)
+        rank_weights = rank_weights[:: self.tp_size]  # the ranks of a TP group hold the same rows: count them once
         self.micro_batch_counts = counts
         if not self.dynamic_batching:
             self._raise_on_uneven_counts(counts, batch["input_ids"].shape[0])
@@ -380,7 +412,7 @@ class FSDPPolicy:
             with self._saved_for_backward():
                 logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
                 loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
-                (loss * (weight * self.world_size / total_weight)).backward()
+                (loss * (weight * self.dp_size / total_weight)).backward()
             for name, value in {"loss": loss, **metrics}.items():
                 value = torch.as_tensor(value, dtype=torch.float64, device=self.device).detach()
                 if value.numel() != 1:
@@ -396,7 +428,7 @@ class FSDPPolicy:
         optimizer.zero_grad(set_to_none=True)
 
         names = sorted(sums)
-        reduced = _all_reduce_sum(torch.stack([sums[name] for name in names])) / total_weight
+        reduced = _all_reduce_sum(torch.stack([sums[name] for name in names])) / (total_weight * self.tp_size)
         result = dict(zip(names, reduced.tolist(), strict=True))
         result.update(grad_norm=grad_norm, lr=float(optimizer.param_groups[0]["lr"]), skipped=float(skipped))
         return result
@@ -411,7 +443,7 @@ class FSDPPolicy:
         state = self.model.state_dict()
         if not _all_row_sharded(state.values(), self.world_size):
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return {name: value for name, value in full.items() if isinstance(value, Tensor)}
+            return _unaliased({name: value for name, value in full.items() if isinstance(value, Tensor)}, state)
         return _gather_row_shards(state, self.rank, self.world_size)
 
     def save_hf_pretrained(self, path: str | os.PathLike[str]) -> None:
@@ -573,10 +605,94 @@ class FSDPPolicy:
 
     def _clip_grad_norm(self) -> float:
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        if self.tp_size > 1:
+            return _clip_grad_norm_across_meshes(self.model.parameters(), max_norm, self.optimizer_config.foreach)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self.optimizer_config.foreach)
         if isinstance(norm, DTensor):  # sharded grads: the local norm is a partial, reduce it
             norm = norm.full_tensor()
         return float(norm.item())
+
+
+def _clip_grad_norm_across_meshes(parameters: Iterable[nn.Parameter], max_norm: float, foreach: bool) -> float:
+    """``clip_grad_norm_`` over DTensor gradients on different meshes (with tensor parallelism: the TP layers' on
+    the 2-D ``(dp, tp)`` mesh, the rest on ``dp``), which torch's refuses (its one ``stack`` of every norm mixes
+    meshes): the norm of each mesh's gradients in full, then the norm of those, then every gradient scaled by the
+    one clip coefficient."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    grads: dict[Any, list[Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+            grads.setdefault(mesh, []).append(p.grad)
+    norms = []
+    for mesh in groups:
+        norm = torch.nn.utils.get_total_norm(grads[mesh], foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return float(total.item())
+
+
+#: the Llama-style decoder layer's linear layers and how tensor parallelism splits them
+_LLAMA_TP_LAYERS = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def _llama_layer_plan() -> dict[str, ParallelStyle]:
+    return {
+        name: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for name, kind in _LLAMA_TP_LAYERS.items()
+    }
+
+
+def _check_tensor_parallel(module: nn.Module, tp_size: int) -> None:
+    """Refuse a model :func:`_llama_layer_plan` cannot split over ``tp_size`` ranks, naming what it needs.
+
+    The attention of Hugging Face's Llama-style layers reshapes its projections to ``(-1, head_dim)`` heads, so a
+    column-wise q/k/v shard of whole heads runs on its ``num_attention_heads / tp_size`` and
+    ``num_key_value_heads / tp_size`` heads as they are (the GQA ratio unchanged); the MLP splits its
+    ``intermediate_size`` the same way.
+    """
+    layers = getattr(getattr(module, "model", None), "layers", None)
+    needed = "a Llama-style Hugging Face model (model.model.layers, each with " + ", ".join(_LLAMA_TP_LAYERS) + ")"
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"tp_size={tp_size} needs {needed}; got {type(module).__name__} without model.model.layers")
+    for i, layer in enumerate(layers):
+        missing = [name for name in _LLAMA_TP_LAYERS if not isinstance(_submodule(layer, name), nn.Linear)]
+        if missing:
+            raise ValueError(
+                f"tp_size={tp_size} needs {needed}; layer {i} of {type(module).__name__} has no nn.Linear "
+                + ", ".join(missing)
+            )
+    config = getattr(module, "config", None)
+    sizes = {
+        name: getattr(config, name, None)
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    }
+    bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value % tp_size}
+    if bad:
+        raise ValueError(
+            f"tp_size={tp_size} must divide the model's num_attention_heads, num_key_value_heads and "
+            f"intermediate_size (each TP rank takes an equal share of them); got "
+            + ", ".join(f"{name}={value}" for name, value in sizes.items())
+        )
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -787,6 +903,20 @@ def _all_row_sharded(values: Iterable[Tensor], world_size: int) -> bool:
     return len({v.dtype for v in dtensors}) <= 1 and all(
         v.placements == (Shard(0),) and v.device_mesh.size() == world_size for v in dtensors
     )
+
+
+def _unaliased(full: dict[str, Tensor], state: Mapping[str, Any]) -> dict[str, Tensor]:
+    """``full`` with a copy of every tensor that shares storage with the model's own (a DTensor's ``full_tensor``
+    over a mesh of one rank is its local shard as it is, e.g. the weights outside the TP layers when ``dp`` is 1; on
+    CPU ``cpu_offload`` copies nothing either): a snapshot the next optimizer step leaves alone."""
+    live = set()
+    for value in state.values():
+        if isinstance(value, Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            live.add(local.untyped_storage().data_ptr())
+    return {
+        name: value.clone() if value.untyped_storage().data_ptr() in live else value for name, value in full.items()
+    }
 
 
 def _shard_rows(rows: int, world_size: int) -> list[int]:

@@ -6,7 +6,10 @@ sample's staleness is the trainer's version at the start of the step minus the v
 Each global step is ``minibatches_per_step`` DP rounds: in round ``k`` every rank asks the queue for its share
 (``dp_group_id = f"train/{step}/{k}"``, whole groups only), builds the training batch (:func:`build_train_batch`:
 group-normalised advantages, staleness and failed-sample masks, filters), and takes ``ppo_epochs`` optimizer steps
-on it together with the other ranks (:func:`train_epochs`). The same code runs with gloo on CPU and NCCL on GPU.
+on it together with the other ranks (:func:`train_epochs`). With ``train.tp_size > 1`` the ranks form TP groups of
+``tp_size`` consecutive ranks, each group one DP rank (``dp_rank = rank // tp_size`` of ``world_size // tp_size``):
+every rank of a group asks for its group's share and gets the same rows. The same code runs with gloo on CPU and
+NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -213,6 +216,11 @@ class GRPOTrainerRank:
         self.rank = rank
         self.world_size = world_size
         self.config = expect_trainer_config(config)
+        # train.tp_size consecutive ranks form a TP group that trains on one DP share: they read the same rows (the
+        # queue serves a DP round's share to every caller of its dp_rank)
+        self.tp_size = self.config.train.tp_size
+        self.dp_size = world_size // self.tp_size
+        self.dp_rank = rank // self.tp_size
         self.client = TransferQueueClient(f"trainer-{rank}", controller_info)
         # a batch is done once the optimizer stepped on it: a rank that dies mid-step gets its rows redelivered
         self.client.set_task_options(TRAIN_TASK, ack="explicit")
@@ -244,6 +252,7 @@ class GRPOTrainerRank:
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
             loss_seq_chunk_size=cfg.train.loss_seq_chunk_size,
             activation_offloading=cfg.train.activation_offloading,
+            tp_size=cfg.train.tp_size,
         )
         return self.rank
 
@@ -268,6 +277,7 @@ class GRPOTrainerRank:
             dynamic_batching=self.config.train.dynamic_batching,
             max_tokens_per_micro_batch=self.config.train.max_tokens_per_micro_batch,
             loss_seq_chunk_size=self.config.train.loss_seq_chunk_size,
+            tp_size=self.config.train.tp_size,
         )
         if path is not None:
             self.reference.load_weights(path)
@@ -282,7 +292,7 @@ class GRPOTrainerRank:
         assert self.policy is not None
         cfg = self.config
         rounds, epochs = cfg.train.minibatches_per_step, cfg.train.ppo_epochs
-        rows = cfg.prompts_per_step * cfg.n_samples // (self.world_size * rounds)
+        rows = cfg.prompts_per_step * cfg.n_samples // (self.dp_size * rounds)
         totals: dict[str, float] = {}
         train_metrics: list[dict[str, float]] = []
         clock, train_s = QueueClock(), 0.0
@@ -303,7 +313,7 @@ class GRPOTrainerRank:
                     config=cfg,
                 )
                 if cfg.train.max_train_groups is not None:
-                    quota = cfg.train.max_train_groups // (self.world_size * rounds)
+                    quota = cfg.train.max_train_groups // (self.dp_size * rounds)
                     rows_taken, groups_taken = take_groups(batch.tensors, meta.group_ids, quota)
                     width = int(_global_max(len(rows_taken), self.policy.device))
                     batch.tensors = pad_rows(batch.tensors, rows_taken, width)
@@ -327,7 +337,7 @@ class GRPOTrainerRank:
             self.client.ack(meta)  # after the optimizer step (explicit acks: get_data left the rows leased)
             train_s += time.perf_counter() - t1
         self.version = version + 1
-        out = _reduce_stats(totals, self.policy.device)
+        out = _reduce_stats(totals, self.policy.device, self.tp_size)
         for name in train_metrics[0] if train_metrics else ():
             out[name] = float(np.mean([m[name] for m in train_metrics]))
         out.update(
@@ -354,7 +364,7 @@ class GRPOTrainerRank:
                 rows,
                 global_step=step,
                 task_name=TRAIN_TASK,
-                sampler_params={"dp_rank": self.rank, "dp_size": self.world_size, "dp_group_id": round_id},
+                sampler_params={"dp_rank": self.dp_rank, "dp_size": self.dp_size, "dp_group_id": round_id},
                 get_n_samples=True,
                 timeout=cfg.queue_timeout,
             )
@@ -421,11 +431,11 @@ class GRPOTrainerRank:
         if self._sft_prompts is None:  # built once: a large split takes a while to draw
             self._sft_prompts = self.task.prompts("train", self.config.num_train_prompts, self.config.task_seed)
         prompts = self._sft_prompts
-        per_rank = batch_size // self.world_size
+        per_rank = batch_size // self.dp_size  # the ranks of a TP group take the same rows
         losses = []
         for step in range(first_step, first_step + num_steps):
             batch = sft_step_batch(prompts, self.config.seed, step, batch_size)
-            batch = batch[self.rank * per_rank : (self.rank + 1) * per_rank]
+            batch = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
             targets = [self.task.sft_target(p) for p in batch]
             tensors = pad_sequences([p["prompt_ids"] for p in batch], targets, self.task.tokenizer.pad_token_id)
             losses.append(self.policy.train_step(tensors, _nll_loss)["loss"])
@@ -557,15 +567,16 @@ def totals_add(totals: dict[str, float], values: dict[str, float]) -> None:
         totals[name] = totals.get(name, 0.0) + value
 
 
-def _reduce_stats(totals: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum the per-rank counters over ranks (max for maxima) and turn sums into means."""
+def _reduce_stats(totals: dict[str, float], device: torch.device, tp_size: int = 1) -> dict[str, float]:
+    """Sum the per-rank counters over ranks (max for maxima) and turn sums into means; the ``tp_size`` ranks of a TP
+    group read the same rows, so only the first of each group counts."""
     names = sorted(n for n in totals if not n.endswith("_max"))
     # one all-gather of every rank's counters and maximum (summed and maxed here): one rendezvous, not two
     mine = torch.tensor([*(totals[n] for n in names), totals.get("staleness_max", 0.0)], dtype=torch.float64)
     gathered = torch.empty(dist.get_world_size() * len(mine), dtype=torch.float64, device=device)
     all_gather_single(gathered, mine.to(device))
     per_rank = gathered.view(dist.get_world_size(), len(mine)).cpu()
-    s = dict(zip(names, per_rank[:, :-1].sum(0).tolist(), strict=True))
+    s = dict(zip(names, per_rank[::tp_size, :-1].sum(0).tolist(), strict=True))
     peak = per_rank[:, -1].max()
     scored = max(s.get("scored_rows", 0.0), 1.0)
     rows = max(s.get("rows", 0.0), 1.0)

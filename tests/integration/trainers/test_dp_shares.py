@@ -119,3 +119,37 @@ def test_the_trainer_ranks_own_read_path_reads_disjoint_shares(
     finally:
         for rank in ranks:
             rank.client.close()
+
+
+def test_the_ranks_of_a_tp_group_read_one_share_and_the_groups_disjoint_ones(
+    grpo_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.tp_size=2`` on 4 ranks: ranks 0 and 1 (DP rank 0) read the same share of each round through the
+    trainer's own read path, ranks 2 and 3 (DP rank 1) the other one; every row is acknowledged once, though both
+    ranks of a TP group acknowledge their share (the peer's ack is no error)."""
+    n, prompts = grpo_queue.config["num_n_samples"], grpo_queue.config["global_batch_size"]
+    step = grpo_queue.step()
+    put_step(grpo_queue.client, step, prompts, n)
+    world, tp = 4, 2
+    cfg = TrainerConfig.from_run(load_config(ROOT_CONFIG, {"train.world_size": world, "train.tp_size": tp}))
+    monkeypatch.setattr(grpo, "_global_sum", lambda value, device: value)
+    rank_class = GRPOTrainerRank.__ray_metadata__.modified_class  # type: ignore[attr-defined]
+    ranks = [rank_class(r, world, grpo_queue.info, cfg, None) for r in range(world)]
+    try:
+        assert [(rank.dp_rank, rank.dp_size) for rank in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+        shares: dict[int, list[list[int]]] = {r: [] for r in range(world)}
+        per_rank = prompts * n // (world // tp * ROUNDS)
+        for k in range(ROUNDS):
+            metas = []
+            for rank in ranks:
+                rank.policy = _Device()
+                meta, _ = rank._read_round(step, k, per_rank, QueueClock())
+                shares[rank.rank].append(sorted(meta.global_indexes.tolist()))
+                metas.append(meta)
+            for rank, meta in zip(ranks, metas, strict=True):
+                rank.client.ack(meta)
+        assert shares[0] == shares[1] and shares[2] == shares[3]
+        trained_once(grpo_queue.client, step, {0: shares[0], 1: shares[2]}, prompts * n)
+    finally:
+        for rank in ranks:
+            rank.client.close()

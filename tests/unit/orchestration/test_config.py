@@ -239,3 +239,38 @@ def test_a_loss_is_named_in_any_case_and_an_unknown_one_refused() -> None:
         ConfigError, match=r"train.loss='GRPX' is not one of \['cispo', 'grpo', 'gspo', 'minirl', 'ppo'\]"
     ):
         load_config(None, {"train.loss": "GRPX"})
+
+
+SUPPORTED = "supported: train.world_size (FSDP2 data parallel) and train.tp_size (tensor parallel within a node)"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"train.pp_size": 2}, f"train.pp_size=2: pipeline parallelism is not supported; {SUPPORTED}"),
+        ({"train.ep_size": 4}, f"train.ep_size=4: expert parallelism is not supported; {SUPPORTED}"),
+        ({"train.cp_size": 2}, f"train.cp_size=2: context (sequence) parallelism is not supported; {SUPPORTED}"),
+        ({"train.world_size": 4, "train.tp_size": 3}, "train.tp_size=3 must divide train.world_size=4: the ranks "
+         "form world_size / tp_size tensor-parallel groups of tp_size ranks, one data-parallel rank each"),
+        ({"train.tp_size": 0}, "train.tp_size must be an int >= 1, got 0"),
+        # each TP group reads one DP share: the step's groups split over world_size / tp_size DP ranks
+        ({"train.world_size": 4, "train.tp_size": 2, "prompts_per_step": 3}, "prompts_per_step=3 groups must split "
+         "evenly over train.world_size=4 / train.tp_size=2 = 2 DP ranks x train.minibatches_per_step=1; use a "
+         "multiple of 2"),
+        ({"train.world_size": 4, "train.tp_size": 2, "train.max_train_groups": 3}, "train.max_train_groups must be a "
+         "multiple of train.world_size / train.tp_size x train.minibatches_per_step = 2 (each rank's share of a "
+         "round), got 3"),
+    ],
+)  # fmt: skip
+def test_parallelism_other_than_fsdp_and_tensor_parallel_is_refused_naming_what_is_supported(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert f"{message} (from the override" in str(error.value)
+
+
+def test_tensor_parallel_groups_take_one_dp_share_each():
+    # 2 DP ranks of 2 TP ranks: 6 groups split over 2 DP ranks (over 4 ranks they would not)
+    config = load_config(None, {"train.world_size": 4, "train.tp_size": 2, "prompts_per_step": 6})
+    assert (config.train.tp_size, config.train.pp_size, config.train.ep_size, config.train.cp_size) == (2, 1, 1, 1)
+    with pytest.raises(ConfigError, match=r"over train\.world_size=4 ranks x"):
+        load_config(None, {"train.world_size": 4, "prompts_per_step": 6})

@@ -35,7 +35,7 @@ from trainers.fsdp import (
     row_lengths,
     token_logprobs,
 )
-from trainers.grpo import train_epochs
+from trainers.grpo import _reduce_stats, train_epochs
 from trainers.losses import policy_loss
 
 WORLD_SIZE = 2
@@ -244,7 +244,75 @@ def _two_ranks(rank: int, world_size: int, port: int, workdir: Path) -> None:
         offloaded.train_step(batch1, token_mean_nll)
     out["activation_offloading_saved_bytes_outside"] = kept[0]
     out["activation_offloading_step1"] = offloaded.full_state_dict()
+
+    # ---- tp_size=2: the two ranks are one TP group (dp 1), so both train on the whole global batch
+    out.update(_tensor_parallel(workdir, inputs, policy_mb4))
     torch.save(out, workdir / f"two_ranks.rank{rank}.pt")
+
+
+def _tensor_parallel(workdir: Path, inputs: dict, data_parallel: FSDPPolicy) -> dict:
+    """Two steps of a ``tp_size=2`` policy on the whole global batches (both ranks the same rows), its log-probs,
+    HF export and checkpoint (reloaded into a ``tp_size=1`` policy on the same two ranks, which then takes the second
+    step on its DP share), and the refusals (``tp_*`` keys)."""
+    out: dict = {}
+    batch1, batch2 = inputs["batch1"], inputs["batch2"]
+    ids, mask = batch1["input_ids"], batch1["attention_mask"]
+    tp = _policy(workdir, micro_batch_size=4, tp_size=2)  # 8 rows: two micro-batches, accumulated
+    out["tp_dp_size_rank"] = (tp.dp_size, tp.dp_rank)
+    out["tp_metrics1"] = tp.train_step(batch1, token_mean_nll)
+    out["tp_step1"] = tp.full_state_dict()
+    out["tp_logprobs"] = tp.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+    out["tp_placements"] = sorted(
+        {str(p.placements) for p in tp.model.parameters() if isinstance(p, torch.distributed.tensor.DTensor)}
+    )
+    tp.save_hf_pretrained(workdir / "hf_tp")
+    tp.save_checkpoint(checkpoint_path(workdir / "ckpt_tp", 1), EXTRA_STATE)
+    out["tp_metrics2"] = tp.train_step(batch2, token_mean_nll)
+    out["tp_step2"] = tp.full_state_dict()
+    resumed = _policy(workdir, micro_batch_size=1, seed=1)  # tp_size=1: 2 DP ranks
+    resumed.load_checkpoint(checkpoint_path(workdir / "ckpt_tp", 1))
+    resumed.train_step(rank_rows(batch2, dist.get_rank(), WORLD_SIZE), token_mean_nll)
+    out["tp_resumed_as_dp_step2"] = resumed.full_state_dict()
+    out["dp_logprobs_full_batch"] = data_parallel.compute_logprobs(ids, mask, temperature=TEMPERATURE)
+
+    def heads(n: int) -> LlamaForCausalLM:
+        config = tiny_config()
+        config.num_attention_heads = config.num_key_value_heads = n
+        return LlamaForCausalLM(config)
+
+    # with the other ways of computing the same update: recomputed layers, chunked head, packed micro-batches
+    combined = _policy(workdir, micro_batch_size=4, tp_size=2, gradient_checkpointing=True, loss_seq_chunk_size=3)
+    combined.train_step(batch1, token_mean_nll)
+    out["tp_checkpointed_chunked_step1"] = combined.full_state_dict()
+    packed = _policy(workdir, micro_batch_size=1, tp_size=2, dynamic_batching=True, max_tokens_per_micro_batch=20)
+    packed.train_step(batch1, token_mean_nll)
+    out["tp_dynamic_batching_step1"] = packed.full_state_dict()
+
+    # the GRPO trainer's step counters: both ranks of the TP group read the same 4 rows (3 scored, reward 2)
+    counters = {"rows": 4.0, "scored_rows": 3.0, "reward_sum": 2.0, "correct_sum": 1.0, "trained_rows": 4.0}
+    counters |= {"failed_rows": 1.0, "stale_rows": 0.0, "staleness_sum": 0.0, "response_len_sum": 8.0}
+    out["tp_reduced_stats"] = _reduce_stats(counters, torch.device("cpu"), tp_size=2)
+    out["tp_reduced_stats_as_dp"] = _reduce_stats(counters, torch.device("cpu"))
+
+    refused = {
+        "tp_3": lambda: _policy(workdir, micro_batch_size=1, tp_size=3),
+        "tp_not_llama": lambda: FSDPPolicy(nn.Linear(2, 2), tp_size=2),
+        "tp_no_mlp": lambda: FSDPPolicy(_without_mlp(tiny_model(0)), tp_size=2),
+        "tp_odd_heads": lambda: FSDPPolicy(lambda: heads(1), tp_size=2),
+    }
+    for name, build in refused.items():
+        try:
+            build()
+            out[name] = ""
+        except ValueError as error:
+            out[name] = f"ValueError: {error}"
+    return out
+
+
+def _without_mlp(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    for layer in model.model.layers:
+        layer.mlp = nn.Identity()
+    return model
 
 
 SEQ_CHUNK_VOCAB, SEQ_CHUNK_LEN, SEQ_CHUNK_SIZE = 4096, 96, 16
@@ -758,6 +826,73 @@ def test_activation_offloading_gives_the_same_update_through_save_on_cpu(run):
     for result in run["ranks"]:
         # the saved tensors went to save_on_cpu's hooks, none to the hooks around train_step (all of them without)
         assert result["activation_offloading_saved_bytes_outside"] == 0 < result["saved_bytes_mb4"]
+
+
+# ---------------------------------------------------------------- tp_size (tensor parallel within the two ranks)
+
+
+def test_tensor_parallel_gives_the_single_process_update_and_logprobs(run):
+    reference, rank0 = run["reference"], run["ranks"][0]
+    # gloo sums the row-wise layers' partial outputs in another order than one matmul: float rounding only
+    assert_weights_close(rank0["tp_step1"], reference[0]["weights"], atol=1e-5)
+    assert_weights_close(rank0["tp_step2"], reference[1]["weights"], atol=1e-5)
+    for result in run["ranks"]:
+        assert result["tp_dp_size_rank"] == (1, 0)  # one TP group: DP rank 0 of 1 on both ranks
+        # metrics count the TP group's rows once, and the grad norm spans both meshes' gradients
+        assert result["tp_metrics1"]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-5)
+        assert result["tp_metrics1"]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-5)
+        assert result["tp_metrics2"]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-5)
+        # the same log-probs on both ranks as the DP policy's on the whole batch, after the same step
+        torch.testing.assert_close(result["tp_logprobs"], rank0["dp_logprobs_full_batch"], atol=1e-5, rtol=0)
+    # the decoder layers' linear weights are 2-D DTensors, FSDP over dp (of 1) and split over tp (row-wise ones on
+    # their input dimension); the other weights FSDP over dp only
+    assert rank0["tp_placements"] == [
+        "(Shard(dim=0), Shard(dim=1))",
+        "(Shard(dim=0),)",
+        "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+    ]
+
+
+def test_tensor_parallel_composes_with_checkpointing_chunked_scoring_and_dynamic_batching(run):
+    rank0 = run["ranks"][0]
+    assert_weights_close(rank0["tp_checkpointed_chunked_step1"], rank0["tp_step1"], atol=1e-6)
+    assert_weights_close(rank0["tp_dynamic_batching_step1"], rank0["tp_step1"], atol=1e-6)
+
+
+def test_tensor_parallel_exports_full_weights_and_its_checkpoint_reloads_without_tp(run):
+    rank0 = run["ranks"][0]
+    assert run["ranks"][1]["tp_step1"] == {}  # only rank 0 receives them, as without TP
+    model = LlamaForCausalLM.from_pretrained(run["workdir"] / "hf_tp")
+    assert_weights_close(model.state_dict(), rank0["tp_step1"], atol=0)
+    # DCP resharded the 2-D (dp, tp) weights and Adam's moments onto 2 DP ranks: the same second step
+    assert_weights_close(rank0["tp_resumed_as_dp_step2"], rank0["tp_step2"], atol=1e-5)
+
+
+def test_the_grpo_trainers_step_counters_count_a_tp_groups_rows_once(run):
+    for result in run["ranks"]:
+        stats, as_dp = result["tp_reduced_stats"], result["tp_reduced_stats_as_dp"]
+        assert (stats["rows"], stats["trained_rows"], stats["failed_rows"]) == (4.0, 4.0, 1.0)
+        assert stats["reward"] == pytest.approx(2 / 3) and stats["response_len"] == 2.0
+        assert (as_dp["rows"], as_dp["reward"]) == (8.0, pytest.approx(2 / 3))  # two DP ranks' rows: both count
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split(run):
+    needed = (
+        "a Llama-style Hugging Face model (model.model.layers, each with self_attn.q_proj, self_attn.k_proj, "
+        "self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)"
+    )
+    for result in run["ranks"]:
+        assert result["tp_3"] == "ValueError: tp_size=3 must be an int >= 1 that divides the world size 2"
+        assert result["tp_not_llama"] == f"ValueError: tp_size=2 needs {needed}; got Linear without model.model.layers"
+        assert result["tp_no_mlp"] == (
+            f"ValueError: tp_size=2 needs {needed}; layer 0 of LlamaForCausalLM has no nn.Linear mlp.gate_proj, "
+            "mlp.up_proj, mlp.down_proj"
+        )
+        assert result["tp_odd_heads"] == (
+            "ValueError: tp_size=2 must divide the model's num_attention_heads, num_key_value_heads and "
+            "intermediate_size (each TP rank takes an equal share of them); got num_attention_heads=1, "
+            "num_key_value_heads=1, intermediate_size=64"
+        )
 
 
 WIDE = 128  # hidden size of the GPU test's model: activations of a long batch dwarf its weights
