@@ -15,7 +15,10 @@ and sampled from the engine by one producer thread, no ledger (the trainer and t
 
 Run it with ``make agentrl-demo`` (or ``python recipe/agentrl_demo.py [--config FILE] [--new] [--print-config]
 [key=value ...]``; ``--help`` lists every key, recipe/configs/agentrl_demo.yaml holds the defaults; ``--key value``,
-as AgentRL's guide writes ``--loss_calculater GRPO``, is ``key=value``). Run again into
+as AgentRL's guide writes ``--loss_calculater GRPO``, is ``key=value``; the guide's own flags, ``--learning_rate``,
+``--per_device_train_batch_size`` x ``--gradient_accumulation_steps``, ``--save_steps``, ``--db_connection_string``,
+``--inf_tp_size`` / ``--inf_ep_size`` / ``--inf_mem_ratio``, map onto these keys, and the run prints the mapping before
+it starts: docs/sampling.md, "The guide's command line"). Run again into
 the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run (a resume that changes a
 setting which shapes the training is refused: CHANGEABLE_ON_RESUME lists those it may change), tasks claimed by a killed
 run are re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over (the previous
