@@ -264,27 +264,36 @@ class PretrainedChat:
 
 # --- the run ------------------------------------------------------------------------------------------------------
 def warm_up(
-    policy, engine, tokenizer, target: float, seed: int, max_steps: int = 3000, record: Callable | None = None
+    policy,
+    engine,
+    tokens: SFTTokens,
+    target: float,
+    seed: int,
+    max_steps: int = 3000,
+    record: Callable | None = None,
+    max_new_tokens: int = 4,
 ) -> tuple[int, float]:
     """Supervised steps until one sampled answer per probe problem is right ``target`` of the time; ``record``
-    gets an ``sft`` row (step, loss, accuracy) at each probe."""
+    gets an ``sft`` row (step, loss, accuracy) at each probe. ``tokens``: the problems' prompts and answers as the
+    run's chat format renders them (the built-in tokenizer's, or a model directory's)."""
     if target <= 0:
         return 0, 0.0
-    probe = make_prompts(256, seed=1_000_000 + seed)
+    probe = tokens.render(make_prompts(256, seed=1_000_000 + seed))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     accuracy, step = 0.0, 0
     while step < max_steps:
-        loss = policy(**sft_batch(make_prompts(64, seed=2_000_000 + seed * 100_000 + step), tokenizer)).loss
+        problems = tokens.render(make_prompts(64, seed=2_000_000 + seed * 100_000 + step))
+        loss = policy(**sft_batch(problems, tokens)).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         step += 1
         if step % 25 == 0:
             engine.update_weights(0, state_dict=policy.state_dict())
-            params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
             generations = engine.generate([p["prompt_ids"] for p in probe], n=1, params=params)
             scores = [
-                addition_reward(tokenizer.decode(g.token_ids), p["answer"])
+                addition_reward(tokens.decode(g.token_ids), p["answer"])
                 for p, [g] in zip(probe, generations, strict=True)
             ]
             accuracy = sum(scores) / len(scores)
@@ -293,6 +302,23 @@ def warm_up(
             if accuracy >= target:
                 break
     return step, accuracy
+
+
+class SFTTokens:
+    """What the SFT warm-up needs of a tokenizer, over the run's chat format: problems' prompts rendered
+    (``render``), an answer's tokens (``encode``, the eos aside), samples decoded, the pad and eos ids."""
+
+    def __init__(self, chat: AdditionChat | PretrainedChat, pad_token_id: int, eos_token_id: int):
+        self.chat, self.pad_token_id, self.eos_token_id = chat, pad_token_id, eos_token_id
+
+    def render(self, problems: list[dict]) -> list[dict]:
+        return [{**p, "prompt_ids": self.chat.prompt_ids([{"role": "user", "content": p["prompt"]}])} for p in problems]
+
+    def encode(self, text: str) -> list[int]:
+        return self.chat.response_ids(text)[:-1]
+
+    def decode(self, ids) -> str:
+        return self.chat.decode(ids)
 
 
 def prompt_source_producer(source, engine, engine_lock, sink, chat, config: AgentRLDemoConfig, done, paused) -> None:
@@ -359,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
         flagged = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}  # the guide's --KEY form
-        argv, guide = take_guide_flags(guide_flags(argv))
+        argv, guide = take_guide_flags(options_first(guide_flags(argv)))
         print_config = "--print-config" in argv
         argv = [arg for arg in argv if arg != "--print-config"]  # printed once the guide's flags are applied
         config = config_from_cli(__doc__ or "", DEFAULT_CONFIG, argv, cls=AgentRLDemoConfig)
@@ -431,6 +457,18 @@ PARALLEL_ENGINES = (
 )
 
 
+def options_first(argv: list[str]) -> list[str]:
+    """The command line's own options (``--new``, ``--config FILE``, ...) before the ``KEY=VALUE`` overrides, each
+    kind in its order: the guide's flags may come in any order (``--output_dir X --new --num_generations 8``), and
+    argparse takes the overrides only as one run after the options."""
+    options: list[str] = []
+    overrides: list[str] = []
+    for i, arg in enumerate(argv):
+        is_value = i > 0 and argv[i - 1] == "--config"
+        (overrides if "=" in arg and not arg.startswith("-") and not is_value else options).append(arg)
+    return options + overrides
+
+
 def take_guide_flags(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
     """The guide's flags that are not the demo's keys (``GUIDE_ONLY``), taken out of the ``KEY=VALUE`` overrides:
     the overrides left, and those flags' raw values by name, in the order given."""
@@ -495,14 +533,8 @@ def apply_guide(
         changes["db"] = db
         lines["db_connection_string"] = f"db={redact(db)} (the ledger: tasks, claims, records)"
     lines.update(inference_mapping(guide))
-    if config.model_name_or_path is not None:
-        if "sft_target" in given and config.sft_target > 0:
-            raise ConfigError(
-                f"sft_target: the SFT warm-up is written for the built-in addition model's tokenizer, not a model "
-                f"directory's: expected 0 with model_name_or_path (a pretrained model is not warmed up), got "
-                f"{config.sft_target}"
-            )
-        changes["sft_target"] = 0.0  # a pretrained model: no warm-up
+    if config.model_name_or_path is not None and "sft_target" not in given:
+        changes["sft_target"] = 0.0  # a pretrained model: no warm-up unless asked for
     try:
         config = dataclasses.replace(config, **changes)
     except ConfigError as exc:
@@ -582,11 +614,15 @@ def inference_mapping(guide: Mapping[str, str]) -> dict[str, str]:
 
 def native_lines(config: AgentRLDemoConfig, given: Collection[str]) -> dict[str, str]:
     """The mapping's lines of the guide's flags that are the demo's own keys (``GUIDE_NATIVE``) given."""
+    warm_up = (
+        f"SFT warm-up to sampled accuracy sft_target={config.sft_target}, asked for"
+        if config.sft_target > 0
+        else "a pretrained model: no SFT warm-up (sft_target=0; set sft_target to warm up)"
+    )
     model = (
         "the built-in tiny addition Llama"
         if config.model_name_or_path is None
-        else "the policy of engine and trainer in place of the built-in tiny addition Llama; a pretrained model: "
-        "no SFT warm-up (sft_target=0)"
+        else f"the policy of engine and trainer in place of the built-in tiny addition Llama; {warm_up}"
     )
     sampling = (
         "the engine's endpoint, the SamplingScheduler and AdditionSampler write records the trainer learns from"
@@ -640,7 +676,6 @@ class PolicySetup:
     chat: AdditionChat | PretrainedChat
     pad_token_id: int
     eos_token_id: int
-    addition_tokenizer: AdditionTokenizer | None  # the built-in one (the SFT warm-up's), None for a model directory
 
     def prompt_ids(self, question: str) -> list[int]:
         return self.chat.prompt_ids([{"role": "user", "content": question}])
@@ -651,7 +686,7 @@ def load_policy(config: AgentRLDemoConfig) -> PolicySetup:
     if config.model_name_or_path is None:
         tokenizer = AdditionTokenizer()
         policy = build_model(tokenizer.vocab_size, seed=config.seed)
-        return PolicySetup(policy, AdditionChat(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer)
+        return PolicySetup(policy, AdditionChat(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = config.model_name_or_path
@@ -661,7 +696,7 @@ def load_policy(config: AgentRLDemoConfig) -> PolicySetup:
     if eos is None:
         raise ConfigError(f"model_name_or_path: {path}'s tokenizer and config name no eos token: answers could not end")
     pad = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else eos
-    return PolicySetup(model.float(), PretrainedChat(hf_tokenizer), int(pad), int(eos), None)
+    return PolicySetup(model.float(), PretrainedChat(hf_tokenizer), int(pad), int(eos))
 
 
 def sampling_config(config: AgentRLDemoConfig, out: Path) -> SamplingConfig:
@@ -704,10 +739,17 @@ def train(config: AgentRLDemoConfig) -> int:
         start = int(state["step"])
         print(f"resumed from {checkpoint} at step {start}", flush=True)
     else:
-        if engine is not None and setup.addition_tokenizer is not None and config.sft_target > 0:
+        if engine is not None and config.sft_target > 0:
             t0 = time.perf_counter()
+            tokens = SFTTokens(setup.chat, setup.pad_token_id, setup.eos_token_id)
             sft_steps, accuracy = warm_up(
-                policy, engine, setup.addition_tokenizer, config.sft_target, config.seed, record=record.write
+                policy,
+                engine,
+                tokens,
+                config.sft_target,
+                config.seed,
+                record=record.write,
+                max_new_tokens=config.max_new_tokens,
             )
             print(f"SFT warm-up: {sft_steps} steps, sampled accuracy {accuracy:.2f}, {time.perf_counter() - t0:.0f} s")
             optimizer = grpo_optimizer(policy, config)

@@ -264,7 +264,8 @@ def test_the_guides_example_command_maps_onto_the_config_and_prints_the_mapping_
     lines = [line.strip() for line in out.splitlines() if " -> " in line and line.startswith("  --")]
     assert lines == [
         f"--model_name_or_path {model} -> model_name_or_path={model} (the policy of engine and trainer in place of "
-        "the built-in tiny addition Llama; a pretrained model: no SFT warm-up (sft_target=0))",
+        "the built-in tiny addition Llama; a pretrained model: no SFT warm-up (sft_target=0; set sft_target to warm "
+        "up))",
         f"--output_dir {tmp_path / 'run'} -> output_dir={tmp_path / 'run'}",
         f"--db_connection_string sqlite:///{tmp_path}/ledger.db -> db=sqlite:///{tmp_path}/ledger.db (the ledger: "
         "tasks, claims, records)",
@@ -284,6 +285,16 @@ def test_the_guides_example_command_maps_onto_the_config_and_prints_the_mapping_
         "--num_generations 8 -> num_generations=8 (answers sampled per prompt: the GRPO group)",
         "--max_new_tokens 8 -> max_new_tokens=8 (SamplingConfig.max_new_tokens: the longest answer)",
     ]
+
+
+def test_the_command_lines_own_flags_may_come_between_the_guides(tmp_path, started):
+    argv = ["--output_dir", str(tmp_path / "run"), "--new", "--num_generations", "4", "--print-config", "steps=3"]
+
+    assert demo.main(argv) == 0
+
+    assert started == []  # --print-config: printed, nothing run
+    assert demo.main([*argv[:-2], "steps=3"]) == 0
+    assert [(c.num_generations, c.steps, c.resume) for c in started] == [(4, 3, False)]
 
 
 def test_without_the_guides_flags_nothing_is_mapped_or_printed(tmp_path, started, capsys):
@@ -369,18 +380,40 @@ def test_a_guide_flag_this_run_cannot_honour_is_refused_with_exit_code_2(tmp_pat
     assert "s3cret" not in err and started == [] and not out.exists()
 
 
-def test_a_model_directory_needs_its_config_and_is_not_warmed_up_unless_refused_so(tmp_path, started, capsys):
+def test_a_model_directory_needs_its_config_and_is_warmed_up_only_when_asked(tmp_path, started, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert demo.main([f"output_dir={tmp_path / 'run'}", "--model_name_or_path", str(empty)]) == 2
     assert f"got {str(empty)!r} without config.json" in capsys.readouterr().err
+    assert started == []
 
     model = model_dir(tmp_path)
-    assert demo.main([f"output_dir={tmp_path / 'run'}", "--model_name_or_path", model, "sft_target=0.3"]) == 2
-    assert "sft_target: the SFT warm-up is written for the built-in addition model's tokenizer, not a model " in (
-        capsys.readouterr().err
-    )
-    assert started == []
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "--model_name_or_path", model, "sft_target=0.3"]) == 0
+    assert [config.sft_target for config in started] == [0.3]
+    assert (
+        f"-> model_name_or_path={model} (the policy of engine and trainer in place of the built-in tiny addition "
+        "Llama; SFT warm-up to sampled accuracy sft_target=0.3, asked for)"
+    ) in capsys.readouterr().out
+
+
+def test_the_warm_ups_batch_over_a_model_directorys_tokenizer_is_its_chat_prompt_then_the_answer_and_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    from workers.models import save_tiny_chat_model
+    from workers.tasks.addition import make_prompts, sft_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_chat_model(tmp_path / "model"))
+    chat = demo.PretrainedChat(tokenizer)
+    tokens = demo.SFTTokens(chat, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+    [problem] = tokens.render(make_prompts(1, seed=0))
+    batch = sft_batch([problem], tokens)
+
+    prompt = "<|im_start|>user\n49+97=<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(problem["prompt_ids"]) == prompt
+    answer = [int(i) for i in batch["labels"][0] if i != -100]
+    assert answer == [*tokenizer.encode("146", add_special_tokens=False), tokenizer.eos_token_id]
+    assert tokens.decode(answer) == "146"  # what the reward reads: the eos is a special token, skipped
 
 
 def test_enable_sampling_false_is_said_in_the_mapping(tmp_path, started, capsys):
