@@ -449,6 +449,23 @@ GUIDE_NATIVE = (
     "loss_calculater",
     "enable_sampling",
 )
+#: the order of the guide's example command, the mapping's order
+GUIDE_ORDER = (
+    "model_name_or_path",
+    "output_dir",
+    "db_connection_string",
+    "enable_sampling",
+    "loss_calculater",
+    "inf_tp_size",
+    "inf_ep_size",
+    "inf_mem_ratio",
+    "num_generations",
+    "max_new_tokens",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "save_steps",
+)
 #: what serves a policy with tensor or expert parallelism (the demo's in-process HFEngine does neither)
 PARALLEL_ENGINES = (
     "VLLMEngine(..., tensor_parallel_size=N, enable_expert_parallel=True) (workers/engines/vllm_engine.py) or an "
@@ -503,8 +520,8 @@ def apply_guide(
 ) -> tuple[AgentRLDemoConfig, list[str]]:
     """``config`` with AgentRL's guide flags (``guide``: ``GUIDE_ONLY``'s raw values) mapped onto it, and the
     mapping as lines, one per guide flag given (``guide``'s, and those of ``GUIDE_NATIVE`` the command line wrote as
-    ``--KEY``, ``flagged``; ``given``: every key the overrides set, with its raw value), in the order the guide
-    lists them: ``--learning_rate 1e-6 -> lr=1e-06 ...``.
+    ``--KEY``, ``flagged``; ``given``: every key the overrides set, with its raw value), in the order of the guide's
+    example (``GUIDE_ORDER``): ``--learning_rate 1e-6 -> lr=1e-06 ...``.
 
     Raises:
         ConfigError: a value of the wrong type or out of range, a MongoDB connection string (naming the supported
@@ -546,10 +563,8 @@ def apply_guide(
         named = [f"--{flag}" for key, flag in flags.items() if key in changes and str(exc).startswith(key)]
         raise ConfigError(f"{' '.join(named)}: {exc}" if named else str(exc)) from None
     lines.update(native_lines(config, [key for key in given if key in flagged]))
-    order = [*GUIDE_NATIVE[:1], "output_dir", "db_connection_string", "enable_sampling", "loss_calculater"]
-    order += [f for f in (*GUIDE_ONLY, *GUIDE_NATIVE) if f not in order]
     raw = {**guide, **given}
-    return config, [f"--{flag} {raw[flag]} -> {lines[flag]}" for flag in order if flag in lines and flag in raw]
+    return config, [f"--{flag} {raw[flag]} -> {lines[flag]}" for flag in GUIDE_ORDER if flag in lines and flag in raw]
 
 
 def batch_mapping(config: AgentRLDemoConfig, guide: Mapping[str, str], lines: dict[str, str]) -> dict[str, Any]:

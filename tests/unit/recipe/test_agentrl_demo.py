@@ -272,18 +272,18 @@ def test_the_guides_example_command_maps_onto_the_config_and_prints_the_mapping_
         "--enable_sampling true -> enable_sampling=True (the engine's endpoint, the SamplingScheduler and "
         "AdditionSampler write records the trainer learns from)",
         "--loss_calculater GRPO -> loss_calculater=grpo (LedgerTrainingConfig.loss)",
-        "--learning_rate 1e-6 -> lr=1e-06 (GRPO's AdamW, warmed up over lr_warmup_steps=20)",
-        "--per_device_train_batch_size 1 -> prompts_per_step=1 (1 x 8 x 1 trainer process = 8 rows per optimizer "
-        "step = 1 group of num_generations=8)",
-        "--gradient_accumulation_steps 8 -> prompts_per_step=1 (with per_device_train_batch_size; one optimizer step "
-        "per 8 rows, taken in one forward and backward)",
-        "--save_steps 500 -> checkpoint_every=500 (output_dir/checkpoint.pt; one at the end too)",
         "--inf_tp_size 1 -> accepted: the hf engine serves the policy on one device (tensor parallel size 1)",
         "--inf_ep_size 1 -> accepted: the hf engine serves the policy on one device (expert parallel size 1)",
         "--inf_mem_ratio 0.6 -> accepted, not used: the hf engine does not pre-allocate a KV-cache pool, so there is "
         "no memory to size (vLLM's gpu_memory_utilization, SGLang's --mem-fraction-static)",
         "--num_generations 8 -> num_generations=8 (answers sampled per prompt: the GRPO group)",
         "--max_new_tokens 8 -> max_new_tokens=8 (SamplingConfig.max_new_tokens: the longest answer)",
+        "--per_device_train_batch_size 1 -> prompts_per_step=1 (1 x 8 x 1 trainer process = 8 rows per optimizer "
+        "step = 1 group of num_generations=8)",
+        "--gradient_accumulation_steps 8 -> prompts_per_step=1 (with per_device_train_batch_size; one optimizer step "
+        "per 8 rows, taken in one forward and backward)",
+        "--learning_rate 1e-6 -> lr=1e-06 (GRPO's AdamW, warmed up over lr_warmup_steps=20)",
+        "--save_steps 500 -> checkpoint_every=500 (output_dir/checkpoint.pt; one at the end too)",
     ]
 
 
