@@ -8,6 +8,7 @@ only what is not yet trained.
 
     trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition_id="agentrl", batch_rows=128)
     metrics = trainer.step(step)           # then push the policy's weights to the engines
+    metrics = trainer.step_on(step, rows)  # or a step on LedgerRows rebuilt from records (no queue)
 """
 
 from __future__ import annotations
@@ -42,6 +43,20 @@ class LedgerTrainingConfig:
         self.loss = loss_named(self.loss)  # ValueError naming the losses and the closest
 
 
+@dataclass
+class LedgerRows:
+    """A step's rows: each row's ledger record (-1: none), GRPO group, reward, policy version and tokens; ``logprobs``
+    (the sampler's, per response token) None when the rows were rebuilt from ledger records, which keep none."""
+
+    record_ids: list[int]
+    group_ids: list[int]
+    rewards: torch.Tensor
+    policy_versions: torch.Tensor
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    logprobs: list[list[float]] | None = None
+
+
 class LedgerGRPOTrainer:
     """One GRPO step at a time over the queue's partition ``partition_id`` (see the module docstring)."""
 
@@ -69,36 +84,64 @@ class LedgerGRPOTrainer:
         data = self.client.get_data(meta)
         self.rows_consumed += len(meta)
         wait_s = time.perf_counter() - t0
-        record_ids = data["record_id"].tolist()
+        rows = LedgerRows(
+            record_ids=data["record_id"].tolist(),
+            group_ids=[int(g) for g in meta.group_ids],
+            rewards=data["reward"].float(),
+            policy_versions=data["policy_version"].float(),
+            prompts=rows_of(data["prompt_ids"]),
+            responses=rows_of(data["response_ids"]),
+            logprobs=float_rows_of(data["response_logprobs"]),
+        )
+        metrics = self._train(step, rows, wait_s)
+        # the rows are trained (or not trainable any more): free them, or the partition grows until QueueFull
+        self.client.clear_samples(meta)
+        self.rows_cleared += len(meta)
+        metrics["step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def step_on(self, step: int, rows: LedgerRows) -> dict[str, float]:
+        """A step on ``rows`` rebuilt from ledger records rather than read from the queue (a run that samples
+        nothing trains the records a ledger already holds); rows without ``logprobs`` take the policy's own log-probs
+        as the old ones (the ledger keeps none), so the step's ratio starts at 1."""
+        t0 = time.perf_counter()
+        metrics = self._train(step, rows, 0.0)
+        metrics["step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _train(self, step: int, data: LedgerRows, wait_s: float) -> dict[str, float]:
+        """Mark the rows' records trained at ``step`` (those still trainable) and take a step on those rows."""
+        cfg = self.cfg
+        record_ids = data.record_ids
         # rows without a ledger record (record_id < 0: prompts from a PromptSource) are trained as they come
         in_ledger = [rid for rid in record_ids if rid >= 0]
         kept = set(self.ledger.mark_trained(in_ledger, step, cfg.max_trained_count, cfg.retrained_interval))
         rows = [i for i, rid in enumerate(record_ids) if rid < 0 or rid in kept]
-        rewards = data["reward"].float()
         metrics: dict[str, float] = {
             "step": step,
             "rows": len(record_ids),
             "rows_trained": len(rows),
-            "reward": rewards.mean().item(),
-            "staleness": float(step - data["policy_version"].float().mean().item()),
+            "reward": data.rewards.mean().item(),
+            "staleness": float(step - data.policy_versions.mean().item()),
             "wait_s": wait_s,
         }
         if rows:
-            group_ids = torch.tensor(list(meta.group_ids), dtype=torch.int64)[rows]
-            advantages = group_advantages_by_id(rewards[rows], group_ids)
-            prompts, responses = rows_of(data["prompt_ids"]), rows_of(data["response_ids"])
-            logprobs = float_rows_of(data["response_logprobs"])
-            batch = self._batch([prompts[i] for i in rows], [responses[i] for i in rows], [logprobs[i] for i in rows])
+            group_ids = torch.tensor(data.group_ids, dtype=torch.int64)[rows]
+            advantages = group_advantages_by_id(data.rewards[rows], group_ids)
+            prompts, responses = [data.prompts[i] for i in rows], [data.responses[i] for i in rows]
+            if data.logprobs is None:
+                logprobs = [[0.0] * len(r) for r in responses]
+                batch = self._batch(prompts, responses, logprobs)
+                with torch.no_grad():
+                    batch["old_logprobs"] = self._logprobs(batch) * batch["response_mask"]
+            else:
+                batch = self._batch(prompts, responses, [data.logprobs[i] for i in rows])
             loss = self._loss(batch, advantages)
             self.optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
             self.optimizer.step()
             metrics["loss"] = loss.item()
-        # the rows are trained (or not trainable any more): free them, or the partition grows until QueueFull
-        self.client.clear_samples(meta)
-        self.rows_cleared += len(meta)
-        metrics["step_s"] = time.perf_counter() - t0
         return metrics
 
     def _batch(self, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]]) -> dict:

@@ -23,6 +23,7 @@ from workers.ledger.errors import (
     NotATask,
     SchemaVersionMismatch,
     UnregisteredTaskType,
+    UnsupportedBackend,
 )
 from workers.ledger.models import (
     DBRecordData,
@@ -68,6 +69,7 @@ __all__ = [
     "Task",
     "TrajectorySink",
     "UnregisteredTaskType",
+    "UnsupportedBackend",
     "open_blob_store",
     "parse_connection_string",
     "register_new_model",

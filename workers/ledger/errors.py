@@ -14,6 +14,10 @@ class MalformedConnectionString(LedgerError, ValueError):
     """``db_connection_string`` (or ``oss_connection_string``) is not one of the accepted forms."""
 
 
+class UnsupportedBackend(MalformedConnectionString):
+    """``db_connection_string`` names a database the ledger has no backend for (AgentRL's MongoDB)."""
+
+
 class UnregisteredTaskType(LedgerError, TypeError):
     """A ``Task`` subclass was written or read that was never decorated with ``@register_new_model``."""
 

@@ -34,7 +34,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-from workers.ledger.errors import MalformedConnectionString
+from workers.ledger.errors import MalformedConnectionString, UnsupportedBackend
 
 SCHEMA_VERSION = 2
 
@@ -150,6 +150,7 @@ class ConnectionTarget:
 
 _SQLITE = re.compile(r"^sqlite:///(?P<path>[^?]+)$")
 _POSTGRES = re.compile(r"^postgres(?:ql)?(?:\+psycopg)?://(?P<rest>[^/\s]+(?:/[^\s]*)?)$")
+_MONGODB = re.compile(r"^mongodb(?:\+srv)?://", re.IGNORECASE)
 EXPECTED = "'sqlite:///PATH' or 'postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE'"
 
 
@@ -173,6 +174,11 @@ def parse_connection_string(value: object) -> ConnectionTarget:
         return ConnectionTarget("sqlite", f"sqlite:///{path}", path)
     if match := _POSTGRES.match(value):
         return ConnectionTarget("postgresql", f"postgresql+psycopg://{match['rest']}")
+    if _MONGODB.match(value):
+        raise UnsupportedBackend(
+            f"db_connection_string: MongoDB (AgentRL's database) is not a ledger backend: expected {EXPECTED}, got "
+            f"{redact(value)!r}; docs/sampling.md maps AgentRL's MongoDB collections onto the ledger's tables"
+        )
     raise MalformedConnectionString(f"db_connection_string: expected {EXPECTED}, got {redact(value)!r}")
 
 

@@ -10,6 +10,7 @@ Llama: sampled accuracy is then about 0.08 and GRPO needs 3x more steps), then G
 from __future__ import annotations
 
 import random
+from typing import Protocol
 
 import torch
 from transformers import LlamaForCausalLM
@@ -111,7 +112,17 @@ def addition_reward(response_text: str, answer: str) -> float:
     return 1.0 if response_text.strip() == answer else 0.0
 
 
-def sft_batch(problems: list[dict], tokenizer: AdditionTokenizer) -> dict[str, torch.Tensor]:
+class AnswerTokenizer(Protocol):
+    """What ``sft_batch`` needs of a tokenizer: an answer's ids (``encode``), and the pad and eos ids
+    (``AdditionTokenizer``, or a run's adapter over another model's tokenizer)."""
+
+    pad_token_id: int
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def sft_batch(problems: list[dict], tokenizer: AnswerTokenizer) -> dict[str, torch.Tensor]:
     """Teacher-forcing batch for the supervised warm-up: prompt, answer, ``<eos>``; loss on answer and ``<eos>``.
 
     Returns:

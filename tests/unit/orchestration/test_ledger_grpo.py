@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerTrainingConfig
+from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerRows, LedgerTrainingConfig
 from trainers.losses import policy_loss
 
 
@@ -50,3 +50,37 @@ def test_the_trainer_takes_the_configured_policy_loss_in_any_case():
 def test_an_unknown_loss_is_refused_when_the_config_is_built():
     with pytest.raises(ValueError, match=r"unknown policy loss name='grpoo', .*; did you mean grpo\b"):
         LedgerTrainingConfig(loss="grpoo")
+
+
+class MarkingLedger:
+    """A ledger that lets every record but ``refused`` be trained, and remembers the steps it was told of."""
+
+    def __init__(self, refused: int) -> None:
+        self.refused, self.marked = refused, []
+
+    def mark_trained(self, ids, step, max_trained_count, retrained_interval):
+        self.marked.append((list(ids), step))
+        return [i for i in ids if i != self.refused]
+
+
+def test_a_step_on_rows_rebuilt_from_records_takes_the_policys_own_log_probs_as_the_old_ones():
+    """The ledger keeps no log-probs: the step's ratio starts at 1, so GRPO's loss is minus the mean advantage."""
+    t = trainer("grpo")
+    t.ledger = MarkingLedger(refused=12)  # type: ignore[assignment]
+    before = t.policy.embed.weight.detach().clone()
+    rows = LedgerRows(
+        record_ids=[10, 11, 12, 13],
+        group_ids=[0, 0, 1, 1],
+        rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+        policy_versions=torch.tensor([3.0, 3.0, 4.0, 4.0]),
+        prompts=[[1, 2], [1, 2], [3], [3]],
+        responses=[[4, 5], [6], [7, 1], [7]],
+    )
+
+    metrics = t.step_on(5, rows)
+
+    assert t.ledger.marked == [([10, 11, 12, 13], 5)]  # type: ignore[attr-defined]
+    assert (metrics["rows"], metrics["rows_trained"], metrics["staleness"]) == (4, 3, 1.5)
+    # the trained rows' advantages (group 0: +-0.707, group 1's one row left: 0) are token-mean weighted at ratio 1
+    assert metrics["loss"] == pytest.approx(-(2 * 0.7071 - 0.7071) / 4, abs=1e-3)
+    assert not torch.equal(t.policy.embed.weight, before)

@@ -82,7 +82,8 @@ def test_a_dotted_override_is_applied_on_top_of_the_recipes_yaml(tmp_path, start
         ),
         ("beta1=1", "beta1 must be a float in [0, 1), got 1"),
         ("beta2=-0.1", "beta2 must be a float in [0, 1), got -0.1"),
-        ("inf_mem_ratio=0.6", "unknown config key 'inf_mem_ratio' in the override inf_mem_ratio=0.6"),
+        ("inf_mem_ratio=-1", "--inf_mem_ratio: expected a float in (0, 1] (a fraction of device memory), got -1.0"),
+        ("inf_mem_ratio=0.6x", "--inf_mem_ratio: expected a float, got '0.6x'"),
     ],
 )
 def test_a_bad_key_or_value_is_refused_with_exit_code_2_before_anything_starts(
@@ -109,10 +110,10 @@ def test_help_lists_every_key_with_its_meaning_after_the_whole_description():
     assert set(keys) == {"steps", "prompts_from", "prompts_per_step", "num_generations", "num_tasks", "lr",
                          "lr_warmup_steps", "sft_target", "max_trained_count", "retrained_interval", "max_steps_ahead",
                          "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume", "loss_calculater",
-                         "beta1", "beta2"}  # fmt: skip
+                         "beta1", "beta2", "model_name_or_path", "max_new_tokens", "enable_sampling"}  # fmt: skip
     for key, (_, meaning) in keys.items():
         assert meaning and f"{key} = " in text and " ".join(meaning.split()) in text, key
-    assert text.endswith(" ".join(keys["resume"][1].split()))  # the last key's meaning, whole
+    assert text.endswith(" ".join(list(keys.values())[-1][1].split()))  # the last key's meaning, whole
 
 
 @pytest.mark.parametrize(("given", "loss"), [("GRPO", "grpo"), ("grpo", "grpo"), ("Gspo", "gspo"), ("CISPO", "cispo")])
@@ -215,3 +216,219 @@ def test_a_resume_with_other_training_settings_is_refused_and_one_with_changeabl
 
     assert demo.main([f"output_dir={out}", "steps=20", "lease_s=2", "sft_target=0.5", "checkpoint_every=5"]) == 0
     assert [config.steps for config in started] == [20]
+
+
+# --- AgentRL's RL-guide command line (issue 27) -----------------------------------------------------------------------
+def model_dir(tmp_path) -> str:
+    """A stand-in for a local Hugging Face directory: the config check looks for config.json (``train`` is replaced
+    in these tests, so nothing is loaded)."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return str(path)
+
+
+def the_guides_example(tmp_path, model: str) -> list[str]:
+    """The RL guide's example command's flags, as written there (``torchrun ... src/main.py`` aside)."""
+    return [
+        "--model_name_or_path", model, "--output_dir", str(tmp_path / "run"),
+        "--db_connection_string", f"sqlite:///{tmp_path}/ledger.db", "--enable_sampling", "true",
+        "--loss_calculater", "GRPO", "--inf_tp_size", "1", "--inf_ep_size", "1", "--inf_mem_ratio", "0.6",
+        "--num_generations", "8", "--max_new_tokens", "8", "--per_device_train_batch_size", "1",
+        "--gradient_accumulation_steps", "8", "--learning_rate", "1e-6", "--save_steps", "500",
+    ]  # fmt: skip
+
+
+def test_the_guides_example_command_maps_onto_the_config_and_prints_the_mapping_once(tmp_path, started, capsys):
+    model = model_dir(tmp_path)
+
+    assert demo.main(the_guides_example(tmp_path, model)) == 0
+
+    [config] = started
+    assert (config.model_name_or_path, config.output_dir, config.db) == (
+        model,
+        str(tmp_path / "run"),
+        f"sqlite:///{tmp_path}/ledger.db",
+    )
+    assert (config.enable_sampling, config.loss_calculater, config.num_generations, config.max_new_tokens) == (
+        True,
+        "grpo",
+        8,
+        8,
+    )
+    # 1 row per device x 8 accumulation steps x 1 trainer process = 8 rows per step = 1 group of 8
+    assert (config.prompts_per_step, config.lr, config.checkpoint_every) == (1, 1e-6, 500)
+    assert config.sft_target == 0  # a pretrained model: no warm-up
+    out = capsys.readouterr().out
+    assert out.count("AgentRL's flags -> this demo's config:") == 1
+    lines = [line.strip() for line in out.splitlines() if " -> " in line and line.startswith("  --")]
+    assert lines == [
+        f"--model_name_or_path {model} -> model_name_or_path={model} (the policy of engine and trainer in place of "
+        "the built-in tiny addition Llama; a pretrained model: no SFT warm-up (sft_target=0; set sft_target to warm "
+        "up))",
+        f"--output_dir {tmp_path / 'run'} -> output_dir={tmp_path / 'run'}",
+        f"--db_connection_string sqlite:///{tmp_path}/ledger.db -> db=sqlite:///{tmp_path}/ledger.db (the ledger: "
+        "tasks, claims, records)",
+        "--enable_sampling true -> enable_sampling=True (the engine's endpoint, the SamplingScheduler and "
+        "AdditionSampler write records the trainer learns from)",
+        "--loss_calculater GRPO -> loss_calculater=grpo (LedgerTrainingConfig.loss)",
+        "--inf_tp_size 1 -> accepted: the hf engine serves the policy on one device (tensor parallel size 1)",
+        "--inf_ep_size 1 -> accepted: the hf engine serves the policy on one device (expert parallel size 1)",
+        "--inf_mem_ratio 0.6 -> accepted, not used: the hf engine does not pre-allocate a KV-cache pool, so there is "
+        "no memory to size (vLLM's gpu_memory_utilization, SGLang's --mem-fraction-static)",
+        "--num_generations 8 -> num_generations=8 (answers sampled per prompt: the GRPO group)",
+        "--max_new_tokens 8 -> max_new_tokens=8 (SamplingConfig.max_new_tokens: the longest answer)",
+        "--per_device_train_batch_size 1 -> prompts_per_step=1 (1 x 8 x 1 trainer process = 8 rows per optimizer "
+        "step = 1 group of num_generations=8)",
+        "--gradient_accumulation_steps 8 -> prompts_per_step=1 (with per_device_train_batch_size; one optimizer step "
+        "per 8 rows, taken in one forward and backward)",
+        "--learning_rate 1e-6 -> lr=1e-06 (GRPO's AdamW, warmed up over lr_warmup_steps=20)",
+        "--save_steps 500 -> checkpoint_every=500 (output_dir/checkpoint.pt; one at the end too)",
+    ]
+
+
+def test_the_command_lines_own_flags_may_come_between_the_guides(tmp_path, started):
+    argv = ["--output_dir", str(tmp_path / "run"), "--new", "--num_generations", "4", "--print-config", "steps=3"]
+
+    assert demo.main(argv) == 0
+
+    assert started == []  # --print-config: printed, nothing run
+    assert demo.main([*argv[:-2], "steps=3"]) == 0
+    assert [(c.num_generations, c.steps, c.resume) for c in started] == [(4, 3, False)]
+
+
+def test_without_the_guides_flags_nothing_is_mapped_or_printed(tmp_path, started, capsys):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "steps=3"]) == 0
+
+    assert "AgentRL's flags" not in capsys.readouterr().out
+    assert [(c.prompts_per_step, c.lr, c.sft_target) for c in started] == [(16, 5e-4, 0.2)]  # the YAML's
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8"], 2),
+        (["--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "4", "--num_generations", "4"], 3),
+        (["--gradient_accumulation_steps", "16"], 2),  # per_device_train_batch_size 1
+    ],
+)
+def test_the_guides_batch_is_rows_per_step_in_whole_groups(tmp_path, started, flags, expected):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", *flags]) == 0
+
+    assert [config.prompts_per_step for config in started] == [expected]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--db_connection_string", "mongodb://localhost:27017/agentrl"],
+            "--db_connection_string: MongoDB (AgentRL's database) is not a ledger backend: expected 'sqlite:///PATH' "
+            "or 'postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE', got 'mongodb://localhost:27017/agentrl'; "
+            "docs/sampling.md maps AgentRL's MongoDB collections onto the ledger's tables",
+        ),
+        (
+            ["--db_connection_string", "mongodb+srv://alice:s3cret@cluster0.example.net/agentrl"],
+            "got 'mongodb+srv://alice:***@cluster0.example.net/agentrl'; docs/sampling.md maps",
+        ),
+        (
+            ["--inf_tp_size", "2"],
+            "--inf_tp_size: expected 1 (the demo's engine, HFEngine, serves the policy in this process on one device: "
+            "no tensor parallelism), got 2; tensor-parallel serving is VLLMEngine(..., tensor_parallel_size=N, "
+            "enable_expert_parallel=True) (workers/engines/vllm_engine.py) or an SGLang server started with "
+            "--tp-size N --ep-size M behind SGLangEngine",
+        ),
+        (["--inf_ep_size", "4"], "--inf_ep_size: expected 1 (the demo's engine, HFEngine, serves the policy in this"),
+        (["--inf_tp_size", "two"], "--inf_tp_size: expected an int, got 'two'"),
+        (
+            ["--inf_mem_ratio", "0"],
+            "--inf_mem_ratio: expected a float in (0, 1] (a fraction of device memory), got 0.0",
+        ),
+        (
+            ["--inf_mem_ratio", "1.5"],
+            "--inf_mem_ratio: expected a float in (0, 1] (a fraction of device memory), got 1.5",
+        ),
+        (["--inf_mem_ratio", "most"], "--inf_mem_ratio: expected a float, got 'most'"),
+        (
+            ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "6"],
+            "--per_device_train_batch_size 1 x --gradient_accumulation_steps 6 x 1 trainer process = 6 rows per "
+            "optimizer step, which do not split into whole GRPO groups of num_generations=8: expected a multiple of 8 "
+            "(e.g. --gradient_accumulation_steps 8)",
+        ),
+        (
+            ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3"],
+            "= 12 rows per optimizer step, which do not split into whole GRPO groups of num_generations=8: expected a "
+            "multiple of 8 (e.g. --gradient_accumulation_steps 2)",
+        ),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: expected an int >= 1, got 0"),
+        (["--learning_rate", "-1e-6"], "--learning_rate: lr must be a float > 0, got -1e-06"),
+        (["--save_steps", "0"], "--save_steps: checkpoint_every must be an int >= 1, got 0"),
+        (
+            ["--model_name_or_path", "Qwen/Qwen2.5-7B"],
+            "model_name_or_path: expected a local Hugging Face model directory (config.json, weights, tokenizer; "
+            "nothing is downloaded), got 'Qwen/Qwen2.5-7B', which is not a directory",
+        ),
+    ],
+)
+def test_a_guide_flag_this_run_cannot_honour_is_refused_with_exit_code_2(tmp_path, started, capsys, flags, message):
+    out = tmp_path / "run"
+
+    assert demo.main([f"output_dir={out}", *flags]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith("agentrl_demo.py: error: ") and message in err, err
+    assert "s3cret" not in err and started == [] and not out.exists()
+
+
+def test_a_model_directory_needs_its_config_and_is_warmed_up_only_when_asked(tmp_path, started, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "--model_name_or_path", str(empty)]) == 2
+    assert f"got {str(empty)!r} without config.json" in capsys.readouterr().err
+    assert started == []
+
+    model = model_dir(tmp_path)
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "--model_name_or_path", model, "sft_target=0.3"]) == 0
+    assert [config.sft_target for config in started] == [0.3]
+    assert (
+        f"-> model_name_or_path={model} (the policy of engine and trainer in place of the built-in tiny addition "
+        "Llama; SFT warm-up to sampled accuracy sft_target=0.3, asked for)"
+    ) in capsys.readouterr().out
+
+
+def test_the_warm_ups_batch_over_a_model_directorys_tokenizer_is_its_chat_prompt_then_the_answer_and_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    from workers.models import save_tiny_chat_model
+    from workers.tasks.addition import make_prompts, sft_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_chat_model(tmp_path / "model"))
+    chat = demo.PretrainedChat(tokenizer)
+    tokens = demo.SFTTokens(chat, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+    [problem] = tokens.render(make_prompts(1, seed=0))
+    batch = sft_batch([problem], tokens)
+
+    prompt = "<|im_start|>user\n49+97=<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(problem["prompt_ids"]) == prompt
+    answer = [int(i) for i in batch["labels"][0] if i != -100]
+    assert answer == [*tokenizer.encode("146", add_special_tokens=False), tokenizer.eos_token_id]
+    assert tokens.decode(answer) == "146"  # what the reward reads: the eos is a special token, skipped
+
+
+def test_enable_sampling_false_is_said_in_the_mapping(tmp_path, started, capsys):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", "--enable_sampling", "false"]) == 0
+
+    assert [config.enable_sampling for config in started] == [False]
+    assert (
+        "--enable_sampling false -> enable_sampling=False (no engine, scheduler or samplers (no SFT warm-up): train "
+        "from the untrained records in the ledger, stop when too few are left for a step)"
+    ) in capsys.readouterr().out
+
+
+def test_the_mongodb_refusal_is_a_typed_ledger_error():
+    from workers.ledger import MalformedConnectionString, UnsupportedBackend, parse_connection_string
+
+    with pytest.raises(UnsupportedBackend, match=r"expected 'sqlite:///PATH' or 'postgresql://") as exc:
+        parse_connection_string("MONGODB://db:27017")
+    assert isinstance(exc.value, MalformedConnectionString)

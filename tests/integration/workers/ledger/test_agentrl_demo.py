@@ -93,3 +93,126 @@ def test_the_demo_learns(tmp_path):
     first, last = (sum(r["reward"] for r in part) / k for part in (rows[:k], rows[-k:]))
     # a fifth is 50 steps x 128 samples: a standard error of about 0.01, so 0.05 is a margin noise does not reach
     assert last > first + 0.05, output[-2000:]
+
+
+# --- AgentRL's RL-guide command line (issue 27): the example's flags, as written, on a small local model -----------
+def save_model(path: Path, chat_template: bool = True) -> Path:
+    """A tiny Llama and its character-level tokenizer saved with ``save_pretrained`` (no hub download); without
+    ``chat_template`` the prompts are the plain question."""
+    from transformers import AutoTokenizer
+
+    from workers.models import save_tiny_chat_model
+
+    save_tiny_chat_model(path)
+    if not chat_template:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.chat_template = None
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+        tokenizer.save_pretrained(path)
+        assert not AutoTokenizer.from_pretrained(path).chat_template
+    return path
+
+
+def the_guides_example(model: Path, out: Path, db: str, sampling: str = "true") -> list[str]:
+    """The RL guide's example command's flags as written there (``torchrun ... src/main.py`` aside)."""
+    return [
+        "--model_name_or_path", str(model), "--output_dir", str(out), "--db_connection_string", db,
+        "--enable_sampling", sampling, "--loss_calculater", "GRPO", "--inf_tp_size", "1", "--inf_ep_size", "1",
+        "--inf_mem_ratio", "0.6", "--num_generations", "8", "--max_new_tokens", "8",
+        "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "8", "--learning_rate", "1e-6",
+        "--save_steps", "500",
+    ]  # fmt: skip
+
+
+def test_the_guides_example_command_trains_a_local_model_from_the_ledgers_records(tmp_path, ray_session, capsys):
+    from recipe.agentrl_demo import main
+
+    db = f"sqlite:///{tmp_path}/ledger.db"
+    out = tmp_path / "run"
+
+    assert main([*the_guides_example(save_model(tmp_path / "model"), out, db), "steps=2", "num_tasks=8"]) == 0
+
+    printed = capsys.readouterr().out
+    assert (
+        printed.count("AgentRL's flags -> this demo's config:") == 1 and "--learning_rate 1e-6 -> lr=1e-06" in printed
+    )
+    ledger = Ledger(db)
+    try:
+        records = ledger.records("train")
+        trained = [r for r in records if r.trained_count]
+        assert len(trained) == 16 and {r.last_trained_step for r in trained} == {0, 1}  # 2 steps x 1 group of 8
+        prompt = records[0].messages[0]["content"]
+        assert "+" in prompt and prompt.endswith("=")  # the addition problems
+    finally:
+        ledger.close()
+    import torch
+
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 2
+
+
+def write_groups(db: str, groups: int, size: int = 8) -> None:
+    """``groups`` finished addition tasks of ``size`` scored records each (and one group short of ``size``), written
+    into the ledger as a sampler does: an epoch of tasks, a claim each, a record per sample, the claim done."""
+    from recipe.agentrl_demo import AdditionDataset
+    from workers.ledger import Record
+
+    ledger = Ledger(db)
+    try:
+        dataset = AdditionDataset(groups + 1, seed=5)
+        tasks = [dataset[i].model_copy(update={"id": f"problem-{i}"}) for i in range(groups + 1)]
+        assert ledger.write_epoch("train", 0, tasks, owner="test")
+        for g in range(groups + 1):
+            claimed = ledger.claim("train", owner="test", lease_s=60)
+            assert claimed is not None
+            claim, task = claimed
+            records = [
+                Record(
+                    task_key=claim.task_key,
+                    task_id=claim.task_id,
+                    split="train",
+                    epoch=0,
+                    sample_index=i,
+                    claim_id=claim.id,
+                    messages=[{"role": "user", "content": task.question}, {"role": "assistant", "content": "042"}],
+                    score=float(i % 2),
+                    group_id=f"train/0/{claim.task_id}",
+                )
+                for i in range(size if g < groups else size - 1)
+            ]
+            ledger.write_records(records)
+            ledger.complete(claim.id)
+    finally:
+        ledger.close()
+
+
+def test_enable_sampling_false_trains_the_ledgers_records_without_an_engine_and_stops(tmp_path, monkeypatch, capsys):
+    import recipe.agentrl_demo as demo
+
+    def no_service(*args, **kwargs):
+        raise AssertionError("enable_sampling=false started an engine, a service or Ray")
+
+    for name in ("HFEngine", "serve_in_background", "SamplingScheduler", "init_ray"):
+        monkeypatch.setattr(demo, name, no_service)
+    db = f"sqlite:///{tmp_path}/ledger.db"
+    write_groups(db, groups=3)
+    model = save_model(tmp_path / "model", chat_template=False)
+
+    assert demo.main(the_guides_example(model, tmp_path / "run", db, sampling="false")) == 0
+
+    printed = capsys.readouterr().out
+    assert "enable_sampling=false: training from the 31 records in sqlite:///" in printed
+    assert (
+        "enable_sampling=false: stopping at step 3: 7 trainable records left, fewer than a step's 1 whole groups of "
+        "num_generations=8"
+    ) in printed
+    ledger = Ledger(db)
+    try:
+        counts = sorted((r.trained_count, r.last_trained_step) for r in ledger.records("train"))
+    finally:
+        ledger.close()
+    assert counts == [(0, None)] * 7 + [(1, 0)] * 8 + [(1, 1)] * 8 + [(1, 2)] * 8  # the short group is left
+    import torch
+
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rows_trained"]) for r in rows if r["kind"] == "grpo"] == [(0, 8), (1, 8), (2, 8)]
