@@ -10,7 +10,7 @@ Llama: sampled accuracy is then about 0.08 and GRPO needs 3x more steps), then G
 from __future__ import annotations
 
 import random
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import LlamaForCausalLM
@@ -219,3 +219,49 @@ class AdditionTask(Task):
 
     def sft_target(self, prompt: dict) -> list[int]:
         return [*self._tokenizer.encode(prompt["answer"]), self._tokenizer.eos_token_id]
+
+
+class AdditionChat:
+    """The endpoint's ChatFormat for this single-turn task: the prompt is ``<bos>`` + the question."""
+
+    def __init__(self, tokenizer: AdditionTokenizer):
+        self.tokenizer = tokenizer
+
+    def prompt_ids(self, messages):
+        return [self.tokenizer.bos_token_id, *self.tokenizer.encode(messages[-1]["content"])]
+
+    def append_ids(self, messages):
+        raise ValueError("the addition task is single-turn")
+
+    def decode(self, ids):
+        return self.tokenizer.decode(list(ids))
+
+    def response_ids(self, text: str) -> list[int]:
+        """An answer's tokens as sampled, rebuilt from a record's text: the answer, then ``<eos>``."""
+        return [*self.tokenizer.encode(text), self.tokenizer.eos_token_id]
+
+
+class PretrainedChat:
+    """The endpoint's ChatFormat over a model directory's tokenizer: the question rendered with its chat template
+    (as the assistant's turn to answer) if it has one, else as plain text; answers decoded without special tokens
+    (the eos the engine stops at)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def prompt_ids(self, messages):
+        if self.templated:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(messages[-1]["content"]))
+
+    def append_ids(self, messages):
+        raise ValueError("the addition task is single-turn")
+
+    def decode(self, ids):
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def response_ids(self, text: str) -> list[int]:
+        """An answer's tokens rebuilt from a record's text: the text's tokens, then the eos token."""
+        return [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]

@@ -186,13 +186,15 @@ def write_groups(db: str, groups: int, size: int = 8) -> None:
 
 
 def test_enable_sampling_false_trains_the_ledgers_records_without_an_engine_and_stops(tmp_path, monkeypatch, capsys):
+    import orchestration.ledger_run as ledger_run
     import recipe.agentrl_demo as demo
 
     def no_service(*args, **kwargs):
         raise AssertionError("enable_sampling=false started an engine, a service or Ray")
 
-    for name in ("HFEngine", "serve_in_background", "SamplingScheduler", "init_ray"):
-        monkeypatch.setattr(demo, name, no_service)
+    monkeypatch.setattr(demo, "HFEngine", no_service)
+    for name in ("serve_in_background", "SamplingScheduler", "init_ray"):
+        monkeypatch.setattr(ledger_run, name, no_service)
     db = f"sqlite:///{tmp_path}/ledger.db"
     write_groups(db, groups=3)
     model = save_model(tmp_path / "model", chat_template=False)

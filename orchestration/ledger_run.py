@@ -1,0 +1,423 @@
+"""The run-level loops of a GRPO run that learns from a ledger's records (recipe/agentrl_demo.py's): the SFT
+warm-up, the policy and its chat format, GRPO on what a ``SamplingScheduler``'s samplers (or a ``PromptSource``
+producer) put into the queue with the engine updated each step, or GRPO on the records the ledger already holds, and
+the run's checkpoint, metrics and report. ``LedgerGRPOTrainer`` (orchestration/ledger_grpo.py) takes each step; the
+config is any dataclass with the fields ``LedgerRunConfig`` names (``AgentRLDemoConfig``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch.utils.data import Dataset
+
+from orchestration.config import ConfigError
+from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerRows, LedgerTrainingConfig
+from orchestration.metrics import MetricsLog, PlotRefresher
+from rl_contracts.prompts import PromptSource
+from transfer_queue.runtime import init_ray
+from workers.agents.openai_api import create_app
+from workers.agents.samplers import BatchingSampler, engine_generate
+from workers.agents.task_server import serve_in_background
+from workers.api_key import new_api_key
+from workers.engines import HFEngine, SamplingParams
+from workers.ledger import (
+    AsyncSampler,
+    DBRecordData,
+    InferenceClient,
+    InferenceService,
+    Ledger,
+    Record,
+    SamplingConfig,
+    SamplingScheduler,
+    ServiceRegistration,
+)
+from workers.ledger.__main__ import render_status
+from workers.ledger.queue_sink import QueueSink
+from workers.ledger.schema import redact
+from workers.tasks.addition import (
+    AdditionChat,
+    AdditionTokenizer,
+    PretrainedChat,
+    addition_reward,
+    build_model,
+    make_prompts,
+    sft_batch,
+)
+
+
+class LedgerRunConfig(Protocol):
+    """The fields of a run's config dataclass these loops read (recipe/agentrl_demo.py's ``AgentRLDemoConfig``)."""
+
+    steps: int
+    prompts_from: Literal["scheduler", "prompt-source"]
+    prompts_per_step: int
+    num_generations: int
+    num_tasks: int
+    lr: float
+    beta1: float
+    beta2: float
+    lr_warmup_steps: int
+    max_trained_count: int
+    retrained_interval: int
+    max_steps_ahead: int
+    checkpoint_every: int
+    seed: int
+    output_dir: str
+    model_name_or_path: str | None
+    max_new_tokens: int
+    enable_sampling: bool
+
+
+def warm_up(
+    policy,
+    engine,
+    tokens: SFTTokens,
+    target: float,
+    seed: int,
+    max_steps: int = 3000,
+    record: Callable | None = None,
+    max_new_tokens: int = 4,
+) -> tuple[int, float]:
+    """Supervised steps until one sampled answer per probe problem is right ``target`` of the time; ``record``
+    gets an ``sft`` row (step, loss, accuracy) at each probe. ``tokens``: the problems' prompts and answers as the
+    run's chat format renders them (the built-in tokenizer's, or a model directory's)."""
+    if target <= 0:
+        return 0, 0.0
+    probe = tokens.render(make_prompts(256, seed=1_000_000 + seed))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    accuracy, step = 0.0, 0
+    while step < max_steps:
+        problems = tokens.render(make_prompts(64, seed=2_000_000 + seed * 100_000 + step))
+        loss = policy(**sft_batch(problems, tokens)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % 25 == 0:
+            engine.update_weights(0, state_dict=policy.state_dict())
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
+            generations = engine.generate([p["prompt_ids"] for p in probe], n=1, params=params)
+            scores = [
+                addition_reward(tokens.decode(g.token_ids), p["answer"])
+                for p, [g] in zip(probe, generations, strict=True)
+            ]
+            accuracy = sum(scores) / len(scores)
+            if record is not None:
+                record({"kind": "sft", "step": step, "sft_loss": loss.item(), "accuracy": accuracy})
+            if accuracy >= target:
+                break
+    return step, accuracy
+
+
+class SFTTokens:
+    """What the SFT warm-up needs of a tokenizer, over the run's chat format: problems' prompts rendered
+    (``render``), an answer's tokens (``encode``, the eos aside), samples decoded, the pad and eos ids."""
+
+    def __init__(self, chat: AdditionChat | PretrainedChat, pad_token_id: int, eos_token_id: int):
+        self.chat, self.pad_token_id, self.eos_token_id = chat, pad_token_id, eos_token_id
+
+    def render(self, problems: list[dict]) -> list[dict]:
+        return [{**p, "prompt_ids": self.chat.prompt_ids([{"role": "user", "content": p["prompt"]}])} for p in problems]
+
+    def encode(self, text: str) -> list[int]:
+        return self.chat.response_ids(text)[:-1]
+
+    def decode(self, ids) -> str:
+        return self.chat.decode(ids)
+
+
+def prompt_source_producer(source, engine, engine_lock, sink, chat, config: LedgerRunConfig, done, paused) -> None:
+    """The ``prompt-source`` input: each round draws ``prompts_per_step`` problems (their ``prompt_ids`` rendered by
+    ``chat``), samples ``num_generations`` answers each from the engine and puts every group into the queue
+    (``record_id`` -1: no ledger record)."""
+    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=1.0)
+    group = 0
+    while not done.is_set():
+        if paused():
+            time.sleep(0.01)
+            continue
+        problems = source.next_batch(config.prompts_per_step)
+        with engine_lock:
+            version = engine.version
+            generations = engine.generate([p["prompt_ids"] for p in problems], n=config.num_generations, params=params)
+        for problem, answers in zip(problems, generations, strict=True):
+            rows = [
+                {
+                    "record_id": -1,
+                    "prompt_ids": problem["prompt_ids"],
+                    "response_ids": g.token_ids,
+                    "response_logprobs": g.logprobs,
+                    "policy_version": version,
+                    "reward": addition_reward(chat.decode(g.token_ids), problem["answer"]),
+                }
+                for g in answers
+            ]
+            sink.put_group(rows, f"prompt-source/{group}", group)
+            group += 1
+
+
+class RunRecord:
+    """The run's ``metrics.jsonl`` and ``metrics.png``, as GRPORun keeps them: a fresh run starts the file over, a
+    resumed one cuts it back to its checkpoint's step (each step keeps one row); the plot is redrawn at most every
+    ``min_interval_s`` while rows come, and at ``finish``."""
+
+    def __init__(self, out: Path, start: int | None, title: str, min_interval_s: float = 60.0):
+        self.log = MetricsLog(out / "metrics.jsonl", truncate=start is None)
+        if start is not None:
+            self.log.cut_back(start)
+        self.plot = PlotRefresher(self.log.path, out / "metrics.png", title=title, min_interval_s=min_interval_s)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.log.write(row)
+        self.plot.maybe_refresh()
+
+    def finish(self) -> Path:
+        return self.plot.refresh()
+
+
+def grpo_optimizer(policy: torch.nn.Module, config: LedgerRunConfig) -> torch.optim.AdamW:
+    """GRPO's AdamW: ``lr`` (the warm-up scales it per step), betas ``(beta1, beta2)``."""
+    return torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def save_checkpoint(path: Path, policy, optimizer, step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+@dataclass
+class PolicySetup:
+    """The run's policy and how its prompts and answers become tokens: the built-in addition Llama and its
+    tokenizer, or a model directory's (``model_name_or_path``)."""
+
+    policy: torch.nn.Module
+    chat: AdditionChat | PretrainedChat
+    pad_token_id: int
+    eos_token_id: int
+
+    def prompt_ids(self, question: str) -> list[int]:
+        return self.chat.prompt_ids([{"role": "user", "content": question}])
+
+
+def load_policy(config: LedgerRunConfig) -> PolicySetup:
+    """The built-in tiny addition Llama, or the model and tokenizer of ``model_name_or_path`` (local files only)."""
+    if config.model_name_or_path is None:
+        tokenizer = AdditionTokenizer()
+        policy = build_model(tokenizer.vocab_size, seed=config.seed)
+        return PolicySetup(policy, AdditionChat(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = config.model_name_or_path
+    hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    eos = hf_tokenizer.eos_token_id if hf_tokenizer.eos_token_id is not None else model.config.eos_token_id
+    if eos is None:
+        raise ConfigError(f"model_name_or_path: {path}'s tokenizer and config name no eos token: answers could not end")
+    pad = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else eos
+    return PolicySetup(model.float(), PretrainedChat(hf_tokenizer), int(pad), int(eos))
+
+
+def train_with_sampling(
+    config: LedgerRunConfig,
+    setup: PolicySetup,
+    engine: HFEngine,
+    optimizer: torch.optim.Optimizer,
+    ledger: Ledger,
+    cfg: SamplingConfig,
+    training: LedgerTrainingConfig,
+    record: RunRecord,
+    checkpoint: Path,
+    start: int,
+    *,
+    sampler_class: type[AsyncSampler],
+    dataset: Dataset,
+    partition: str,
+) -> int:
+    """GRPO on what the samplers (or the prompt-source producer) put into the queue, the engine updated each step:
+    ``sampler_class`` samples the tasks of ``dataset`` (the run's), the queue's rows go to ``partition``."""
+    import ray
+
+    import transfer_queue
+
+    policy, out = setup.policy, Path(config.output_dir)
+    started_ray = not ray.is_initialized()  # a caller's Ray session (a test's) is used, and left running
+    if started_ray:
+        init_ray(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR)
+    batch_rows = training.batch_rows
+    client = transfer_queue.init(
+        global_batch_size=config.prompts_per_step,
+        num_n_samples=config.num_generations,
+        sampler=transfer_queue.GRPOSampler(config.num_generations),
+        num_storage_units=1,
+        run_metrics=str(out / "metrics.jsonl"),
+    )
+    # generation (the endpoint's thread) and weight updates (this thread) take turns on the engine
+    engine_lock = threading.Lock()
+    generate = engine_generate(engine)
+
+    def locked_generate(prompts, params):
+        with engine_lock:
+            return generate(prompts, params)
+
+    api_key = new_api_key()  # the endpoint's, for this run: its samplers send it, the ledger never holds it
+    app = create_app(
+        BatchingSampler(locked_generate), setup.chat, model="adder", max_tokens=config.max_new_tokens, api_key=api_key
+    )
+    sink = QueueSink(client, partition)
+    trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition, training, pad_token_id=setup.pad_token_id)
+    done = threading.Event()
+    ahead = lambda: sink.rows_put - trainer.rows_consumed >= config.max_steps_ahead * batch_rows  # noqa: E731
+    scheduler = SamplingScheduler(
+        config=cfg,
+        sampler_class=sampler_class,
+        dataset=dataset,
+        split="train",
+        sink=sink,
+        inference=InferenceClient(ledger, cfg, api_key=api_key),
+        stop_when=done.is_set,
+        pause_when=ahead,
+    )
+    if config.prompts_from == "scheduler":
+        produce: Callable[[], Any] = scheduler.run
+    else:
+        problems = [
+            {**p, "prompt_ids": setup.prompt_ids(p["prompt"])} for p in make_prompts(config.num_tasks, config.seed)
+        ]
+        source = PromptSource(problems, seed=config.seed)
+        produce = lambda: prompt_source_producer(  # noqa: E731
+            source, engine, engine_lock, sink, setup.chat, config, done, ahead
+        )
+    rewards: list[float] = []
+    with serve_in_background(app) as url:
+        service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
+        with ServiceRegistration(ledger, service, policy_version=lambda: engine.version):
+            sampling = threading.Thread(target=produce, name=f"sampling-{config.prompts_from}", daemon=True)
+            sampling.start()
+            t0 = time.perf_counter()
+            for step in range(start, config.steps):
+                warm_up_lr(optimizer, config, step)
+                row = trainer.step(step)
+                with engine_lock:
+                    engine.update_weights(step + 1, state_dict=policy.state_dict())
+                end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
+            save_checkpoint(checkpoint, policy, optimizer, config.steps)
+            done.set()
+            sampling.join(120)
+    elapsed = time.perf_counter() - t0
+    transfer_queue.shutdown()
+    if started_ray:
+        ray.shutdown()
+    report(config, rewards, elapsed, record)
+    print(f"scheduler: {dict(scheduler.stats)}\n")
+    print(render_status(ledger))
+    ledger.close()  # a normal end leaves ledger.db alone: its -wal and -shm files are checkpointed away
+    return 0
+
+
+def train_from_ledger(
+    config: LedgerRunConfig,
+    trainer: LedgerGRPOTrainer,
+    setup: PolicySetup,
+    ledger: Ledger,
+    record: RunRecord,
+    checkpoint: Path,
+    start: int,
+) -> int:
+    """``enable_sampling`` false: GRPO steps on the whole groups of untrained records the ledger holds (their messages
+    re-tokenised), until too few are left for a step; no engine, no scheduler, no samplers, no queue."""
+    policy, optimizer = setup.policy, trainer.optimizer
+    records = {r.id: r for r in ledger.records("train")}
+    where = redact(ledger.connection_string)
+    print(f"enable_sampling=false: training from the {len(records)} records in {where}", flush=True)
+    rewards: list[float] = []
+    t0 = time.perf_counter()
+    step = start
+    while step < config.steps:
+        rows = ledger_rows(ledger, records, setup, config, step)
+        if rows is None:
+            left = len(ledger.trainable("train", step, config.max_trained_count, config.retrained_interval))
+            print(
+                f"enable_sampling=false: stopping at step {step}: {left} trainable records left, fewer than a step's "
+                f"{config.prompts_per_step} whole groups of num_generations={config.num_generations}",
+                flush=True,
+            )
+            break
+        warm_up_lr(optimizer, config, step)
+        row = trainer.step_on(step, rows)
+        end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
+        step += 1
+    save_checkpoint(checkpoint, policy, optimizer, step)
+    report(config, rewards, time.perf_counter() - t0, record)
+    print(render_status(ledger))
+    ledger.close()
+    return 0
+
+
+def ledger_rows(
+    ledger: Ledger, records: Mapping[int | None, Record], setup: PolicySetup, config: LedgerRunConfig, step: int
+) -> LedgerRows | None:
+    """A step's rows out of the ledger: the first ``prompts_per_step`` whole groups (``num_generations`` records of
+    one task and epoch) still trainable at ``step``, each record's prompt and answer re-tokenised from its messages
+    (the ledger keeps no tokens); None when there are fewer such groups."""
+    groups: dict[str, list[DBRecordData]] = {}
+    for data in ledger.trainable("train", step, config.max_trained_count, config.retrained_interval):
+        if data.record_id in records:  # written before this run started: a finished sample
+            groups.setdefault(data.group_id or f"record/{data.record_id}", []).append(data)
+    whole = [group for group in groups.values() if len(group) == config.num_generations]
+    if len(whole) < config.prompts_per_step:
+        return None
+    chosen = [(g, data) for g, group in enumerate(whole[: config.prompts_per_step]) for data in group]
+    messages = [records[data.record_id].messages for _, data in chosen]
+    return LedgerRows(
+        record_ids=[data.record_id for _, data in chosen],
+        group_ids=[g for g, _ in chosen],
+        rewards=torch.tensor([float(data.score or 0.0) for _, data in chosen]),
+        policy_versions=torch.tensor([float(data.policy_version) for _, data in chosen]),
+        prompts=[setup.chat.prompt_ids(m[:-1]) for m in messages],
+        responses=[setup.chat.response_ids(m[-1]["content"]) for m in messages],
+    )
+
+
+def warm_up_lr(optimizer: torch.optim.Optimizer, config: LedgerRunConfig, step: int) -> None:
+    """The learning rate of ``step``: ``lr`` warmed up linearly over ``lr_warmup_steps`` (a function of the step, so
+    a resumed run picks it up)."""
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * min(1.0, (step + 1) / max(1, config.lr_warmup_steps))
+
+
+def end_of_step(config, row, rewards, record, checkpoint, policy, optimizer) -> None:
+    """A step's metrics row, a progress line every 10 steps and a checkpoint every ``checkpoint_every``."""
+    step = int(row["step"])
+    rewards.append(row["reward"])
+    record.write({"kind": "grpo", **row})
+    if (step + 1) % 10 == 0:
+        recent = rewards[-10:]
+        print(
+            f"step {step + 1}: reward {sum(recent) / len(recent):.3f} (last 10), "
+            f"staleness {row['staleness']:.1f}, {row['rows_trained']}/{row['rows']} rows trained",
+            flush=True,
+        )
+    if (step + 1) % config.checkpoint_every == 0:
+        save_checkpoint(checkpoint, policy, optimizer, step + 1)
+
+
+def report(config: LedgerRunConfig, rewards: list[float], elapsed: float, record: RunRecord) -> None:
+    if rewards:
+        k = max(1, len(rewards) // 5)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        source = config.prompts_from if config.enable_sampling else "the ledger's records"
+        print(
+            f"\nGRPO ({source}): {len(rewards)} steps in {elapsed:.0f} s; "
+            f"mean reward first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})"
+        )
+    print(f"plot: {record.finish()}")
