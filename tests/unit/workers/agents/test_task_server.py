@@ -39,9 +39,17 @@ from workers.agents.task_server import create_app, default_max_episodes, main, s
 REPO = Path(__file__).resolve().parents[4]
 
 
+#: seconds a test's client waits for an answer: the sandboxed environments bound a command by its wall time (20 s in
+#: the tests' limits), and httpx's default of 5 s failed a step of 8 processes on a loaded CI machine (ReadTimeout)
+CLIENT_TIMEOUT_S = 60.0
+
+
 @contextmanager
 def served(environment: type[Environment], **kwargs: Any) -> Iterator[httpx.Client]:
-    with serve_in_background(create_app(environment, **kwargs)) as url, httpx.Client(base_url=f"{url}/api") as client:
+    with (
+        serve_in_background(create_app(environment, **kwargs)) as url,
+        httpx.Client(base_url=f"{url}/api", timeout=CLIENT_TIMEOUT_S) as client,
+    ):
         yield client
 
 
