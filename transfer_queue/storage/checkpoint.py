@@ -250,7 +250,14 @@ def commit_save(root: str, staging: str, name: str) -> str:
         if os.path.isdir(os.path.join(staging, sub)):
             _fsync_path(os.path.join(staging, sub))
     _fsync_path(staging)
-    return _promote(root, staging, name, "ckpt-")
+    final = _promote(root, staging, name, "ckpt-")
+    # Saves the controller gave up: it removed their staging directories, but a unit that was still writing into one
+    # (slow, not stalled) can leave files behind, or recreate it. Every unit has answered this save by now, and a unit
+    # answers in order, so none writes into an older staging directory any more: sweep what is left.
+    for stale in os.listdir(root):
+        if stale.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+    return final
 
 
 def current_checkpoint(root: str) -> str:

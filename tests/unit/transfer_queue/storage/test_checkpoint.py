@@ -107,3 +107,14 @@ def test_restoring_onto_another_layout_renumbers_blocks(tmp_path) -> None:
     restore_into(one_unit, load_unit(str(tmp_path), 0), block_ids={0: 7, 2: 9})
     out, _ = read(one_unit, [(7, 0), (9, 1)])
     assert row_values(out) == expected([0, 11])
+
+
+def test_a_late_units_files_in_an_abandoned_staging_directory_are_swept_by_the_next_commit(tmp_path) -> None:
+    root = str(tmp_path)
+    abandoned, _ = ckpt.begin_save(root)  # a save the controller gave up on (a unit too slow) ...
+    ckpt.write_controller(abandoned, b"first")
+    staging, name = ckpt.begin_save(root)  # ... swept when the next save begins, then recreated by the slow unit
+    os.makedirs(os.path.join(abandoned, "unit-1"))  # still writing its part of the abandoned save (seen in a CI run)
+    ckpt.write_controller(staging, b"second")
+    final = ckpt.commit_save(root, staging, name)
+    assert sorted(os.listdir(root)) == ["CURRENT", os.path.basename(final)]
