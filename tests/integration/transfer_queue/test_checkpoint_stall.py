@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,13 +15,29 @@ import pytest
 import ray
 import torch
 
+from tests.conftest import wait_until
 from transfer_queue import TransferQueueClient, TransferQueueController
 from transfer_queue.client import rows as client_rows
-from transfer_queue.errors import TransferQueueError
+from transfer_queue.errors import PutExpired
 from transfer_queue.storage.checkpoint import CheckpointError, current_checkpoint, load_unit, read_controller
 
 # Each test starts its own queue and stalls a process for seconds: the slow tier keeps make test under 10 minutes.
 pytestmark = pytest.mark.slow
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (the signal takes effect asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = f"/proc/{pid}/task"
+
+    def stopped() -> bool:
+        states = []
+        for tid in os.listdir(tasks):
+            with open(f"{tasks}/{tid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        return all(state in "tT" for state in states)
+
+    wait_until(stopped, timeout=10.0, what=f"process {pid} stopped")
 
 
 def stop(controller: Any) -> None:
@@ -82,27 +99,37 @@ def test_a_put_that_reports_failure_leaves_none_of_its_rows_visible(ray_session,
     controller = TransferQueueController.remote(4, num_storage_units=1, put_grace=1.0, disconnect_grace=30.0)
     client = TransferQueueClient("producer", ray.get(controller.get_info.remote()))
     pid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()))
-    monkeypatch.setattr(client_rows, "REPLY_SLACK", 0.5)
+    # the client's last commit attempt waits this long: far more than a loaded machine needs to resume the controller
+    monkeypatch.setattr(client_rows, "REPLY_SLACK", 30.0)
     inner = client._client
-    commit = inner._commit
-
-    # a safety net only: the controller runs again once the put has reported failure, however long that took
-    # (a fixed stall of 3 s lost to a loaded CI machine, where the client's 2.5 s of waiting ran past it)
+    commit, control = inner._commit, inner._control
+    # a safety net only: the controller runs again at the client's last commit attempt (below)
     resume = threading.Timer(60.0, os.kill, (pid, signal.SIGCONT))
+    commits_sent: list[float] = []
 
     async def stalled_commit(*args: Any, **kwargs: Any) -> Any:
-        # the controller stops answering between the put's write and its commit, until the client has given up
-        os.kill(pid, signal.SIGSTOP)
+        # the controller stops between the put's write and its commit (stopped for sure before the commit is sent)
+        stop_process(pid)
         resume.start()
         return await commit(*args, **kwargs)
 
+    async def counting_control(body: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(body).__name__ == "Commit":
+            commits_sent.append(time.monotonic())
+            if len(commits_sent) == 2:  # the last attempt: the put's deadline has passed, the controller resumes
+                os.kill(pid, signal.SIGCONT)
+        return await control(body, *args, **kwargs)
+
     monkeypatch.setattr(inner, "_commit", stalled_commit)
+    monkeypatch.setattr(inner, "_control", counting_control)
     try:
-        with pytest.raises(TransferQueueError, match=r"did not answer its commit by the put's deadline nor after it"):
+        # resumed past the deadline, the controller refuses the commit: a failure for sure, not an unknown outcome
+        with pytest.raises(PutExpired, match="none of its rows are visible"):
             client.put({"x": torch.ones(4, 1)}, global_step=0, timeout=1.0)
-        os.kill(pid, signal.SIGCONT)
+        assert len(commits_sent) == 2
         monkeypatch.setattr(inner, "_commit", commit)
-        status = client.get_production_status(global_step=0)  # answered once the controller runs again
+        monkeypatch.setattr(inner, "_control", control)
+        status = client.get_production_status(global_step=0)
         assert (status["rows"], status["rows_in_flight"]) == (0, 0), "a put that reported failure left rows visible"
         client.put({"x": torch.ones(4, 1)}, global_step=0)  # the producer puts again: 4 rows, not 8
         assert client.get_production_status(global_step=0)["rows"] == 4
