@@ -115,6 +115,15 @@ class Queue:
         self._steps: list[int] = []
         self._partitions: list[str] = []
         self.client = self.new_client("main")
+        self._watcher: Any = None
+
+    @property
+    def watcher(self) -> Any:
+        """A client with 60 s timeouts for the status polls of a test whose queue gives up within seconds: those
+        polls are not what it tests, and a loaded machine can delay the controller's answer past 2 s."""
+        if self._watcher is None:
+            self._watcher = self.new_client("watcher", timeout=60.0)
+        return self._watcher
 
     @property
     def controller(self) -> Any:
@@ -128,10 +137,16 @@ class Queue:
     def config(self) -> dict[str, Any]:
         return self._started.config
 
-    def new_client(self, client_id: str = "extra") -> Any:
+    def new_client(self, client_id: str = "extra", *, timeout: float | None = None) -> Any:
+        """A client of this queue; ``timeout`` replaces the queue's default_timeout for its calls."""
+        import msgspec
+
         from transfer_queue import TransferQueueClient
 
-        client = TransferQueueClient(client_id=f"{self._name}-{client_id}", controller_info=self.info)
+        info = self.info
+        if timeout is not None:
+            info = msgspec.structs.replace(info, config={**info.config, "default_timeout": timeout})
+        client = TransferQueueClient(client_id=f"{self._name}-{client_id}", controller_info=info)
         self._clients.append(client)
         return client
 

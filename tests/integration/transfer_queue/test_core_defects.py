@@ -31,11 +31,11 @@ def test_a_closed_producers_reservation_is_freed_after_the_disconnect_grace(fast
     assert status["rows_in_flight"] == 4
     producer.close()  # its process died: the connection closes, the put never commits
     wait_until(
-        lambda: fast_queue.client.get_production_status(partition_id=partition)["rows_in_flight"] == 0,
+        lambda: fast_queue.watcher.get_production_status(partition_id=partition)["rows_in_flight"] == 0,
         timeout=15.0,
         what="the closed producer's reservation to be aborted",
     )
-    assert fast_queue.client.get_production_status(partition_id=partition)["rows"] == 1
+    assert fast_queue.watcher.get_production_status(partition_id=partition)["rows"] == 1
     assert reservation.put_id > 0
 
 

@@ -212,9 +212,10 @@ def test_client_killed_mid_put_leaves_nothing_visible(fast_queue: Any, wait_unti
     with pytest.raises(PartitionOverfilled, match="8 are already taken"):
         client.put(TensorDict({"x": torch.ones(8, 256)}, batch_size=[8]), global_step=step)
     # At its deadline (its timeout 8 s + put_grace 1 s) the controller aborts it: rows freed, bytes dropped.
-    wait_until(lambda: client.get_production_status(global_step=step)["rows_in_flight"] == 0, 30, what="the abort")
+    status = fast_queue.watcher.get_production_status
+    wait_until(lambda: status(global_step=step)["rows_in_flight"] == 0, 30, what="the abort")
     wait_until(lambda: fast_queue.storage_bytes() == bytes_before, 30, what="the storage units to drop its bytes")
-    assert client.get_production_status(global_step=step)["rows"] == 0
+    assert status(global_step=step)["rows"] == 0
     # A late commit of the dead put is refused.
     peer = RawPeer(fast_queue.info.controller, fast_queue.info.session_id, fast_queue.info.secret)
     header, _ = peer.call(p.Commit(put_id))
