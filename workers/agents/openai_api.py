@@ -12,6 +12,10 @@ the ``openai`` client they are ``choice.model_extra["token_ids"]`` and so on.
     with serve_in_background(app) as url: ...          # (workers.agents.task_server) 127.0.0.1, a free port
     openai.OpenAI(base_url=url + "/v1", api_key=key)
 
+A message's ``content`` is a string or a list of OpenAI content parts: the ``text`` parts are joined with newlines
+(the engines take text); an ``image_url`` part gets a 400 naming it (no engine here takes images yet), never a silent
+drop. The sampling ledger's samplers send images as base64 ``data:`` URLs (``workers/ledger/multimodal.py``).
+
 With ``api_key`` every route answers 401 (OpenAI's error shape) without ``Authorization: Bearer <api_key>``, which
 is what the ``openai`` client sends; ``AgentRolloutWorker.serve_openai`` draws a fresh key for its endpoint.
 """
@@ -21,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from transfer_queue.errors import TransferQueueError
 from workers.agents.trajectory import ChatFormat
 from workers.agents.workflow import TokenSampler
 from workers.api_key import BearerAuth
@@ -39,11 +44,37 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class RequestMessage(BaseModel):
+    """A request's message: ``content`` a string, or OpenAI content parts (``text``, ``image_url``)."""
+
+    role: str
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class ContentNotSupported(TransferQueueError, ValueError):
+    """A request's content part the endpoint's engine cannot take (an image for a text-only model)."""
+
+
 class ChatCompletionRequest(BaseModel):
     """The subset of OpenAI's chat completion request that the engines can honour (other fields are ignored)."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[RequestMessage] = Field(min_length=1)
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -113,7 +144,7 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
     async def chat_completions(body: ChatCompletionRequest) -> ChatCompletion:
-        prompt = chat.prompt_ids([m.model_dump() for m in body.messages])
+        prompt = chat.prompt_ids(_text_messages(body.messages, body.model or model))
         params = SamplingParams(
             max_new_tokens=body.max_completion_tokens or body.max_tokens or max_tokens,
             temperature=body.temperature,
@@ -139,6 +170,23 @@ def create_app(
         )
 
     return app
+
+
+def _text_messages(messages: list[RequestMessage], model: str) -> list[dict[str, Any]]:
+    """The messages with string content: text parts joined with newlines; an image part refused."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if not isinstance(content, str):
+            for j, part in enumerate(content):
+                if isinstance(part, ImagePart):
+                    raise ContentNotSupported(
+                        f"messages[{i}].content[{j}] is an image_url part, but model {model!r} behind this endpoint "
+                        f"takes text only: expected string content or 'text' parts"
+                    )
+            content = "\n".join(part.text for part in content if isinstance(part, TextPart))
+        out.append({"role": message.role, "content": content})
+    return out
 
 
 def _seeded(params: SamplingParams, index: int) -> SamplingParams:

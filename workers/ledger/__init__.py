@@ -11,6 +11,7 @@ from workers.ledger.blobs import BlobStore, DirectoryBlobStore, S3BlobStore, ope
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import (
     ClaimLost,
+    ImageNotFound,
     InferenceFailed,
     InvalidSamplingConfig,
     LedgerError,
@@ -18,12 +19,15 @@ from workers.ledger.errors import (
     LedgerUnavailable,
     LockNotAcquired,
     MalformedConnectionString,
+    MultiModalError,
     NoInferenceService,
     NoTaskAvailable,
     NotATask,
     SchemaVersionMismatch,
+    UnknownContentPart,
     UnregisteredTaskType,
     UnsupportedBackend,
+    UnsupportedImageType,
 )
 from workers.ledger.models import (
     DBRecordData,
@@ -32,6 +36,11 @@ from workers.ledger.models import (
     Record,
     Task,
     register_new_model,
+)
+from workers.ledger.multimodal import (
+    preprocess_mm_messages_for_sample,
+    store_mm_messages,
+    store_mm_payload,
 )
 from workers.ledger.sampler import AsyncSampler, Sample, TrajectorySink, shared_ledger
 from workers.ledger.scheduler import SamplingScheduler
@@ -46,6 +55,7 @@ __all__ = [
     "DBRecordData",
     "DirectoryBlobStore",
     "DispatchedSamplingTask",
+    "ImageNotFound",
     "InferenceClient",
     "InferenceFailed",
     "InferenceService",
@@ -56,6 +66,7 @@ __all__ = [
     "LedgerUnavailable",
     "LockNotAcquired",
     "MalformedConnectionString",
+    "MultiModalError",
     "NoInferenceService",
     "NoTaskAvailable",
     "NotATask",
@@ -68,10 +79,15 @@ __all__ = [
     "ServiceRegistration",
     "Task",
     "TrajectorySink",
+    "UnknownContentPart",
     "UnregisteredTaskType",
     "UnsupportedBackend",
+    "UnsupportedImageType",
     "open_blob_store",
     "parse_connection_string",
+    "preprocess_mm_messages_for_sample",
     "register_new_model",
     "shared_ledger",
+    "store_mm_messages",
+    "store_mm_payload",
 ]

@@ -64,3 +64,19 @@ class InvalidSamplingConfig(LedgerError):
 
     Deliberately not a ``ValueError``: pydantic would fold one into a ``ValidationError``; this one reaches the
     caller as itself."""
+
+
+class MultiModalError(LedgerError, ValueError):
+    """A multi-modal message (OpenAI content parts) that cannot be stored or sent (``workers/ledger/multimodal.py``)."""
+
+
+class UnknownContentPart(MultiModalError):
+    """A content part whose ``type`` is none of ``text``, ``image_url``, ``image_ref`` (or that lacks its fields)."""
+
+
+class ImageNotFound(MultiModalError, FileNotFoundError):
+    """An image named by a local path, an ``image_ref`` blob key or an http(s) URL that cannot be read."""
+
+
+class UnsupportedImageType(MultiModalError):
+    """Image bytes that are not PNG, JPEG, GIF or WebP (by their magic bytes), or an image source of no known form."""

@@ -34,6 +34,7 @@ from workers.ledger.blobs import BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import ClaimLost, LedgerUnavailable, NoTaskAvailable
 from workers.ledger.models import DispatchedSamplingTask, Record, Task
+from workers.ledger.multimodal import is_multimodal, preprocess_mm_messages_for_sample, store_mm_messages
 from workers.ledger.retry import with_retry
 from workers.ledger.services import InferenceClient
 from workers.ledger.store import Ledger
@@ -84,7 +85,14 @@ class AsyncSampler(ABC):
             ledger for ``config``, an ``InferenceClient`` over it, no sink (records only), the configured blob store.
         split: the split to claim from (``config.split`` by default).
         owner: the claim's owner name (host:pid:random by default).
+
+    Multi-modal messages (OpenAI content parts, ``workers/ledger/multimodal.py``): ``create_chat_completions``
+    sends their images as base64 ``data:`` URLs; records keep them as ``image_ref`` parts (blob-store keys).
+    ``fetch_image_urls``: whether http(s) image URLs are fetched (and stored, sent as data URLs) rather than passed
+    through as they are.
     """
+
+    fetch_image_urls: bool = False
 
     def __init__(
         self,
@@ -177,7 +185,12 @@ class AsyncSampler(ABC):
         """A chat completion from the least-loaded healthy inference service; ``sampling`` overrides the config's
         (``n``: ``num_generations`` choices by default; ``temperature``, ``max_tokens``, ``top_p``, ``stop``,
         ``seed``). Choices carry ``token_ids`` and ``token_logprobs``; the completion carries ``prompt_token_ids``
-        and ``policy_version``."""
+        and ``policy_version``. Images in ``messages`` (``image_ref`` parts, paths, bytes, data URLs) go to the
+        service as base64 ``data:`` URLs (``preprocess_mm_messages_for_sample``); ``messages`` is not changed."""
+        if is_multimodal(messages):
+            messages = await asyncio.to_thread(
+                preprocess_mm_messages_for_sample, messages, self.blobs, fetch_http=self.fetch_image_urls
+            )
         return await self.inference.chat(messages, **sampling)
 
     async def record_completion(self, messages: list[dict[str, Any]], completion: ChatCompletion) -> list[Record]:
@@ -197,7 +210,8 @@ class AsyncSampler(ABC):
     async def write_records(self, samples: Sequence[Sample], first_index: int = 0) -> list[Record]:
         """Score the samples (``evaluate_record``), record them (sample indexes ``first_index``, ...) and put the
         newly recorded ones into the queue as one group. Samples an earlier claim of this task recorded and queued
-        are kept as they were (returned, not re-written or re-queued)."""
+        are kept as they were (returned, not re-written or re-queued). Images in the samples' messages are stored in
+        the blob store (once: it is content-addressed) and recorded as ``image_ref`` parts."""
         assert self.claim is not None and self.task is not None, "write_records needs a claimed task"
         if self.lease_lost:
             raise ClaimLost(
@@ -215,6 +229,11 @@ class AsyncSampler(ABC):
         group_id = f"{self.claim.split}/{self.claim.epoch}/{self.claim.task_id}"
         records = []
         for i, sample in enumerate(samples):
+            messages = sample.messages
+            if is_multimodal(messages):
+                messages = await asyncio.to_thread(
+                    store_mm_messages, messages, self.blobs, fetch_http=self.fetch_image_urls
+                )
             record = Record(
                 task_key=self.claim.task_key,
                 task_id=self.claim.task_id,
@@ -222,7 +241,7 @@ class AsyncSampler(ABC):
                 epoch=self.claim.epoch,
                 sample_index=first_index + i,
                 claim_id=self.claim.id,
-                messages=sample.messages,
+                messages=messages,
                 prompt_tokens=len(sample.prompt_ids),
                 completion_tokens=len(sample.response_ids),
                 policy_version=sample.policy_version,

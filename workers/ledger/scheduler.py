@@ -30,7 +30,8 @@ from typing import Any
 from workers.ledger.blobs import BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import LockNotAcquired, NoInferenceService, NoTaskAvailable, NotATask
-from workers.ledger.models import DispatchedSamplingTask, Task, check_registered
+from workers.ledger.models import BASE_TASK_FIELDS, DispatchedSamplingTask, Task, check_registered
+from workers.ledger.multimodal import store_mm_payload
 from workers.ledger.retry import with_retry
 from workers.ledger.sampler import AsyncSampler, TrajectorySink, _blob_dir, shared_ledger
 from workers.ledger.services import InferenceClient
@@ -127,7 +128,8 @@ class SamplingScheduler:
     # -- tasks -----------------------------------------------------------------------------------------------------
     def epoch_tasks(self, epoch: int) -> list[Task]:
         """The dataset's tasks for ``epoch`` (ids: the task's own, else its index), checked before anything is
-        written."""
+        written. Images in the tasks' messages (OpenAI content parts) are stored in the blob store and kept as
+        ``image_ref`` parts (``workers/ledger/multimodal.py``)."""
         tasks = []
         for index in range(len(self.dataset)):
             item = self.dataset[index]
@@ -138,7 +140,12 @@ class SamplingScheduler:
                 )
             check_registered(item)
             tid = item.id if item.id is not None else str(index)
-            tasks.append(item.model_copy(update={"id": tid, "split": self.split, "epoch": epoch, "status": "pending"}))
+            update: dict[str, Any] = {"id": tid, "split": self.split, "epoch": epoch, "status": "pending"}
+            for name in type(item).model_fields.keys() - set(BASE_TASK_FIELDS):  # images -> blob store, image_ref
+                value = getattr(item, name)
+                if (stored := store_mm_payload(value, self.blobs)) is not value:
+                    update[name] = stored
+            tasks.append(item.model_copy(update=update))
         ids = Counter(t.id for t in tasks if t.id is not None)  # every id is set above
         if dupes := sorted(i for i, n in ids.items() if n > 1):
             raise ValueError(f"task ids must be unique within a split; repeated: {dupes[:10]}")

@@ -103,3 +103,28 @@ def test_with_a_key_the_endpoint_refuses_a_client_without_it(endpoint):
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-run", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         assert len(client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices) == 1
+
+
+def test_text_parts_are_joined_and_an_image_part_is_refused_by_a_text_engine(endpoint):
+    client, _ = endpoint
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2, seed=1
+    )
+    assert out.model_extra["prompt_token_ids"] == encode("user: hi\nthere\nassistant: ")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"messages\[1\]\.content\[1\] is an image_url part, but model 'tiny' behind this endpoint takes text "
+        r"only: expected string content or 'text' parts",
+    ) as refused:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "system", "content": "look"}, {"role": "user", "content": [parts[0], image]}],
+            max_tokens=2,
+        )
+    assert refused.value.status_code == 400 and refused.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="input_audio"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
+        )
