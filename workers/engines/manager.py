@@ -131,8 +131,8 @@ class _LedgerBridge:
 
     def register(self, record: ServerRecord) -> None:
         with self._lock:
-            if self.has_weights and record.status in ("crashed", "released", "starting"):
-                self.reloading.add(record.name)  # its new process starts from the weights on its command line
+            if self.has_weights and record.status in ("crashed", "starting"):
+                self.reloading.add(record.name)  # a new process: it starts from the weights on its command line
             if self.ledger is None:
                 return
             service = self.service(record)
@@ -409,9 +409,6 @@ class InferenceManager:
         urls = []
         for server in self.servers:
             urls.append(server.resume_memory(reload=functools.partial(self._reload, server)))
-            if server.name in self._bridge.reloading:  # released by the engine: the weights never left
-                self._bridge.reloading.discard(server.name)
-                server.set_version(server.record.version)
         return urls
 
     def __repr__(self) -> str:

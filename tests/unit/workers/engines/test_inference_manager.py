@@ -17,7 +17,7 @@ import pytest
 from tests.unit.workers.engines.test_engine_server import FAKE, REPO, group_members, wait_for
 from workers.api_key import KEY_PLACEHOLDER
 from workers.engines import InferenceManager
-from workers.engines.errors import EngineError, InvalidInferenceSizing
+from workers.engines.errors import EngineError, EngineRequestError, InvalidInferenceSizing
 from workers.engines.manager import sizing_args
 from workers.engines.sglang import SGLangEngine
 from workers.ledger import Ledger, SamplingConfig
@@ -193,6 +193,38 @@ def test_release_and_resume_take_the_services_down_and_up(tmp_path, factory, how
         if how == "stop":  # new processes on new ports, loaded with the newest weights before they are up
             assert manager.urls != before
             assert [served(server)["loads"] for server in manager.servers] == [[[checkpoint, "1"]]] * 2
+
+
+class RefusesWeights(SGLangEngine):
+    """A client whose loads fail once ``refuse`` is set (a restarted server that cannot read the checkpoint)."""
+
+    refuse = False
+
+    def update_weights_from_checkpoint(self, checkpoint_path, version=None):
+        if RefusesWeights.refuse:
+            raise EngineRequestError(f"sglang server at {self.url} did not load the weights of {checkpoint_path}")
+        return super().update_weights_from_checkpoint(checkpoint_path, version)
+
+
+def test_a_restarted_server_that_cannot_get_the_newest_weights_stays_down(tmp_path, monkeypatch):
+    ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
+    manager = InferenceManager(
+        "sglang", "/models/tiny", dp_size=2, ledger=ledger, model="tiny", server_command=fake_command,
+        engine_factory=RefusesWeights, health_interval=0.1, log_dir=str(tmp_path / "logs"),
+    )  # fmt: skip
+    with manager:
+        manager.sync_weights(str(tmp_path / "step-1"), version=1)
+        monkeypatch.setattr(RefusesWeights, "refuse", True)
+        crashed = manager.servers[0]
+        os.kill(crashed.process.pid, signal.SIGKILL)
+        assert wait_for(lambda: "inference-0" in manager.errors)
+        assert crashed.record.status == "healthy" and served(crashed)["loads"] == []  # runs the initial weights
+        assert {name: v[1] for name, v in rows(ledger).items()} == {"inference-0": "down", "inference-1": "up"}
+        with pytest.raises(EngineRequestError, match=r"did not load the weights of .*step-1"):
+            manager.check()
+        manager.release_memory()
+        manager.resume_memory()  # the weights it never got are still missing: it stays down
+        assert {name: v[1] for name, v in rows(ledger).items()} == {"inference-0": "down", "inference-1": "up"}
 
 
 OWNER = textwrap.dedent(
