@@ -352,7 +352,8 @@ class InferenceManager:
         """Load the Hugging Face directory ``checkpoint_path`` into every server at once as ``version`` (default:
         the newest version of any server + 1); one reply per server (``sync_weights_to_engines``'s: failures are
         replies, never raised). A server restarted later is loaded with it before it is registered ``up``: keep
-        the directory until the next sync."""
+        the directory until the next sync. A server that could not be reloaded after a restart is ``up`` again once
+        this loads it."""
         from workers.engines.weight_sync import sync_weights_to_engines
 
         with self._sync_lock:
@@ -360,7 +361,15 @@ class InferenceManager:
                 version = max(server.record.version for server in self.servers) + 1
             self._weights = (str(checkpoint_path), version)
             self._bridge.has_weights = True
-            return sync_weights_to_engines(self.servers, str(checkpoint_path), version, timeout)
+            replies = sync_weights_to_engines(self.servers, str(checkpoint_path), version, timeout)
+            for server, reply in zip(self.servers, replies, strict=True):
+                if (
+                    reply["success"] and server.name in self._bridge.reloading
+                ):  # a restart it could not reload: now it is
+                    self._bridge.reloading.discard(server.name)
+                    self.errors.pop(server.name, None)
+                    server.set_version(version)  # registered up again
+            return replies
 
     def sync_state_dict(
         self, state_dict: dict[str, torch.Tensor], version: int, timeout: float | None = None

@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.unit.workers.engines.test_engine_server import FAKE, REPO, group_members, wait_for
 from workers.api_key import KEY_PLACEHOLDER
@@ -225,6 +227,26 @@ def test_a_restarted_server_that_cannot_get_the_newest_weights_stays_down(tmp_pa
         manager.release_memory()
         manager.resume_memory()  # the weights it never got are still missing: it stays down
         assert {name: v[1] for name, v in rows(ledger).items()} == {"inference-0": "down", "inference-1": "up"}
+
+        monkeypatch.setattr(RefusesWeights, "refuse", False)
+        assert [r["success"] for r in manager.sync_weights(str(tmp_path / "step-2"))] == [True, True]
+        assert {name: v[1:] for name, v in rows(ledger).items()} == {"inference-0": ("up", 2), "inference-1": ("up", 2)}
+        assert manager.check() == {"inference-0": "healthy", "inference-1": "healthy"}
+
+
+def test_a_state_dict_is_written_once_and_kept_for_restarts_until_the_next_sync(tmp_path):
+    manager = InferenceManager(
+        "sglang", "/models/tiny", dp_size=2, server_command=fake_command, health_interval=0,
+        log_dir=str(tmp_path / "logs"),
+    )  # fmt: skip
+    with manager:
+        manager.sync_state_dict({"w": torch.ones(2)}, version=1)
+        first = {served(server)["loads"][-1][0] for server in manager.servers}
+        assert len(first) == 1 and (Path(next(iter(first))) / "model.safetensors").is_file()  # one directory for all
+        manager.sync_state_dict({"w": torch.zeros(2)}, version=2)
+        second = {served(server)["loads"][-1][0] for server in manager.servers}
+        assert second != first and not Path(next(iter(first))).exists() and Path(next(iter(second))).exists()
+    assert not Path(next(iter(second))).exists()
 
 
 OWNER = textwrap.dedent(
