@@ -125,9 +125,10 @@ GUIDE_ORDER = (
 
 #: what serves a policy with tensor or expert parallelism (the demo's in-process HFEngine does neither)
 PARALLEL_ENGINES = (
-    "VLLMEngine(..., tensor_parallel_size=N, enable_expert_parallel=True) (workers/engines/vllm_engine.py) or an "
-    "SGLang server started with --tp-size N --ep-size M behind SGLangEngine, registered with ServiceRegistration "
-    "(docs/sampling.md)"
+    "engine vllm or sglang through an InferenceManager, which starts one server per DP group sized by "
+    "SamplingConfig's inf_tp_size / inf_ep_size / inf_mem_ratio and registers it in the ledger "
+    "(InferenceManager.from_config(cfg, 'sglang', model_path, dp_size=D, ledger=ledger), workers/engines/manager.py; "
+    "docs/sampling.md)"
 )
 
 
@@ -262,7 +263,8 @@ def batch_mapping(config: GuideConfig, guide: Mapping[str, str], lines: dict[str
 
 def inference_mapping(guide: Mapping[str, str]) -> dict[str, str]:
     """The guide's sizing of its inference services, checked against the demo's engine (HFEngine, in this process,
-    on one device): sizes of 1 and a memory ratio in (0, 1] are accepted and said; anything else is refused."""
+    on one device): sizes of 1 and a memory ratio in (0, 1] are accepted and said; anything else is refused, naming
+    what honours it (engine vllm or sglang through an ``InferenceManager``)."""
     lines = {}
     for flag, what in (("inf_tp_size", "tensor"), ("inf_ep_size", "expert")):
         if flag in guide:
@@ -272,14 +274,17 @@ def inference_mapping(guide: Mapping[str, str]) -> dict[str, str]:
                     f"--{flag}: expected 1 (the demo's engine, HFEngine, serves the policy in this process on one "
                     f"device: no {what} parallelism), got {size}; {what}-parallel serving is {PARALLEL_ENGINES}"
                 )
-            lines[flag] = f"accepted: the hf engine serves the policy on one device ({what} parallel size 1)"
+            lines[flag] = (
+                f"accepted: the hf engine serves the policy on one device ({what} parallel size 1; larger sizes need "
+                "engine vllm or sglang through an InferenceManager)"
+            )
     if "inf_mem_ratio" in guide:
         ratio = guide_value("inf_mem_ratio", guide["inf_mem_ratio"], float)
         if not 0 < ratio <= 1:
             raise ConfigError(f"--inf_mem_ratio: expected a float in (0, 1] (a fraction of device memory), got {ratio}")
         lines["inf_mem_ratio"] = (
             "accepted, not used: the hf engine does not pre-allocate a KV-cache pool, so there is no memory to size "
-            "(vLLM's gpu_memory_utilization, SGLang's --mem-fraction-static)"
+            "(an InferenceManager passes it to vLLM as --gpu-memory-utilization, to SGLang as --mem-fraction-static)"
         )
     return lines
 

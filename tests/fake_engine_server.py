@@ -2,11 +2,15 @@
 fraction of a second (no torch). Like a real server, on SIGTERM it stops its own child processes, then exits.
 
     python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind] [--api-key KEY]
-                                       [--key-from-env]
+                                       [--key-from-env] [ENGINE FLAGS ...]
 
 Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation,
-POST /resume_memory_occupation (health answers 503 while released). With ``--api-key`` (or ``--key-from-env``:
-``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
+POST /resume_memory_occupation (health answers 503 while released), SGLang's POST /update_weights_from_disk
+(``{"model_path", "weight_version"}``: recorded, ``{"success": true}``) and GET /get_weight_version, and GET /argv:
+``{"argv": [...], "loads": [[model_path, weight_version], ...]}`` (the command line it was started with, flags it does
+not know included, as an engine's sizing flags; and the weight loads it answered). With ``--api-key`` (or
+``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer KEY``, as SGLang's
+``--api-key``.
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--key-from-env", action="store_true")
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # an engine's own flags (--tp-size 2 ...) are kept for GET /argv
     key = os.environ.get("TQ_API_KEY") if args.key_from_env else args.api_key
-    state = {"released": False}
+    state: dict[str, object] = {"released": False, "weight_version": "default"}
+    loads: list[list[str]] = []
     children: list[subprocess.Popen[bytes]] = []
     if args.spawn_child:
         children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
@@ -48,6 +53,10 @@ def main() -> None:
             if self.path in ("/health", "/health_generate"):
                 ok = not args.never_healthy and not state["released"]
                 self._reply(200 if ok else 503, {})
+            elif self.path == "/argv":
+                self._reply(200, {"argv": sys.argv[1:], "loads": loads})
+            elif self.path == "/get_weight_version":
+                self._reply(200, {"weight_version": state["weight_version"]})
             else:
                 self._reply(404, {"error": self.path})
 
@@ -57,6 +66,11 @@ def main() -> None:
             elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 state["released"] = self.path.startswith("/release")
                 self._reply(200, {})
+            elif self.path == "/update_weights_from_disk":
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                loads.append([body["model_path"], body["weight_version"]])
+                state["weight_version"] = body["weight_version"]
+                self._reply(200, {"success": True, "message": "loaded", "num_paused_requests": 0})
             else:
                 self._reply(404, {"error": self.path})
 

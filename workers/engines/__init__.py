@@ -1,8 +1,9 @@
 """Inference engines: token ids in, sampled token ids and their log-probs out.
 
 ``HFEngine`` (in-process Hugging Face model), ``VLLMEngine`` (in-process ``vllm.LLM``), ``VLLMServerEngine`` and
-``SGLangEngine`` (HTTP clients of a server), ``EngineServer`` (a server process's lifecycle) and
-``sync_weights_to_engines``. Imported lazily: ``workers.engines.server`` does not pull in transformers or vLLM.
+``SGLangEngine`` (HTTP clients of a server), ``EngineServer`` (a server process's lifecycle), ``InferenceManager``
+(the run's servers, one per DP group) and ``sync_weights_to_engines``. Imported lazily: ``workers.engines.server``
+does not pull in transformers or vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _LAZY = {
     "VLLMServerEngine": "workers.engines.vllm_server",
     "SGLangEngine": "workers.engines.sglang",
     "EngineServer": "workers.engines.server",
+    "InferenceManager": "workers.engines.manager",
     "ServiceRegistry": "workers.engines.server",
     "PartialRollout": "workers.engines.partial",
     "sync_weights_to_engines": "workers.engines.weight_sync",

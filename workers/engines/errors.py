@@ -76,3 +76,9 @@ class EngineBusy(EngineError):
 
     def __reduce__(self) -> tuple[type, tuple[str]]:  # pickles (e.g. through Ray) with its attribute
         return (type(self), (self.engine,))
+
+
+class InvalidInferenceSizing(EngineError, ValueError):
+    """An ``InferenceManager`` was asked for services its engine cannot run as sized (``inf_tp_size``,
+    ``inf_ep_size``, ``inf_mem_ratio``, the data-parallel size or the devices): the message names the engine, the
+    value, and what the engine supports."""

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -66,6 +66,13 @@ class ServerRecord:
     restarts: int = 0
     log_path: str | None = None
     updated: float = field(default_factory=time.time)
+
+
+class RecordSink(Protocol):
+    """Where ``EngineServer`` writes its record at every status change (a :class:`ServiceRegistry`, or the ledger
+    bridge of ``InferenceManager``, workers/engines/manager.py)."""
+
+    def register(self, record: ServerRecord) -> None: ...
 
 
 class ServiceRegistry:
@@ -125,7 +132,8 @@ class EngineServer:
         health_interval: seconds between the monitor's health checks; 0 disables the monitor.
         max_restarts: crashes restarted before the server is marked failed.
         engine_factory: ``url -> Engine`` (``SGLangEngine``, ``VLLMServerEngine``): ``server.engine``.
-        registry: where the server's record is kept.
+        registry: where the server's record is kept (any :class:`RecordSink`: it gets the record at every status
+            change, and at every health check of the monitor).
         on_restart: called with the new engine client after a crash restart (e.g. to load the newest weights:
             a restarted server starts from the weights on its command line).
         api_key: the key the server requires (``workers/api_key.py``): True (default) draws a fresh one for this
@@ -150,7 +158,7 @@ class EngineServer:
         health_interval: float = 5.0,
         max_restarts: int = 3,
         engine_factory: Callable[[str], Any] | None = None,
-        registry: ServiceRegistry | None = None,
+        registry: RecordSink | None = None,
         on_restart: Callable[[Any], None] | None = None,
         api_key: str | bool = True,
     ):

@@ -1,11 +1,15 @@
 """The sampling control plane: a durable task ledger (SQLite or PostgreSQL) with claims and leases, the
 ``AsyncSampler`` that claims tasks and writes records, the ``SamplingScheduler`` that writes tasks epoch by epoch
-and runs samplers, and the ``InferenceService`` registry. See docs/sampling.md.
+and runs samplers, and the ``InferenceService`` registry. See docs/sampling.md. ``InferenceManager`` (the run's own
+inference services, one per DP group, registered here; workers/engines/manager.py) is importable from here too,
+lazily: ``import workers.ledger`` does not import the engines (torch).
 
 AgentRL's imports map onto ours: ``from databases import register_new_model, Task`` becomes
 ``from workers.ledger import register_new_model, Task``; ``rollout.sampler`` and ``rollout.scheduler`` become
 ``workers.ledger``.
 """
+
+from typing import Any
 
 from workers.ledger.blobs import BlobStore, DirectoryBlobStore, S3BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
@@ -58,6 +62,7 @@ __all__ = [
     "ImageNotFound",
     "InferenceClient",
     "InferenceFailed",
+    "InferenceManager",
     "InferenceService",
     "InvalidSamplingConfig",
     "Ledger",
@@ -91,3 +96,11 @@ __all__ = [
     "store_mm_messages",
     "store_mm_payload",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "InferenceManager":
+        from workers.engines.manager import InferenceManager
+
+        return InferenceManager
+    raise AttributeError(f"module 'workers.ledger' has no attribute {name!r}")

@@ -1,9 +1,11 @@
 """``SamplingConfig``: the sampling control plane's settings, with AgentRL's names (``target_concurrency``,
 ``max_concurrent_samples_per_process``, ``num_generations``, ``max_new_tokens``, ``max_prompt_tokens``,
-``sync_sampling``, ``db_connection_string``, ``oss_connection_string``). A setting it does not know is refused
-(``InvalidSamplingConfig``, naming the closest valid names), and so is a knob of AgentRL's guides that this run cannot
-honour (``inf_tp_size``, ``inf_ep_size``, ``inf_mem_ratio``: it starts no inference services). A recipe's own
-settings (AgentRL's ``AgentTrainingConfig`` carries e.g. ``train_file``) go in a subclass::
+``sync_sampling``, ``db_connection_string``, ``oss_connection_string``) and the sizing of the run's inference
+services (``inf_tp_size``, ``inf_ep_size``, ``inf_mem_ratio``), which a run hands to its ``InferenceManager``
+(``InferenceManager.from_config(cfg, "sglang", model_path, dp_size=2, ledger=ledger)``, workers/engines/manager.py;
+it refuses what its engine cannot honour). A setting it does not know is refused (``InvalidSamplingConfig``, naming
+the closest valid names). A recipe's own settings (AgentRL's ``AgentTrainingConfig`` carries e.g. ``train_file``) go
+in a subclass::
 
     class OSWorldConfig(SamplingConfig):
         train_file: str = "assets/osworld_dataset.jsonl"
@@ -24,25 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from workers.ledger.errors import InvalidSamplingConfig
 from workers.ledger.schema import parse_connection_string
 
-# knobs of AgentRL's guides that a SamplingConfig cannot honour here, each refused saying why (not kept silently)
-_INFERENCE_SIZING = (
-    "AgentRL's guide sizes the inference services it starts with it, and this run starts none (an engine registers "
-    "itself as an InferenceService: ServiceRegistration, docs/sampling.md); remove it, and size your engine where you "
-    "start it"
-)
-UNHONOURED_GUIDE_KNOBS: dict[str, str] = {
-    "inf_tp_size": _INFERENCE_SIZING,
-    "inf_ep_size": _INFERENCE_SIZING,
-    "inf_mem_ratio": _INFERENCE_SIZING,
-}
-
 
 class SamplingConfig(BaseModel):
     """The sampling control plane's settings (see the module docstring).
 
     Raises:
-        InvalidSamplingConfig: a setting it does not know (a subclass declares a recipe's own), a guide knob it
-            cannot honour, or settings that contradict each other.
+        InvalidSamplingConfig: a setting it does not know (a subclass declares a recipe's own), or settings that
+            contradict each other.
     """
 
     # a refused value is never echoed (a connection string's password); the errors name what was wrong instead.
@@ -78,13 +68,21 @@ class SamplingConfig(BaseModel):
     max_attempts: int = Field(3, ge=1, description="claims a task gets before it is marked failed")
     service_stale_s: float = Field(30.0, gt=0, description="services silent this long are marked down")
     request_timeout_s: float = Field(300.0, gt=0, description="one chat completion request's timeout")
+    # AgentRL's guide sizes the inference services with these; InferenceManager.from_config puts them on the engine's
+    # command line (vLLM --tensor-parallel-size, --enable-expert-parallel, --gpu-memory-utilization; SGLang
+    # --tp-size, --ep-size, --mem-fraction-static) and refuses what the engine cannot honour
+    inf_tp_size: int = Field(1, ge=1, description="tensor-parallel size of each inference service (devices each)")
+    inf_ep_size: int = Field(1, ge=1, description="expert-parallel size of each inference service")
+    inf_mem_ratio: float | None = Field(
+        None, gt=0, le=1, description="fraction of each device's memory an inference service takes; None: the engine's"
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _known_settings_only(cls, data: Any) -> Any:
         # not a ValueError: pydantic would fold it into a ValidationError, and a typed error is what callers catch
         if isinstance(data, dict):
-            refusals = [_refusal(cls, str(key), value) for key, value in data.items() if key not in cls.model_fields]
+            refusals = [_refusal(cls, str(key)) for key in data if key not in cls.model_fields]
             if refusals:
                 raise InvalidSamplingConfig("; ".join(sorted(refusals)))
         return data
@@ -114,12 +112,9 @@ class SamplingConfig(BaseModel):
         return f"sqlite:///{os.path.abspath(os.path.join(self.output_dir, 'ledger.db'))}"
 
 
-def _refusal(cls: type[SamplingConfig], key: str, value: Any) -> str:
-    """Why ``key`` is refused: a guide knob this run cannot honour (its value is a number, never a secret), or a name
-    ``cls`` does not have, with the closest ones it has."""
-    if key in UNHONOURED_GUIDE_KNOBS:
-        shown = value if isinstance(value, int | float) else "..."
-        return f"{key}={shown}: {UNHONOURED_GUIDE_KNOBS[key]}"
+def _refusal(cls: type[SamplingConfig], key: str) -> str:
+    """Why ``key`` is refused: a name ``cls`` does not have, with the closest ones it has (its value is never shown:
+    it may be a secret)."""
     valid = sorted(cls.model_fields)
     by_lower = {name.lower(): name for name in valid}
     close = [by_lower[m] for m in difflib.get_close_matches(key.lower(), list(by_lower), n=3, cutoff=0.6)]

@@ -60,7 +60,7 @@ class LedgerNotFound(LedgerError, LookupError):
 
 class InvalidSamplingConfig(LedgerError):
     """A ``SamplingConfig`` whose settings contradict each other (e.g. ``heartbeat_s >= lease_s``), or one given a
-    setting it does not know (named with the closest valid ones) or an AgentRL guide knob it cannot honour here.
+    setting it does not know (named with the closest valid ones).
 
     Deliberately not a ``ValueError``: pydantic would fold one into a ``ValidationError``; this one reaches the
     caller as itself."""

@@ -551,7 +551,9 @@ class Ledger:
 
     # -- inference services ----------------------------------------------------------------------------------------
     def register_service(self, service: InferenceService) -> None:
-        values = service.model_dump() | {"last_heartbeat": time.time(), "status": "up"}
+        """Insert or replace ``service`` (its ``status`` included: ``up`` by default, ``down`` for one that is known but
+        cannot serve now, e.g. restarting); the registration is a heartbeat."""
+        values = service.model_dump() | {"last_heartbeat": time.time()}
         with self._tx() as conn:
             stmt = self._insert(s.services).values(**values)
             conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_=values))

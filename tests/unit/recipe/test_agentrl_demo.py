@@ -249,10 +249,13 @@ def test_the_guides_example_command_maps_onto_the_config_and_prints_the_mapping_
         "--enable_sampling true -> enable_sampling=True (the engine's endpoint, the SamplingScheduler and "
         "AdditionSampler write records the trainer learns from)",
         "--loss_calculater GRPO -> loss_calculater=grpo (LedgerTrainingConfig.loss)",
-        "--inf_tp_size 1 -> accepted: the hf engine serves the policy on one device (tensor parallel size 1)",
-        "--inf_ep_size 1 -> accepted: the hf engine serves the policy on one device (expert parallel size 1)",
+        "--inf_tp_size 1 -> accepted: the hf engine serves the policy on one device (tensor parallel size 1; larger "
+        "sizes need engine vllm or sglang through an InferenceManager)",
+        "--inf_ep_size 1 -> accepted: the hf engine serves the policy on one device (expert parallel size 1; larger "
+        "sizes need engine vllm or sglang through an InferenceManager)",
         "--inf_mem_ratio 0.6 -> accepted, not used: the hf engine does not pre-allocate a KV-cache pool, so there is "
-        "no memory to size (vLLM's gpu_memory_utilization, SGLang's --mem-fraction-static)",
+        "no memory to size (an InferenceManager passes it to vLLM as --gpu-memory-utilization, to SGLang as "
+        "--mem-fraction-static)",
         "--num_generations 8 -> num_generations=8 (answers sampled per prompt: the GRPO group)",
         "--max_new_tokens 8 -> max_new_tokens=8 (SamplingConfig.max_new_tokens: the longest answer)",
         "--per_device_train_batch_size 1 -> prompts_per_step=1 (1 x 8 x 1 trainer process = 8 rows per optimizer "
@@ -311,9 +314,10 @@ def test_the_guides_batch_is_rows_per_step_in_whole_groups(tmp_path, started, fl
         (
             ["--inf_tp_size", "2"],
             "--inf_tp_size: expected 1 (the demo's engine, HFEngine, serves the policy in this process on one device: "
-            "no tensor parallelism), got 2; tensor-parallel serving is VLLMEngine(..., tensor_parallel_size=N, "
-            "enable_expert_parallel=True) (workers/engines/vllm_engine.py) or an SGLang server started with "
-            "--tp-size N --ep-size M behind SGLangEngine",
+            "no tensor parallelism), got 2; tensor-parallel serving is engine vllm or sglang through an "
+            "InferenceManager, which starts one server per DP group sized by SamplingConfig's inf_tp_size / "
+            "inf_ep_size / inf_mem_ratio and registers it in the ledger (InferenceManager.from_config(cfg, 'sglang', "
+            "model_path, dp_size=D, ledger=ledger), workers/engines/manager.py; docs/sampling.md)",
         ),
         (["--inf_ep_size", "4"], "--inf_ep_size: expected 1 (the demo's engine, HFEngine, serves the policy in this"),
         (["--inf_tp_size", "two"], "--inf_tp_size: expected an int, got 'two'"),

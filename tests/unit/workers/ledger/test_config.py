@@ -4,6 +4,7 @@ error naming the closest valid names; a recipe declares its own settings in a su
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from workers.ledger import InvalidSamplingConfig, LedgerError, SamplingConfig
 
@@ -31,21 +32,32 @@ def test_the_refusal_is_a_ledger_error_not_a_pydantic_validation_error():
     assert "did you mean target_concurrency?" in str(refused.value)
 
 
-@pytest.mark.parametrize("knob", ["inf_tp_size", "inf_ep_size", "inf_mem_ratio"])
-def test_a_guide_knob_the_run_cannot_honour_is_refused_saying_why(knob):
-    with pytest.raises(InvalidSamplingConfig) as refused:
-        SamplingConfig(**{knob: 2})
+def test_the_guides_inference_sizing_is_a_setting_for_the_runs_inference_manager():
+    assert (SamplingConfig().inf_tp_size, SamplingConfig().inf_ep_size, SamplingConfig().inf_mem_ratio) == (1, 1, None)
+    cfg = SamplingConfig(inf_tp_size=4, inf_ep_size=2, inf_mem_ratio=0.6)
 
-    assert str(refused.value) == (
-        f"{knob}=2: AgentRL's guide sizes the inference services it starts with it, and this run starts none (an "
-        "engine registers itself as an InferenceService: ServiceRegistration, docs/sampling.md); remove it, and size "
-        "your engine where you start it"
-    )
+    assert (cfg.inf_tp_size, cfg.inf_ep_size, cfg.inf_mem_ratio) == (4, 2, 0.6)
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "expected"),
+    [
+        ("inf_tp_size", 0, "greater than or equal to 1"),
+        ("inf_ep_size", -2, "greater than or equal to 1"),
+        ("inf_tp_size", 1.5, "valid integer"),
+        ("inf_mem_ratio", 0, "greater than 0"),
+        ("inf_mem_ratio", 1.2, "less than or equal to 1"),
+    ],
+)
+def test_an_inference_size_out_of_range_is_refused(knob, value, expected):
+    with pytest.raises(ValidationError, match=rf"(?s){knob}\n.*{expected}"):
+        SamplingConfig(**{knob: value})
 
 
 def test_every_refused_setting_is_named_at_once():
-    with pytest.raises(InvalidSamplingConfig, match=r"inf_mem_ratio=0.6: .*; inf_tp_size=2: .*"):
-        SamplingConfig(inf_mem_ratio=0.6, inf_tp_size=2)
+    refused = r"'inf_mem_ration'; did you mean inf_mem_ratio, .*'inf_tp'; did you mean inf_tp_size\?"
+    with pytest.raises(InvalidSamplingConfig, match=refused):
+        SamplingConfig(inf_mem_ration=0.6, inf_tp=2)
 
 
 class OSWorldConfig(SamplingConfig):
