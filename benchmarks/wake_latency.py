@@ -166,13 +166,13 @@ class CommitClock:
         del self._transport.call_many  # back to the class's method
 
 
-def _wait_parked(client: Any, timeout: float = 60.0) -> int:
-    """Polls the controller until a get_meta is parked; returns how many polls it took."""
+def _wait_parked(client: Any, others: int, timeout: float = 60.0) -> int:
+    """Polls the controller until more than ``others`` get_metas are parked; returns how many polls it took."""
     deadline = time.monotonic() + timeout
     polls = 0
     while True:
         polls += 1
-        if client.status()["waiting_get_meta"] >= 1:
+        if client.status()["waiting_get_meta"] > others:
             return polls
         if time.monotonic() > deadline:
             raise TimeoutError(f"the consumer's get_meta was not parked within {timeout} s")
@@ -187,11 +187,12 @@ def queue_wakes(bench: Any, consumer: Consumer, n: int) -> dict[str, np.ndarray]
     client = bench.client
     pid = bench.fresh("wake")
     row = TensorDict({FIELD: torch.zeros(1, dtype=torch.int64)}, batch_size=[1])
+    others = client.status()["waiting_get_meta"]  # parked by anyone else (none unless a workload left some)
     consumer.conn.send(("queue", (client.controller_info, pid), n))
     out: dict[str, list[int]] = {k: [] for k in ("put_start", "commit_sent", "put_return", "reply_arrived", "polls")}
     for i in range(n):
         consumer.recv("parking")
-        out["polls"].append(_wait_parked(client))
+        out["polls"].append(_wait_parked(client, others))
         with CommitClock(client) as clock:
             t0 = time.perf_counter_ns()
             client.put(row, partition_id=pid, group_ids=[i])  # one row of a group of num_n_samples
