@@ -1,7 +1,9 @@
-"""The workloads by name (see metadata_workloads.py and payload_workloads.py)."""
+"""The workloads by name (see metadata_workloads.py, payload_workloads.py, wake_latency.py and auth_cost.py)."""
 
+from auth_cost import bench_auth
 from metadata_workloads import bench_concurrent, bench_get_meta, bench_get_meta_state
 from payload_workloads import bench_grpo, bench_large, bench_small
+from wake_latency import bench_wake
 
 WORKLOADS = {
     "get_meta_state": bench_get_meta_state,
@@ -10,4 +12,6 @@ WORKLOADS = {
     "small": bench_small,
     "grpo": bench_grpo,
     "large": bench_large,
+    "wake": bench_wake,
+    "auth": bench_auth,
 }
