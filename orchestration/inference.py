@@ -61,19 +61,42 @@ def worker_urls(rollout: RolloutConfig, started: list[str] | None = None) -> lis
 
 
 def model_directory(model_path: str | None, task: Task, out: Path) -> str:
-    """The model directory the run's servers load first: ``model.path`` when the run trains on your files, else the
-    task's starting policy (and its tokenizer, when it can be saved) written once to ``out/inference_model``. The
-    weights a server serves are the run's published ones (every rollout starts after the first publish), so these
-    give the servers the architecture and config."""
+    """The model directory the run's servers load first: ``model.path`` when the run trains on your files, else
+    the task's starting policy and its tokenizer (:func:`stand_in_tokenizer` when it cannot be saved) written once
+    to ``out/inference_model``. The weights a server serves are the run's published ones (every rollout starts
+    after the first publish), so these give the servers the architecture and config."""
     if model_path:
         return str(Path(model_path).expanduser().absolute())
     directory = out / "inference_model"
     directory.mkdir(parents=True, exist_ok=True)
-    task.build_policy().save_pretrained(str(directory))
+    policy = task.build_policy()
+    policy.save_pretrained(str(directory))
     save = getattr(task.tokenizer, "save_pretrained", None)
     if callable(save):
         save(str(directory))
+    else:
+        stand_in_tokenizer(int(policy.config.vocab_size), task.tokenizer).save_pretrained(str(directory))
     return str(directory.absolute())
+
+
+def stand_in_tokenizer(vocab_size: int, tokenizer: Any) -> Any:
+    """A Hugging Face tokenizer of ``vocab_size`` words ``t0 t1 ...`` with ``tokenizer``'s eos / pad / bos ids, for a
+    task whose own tokenizer cannot be saved (the addition task's): vLLM's OpenAI server loads one at start, and the
+    engines send and receive token ids only, so its words are never used."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab_size)}
+    special = {
+        f"{name}_token": f"t{token_id}"
+        for name in ("eos", "pad", "bos")
+        if isinstance(token_id := getattr(tokenizer, f"{name}_token_id", None), int) and 0 <= token_id < vocab_size
+    }
+    backend = Tokenizer(WordLevel(words, unk_token=special.get("pad_token", "t0")))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
 
 
 def inference_manager(rollout: RolloutConfig, model_dir: str, out: Path, **kwargs: Any) -> InferenceManager:

@@ -137,6 +137,17 @@ def test_the_model_directory_is_model_path_or_the_tasks_policy_saved_once(tmp_pa
     directory = Path(model_directory(None, AdditionTask(), tmp_path / "run"))
     assert directory == tmp_path / "run" / "inference_model"
     assert (directory / "config.json").exists() and (directory / "model.safetensors").exists()
+    from transformers import AutoTokenizer
+
+    # the addition task's tokenizer cannot be saved: a stand-in of the policy's vocabulary and special ids, which vLLM's
+    # OpenAI server needs to start (found on a vllm-server demo run: "Couldn't instantiate the backend tokenizer")
+    tokenizer, task_tokenizer = AutoTokenizer.from_pretrained(directory), AdditionTask().tokenizer
+    assert len(tokenizer) == task_tokenizer.vocab_size
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (
+        task_tokenizer.eos_token_id,
+        task_tokenizer.pad_token_id,
+        task_tokenizer.bos_token_id,
+    )
 
 
 # ---- the plan run on stand-in servers ---------------------------------------------------------------------------
