@@ -35,7 +35,7 @@ class AgentGRPORun(GRPORun):
         }
         workers = [
             actor_class(AgentRolloutWorker).remote(
-                i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
+                i, info, self.worker_spec(spec, i), self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                 cfg.rollout.generate_fn, kwargs, cfg.rollout.filter_fn, cfg.rollout.reward_fn, cfg.queue_timeout,
                 cfg.seed + i,
             )

@@ -33,6 +33,11 @@ class ConfigError(ValueError):
 
 C = TypeVar("C")
 
+#: the rollout engines that are clients of an inference server (``rollout.engine_url``, or the run's own servers)
+SERVER_ENGINES = ("vllm-server", "sglang")
+#: the ``InferenceManager`` engine that starts each one's servers
+SERVER_KIND = {"vllm-server": "vllm", "sglang": "sglang"}
+
 
 @dataclass
 class TaskConfig:
@@ -79,8 +84,14 @@ class RolloutConfig:
     """Generation: engines, sampling, and how rows are taken from the queue."""
 
     num_workers: int = 1  # rollout worker actors, each with one engine
-    engine: Literal["hf", "vllm", "vllm-server", "sglang"] = "hf"  # vllm: in-process vllm.LLM; *-server: engine_url
-    engine_url: str | None = None  # the running server of a vllm-server or sglang engine (its key: TQ_API_KEY env)
+    engine: Literal["hf", "vllm", "vllm-server", "sglang"] = "hf"  # vllm: in-process vllm.LLM; *-server: a server
+    # vllm-server / sglang: the servers started elsewhere (their key: TQ_API_KEY env), one URL for every rollout worker
+    # or a list of one per worker; None: the run starts its own, one per rollout worker (orchestration/inference.py)
+    engine_url: str | list[str] | None = None
+    # the servers the run starts itself (engine_url None, one per rollout worker; workers/engines/manager.py):
+    inf_tp_size: int = 1  # tensor-parallel size (devices) of each server the run starts
+    inf_ep_size: int = 1  # expert-parallel size of each (vLLM: 1 or inf_tp_size; SGLang: a divisor of inf_tp_size)
+    inf_mem_ratio: float | None = None  # fraction of each device's memory a server takes (None: the engine's default)
     engine_device: str = "cpu"  # where each engine runs: cpu, cuda, cuda:1
     max_new_tokens: int = 8  # longest response, in tokens
     temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)
@@ -192,6 +203,7 @@ class RLConfig:
                 f"max_staleness={self.max_staleness}; use mode='async' with max_staleness >= {self.sync_every - 1}"
             )
         self._check_parallelism()
+        self._check_inference()
         tp, world = self.train.tp_size, self.train.world_size
         rounds = world // tp * self.train.minibatches_per_step  # each TP group reads one DP share
         ranks = f"train.world_size={world} ranks"
@@ -249,6 +261,48 @@ class RLConfig:
                 f"train.tp_size={tp} must divide train.world_size={world}: the ranks form world_size / tp_size "
                 "tensor-parallel groups of tp_size ranks, one data-parallel rank each"
             )
+
+    def _check_inference(self) -> None:
+        """A list of ``rollout.engine_url`` has one URL per rollout worker; ``rollout.inf_*`` size the servers the
+        run starts itself, so they need a server engine and no ``engine_url``."""
+        rollout = self.rollout
+        urls = rollout.engine_url
+        if isinstance(urls, list) and len(urls) != rollout.num_workers:
+            raise ConfigError(
+                f"rollout.engine_url lists {len(urls)} URLs for rollout.num_workers={rollout.num_workers} rollout "
+                "workers: give one URL per worker, or one URL (a string) for all of them"
+            )
+        sizing = {"inf_tp_size": rollout.inf_tp_size, "inf_ep_size": rollout.inf_ep_size}
+        given: dict[str, float] = {key: value for key, value in sizing.items() if value != 1}
+        if rollout.inf_mem_ratio is not None:
+            given["inf_mem_ratio"] = rollout.inf_mem_ratio
+        if not given:
+            return
+        key, value = next(iter(given.items()))
+        if rollout.engine not in SERVER_ENGINES:
+            raise ConfigError(
+                f"rollout.{key}={value} sizes the inference servers the run starts, which only the engines "
+                f"{', '.join(repr(e) for e in SERVER_ENGINES)} honour; rollout.engine={rollout.engine!r} runs in the "
+                "rollout worker"
+            )
+        if urls is not None:
+            raise ConfigError(
+                f"rollout.{key}={value} sizes the inference servers the run starts, but rollout.engine_url names "
+                "servers started elsewhere: drop engine_url (the run starts one server per rollout worker) or the "
+                f"rollout.inf_* keys"
+            )
+        from workers.engines.errors import InvalidInferenceSizing
+        from workers.engines.manager import sizing_args
+
+        try:
+            sizing_args(
+                SERVER_KIND[rollout.engine],
+                tp_size=rollout.inf_tp_size,
+                ep_size=rollout.inf_ep_size,
+                mem_ratio=rollout.inf_mem_ratio,
+            )
+        except InvalidInferenceSizing as exc:
+            raise ConfigError(f"rollout.inf_*: {exc}") from None
 
     @property
     def trains_on_files(self) -> bool:
@@ -408,6 +462,9 @@ KEY_RANGES: dict[str, Range | Text] = {
     "rollout.filter_fn": _IMPORT_PATH,
     "rollout.reward_fn": _IMPORT_PATH,
     "rollout.num_task_servers": _ints(1),
+    "rollout.inf_tp_size": _ints(1),
+    "rollout.inf_ep_size": _ints(1),
+    "rollout.inf_mem_ratio": Range(float, 0, 1, low_open=True, optional=True),
     "rollout.task_server_max_episodes": _ints(1, optional=True),
     "rollout.task_server_idle_timeout": _POSITIVE,
     "train.world_size": _ints(1),

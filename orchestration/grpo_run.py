@@ -24,6 +24,7 @@ Everything a person needs to follow a run is written under ``output_dir``: ``met
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -31,13 +32,14 @@ import sys
 import time
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import ray
 import torch
 
 import transfer_queue
 from orchestration.config import RLConfig
+from orchestration.inference import inference_manager, model_directory, starts_servers, worker_urls
 from orchestration.metric_sinks import run_sinks
 from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from orchestration.queue_resume import QueueResume, resume_steps
@@ -72,6 +74,9 @@ from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
 from workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from workers.engines.manager import InferenceManager
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +131,7 @@ class GRPORun:
     queue_task_names: tuple[str, ...] = (ROLLOUT_TASK, REWARD_TASK, TRAIN_TASK)
     stage_trace: StageTrace | None = None  # trace=true: the run's trace (orchestration/run_trace.py)
     _steps_iter: Generator[int, None, None] | None = None  # what steps() handed out: __exit__ closes it
+    inference: InferenceManager | None = None  # the inference servers the run started (orchestration/inference.py)
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -152,6 +158,12 @@ class GRPORun:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.out, cfg)
         self.task = load_run_task(cfg)
+        api_key, model_dir, started = key_from_env(), None, None  # engine_url's servers: the key in TQ_API_KEY
+        if starts_servers(cfg.rollout):  # one server per rollout worker, loading the run's model, with its own key
+            model_dir = model_directory(cfg.model.path, self.task, self.out)
+            self.inference = inference_manager(cfg.rollout, model_dir, self.out)
+            api_key, started = self.inference.api_key, self.inference.start()
+        self.worker_urls = worker_urls(cfg.rollout, started)  # rollout worker i's server (worker_spec)
         self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
         # with a weight channel, producers run one step further ahead: the queue holds that step too
         self.lookahead = cfg.max_staleness + (1 if self.channel is not None else 0)
@@ -176,8 +188,9 @@ class GRPORun:
             device=cfg.rollout.engine_device,
             weights_channel=str(self.channel.path) if self.channel is not None else None,
             weights_timeout=cfg.queue_timeout,
-            url=cfg.rollout.engine_url,
-            api_key=key_from_env(),  # the key of engine_url's server, handed to the actors through Ray
+            model_path=model_dir,
+            url=self.worker_urls[0],
+            api_key=api_key,  # the key of the servers, handed to the actors through Ray
             partial_rollout=cfg.rollout.partial_rollout,
             seed=cfg.seed,
         )
@@ -228,7 +241,7 @@ class GRPORun:
 
             workers = [
                 actor_class(AgentRolloutWorker).remote(
-                    i, info, spec, self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
+                    i, info, self.worker_spec(spec, i), self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                     cfg.rollout.generate_fn, cfg.rollout.generate_fn_kwargs, cfg.rollout.filter_fn,
                     cfg.rollout.reward_fn, cfg.queue_timeout, cfg.seed + i,
                 )
@@ -240,7 +253,7 @@ class GRPORun:
             actor_class(RolloutWorker).remote(
                 i,
                 info,
-                spec,
+                self.worker_spec(spec, i),
                 self.sampling,
                 cfg.n_samples,
                 cfg.rollout.groups_per_request,
@@ -264,6 +277,10 @@ class GRPORun:
             for i in range(cfg.rollout.num_reward_workers)
         ]
         return rollout, reward
+
+    def worker_spec(self, spec: EngineSpec, i: int) -> EngineSpec:
+        """Rollout worker ``i``'s engine: ``spec`` with its own server's URL (orchestration/inference.py)."""
+        return dataclasses.replace(spec, url=self.worker_urls[i])
 
     # ---- the pieces of a step ------------------------------------------------------------------------------
     def put_prompts(self, step: int) -> None:
@@ -625,16 +642,19 @@ class GRPORun:
         return self.task_name.rsplit(":", 1)[-1]
 
     def shutdown(self) -> None:
-        """Stop the actors and the queue, then remove the weight channel (whatever failed before it): the ranks that
-        write the channel are gone by then. Stops only what started, so it also ends a start-up that failed; a
+        """Stop the actors and the queue, then remove the weight channel and stop the run's inference servers
+        (whatever failed before them): the ranks that write the channel and the workers that use the servers are gone
+        by then. Stops only what started, so it also ends a start-up that failed; a
         second call does nothing."""
-        sinks, actors, client, channel = (
+        sinks, actors, client, channel, inference = (
             self.sinks,
             [*self.rollout, *self.reward, *self.trainer],
             self.client,
             self.channel,
+            self.inference,
         )
         self.sinks, self.rollout, self.reward, self.trainer, self.client, self.channel = None, [], [], [], None, None
+        self.inference = None
         try:
             if sinks is not None:
                 sinks.close()
@@ -643,8 +663,12 @@ class GRPORun:
             if client is not None:
                 transfer_queue.shutdown()
         finally:
-            if channel is not None:
-                channel.close()
+            try:
+                if channel is not None:
+                    channel.close()
+            finally:
+                if inference is not None:  # the run's inference servers, after the workers that used them
+                    inference.stop()
 
 
 def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> None:

@@ -1,0 +1,121 @@
+"""The inference servers of a run's rollout workers: started elsewhere (``rollout.engine_url``) or by the run.
+
+A ``vllm-server`` or ``sglang`` rollout engine is a client of a server. With ``rollout.engine_url`` the servers were
+started elsewhere: one URL serves every rollout worker, or a list gives each worker its own. Without it the run starts
+its own through an :class:`~workers.engines.manager.InferenceManager`: one server per rollout worker (its DP group),
+sized by ``rollout.inf_tp_size`` / ``inf_ep_size`` / ``inf_mem_ratio``, loading the run's model directory
+(:func:`model_directory`), with a fresh API key. Rollout worker ``i`` talks to server ``i`` (:func:`worker_urls`); its
+engine client loads each published version into that server (``EngineActor.update_weights`` / ``pull_weights``), so
+the manager itself syncs nothing. :meth:`GRPORun.shutdown <orchestration.grpo_run.GRPORun.shutdown>` stops the
+servers however the run ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestration.config import SERVER_ENGINES, SERVER_KIND, RolloutConfig
+
+if TYPE_CHECKING:
+    from rl_contracts.task import Task
+    from workers.engines.manager import InferenceManager
+
+
+def starts_servers(rollout: RolloutConfig) -> bool:
+    """Whether the run starts its own inference servers: a server engine and no ``rollout.engine_url``."""
+    return rollout.engine in SERVER_ENGINES and rollout.engine_url is None
+
+
+def worker_urls(rollout: RolloutConfig, started: list[str] | None = None) -> list[str | None]:
+    """The server URL of each rollout worker, by worker index: server ``i`` of those the run ``started`` (an
+    ``InferenceManager``'s ``urls``, one per worker), else ``rollout.engine_url`` (a list: its ``i``-th URL; one
+    URL: that one for all); None for an engine in the rollout worker.
+
+    >>> worker_urls(RolloutConfig(num_workers=2, engine="sglang", engine_url="http://h:30000"))
+    ['http://h:30000', 'http://h:30000']
+    >>> worker_urls(RolloutConfig(num_workers=2, engine="sglang"), ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    ['http://127.0.0.1:1', 'http://127.0.0.1:2']
+
+    Raises:
+        ValueError: ``started`` when the run starts none, none when it does, or not one URL per rollout worker.
+    """
+    workers = rollout.num_workers
+    if rollout.engine not in SERVER_ENGINES:
+        if started is not None:
+            raise ValueError(f"rollout.engine={rollout.engine!r} runs in the rollout worker: no servers to use")
+        return [None] * workers
+    if starts_servers(rollout):
+        if started is None or len(started) != workers:
+            got = "none" if started is None else f"{len(started)}"
+            raise ValueError(f"the run starts one server per rollout worker: expected {workers} URLs, got {got}")
+        return list(started)
+    if started is not None:
+        raise ValueError(f"rollout.engine_url={rollout.engine_url!r} names the servers: the run starts none")
+    urls = rollout.engine_url
+    if isinstance(urls, list):
+        if len(urls) != workers:  # RLConfig.validate refuses it first
+            raise ValueError(f"rollout.engine_url lists {len(urls)} URLs for {workers} rollout workers")
+        return list(urls)
+    return [urls] * workers
+
+
+def model_directory(model_path: str | None, task: Task, out: Path) -> str:
+    """The model directory the run's servers load first: ``model.path`` when the run trains on your files, else
+    the task's starting policy and its tokenizer (:func:`stand_in_tokenizer` when it cannot be saved) written once
+    to ``out/inference_model``. The weights a server serves are the run's published ones (every rollout starts
+    after the first publish), so these give the servers the architecture and config."""
+    if model_path:
+        return str(Path(model_path).expanduser().absolute())
+    directory = out / "inference_model"
+    directory.mkdir(parents=True, exist_ok=True)
+    policy = task.build_policy()
+    policy.save_pretrained(str(directory))
+    save = getattr(task.tokenizer, "save_pretrained", None)
+    if callable(save):
+        save(str(directory))
+    else:
+        stand_in_tokenizer(int(policy.config.vocab_size), task.tokenizer).save_pretrained(str(directory))
+    return str(directory.absolute())
+
+
+def stand_in_tokenizer(vocab_size: int, tokenizer: Any) -> Any:
+    """A Hugging Face tokenizer of ``vocab_size`` words ``t0 t1 ...`` with ``tokenizer``'s eos / pad / bos ids, for a
+    task whose own tokenizer cannot be saved (the addition task's): vLLM's OpenAI server loads one at start, and the
+    engines send and receive token ids only, so its words are never used."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab_size)}
+    special = {
+        f"{name}_token": f"t{token_id}"
+        for name in ("eos", "pad", "bos")
+        if isinstance(token_id := getattr(tokenizer, f"{name}_token_id", None), int) and 0 <= token_id < vocab_size
+    }
+    backend = Tokenizer(WordLevel(words, unk_token=special.get("pad_token", "t0")))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+
+
+def inference_manager(rollout: RolloutConfig, model_dir: str, out: Path, **kwargs: Any) -> InferenceManager:
+    """The run's servers, one per rollout worker (an ``InferenceManager`` of ``dp_size = rollout.num_workers``), not
+    started yet (``start()``: the owner holds it first, so a failed or interrupted start is stopped with the run),
+    logs in ``out/inference_logs``; ``kwargs`` go to the manager (tests: ``server_command``, ``health_interval``).
+
+    Raises:
+        InvalidInferenceSizing: ``rollout.inf_*`` the engine cannot honour (``RLConfig.validate`` refuses them first).
+    """
+    from workers.engines.manager import InferenceManager
+
+    kwargs.setdefault("log_dir", str(out / "inference_logs"))
+    return InferenceManager(
+        SERVER_KIND[rollout.engine],
+        model_dir,
+        dp_size=rollout.num_workers,
+        inf_tp_size=rollout.inf_tp_size,
+        inf_ep_size=rollout.inf_ep_size,
+        inf_mem_ratio=rollout.inf_mem_ratio,
+        **kwargs,
+    )

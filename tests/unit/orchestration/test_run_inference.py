@@ -1,0 +1,207 @@
+"""A run's inference servers (orchestration/inference.py, issue 27 §1): ``rollout.engine_url`` as one URL for every
+rollout worker or a list of one per worker; without it, a ``vllm-server`` / ``sglang`` run starts one server per
+rollout worker through an ``InferenceManager`` (``rollout.inf_*`` size them), worker ``i`` uses server ``i``, its engine
+client loads the published weights into that server alone, and the servers stop with the run. No Ray and no vLLM: the
+servers are the stand-in of tests/fake_engine_server.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestration import grpo_run
+from orchestration.config import ConfigError, RolloutConfig, load_config, parse_overrides
+from orchestration.grpo_run import GRPORun
+from orchestration.inference import inference_manager, model_directory, starts_servers, worker_urls
+from tests.unit.workers.engines.test_engine_server import group_members, wait_for
+from tests.unit.workers.engines.test_inference_manager import fake_command
+from workers.engines.host import EngineSpec
+
+CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
+URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+
+
+# ---- the config ----------------------------------------------------------------------------------------------------
+def test_engine_url_takes_one_url_or_a_list_of_one_per_rollout_worker():
+    one = load_config(None, {"rollout.engine": "sglang", "rollout.num_workers": 2, "rollout.engine_url": URLS[0]})
+    assert one.rollout.engine_url == URLS[0]
+    listed = load_config(None, {"rollout.engine": "vllm-server", "rollout.num_workers": 2, "rollout.engine_url": URLS})
+    assert listed.rollout.engine_url == URLS
+
+
+def test_engine_url_lists_on_the_command_line_and_in_yaml(tmp_path):
+    overrides = parse_overrides(
+        ["rollout.engine=sglang", "rollout.num_workers=2", f"rollout.engine_url=[{URLS[0]},{URLS[1]}]"]
+    )
+    assert load_config(None, overrides).rollout.engine_url == URLS
+    path = tmp_path / "run.yaml"
+    path.write_text(f"rollout:\n  engine: sglang\n  num_workers: 2\n  engine_url:\n    - {URLS[0]}\n    - {URLS[1]}\n")
+    assert load_config(path).rollout.engine_url == URLS
+
+
+@pytest.mark.parametrize(("workers", "urls"), [(3, URLS), (1, URLS), (2, URLS[:1])])
+def test_a_list_of_urls_not_one_per_rollout_worker_is_refused_naming_both_numbers(workers, urls):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^invalid config: rollout.engine_url lists {len(urls)} URLs for rollout.num_workers={workers} "
+        r"rollout workers: give one URL per worker, or one URL \(a string\) for all of them",
+    ):
+        load_config(None, {"rollout.engine": "sglang", "rollout.num_workers": workers, "rollout.engine_url": urls})
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize(
+    ("key", "value"), [("rollout.inf_tp_size", 2), ("rollout.inf_ep_size", 2), ("rollout.inf_mem_ratio", 0.5)]
+)
+def test_inference_sizes_with_an_engine_in_the_rollout_worker_are_refused_naming_the_engines_that_honour_them(
+    engine, key, value
+):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^invalid config: {key}={value} sizes the inference servers the run starts, which only the engines "
+        rf"'vllm-server', 'sglang' honour; rollout.engine='{engine}' runs in the rollout worker",
+    ):
+        load_config(None, {"rollout.engine": engine, key: value})
+
+
+def test_inference_sizes_with_servers_started_elsewhere_are_refused():
+    with pytest.raises(
+        ConfigError, match=r"^invalid config: rollout.inf_tp_size=2 sizes .* rollout.engine_url names servers started"
+    ):
+        load_config(None, {"rollout.engine": "sglang", "rollout.engine_url": URLS[0], "rollout.inf_tp_size": 2})
+
+
+@pytest.mark.parametrize(
+    ("engine", "tp", "ep", "message"),
+    [
+        ("vllm-server", 4, 2, r"vllm: inf_ep_size=2 with inf_tp_size=4: vLLM's --enable-expert-parallel"),
+        ("sglang", 4, 3, r"sglang: inf_ep_size=3 with inf_tp_size=4: SGLang's --ep-size splits"),
+    ],
+)
+def test_inference_sizes_the_engine_cannot_honour_are_refused_at_config_time(engine, tp, ep, message):
+    with pytest.raises(ConfigError, match=rf"^invalid config: rollout.inf_\*: {message}"):
+        load_config(None, {"rollout.engine": engine, "rollout.inf_tp_size": tp, "rollout.inf_ep_size": ep})
+
+
+def test_inference_sizes_the_engine_honours_are_taken():
+    config = load_config(
+        None,
+        {"rollout.engine": "sglang", "rollout.inf_tp_size": 8, "rollout.inf_ep_size": 4, "rollout.inf_mem_ratio": 1},
+    )
+    assert (config.rollout.inf_tp_size, config.rollout.inf_ep_size, config.rollout.inf_mem_ratio) == (8, 4, 1)
+
+
+# ---- the plan: each rollout worker's server --------------------------------------------------------------------
+def test_one_url_serves_every_worker_and_a_list_gives_each_its_own():
+    assert worker_urls(RolloutConfig(num_workers=3, engine="sglang", engine_url=URLS[0])) == [URLS[0]] * 3
+    assert worker_urls(RolloutConfig(num_workers=2, engine="vllm-server", engine_url=URLS)) == URLS
+
+
+def test_without_engine_url_a_server_engine_run_starts_its_servers_and_worker_i_uses_server_i():
+    rollout = RolloutConfig(num_workers=2, engine="sglang")
+    assert starts_servers(rollout)
+    assert worker_urls(rollout, ["http://127.0.0.1:1", "http://127.0.0.1:2"]) == [
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+    ]
+    with pytest.raises(ValueError, match=r"^the run starts one server per rollout worker: expected 2 URLs, got none"):
+        worker_urls(rollout)
+    with pytest.raises(ValueError, match=r"^the run starts one server per rollout worker: expected 2 URLs, got 1"):
+        worker_urls(rollout, ["http://127.0.0.1:1"])
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_an_engine_in_the_rollout_worker_has_no_server(engine):
+    rollout = RolloutConfig(num_workers=2, engine=engine)
+    assert not starts_servers(rollout)
+    assert worker_urls(rollout) == [None, None]
+    with pytest.raises(ValueError, match=f"^rollout.engine='{engine}' runs in the rollout worker: no servers"):
+        worker_urls(rollout, URLS)
+
+
+def test_servers_started_elsewhere_are_not_replaced_by_started_ones():
+    rollout = RolloutConfig(num_workers=2, engine="sglang", engine_url=URLS)
+    assert not starts_servers(rollout)
+    with pytest.raises(ValueError, match="names the servers: the run starts none"):
+        worker_urls(rollout, URLS)
+
+
+def test_the_model_directory_is_model_path_or_the_tasks_policy_saved_once(tmp_path):
+    assert model_directory(str(tmp_path / "mine"), SimpleNamespace(), tmp_path) == str(tmp_path / "mine")
+    from workers.tasks.addition import AdditionTask
+
+    directory = Path(model_directory(None, AdditionTask(), tmp_path / "run"))
+    assert directory == tmp_path / "run" / "inference_model"
+    assert (directory / "config.json").exists() and (directory / "model.safetensors").exists()
+    from transformers import AutoTokenizer
+
+    # the addition task's tokenizer cannot be saved: a stand-in of the policy's vocabulary and special ids, which vLLM's
+    # OpenAI server needs to start (found on a vllm-server demo run: "Couldn't instantiate the backend tokenizer")
+    tokenizer, task_tokenizer = AutoTokenizer.from_pretrained(directory), AdditionTask().tokenizer
+    assert len(tokenizer) == task_tokenizer.vocab_size
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (
+        task_tokenizer.eos_token_id,
+        task_tokenizer.pad_token_id,
+        task_tokenizer.bos_token_id,
+    )
+
+
+# ---- the plan run on stand-in servers ---------------------------------------------------------------------------
+def loads(url: str) -> list[list[str]]:
+    """The weight loads a stand-in server answered."""
+    return httpx.get(f"{url}/argv", trust_env=False, timeout=10).json()["loads"]
+
+
+def test_each_workers_engine_loads_the_weights_into_its_own_server(tmp_path):
+    rollout = RolloutConfig(num_workers=2, engine="sglang", inf_tp_size=2, inf_mem_ratio=0.5)
+    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=fake_command, health_interval=0.2)
+    with manager:
+        urls = worker_urls(rollout, manager.urls)
+        assert urls == manager.urls and len(set(urls)) == 2
+        for url in urls:  # the sizing reached each server's command line
+            argv = httpx.get(f"{url}/argv", trust_env=False, timeout=10).json()["argv"]
+            assert argv[-6:] == ["--tp-size", "2", "--ep-size", "1", "--mem-fraction-static", "0.5"]
+        spec = EngineSpec(kind="sglang", model_path="/models/tiny", api_key=manager.api_key)
+        engines = [EngineSpec(**{**spec.__dict__, "url": url}).build() for url in urls]
+        engines[1].update_weights(3, path=str(tmp_path / "v3"))  # what worker 1's EngineActor does on a publish
+        assert loads(urls[0]) == [] and loads(urls[1]) == [[str(tmp_path / "v3"), "3"]]
+        engines[0].update_weights(3, path=str(tmp_path / "v3"))
+        assert loads(urls[0]) == [[str(tmp_path / "v3"), "3"]]
+        pgids = [server.process.pid for server in manager.servers]
+    assert all(wait_for(lambda pgid=pgid: group_members(pgid) == []) for pgid in pgids)
+
+
+def test_a_run_gives_worker_i_server_i_and_its_key_and_stops_the_servers_when_it_ends(monkeypatch, tmp_path):
+    made: list[Any] = []
+
+    def manager(*args: Any, **kwargs: Any) -> Any:
+        made.append(inference_manager(*args, server_command=fake_command, health_interval=0.2, **kwargs))
+        return made[-1]
+
+    specs: list[EngineSpec] = []
+
+    def start_workers(self: GRPORun, info: Any, spec: EngineSpec) -> Any:
+        specs.extend(self.worker_spec(spec, i) for i in range(self.cfg.rollout.num_workers))
+        raise RuntimeError("an actor did not start")
+
+    monkeypatch.setattr(grpo_run, "inference_manager", manager)
+    monkeypatch.setattr(grpo_run.transfer_queue, "init", lambda **kwargs: SimpleNamespace(controller_info=None))
+    monkeypatch.setattr(grpo_run.transfer_queue, "shutdown", lambda: None)
+    monkeypatch.setattr(GRPORun, "start_workers", start_workers)
+    config = load_config(
+        CONFIG,
+        {"output_dir": str(tmp_path), "rollout.engine": "sglang", "rollout.num_workers": 2, "weight_sync": "memory"},
+    )
+    with pytest.raises(RuntimeError, match="an actor did not start"):
+        GRPORun(config)
+    (started,) = made
+    assert [spec.url for spec in specs] == started.urls and len(set(started.urls)) == 2
+    assert {spec.api_key for spec in specs} == {started.api_key} and started.api_key
+    assert {spec.model_path for spec in specs} == {str((tmp_path / "inference_model").absolute())}
+    assert [server.record.status for server in started.servers] == ["stopped", "stopped"]
+    pgids = [server.process.pid for server in started.servers]
+    assert all(wait_for(lambda pgid=pgid: group_members(pgid) == []) for pgid in pgids)
