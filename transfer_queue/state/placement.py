@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from transfer_queue.errors import StorageUnavailable
 
@@ -44,3 +44,29 @@ def place_rows(
     chunks = max(1, min(len(live), num_rows, nbytes // max(1, min_bytes_per_unit)))
     bounds = [i * num_rows // chunks for i in range(chunks + 1)]
     return [(live[i], bounds[i], bounds[i + 1]) for i in range(chunks)]
+
+
+def replica_units(node_ids: Sequence[str], replicas: int) -> list[int] | None:
+    """Which unit holds the second copy of each unit's blocks (``replicas=2``; ``None`` for one copy): the next unit
+    round robin that runs on another Ray node (or any other unit when all run on one node, or outside Ray), taking
+    the one holding the fewest copies so far, so that copies spread evenly.
+
+    Fixed when the queue starts (a unit Ray restarts elsewhere keeps its partner), so every client, the controller
+    and the units agree on it from ``ControllerInfo.replica_units``.
+
+    >>> replica_units(["a", "a", "b", "b"], 2)
+    [2, 3, 0, 1]
+    >>> replica_units(["", "", ""], 2)
+    [1, 2, 0]
+    """
+    if replicas == 1:
+        return None
+    n = len(node_ids)
+    if n < 2:
+        raise StorageUnavailable(f"replicas={replicas} needs at least 2 storage units, got {n}")
+    out: list[int] = []
+    for u in range(n):
+        others = [(u + i) % n for i in range(1, n)]  # round robin from the next unit
+        candidates = [v for v in others if node_ids[v] != node_ids[u]] or others
+        out.append(min(candidates, key=out.count))  # the one holding the fewest copies so far (the first of those)
+    return out
