@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import transfer_queue
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
@@ -189,6 +190,8 @@ def test_replicas_config_is_checked() -> None:
         QueueConfig(global_batch_size=1, num_storage_units=4, replicas=3)
     with pytest.raises(InvalidRequest, match=r"replicas=2 needs as many storage units.*num_storage_units=1"):
         QueueConfig(global_batch_size=1, num_storage_units=1, replicas=2)
+    with pytest.raises(InvalidRequest, match=r"replicas=2 needs as many storage units.*num_storage_units=1"):
+        transfer_queue.init(global_batch_size=1, num_storage_units=1, replicas=2)  # refused before Ray is touched
     assert QueueConfig(global_batch_size=1).replicas == 1
     assert QueueConfig.from_dict({"global_batch_size": 1}).byte_budget == 2 * (8 << 30)
 
