@@ -281,7 +281,7 @@ class PutLedger:
         units = self.config.num_storage_units
         placements, blocks, offsets = [], np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
         for unit, start, stop in place_rows(
-            len(rows), req.nbytes, units, self.next_put % units, down=self.unplaceable()
+            len(rows), req.nbytes, units, self.next_put % units, down=self.unplaceable(), replica_of=self.replica_of
         ):
             block_id = self.next_block * units + unit
             self.next_block += 1

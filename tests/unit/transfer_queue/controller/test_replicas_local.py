@@ -213,3 +213,27 @@ def test_replicas_go_to_other_nodes_spread_over_them() -> None:
     assert replica_units(["a", "b", "c"], 2) == [1, 2, 0]
     assert replica_units(["", ""], 2) == [1, 0]
     assert replica_units(["a", "b"], 1) is None
+
+
+def test_a_large_put_spread_over_units_writes_each_unit_once_and_reads_back_over_unix_sockets(
+    queue: LocalQueue,
+) -> None:
+    client = TransferQueueClient("unix", queue.info)  # Unix sockets: one request per unit and call on each
+    try:
+        x = torch.arange(64 * 32768, dtype=torch.float32).reshape(64, 32768)  # 8 MiB: worth several units
+        meta = client.put({"x": x}, partition_id="big")
+        primaries = sorted(set((meta.blocks[:, 0] % UNITS).tolist()))
+        holders = primaries + [queue.replica_of[u] for u in primaries]
+        assert len(holders) == len(set(holders))  # no unit holds two blocks of one put: each gets one write
+        assert torch.equal(client.get_data(meta)["x"], x)
+        queue.units[primaries[0]].stop()
+        assert torch.equal(client.get_data(meta)["x"], x)
+    finally:
+        client.close()
+
+
+def test_restoring_a_replicated_queue_is_refused_typed_before_anything_starts(tmp_path: Any) -> None:
+    from transfer_queue.controller.actor import ControllerActor
+
+    with pytest.raises(CheckpointError, match=r"restoring a queue with replicas=2 is not supported yet"):
+        ControllerActor(4, storage_units=[object(), object()], replicas=2, restore_from=str(tmp_path))
