@@ -50,6 +50,10 @@ class QueueConfig:
             a new consumer that is served every row again). Empty (the default): any name is served, and a name
             never seen before that starts a new consumer of a partition known tasks already consume is warned about
             once (``UnknownTaskWarning`` in the caller, a warning in the controller's log).
+        replicas: copies of every row's payload, each on another storage unit (on another Ray node where the units
+            run on several): 1 (the default) or 2. With 2, a put commits once both units hold its blocks, a read falls
+            back to the other copy at once when a unit is down or came back empty, and a row is lost only when both
+            copies are gone; the byte budget is halved (every byte is held twice). At most ``num_storage_units``.
         status_partitions: live partitions the status summary (``client.status()``, ``/status.json``, the status
             page and command) details one by one: the most recent ones; the rest are counted in aggregate
             (``partitions_omitted``), so a status read stays bounded however many partitions are live.
@@ -76,6 +80,7 @@ class QueueConfig:
     storage_unit_max_restarts: int = 5
     checkpoint_timeout: float = 30.0
     status_partitions: int = 100
+    replicas: int = 1
     task_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -118,6 +123,16 @@ class QueueConfig:
             raise InvalidRequest(f"promote_jagged must be a bool, got {self.promote_jagged!r}")
         if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not -1 <= self.http_port < 65536:
             raise InvalidRequest(f"http_port must be an int in [-1, 65535] (0: free, -1: none), got {self.http_port!r}")
+        replicas = self.replicas
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas not in (1, 2):
+            raise InvalidRequest(
+                f"replicas must be 1 or 2 (copies of each row on distinct storage units), got {replicas!r}"
+            )
+        if replicas > self.num_storage_units:
+            raise InvalidRequest(
+                f"replicas={replicas} needs as many storage units, each copy on another one; num_storage_units="
+                f"{self.num_storage_units}"
+            )
         object.__setattr__(self, "seqlen_fields", tuple(self.seqlen_fields))
         if not isinstance(self.task_names, (list, tuple)):
             raise InvalidRequest(f"task_names must be a list or tuple of task names, got {self.task_names!r}")
@@ -136,6 +151,11 @@ class QueueConfig:
                 f"extend_lease: seconds must be a number in (0, {float(self.max_lease_s)}] (max_lease_s), got "
                 f"{seconds!r}"
             )
+
+    @property
+    def byte_budget(self) -> int:
+        """Payload bytes the queue holds at most: what its units hold together, over the copies of each byte."""
+        return self.storage_unit_bytes * self.num_storage_units // self.replicas
 
     @property
     def rows_per_step(self) -> int:

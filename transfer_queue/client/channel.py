@@ -101,6 +101,16 @@ class QueueChannel:
         # the blocks of a restarted unit are lost: both from the controller's replies.
         self._unit_endpoints: list[p.Endpoint] = list(controller_info.storage_units)
         self._restarted: dict[int, p.UnitRestart] = {}
+        # replicas=2: the unit holding the second copy of each unit's blocks (puts write both, reads fall back to it)
+        self._replica_of: list[int] | None = controller_info.replica_units
+        if self.config.replicas > 1 and (
+            self._replica_of is None or len(self._replica_of) != len(controller_info.storage_units)
+        ):
+            raise InvalidRequest(
+                f"the queue keeps replicas={self.config.replicas} copies of each row, but controller_info names the "
+                f"replica of {0 if self._replica_of is None else len(self._replica_of)} of its "
+                f"{len(controller_info.storage_units)} storage units"
+            )
 
     # ---- plumbing ------------------------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
@@ -166,6 +176,24 @@ class QueueChannel:
             if 0 <= unit < len(self._unit_endpoints) and (known is None or restart.restarts > known.restarts):
                 self._restarted[unit] = restart
                 self._unit_endpoints[unit] = restart.endpoint
+
+    def _read_units(self, meta: BatchMeta, avoid: Sequence[int] = ()) -> np.ndarray:
+        """The storage unit to read each cell of ``meta`` from: the unit its block was placed on, or (replicas=2)
+        the unit holding its second copy when the first is down, in ``avoid`` (it just failed) or restarted empty
+        since the block was written, and the second is not."""
+        units = meta.blocks % len(self._unit_endpoints)
+        if self._replica_of is None:
+            return units
+        replica = np.asarray(self._replica_of, dtype=np.int64)[units]
+        fallback = ~self._usable(meta.blocks, units, avoid) & self._usable(meta.blocks, replica, avoid)
+        return np.where(fallback, replica, units)
+
+    def _usable(self, blocks: np.ndarray, units: np.ndarray, avoid: Sequence[int]) -> np.ndarray:
+        """Per cell, whether ``units`` (its copy's unit) is neither down nor avoided and still holds ``blocks``."""
+        ok = ~np.isin(units, [*self._down_units, *avoid])
+        for unit, restart in self._restarted.items():
+            ok &= ~((units == unit) & (blocks < restart.lost_below))
+        return ok
 
     def _rows_lost(self, meta: BatchMeta, units: np.ndarray) -> RowsLost | None:
         """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty."""

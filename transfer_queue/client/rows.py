@@ -132,6 +132,8 @@ class RowCalls(QueueChannel):
                 rows = place.stop - place.start
                 body = p.Write(reservation.partition_uid, place.block_id, rows, specs, place.max_bytes, place.token)
                 writes.append((place.unit, body, buffers))
+                if self._replica_of is not None:  # the second copy, in parallel: the commit waits for both
+                    writes.append((self._replica_of[place.unit], body, buffers))
             await self._storage(writes, max(1.0, timeout - (time.monotonic() - started)))
             wire = await self._commit(reservation.put_id, commit_by)
         except BaseException:
@@ -269,7 +271,7 @@ class RowCalls(QueueChannel):
             td = TensorDict({}, batch_size=[num_rows])
             await self._auto_ack(batch_meta)
             return td.to(device) if device is not None else td
-        units = batch_meta.blocks % len(self._unit_endpoints)
+        units = self._read_units(batch_meta)
         lost = self._rows_lost(batch_meta, units)
         if lost is not None:
             raise lost
@@ -282,6 +284,34 @@ class RowCalls(QueueChannel):
         down = {u: why for u, why in self._down_units.items() if np.any(units == u)}
         if down:
             raise self._unit_down(batch_meta, units, down)
+        started, failed_units = time.monotonic(), list[int]()
+        while True:
+            try:
+                left = max(1.0, timeout - (time.monotonic() - started)) if failed_units else timeout
+                td = await self._read(batch_meta, units, left)
+                break
+            except StorageUnavailable as exc:
+                failed_units += getattr(exc, "units", [])
+                if self._replica_of is not None:  # replicas=2: the cells of the failed units from their other copy
+                    again = self._read_units(batch_meta, failed_units)
+                    if not np.array_equal(again, units) and not np.isin(again, failed_units).any():
+                        units = again
+                        continue
+                failed = {u: self._down_units.get(u, "unreachable") for u in getattr(exc, "units", [])}
+                try:  # the controller's view: the unit may have been restarted (empty) meanwhile
+                    await self._control(p.Hello(self.client_id), Any, min(timeout, 5.0))
+                except TransferQueueError:
+                    pass
+                lost = self._rows_lost(batch_meta, units)
+                if lost is not None:
+                    raise lost from None
+                raise self._unit_down(batch_meta, units, failed, f"{exc}; ") from None
+        await self._auto_ack(batch_meta)
+        return td.to(device) if device is not None else td
+
+    async def _read(self, batch_meta: BatchMeta, units: np.ndarray, timeout: float) -> TensorDict:
+        """Read the cells of ``batch_meta`` from ``units`` (per cell) in one round of parallel calls."""
+        num_rows = len(batch_meta)
         calls, placed, into = [], [], []
         # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
         # output (over Unix sockets), so rows spread over units cost no second copy.
@@ -305,18 +335,7 @@ class RowCalls(QueueChannel):
             calls.append((unit, p.Read(batch_meta.partition_uid, fields), ()))
             placed.append(positions)
             into.append(targets)
-        try:
-            replies = await self._storage(calls, timeout, into if any(into) else None)
-        except StorageUnavailable as exc:
-            failed = {u: self._down_units.get(u, "unreachable") for u in getattr(exc, "units", [])}
-            try:  # the controller's view: the unit may have been restarted (empty) meanwhile
-                await self._control(p.Hello(self.client_id), Any, min(timeout, 5.0))
-            except TransferQueueError:
-                pass
-            lost = self._rows_lost(batch_meta, units)
-            if lost is not None:
-                raise lost from None
-            raise self._unit_down(batch_meta, units, failed, f"{exc}; ") from None
+        replies = await self._storage(calls, timeout, into if any(into) else None)
         parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
         where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
         in_place = set(dense)
@@ -341,9 +360,7 @@ class RowCalls(QueueChannel):
             )
             for name, schema in batch_meta.fields.items()
         }
-        td = tensordict_from_columns(columns, num_rows)
-        await self._auto_ack(batch_meta)
-        return td.to(device) if device is not None else td
+        return tensordict_from_columns(columns, num_rows)
 
     async def _auto_ack(self, batch_meta: BatchMeta) -> None:
         """A get_data acknowledges the rows of a get_meta's meta (unless its task acknowledges explicitly). If the

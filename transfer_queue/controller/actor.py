@@ -22,6 +22,7 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
 from transfer_queue.controller.unit_watch import UnitWatcher
 from transfer_queue.errors import (
+    CheckpointError,
     ConfigMismatch,
     InvalidRequest,
 )
@@ -93,6 +94,11 @@ class ControllerActor:
             **config,
         )
         state = QueueState(self._config, sampler)
+        if restore_from is not None and self._config.replicas > 1:
+            raise CheckpointError(
+                f"restoring a queue with replicas={self._config.replicas} is not supported yet (checkpoints of "
+                "replicated queues are not either); restore with replicas=1"
+            )
         # a checkpoint that is missing or of another queue fails here, before any storage unit is started
         restoring = self._read_checkpoint(restore_from) if restore_from is not None else None
         self._session_id = uuid.uuid4().hex
@@ -109,6 +115,9 @@ class ControllerActor:
         if restoring is not None:
             state = self._restore(*restoring, sampler)
         self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
+        self._replica_of = self._server.state.ledger.replica_of
+        if self._replica_of is not None:
+            ray.get([u.hold_copies.remote(self._copies_of(i)) for i, u in enumerate(storage_units)])
         self._watcher = UnitWatcher(
             storage_units,
             [e.node_id for e in endpoints],
@@ -119,8 +128,18 @@ class ControllerActor:
         )
         self._web = serve_status(self._server, storage_units, self._config.http_host, self._config.http_port)
         self._info = p.ControllerInfo(
-            p.PROTOCOL_VERSION, self._session_id, self._server.endpoint, endpoints, self._config.to_dict(), self._secret
+            p.PROTOCOL_VERSION,
+            self._session_id,
+            self._server.endpoint,
+            endpoints,
+            self._config.to_dict(),
+            self._secret,
+            self._replica_of,
         )
+
+    def _copies_of(self, unit: int) -> list[int]:
+        """replicas=2: the units whose blocks ``unit`` holds the second copy of."""
+        return [u for u, partner in enumerate(self._replica_of or ()) if partner == unit]
 
     def start_storage_units(
         self, num_units: int, options: dict[str, Any] | list[dict[str, Any]] | None, bind_host: str | None
@@ -139,6 +158,8 @@ class ControllerActor:
         endpoint = ray.get(
             handle.attach.remote(self._session_id, unit, units, self._secret, self._message_limit), timeout=60
         )
+        if self._replica_of is not None:  # before the controller marks it up: puts write copies to it from then on
+            ray.get(handle.hold_copies.remote(self._copies_of(unit)), timeout=60)
         lost = self._server.restart_unit(unit, endpoint)
         storage = list(self._info.storage_units)
         storage[unit] = endpoint

@@ -34,6 +34,7 @@ from transfer_queue.ops.metrics import ControllerMetrics
 from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
+from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
 from transfer_queue.storage.checkpoint import (
@@ -127,6 +128,8 @@ class ControllerServer(Server):
     ):
         super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
         self.state = state
+        # replicas=2: each unit's partner, on another Ray node where the units run on several (fixed from now on)
+        state.ledger.replica_of = replica_units([e.node_id for e in storage], state.config.replicas)
         self.requests = RequestTable(state)  # wire requests in, wire answers out
         self._session = session_id  # what the controller's own messages to the storage units carry
         # one checkpoint at a time: its snapshot on this thread, every file written and committed off it
@@ -328,6 +331,12 @@ class ControllerServer(Server):
         if self._save is not None:
             finish(None, CheckpointError(
                 f"a checkpoint is being saved under {self._save.directory}; save again once it is answered"
+            ))  # fmt: skip
+            return
+        if self.state.config.replicas > 1:
+            finish(None, CheckpointError(
+                f"checkpoints of a queue with replicas={self.state.config.replicas} are not supported yet (every "
+                "block is held twice; a restore would load both copies); nothing was saved"
             ))  # fmt: skip
             return
         down = sorted(self.state.down_units)

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from transfer_queue.ops.metrics import ROW_STATES, ControllerMetrics
-from transfer_queue.state.lost_rows import lost_summary
+from transfer_queue.state.lost_rows import lost_summary, single_copies
 from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_status import row_state_counts
 from transfer_queue.state.queue_state import QueueState
@@ -86,7 +86,8 @@ def queue_summary(
     unit_bytes = [0] * units
     for state_part in state.partitions.values():
         for block, size in state_part.block_nbytes.items():
-            unit_bytes[block % units] += size
+            for holder in state.ledger.holders(block % units):
+                unit_bytes[holder] += size
     run = run or []
     return {
         "time": time.time(),
@@ -113,7 +114,8 @@ def queue_summary(
         "clients": clients,
         "storage": {
             "bytes_held": state.bytes_held,
-            "budget": config.storage_unit_bytes * units,
+            "budget": config.byte_budget,
+            **({"replicas": config.replicas, **single_copies(state)} if config.replicas > 1 else {}),
             "units": [
                 {
                     "unit": u,

@@ -1,8 +1,8 @@
 """Rows lost with a storage unit that Ray restarted empty: which, and what the queue does about them (no Ray here).
 
-A storage unit holds the only copy of its blocks. When it dies and Ray restarts it, the controller attaches the new
-incarnation (new ports) and calls :func:`lose_unit`: every committed row with a field on that unit becomes LOST,
-together with the rest of its GRPO group (groups are never served split). A lost row
+With ``replicas=1`` a storage unit holds the only copy of its blocks. When it dies and Ray restarts it, the controller
+attaches the new incarnation (new ports) and calls :func:`lose_unit`: every committed row with a field on that unit
+becomes LOST, together with the rest of its GRPO group (groups are never served split). A lost row
 
 - keeps its global index (never reused, so a BatchMeta from before can never name a newer row); a step makes room
   for as many new rows after its capacity, so a producer can put the same prompts again and the step still fills;
@@ -14,6 +14,10 @@ together with the rest of its GRPO group (groups are never served split). A lost
 
 :class:`LostRowBook` remembers, per partition, which rows were lost, which of their fields were on the unit and which
 unit, for ``client.lost_rows`` and the status calls. Open puts with a block on the unit are aborted.
+
+With ``replicas=2`` every block has a second copy on its replica's unit (``PutLedger.replica_of``): a restarted unit
+loses only the rows whose *other* copy is gone too (its unit was restarted empty since), and clients read the other
+copy of the rest (their blocks are left with one copy, counted by :func:`single_copies` for the status calls).
 """
 
 from __future__ import annotations
@@ -72,11 +76,11 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book.lost_below[unit] = floor
     restart = book.restarts[unit] = book.restarts.get(unit, 0) + 1
     for put in list(state.open_puts.values()):  # a put that wrote (or would write) there can never commit whole
-        if len(put.blocks) and np.any(put.blocks % units == unit):
+        if len(put.blocks) and np.any(copy_on(state, put.blocks, unit)):
             state.ledger.abort(put.put_id)
     lost_per_partition: dict[Any, int] = {}
     for part in list(state.partitions.values()):
-        rows, fields_of = _rows_on_unit(part, unit, units)
+        rows, fields_of = _rows_on_unit(state, part, unit)
         if not len(rows):
             continue
         for put in [put for put in state.open_puts.values() if put.uid == part.uid]:
@@ -87,7 +91,8 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
         for row in rows.tolist():
             records[row] = LostRecord(unit, fields_of.get(row, []), restart, part.row_keys.get(row))
         part.lose_rows(rows)
-        gone = [b for b in part.block_nbytes if b % units == unit]
+        ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
+        gone = ids[copy_on(state, ids, unit) & all_gone(state, ids)].tolist()
         freed = sum(part.block_nbytes.pop(b) for b in gone)
         part.nbytes -= freed
         state.bytes_held -= freed
@@ -100,11 +105,67 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
             "partitions": lost_per_partition}  # fmt: skip
 
 
-def _rows_on_unit(part: PartitionState, unit: int, units: int) -> tuple[np.ndarray, dict[int, list[str]]]:
-    """Committed rows with a field on ``unit``, and per row the names of those fields."""
+def copy_on(state: QueueState, blocks: np.ndarray, unit: int) -> np.ndarray:
+    """Per block id (>= 0), whether ``unit`` holds a copy of it (its own unit, or with replicas=2 its replica's)."""
+    units = state.config.num_storage_units
+    primary = blocks % units
+    on = primary == unit
+    replica_of = state.ledger.replica_of
+    if replica_of is not None:
+        on |= np.asarray(replica_of, dtype=np.int64)[primary] == unit
+    return on
+
+
+def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
+    """Per block id (>= 0), whether every copy of it is gone: each unit holding one was restarted empty since it was
+    written (the block id is below the unit's ``lost_below``)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    units = state.config.num_storage_units
+    lost_below = np.zeros(units, dtype=np.int64)
+    for u, below in state.lost.lost_below.items():
+        lost_below[u] = below
+    primary = blocks % units
+    gone = blocks < lost_below[primary]
+    replica_of = state.ledger.replica_of
+    if replica_of is not None:
+        gone &= blocks < lost_below[np.asarray(replica_of, dtype=np.int64)[primary]]
+    return gone
+
+
+def single_copies(state: QueueState) -> dict[str, int]:
+    """For status (replicas=2): blocks of live partitions one of whose two copies is gone (its unit restarted empty
+    since) or on a unit that is down now, and the rows with a field in one; ``{}`` with one copy."""
+    replica_of = state.ledger.replica_of
+    if replica_of is None:
+        return {}
+    units = state.config.num_storage_units
+    lost_below = [state.lost.lost_below.get(u, 0) for u in range(units)]
+    blocks = rows = 0
+    for part in state.partitions.values():
+        weak = set()
+        for b in part.block_nbytes:
+            holders = (b % units, replica_of[b % units])
+            if any(b < lost_below[u] or u in state.down_units for u in holders):
+                weak.add(b)
+        blocks += len(weak)
+        if weak:
+            n, cols = part.num_rows, len(part.fields)
+            on = (
+                np.isin(part.block[:n, :cols], np.fromiter(weak, dtype=np.int64))
+                & (part.state[:n] == COMMITTED)[:, None]
+            )
+            rows += int(on.any(axis=1).sum())
+    return {"blocks_single_copy": blocks, "rows_single_copy": rows}
+
+
+def _rows_on_unit(state: QueueState, part: PartitionState, unit: int) -> tuple[np.ndarray, dict[int, list[str]]]:
+    """Committed rows with a field whose last copy was on ``unit``, and per row the names of those fields."""
     n, cols = part.num_rows, len(part.fields)
     block = part.block[:n, :cols]
-    on = (block >= 0) & (block % units == unit) & (part.state[:n] == COMMITTED)[:, None]
+    used = block >= 0
+    on = np.zeros_like(used)
+    on[used] = copy_on(state, block[used], unit) & all_gone(state, block[used])
+    on &= (part.state[:n] == COMMITTED)[:, None]
     rows = np.flatnonzero(on.any(axis=1))
     names = list(part.field_col)  # column order
     return rows, {int(r): [names[c] for c in np.flatnonzero(on[r]).tolist()] for r in rows}

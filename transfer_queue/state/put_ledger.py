@@ -37,7 +37,7 @@ from transfer_queue.errors import (
 from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey, describe_partition
 from transfer_queue.state.partition import COMMITTED, PartitionState
 from transfer_queue.state.partition_table import PartitionTable
-from transfer_queue.state.placement import place_rows
+from transfer_queue.state.placement import place_rows, replica_units
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +143,26 @@ class PutLedger:
         self.committed: dict[int, Committed] = {}  # put id -> its commit, oldest first
         self.forgotten_upto = 0  # the newest put id whose commit was forgotten for want of room
         self.down_units: set[int] = set()  # storage units the controller lost its connection to: placement skips them
+        # replicas=2: the unit holding the second copy of each unit's blocks (the controller sets it from its units'
+        # nodes: transfer_queue.state.placement.replica_units); None: one copy
+        self.replica_of: list[int] | None = replica_units([""] * config.num_storage_units, config.replicas)
         self.bytes_held = 0
         self.next_put = 1
         self.next_block = 0
 
     @property
     def byte_budget(self) -> int:
-        return self.config.storage_unit_bytes * self.config.num_storage_units
+        return self.config.byte_budget
+
+    def holders(self, unit: int) -> list[int]:
+        """The units holding a copy of the blocks placed on ``unit``: itself, and its replica's unit (replicas=2)."""
+        return [unit] if self.replica_of is None else [unit, self.replica_of[unit]]
+
+    def unplaceable(self) -> set[int]:
+        """Units a put cannot be placed on now: down ones, and (replicas=2) those whose replica's unit is down."""
+        if self.replica_of is None:
+            return self.down_units
+        return {u for u in range(self.config.num_storage_units) if set(self.holders(u)) & self.down_units}
 
     # ---- reserve ------------------------------------------------------------------------------------------
     def validate(self, req: PutRequest) -> PutJob:
@@ -267,7 +280,9 @@ class PutLedger:
     ) -> Reserved:
         units = self.config.num_storage_units
         placements, blocks, offsets = [], np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
-        for unit, start, stop in place_rows(len(rows), req.nbytes, units, self.next_put % units, down=self.down_units):
+        for unit, start, stop in place_rows(
+            len(rows), req.nbytes, units, self.next_put % units, down=self.unplaceable(), replica_of=self.replica_of
+        ):
             block_id = self.next_block * units + unit
             self.next_block += 1
             placements.append((unit, block_id, start, stop))
@@ -427,7 +442,8 @@ class PutLedger:
         part.nbytes -= freed
         self.bytes_held -= freed
         for unit, ids in by_unit.items():
-            self.send_drop(unit, part.uid, ids, self.block_floor())
+            for holder in self.holders(unit):
+                self.send_drop(holder, part.uid, ids, self.block_floor())
         if freed:
             self.space_freed()
 

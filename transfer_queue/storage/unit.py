@@ -80,6 +80,7 @@ class BlockStore:
         self.unit = unit
         self.num_units = num_units
         self.secret = secret  # checks each write's reservation token (b"": no check, unit tests of the store)
+        self.holds: frozenset[int] = frozenset()  # replicas=2: the units whose blocks this one holds a copy of
         self.blocks: dict[int, Block] = {}
         self.by_partition: dict[int, set[int]] = {}
         self.dead_partitions: set[int] = set()  # cleared uids the controller's live list does not cover yet
@@ -98,7 +99,7 @@ class BlockStore:
             raise PutExpired(
                 f"block {req.block_id} belongs to a put that was aborted or already finished; the write was dropped"
             )
-        if req.block_id % self.num_units != self.unit:
+        if req.block_id % self.num_units != self.unit and req.block_id % self.num_units not in self.holds:
             raise InvalidRequest(
                 f"block {req.block_id} belongs to storage unit {req.block_id % self.num_units}, not {self.unit}"
             )
@@ -438,6 +439,12 @@ class StorageUnit:
         store = BlockStore(unit, num_units, secret)
         self._server = StorageServer(store, self._bind_host, session_id, secret, limit, self._advertise_host)
         return self._server.endpoint
+
+    def hold_copies(self, units: list[int]) -> None:
+        """replicas=2: accept writes of the blocks of ``units`` too (this unit holds their second copy)."""
+        server = self._joined()
+        with server.lock:
+            server.store.holds = frozenset(units)
 
     def incarnation(self) -> str:
         """This process's id, new each time Ray (re)starts the actor: the controller's watcher calls it every second

@@ -475,6 +475,8 @@ class ControllerInfo(msgspec.Struct, frozen=True):
     storage_units: list[Endpoint]
     config: dict[str, Any]
     secret: bytes = b""
+    # replicas=2: the unit holding the second copy of each unit's blocks (None: one copy)
+    replica_units: list[int] | None = None
 
     def to_json(self) -> str:
         """The info as JSON text, for a process outside the Ray cluster (a file, an argument, an environment

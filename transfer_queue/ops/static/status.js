@@ -62,6 +62,9 @@ function drawCards(s) {
     card("puts waiting", s.waiting_puts, "waiting-puts"),
     card("clients connected", s.clients, "clients"),
     card(`held of ${fmtBytes(s.storage.budget)}`, fmtBytes(s.storage.bytes_held), "bytes-held"),
+    ...(s.storage.replicas > 1  // replicas=2: blocks left with one live copy (a unit down or restarted empty)
+      ? [card(`blocks with one copy of ${s.storage.replicas}`, s.storage.blocks_single_copy, "blocks-single-copy")]
+      : []),
   );
 }
 
