@@ -38,8 +38,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def new_api_key() -> str:
-    """A fresh random key (URL-safe text, 256 bits)."""
-    return secrets.token_urlsafe(KEY_BYTES)
+    """A fresh random key (URL-safe text, 256 bits). It starts with ``tq-``: a key that began with ``-`` (one in 64
+    of URL-safe tokens) would be read as an option where a server takes it as a flag (SGLang's ``--api-key KEY``)."""
+    return "tq-" + secrets.token_urlsafe(KEY_BYTES)
 
 
 def key_from_env(env: Mapping[str, str] | None = None) -> str | None:
