@@ -35,6 +35,8 @@ class GuideConfig(Protocol):
     max_new_tokens: int
     loss_calculater: str
     enable_sampling: bool
+    eval_strategy: str | bool
+    eval_steps: int | None
 
 
 C = TypeVar("C", bound=GuideConfig)
@@ -101,6 +103,8 @@ GUIDE_NATIVE = (
     "max_new_tokens",
     "loss_calculater",
     "enable_sampling",
+    "eval_strategy",
+    "eval_steps",
 )
 
 
@@ -120,6 +124,8 @@ GUIDE_ORDER = (
     "gradient_accumulation_steps",
     "learning_rate",
     "save_steps",
+    "eval_strategy",
+    "eval_steps",
 )
 
 
@@ -307,7 +313,15 @@ def native_lines(config: GuideConfig, given: Collection[str]) -> dict[str, str]:
         else "no engine, scheduler or samplers (no SFT warm-up): train from the untrained records in the ledger, "
         "stop when too few are left for a step"
     )
+    evaluation = {
+        "no": "no evaluation sampling",
+        "steps": f"every eval_steps={config.eval_steps} GRPO steps",
+        "epoch": "at each epoch end of the training tasks (num_tasks prompts trained)",
+    }.get(str(config.eval_strategy), "")
     meaning = {
+        "eval_strategy": f"eval_strategy={config.eval_strategy} ({evaluation}; held-out tasks sampled through the "
+        "ledger's split eval, never trained; eval rows in metrics.jsonl)",
+        "eval_steps": f"eval_steps={config.eval_steps} (GRPO steps between evaluations)",
         "model_name_or_path": f"model_name_or_path={config.model_name_or_path} ({model})",
         "output_dir": f"output_dir={config.output_dir}",
         "num_generations": f"num_generations={config.num_generations} (answers sampled per prompt: the GRPO group)",

@@ -75,6 +75,8 @@ class LedgerRunConfig(Protocol):
     model_name_or_path: str | None
     max_new_tokens: int
     enable_sampling: bool
+    eval_strategy: str | bool  # no, steps or epoch (the config lower-cases it; False is no)
+    eval_steps: int | None
 
 
 def warm_up(
@@ -242,9 +244,12 @@ def train_with_sampling(
     sampler_class: type[AsyncSampler],
     dataset: Dataset,
     partition: str,
+    eval_dataset: Dataset | None = None,
 ) -> int:
     """GRPO on what the samplers (or the prompt-source producer) put into the queue, the engine updated each step:
-    ``sampler_class`` samples the tasks of ``dataset`` (the run's), the queue's rows go to ``partition``."""
+    ``sampler_class`` samples the tasks of ``dataset`` (the run's), the queue's rows go to ``partition``. With
+    ``eval_strategy`` other than ``no``, ``eval_dataset``'s tasks are sampled after the steps ``eval_due`` names
+    (``evaluate``: split ``eval``, nothing queued, nothing trained) and an ``eval`` row is logged."""
     import ray
 
     import transfer_queue
@@ -310,6 +315,9 @@ def train_with_sampling(
                 with engine_lock:
                     engine.update_weights(step + 1, state_dict=policy.state_dict())
                 end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
+                if eval_dataset is not None and eval_due(config, step):
+                    inference = InferenceClient(ledger, cfg, api_key=api_key)
+                    record.write(evaluate(ledger, cfg, sampler_class, eval_dataset, inference, step + 1))
             save_checkpoint(checkpoint, policy, optimizer, config.steps)
             done.set()
             sampling.join(120)
@@ -386,6 +394,51 @@ def ledger_rows(
         prompts=[setup.chat.prompt_ids(m[:-1]) for m in messages],
         responses=[setup.chat.response_ids(m[-1]["content"]) for m in messages],
     )
+
+
+def eval_due(config: LedgerRunConfig, step: int) -> bool:
+    """Whether the run evaluates once 0-based training step ``step`` is done (HF Trainer's ``eval_strategy``):
+    ``steps``: every ``eval_steps`` steps; ``epoch``: when the steps' prompts (``prompts_per_step`` each) complete an
+    epoch of the ``num_tasks`` training tasks; ``no``: never."""
+    if config.eval_strategy == "steps":
+        assert config.eval_steps is not None, "the config refuses eval_strategy=steps without eval_steps"
+        return (step + 1) % config.eval_steps == 0
+    if config.eval_strategy == "epoch":
+        per_step, tasks = config.prompts_per_step, config.num_tasks
+        return (step + 1) * per_step // tasks > step * per_step // tasks
+    return False
+
+
+def evaluate(
+    ledger: Ledger,
+    cfg: SamplingConfig,
+    sampler_class: type[AsyncSampler],
+    dataset: Dataset,
+    inference: InferenceClient,
+    steps_done: int,
+) -> dict[str, Any]:
+    """One evaluation after ``steps_done`` training steps: a ``SamplingScheduler`` writes ``dataset``'s tasks as epoch
+    ``steps_done`` of split ``eval`` and its samplers sample and score them (claims and records as for training, but
+    no sink: nothing goes into the queue, and the ledger's trainable records are split ``train``'s, so nothing of it
+    is trained). A resumed run that evaluates after the same step again reads the records already there.
+
+    Returns the run's ``eval`` row: ``eval_reward`` (the records' mean score), ``eval_accuracy`` (the share scoring
+    1, the addition task's exact answer), ``eval_records`` and ``eval_s``."""
+    t0 = time.perf_counter()
+    scheduler = SamplingScheduler(
+        config=cfg, sampler_class=sampler_class, dataset=dataset, split="eval", inference=inference
+    )
+    scheduler.run(epochs=[steps_done])
+    scores = [float(r.score or 0.0) for r in ledger.records("eval", steps_done)]
+    n = max(len(scores), 1)
+    return {
+        "kind": "eval",
+        "step": steps_done,
+        "eval_reward": sum(scores) / n,
+        "eval_accuracy": sum(1 for x in scores if x >= 1.0) / n,
+        "eval_records": len(scores),
+        "eval_s": time.perf_counter() - t0,
+    }
 
 
 def warm_up_lr(optimizer: torch.optim.Optimizer, config: LedgerRunConfig, step: int) -> None:

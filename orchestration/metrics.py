@@ -16,7 +16,8 @@ PLOTTED = [
     ("success", "episode success rate"),
     ("num_turns", "turns per episode"),
     ("dropped_groups", "dropped groups"),
-    ("eval_accuracy", "greedy eval accuracy"),
+    ("eval_reward", "eval reward (held-out tasks)"),  # the ledger flow's eval rows (recipe/agentrl_demo.py)
+    ("eval_accuracy", "eval accuracy (held-out problems)"),  # a GRPO run's greedy one, or the ledger flow's
     ("entropy", "policy entropy (nats / token)"),
     ("grad_norm", "gradient norm (before clipping)"),
     ("kl", "KL to reference"),
@@ -209,15 +210,15 @@ def grid_shape(count: int) -> tuple[int, int, tuple[float, float]]:
 
 def metrics_figure(rows: list[dict[str, Any]], kind: str = "grpo", title: str = "GRPO run") -> Any:
     """The matplotlib figure of ``plot_metrics`` for these rows: the ``sft`` warm-up first (its own panel, its own
-    steps), then the ``PLOTTED`` curves of the ``kind`` rows (one panel per distinct curve), then the seconds per
-    step. The caller closes it (``matplotlib.pyplot.close``)."""
+    steps), then the ``PLOTTED`` curves of the ``kind`` rows and the ``eval`` rows (an evaluation's, at its step; one
+    panel per distinct curve), then the seconds per step. The caller closes it (``matplotlib.pyplot.close``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sft = [r for r in rows if r.get("kind") == "sft"]
-    rows = [r for r in rows if r.get("kind") == kind]
+    rows = [r for r in rows if r.get("kind") in (kind, "eval")]
     panels = plotted_panels(rows)
     parts = [(key, label) for key, label in TIME_PARTS if any(r.get(key) is not None for r in rows)]
     count = bool(sft) + len(panels) + bool(parts)

@@ -7,7 +7,8 @@
        endpoint for num_generations answers, scores them (evaluate_record), records them and queues the group
     4. the trainer (this thread): whole groups from the queue -> records marked trained (never twice) -> GRPO step
        -> new weights into the engine (the policy version samplers record)
-    5. metrics.jsonl (the warm-up's ``sft`` rows, a ``grpo`` row per step) and metrics.png (redrawn every minute)
+    5. metrics.jsonl (the warm-up's ``sft`` rows, a ``grpo`` row per step, an ``eval`` row per evaluation with
+       ``eval_strategy``: held-out tasks sampled through the ledger's split eval, never trained) and metrics.png
     6. ``python -m workers.ledger status --db sqlite:///OUTPUT/ledger.db`` at the end
 
 ``prompts_from=prompt-source`` is the switch back to the usual GRPO input: prompts drawn from a ``PromptSource``
@@ -17,9 +18,9 @@ Run it with ``make agentrl-demo`` (or ``python recipe/agentrl_demo.py [--config 
 [key=value ...]``; ``--help`` lists every key, recipe/configs/agentrl_demo.yaml holds the defaults; ``--key value``,
 as AgentRL's guide writes ``--loss_calculater GRPO``, is ``key=value``; the guide's own flags, ``--learning_rate``,
 ``--per_device_train_batch_size`` x ``--gradient_accumulation_steps``, ``--save_steps``, ``--db_connection_string``,
-``--inf_tp_size`` / ``--inf_ep_size`` / ``--inf_mem_ratio``, map onto these keys, and the run prints the mapping before
-it starts: docs/sampling.md, "The guide's command line"). Run again into
-the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run (a resume that changes a
+``--inf_tp_size`` / ``--inf_ep_size`` / ``--inf_mem_ratio``, ``--eval_strategy`` / ``--eval_steps``, map onto
+these keys, and the run prints the mapping before it starts: docs/sampling.md, "The guide's command line"). Run again
+into the same output_dir, it resumes from its checkpoint: a larger ``steps`` extends the run (a resume that changes a
 setting which shapes the training is refused: CHANGEABLE_ON_RESUME lists those it may change), tasks claimed by a killed
 run are re-dispatched when their leases run out, and no record is trained twice. ``--new`` starts over (the previous
 run is moved aside to OUTPUT_DIR.prev-N, once the config is valid).
@@ -76,6 +77,8 @@ from workers.ledger import (
 from workers.tasks.addition import addition_reward, make_prompts
 
 PARTITION = "agentrl"
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+EVAL_SEED = 7_000_000  # the held-out problems' seed offset: apart from the training tasks' (and the warm-up's)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "agentrl_demo.yaml"
 
 
@@ -116,6 +119,12 @@ class AgentRLDemoConfig:
     # false: no engine, no scheduler, no samplers: train from the finished, untrained records the ledger holds and
     # stop when too few are left for a step
     enable_sampling: bool = True
+    # HF Trainer's (AgentRL's guide: evaluation sampling): no, steps (every eval_steps GRPO steps) or epoch (each
+    # num_tasks prompts trained), any case: the num_eval_tasks held-out problems sampled through the ledger (split
+    # eval: never queued, never trained) and an eval row (eval_reward, eval_accuracy) in metrics.jsonl
+    eval_strategy: str | bool = "no"  # false (YAML's reading of an unquoted no) is no
+    eval_steps: int | None = None  # GRPO steps between evaluations (eval_strategy=steps only)
+    num_eval_tasks: int = 32  # held-out problems each evaluation samples (seeded apart from the training tasks)
 
     #: the type and range of each numeric or constrained key, checked when the config is parsed
     KEY_RANGES: ClassVar[Mapping[str, Range | Text]] = {
@@ -136,9 +145,16 @@ class AgentRLDemoConfig:
         "lease_s": Range(float, 0.25, low_open=True),  # the heartbeat (at least 0.2 s) must come within the lease
         "seed": Range(int, 0),
         "max_new_tokens": Range(int, 1),
+        "eval_strategy": Text(pattern=r"(?i)no|steps|epoch", described=f"one of {sorted(EVAL_STRATEGIES)} (any case)"),
+        "eval_steps": Range(int, 1, optional=True),
+        "num_eval_tasks": Range(int, 1),
     }
 
     def __post_init__(self) -> None:
+        if self.eval_strategy is False:  # eval_strategy=no, as YAML reads an unquoted no
+            self.eval_strategy = "no"
+        if isinstance(self.eval_strategy, str):
+            self.eval_strategy = self.eval_strategy.lower()  # "STEPS", "Epoch": HF Trainer's IntervalStrategy
         check_ranges(flatten_dict(config_to_dict(self)), ranges=self.KEY_RANGES)
         try:
             self.loss_calculater = loss_named(self.loss_calculater)  # "GRPO", as AgentRL's guide writes it
@@ -151,10 +167,23 @@ class AgentRLDemoConfig:
                 raise ConfigError(str(exc).replace("db_connection_string", "db", 1)) from None
         if self.model_name_or_path is not None:
             check_model_dir(self.model_name_or_path)
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            raise ConfigError("eval_steps: eval_strategy=steps needs eval_steps (an int >= 1), got none")
+        if self.eval_strategy != "steps" and self.eval_steps is not None:
+            raise ConfigError(
+                f"eval_steps: only eval_strategy=steps reads it, got eval_steps={self.eval_steps} with "
+                f"eval_strategy={self.eval_strategy}"
+            )
+        if self.eval_strategy != "no" and not self.enable_sampling:
+            raise ConfigError(
+                f"eval_strategy: {self.eval_strategy} samples the eval tasks, but enable_sampling=false starts no "
+                f"engine to sample them: expected eval_strategy=no with enable_sampling=false"
+            )
 
 
 # Settings a resumed run may change (everything else shapes the training: a resume that changes it is refused): how
-# long to go on, bookkeeping, the leases' length, and the SFT warm-up's target (a resumed run does not warm up again).
+# long to go on, bookkeeping, the leases' length, the SFT warm-up's target (a resumed run does not warm up again) and
+# the evaluation (which trains nothing).
 CHANGEABLE_ON_RESUME = (
     "steps",
     "output_dir",
@@ -163,6 +192,9 @@ CHANGEABLE_ON_RESUME = (
     "lease_s",
     "sft_target",
     "enable_sampling",
+    "eval_strategy",
+    "eval_steps",
+    "num_eval_tasks",
 )
 
 
@@ -182,6 +214,15 @@ class AdditionDataset(Dataset):
 
     def __getitem__(self, idx):
         return AdditionProblem(question=self.items[idx]["prompt"], answer=self.items[idx]["answer"])
+
+
+def held_out_dataset(config: AgentRLDemoConfig) -> AdditionDataset:
+    """The evaluation's fixed problems: ``num_eval_tasks`` drawn with their own seed, none of them a training task's
+    question (``AdditionDataset(num_tasks, seed)``)."""
+    train = {item["prompt"] for item in make_prompts(config.num_tasks, config.seed)}
+    dataset = AdditionDataset(config.num_eval_tasks + config.num_tasks, EVAL_SEED + config.seed)
+    dataset.items = [item for item in dataset.items if item["prompt"] not in train][: config.num_eval_tasks]
+    return dataset
 
 
 class AdditionSampler(AsyncSampler):
@@ -285,6 +326,7 @@ def train(config: AgentRLDemoConfig) -> int:
         sampler_class=AdditionSampler,
         dataset=dataset,
         partition=PARTITION,
+        eval_dataset=None if config.eval_strategy == "no" else held_out_dataset(config),
     )
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from workers.ledger.blobs import BlobStore, open_blob_store
@@ -89,12 +89,14 @@ class SamplingScheduler:
         self._unstarted: dict[asyncio.Task, DispatchedSamplingTask] = {}  # claims handed to samplers not yet started
 
     # -- control ---------------------------------------------------------------------------------------------------
-    def run(self) -> dict[str, int]:
-        """Run to the end (``num_epochs`` or ``stop()``); counts of samplers started, completed, failed, ..."""
+    def run(self, epochs: Iterable[int] | None = None) -> dict[str, int]:
+        """Run to the end (``num_epochs`` or ``stop()``); counts of samplers started, completed, failed, ...
+        ``epochs``: the epochs to write and sample, in order (``range(num_epochs)`` by default; an evaluation
+        samples its split's one epoch per evaluation)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.run_async())
+            return asyncio.run(self.run_async(epochs))
         raise RuntimeError("SamplingScheduler.run() was called inside an event loop: await run_async() instead")
 
     def stop(self) -> None:
@@ -104,10 +106,10 @@ class SamplingScheduler:
     def stopping(self) -> bool:
         return self._stop.is_set() or (self.stop_when is not None and self.stop_when())
 
-    async def run_async(self) -> dict[str, int]:
+    async def run_async(self, epochs: Iterable[int] | None = None) -> dict[str, int]:
         running: set[asyncio.Task] = set()
         try:
-            for epoch in range(self.config.num_epochs):
+            for epoch in range(self.config.num_epochs) if epochs is None else epochs:
                 if self.stopping():
                     break
                 await asyncio.to_thread(self.write_epoch, epoch)

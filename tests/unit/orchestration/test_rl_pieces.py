@@ -384,10 +384,10 @@ def test_the_plot_shows_what_tells_a_run_is_healthy_not_the_loss_nor_curves_that
 
 def _every_curve(step: int) -> dict[str, Any]:
     """A GRPORun row with every curve it plots, each its own (distinct, non-zero) values (not the agentrl demo's
-    ``staleness``: GRPORun's is ``staleness_mean``)."""
+    ``staleness`` and ``eval_reward``: GRPORun's are ``staleness_mean`` and ``eval_accuracy``)."""
     row: dict[str, Any] = {"kind": "grpo", "step": step, "generate_s": 0.1, "train_s": 0.2, "step_s": 0.35}
     for i, (key, _) in enumerate(PLOTTED):
-        if key != "staleness":
+        if key not in ("staleness", "eval_reward"):
             row[key] = (i + 1) * (step + 1) + 0.5 * (step % 2)
     return row
 
@@ -427,6 +427,19 @@ def test_a_curve_equal_to_another_is_drawn_once_under_both_names():
     assert titles == ["GRPO mean reward (= accuracy, success)"]
     [line] = fig.axes[0].get_lines()
     assert list(line.get_ydata()) == [0.25, 0.5]
+    plt.close(fig)
+
+
+def test_eval_rows_are_drawn_at_their_steps_next_to_the_grpo_curves():
+    import matplotlib.pyplot as plt
+
+    rows = [{"kind": "grpo", "step": s, "reward": 0.1 * s} for s in range(4)]
+    rows += [{"kind": "eval", "step": s, "eval_reward": r, "eval_accuracy": r} for s, r in ((2, 0.25), (4, 0.5))]
+    fig = metrics_figure(rows)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["GRPO mean reward", "eval reward (held-out tasks) (= eval_accuracy)"]
+    [line] = fig.axes[1].get_lines()
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.25, 0.5]
     plt.close(fig)
 
 

@@ -61,6 +61,23 @@ def test_a_dotted_override_is_applied_on_top_of_the_recipes_yaml(tmp_path, start
         ("beta2=-0.1", "beta2 must be a float in [0, 1), got -0.1"),
         ("inf_mem_ratio=-1", "--inf_mem_ratio: expected a float in (0, 1] (a fraction of device memory), got -1.0"),
         ("inf_mem_ratio=0.6x", "--inf_mem_ratio: expected a float, got '0.6x'"),
+        ("eval_strategy=epochs", "eval_strategy must be one of ['epoch', 'no', 'steps'] (any case), got 'epochs'"),
+        ("eval_strategy=3", "Expected `bool | str`, got `int` - at `$.eval_strategy`"),
+        (
+            "eval_stategy=steps",
+            "unknown config key 'eval_stategy' in the override eval_stategy='steps'; did you mean "
+            "eval_strategy, eval_steps?",
+        ),
+        ("eval_strategy=steps", "eval_steps: eval_strategy=steps needs eval_steps (an int >= 1), got none"),
+        ("eval_steps=5", "eval_steps: only eval_strategy=steps reads it, got eval_steps=5 with eval_strategy=no"),
+        ("--eval_strategy=epoch --eval_steps=5", "got eval_steps=5 with eval_strategy=epoch"),
+        ("--eval_strategy=steps --eval_steps=0", "eval_steps must be an int >= 1 or None, got 0"),
+        ("num_eval_tasks=0", "num_eval_tasks must be an int >= 1, got 0"),
+        (
+            "eval_strategy=epoch enable_sampling=false",
+            "eval_strategy: epoch samples the eval tasks, but enable_sampling=false starts no engine to sample them: "
+            "expected eval_strategy=no with enable_sampling=false",
+        ),
     ],
 )
 def test_a_bad_key_or_value_is_refused_with_exit_code_2_before_anything_starts(
@@ -68,7 +85,7 @@ def test_a_bad_key_or_value_is_refused_with_exit_code_2_before_anything_starts(
 ):
     out = tmp_path / "run"
 
-    assert demo.main([f"output_dir={out}", override]) == 2
+    assert demo.main([f"output_dir={out}", *override.split()]) == 2
 
     err = capsys.readouterr().err
     assert err.startswith("agentrl_demo.py: error: ") and message in err, err
@@ -87,7 +104,8 @@ def test_help_lists_every_key_with_its_meaning_after_the_whole_description():
     assert set(keys) == {"steps", "prompts_from", "prompts_per_step", "num_generations", "num_tasks", "lr",
                          "lr_warmup_steps", "sft_target", "max_trained_count", "retrained_interval", "max_steps_ahead",
                          "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume", "loss_calculater",
-                         "beta1", "beta2", "model_name_or_path", "max_new_tokens", "enable_sampling"}  # fmt: skip
+                         "beta1", "beta2", "model_name_or_path", "max_new_tokens", "enable_sampling",
+                         "eval_strategy", "eval_steps", "num_eval_tasks"}  # fmt: skip
     for key, (_, meaning) in keys.items():
         assert meaning and f"{key} = " in text and " ".join(meaning.split()) in text, key
     assert text.endswith(" ".join(list(keys.values())[-1][1].split()))  # the last key's meaning, whole
@@ -134,7 +152,8 @@ def test_beta1_and_beta2_are_the_grpo_optimizers_adam_betas():
 
 def test_every_numeric_key_has_a_range():
     numeric = {key for key, (default, _) in config_keys(AgentRLDemoConfig).items() if type(default) in (int, float)}
-    assert set(AgentRLDemoConfig.KEY_RANGES) == numeric | {"prompts_from"}
+    # and the constrained ones: prompts_from, eval_strategy, eval_steps (None by default)
+    assert set(AgentRLDemoConfig.KEY_RANGES) == numeric | {"prompts_from", "eval_strategy", "eval_steps"}
 
 
 def old_run(out) -> None:
@@ -393,3 +412,57 @@ def test_the_mongodb_refusal_is_a_typed_ledger_error():
     with pytest.raises(UnsupportedBackend, match=r"expected 'sqlite:///PATH' or 'postgresql://") as exc:
         parse_connection_string("MONGODB://db:27017")
     assert isinstance(exc.value, MalformedConnectionString)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], ("no", None)),
+        (["eval_strategy=no"], ("no", None)),  # YAML reads an unquoted no as false
+        (["--eval_strategy", "STEPS", "--eval_steps", "50"], ("steps", 50)),
+        (["eval_strategy=Epoch"], ("epoch", None)),
+    ],
+)
+def test_eval_strategy_is_hf_trainers_in_any_case(tmp_path, started, flags, expected):
+    assert demo.main([f"output_dir={tmp_path / 'run'}", *flags]) == 0
+
+    assert [(c.eval_strategy, c.eval_steps) for c in started] == [expected]
+
+
+def test_the_guides_eval_flags_are_said_in_the_mapping(tmp_path, started, capsys):
+    argv = [f"output_dir={tmp_path / 'run'}", "--eval_strategy", "steps", "--eval_steps", "50"]
+
+    assert demo.main(argv) == 0
+
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+    assert lines == [
+        "--eval_strategy steps -> eval_strategy=steps (every eval_steps=50 GRPO steps; held-out tasks sampled through "
+        "the ledger's split eval, never trained; eval rows in metrics.jsonl)",
+        "--eval_steps 50 -> eval_steps=50 (GRPO steps between evaluations)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "eval_steps", "expected"),
+    [
+        ("no", None, []),
+        ("steps", 2, [1, 3, 5, 7, 9]),  # after steps 2, 4, ... (0-based step + 1)
+        ("steps", 3, [2, 5, 8]),
+        ("epoch", None, [3, 6, 9]),  # 10 tasks, 3 prompts a step: 12, 21 and 30 prompts trained pass 10, 20, 30
+    ],
+)
+def test_eval_due_after_every_eval_steps_or_each_epoch_of_the_training_tasks(strategy, eval_steps, expected):
+    from orchestration.ledger_run import eval_due
+
+    config = AgentRLDemoConfig(eval_strategy=strategy, eval_steps=eval_steps, num_tasks=10, prompts_per_step=3)
+
+    assert [step for step in range(10) if eval_due(config, step)] == expected
+
+
+def test_the_held_out_tasks_are_fixed_and_none_is_a_training_task():
+    config = AgentRLDemoConfig(num_tasks=200, num_eval_tasks=40)
+
+    held_out = [item["prompt"] for item in demo.held_out_dataset(config).items]
+
+    assert len(held_out) == 40 and held_out == [item["prompt"] for item in demo.held_out_dataset(config).items]
+    assert not set(held_out) & {item["prompt"] for item in demo.AdditionDataset(200, seed=0).items}

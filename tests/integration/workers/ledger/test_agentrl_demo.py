@@ -218,3 +218,34 @@ def test_enable_sampling_false_trains_the_ledgers_records_without_an_engine_and_
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 3
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["rows_trained"]) for r in rows if r["kind"] == "grpo"] == [(0, 8), (1, 8), (2, 8)]
+
+
+# --- eval_strategy (issue 27): evaluation sampling through the ledger's split eval, never trained ------------------
+def test_eval_strategy_steps_samples_held_out_tasks_every_eval_steps_and_trains_none_of_them(tmp_path, ray_session):
+    from recipe.agentrl_demo import main
+
+    out = tmp_path / "run"
+    argv = [f"output_dir={out}", "steps=4", *SMALL[:4], "prompts_per_step=2", "num_generations=2"]
+
+    assert main([*argv, "--eval_strategy", "Steps", "--eval_steps", "2", "num_eval_tasks=3"]) == 0
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [(r["step"], r["eval_records"]) for r in evals] == [(2, 6), (4, 6)]  # 3 tasks x 2 answers, every 2 steps
+    for r in evals:
+        assert 0 <= r["eval_accuracy"] <= 1 and r["eval_reward"] == r["eval_accuracy"]  # addition's reward is 0 or 1
+    grpo = [(r["step"], r["rows_trained"]) for r in rows if r["kind"] == "grpo"]
+    assert grpo == [(0, 4), (1, 4), (2, 4), (3, 4)]  # a step's 2 groups of 2, as without evaluation
+    ledger = Ledger(f"sqlite:///{out}/ledger.db")
+    try:
+        evaluated = ledger.records("eval")
+        trained = [r for r in ledger.records() if r.trained_count]
+        train_questions = {r.messages[0]["content"] for r in ledger.records("train")}
+        eval_tasks = ledger.tasks("eval")
+    finally:
+        ledger.close()
+    assert sorted({r.epoch for r in evaluated}) == [2, 4] and len(evaluated) == 12
+    assert all(r.trained_count == 0 and r.partition_id is None for r in evaluated)  # never queued, never trained
+    assert len(trained) == 16 and {r.split for r in trained} == {"train"}
+    assert {t.status for t in eval_tasks} == {"done"} and len({t.id for t in eval_tasks}) == 3  # the same 3 each time
+    assert not {r.messages[0]["content"] for r in evaluated} & train_questions  # held out

@@ -230,6 +230,18 @@ def test_scheduler_writes_epochs_and_records_every_task_once_per_epoch(cfg):
     assert {r.id: r.score for r in records} == {i: row["reward"] for i, row in by_id.items()}
 
 
+def test_run_epochs_samples_just_those_epochs_of_the_split_without_a_sink(cfg):
+    """An evaluation's run: one named epoch of split eval, recorded and scored, nothing queued."""
+    stats = SamplingScheduler(config=cfg, sampler_class=QuestionSampler, dataset=QuestionDataset(3), split="eval").run(
+        epochs=[4]
+    )
+    ledger = Ledger(cfg.ledger_url)
+    assert ledger.written_epochs("eval") == [4] and ledger.written_epochs("train") == []
+    records = ledger.records("eval")
+    assert stats["completed"] == 3 and len(records) == 6 and {r.epoch for r in records} == {4}
+    assert all(r.partition_id is None and r.score is not None for r in records)
+
+
 def test_two_schedulers_on_one_split_write_each_epoch_once(cfg):
     cfg = cfg.model_copy(update={"num_epochs": 2})
     schedulers = [
