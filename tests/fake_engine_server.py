@@ -6,11 +6,12 @@ fraction of a second (no torch). Like a real server, on SIGTERM it stops its own
 
 Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation,
 POST /resume_memory_occupation (health answers 503 while released), SGLang's POST /update_weights_from_disk
-(``{"model_path", "weight_version"}``: recorded, ``{"success": true}``) and GET /get_weight_version, and GET /argv:
-``{"argv": [...], "loads": [[model_path, weight_version], ...]}`` (the command line it was started with, flags it does
-not know included, as an engine's sizing flags; and the weight loads it answered). With ``--api-key`` (or
-``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer KEY``, as SGLang's
-``--api-key``.
+(``{"model_path", "weight_version"}``: recorded, ``{"success": true}``), GET /get_weight_version and POST /generate
+(one empty output per row of ``input_ids``), and GET /argv: ``{"argv": [...], "loads": [[model_path, weight_version],
+...], "generated": [weight_version, ...]}`` (the command line it was started with, flags it does not know included, as
+an engine's sizing flags; the weight loads it answered; the weight version of each generation it answered). With
+``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer
+KEY``, as SGLang's ``--api-key``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     key = os.environ.get("TQ_API_KEY") if args.key_from_env else args.api_key
     state: dict[str, object] = {"released": False, "weight_version": "default"}
     loads: list[list[str]] = []
+    generated: list[str] = []
     children: list[subprocess.Popen[bytes]] = []
     if args.spawn_child:
         children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
@@ -54,7 +56,7 @@ def main() -> None:
                 ok = not args.never_healthy and not state["released"]
                 self._reply(200 if ok else 503, {})
             elif self.path == "/argv":
-                self._reply(200, {"argv": sys.argv[1:], "loads": loads})
+                self._reply(200, {"argv": sys.argv[1:], "loads": loads, "generated": generated})
             elif self.path == "/get_weight_version":
                 self._reply(200, {"weight_version": state["weight_version"]})
             else:
@@ -66,6 +68,12 @@ def main() -> None:
             elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 state["released"] = self.path.startswith("/release")
                 self._reply(200, {})
+            elif self.path == "/generate":  # SGLang's schema, no tokens; the weight version it generated with
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                generated.append(str(state["weight_version"]))
+                meta = {"output_token_logprobs": [], "finish_reason": {"type": "length"}}
+                empty = {"output_ids": [], "meta_info": meta}
+                self._reply(200, [empty] * len(body["input_ids"]))
             elif self.path == "/update_weights_from_disk":
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 loads.append([body["model_path"], body["weight_version"]])

@@ -170,9 +170,10 @@ def test_a_sigkilled_server_is_restarted_reloaded_and_registered_again(manager, 
     t0 = time.perf_counter()
     assert wait_for(lambda: crashed.record.restarts == 1 and rows(ledger)["inference-1"][1:] == ("up", 1), 900)
     print(f"SIGKILLed vLLM server restarted, reloaded and up again after {time.perf_counter() - t0:.1f} s")
-    assert crashed.process.pid != first_pid and crashed.url != old_url
+    assert crashed.process.pid != first_pid and crashed.url == old_url  # on its port again: the same URL
     assert group_members(first_pid) == []  # its engine core went with it
-    assert rows(ledger)["inference-1"][0] == f"{crashed.url}/v1"  # registered again with its new URL
+    assert rows(ledger)["inference-1"][0] == f"{old_url}/v1"
+    assert crashed.engine.served_version() == "1" and not crashed.engine.server_restarted()  # GET /weight_info
     assert float(differences(new, crashed.engine.generate(PROMPTS, 2, SEEDED), 1.0).max()) < 1e-3
     assert chat(rows(ledger)["inference-1"][0], manager.api_key)["choices"]
     assert manager.check() == {"inference-0": "healthy", "inference-1": "healthy"}

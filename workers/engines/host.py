@@ -12,6 +12,7 @@ weights that only its own training step can publish.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 from rl_contracts.task import load_task
 from rl_contracts.weight_channel import WeightChannel
 from workers.engines.base import Engine, Generation, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class EngineActor:
         self._channel = WeightChannel(spec.weights_channel) if spec.weights_channel else None
         self._weights_timeout = spec.weights_timeout
         self._serial = -1  # the channel write these weights came from
+        self._latest: tuple[int, Any, str | None] | None = None  # the last update_weights, for a restarted server
         if spec.partial_rollout:
             from workers.engines.partial import PartialRollout
 
@@ -121,6 +125,7 @@ class EngineActor:
         until weights at least that new are published (on-policy generation right after a training step).
         """
         self._calls += 1
+        self.restore_server_weights()
         self.pull_weights(min_version)
         return self._engine.version, self._engine.generate(prompts, n, params)
 
@@ -154,10 +159,29 @@ class EngineActor:
 
     def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
         """Load weights (a state dict, or a list holding one ObjectRef of it, or a directory); returns the version."""
+        if hasattr(self._engine, "server_restarted"):  # kept (the ObjectRef, not its value) for a restarted server
+            self._latest = (version, weights, path)
         if isinstance(weights, list) and weights and isinstance(weights[0], ray.ObjectRef):
             weights = ray.get(weights[0])
         self._engine.update_weights(version, state_dict=weights, path=path)
         return self._engine.version
+
+    def restore_server_weights(self) -> bool:
+        """A client of a server (``vllm-server``, ``sglang``) whose server was restarted since it loaded weights
+        into it (the server reports another weight version: it came back with the weights on its command line,
+        ``EngineServer.restart``) loads them again: the newest of the weight channel, or those of the last
+        ``update_weights``. Runs before each generation; returns whether it reloaded."""
+        restarted = getattr(self._engine, "server_restarted", None)
+        if restarted is None or not restarted():
+            return False
+        logger.warning("the server at %s lost version %s (restarted): loading it again", self._engine.url,
+                       self._engine.version)  # fmt: skip
+        if self._channel is not None:
+            self._serial = -1  # pull_weights loads the channel's newest again
+            self.pull_weights()
+        elif self._latest is not None:
+            self.update_weights(*self._latest)
+        return True
 
     def health(self) -> dict[str, Any]:
         return {**self._engine.health(), "calls": self._calls}

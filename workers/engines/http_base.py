@@ -47,6 +47,7 @@ class HTTPEngine(Engine):
 
     kind = "http"
     health_path = "/health"  # a GET that answers 200 while the server can generate
+    weight_version_path = ""  # a GET answering {"weight_version": ...}, the version of the last load ("": none)
 
     def __init__(
         self,
@@ -160,6 +161,25 @@ class HTTPEngine(Engine):
             scratch.remove()
             raise
         return scratch
+
+    def served_version(self) -> str | None:
+        """The ``weight_version`` the server reports (what the last load named; the engine's own initial value, e.g.
+        SGLang's ``"default"``, before any), or None when this engine has no such route."""
+        if not self.weight_version_path:
+            return None
+        reply = self.request("GET", self.weight_version_path)
+        version = reply.get("weight_version") if isinstance(reply, dict) else None
+        return None if version is None else str(version)
+
+    def server_restarted(self) -> bool:
+        """Whether the server no longer holds the weights this client loaded into it: it reports another weight
+        version than the client's (a server restarted after a crash comes back with the weights on its command
+        line). False while the client is at version 0 (the initial weights), or without a version route.
+
+        Raises:
+            EngineUnavailable: the server could not be reached.
+        """
+        return self._version > 0 and self.weight_version_path != "" and self.served_version() != str(self._version)
 
     def model_path(self) -> str | None:
         if self._model_path is None:

@@ -21,7 +21,7 @@ A value an engine cannot honour is refused when the manager is made (:class:`Inv
 engine, the value and what it supports). Each running server is an ``InferenceService`` of the ledger when one is
 given (``url`` = the server's ``/v1``, ``policy_version``, ``up`` while healthy and serving the newest weights,
 ``down`` otherwise); the monitor's health checks are its heartbeats. A server that crashes is restarted by its
-``EngineServer`` on a new port, loaded with the newest weights and registered again with its new URL.
+``EngineServer`` on its port (the same URL), loaded with the newest weights and registered ``up`` again.
 ``sync_weights`` loads a checkpoint directory into every server; ``release_memory`` / ``resume_memory`` free and
 take back the devices for a training phase; ``stop`` (or leaving the ``with`` block) stops them all. No server
 outlives the run: ``EngineServer``'s exit and SIGTERM / SIGINT handlers stop them (installed from the thread that
@@ -374,7 +374,7 @@ class InferenceManager:
     # ---- what it serves --------------------------------------------------------------------------------------
     @property
     def urls(self) -> list[str]:
-        """The servers' base URLs (they change when a server is restarted)."""
+        """The servers' base URLs (a restarted server keeps its URL)."""
         return [str(server.url) for server in self.servers]
 
     @property
@@ -432,7 +432,7 @@ class InferenceManager:
 
     def _reload(self, server: EngineServer, engine: Any = None) -> None:
         """A server started anew (crash restart, resume after a release by stop): the newest weights, then ``up``
-        with its new URL."""
+        again (at the same URL)."""
         weights = self._weights
         try:
             if weights is not None and server.engine is not None:
@@ -445,7 +445,7 @@ class InferenceManager:
             self.errors[server.name] = exc
             return
         self._bridge.reloading.discard(server.name)
-        server.set_version(server.record.version)  # registers the record again: up, new URL, its version
+        server.set_version(server.record.version)  # registers the record again: up, its version
 
     # ---- memory for training (colocated) ---------------------------------------------------------------------
     def release_memory(self) -> list[str]:
@@ -455,7 +455,7 @@ class InferenceManager:
         return [server.release_memory() for server in self.servers]
 
     def resume_memory(self) -> list[str]:
-        """Bring every server back; one stopped by ``release_memory`` starts again (new URL) and is loaded with the
+        """Bring every server back; one stopped by ``release_memory`` starts again (same URL) and is loaded with the
         newest weights before it is ``up``. Returns the URLs."""
         urls = []
         for server in self.servers:

@@ -3,12 +3,12 @@
 The seed's ``InferenceService``: the server is started as a subprocess in its own process group on a free port of
 127.0.0.1 (or the node's address), waited for until its health route answers (a deadline), registered (URL, model,
 version, status) in a :class:`ServiceRegistry`, health-checked by a monitor thread while it runs, restarted after a
-crash (a budget of restarts, then :class:`RestartBudgetExhausted`), freed for training and brought back
-(``release_memory`` / ``resume_memory``: the engine's own calls where it has them, stop / start otherwise) and
-stopped with its whole process group (on ``stop``, at exit, and on SIGTERM / SIGINT of the run). If the run dies
-without running any of that (SIGKILL), the kernel sends the server SIGTERM: servers are forked by one launcher thread
-that lives as long as the process (``PR_SET_PDEATHSIG`` fires when the forking *thread* exits), so a server started
-from a short-lived thread (a thread pool starting several servers at once) outlives that thread.
+crash on the same port, so at the same URL (a budget of restarts, then :class:`RestartBudgetExhausted`), freed for
+training and brought back (``release_memory`` / ``resume_memory``: the engine's own calls where it has them, stop /
+start otherwise) and stopped with its whole process group (on ``stop``, at exit, and on SIGTERM / SIGINT of the run). If
+the run dies without running any of that (SIGKILL), the kernel sends the server SIGTERM: servers are forked by one
+launcher thread that lives as long as the process (``PR_SET_PDEATHSIG`` fires when the forking *thread* exits), so a
+server started from a short-lived thread (a thread pool starting several servers at once) outlives that thread.
 
     server = EngineServer(fake_or_real_command, health_path="/health_generate", engine_factory=SGLangEngine)
     with server:                      # start() ... stop()
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 CommandFn = Callable[[str, int], list[str]]  # (host, port) -> argv
 _LIVE: weakref.WeakSet[EngineServer] = weakref.WeakSet()
 _HANDLERS_INSTALLED = False
+PORT_REUSE_WAIT_S = 10.0  # how long a restart waits for its previous port to be free
 _PORT_IN_USE_MARKERS = ("address already in use", "errno 98", "only one usage of each socket address")
 
 
@@ -107,7 +108,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether a server can listen on ``host:port`` now. With ``SO_REUSEADDR``, as the servers bind (uvicorn,
+    SGLang, Python's ``HTTPServer``): the connections of a server that just died, left in ``TIME_WAIT``, do not
+    keep its successor from the port; a socket that listens on it does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -124,7 +129,9 @@ class EngineServer:
         model: what it serves, for the registry.
         health_path: the route that answers 200 when the server can generate.
         host: the address it binds (127.0.0.1, or the node's address for engines on other hosts).
-        port: a fixed port (checked free first: :class:`PortInUse`); None picks a free one at each start.
+        port: a fixed port (checked free first: :class:`PortInUse`); None picks a free one at the first start.
+            Either way the server keeps its port, so its URL, across restarts (a crash, a release by stop): a
+            restart waits up to ``PORT_REUSE_WAIT_S`` for the port to be free, then raises :class:`PortInUse`.
         env: environment additions for the server (a ``None`` value removes the variable from its environment).
         cwd: its working directory.
         log_dir: where its log goes (stdout and stderr, appended across restarts); a temporary directory if None.
@@ -200,9 +207,17 @@ class EngineServer:
             return str(self.record.url)
 
     def _launch(self) -> None:
-        port = self.fixed_port if self.fixed_port is not None else free_port(self.host)
-        if self.fixed_port is not None and not port_is_free(self.host, port):
-            raise PortInUse(f"{self.name}: port {self.host}:{port} is already in use; expected a free port")
+        # the fixed port, or the one the server had (a restart keeps its URL: clients built with it still reach it)
+        port = self.fixed_port if self.fixed_port is not None else self.record.port
+        if port is None:
+            port = free_port(self.host)
+        else:
+            # a server that just died may leave its port bound for a moment (children exiting): wait briefly
+            deadline = time.monotonic() + (0 if self.record.port is None else PORT_REUSE_WAIT_S)
+            while not port_is_free(self.host, port):
+                if time.monotonic() >= deadline:
+                    raise PortInUse(f"{self.name}: port {self.host}:{port} is already in use; expected a free port")
+                time.sleep(0.1)
         argv = self.command(self.host, port)
         shown = redact(" ".join(argv), self.api_key).replace(KEY_PLACEHOLDER, REDACTED)
         env = {key: value for key, value in {**os.environ, **self.env}.items() if value is not None}
@@ -371,8 +386,8 @@ class EngineServer:
             return how
 
     def resume_memory(self, reload: Callable[[Any], None] | None = None) -> str:
-        """Bring the server back after ``release_memory``. A stopped server is started again (new port unless
-        fixed) and ``reload(engine)`` puts the newest weights back into it. Returns its URL."""
+        """Bring the server back after ``release_memory``. A stopped server is started again (on its port) and
+        ``reload(engine)`` puts the newest weights back into it. Returns its URL."""
         with self._lock:
             if self._released_by_stop:
                 self._released_by_stop = False

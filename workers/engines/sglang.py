@@ -71,6 +71,7 @@ class SGLangEngine(HTTPEngine):
 
     kind = "sglang"
     health_path = "/health_generate"  # answers once the server generated one token
+    weight_version_path = "/get_weight_version"
     supports_abort = True
 
     def __init__(self, url: str, **kwargs: Any):
@@ -152,11 +153,6 @@ class SGLangEngine(HTTPEngine):
     def _served_model_path(self) -> str | None:
         info = self.request("GET", "/get_model_info")
         return info.get("model_path") if isinstance(info, dict) else None
-
-    def served_version(self) -> str | None:
-        """The ``weight_version`` the server reports."""
-        reply = self.request("GET", "/get_weight_version")
-        return reply.get("weight_version") if isinstance(reply, dict) else None
 
     def flush_cache(self) -> Any:
         return self.request("POST", "/flush_cache")

@@ -115,6 +115,7 @@ class VLLMServerEngine(HTTPEngine):
     """
 
     kind = "vllm-server"
+    weight_version_path = "/weight_info"
     supports_abort = True
 
     def __init__(self, url: str, *, served_model: str = "policy", sleep_mode: bool = False, **kwargs: Any):

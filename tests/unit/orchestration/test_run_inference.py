@@ -6,20 +6,25 @@ servers are the stand-in of tests/fake_engine_server.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from orchestration import grpo_run
 from orchestration.config import ConfigError, RolloutConfig, load_config, parse_overrides
 from orchestration.grpo_run import GRPORun
 from orchestration.inference import inference_manager, model_directory, starts_servers, worker_urls
+from rl_contracts.weight_channel import WeightChannel
 from tests.unit.workers.engines.test_engine_server import group_members, wait_for
 from tests.unit.workers.engines.test_inference_manager import fake_command
-from workers.engines.host import EngineSpec
+from workers.engines.base import SamplingParams
+from workers.engines.host import EngineActor, EngineSpec
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
@@ -173,6 +178,58 @@ def test_each_workers_engine_loads_the_weights_into_its_own_server(tmp_path):
         assert loads(urls[0]) == [[str(tmp_path / "v3"), "3"]]
         pgids = [server.process.pid for server in manager.servers]
     assert all(wait_for(lambda pgid=pgid: group_members(pgid) == []) for pgid in pgids)
+
+
+def generated(url: str) -> list[str]:
+    """The weight version of each generation a stand-in server answered."""
+    return httpx.get(f"{url}/argv", trust_env=False, timeout=10).json()["generated"]
+
+
+def test_a_crashed_server_comes_back_at_its_url_and_gets_the_newest_weights_before_the_workers_next_generation(
+    tmp_path,
+):
+    rollout = RolloutConfig(num_workers=1, engine="sglang")
+    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=fake_command, health_interval=0.1)
+    with manager:
+        (url,) = worker_urls(rollout, manager.urls)
+        spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key)
+        actor = EngineActor.__ray_metadata__.modified_class(spec)  # the worker's EngineActor, without Ray
+        params = SamplingParams(max_new_tokens=1)
+        for version in (1, 2):  # two publishes
+            actor.update_weights(version, None, str(tmp_path / f"v{version}"))
+        assert actor.generate([[1, 2]], 2, params)[0] == 2 and generated(url) == ["2"]
+
+        server = manager.servers[0]
+        os.kill(server.process.pid, signal.SIGKILL)
+        assert wait_for(lambda: server.record.restarts == 1 and server.record.status == "healthy")
+        assert server.url == url and loads(url) == []  # the same URL, the weights of its command line
+        version, generations = actor.generate([[1, 2]], 2, params)  # reaches it, and loads v2 again first
+        assert version == 2 and len(generations[0]) == 2
+        assert loads(url) == [[str(tmp_path / "v2"), "2"]] and generated(url) == ["2"]
+        assert actor.restore_server_weights() is False  # the server holds the client's version now
+
+
+def test_with_a_weight_channel_a_restarted_server_gets_the_channels_newest_weights_again(tmp_path):
+    rollout = RolloutConfig(num_workers=1, engine="sglang")
+    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=fake_command, health_interval=0.1)
+    channel = WeightChannel.create(root=str(tmp_path))
+    try:
+        with manager:
+            (url,) = worker_urls(rollout, manager.urls)
+            spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key,
+                              weights_channel=str(channel.path))  # fmt: skip
+            actor = EngineActor.__ray_metadata__.modified_class(spec)
+            params = SamplingParams(max_new_tokens=1)
+            channel.write(1, {"w": torch.ones(2)})
+            assert actor.generate([[1]], 1, params)[0] == 1 and generated(url) == ["1"]
+            server = manager.servers[0]
+            os.kill(server.process.pid, signal.SIGKILL)
+            assert wait_for(lambda: server.record.restarts == 1 and server.record.status == "healthy")
+            assert server.url == url and generated(url) == []
+            assert actor.generate([[1]], 1, params)[0] == 1
+            assert [version for _, version in loads(url)] == ["1"] and generated(url) == ["1"]
+    finally:
+        channel.close()
 
 
 def test_a_run_gives_worker_i_server_i_and_its_key_and_stops_the_servers_when_it_ends(monkeypatch, tmp_path):
