@@ -77,6 +77,9 @@ def create_sglang_app(
         "in_flight": 0,  # generate requests waiting or running
         "seeds": [],  # the sampling_seed of each row, one list per generate request
         "health_generations": 0,
+        # a test of aborts sets it: each row waits (up to 60 s) for the abort before it runs, so a loaded machine
+        # cannot finish the rows before the abort reaches the server
+        "hold_for_abort": False,
     }
     state["running"].set()
     lock = threading.Lock()  # one generation at a time on the HF model; weight loads wait for it
@@ -84,6 +87,8 @@ def create_sglang_app(
     app.state.fake = state
 
     def _one(row: list[int], params: SamplingParams) -> Generation:
+        if state["hold_for_abort"]:
+            state["abort"].wait(60)
         if state["abort"].is_set():
             return Generation([], [], "abort")
         [[generation]] = engine.generate([row], 1, params, should_abort=state["abort"].is_set)

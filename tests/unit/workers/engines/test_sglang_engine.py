@@ -158,6 +158,7 @@ def test_abort_returns_the_unfinished_responses(server):
     url, fake = server
     engine = SGLangEngine(url)
     params = SamplingParams(max_new_tokens=200, seed=0)
+    fake["hold_for_abort"] = True  # the rows wait for the abort (on a loaded machine they finished before it came)
     got = engine.generate([[1, 5]] * 4, 1, params, should_abort=fake["generating"].is_set)
     reasons = {g.finish_reason for group in got for g in group}
     assert "abort" in reasons
