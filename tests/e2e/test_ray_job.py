@@ -50,8 +50,13 @@ def ray_head():
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
     dashboard = free_port()
+    # every port the head's agents listen on is a free one: with Ray's defaults (52365 for the job agent) a Ray
+    # left on the machine, or one another test started, holds it and the head never gets a job agent ("No
+    # available agent to submit job" for the whole 120 s, seen in a fresh-clone CI run)
     cmd = [
         RAY, "start", "--head", f"--port={free_port()}", f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
         "--num-cpus=16", "--include-dashboard=true", "--disable-usage-stats",
     ]  # fmt: skip
     try:
