@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.unit.workers.ledger.test_services import completion as services_completion
 from workers.ledger import (
     AsyncSampler,
     DirectoryBlobStore,
@@ -76,16 +77,7 @@ class PictureSampler(AsyncSampler):
 
 
 def completion(n: int) -> dict[str, Any]:
-    choice = {"message": {"role": "assistant", "content": "a cat"}, "finish_reason": "stop", "token_ids": [5]}
-    return {
-        "id": "c",
-        "created": 0,
-        "model": "policy",
-        "choices": [{"index": i, **choice, "token_logprobs": [-0.5]} for i in range(n)],
-        "usage": {},
-        "prompt_token_ids": [1, 2],
-        "policy_version": 0,
-    }
+    return services_completion(n, "a cat")
 
 
 def test_a_grpo_group_stores_its_image_once_records_references_and_sends_base64(tmp_path):

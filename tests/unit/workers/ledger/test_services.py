@@ -24,8 +24,9 @@ class SeedSampler(AsyncSampler):
         return 0.0
 
 
-def completion(n: int) -> dict[str, Any]:
-    choice = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "token_ids": [5]}
+def completion(n: int, content: str = "hi") -> dict[str, Any]:
+    """An OpenAI-style reply of our endpoint with ``n`` choices saying ``content`` (the samplers' tests use it too)."""
+    choice = {"message": {"role": "assistant", "content": content}, "finish_reason": "stop", "token_ids": [5]}
     return {
         "id": "c",
         "created": 0,
