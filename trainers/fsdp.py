@@ -338,7 +338,9 @@ class FSDPPolicy:
             self.model.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    def compute_logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0, pixel_values: Tensor | None = None
+    ) -> Tensor:
         """Log-probabilities of the given tokens, aligned with ``input_ids``, without gradients.
 
         Args:
@@ -353,14 +355,19 @@ class FSDPPolicy:
         """
         _check_rows(input_ids, attention_mask)
         self.model.eval()
+        if pixel_values is not None and pixel_values.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"pixel_values has shape {tuple(pixel_values.shape)}, expected {input_ids.shape[0]} rows like input_ids"
+            )
         if self.dynamic_batching:
-            return self._dynamic_logprobs(input_ids, attention_mask, temperature)
+            return self._dynamic_logprobs(input_ids, attention_mask, temperature, pixel_values)
         self._check_micro_batch_count(input_ids.shape[0])
         chunks = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             rows = slice(start, start + self.micro_batch_size)
             ids, mask = input_ids[rows].to(self.device), attention_mask[rows].to(self.device)
-            chunks.append(self._logprobs(ids, mask, temperature))
+            pixels = None if pixel_values is None else pixel_values[rows].to(self.device)
+            chunks.append(self._logprobs(ids, mask, temperature, pixels))
         return torch.cat(chunks).to(input_ids.device)
 
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
@@ -410,7 +417,7 @@ class FSDPPolicy:
             self._fsdp.set_requires_gradient_sync(i == last)
             mb = {name: value.to(self.device, non_blocking=True) for name, value in mb.items()}
             with self._saved_for_backward():
-                logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature)
+                logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature, mb.get(PIXEL_VALUES))
                 loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
                 (loss * (weight * self.dp_size / total_weight)).backward()
             for name, value in {"loss": loss, **metrics}.items():
@@ -505,17 +512,17 @@ class FSDPPolicy:
             return contextlib.nullcontext()
         return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
-    def _logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
-        # Positions count real tokens, so left padding (if any) does not shift them.
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        kwargs = {"use_cache": False} if self._is_hf else {}  # no KV cache to build during training
+    def _logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, temperature: float, pixel_values: Tensor | None = None
+    ) -> Tensor:
         if self._head is None or self.loss_seq_chunk_size is None:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-            logits = out if isinstance(out, Tensor) else out.logits
-            return token_logprobs(logits, input_ids, attention_mask, temperature)
+            return model_token_logprobs(
+                self.model, input_ids, attention_mask, temperature, pixel_values=pixel_values, hf=self._is_hf
+            )
         _check_temperature(temperature)
+        kwargs = _forward_kwargs(attention_mask, pixel_values, self._is_hf)
         with _head_scores_tokens(self._head, input_ids, temperature, self.loss_seq_chunk_size):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+            out = self.model(input_ids=input_ids, **kwargs)
         logprobs = out if isinstance(out, Tensor) else out.logits
         if logprobs.shape != input_ids.shape:
             raise RuntimeError(
@@ -549,10 +556,19 @@ class FSDPPolicy:
         for rows in plan_micro_batches(lengths.tolist(), self.max_tokens_per_micro_batch):
             index = torch.tensor(rows, device=lengths.device)
             trim = max(1, int(lengths[index].max()))
-            out.append({name: _trim(value[index.to(value.device)], width, trim) for name, value in batch.items()})
+            out.append(
+                {
+                    name: value[index.to(value.device)]
+                    if name == PIXEL_VALUES
+                    else _trim(value[index.to(value.device)], width, trim)
+                    for name, value in batch.items()
+                }
+            )
         return out
 
-    def _dynamic_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+    def _dynamic_logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, temperature: float, pixel_values: Tensor | None = None
+    ) -> Tensor:
         lengths = row_lengths(attention_mask)
         plan = plan_micro_batches(lengths.tolist(), self.max_tokens_per_micro_batch)
         counts = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
@@ -564,7 +580,8 @@ class FSDPPolicy:
             trim = max(1, int(lengths[index].max()))
             ids = input_ids[index, :trim].to(self.device)
             mask = attention_mask[index, :trim].to(self.device)
-            out[index, :trim] = self._logprobs(ids, mask, temperature).to(out.device)
+            pixels = None if pixel_values is None else pixel_values[index.to(pixel_values.device)].to(self.device)
+            out[index, :trim] = self._logprobs(ids, mask, temperature, pixels).to(out.device)
         for _ in range(len(plan), max(self.micro_batch_counts)):
             self._filler_pass(backward=False)
         return out
@@ -742,6 +759,50 @@ def row_lengths(attention_mask: Tensor) -> Tensor:
 def _trim(value: Tensor, width: int, trim: int) -> Tensor:
     """``value``'s first ``trim`` columns if it is token-aligned (two or more dims, the second ``width``)."""
     return value[:, :trim] if value.dim() >= 2 and value.shape[1] == width else value
+
+
+#: the batch key of a vision-language model's images (``train_step``, ``compute_logprobs``): ``[B, K, 3, H, W]``, the
+#: ``K`` images of each row in the order of its image placeholder tokens (every row the same ``K``), or
+#: ``[B, 3, H, W]`` for one image per row; split by rows with the other tensors, never trimmed
+PIXEL_VALUES = "pixel_values"
+
+
+def model_token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float = 1.0,
+    *,
+    pixel_values: Tensor | None = None,
+    hf: bool = True,
+) -> Tensor:
+    """The trainer's log-prob pass: :func:`token_logprobs` of ``model``'s logits for ``input_ids``, positions counting
+    real tokens (left padding does not shift them), no KV cache (``hf``: a Hugging Face model's ``use_cache=False``).
+
+    ``pixel_values`` (see :data:`PIXEL_VALUES`) go to a vision-language model (LLaVA-style: its forward takes
+    ``pixel_values`` ``[N, 3, H, W]`` for the ``N`` images of the batch, row by row) flattened to ``[B * K, 3, H, W]``.
+    The engines feed the same images to the prompt's forward pass, so the log-probs are the sampler's for the same
+    weights.
+    """
+    out = model(input_ids=input_ids, **_forward_kwargs(attention_mask, pixel_values, hf))
+    logits = out if isinstance(out, Tensor) else out.logits
+    return token_logprobs(logits, input_ids, attention_mask, temperature)
+
+
+def _forward_kwargs(attention_mask: Tensor, pixel_values: Tensor | None, hf: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+    }
+    if hf:
+        kwargs["use_cache"] = False  # no KV cache to build during training
+    if pixel_values is not None:
+        if pixel_values.dim() not in (4, 5):
+            raise ValueError(
+                f"pixel_values has shape {tuple(pixel_values.shape)}, expected [B, K, 3, H, W] or [B, 3, H, W]"
+            )
+        kwargs["pixel_values"] = pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values
+    return kwargs
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:

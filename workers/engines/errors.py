@@ -82,3 +82,12 @@ class InvalidInferenceSizing(EngineError, ValueError):
     """An ``InferenceManager`` was asked for services its engine cannot run as sized (``inf_tp_size``,
     ``inf_ep_size``, ``inf_mem_ratio``, the data-parallel size or the devices): the message names the engine, the
     value, and what the engine supports."""
+
+
+class ImagesNotSupported(EngineError, ValueError):
+    """An engine was given images for a model that takes text only (the message names the model's class)."""
+
+
+class ImageTokenMismatch(EngineError, ValueError):
+    """A vision-language prompt whose image placeholder tokens do not match its images (the message gives both
+    counts)."""

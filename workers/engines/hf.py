@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from workers.engines.base import (
     check_prompts,
     check_weight_update,
 )
+from workers.engines.errors import ImagesNotSupported, ImageTokenMismatch
 
 # from_pretrained builds the model under a process-wide meta-device context: two loads in two threads at once
 # (weight syncs to several engines of one process) break each other, so loads are serialised.
@@ -58,6 +60,15 @@ class HFEngine(Engine):
         pad_token_id: used to left-pad prompts; defaults to the model config's.
         eos_token_id: always a stop token; defaults to the model config's.
         max_batch_size: the most rows (prompts x n) decoded in one forward pass.
+        image_processor: for a vision-language model (a LLaVA-style one, with ``config.vision_config`` and an image
+            token id), turns a prompt's images into ``pixel_values``; defaults to ``workers.vision.ImageProcessor``
+            for the model's vision tower.
+
+    Vision-language models: ``generate(..., images=...)`` takes each prompt's images (bytes, a base64 ``data:``
+    URL, a PIL image or a ``[3, H, W]`` tensor in [0, 1]); a prompt holds ``workers.vision.tokens_per_image(model)``
+    image tokens per image, in the images' order (``workers.vision.VisionChatFormat.prompt`` renders such prompts
+    from OpenAI content parts). The pixel values go into the first forward pass only (the prompt's); the decoding
+    loop, the log-probs and the finish reasons are the text path's.
 
     >>> from workers.models import build_tiny_causal_lm
     >>> engine = HFEngine(build_tiny_causal_lm(16), pad_token_id=0, eos_token_id=2)
@@ -76,6 +87,7 @@ class HFEngine(Engine):
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         max_batch_size: int = 256,
+        image_processor: Callable[[Sequence[Any]], torch.Tensor] | None = None,
     ) -> None:
         if (model is None) == (model_path is None):
             raise ValueError(
@@ -92,6 +104,7 @@ class HFEngine(Engine):
         self.pad_token_id = _token_id_or_config(pad_token_id, self._model, "pad_token_id")
         self.eos_token_id = _token_id_or_config(eos_token_id, self._model, "eos_token_id")
         self.max_batch_size = max_batch_size
+        self._image_processor = image_processor
         self._version = 0
 
     @property
@@ -105,19 +118,32 @@ class HFEngine(Engine):
     supports_abort = True
 
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, should_abort: AbortCheck | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        should_abort: AbortCheck | None = None,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> list[list[Generation]]:
         """Sample ``n`` responses per prompt; see ``Engine.generate``.
 
         ``should_abort`` is polled after every decoding step; once it returns True, every unfinished response is
         returned as it stands with ``finish_reason="abort"`` (rows of later batches come back empty).
 
+        ``images``: for a vision-language model, one list of images per prompt (empty for a text-only prompt); see
+        the class docstring.
+
         Raises:
             ValueError: if ``n < 1``, a prompt is empty or holds an id outside the vocabulary, or a prompt plus
-                ``max_new_tokens`` is longer than the model's ``max_position_embeddings``.
+                ``max_new_tokens`` is longer than the model's ``max_position_embeddings``, or ``images`` does not
+                have one entry per prompt.
+            ImagesNotSupported: if images are given to a model that takes text only.
+            ImageTokenMismatch: if a prompt's image tokens are not ``tokens_per_image`` per image.
         """
         self._check_prompts(prompts, n, params)
+        pixels = self._pixel_values(prompts, images)
         rows = [prompt for prompt in prompts for _ in range(n)]
+        row_pixels = [p for p in pixels for _ in range(n)]
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
@@ -128,7 +154,9 @@ class HFEngine(Engine):
             if should_abort is not None and generations and should_abort():
                 generations.extend(Generation([], [], "abort") for _ in chunk)
                 continue
-            generations.extend(self._generate_chunk(chunk, params, stop_ids, generator, should_abort))
+            chunk_pixels = [p for p in row_pixels[start : start + self.max_batch_size] if p is not None]
+            pixel_values = torch.cat(chunk_pixels).to(self._device, self._dtype) if chunk_pixels else None
+            generations.extend(self._generate_chunk(chunk, params, stop_ids, generator, should_abort, pixel_values))
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
@@ -139,8 +167,11 @@ class HFEngine(Engine):
         stop_ids: torch.Tensor,
         generator: torch.Generator | None,
         should_abort: AbortCheck | None = None,
+        pixel_values: torch.Tensor | None = None,
     ) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(rows)
+        # the images go into the prompt's pass only: later steps read their features from the KV cache
+        images = {} if pixel_values is None else {"pixel_values": pixel_values}
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         cache_keyword = _cache_keyword(self._model)  # once per call, not per decoded token
@@ -155,6 +186,7 @@ class HFEngine(Engine):
                 **{cache_keyword: cache},
                 use_cache=True,
                 logits_to_keep=1,
+                **(images if step == 0 else {}),
             )
             token, logprob = _sample(out.logits[:, -1, :].float(), params, generator)
             # Rows that already stopped keep decoding (the batch moves together); their tokens are dropped below.
@@ -171,6 +203,37 @@ class HFEngine(Engine):
             position_ids = position_ids[:, -1:] + 1
         return _to_generations(torch.stack(tokens, 1), torch.stack(logprobs, 1), stop_ids, aborted)
 
+    def _pixel_values(
+        self, prompts: list[list[int]], images: Sequence[Sequence[Any]] | None
+    ) -> list[torch.Tensor | None]:
+        """Each prompt's ``pixel_values`` (None without images), after checking its image tokens."""
+        from workers.vision import ImageProcessor, image_token_id, tokens_per_image
+
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images must hold one list per prompt: {len(prompts)} prompts, got {len(images)} lists")
+        token_id = image_token_id(self._model)
+        if token_id is None:
+            if images is not None and any(images):
+                raise ImagesNotSupported(
+                    f"{type(self._model).__name__} takes text only (no vision config and image token), but images "
+                    f"were given for {sum(1 for i in images if i)} prompts; expected a vision-language model"
+                )
+            return [None] * len(prompts)
+        if self._image_processor is None:
+            self._image_processor = ImageProcessor.for_model(self._model)
+        per_image = tokens_per_image(self._model)
+        out: list[torch.Tensor | None] = []
+        for i, prompt in enumerate(prompts):
+            given = list(images[i]) if images is not None else []
+            found = prompt.count(token_id)
+            if found != per_image * len(given):
+                raise ImageTokenMismatch(
+                    f"prompt {i} holds {found} image tokens (id {token_id}) for {len(given)} images; expected "
+                    f"{per_image} per image: {per_image * len(given)}"
+                )
+            out.append(self._image_processor(given) if given else None)
+        return out
+
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(len(row) for row in rows)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
@@ -181,7 +244,7 @@ class HFEngine(Engine):
         return input_ids.to(self._device), attention_mask.to(self._device)
 
     def _check_prompts(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
-        max_positions = getattr(self._model.config, "max_position_embeddings", None)
+        max_positions = getattr(_text_config(self._model), "max_position_embeddings", None)
         embeddings = self._model.get_input_embeddings()
         check_prompts(
             prompts,
@@ -255,11 +318,20 @@ class HFEngine(Engine):
 def _token_id_or_config(token_id: int | None, model: PreTrainedModel, name: str) -> int:
     if token_id is None:
         token_id = getattr(model.config, name, None)
+        if token_id is None:
+            token_id = getattr(_text_config(model), name, None)
         if isinstance(token_id, list):
             token_id = token_id[0]
     if token_id is None:
         raise ValueError(f"{name} is not given and the model config has none; pass {name}=...")
     return int(token_id)
+
+
+def _text_config(model: PreTrainedModel) -> Any:
+    """The config of a model's language part: ``config.get_text_config()`` (the config itself for a text model; a
+    vision-language model's ``text_config``, which holds its token ids and positions)."""
+    get = getattr(model.config, "get_text_config", None)
+    return get() if callable(get) else model.config
 
 
 def _sample(

@@ -1,5 +1,6 @@
 """HFEngine and SamplingParams: shapes, finish reasons, log-probs, determinism and weight updates."""
 
+import copy
 import warnings
 
 import pytest
@@ -258,3 +259,70 @@ def test_generation_warns_nothing(engine):  # transformers 5.24 warned of past_k
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=4, seed=0))
+
+
+# --- vision-language models: images in, the text path's tokens and log-probs out ---------------------------------
+
+
+def vlm_prompts():
+    """Two prompts of different lengths (left padding), with one and two images of different sizes."""
+    from workers.models import build_tiny_vlm
+    from workers.vision import solid_png
+
+    vlm = build_tiny_vlm()
+    one = [{"type": "image_url", "image_url": {"url": solid_png(8, 8, (255, 0, 0))}}, {"type": "text", "text": "hue?"}]
+    two = [
+        {"type": "text", "text": "same?"},
+        {"type": "image_url", "image_url": {"url": solid_png(20, 10, (0, 0, 255))}},
+        {"type": "image_url", "image_url": {"url": solid_png(4, 4, (0, 255, 0))}},
+    ]
+    prompts = [vlm.chat.prompt([{"role": "user", "content": content}]) for content in (one, two)]
+    return vlm, [ids for ids, _ in prompts], [images for _, images in prompts]
+
+
+def test_a_vlm_samples_from_images_with_the_log_probs_of_a_teacher_forced_pass():
+    vlm, prompts, images = vlm_prompts()
+    engine = HFEngine(copy.deepcopy(vlm.model))
+    params = SamplingParams(max_new_tokens=5, temperature=0.8, seed=0)
+    groups = engine.generate(prompts, n=2, params=params, images=images)
+    assert [len(group) for group in groups] == [2, 2]
+    model = vlm.model.eval()
+    for prompt, prompt_images, group in zip(prompts, images, groups, strict=True):
+        for generation in group:
+            assert len(generation.token_ids) == len(generation.logprobs) >= 1
+            ids = torch.tensor([prompt + generation.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids, pixel_values=vlm.image_processor(prompt_images)).logits[0].float()
+            scaled = logits[len(prompt) - 1 : -1] / params.temperature
+            expected = torch.log_softmax(scaled, -1).gather(-1, torch.tensor(generation.token_ids)[:, None])
+            assert generation.logprobs == pytest.approx(expected.squeeze(-1).tolist(), abs=1e-5)
+    # the images matter: other images, other log-probs for the same tokens
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    [[with_red]] = engine.generate(prompts[:1], n=1, params=greedy, images=images[:1])
+    from workers.vision import solid_png
+
+    [[with_white]] = engine.generate(prompts[:1], n=1, params=greedy, images=[[solid_png(8, 8, (255, 255, 255))]])
+    assert with_red.logprobs[0] != pytest.approx(with_white.logprobs[0], abs=1e-6)
+
+
+def test_images_for_a_text_model_or_placeholders_without_images_are_typed_errors():
+    from workers.engines.errors import ImagesNotSupported, ImageTokenMismatch
+
+    text_engine = make_engine()
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(
+        ImagesNotSupported, match=r"LlamaForCausalLM takes text only .* images were given for 1 prompts"
+    ):
+        text_engine.generate([[1, 5]], n=1, params=params, images=[[b"\x89PNG\r\n\x1a\n"]])
+    assert len(text_engine.generate([[1, 5]], n=1, params=params, images=[[]])[0]) == 1  # no image: no error
+
+    vlm, prompts, images = vlm_prompts()
+    engine = HFEngine(vlm.model)
+    with pytest.raises(
+        ImageTokenMismatch, match=r"prompt 1 holds 32 image tokens \(id 100\) for 1 images; expected 16"
+    ):
+        engine.generate(prompts, n=1, params=params, images=[images[0], images[1][:1]])
+    with pytest.raises(ImageTokenMismatch, match=r"prompt 0 holds 16 image tokens \(id 100\) for 0 images"):
+        engine.generate(prompts[:1], n=1, params=params)
+    with pytest.raises(ValueError, match="images must hold one list per prompt: 2 prompts, got 1 lists"):
+        engine.generate(prompts, n=1, params=params, images=images[:1])
