@@ -12,9 +12,12 @@ the ``openai`` client they are ``choice.model_extra["token_ids"]`` and so on.
     with serve_in_background(app) as url: ...          # (workers.agents.task_server) 127.0.0.1, a free port
     openai.OpenAI(base_url=url + "/v1", api_key=key)
 
-A message's ``content`` is a string or a list of OpenAI content parts: the ``text`` parts are joined with newlines
-(the engines take text); an ``image_url`` part gets a 400 naming it (no engine here takes images yet), never a silent
-drop. The sampling ledger's samplers send images as base64 ``data:`` URLs (``workers/ledger/multimodal.py``).
+A message's ``content`` is a string or a list of OpenAI content parts: the ``text`` parts are joined with newlines.
+An ``image_url`` part (a base64 ``data:`` URL, as the sampling ledger's samplers send images:
+``workers/ledger/multimodal.py``) is taken when ``chat`` renders images, a ``workers.vision.VisionChatFormat`` in
+front of a vision-language model (its ``prompt(messages)`` gives the prompt ids with the image placeholders and the
+images, which go to ``sampler.sample(..., images=...)``); with a text-only ``chat`` it gets a 400 naming it, never a
+silent drop.
 
 With ``api_key`` every route answers 401 (OpenAI's error shape) without ``Authorization: Bearer <api_key>``, which
 is what the ``openai`` client sends; ``AgentRolloutWorker.serve_openai`` draws a fresh key for its endpoint.
@@ -144,14 +147,17 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
     async def chat_completions(body: ChatCompletionRequest) -> ChatCompletion:
-        prompt = chat.prompt_ids(_text_messages(body.messages, body.model or model))
+        prompt, images = _prompt(chat, body.messages, body.model or model)
         params = SamplingParams(
             max_new_tokens=body.max_completion_tokens or body.max_tokens or max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
         )
-        results = await asyncio.gather(*(sampler.sample(prompt, _seeded(params, i)) for i in range(body.n)))
+        with_images: dict[str, Any] = {"images": images} if images else {}  # a text sampler keeps its own call
+        results = await asyncio.gather(
+            *(sampler.sample(prompt, _seeded(params, i), **with_images) for i in range(body.n))
+        )
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         choices = [_choice(i, generation, chat, stops, body.logprobs) for i, (_, generation) in enumerate(results)]
         completion_tokens = sum(len(c.token_ids) for c in choices)
@@ -170,6 +176,16 @@ def create_app(
         )
 
     return app
+
+
+def _prompt(chat: ChatFormat, messages: list[RequestMessage], model: str) -> tuple[list[int], list[Any]]:
+    """The prompt ids and the images: ``chat.prompt`` when ``chat`` renders images (a ``VisionChatFormat``), else
+    ``chat.prompt_ids`` of the text messages (an image part refused)."""
+    render = getattr(chat, "prompt", None)
+    if callable(render):
+        ids, images = render([m.model_dump(exclude_none=True) for m in messages])
+        return list(ids), list(images)
+    return chat.prompt_ids(_text_messages(messages, model)), []
 
 
 def _text_messages(messages: list[RequestMessage], model: str) -> list[dict[str, Any]]:

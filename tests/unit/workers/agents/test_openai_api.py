@@ -3,6 +3,9 @@ the sampled token ids and log-probs, and those ids are exactly what the model sc
 
 from __future__ import annotations
 
+import asyncio
+import base64
+
 import openai
 import pytest
 import torch
@@ -11,6 +14,7 @@ from workers.agents.openai_api import create_app
 from workers.agents.samplers import BatchingSampler, engine_generate
 from workers.agents.task_server import serve_in_background
 from workers.agents.trajectory import PlainChatFormat
+from workers.engines.base import SamplingParams
 from workers.engines.hf import HFEngine
 from workers.models import build_tiny_causal_lm
 
@@ -128,3 +132,46 @@ def test_text_parts_are_joined_and_an_image_part_is_refused_by_a_text_engine(end
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
         )
+
+
+def test_a_vlm_endpoint_takes_image_parts_and_returns_the_ids_the_model_scores_with_those_images():
+    from workers.engines.errors import ImagesNotSupported
+    from workers.models import build_tiny_vlm
+    from workers.vision import solid_png
+
+    vlm = build_tiny_vlm()
+    engine = HFEngine(vlm.model)
+    app = create_app(BatchingSampler(engine_generate(engine)), vlm.chat, model="tiny-vlm")
+    png = solid_png(8, 8, (255, 0, 0))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "colour?"}]
+    with serve_in_background(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(
+            model="tiny-vlm", messages=[{"role": "user", "content": content}], n=2, max_tokens=4, seed=5
+        )
+        prompt = out.model_extra["prompt_token_ids"]
+        assert prompt == vlm.chat.prompt([{"role": "user", "content": content}])[0]
+        assert prompt.count(vlm.image_token_id) == vlm.tokens_per_image
+        with torch.no_grad():
+            for choice in out.choices:
+                ids, lps = choice.model_extra["token_ids"], choice.model_extra["token_logprobs"]
+                logits = engine.model(
+                    input_ids=torch.tensor([prompt + ids]), pixel_values=vlm.image_processor([png])
+                ).logits[0, len(prompt) - 1 : -1]
+                expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                assert expected.tolist() == pytest.approx(lps, abs=1e-4)
+        # an image the server cannot read is the client's error, with the part named
+        remote = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
+        with pytest.raises(openai.BadRequestError, match=r"images\[0\]: expected a base64 data URL") as refused:
+            client.chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": remote}])
+        assert refused.value.status_code == 400
+
+    async def images_to_a_text_call():
+        text_only = BatchingSampler(lambda prompts, params: (0, []))
+        await text_only.sample([1], SamplingParams(max_new_tokens=1), images=[png])
+
+    with pytest.raises(
+        ImagesNotSupported, match=r"batched call '.*<lambda>' takes no images, but 1 came with the prompt"
+    ):
+        asyncio.run(images_to_a_text_call())
