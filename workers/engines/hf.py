@@ -26,7 +26,12 @@ _LOAD_LOCK = threading.Lock()
 
 
 def _load_pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A causal LM, or a vision-language model (a config with a ``vision_config``: ``AutoModelForImageTextToText``)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
     with _LOAD_LOCK:
+        if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None:
+            return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
@@ -54,7 +59,8 @@ class HFEngine(Engine):
 
     Args:
         model: a causal LM; exactly one of ``model`` and ``model_path``.
-        model_path: a Hugging Face model directory, loaded with ``AutoModelForCausalLM.from_pretrained``.
+        model_path: a Hugging Face model directory, loaded with ``AutoModelForCausalLM.from_pretrained``
+            (``AutoModelForImageTextToText`` for a vision-language model's).
         device: where the model runs.
         dtype: parameter dtype; log-probs are always computed in float32.
         pad_token_id: used to left-pad prompts; defaults to the model config's.

@@ -326,3 +326,13 @@ def test_images_for_a_text_model_or_placeholders_without_images_are_typed_errors
         engine.generate(prompts[:1], n=1, params=params)
     with pytest.raises(ValueError, match="images must hold one list per prompt: 2 prompts, got 1 lists"):
         engine.generate(prompts, n=1, params=params, images=images[:1])
+
+
+def test_a_vlm_loads_from_a_directory_and_samples_as_the_model_it_was_saved_from(tmp_path):
+    vlm, prompts, images = vlm_prompts()
+    vlm.model.save_pretrained(tmp_path / "vlm")
+    params = SamplingParams(max_new_tokens=4, seed=3)
+    expected = HFEngine(copy.deepcopy(vlm.model)).generate(prompts, n=2, params=params, images=images)
+    loaded = HFEngine(model_path=str(tmp_path / "vlm"))
+    assert type(loaded.model).__name__ == "LlavaForConditionalGeneration"
+    assert_same_generations(loaded.generate(prompts, n=2, params=params, images=images), expected)
