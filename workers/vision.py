@@ -238,11 +238,16 @@ class VisionChatFormat:
         return out, images
 
     def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The prompt ids of text-only ``messages`` (``ChatFormat``'s call); see :meth:`prompt` for images."""
+        """The prompt ids of text-only ``messages`` (``ChatFormat``'s call); see :meth:`prompt` for images.
+
+        Raises:
+            ImagesNotSupported: if the messages hold images (they would be lost).
+        """
         ids, images = self.prompt(messages)
         if images:
-            raise ImageTokenMismatch(
-                f"prompt_ids takes text-only messages; these hold {len(images)} images: use prompt"
+            raise ImagesNotSupported(
+                f"prompt_ids returns token ids only and would drop the {len(images)} images of these messages; "
+                "expected text-only messages: use prompt(messages) for the ids and the images"
             )
         return ids
 

@@ -99,6 +99,8 @@ def test_the_chat_format_expands_each_image_into_its_placeholders_in_order():
     block = "<image>" * vlm.tokens_per_image
     user = f"<|im_start|>user\n{block}\nand\n{block}<|im_end|>\n"
     assert text == f"<|im_start|>system\nlook<|im_end|>\n{user}<|im_start|>assistant\n"
+    with pytest.raises(ImagesNotSupported, match="prompt_ids returns token ids only and would drop the 2 images"):
+        vlm.chat.prompt_ids(messages)
     assert vlm.chat.prompt_ids([{"role": "user", "content": "hi"}]) == vlm.chat.chat.prompt_ids(
         [{"role": "user", "content": "hi"}]
     )
