@@ -419,3 +419,24 @@ def test_a_large_put_spread_over_units_writes_each_unit_once_and_reads_back_over
         assert torch.equal(client.get_data(meta)["x"], x)
     finally:
         client.close()
+
+
+def test_a_checkpoint_of_one_copy_restores_into_two(tmp_path: Any) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, default_timeout=3.0)
+    single = start_queue(QueueState(config, None), [BlockStore(u, 2, SECRET) for u in range(2)])
+    try:
+        metas = [single.client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(4)]
+        assert {int(m.blocks[0, 0]) % 2 for m in metas} == {0, 1}
+        single.client.save_checkpoint(str(tmp_path))
+    finally:
+        stop_queue(single)
+    restored = restore_locally(str(tmp_path), UNITS, 2)
+    try:
+        assert sum(len(unit.store.blocks) for unit in restored.units) == 8  # 4 blocks, 2 copies each
+        assert storage(restored.client)["blocks_single_copy"] == 0
+        meta = restored.client.get_meta(["x"], 8, partition_id="p", task_name="t")
+        restored.units[int(meta.blocks[0, 0]) % UNITS].stop()  # the other copy serves
+        got = restored.client.get_data(meta)["x"][:, 0].tolist()
+        assert sorted(got) == sorted(float(v) for v in range(4) for _ in range(2))
+    finally:
+        stop_queue(restored)
