@@ -170,10 +170,12 @@ class QueueChannel:
         return out
 
     def _learn_restarts(self, restarted: dict[int, p.UnitRestart]) -> None:
-        """Storage units Ray restarted: talk to them where they are now; their older blocks are lost."""
+        """Storage units Ray restarted: talk to them where they are now; their older blocks are lost, but those below
+        ``refilled_below`` (replicas=2: copied back since)."""
         for unit, restart in restarted.items():
             known = self._restarted.get(unit)
-            if 0 <= unit < len(self._unit_endpoints) and (known is None or restart.restarts > known.restarts):
+            newer = known is None or (restart.restarts, restart.refilled_below) > (known.restarts, known.refilled_below)
+            if 0 <= unit < len(self._unit_endpoints) and newer:
                 self._restarted[unit] = restart
                 self._unit_endpoints[unit] = restart.endpoint
 
@@ -190,15 +192,30 @@ class QueueChannel:
 
     def _usable(self, blocks: np.ndarray, units: np.ndarray, avoid: Sequence[int]) -> np.ndarray:
         """Per cell, whether ``units`` (its copy's unit) is neither down nor avoided and still holds ``blocks``."""
-        ok = ~np.isin(units, [*self._down_units, *avoid])
+        return ~np.isin(units, [*self._down_units, *avoid]) & ~self._missing(blocks, units)
+
+    def _missing(self, blocks: np.ndarray, units: np.ndarray) -> np.ndarray:
+        """Per cell, whether ``units`` (a unit holding a copy of ``blocks``) lost it: it restarted empty since the
+        block was written and has not got it back (replicas=2: below its ``refilled_below``)."""
+        missing = np.zeros(np.shape(blocks), dtype=bool)
         for unit, restart in self._restarted.items():
-            ok &= ~((units == unit) & (blocks < restart.lost_below))
-        return ok
+            missing |= (units == unit) & (blocks < restart.lost_below) & (blocks >= restart.refilled_below)
+        return missing
 
     def _rows_lost(self, meta: BatchMeta, units: np.ndarray) -> RowsLost | None:
-        """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty."""
+        """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty (with
+        replicas=2: if both copies of them were gone, now or when the second of their units restarted)."""
+        gone = self._missing(meta.blocks, meta.blocks % len(self._unit_endpoints))
+        if self._replica_of is not None:
+            primary = meta.blocks % len(self._unit_endpoints)
+            replica = np.asarray(self._replica_of, dtype=np.int64)[primary]
+            gone &= self._missing(meta.blocks, replica)
+            for unit, restart in self._restarted.items():  # lost then, whatever was copied back since
+                for partner, lo, hi in restart.lost_with:
+                    pair = ((primary == unit) & (replica == partner)) | ((primary == partner) & (replica == unit))
+                    gone |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
         for unit, restart in sorted(self._restarted.items()):
-            lost = (units == unit) & (meta.blocks >= 0) & (meta.blocks < restart.lost_below)
+            lost = (units == unit) & (meta.blocks >= 0) & gone
             if lost.any():
                 rows = np.unique(meta.global_indexes[lost.any(axis=1)])
                 fields = [name for j, name in enumerate(meta.field_names) if lost[:, j].any()]

@@ -22,13 +22,13 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
 from transfer_queue.controller.unit_watch import UnitWatcher
 from transfer_queue.errors import (
-    CheckpointError,
     ConfigMismatch,
     InvalidRequest,
 )
 from transfer_queue.samplers import SamplerSpec
+from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
-from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state
+from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state, unit_restores
 from transfer_queue.storage.checkpoint import (
     current_checkpoint,
     read_controller,
@@ -94,11 +94,6 @@ class ControllerActor:
             **config,
         )
         state = QueueState(self._config, sampler)
-        if restore_from is not None and self._config.replicas > 1:
-            raise CheckpointError(
-                f"restoring a queue with replicas={self._config.replicas} is not supported yet (checkpoints of "
-                "replicated queues are not either); restore with replicas=1"
-            )
         # a checkpoint that is missing or of another queue fails here, before any storage unit is started
         restoring = self._read_checkpoint(restore_from) if restore_from is not None else None
         self._session_id = uuid.uuid4().hex
@@ -112,12 +107,14 @@ class ControllerActor:
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
         )
         incarnations = ray.get([u.incarnation.remote() for u in storage_units])
+        # replicas=2: each unit's partner (the controller server finds the same from the same nodes); each unit
+        # accepts the copies it holds before anything is written, restored blocks included
+        self._replica_of = replica_units([e.node_id for e in endpoints], self._config.replicas)
+        if self._replica_of is not None:
+            ray.get([u.hold_copies.remote(self._copies_of(i)) for i, u in enumerate(storage_units)])
         if restoring is not None:
             state = self._restore(*restoring, sampler)
         self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
-        self._replica_of = self._server.state.ledger.replica_of
-        if self._replica_of is not None:
-            ray.get([u.hold_copies.remote(self._copies_of(i)) for i, u in enumerate(storage_units)])
         self._watcher = UnitWatcher(
             storage_units,
             [e.node_id for e in endpoints],
@@ -192,16 +189,13 @@ class ControllerActor:
         return root, checkpoint, snapshot
 
     def _restore(self, root: str, checkpoint: str, snapshot: dict[str, Any], sampler: SamplerSpec | None) -> QueueState:
-        units, old_units = len(self._units), snapshot["config"]["num_storage_units"]
+        units = len(self._units)
         mapping, blocks = block_map(snapshot, units)
+        plan = unit_restores(snapshot, mapping, units, self._replica_of)  # with replicas=2, both copies of each
         ray.get(
             [
-                unit.restore_checkpoint.remote(
-                    checkpoint,
-                    [u for u in range(old_units) if u % units == v],
-                    {b: n for b, n in mapping.items() if n % units == v},
-                )
-                for v, unit in enumerate(self._units)
+                unit.restore_checkpoint.remote(checkpoint, files, block_ids)
+                for unit, (files, block_ids) in zip(self._units, plan, strict=True)
             ]
         )
         logger.info("restored %d partitions from %s onto %d storage units", len(snapshot["partitions"]), root, units)

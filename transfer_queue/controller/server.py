@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -34,6 +35,7 @@ from transfer_queue.ops.metrics import ControllerMetrics
 from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
+from transfer_queue.state.lost_rows import RefillStep, block_live, missing_on, refill_plan, refill_step
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
@@ -61,6 +63,15 @@ UNIT_HEARTBEAT_IVL_MS = 1_000
 UNIT_HEARTBEAT_TIMEOUT_MS = 4_000
 UNIT_RECONNECT_MS = 500
 UNIT_CONNECT_TIMEOUT_MS = 2_000
+# replicas=2: the blocks a restarted unit lost are copied back onto it from their other copy, through the controller's
+# connections to the units, one batch at a time (at most REFILL_BLOCKS blocks, or REFILL_BYTES once above one block):
+# the serving loop sends a batch's reads and writes without waiting and goes on serving. A batch not done within
+# REFILL_TIMEOUT (a unit stopped answering) is given up and tried again; so is a refill waiting for a down unit, every
+# REFILL_RETRY seconds.
+REFILL_BLOCKS = 16
+REFILL_BYTES = 64 << 20
+REFILL_TIMEOUT = 30.0
+REFILL_RETRY = 0.5
 # request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
 
@@ -89,6 +100,19 @@ class PendingSave:
     awaiting: dict[int, int] = field(default_factory=dict)
     writing: Future[None] | None = None
     committing: Future[str] | None = None
+
+
+@dataclass
+class RefillBatch:
+    """Blocks being copied back onto restarted unit ``unit``: the reads from their other copy (request id -> step),
+    then the writes to ``unit``. Once every one is answered, every block below ``upto`` it lost is on it again."""
+
+    unit: int
+    upto: int
+    deadline: float
+    reads: dict[int, RefillStep] = field(default_factory=dict)
+    writes: dict[int, RefillStep] = field(default_factory=dict)
+    failed: str = ""  # why the batch is given up (it is planned again from where the unit's refill stands)
 
 
 class _ControllerResponder(Responder):
@@ -156,6 +180,8 @@ class ControllerServer(Server):
         self.run_history: deque[dict[str, float]] = deque(maxlen=RUN_HISTORY)  # an RL run's per-step metrics
         self.endpoints: dict[str, Any] = {}  # the HTTP URLs of the controller and the storage units
         self._held: list[HeldReply] = []
+        self._refill: RefillBatch | None = None  # replicas=2: the blocks being copied back onto a restarted unit
+        self._refill_at = 0.0  # when to plan the next refill batch (later after one was given up or has to wait)
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self.start()
 
@@ -198,6 +224,7 @@ class ControllerServer(Server):
             self.sockets.unregister(old)
             close_watched(old)
             self._units[unit] = self._connect_unit(unit, endpoint)
+            self._refill = None  # a batch reading from or writing to the old incarnation is never answered
             with self.lock:
                 self._storage[unit] = endpoint
                 self._dead.discard(unit)
@@ -208,7 +235,10 @@ class ControllerServer(Server):
                 except Exception:  # a bug: keep serving; the unit is up, its old rows may still be listed
                     logger.exception("marking the rows of restarted storage unit %d lost failed", unit)
                 self.restarted_units[unit] = p.UnitRestart(
-                    endpoint, int(result.get("lost_below", 0)), int(result.get("restarts", 0))
+                    endpoint,
+                    int(result.get("lost_below", 0)),
+                    int(result.get("restarts", 0)),
+                    lost_with=tuple(result.get("lost_with", ())),
                 )
                 self._flush_outbox()
             logger.warning(
@@ -246,6 +276,8 @@ class ControllerServer(Server):
                 self._guard("checkpoint", self.start_save, directory, finish)
         if self._save is not None:
             self._guard("checkpoint", self._advance_save, time.monotonic())
+        if self.state.ledger.replica_of is not None and (self._refill is not None or self.state.lost.refilling()):
+            self._guard("refill", self._advance_refill, time.monotonic())
 
     def close_sockets(self) -> None:
         self._disk.shutdown(wait=False, cancel_futures=True)
@@ -333,22 +365,15 @@ class ControllerServer(Server):
                 f"a checkpoint is being saved under {self._save.directory}; save again once it is answered"
             ))  # fmt: skip
             return
-        if self.state.config.replicas > 1:
-            finish(None, CheckpointError(
-                f"checkpoints of a queue with replicas={self.state.config.replicas} are not supported yet (every "
-                "block is held twice; a restore would load both copies); nothing was saved"
-            ))  # fmt: skip
-            return
-        down = sorted(self.state.down_units)
-        if down:
-            finish(None, CheckpointError(
-                f"storage unit {down[0]} is down ({self.down_reasons.get(down[0], 'unreachable')}); the previous "
-                "checkpoint stays current"
-            ))  # fmt: skip
+        try:
+            savers = self._savers()
+        except CheckpointError as exc:
+            finish(None, exc)
             return
         try:
             staging, name = begin_save(directory)
-            blob = snapshot_state(self.state)
+            saved_by = {primary: unit for unit, primaries in savers.items() for primary in primaries or (unit,)}
+            blob = snapshot_state(self.state, saved_by)
         except Exception as exc:
             finish(None, _save_failed(directory, exc))
             return
@@ -356,11 +381,12 @@ class ControllerServer(Server):
         save = PendingSave(directory, staging, name, time.monotonic() + timeout, finish)
         self._flush_outbox()  # the drops decided before the snapshot go first; those after follow the order
         envelope_session = p.PROTOCOL_VERSION, self._session
-        for unit, dealer in enumerate(self._units):
+        for unit, primaries in savers.items():
             request_id = next(self._ids)
+            order = p.SaveUnit(staging, primaries)
             try:  # the same connection as the drops: the unit takes its block table before any later drop
-                dealer.send_multipart(
-                    [p.encode(p.Envelope(*envelope_session, request_id)), p.encode(p.SaveUnit(staging))], zmq.NOBLOCK
+                self._units[unit].send_multipart(
+                    [p.encode(p.Envelope(*envelope_session, request_id)), p.encode(order)], zmq.NOBLOCK
                 )
             except zmq.Again:
                 self._disk.submit(shutil.rmtree, staging, True)
@@ -371,6 +397,45 @@ class ControllerServer(Server):
             save.awaiting[request_id] = unit
         save.writing = self._disk.submit(write_controller, staging, blob)
         self._save = save
+
+    def _savers(self) -> dict[int, list[int] | None]:
+        """Which units write the checkpoint, and the blocks of which units each writes (None: all it holds). With one
+        copy, every unit (all must be up). With replicas=2 each block is saved once: the blocks placed on unit ``u``
+        by ``u`` if it is up and holds all of them, else by its replica's unit if that one does."""
+        units = self.state.config.num_storage_units
+        down = self.state.down_units
+        replica_of = self.state.ledger.replica_of
+        if replica_of is None:
+            if down:
+                unit = min(down)
+                raise CheckpointError(
+                    f"storage unit {unit} is down ({self.down_reasons.get(unit, 'unreachable')}); the previous "
+                    "checkpoint stays current"
+                )
+            return dict.fromkeys(range(units))
+        ids = np.fromiter((b for part in self.state.partitions.values() for b in part.block_nbytes), dtype=np.int64)
+        savers: dict[int, list[int] | None] = {}
+        for primary in range(units):
+            mine = ids[ids % units == primary]
+            holders = [primary, replica_of[primary]]
+            whole = [
+                h for h in holders
+                if h not in down and not missing_on(self.state, mine, np.full(len(mine), h, np.int64)).any()
+            ]  # fmt: skip
+            if not whole:
+                why = [
+                    f"{h} is down ({self.down_reasons.get(h, 'unreachable')})" if h in down
+                    else f"{h} is being refilled with the copies it lost"
+                    for h in holders
+                ]  # fmt: skip
+                raise CheckpointError(
+                    f"no storage unit holding the blocks placed on storage unit {primary} holds all of them now "
+                    f"(storage unit {'; storage unit '.join(why)}); the previous checkpoint stays current"
+                )
+            primaries = savers.setdefault(whole[0], [])
+            assert primaries is not None
+            primaries.append(primary)
+        return savers
 
     def _advance_save(self, now: float) -> None:
         save = self._save
@@ -499,10 +564,125 @@ class ControllerServer(Server):
             if self._save is not None and header.request_id in self._save.awaiting:
                 self._unit_saved(header.request_id, header)
                 continue
+            refill = self._refill
+            if refill is not None and header.request_id in refill.reads:
+                self._refill_read(refill, refill.reads.pop(header.request_id), header, frames)
+                continue
+            if refill is not None and header.request_id in refill.writes:
+                self._refill_written(refill, refill.writes.pop(header.request_id), header)
+                continue
             if header.error_type:
                 logger.warning("a storage unit refused a drop: %s: %s", header.error_type, header.error_message)
             for held in self._held:
                 held.awaiting.discard(header.request_id)
+
+    # ---- replicas=2: copying back the blocks a restarted unit lost ----------------------------------------------
+    def _advance_refill(self, now: float) -> None:
+        """Finish the batch in flight (or give it up), then plan the next one of the first unit that lost blocks it
+        has not got back yet, is up, and whose next block's other copy is on a unit that is up."""
+        batch = self._refill
+        if batch is not None:
+            if batch.unit in self.state.down_units:
+                batch.failed = f"storage unit {batch.unit} went down"
+            elif now >= batch.deadline:
+                batch.failed = f"not answered within {REFILL_TIMEOUT} s"
+            if batch.failed:
+                logger.warning("refilling storage unit %d: a batch was given up (%s); trying again", batch.unit,
+                               batch.failed)  # fmt: skip
+                self._refill, self._refill_at = None, now + REFILL_RETRY
+                return
+            if batch.reads or batch.writes:
+                return
+            self._refill = None
+            self._refilled(batch.unit, batch.upto)
+        if now < self._refill_at:
+            return
+        for unit in self.state.lost.refilling():
+            if unit not in self.state.down_units and self._start_refill(unit, now):
+                return
+        self._refill_at = now + REFILL_RETRY  # nothing to send now: every refill waits for a down unit
+
+    def _start_refill(self, unit: int, now: float) -> bool:
+        """Send the reads of the next batch of blocks ``unit`` lost; False when there is nothing to send now (its
+        refill is done, or waits for a down unit holding the other copy of its next block)."""
+        book = self.state.lost
+        batch = RefillBatch(unit, book.lost_below[unit], now + REFILL_TIMEOUT)
+        steps: list[RefillStep] = []
+        book.refill_waiting.pop(unit, None)
+        for block in refill_plan(self.state, unit):
+            step = refill_step(self.state, unit, block)
+            if step is None:  # its other copy is gone too (its rows are lost): nothing to copy
+                continue
+            if len(steps) == REFILL_BLOCKS or sum(s.nbytes for s in steps) >= REFILL_BYTES:
+                batch.upto = block
+                break
+            if step.source in self.state.down_units:  # waits for that unit: the blocks before it go now
+                book.refill_waiting[unit] = step.source
+                batch.upto = block
+                break
+            steps.append(step)
+        if not steps:
+            self._refilled(unit, batch.upto)  # past the blocks with nothing to copy
+            return False
+        envelope_session = p.PROTOCOL_VERSION, self._session
+        for step in steps:
+            request_id = next(self._ids)
+            rows = np.arange(step.num_rows, dtype=np.int64)
+            blocks = p.pack_indexes(np.full(step.num_rows, step.block, dtype=np.int64))
+            read = p.Read(step.uid, [p.ReadField(name, blocks, p.pack_indexes(rows)) for name in step.fields])
+            try:
+                self._units[step.source].send_multipart(
+                    [p.encode(p.Envelope(*envelope_session, request_id)), p.encode(read)], zmq.NOBLOCK
+                )
+            except zmq.Again:
+                batch.failed = f"storage unit {step.source} takes no messages"
+                break
+            batch.reads[request_id] = step
+        self._refill = batch
+        return True
+
+    def _refill_read(self, batch: RefillBatch, step: RefillStep, header: p.ReplyHeader, frames: list[bytes]) -> None:
+        """A block's other copy arrived: write it to the unit being refilled, if the block is still held. This runs on
+        the serving thread, which also decides every drop and sends it on the same connection after this write: a
+        block cleared or dropped before is not written back, one dropped after is dropped there too."""
+        if not block_live(self.state, step.uid, step.block):
+            return
+        if header.error_type:
+            batch.failed = f"reading block {step.block} from storage unit {step.source}: {header.error_message}"
+            return
+        reply = p.decode_as(frames[1], p.ReadReply)
+        buffers = frames[2:]
+        nbytes = sum(len(b) for b in buffers)
+        token = write_token(self._secret, step.uid, step.block, step.num_rows, nbytes)
+        write = p.Write(step.uid, step.block, step.num_rows, reply.columns, nbytes, token, refill=True)
+        request_id = next(self._ids)
+        envelope = p.Envelope(p.PROTOCOL_VERSION, self._session, request_id)
+        try:
+            self._units[batch.unit].send_multipart([p.encode(envelope), p.encode(write), *buffers], zmq.NOBLOCK)
+        except zmq.Again:
+            batch.failed = f"storage unit {batch.unit} takes no messages"
+            return
+        batch.writes[request_id] = step
+
+    def _refill_written(self, batch: RefillBatch, step: RefillStep, header: p.ReplyHeader) -> None:
+        if not header.error_type:
+            self.state.lost.blocks_refilled += 1
+        elif block_live(self.state, step.uid, step.block):
+            batch.failed = f"writing block {step.block} to storage unit {batch.unit}: {header.error_message}"
+
+    def _refilled(self, unit: int, upto: int) -> None:
+        """Every block below ``upto`` that ``unit`` lost is on it again (or needs no copy): tell the clients, which
+        read those blocks from it again."""
+        book = self.state.lost
+        below = min(upto, book.lost_below.get(unit, 0))
+        if below <= book.refilled_below.get(unit, 0):
+            return
+        book.refilled_below[unit] = below
+        restart = self.restarted_units.get(unit)
+        if restart is not None:
+            self.restarted_units[unit] = msgspec.structs.replace(restart, refilled_below=below)
+        if below == book.lost_below[unit]:
+            logger.warning("storage unit %d holds a copy of each of its blocks again", unit)
 
     def _send_held(self, now: float) -> None:
         """Answer the held replies whose drops were all acknowledged, or whose wait ran out."""

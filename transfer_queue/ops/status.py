@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from transfer_queue.ops.metrics import ROW_STATES, ControllerMetrics
-from transfer_queue.state.lost_rows import lost_summary, single_copies
+from transfer_queue.state.lost_rows import lost_summary, refill_summary, single_copies
 from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.partition_status import row_state_counts
 from transfer_queue.state.queue_state import QueueState
@@ -115,7 +115,11 @@ def queue_summary(
         "storage": {
             "bytes_held": state.bytes_held,
             "budget": config.byte_budget,
-            **({"replicas": config.replicas, **single_copies(state)} if config.replicas > 1 else {}),
+            **(
+                {"replicas": config.replicas, **single_copies(state), **refill_summary(state)}
+                if config.replicas > 1
+                else {}
+            ),
             "units": [
                 {
                     "unit": u,

@@ -17,7 +17,10 @@ unit, for ``client.lost_rows`` and the status calls. Open puts with a block on t
 
 With ``replicas=2`` every block has a second copy on its replica's unit (``PutLedger.replica_of``): a restarted unit
 loses only the rows whose *other* copy is gone too (its unit was restarted empty since), and clients read the other
-copy of the rest (their blocks are left with one copy, counted by :func:`single_copies` for the status calls).
+copy of the rest (their blocks are left with one copy, counted by :func:`single_copies` for the status calls). The
+controller then copies those blocks back onto the restarted unit (:func:`refill_plan`, in block id order): every
+block below the unit's ``refilled_below`` is on it again, so a block is missing from unit ``u`` only when
+``refilled_below[u] <= block < lost_below[u]`` (:func:`missing_on`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,16 @@ class LostRowBook:
     lost_below: dict[int, int] = field(default_factory=dict)  # unit -> block ids below this on it are gone
     restarts: dict[int, int] = field(default_factory=dict)
     total: int = 0  # rows lost since the queue started
+    # replicas=2: unit -> the blocks below this that it lost are on it again (copied back from their other copy)
+    refilled_below: dict[int, int] = field(default_factory=dict)
+    blocks_refilled: int = 0  # blocks copied back onto restarted units since the queue started
+    refill_waiting: dict[int, int] = field(default_factory=dict)  # unit -> the down unit its refill waits for
+    # unit -> (partner, lo, hi) per restart: the blocks it shares with partner in [lo, hi) lost both copies then
+    lost_with: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+
+    def refilling(self) -> list[int]:
+        """The units that lost blocks not all copied back yet."""
+        return sorted(u for u, below in self.lost_below.items() if self.refilled_below.get(u, 0) < below)
 
     def forget_cleared(self, live_uids: set[int]) -> None:
         for uid in [u for u in self.by_uid if u not in live_uids]:
@@ -73,7 +86,15 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book: LostRowBook = state.lost
     units = state.config.num_storage_units
     floor = state._next_block * units  # every block of this unit handed out so far is gone
+    replica_of = state.ledger.replica_of
+    if replica_of is not None:  # the partners' blocks not copied back yet lose their other copy now
+        for partner in sorted({replica_of[unit], *(u for u, r in enumerate(replica_of) if r == unit)} - {unit}):
+            lo, hi = book.refilled_below.get(partner, 0), book.lost_below.get(partner, 0)
+            if lo < hi:
+                book.lost_with.setdefault(unit, []).append((partner, lo, hi))
     book.lost_below[unit] = floor
+    book.refilled_below[unit] = 0
+    book.refill_waiting.pop(unit, None)
     restart = book.restarts[unit] = book.restarts.get(unit, 0) + 1
     for put in list(state.open_puts.values()):  # a put that wrote (or would write) there can never commit whole
         if len(put.blocks) and np.any(copy_on(state, put.blocks, unit)):
@@ -102,7 +123,7 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book.forget_cleared({part.uid for part in state.partitions.values()})
     state._retry_putters()
     return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
-            "partitions": lost_per_partition}  # fmt: skip
+            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, []))}  # fmt: skip
 
 
 def copy_on(state: QueueState, blocks: np.ndarray, unit: int) -> np.ndarray:
@@ -116,20 +137,80 @@ def copy_on(state: QueueState, blocks: np.ndarray, unit: int) -> np.ndarray:
     return on
 
 
-def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
-    """Per block id (>= 0), whether every copy of it is gone: each unit holding one was restarted empty since it was
-    written (the block id is below the unit's ``lost_below``)."""
-    blocks = np.asarray(blocks, dtype=np.int64)
-    units = state.config.num_storage_units
-    lost_below = np.zeros(units, dtype=np.int64)
+def missing_on(state: QueueState, blocks: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """Per block id, whether unit ``units[i]`` (one holding a copy of it) lost its copy: the unit was restarted empty
+    since the block was written (below its ``lost_below``) and the copy was not copied back (not below its
+    ``refilled_below``)."""
+    n = state.config.num_storage_units
+    lost_below, refilled_below = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     for u, below in state.lost.lost_below.items():
         lost_below[u] = below
-    primary = blocks % units
-    gone = blocks < lost_below[primary]
+    for u, below in state.lost.refilled_below.items():
+        refilled_below[u] = below
+    return (blocks < lost_below[units]) & (blocks >= refilled_below[units])
+
+
+def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
+    """Per block id (>= 0), whether every copy of it is gone: each unit holding one lost it (:func:`missing_on`)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    primary = blocks % state.config.num_storage_units
+    gone = missing_on(state, blocks, primary)
     replica_of = state.ledger.replica_of
     if replica_of is not None:
-        gone &= blocks < lost_below[np.asarray(replica_of, dtype=np.int64)[primary]]
+        gone &= missing_on(state, blocks, np.asarray(replica_of, dtype=np.int64)[primary])
     return gone
+
+
+@dataclass
+class RefillStep:
+    """One block to copy back onto a restarted unit: its partition, the unit holding the other copy, and what to read
+    of it there (every field a cell of the partition still takes from it, rows ``0..num_rows-1``)."""
+
+    block: int
+    uid: int
+    source: int
+    num_rows: int
+    fields: list[str]
+    nbytes: int
+
+
+def refill_plan(state: QueueState, unit: int) -> list[int]:
+    """replicas=2: the blocks of live partitions that ``unit`` lost and has not got back yet, in block id order."""
+    below, done = state.lost.lost_below.get(unit, 0), state.lost.refilled_below.get(unit, 0)
+    if state.ledger.replica_of is None or done >= below:
+        return []
+    plan = []
+    for part in state.partitions.values():
+        ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
+        plan.append(ids[(ids >= done) & (ids < below) & copy_on(state, ids, unit)])
+    return sorted(np.concatenate(plan).tolist()) if plan else []
+
+
+def refill_step(state: QueueState, unit: int, block: int) -> RefillStep | None:
+    """What copying ``block`` back onto ``unit`` takes; None when it needs nothing (its partition was cleared, it was
+    dropped, or its other copy is gone too: its rows were lost)."""
+    part = next((part for part in state.partitions.values() if block in part.block_nbytes), None)
+    if part is None or all_gone(state, [block])[0]:
+        return None
+    replica_of = state.ledger.replica_of
+    assert replica_of is not None
+    primary = block % state.config.num_storage_units
+    source = replica_of[primary] if primary == unit else primary
+    n, cols = part.num_rows, len(part.fields)
+    on = part.block[:n, :cols] == block
+    if not on.any():
+        return None
+    names = list(part.field_col)
+    fields = [names[c] for c in np.flatnonzero(on.any(axis=0)).tolist()]
+    num_rows = int(part.offset[:n, :cols][on].max()) + 1
+    return RefillStep(block, part.uid, source, num_rows, fields, part.block_nbytes[block])
+
+
+def block_live(state: QueueState, uid: int, block: int) -> bool:
+    """Whether ``block`` of partition ``uid`` is still held (not cleared, dropped or lost): a refill writes it only
+    then, so a copy never outlives its drop."""
+    part = state.table.by_uid(uid)
+    return part is not None and block in part.block_nbytes
 
 
 def single_copies(state: QueueState) -> dict[str, int]:
@@ -139,14 +220,14 @@ def single_copies(state: QueueState) -> dict[str, int]:
     if replica_of is None:
         return {}
     units = state.config.num_storage_units
-    lost_below = [state.lost.lost_below.get(u, 0) for u in range(units)]
+    down = np.fromiter(state.down_units, dtype=np.int64, count=len(state.down_units))
     blocks = rows = 0
     for part in state.partitions.values():
-        weak = set()
-        for b in part.block_nbytes:
-            holders = (b % units, replica_of[b % units])
-            if any(b < lost_below[u] or u in state.down_units for u in holders):
-                weak.add(b)
+        ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
+        weak_mask = np.zeros(len(ids), dtype=bool)
+        for holders in (ids % units, np.asarray(replica_of, dtype=np.int64)[ids % units]):
+            weak_mask |= missing_on(state, ids, holders) | np.isin(holders, down)
+        weak = ids[weak_mask].tolist()
         blocks += len(weak)
         if weak:
             n, cols = part.num_rows, len(part.fields)
@@ -156,6 +237,18 @@ def single_copies(state: QueueState) -> dict[str, int]:
             )
             rows += int(on.any(axis=1).sum())
     return {"blocks_single_copy": blocks, "rows_single_copy": rows}
+
+
+def refill_summary(state: QueueState) -> dict[str, Any]:
+    """For status (replicas=2): the restarted units whose lost copies are being copied back (``refilling``), those of
+    them waiting for a down unit that holds the other copy (``refill_waiting``: unit -> that unit), and the blocks
+    copied back since the queue started (``blocks_refilled``)."""
+    book: LostRowBook = state.lost
+    return {
+        "refilling": book.refilling(),
+        "refill_waiting": dict(book.refill_waiting),
+        "blocks_refilled": book.blocks_refilled,
+    }
 
 
 def _rows_on_unit(state: QueueState, part: PartitionState, unit: int) -> tuple[np.ndarray, dict[int, list[str]]]:

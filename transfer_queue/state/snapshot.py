@@ -69,8 +69,9 @@ def _partition(part: PartitionState) -> dict[str, Any]:
     }
 
 
-def snapshot_state(state: QueueState) -> bytes:
-    """The state as bytes (msgpack); open puts, parked requests and connections are left out."""
+def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None) -> bytes:
+    """The state as bytes (msgpack); open puts, parked requests and connections are left out. ``saved_by``
+    (replicas=2: each block is saved once): unit -> the unit whose checkpoint files hold the blocks placed on it."""
     samplers = {"": state.default_sampler.state_dict()}
     samplers.update({task: s.state_dict() for task, s in state.samplers.items()})
     samplers.update(state.pending_sampler_states)
@@ -86,6 +87,7 @@ def snapshot_state(state: QueueState) -> bytes:
             "samplers": samplers,
             # the units' restart counts and lost_below are not saved: a restore starts fresh units
             "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
+            "saved_by": saved_by,
         }
     )
 
@@ -112,6 +114,24 @@ def block_map(snapshot: dict[str, Any], new_units: int) -> tuple[dict[int, int],
             mapping[block] = counter * new_units + (block % old_units) % new_units
             counter += 1
     return mapping, counter
+
+
+def unit_restores(
+    snapshot: dict[str, Any], mapping: dict[int, int], new_units: int, replica_of: list[int] | None
+) -> list[tuple[list[int], dict[int, int]]]:
+    """Per new storage unit, what it loads: the saved units' files holding its blocks, and its blocks (old id -> new
+    id, from :func:`block_map`). A new unit loads the blocks placed on it and, with ``replica_of`` (the new queue's
+    replicas=2), those placed on the units it holds the second copy of. A checkpoint of a replicated queue saved each
+    block once, in the files of one of its holders (``saved_by``); one without saved every unit's own blocks."""
+    old_units = snapshot["config"]["num_storage_units"]
+    saved_by = {int(u): int(h) for u, h in (snapshot.get("saved_by") or {}).items()}
+    out = []
+    for unit in range(new_units):
+        held = {unit} | {u for u, partner in enumerate(replica_of or ()) if partner == unit}
+        blocks = {old: new for old, new in mapping.items() if new % new_units in held}
+        files = sorted({saved_by.get(old % old_units, old % old_units) for old in blocks})
+        out.append((files, blocks))
+    return out
 
 
 def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: QueueConfig) -> PartitionState:

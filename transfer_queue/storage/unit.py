@@ -95,7 +95,8 @@ class BlockStore:
 
         if self._dead(req.partition_uid):
             raise PartitionCleared(f"partition uid {req.partition_uid} was cleared; the write was dropped")
-        if req.block_id < self.block_floor or req.block_id in self.dead_blocks.get(req.partition_uid, ()):
+        late = req.block_id < self.block_floor and not req.refill  # a refill copies a block of a finished put
+        if late or req.block_id in self.dead_blocks.get(req.partition_uid, ()):
             raise PutExpired(
                 f"block {req.block_id} belongs to a put that was aborted or already finished; the write was dropped"
             )
@@ -104,6 +105,8 @@ class BlockStore:
                 f"block {req.block_id} belongs to storage unit {req.block_id % self.num_units}, not {self.unit}"
             )
         if req.block_id in self.blocks:
+            if req.refill:  # a refill tried again after its answer was late: the block is here already
+                return
             raise InvalidRequest(f"block {req.block_id} was already written")
         for spec in req.columns:
             if spec.nframes != nframes(spec.schema):
@@ -333,6 +336,9 @@ class StorageServer(Server):
         is still written from here) and write it in the background; answered by :meth:`periodic` once written."""
         store = self.store
         blocks = dict(store.blocks)
+        if req.primaries is not None:  # replicas=2: each block is saved once, by the holder the controller chose
+            primaries = set(req.primaries)
+            blocks = {b: block for b, block in blocks.items() if b % store.num_units in primaries}
         self._saves.append(
             (self._saver.submit(save_staged, req.staging, store.unit, store.num_units, blocks), responder)
         )

@@ -91,11 +91,17 @@ class Envelope(msgspec.Struct, array_like=True, frozen=True):
 
 class UnitRestart(msgspec.Struct, array_like=True, frozen=True):
     """A storage unit that Ray restarted (empty): where it listens now, and that every block id below ``lost_below``
-    on it is lost (its previous incarnations held them). ``restarts`` counts its restarts."""
+    on it is lost (its previous incarnations held them). ``restarts`` counts its restarts. With replicas=2 the
+    controller copies those blocks back onto it from their other copy, in block id order: every block below
+    ``refilled_below`` is on it again (those in ``[refilled_below, lost_below)`` are not, yet)."""
 
     endpoint: Endpoint
     lost_below: int
     restarts: int
+    refilled_below: int = 0
+    # replicas=2: (unit, lo, hi) per unit sharing blocks with this one that had not got back every copy it lost when
+    # this one restarted: the blocks the two share in [lo, hi) had both copies gone (lost), whatever refills since
+    lost_with: tuple[tuple[int, int, int], ...] = ()
 
 
 class ReplyHeader(msgspec.Struct, array_like=True, frozen=True):
@@ -412,6 +418,9 @@ class Write(msgspec.Struct, tag="write"):
     columns: list[ColumnSpec]
     max_bytes: int = 0  # from the Placement: what was reserved, vouched for by ``token``
     token: bytes = b""
+    # replicas=2: the controller copies a block back onto a unit restarted empty (its put finished long ago, so the
+    # unit's block floor does not refuse it; a dropped block or a cleared partition still does)
+    refill: bool = False
 
 
 class ReadField(msgspec.Struct, array_like=True):
@@ -450,6 +459,9 @@ class SaveUnit(msgspec.Struct, tag="save_unit"):
     unit takes its block table at once (the snapshot's blocks are all in it) and writes it in the background."""
 
     staging: str
+    # replicas=2: write only the blocks placed on these units (each block is saved once, by one of its holders);
+    # None: every block this unit holds
+    primaries: list[int] | None = None
 
 
 StorageRequest = Write | Read | DropBlocks | DropPartition | StorageStats | SaveUnit

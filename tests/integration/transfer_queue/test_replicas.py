@@ -1,6 +1,7 @@
 """``replicas=2`` on a live Ray queue: a storage unit killed (its process SIGKILLed and restarted empty by Ray, or its
 actor killed for good) loses nothing: every committed row reads back equal from the other copy, nothing is reported
-lost, and the status shows the blocks left with one copy. (Without Ray: tests/unit/.../test_replicas_local.py.)"""
+lost, the status shows the blocks left with one copy, and a restarted unit gets its copies back (so its partner can
+die next); a checkpoint restores into one or two copies. (Without Ray: tests/unit/.../test_replicas_local.py.)"""
 
 from __future__ import annotations
 
@@ -50,12 +51,23 @@ def test_a_killed_unit_restarted_empty_loses_no_row_with_two_replicas(
             90,
             what="storage unit 0 to be restarted and attached",
         )
-        check_all_read_back(client, metas)  # unit 0's blocks from unit 1
+        check_all_read_back(client, metas)  # unit 0's blocks from unit 1 (or from 0 once copied back)
+        wait_until(lambda: client.status()["storage"]["refilling"] == [], 60, what="unit 0 to get its copies back")
         storage = client.status()["storage"]
-        assert storage["blocks_single_copy"] == 6 and storage["rows_single_copy"] == 12
+        assert storage["blocks_single_copy"] == 0 and storage["rows_single_copy"] == 0
+        assert storage["blocks_refilled"] == 6
+        assert [s["blocks"] for s in ray.get(controller.storage_stats.remote())] == [6, 6]
         fresh = put_rows(TransferQueueClient("fresh", ray.get(controller.get_info.remote())), 2)
         check_all_read_back(client, fresh)
-        assert client.status()["storage"]["blocks_single_copy"] == 6  # the new puts hold two copies again
+        os.kill(ray.get(controller.storage_stats.remote())[1]["pid"], signal.SIGKILL)  # now its partner
+        wait_until(
+            lambda: ray.get(controller.server_stats.remote())["storage_units_restarted"] == {0: 1, 1: 1},
+            90,
+            what="storage unit 1 to be restarted and attached",
+        )
+        check_all_read_back(client, metas + fresh)  # every row from unit 0: nothing was lost
+        wait_until(lambda: client.status()["storage"]["refilling"] == [], 60, what="unit 1 to get its copies back")
+        assert client.status()["storage"]["blocks_single_copy"] == 0
     finally:
         ray.get(controller.shutdown.remote(), timeout=60)
         ray.kill(controller)
@@ -79,9 +91,41 @@ def test_init_with_two_replicas_reads_a_unit_killed_for_good_from_its_replica_at
         check_all_read_back(client, metas)  # before the controller noticed: the failed read falls back itself
         wait_until(lambda: 0 in ray.get(controller.server_stats.remote())["storage_units_down"], 30, what="unit 0 down")
         check_all_read_back(client, metas)  # known down: read from the replica without trying unit 0
-        assert client.status()["storage"]["blocks_single_copy"] == 4  # unit 0's own 2 blocks and 2 copies on it
+        storage = client.status()["storage"]
+        assert storage["blocks_single_copy"] == 4  # unit 0's own 2 blocks and 2 copies on it
+        assert storage["refilling"] == [] and storage["blocks_refilled"] == 0  # dead for good: nothing to refill
         meta = client.put({"x": torch.ones(2, 8), "y": torch.zeros(2, dtype=torch.int64)}, partition_id="p")
         assert client.get_data(meta)["x"].shape == (2, 8)
     finally:
         client.close()
         transfer_queue.shutdown()
+
+
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_a_checkpoint_of_two_replicas_restores_into_one_or_two(ray_session: Any, tmp_path: Any, replicas: int) -> None:
+    controller = TransferQueueController.remote(4, num_storage_units=3, default_timeout=5.0, replicas=2)
+    client = TransferQueueClient("save", ray.get(controller.get_info.remote()))
+    try:
+        metas = put_rows(client, 6)
+        client.save_checkpoint(str(tmp_path))
+    finally:
+        client.close()
+        ray.get(controller.shutdown.remote(), timeout=60)
+        ray.kill(controller)
+    restored = TransferQueueController.remote(
+        4, num_storage_units=2, default_timeout=5.0, replicas=replicas, restore_from=str(tmp_path)
+    )
+    client = TransferQueueClient("restored", ray.get(restored.get_info.remote()))
+    try:
+        units = ray.get(restored.storage_stats.remote())
+        assert sum(u["blocks"] for u in units) == 6 * replicas  # each saved block once, restored with its copies
+        meta = client.get_meta(["x", "y"], 12, partition_id="p", task_name="t")
+        td = client.get_data(meta)
+        got = sorted(zip(td["x"][:, 0].tolist(), td["y"].tolist(), strict=True))
+        assert got == sorted((v, int(v) + i) for _, v in metas for i in range(2))
+        if replicas == 2:
+            assert client.status()["storage"]["blocks_single_copy"] == 0
+    finally:
+        client.close()
+        ray.get(restored.shutdown.remote(), timeout=60)
+        ray.kill(restored)

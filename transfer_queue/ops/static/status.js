@@ -51,6 +51,14 @@ function card(key, value, id) {
   return c;
 }
 
+// replicas=2: the blocks copied back onto restarted units, which units are being refilled, and what they wait for
+function refillLabel(storage) {
+  const refilling = storage.refilling || [];
+  if (!refilling.length) return "blocks copied back";
+  const waiting = Object.entries(storage.refill_waiting || {}).map(([u, src]) => `unit ${u} waits for unit ${src}`);
+  return `blocks copied back (refilling unit ${refilling.join(", ")}${waiting.length ? "; " + waiting.join(", ") : ""})`;
+}
+
 function drawCards(s) {
   const cards = document.getElementById("cards");
   cards.replaceChildren(
@@ -63,7 +71,8 @@ function drawCards(s) {
     card("clients connected", s.clients, "clients"),
     card(`held of ${fmtBytes(s.storage.budget)}`, fmtBytes(s.storage.bytes_held), "bytes-held"),
     ...(s.storage.replicas > 1  // replicas=2: blocks left with one live copy (a unit down or restarted empty)
-      ? [card(`blocks with one copy of ${s.storage.replicas}`, s.storage.blocks_single_copy, "blocks-single-copy")]
+      ? [card(`blocks with one copy of ${s.storage.replicas}`, s.storage.blocks_single_copy, "blocks-single-copy"),
+         card(refillLabel(s.storage), s.storage.blocks_refilled, "blocks-refilled")]
       : []),
   );
 }

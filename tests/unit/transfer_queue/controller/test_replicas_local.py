@@ -1,11 +1,13 @@
 """``replicas=2`` without Ray: a ControllerServer and three StorageServers in this process, wired by hand (as the
 controller actor does: each unit holds the second copy of its partner's blocks). Every block is written to two units,
 a read falls back to the other copy at once when a unit is down (stopped) or came back empty (restarted), nothing is
-reported lost while one copy lives, and a row is lost (typed) only when both copies are gone."""
+reported lost while one copy lives, a restarted unit gets its copies back from the other ones (refill), a row is lost
+(typed) only when both copies are gone, and a checkpoint saves each block once and restores both copies."""
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,14 @@ from transfer_queue.controller.server import ControllerServer
 from transfer_queue.errors import CheckpointError, InvalidRequest, RowsLost, StorageUnitDown
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
+from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state, unit_restores
+from transfer_queue.storage.checkpoint import (
+    current_checkpoint,
+    load_unit,
+    read_controller,
+    read_manifest,
+    restore_into,
+)
 from transfer_queue.storage.unit import BlockStore, StorageServer
 from transfer_queue.wire import protocol as p
 
@@ -54,28 +64,37 @@ class LocalQueue:
         return self.controller.restart_unit(unit, self.units[unit].endpoint)
 
 
-@pytest.fixture
-def queue() -> Iterator[LocalQueue]:
-    config = QueueConfig(global_batch_size=4, num_storage_units=UNITS, default_timeout=3.0, replicas=2)
-    replica_of = replica_units([""] * UNITS, 2)
-    assert replica_of == [1, 2, 0]
-    units = [StorageServer(store(u, replica_of), "127.0.0.1", SESSION, SECRET) for u in range(UNITS)]
-    controller = ControllerServer(QueueState(config, None), SESSION, [u.endpoint for u in units], "127.0.0.1", SECRET)
+def start_queue(state: QueueState, stores: list[BlockStore]) -> LocalQueue:
+    """A controller serving ``state`` over storage servers of ``stores`` (their blocks already in them)."""
+    units = [StorageServer(s, "127.0.0.1", SESSION, SECRET) for s in stores]
+    controller = ControllerServer(state, SESSION, [u.endpoint for u in units], "127.0.0.1", SECRET)
     info = p.ControllerInfo(
         p.PROTOCOL_VERSION,
         SESSION,
         controller.endpoint,
         [u.endpoint for u in units],
-        config.to_dict(),
+        state.config.to_dict(),
         SECRET,
         controller.state.ledger.replica_of,
     )
-    local = LocalQueue(controller, units, TransferQueueClient("c", info, force_tcp=True), info)
-    yield local
+    return LocalQueue(controller, units, TransferQueueClient("c", info, force_tcp=True), info)
+
+
+def stop_queue(local: LocalQueue) -> None:
     local.client.close()
-    controller.stop()
+    local.controller.stop()
     for unit in local.units:
         unit.stop()
+
+
+@pytest.fixture
+def queue() -> Iterator[LocalQueue]:
+    config = QueueConfig(global_batch_size=4, num_storage_units=UNITS, default_timeout=3.0, replicas=2)
+    replica_of = replica_units([""] * UNITS, 2)
+    assert replica_of == [1, 2, 0]
+    local = start_queue(QueueState(config, None), [store(u, replica_of) for u in range(UNITS)])
+    yield local
+    stop_queue(local)
 
 
 def put_on_each_unit(client: TransferQueueClient, first: float = 1.0) -> dict[int, Any]:
@@ -136,17 +155,30 @@ def test_a_read_that_finds_a_unit_gone_reads_the_replica_in_the_same_call(queue:
     assert values(client, metas) == before
 
 
+def storage(client: TransferQueueClient) -> dict[str, Any]:
+    return client.status()["storage"]
+
+
+def refilled(client: TransferQueueClient) -> bool:
+    return storage(client)["refilling"] == []
+
+
 def test_a_restarted_unit_loses_nothing_while_the_other_copy_lives(queue: LocalQueue) -> None:
     client = queue.client
     metas = put_on_each_unit(client)
     before = values(client, metas)
+    queue.controller.mark_unit(1, "held down by the test")  # the other copy of unit 0's own block: no refill yet
     result = queue.restart(0)
     assert result["rows"] == 0 and result["partitions"] == {}
+    queue.controller.mark_unit(1, None)
+    wait_for(lambda: refilled(client))
+    queue.controller.mark_unit(2, "held down by the test")  # unit 2's block is read from its copy refilled on 0
     assert values(client, metas) == before
     assert client.lost_rows(partition_id="p") == []
     summary = client.status()
-    assert summary["rows_lost"] == 0 and summary["storage"]["blocks_single_copy"] == 2
+    assert summary["rows_lost"] == 0 and summary["storage"]["blocks_single_copy"] == 2  # the two on unit 2
     assert summary["storage"]["rows_single_copy"] == 4
+    queue.controller.mark_unit(2, None)
     fresh = put_on_each_unit(client, first=10.0)  # the restarted unit takes both copies of new puts again
     assert sorted(v for read in values(client, fresh).values() for v in read) == [10, 10, 11, 11, 12, 12]
     meta = client.get_meta(["x"], 12, partition_id="p", timeout=2.0)
@@ -156,9 +188,12 @@ def test_a_restarted_unit_loses_nothing_while_the_other_copy_lives(queue: LocalQ
 def test_rows_are_lost_once_both_copies_are_gone(queue: LocalQueue) -> None:
     client = queue.client
     metas = put_on_each_unit(client)
+    queue.controller.mark_unit(1, "held down by the test")  # unit 0's block is not copied back from unit 1
     queue.restart(0)
     result = queue.restart(1)  # unit 0's blocks had their last copy on unit 1
     assert result["rows"] == 2 and result["partitions"] == {"p": 2}
+    wait_for(lambda: refilled(client))  # both refills went past the lost block: still lost, typed
+    assert storage(client)["blocks_single_copy"] == 0
     lost = metas[0].global_indexes.tolist()
     with pytest.raises(RowsLost, match=re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit")):
         client.get_data(metas[0])
@@ -179,9 +214,163 @@ def test_a_row_whose_both_units_are_down_is_reported_down_typed(queue: LocalQueu
     assert client.get_data(metas[2])["x"].shape == (2, 4)  # unit 2 holds it itself
 
 
-def test_a_checkpoint_of_a_replicated_queue_is_refused_typed(queue: LocalQueue, tmp_path: Any) -> None:
+def test_a_restarted_unit_is_refilled_and_then_outlives_the_restart_of_its_partner(queue: LocalQueue) -> None:
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    blocks = {u: int(m.blocks[0, 0]) for u, m in metas.items()}
+    queue.restart(0)
+    wait_for(lambda: refilled(client))
+    assert sorted(queue.units[0].store.blocks) == sorted([blocks[0], blocks[2]])  # its own and unit 2's copy
+    summary = storage(client)
+    assert summary["blocks_single_copy"] == 0 and summary["rows_single_copy"] == 0
+    assert summary["blocks_refilled"] == 2 and summary["refill_waiting"] == {}
+    result = queue.restart(1)  # the other copy of unit 0's block is gone now: the refilled one remains
+    assert result["rows"] == 0
+    assert values(client, metas) == before
+    assert client.lost_rows(partition_id="p") == []
+    wait_for(lambda: refilled(client))
+    assert sorted(queue.units[1].store.blocks) == sorted([blocks[0], blocks[1]])
+    assert storage(client)["blocks_refilled"] == 4
+
+
+def test_a_refill_waits_for_the_unit_holding_the_other_copy_and_the_status_says_so(queue: LocalQueue) -> None:
+    client = queue.client
+    metas = put_on_each_unit(client)
+    blocks = {u: int(m.blocks[0, 0]) for u, m in metas.items()}
+    queue.controller.mark_unit(1, "held down by the test")
+    queue.restart(0)
+    first = blocks[2] < blocks[0]  # unit 2's copy goes back first if it is older (block id order)
+    wait_for(lambda: (s := storage(client))["refill_waiting"] == {0: 1} and s["blocks_refilled"] == first)
+    summary = storage(client)
+    assert summary["refilling"] == [0] and blocks[0] not in queue.units[0].store.blocks
+    assert summary["blocks_single_copy"] == 3 - first  # unit 0's (its units 0 and 1), unit 1's (down), unit 2's?
+    queue.controller.mark_unit(1, None)  # back: the refill goes on
+    wait_for(lambda: refilled(client))
+    summary = storage(client)
+    assert summary["blocks_single_copy"] == 0 and summary["refill_waiting"] == {} and summary["blocks_refilled"] == 2
+    assert sorted(queue.units[0].store.blocks) == sorted([blocks[0], blocks[2]])
+
+
+def hold_refill_reads(controller: ControllerServer, block: int) -> tuple[threading.Event, threading.Event]:
+    """Hold the other copy of ``block`` once it arrived at the controller (before it is written back) until the
+    returned ``release`` is set; ``held`` is set once it is held. The batch waits for it meanwhile."""
+    held, release = threading.Event(), threading.Event()
+    real_read, real_periodic = controller._refill_read, controller.periodic
+    kept: list[Any] = []
+
+    def read(batch: Any, step: Any, header: Any, frames: Any) -> None:
+        if step.block == block and not release.is_set():
+            batch.reads[-1] = step  # the batch is not done while this block is held
+            kept.append((batch, step, header, frames))
+            held.set()
+            return
+        real_read(batch, step, header, frames)
+
+    def periodic(events: Any) -> None:
+        if release.is_set() and kept:
+            batch, step, header, frames = kept.pop()
+            batch.reads.pop(-1, None)
+            real_read(batch, step, header, frames)
+        real_periodic(events)
+
+    controller._refill_read = read  # type: ignore[method-assign]
+    controller.periodic = periodic  # type: ignore[method-assign]
+    return held, release
+
+
+@pytest.mark.parametrize("how", ["kv_put overwrites it", "clear"])
+def test_a_block_dropped_while_it_is_refilled_is_not_written_back(queue: LocalQueue, how: str) -> None:
+    client = queue.client
+    meta = client.kv_put("a", "kv", {"v": torch.full((3,), 5.0)})
+    block = int(meta.blocks[0, 0])
+    unit = block % UNITS
+    held, release = hold_refill_reads(queue.controller, block)
+    queue.restart(unit)
+    assert held.wait(10), "the refill never read the block's other copy"
+    if how == "clear":
+        client.clear(partition_id="kv")
+    else:
+        client.kv_put("a", "kv", {"v": torch.full((3,), 6.0)})  # the old value's block is dropped
+    wait_for(lambda: queue.units[unit].store.block_floor > block)  # the drop reached the unit before any copy
+    release.set()
+    wait_for(lambda: refilled(client))
+    assert block not in queue.units[unit].store.blocks  # not resurrected by the refill
+    assert storage(client)["blocks_refilled"] == 0
+    if how != "clear":
+        assert torch.equal(client.kv_batch_get(["a"], "kv")["v"][0], torch.full((3,), 6.0))
+        assert storage(client)["blocks_single_copy"] == 0
+
+
+def saved_blocks(checkpoint: str) -> list[int]:
+    """Every block id in the checkpoint's unit files (a block saved twice is listed twice)."""
+    out = []
+    for u in range(UNITS):
+        try:
+            out += [b.block_id for b in read_manifest(checkpoint, u)[1].blocks]
+        except CheckpointError:  # this unit saved nothing
+            pass
+    return sorted(out)
+
+
+def restore_locally(root: str, units: int, replicas: int) -> LocalQueue:
+    """What ``init(restore_from=root)`` does, without Ray: the snapshot's state, and each unit's blocks loaded from
+    the files the restore plan names."""
+    checkpoint = current_checkpoint(root)
+    snapshot = read_snapshot(read_controller(checkpoint))
+    config = QueueConfig(global_batch_size=4, num_storage_units=units, default_timeout=3.0, replicas=replicas)
+    replica_of = replica_units([""] * units, replicas)
+    mapping, next_block = block_map(snapshot, units)
+    stores = []
+    for u, (files, block_ids) in enumerate(unit_restores(snapshot, mapping, units, replica_of)):
+        unit_store = store(u, replica_of) if replica_of is not None else BlockStore(u, units, SECRET)
+        unit_store.secret = b""  # the restore writes without a reservation, as StorageUnit.restore_checkpoint does
+        for f in files:
+            restore_into(unit_store, [b for b in load_unit(checkpoint, f) if b.block_id in block_ids], block_ids)
+        unit_store.secret = SECRET
+        stores.append(unit_store)
+    return start_queue(restore_state(snapshot, config, None, mapping, next_block), stores)
+
+
+@pytest.mark.parametrize(("units", "replicas"), [(3, 2), (2, 1)])
+def test_a_checkpoint_saves_each_block_once_and_restores_into_another_replica_count(
+    queue: LocalQueue, tmp_path: Any, units: int, replicas: int
+) -> None:
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    queue.restart(0)  # restarted and refilled: the save takes unit 0's blocks from whichever holder is whole
+    wait_for(lambda: refilled(client))
+    queue.units[1].stop()  # a unit down: each block still has a holder that is up
+    wait_for(lambda: 1 in queue.controller.down_reasons)
+    saved = client.save_checkpoint(str(tmp_path))
+    assert saved_blocks(saved) == sorted(int(m.blocks[0, 0]) for m in metas.values())  # each block once
+    restored = restore_locally(str(tmp_path), units, replicas)
+    try:
+        again = {u: restored.client.get_meta(["x"], 2, partition_id="p", task_name="t") for u in range(UNITS)}
+        got = sorted(v for m in again.values() for v in restored.client.get_data(m)["x"][:, 0].tolist())
+        assert got == sorted(v for read in before.values() for v in read)
+        held = sorted(b for unit in restored.units for b in unit.store.blocks)
+        assert len(held) == replicas * len(metas)  # restored with as many copies as the new queue keeps
+        if replicas == 2:
+            assert storage(restored.client)["blocks_single_copy"] == 0
+            restored.units[0].stop()  # either copy serves
+            again_read = sorted(v for m in again.values() for v in restored.client.get_data(m)["x"][:, 0].tolist())
+            assert again_read == got
+    finally:
+        stop_queue(restored)
+
+
+def test_a_checkpoint_needs_a_whole_copy_of_each_unit_s_blocks(queue: LocalQueue, tmp_path: Any) -> None:
     put_on_each_unit(queue.client)
-    with pytest.raises(CheckpointError, match=r"checkpoints of a queue with replicas=2 are not supported yet"):
+    queue.units[0].stop()
+    queue.units[1].stop()  # unit 0's blocks: both holders down
+    wait_for(lambda: {0, 1} <= set(queue.controller.down_reasons))
+    with pytest.raises(
+        CheckpointError,
+        match=r"no storage unit holding the blocks placed on storage unit 0 holds all of them now \(storage unit 0 is "
+        r"down \(the controller lost its connection to it\); storage unit 1 is down",
+    ):
         queue.client.save_checkpoint(str(tmp_path / "ckpt"))
 
 
@@ -232,8 +421,22 @@ def test_a_large_put_spread_over_units_writes_each_unit_once_and_reads_back_over
         client.close()
 
 
-def test_restoring_a_replicated_queue_is_refused_typed_before_anything_starts(tmp_path: Any) -> None:
-    from transfer_queue.controller.actor import ControllerActor
-
-    with pytest.raises(CheckpointError, match=r"restoring a queue with replicas=2 is not supported yet"):
-        ControllerActor(4, storage_units=[object(), object()], replicas=2, restore_from=str(tmp_path))
+def test_a_checkpoint_of_one_copy_restores_into_two(tmp_path: Any) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, default_timeout=3.0)
+    single = start_queue(QueueState(config, None), [BlockStore(u, 2, SECRET) for u in range(2)])
+    try:
+        metas = [single.client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(4)]
+        assert {int(m.blocks[0, 0]) % 2 for m in metas} == {0, 1}
+        single.client.save_checkpoint(str(tmp_path))
+    finally:
+        stop_queue(single)
+    restored = restore_locally(str(tmp_path), UNITS, 2)
+    try:
+        assert sum(len(unit.store.blocks) for unit in restored.units) == 8  # 4 blocks, 2 copies each
+        assert storage(restored.client)["blocks_single_copy"] == 0
+        meta = restored.client.get_meta(["x"], 8, partition_id="p", task_name="t")
+        restored.units[int(meta.blocks[0, 0]) % UNITS].stop()  # the other copy serves
+        got = restored.client.get_data(meta)["x"][:, 0].tolist()
+        assert sorted(got) == sorted(float(v) for v in range(4) for _ in range(2))
+    finally:
+        stop_queue(restored)
