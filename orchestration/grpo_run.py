@@ -38,7 +38,7 @@ import ray
 import torch
 
 import transfer_queue
-from orchestration.config import RLConfig
+from orchestration.config import ConfigError, RLConfig
 from orchestration.inference import inference_manager, model_directory, starts_servers, worker_urls
 from orchestration.metric_sinks import run_sinks
 from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
@@ -123,6 +123,22 @@ def load_run_task(config: RLConfig) -> Task:
     return load_task(run_task_name(config), run_task_kwargs(config))
 
 
+def check_run_task(task: Task, config: RLConfig) -> None:
+    """Refuse a task a run cannot train yet: one that yields images (its ``image_source()`` is not None). The
+    trainer would read its rows' ``image_refs``, which the run's rollout workers (any ``rollout.engine``) do not
+    write: its first step would wait for them until ``queue_timeout``.
+
+    Raises:
+        ConfigError: naming the task and the engine.
+    """
+    if task.image_source() is not None:
+        raise ConfigError(
+            f"task {run_task_name(config)!r} yields images (its image_source() is not None), but a run's rollout "
+            f"workers (rollout.engine={config.rollout.engine!r}) do not write rows with image_refs yet; train a "
+            "vision-language task with the trainer's pieces instead (docs/sampling.md, 'Vision-language models')"
+        )
+
+
 class GRPORun:
     """Starts the queue and the actors of a run (see the module docstring); call :meth:`run`."""
 
@@ -158,6 +174,7 @@ class GRPORun:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.out, cfg)
         self.task = load_run_task(cfg)
+        check_run_task(self.task, cfg)
         api_key, model_dir, started = key_from_env(), None, None  # engine_url's servers: the key in TQ_API_KEY
         if starts_servers(cfg.rollout):  # one server per rollout worker, loading the run's model, with its own key
             model_dir = model_directory(cfg.model.path, self.task, self.out)

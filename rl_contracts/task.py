@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rl_contracts.images import ImageSource
 
 
 class Tokenizer(Protocol):
@@ -56,6 +59,12 @@ class Task(ABC):
             except Exception as exc:  # a user function's bug fails its sample only
                 out.append(exc)
         return out
+
+    def image_source(self) -> ImageSource | None:
+        """What the trainer resolves the rows' image references (``rl_contracts.images.IMAGE_REFS``) with; None (the
+        default) for a text task, whose rows carry no images. A vision task returns one (e.g.
+        ``workers.vision.BlobImageSource`` over the blob store its prompts' images are stored in)."""
+        return None
 
     def sft_target(self, prompt: dict[str, Any]) -> list[int]:
         """Token ids of the reference response of ``prompt`` (eos included), for the SFT warm-up."""

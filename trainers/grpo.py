@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rl_contracts.images import IMAGE_REFS, ImageSource, image_refs_of, rows_pixel_values
 from rl_contracts.lost_rows import read_or_none, release_quietly
 from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import prompts_checksum, sft_step_batch
@@ -39,13 +40,14 @@ from trainers.advantages import group_advantages_by_id
 from trainers.checkpoint import queue_stage
 from trainers.config import TrainerConfig
 from trainers.filters import apply_filters
-from trainers.fsdp import AdamWConfig, FSDPPolicy, LossFn, all_gather_single, init_process_group
+from trainers.fsdp import PIXEL_VALUES, AdamWConfig, FSDPPolicy, LossFn, all_gather_single, init_process_group
 from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
 
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "response_logprobs", "policy_version", "reward", "reward_failed"]
 PARTIAL_FIELDS = ["response_versions"]  # with rollout.partial_rollout: the version of each response token
+IMAGE_FIELDS = [IMAGE_REFS]  # with a vision task (Task.image_source()): each row's image blob keys
 
 
 @dataclass
@@ -84,12 +86,17 @@ def build_train_batch(
     trainer_version: int,
     max_staleness: int,
     config: TrainerConfig,
+    images: ImageSource | None = None,
 ) -> TrainBatch:
     """The training tensors of one rank's share (whole groups), aligned as in ``docs/rl-conventions.md``.
 
     Samples whose reward function failed, or that are staler than ``max_staleness`` policy versions, are left
     out of their group's advantage statistics and of the loss (their ``response_mask`` is zeroed); so are rows
     dropped by the configured filters.
+
+    Rows with ``image_refs`` (``rl_contracts.images``: blob keys, not pixels) get ``pixel_values``
+    (``[B, K, 3, H, W]``, ``trainers.fsdp.PIXEL_VALUES``) resolved through ``images`` here, each distinct image once;
+    ``ImagesUnavailable`` without a source, ``UnevenImages`` for rows with different numbers of images.
     """
     config = expect_trainer_config(config)
     response_loss_masks = None
@@ -111,6 +118,10 @@ def build_train_batch(
     # the engine's log-probs; the old (proximal) policy too unless the trainer recomputes it (see train_step)
     tensors["rollout_logprobs"] = rollout_logprobs
     tensors["old_logprobs"] = rollout_logprobs.clone()
+    if IMAGE_REFS in data.keys():  # noqa: SIM118
+        pixels = rows_pixel_values(image_refs_of(data[IMAGE_REFS]), images)
+        if pixels is not None:
+            tensors[PIXEL_VALUES] = pixels
 
     rewards = data["reward"].to(torch.float32).reshape(-1)
     # a non-finite reward never passes the reward worker; should one arrive anyway it counts as a failure
@@ -225,6 +236,8 @@ class GRPOTrainerRank:
         # a batch is done once the optimizer stepped on it: a rank that dies mid-step gets its rows redelivered
         self.client.set_task_options(TRAIN_TASK, ack="explicit")
         self.task = task
+        # a vision task's rows carry image references; the trainer resolves them to pixels (None: a text task)
+        self.images = task.image_source() if task is not None else None
         self.version = 0
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
@@ -311,6 +324,7 @@ class GRPOTrainerRank:
                     trainer_version=version,
                     max_staleness=cfg.max_staleness,
                     config=cfg,
+                    images=self.images,
                 )
                 if cfg.train.max_train_groups is not None:
                     quota = cfg.train.max_train_groups // (self.dp_size * rounds)
@@ -325,7 +339,10 @@ class GRPOTrainerRank:
                     totals_add(totals, self._recompute_old_logprobs(t))
                 if self.reference is not None:
                     t["ref_logprobs"] = self.reference.compute_logprobs(
-                        t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.temperature)
+                        t["input_ids"],
+                        t["attention_mask"],
+                        temperature=logprob_temperature(cfg.temperature),
+                        pixel_values=t.get(PIXEL_VALUES),
                     )
                 if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
                     lrs = [self._rl_lr(rl_optimizer_step(version, k, e, rounds, epochs)) for e in range(epochs)]
@@ -355,7 +372,7 @@ class GRPOTrainerRank:
         cfg = self.config
         fields = (
             TRAJECTORY_FIELDS if cfg.trajectories else TRAIN_FIELDS + (PARTIAL_FIELDS if cfg.partial_rollout else [])
-        )
+        ) + (IMAGE_FIELDS if self.images is not None else [])
         for attempt in itertools.count():
             round_id = f"train/{step}/{k}" + (f"/again{attempt}" if attempt else "")
             meta = clock.call(
@@ -386,7 +403,10 @@ class GRPOTrainerRank:
         assert self.policy is not None
         cfg = self.config
         old = self.policy.compute_logprobs(
-            t["input_ids"], t["attention_mask"], temperature=logprob_temperature(cfg.temperature)
+            t["input_ids"],
+            t["attention_mask"],
+            temperature=logprob_temperature(cfg.temperature),
+            pixel_values=t.get(PIXEL_VALUES),
         )
         t["old_logprobs"] = old * t["attention_mask"].to(old.dtype)
         weights, metrics = rollout_correction(

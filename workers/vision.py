@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from workers.engines.errors import ImagesNotSupported, ImageTokenMismatch
-from workers.ledger.errors import UnknownContentPart, UnsupportedImageType
+from workers.ledger.blobs import BlobStore
+from workers.ledger.errors import ImageNotFound, UnknownContentPart, UnsupportedImageType
 from workers.ledger.multimodal import IMAGE_REF, image_mime
 
 #: CLIP's normalisation (LLaVA's image processors use it)
@@ -130,6 +131,33 @@ class ImageProcessor:
                 )[0]
             out[i] = (pixels - mean) / std
         return out
+
+
+@dataclass(frozen=True)
+class BlobImageSource:
+    """The trainer's :class:`rl_contracts.images.ImageSource` over a blob store: the images of the rows'
+    ``image_refs`` (blob keys, as ``store_mm_messages`` wrote them) read from ``blobs`` and turned into pixels by
+    ``processor``. A vision task's ``image_source()`` returns one.
+
+    >>> from workers.ledger.blobs import MemoryBlobStore
+    >>> blobs = MemoryBlobStore()
+    >>> key = blobs.put(solid_png(8, 8, (255, 0, 0)), ".png")
+    >>> tuple(BlobImageSource(blobs, ImageProcessor(4)).pixel_values([key, key]).shape)
+    (2, 3, 4, 4)
+    """
+
+    blobs: BlobStore
+    processor: ImageProcessor
+
+    def pixel_values(self, keys: Sequence[str]) -> Tensor:
+        """``[len(keys), 3, S, S]``; ``ImageNotFound`` for a key the blob store does not hold."""
+        images = []
+        for i, key in enumerate(keys):
+            try:
+                images.append(self.blobs.get(key))
+            except KeyError as exc:
+                raise ImageNotFound(f"image_refs key {key!r} (image {i}) is not in the blob store ({exc})") from None
+        return self.processor(images)
 
 
 def image_token_id(model: torch.nn.Module) -> int | None:

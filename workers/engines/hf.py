@@ -154,6 +154,7 @@ class HFEngine(Engine):
         if params.seed is not None:
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         stop_ids = torch.tensor(sorted({self.eos_token_id, *params.stop_token_ids}), device=self._device)
+        banned = self._banned_token()
         generations: list[Generation] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
@@ -162,7 +163,9 @@ class HFEngine(Engine):
                 continue
             chunk_pixels = [p for p in row_pixels[start : start + self.max_batch_size] if p is not None]
             pixel_values = torch.cat(chunk_pixels).to(self._device, self._dtype) if chunk_pixels else None
-            generations.extend(self._generate_chunk(chunk, params, stop_ids, generator, should_abort, pixel_values))
+            generations.extend(
+                self._generate_chunk(chunk, params, stop_ids, generator, should_abort, pixel_values, banned)
+            )
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
@@ -174,6 +177,7 @@ class HFEngine(Engine):
         generator: torch.Generator | None,
         should_abort: AbortCheck | None = None,
         pixel_values: torch.Tensor | None = None,
+        banned: int | None = None,
     ) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(rows)
         # the images go into the prompt's pass only: later steps read their features from the KV cache
@@ -194,7 +198,7 @@ class HFEngine(Engine):
                 logits_to_keep=1,
                 **(images if step == 0 else {}),
             )
-            token, logprob = _sample(out.logits[:, -1, :].float(), params, generator)
+            token, logprob = _sample(out.logits[:, -1, :].float(), params, generator, banned)
             # Rows that already stopped keep decoding (the batch moves together); their tokens are dropped below.
             tokens.append(token)
             logprobs.append(logprob)
@@ -208,6 +212,14 @@ class HFEngine(Engine):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
         return _to_generations(torch.stack(tokens, 1), torch.stack(logprobs, 1), stop_ids, aborted)
+
+    def _banned_token(self) -> int | None:
+        """A vision-language model's image placeholder token: never sampled. It stands for an image's features only
+        where the prompt puts it; one in a response would be embedded as a word here, but taken for an image slot
+        (with no image) by the trainer's pass over prompt + response. None for a text model."""
+        from workers.vision import image_token_id
+
+        return image_token_id(self._model)
 
     def _pixel_values(
         self, prompts: list[list[int]], images: Sequence[Sequence[Any]] | None
@@ -341,18 +353,28 @@ def _text_config(model: PreTrainedModel) -> Any:
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, banned: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it and its log-prob under ``log_softmax(logits / temperature)``."""
+    """Pick one token per row, never ``banned``; return it and its log-prob under ``log_softmax(logits /
+    temperature)`` (the full distribution: ``banned`` is left out of the choice as top-k leaves tokens out)."""
     if params.temperature == 0:
-        token = logits.argmax(dim=-1)
+        token = _without(logits, banned).argmax(dim=-1)
         return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
     scaled = logits / params.temperature
     logprobs = torch.log_softmax(scaled, dim=-1)
-    sampling_logits = _truncate(scaled, params.top_k, params.top_p)
+    sampling_logits = _truncate(_without(scaled, banned), params.top_k, params.top_p)
     probs = torch.softmax(sampling_logits, dim=-1)
     token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _without(logits: torch.Tensor, banned: int | None) -> torch.Tensor:
+    """``logits`` with the ``banned`` column at -inf (a new tensor; ``logits`` itself without one)."""
+    if banned is None:
+        return logits
+    out = logits.clone()
+    out[:, banned] = float("-inf")
+    return out
 
 
 def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

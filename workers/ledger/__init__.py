@@ -11,7 +11,7 @@ AgentRL's imports map onto ours: ``from databases import register_new_model, Tas
 
 from typing import Any
 
-from workers.ledger.blobs import BlobStore, DirectoryBlobStore, S3BlobStore, open_blob_store
+from workers.ledger.blobs import BlobStore, DirectoryBlobStore, MemoryBlobStore, S3BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import (
     ClaimLost,
@@ -71,6 +71,7 @@ __all__ = [
     "LedgerUnavailable",
     "LockNotAcquired",
     "MalformedConnectionString",
+    "MemoryBlobStore",
     "MultiModalError",
     "NoInferenceService",
     "NoTaskAvailable",

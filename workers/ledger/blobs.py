@@ -61,6 +61,29 @@ class DirectoryBlobStore:
         return path.read_bytes()
 
 
+class MemoryBlobStore:
+    """Blobs in a dict, keyed as the other stores key them (for tests and a single process).
+
+    >>> store = MemoryBlobStore()
+    >>> store.get(store.put(b"x", ".bin"))
+    b'x'
+    """
+
+    def __init__(self) -> None:
+        self._blobs: dict[str, bytes] = {}
+
+    def put(self, data: bytes, suffix: str = "") -> str:
+        key = blob_key(data, suffix)
+        self._blobs.setdefault(key, bytes(data))
+        return key
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._blobs[key]
+        except KeyError:
+            raise KeyError(f"no blob {key!r} in memory") from None
+
+
 class S3BlobStore:
     """Blobs as objects of one bucket of an S3-compatible server (created if missing)."""
 

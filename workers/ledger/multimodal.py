@@ -96,6 +96,19 @@ def preprocess_mm_messages_for_sample(
     return _convert(messages, blobs, fetch_http, timeout_s, to_url, keep_refs=False)
 
 
+def image_refs(messages: list[dict[str, Any]]) -> list[str]:
+    """The blob keys of the ``image_ref`` parts of ``messages`` (stored by :func:`store_mm_messages`), in the order
+    the parts appear: a row's ``image_refs`` field (``rl_contracts.images.IMAGE_REFS``), what the trainer turns into
+    pixels. The n samples of a GRPO group carry their prompt's keys, not n copies of its pixels."""
+    return [
+        part["blob"]
+        for message in messages
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == IMAGE_REF
+    ]
+
+
 def store_mm_payload(value: Any, blobs: BlobStore, *, fetch_http: bool = False) -> Any:
     """``value`` (a task's field: any JSON-like structure) with the images of every message in it (a dict with
     ``role`` and a list ``content``) stored as ``image_ref`` parts; ``value`` itself when it holds none."""

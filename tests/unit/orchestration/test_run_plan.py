@@ -83,6 +83,30 @@ def test_the_run_resolves_the_task_name_and_the_trainer_gets_the_task_object():
     assert isinstance(load_run_task(named), GuessNumberTask)
 
 
+def test_a_run_refuses_a_task_that_yields_images_whatever_its_engine():
+    """A vision task's rows need image_refs, which a run's rollout workers do not write: without the check its first
+    step would wait for them until queue_timeout."""
+    from orchestration.grpo_run import check_run_task
+    from workers.ledger.blobs import MemoryBlobStore
+    from workers.models import build_tiny_vlm
+    from workers.tasks.addition import AdditionTask
+    from workers.vision import BlobImageSource
+
+    class PictureAddition(AdditionTask):
+        def image_source(self):
+            return BlobImageSource(MemoryBlobStore(), build_tiny_vlm().image_processor)
+
+    for engine in ("hf", "vllm-server"):
+        config = load_config(None, {"rollout.engine": engine})
+        check_run_task(AdditionTask(), config)  # a text task: no image source
+        with pytest.raises(
+            ConfigError,
+            match=rf"task 'workers.tasks.addition:AdditionTask' yields images .* \(rollout.engine='{engine}'\) do "
+            "not write rows with image_refs yet",
+        ):
+            check_run_task(PictureAddition(), config)
+
+
 def test_the_idle_timeout_of_the_task_servers_a_run_starts_is_a_config_key_above_the_slowest_turn():
     config = load_config("recipe/configs/agent_demo.yaml")
     assert config.rollout.task_server_idle_timeout == 1800.0  # the server's own default (300 s) is not a run's

@@ -9,6 +9,7 @@ import copy
 import math
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,3 +117,46 @@ def test_an_fsdp_policy_step_on_samples_with_images():
         assert all(not torch.equal(after[n].detach().full_tensor(), before[n]) for n in before)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_training_batch_resolves_the_rows_image_references_to_pixel_values():
+    """Rows as the queue returns them: a group of two rows naming one stored image (its blob key, not its pixels),
+    a group of two naming another; ``build_train_batch`` resolves them through the blob store's image source."""
+    from tensordict import NonTensorStack, TensorDict
+
+    from orchestration.config import RLConfig
+    from rl_contracts.images import IMAGE_REFS, ImagesUnavailable
+    from rl_contracts.rows import jagged
+    from trainers.config import TrainConfig, TrainerConfig
+    from trainers.grpo import build_train_batch
+    from workers.ledger.blobs import MemoryBlobStore
+    from workers.ledger.multimodal import image_refs, store_mm_messages
+    from workers.vision import BlobImageSource
+
+    vlm, blobs = build_tiny_vlm(), MemoryBlobStore()
+    pictures = [solid_png(8, 8, (255, 0, 0)), solid_png(8, 8, (0, 0, 255))]
+    messages = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": p}}]}] for p in pictures]
+    keys = [image_refs(store_mm_messages(m, blobs)) for m in messages]
+    rows = [keys[0], keys[0], keys[1], keys[1]]
+    data = TensorDict(
+        {
+            "prompt_ids": jagged([[1, 2]] * 4, torch.int64),
+            "response_ids": jagged([[5, 6]] * 4, torch.int64),
+            "response_logprobs": jagged([[-0.5, -0.5]] * 4, torch.float32),
+            "policy_version": torch.zeros(4, dtype=torch.int64),
+            "reward": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+            "reward_failed": torch.zeros(4, dtype=torch.bool),
+            IMAGE_REFS: NonTensorStack(*rows),
+        },
+        batch_size=[4],
+    )
+    config = TrainerConfig.from_run(RLConfig(prompts_per_step=2, n_samples=2, train=TrainConfig(world_size=1)))
+    kwargs = {"pad_token_id": 0, "trainer_version": 0, "max_staleness": 0, "config": config}
+    source = BlobImageSource(blobs, vlm.image_processor)
+    batch = build_train_batch(data, np.array([0, 0, 1, 1]), images=source, **kwargs)
+    expected = vlm.image_processor(pictures)[[0, 0, 1, 1]][:, None]
+    assert torch.equal(batch.tensors[PIXEL_VALUES], expected)
+    with pytest.raises(ImagesUnavailable, match="the trainer has no image source"):
+        build_train_batch(data, np.array([0, 0, 1, 1]), **kwargs)
+    text_only = build_train_batch(data.exclude(IMAGE_REFS), np.array([0, 0, 1, 1]), **kwargs)
+    assert PIXEL_VALUES not in text_only.tensors

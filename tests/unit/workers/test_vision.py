@@ -119,3 +119,18 @@ def test_the_chat_format_refuses_stored_refs_and_unknown_parts_and_missing_place
         ImageTokenMismatch, match=r"the rendered prompt holds 0 image tokens \(id 100, text '<image>'\)"
     ):
         vlm.chat.prompt([{"role": "user", "content": [image_part(solid_png(2, 2, RED))]}])
+
+
+def test_the_blob_image_source_reads_stored_images_and_names_a_missing_key():
+    from workers.ledger.blobs import MemoryBlobStore
+    from workers.ledger.errors import ImageNotFound
+    from workers.vision import BlobImageSource, ImageProcessor, solid_png
+
+    blobs = MemoryBlobStore()
+    red, blue = solid_png(8, 8, (255, 0, 0)), solid_png(8, 8, (0, 0, 255))
+    keys = [blobs.put(red, ".png"), blobs.put(blue, ".png")]
+    assert blobs.put(red, ".png") == keys[0]  # content-addressed: stored once
+    processor = ImageProcessor(4)
+    assert torch.equal(BlobImageSource(blobs, processor).pixel_values(keys), processor([red, blue]))
+    with pytest.raises(ImageNotFound, match=r"image_refs key 'ab/nope.png' \(image 1\) is not in the blob store"):
+        BlobImageSource(blobs, processor).pixel_values([keys[0], "ab/nope.png"])

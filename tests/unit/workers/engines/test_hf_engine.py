@@ -305,6 +305,32 @@ def test_a_vlm_samples_from_images_with_the_log_probs_of_a_teacher_forced_pass()
     assert with_red.logprobs[0] != pytest.approx(with_white.logprobs[0], abs=1e-6)
 
 
+def test_a_vlm_never_samples_its_image_token_and_the_trainer_pass_scores_what_it_sampled():
+    """A response holding the image placeholder would make the trainer's pass over prompt + response count one image
+    slot too many (LLaVA's forward refuses it); the engine leaves the token out of the choice, as top-k leaves
+    tokens out, and reports the full distribution's log-probs, which the trainer's pass gives back."""
+    from trainers.fsdp import model_token_logprobs
+    from trainers.grpo import pad_sequences
+
+    vlm, prompts, images = vlm_prompts()
+    model = copy.deepcopy(vlm.model).eval()
+    # the image token as the most likely next token by far, at every position
+    model.lm_head.register_forward_hook(lambda module, args, out: out + 20.0 * (torch.arange(out.shape[-1]) == 100))
+    engine = HFEngine(model)
+    for params in (SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), SamplingParams(max_new_tokens=4)):
+        groups = engine.generate(prompts, n=2, params=params, images=images)
+        rows = [(prompt, imgs, g) for prompt, imgs, group in zip(prompts, images, groups, strict=True) for g in group]
+        assert all(len(g.token_ids) == 4 and vlm.image_token_id not in g.token_ids for _, _, g in rows)
+        for prompt, prompt_images, generation in rows:
+            batch = pad_sequences([prompt], [generation.token_ids], vlm.tokenizer.pad_token_id)
+            pixels = vlm.image_processor(prompt_images)[None]
+            with torch.no_grad():
+                scored = model_token_logprobs(model, batch["input_ids"], batch["attention_mask"], pixel_values=pixels)
+            expected = scored[batch["response_mask"] > 0].tolist()
+            assert generation.logprobs == pytest.approx(expected, abs=1e-5)
+            assert max(generation.logprobs) < -10  # the image token held nearly all of the full distribution
+
+
 def test_images_for_a_text_model_or_placeholders_without_images_are_typed_errors():
     from workers.engines.errors import ImagesNotSupported, ImageTokenMismatch
 
