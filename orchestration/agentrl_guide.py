@@ -37,6 +37,7 @@ class GuideConfig(Protocol):
     enable_sampling: bool
     eval_strategy: str | bool
     eval_steps: int | None
+    convert_record_to_data_func: str | None
 
 
 C = TypeVar("C", bound=GuideConfig)
@@ -105,6 +106,7 @@ GUIDE_NATIVE = (
     "enable_sampling",
     "eval_strategy",
     "eval_steps",
+    "convert_record_to_data_func",
 )
 
 
@@ -126,6 +128,7 @@ GUIDE_ORDER = (
     "save_steps",
     "eval_strategy",
     "eval_steps",
+    "convert_record_to_data_func",
 )
 
 
@@ -328,5 +331,7 @@ def native_lines(config: GuideConfig, given: Collection[str]) -> dict[str, str]:
         "max_new_tokens": f"max_new_tokens={config.max_new_tokens} (SamplingConfig.max_new_tokens: the longest answer)",
         "loss_calculater": f"loss_calculater={config.loss_calculater} (LedgerTrainingConfig.loss)",
         "enable_sampling": f"enable_sampling={config.enable_sampling} ({sampling})",
+        "convert_record_to_data_func": f"convert_record_to_data_func={config.convert_record_to_data_func} (each "
+        "ledger Record -> {prompt_ids, response_ids} the trainer learns from, None skips it; enable_sampling=false)",
     }
     return {key: meaning[key] for key in given if key in meaning}

@@ -92,6 +92,9 @@ class RolloutConfig:
     inf_tp_size: int = 1  # tensor-parallel size (devices) of each server the run starts
     inf_ep_size: int = 1  # expert-parallel size of each (vLLM: 1 or inf_tp_size; SGLang: a divisor of inf_tp_size)
     inf_mem_ratio: float | None = None  # fraction of each device's memory a server takes (None: the engine's default)
+    # the devices of those servers: server i gets gpus[i * inf_tp_size : (i + 1) * inf_tp_size] as CUDA_VISIBLE_DEVICES;
+    # None: Ray reserves num_workers x inf_tp_size GPUs of this node for them when it has GPUs (none: no placement)
+    gpus: list[int] | None = None
     engine_device: str = "cpu"  # where each engine runs: cpu, cuda, cuda:1
     max_new_tokens: int = 8  # longest response, in tokens
     temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)
@@ -272,6 +275,7 @@ class RLConfig:
                 f"rollout.engine_url lists {len(urls)} URLs for rollout.num_workers={rollout.num_workers} rollout "
                 "workers: give one URL per worker, or one URL (a string) for all of them"
             )
+        self._check_server_gpus()
         sizing = {"inf_tp_size": rollout.inf_tp_size, "inf_ep_size": rollout.inf_ep_size}
         given: dict[str, float] = {key: value for key, value in sizing.items() if value != 1}
         if rollout.inf_mem_ratio is not None:
@@ -303,6 +307,36 @@ class RLConfig:
             )
         except InvalidInferenceSizing as exc:
             raise ConfigError(f"rollout.inf_*: {exc}") from None
+
+    def _check_server_gpus(self) -> None:
+        """``rollout.gpus`` places the servers the run starts (a server engine, no ``engine_url``): distinct device
+        ids >= 0, ``inf_tp_size`` for each of the ``num_workers`` servers (``gpu_plan``)."""
+        rollout = self.rollout
+        gpus = rollout.gpus
+        if gpus is None:
+            return
+        if rollout.engine not in SERVER_ENGINES or rollout.engine_url is not None:
+            why = (
+                f"rollout.engine={rollout.engine!r} runs in the rollout worker"
+                if rollout.engine not in SERVER_ENGINES
+                else "rollout.engine_url names servers started elsewhere: drop one of them"
+            )
+            raise ConfigError(
+                f"rollout.gpus={gpus} places the inference servers the run starts (rollout.engine "
+                f"{' or '.join(repr(e) for e in SERVER_ENGINES)} without rollout.engine_url); {why}"
+            )
+        negative = [g for g in gpus if g < 0]
+        if negative:
+            raise ConfigError(f"rollout.gpus: expected device ids >= 0, got {negative} in {gpus}")
+        from workers.engines.errors import InvalidInferenceSizing
+        from workers.engines.manager import gpu_plan
+
+        try:
+            gpu_plan(gpus, rollout.num_workers, rollout.inf_tp_size)
+        except InvalidInferenceSizing as exc:
+            raise ConfigError(
+                f"rollout.gpus: {exc} (one server per rollout worker: rollout.num_workers={rollout.num_workers})"
+            ) from None
 
     @property
     def trains_on_files(self) -> bool:
@@ -531,6 +565,7 @@ UNRANGED_KEYS = frozenset(
         "reward.batch",
         "rollout.engine",
         "rollout.engine_url",
+        "rollout.gpus",  # a list of ints (msgspec): RLConfig.validate checks its ids against the servers it places
         "rollout.partial_rollout",
         "rollout.generate_fn_kwargs",
         "rollout.task_server_env",

@@ -39,7 +39,13 @@ import torch
 
 import transfer_queue
 from orchestration.config import ConfigError, RLConfig
-from orchestration.inference import inference_manager, model_directory, starts_servers, worker_urls
+from orchestration.inference import (
+    inference_manager,
+    model_directory,
+    reserve_server_gpus,
+    starts_servers,
+    worker_urls,
+)
 from orchestration.metric_sinks import run_sinks
 from orchestration.metrics import MetricsLog, PlotRefresher, StepReporter, fifth_means
 from orchestration.queue_resume import QueueResume, resume_steps
@@ -148,6 +154,7 @@ class GRPORun:
     stage_trace: StageTrace | None = None  # trace=true: the run's trace (orchestration/run_trace.py)
     _steps_iter: Generator[int, None, None] | None = None  # what steps() handed out: __exit__ closes it
     inference: InferenceManager | None = None  # the inference servers the run started (orchestration/inference.py)
+    gpu_holder: Any = None  # the actor holding the GPUs Ray reserved for those servers (reserve_server_gpus)
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -178,7 +185,12 @@ class GRPORun:
         api_key, model_dir, started = key_from_env(), None, None  # engine_url's servers: the key in TQ_API_KEY
         if starts_servers(cfg.rollout):  # one server per rollout worker, loading the run's model, with its own key
             model_dir = model_directory(cfg.model.path, self.task, self.out)
-            self.inference = inference_manager(cfg.rollout, model_dir, self.out)
+            # each server its own devices: rollout.gpus, else GPUs Ray holds for them (none on a CPU node)
+            reserved = reserve_server_gpus(cfg.rollout)
+            gpus = None
+            if reserved is not None:
+                self.gpu_holder, gpus = reserved
+            self.inference = inference_manager(cfg.rollout, model_dir, self.out, gpus=gpus)
             api_key, started = self.inference.api_key, self.inference.start()
         self.worker_urls = worker_urls(cfg.rollout, started)  # rollout worker i's server (worker_spec)
         self.channel = WeightChannel.create() if cfg.weight_sync == "shm" else None
@@ -672,6 +684,7 @@ class GRPORun:
         )
         self.sinks, self.rollout, self.reward, self.trainer, self.client, self.channel = None, [], [], [], None, None
         self.inference = None
+        holder, self.gpu_holder = self.gpu_holder, None
         try:
             if sinks is not None:
                 sinks.close()
@@ -684,8 +697,12 @@ class GRPORun:
                 if channel is not None:
                     channel.close()
             finally:
-                if inference is not None:  # the run's inference servers, after the workers that used them
-                    inference.stop()
+                try:
+                    if inference is not None:  # the run's inference servers, after the workers that used them
+                        inference.stop()
+                finally:
+                    if holder is not None:  # their GPUs, once they stopped
+                        ray.kill(holder)
 
 
 def connect_ray(env_vars: dict[str, str] | None = None, attempts: int = 3) -> None:

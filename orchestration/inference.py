@@ -8,6 +8,12 @@ sized by ``rollout.inf_tp_size`` / ``inf_ep_size`` / ``inf_mem_ratio``, loading 
 engine client loads each published version into that server (``EngineActor.update_weights`` / ``pull_weights``), so
 the manager itself syncs nothing. :meth:`GRPORun.shutdown <orchestration.grpo_run.GRPORun.shutdown>` stops the
 servers however the run ends.
+
+Placement: server ``i`` gets its own ``inf_tp_size`` devices as ``CUDA_VISIBLE_DEVICES`` (the manager's ``gpus``
+split, :func:`~workers.engines.manager.gpu_plan`): ``rollout.gpus`` when given, else the GPUs Ray reserves for the
+servers on this node (:func:`reserve_server_gpus`, held by a :class:`GPUHolder` actor until the servers stop, so the
+trainer's ranks and the rollout workers are placed on other devices). On a node without GPUs nothing is placed: the
+servers' environment is the run's.
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import ray
+
 from orchestration.config import SERVER_ENGINES, SERVER_KIND, RolloutConfig
+from rl_contracts.actors import actor_class
+from workers.engines.errors import InvalidInferenceSizing
 
 if TYPE_CHECKING:
     from rl_contracts.task import Task
@@ -102,7 +112,8 @@ def stand_in_tokenizer(vocab_size: int, tokenizer: Any) -> Any:
 def inference_manager(rollout: RolloutConfig, model_dir: str, out: Path, **kwargs: Any) -> InferenceManager:
     """The run's servers, one per rollout worker (an ``InferenceManager`` of ``dp_size = rollout.num_workers``), not
     started yet (``start()``: the owner holds it first, so a failed or interrupted start is stopped with the run),
-    logs in ``out/inference_logs``; ``kwargs`` go to the manager (tests: ``server_command``, ``health_interval``).
+    logs in ``out/inference_logs``, placed on ``rollout.gpus`` unless ``kwargs`` give ``gpus`` (the ids Ray reserved,
+    :func:`reserve_server_gpus`); ``kwargs`` go to the manager (tests: ``server_command``, ``health_interval``).
 
     Raises:
         InvalidInferenceSizing: ``rollout.inf_*`` the engine cannot honour (``RLConfig.validate`` refuses them first).
@@ -110,6 +121,8 @@ def inference_manager(rollout: RolloutConfig, model_dir: str, out: Path, **kwarg
     from workers.engines.manager import InferenceManager
 
     kwargs.setdefault("log_dir", str(out / "inference_logs"))
+    if kwargs.get("gpus") is None:
+        kwargs["gpus"] = rollout.gpus
     return InferenceManager(
         SERVER_KIND[rollout.engine],
         model_dir,
@@ -119,3 +132,54 @@ def inference_manager(rollout: RolloutConfig, model_dir: str, out: Path, **kwarg
         inf_mem_ratio=rollout.inf_mem_ratio,
         **kwargs,
     )
+
+
+@ray.remote(num_cpus=0)
+class GPUHolder:
+    """An actor that holds GPUs of a node for the run's inference servers (processes Ray does not place): Ray gives
+    no other task or actor those devices while it lives. It runs nothing on them."""
+
+    def gpu_ids(self) -> list[str]:
+        return [str(g) for g in ray.get_gpu_ids()]
+
+
+def reserve_server_gpus(rollout: RolloutConfig, timeout_s: float = 60.0) -> tuple[Any, list[str]] | None:
+    """GPUs of this node (the driver's, where the manager starts the servers) reserved through Ray for the servers of a
+    run that starts them: ``rollout.num_workers x rollout.inf_tp_size`` devices held by a :class:`GPUHolder` actor
+    (kill it once the servers stopped), and their ids (Ray's, which are the node's ``CUDA_VISIBLE_DEVICES`` ids), for
+    the manager's ``gpus``. None when there is nothing to place: ``rollout.gpus`` given, no servers to start, Ray not
+    running, or a node without GPUs (CPU: the servers' environment stays as it is).
+
+    Raises:
+        InvalidInferenceSizing: this node has fewer GPUs than the servers need (naming both numbers), or Ray could not
+            reserve them within ``timeout_s`` (other actors hold them).
+    """
+    if rollout.gpus is not None or not starts_servers(rollout) or not ray.is_initialized():
+        return None
+    node = ray.get_runtime_context().get_node_id()
+    total = int(next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node and n["Alive"]), 0))
+    if total == 0:
+        return None
+    need = rollout.num_workers * rollout.inf_tp_size
+    if total < need:
+        raise InvalidInferenceSizing(
+            f"{rollout.num_workers} servers of inf_tp_size={rollout.inf_tp_size} devices need {need} gpus, this node "
+            f"has {total}"
+        )
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    holder = (
+        actor_class(GPUHolder)
+        .options(num_gpus=need, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        .remote()
+    )
+    try:
+        ids = ray.get(holder.gpu_ids.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(holder)
+        raise InvalidInferenceSizing(
+            f"{rollout.num_workers} servers of inf_tp_size={rollout.inf_tp_size} devices need {need} gpus of this "
+            f"node's {total}: Ray could not reserve them within {timeout_s:g} s (other actors hold them); set "
+            f"rollout.gpus to place the servers yourself"
+        ) from None
+    return holder, ids

@@ -36,9 +36,12 @@ from workers.ledger import (
     InferenceService,
     Ledger,
     Record,
+    RecordData,
     SamplingConfig,
     SamplingScheduler,
     ServiceRegistration,
+    convert_record,
+    resolve_convert_record_to_data_func,
 )
 from workers.ledger.__main__ import render_status
 from workers.ledger.queue_sink import QueueSink
@@ -77,6 +80,7 @@ class LedgerRunConfig(Protocol):
     enable_sampling: bool
     eval_strategy: str | bool  # no, steps or epoch (the config lower-cases it; False is no)
     eval_steps: int | None
+    convert_record_to_data_func: str | None  # enable_sampling false: "module:function" of a Record; None: the default
 
 
 def warm_up(
@@ -340,9 +344,21 @@ def train_from_ledger(
     record: RunRecord,
     checkpoint: Path,
     start: int,
+    convert_record_to_data_func: Callable[[Record], Any] | str | None = None,
 ) -> int:
-    """``enable_sampling`` false: GRPO steps on the whole groups of untrained records the ledger holds (their messages
-    re-tokenised), until too few are left for a step; no engine, no scheduler, no samplers, no queue."""
+    """``enable_sampling`` false: GRPO steps on the whole groups of untrained records the ledger holds (each turned
+    into tokens by ``convert_record_to_data_func``: this argument, else the config's, else
+    ``default_convert_record_to_data``: the messages re-tokenised), until too few are left for a step; no engine, no
+    scheduler, no samplers, no queue.
+
+    Raises:
+        InvalidRecordConverter: a ``convert_record_to_data_func`` name that does not import a function.
+        InvalidRecordData: a hook that returned something other than ``RecordData`` or None.
+    """
+    spec = convert_record_to_data_func
+    if spec is None:
+        spec = getattr(config, "convert_record_to_data_func", None)
+    convert = resolve_convert_record_to_data_func(spec)
     policy, optimizer = setup.policy, trainer.optimizer
     records = {r.id: r for r in ledger.records("train")}
     where = redact(ledger.connection_string)
@@ -350,13 +366,15 @@ def train_from_ledger(
     rewards: list[float] = []
     t0 = time.perf_counter()
     step = start
+    skipped: set[int] = set()
     while step < config.steps:
-        rows = ledger_rows(ledger, records, setup, config, step)
+        rows = ledger_rows(ledger, records, setup, config, step, convert, skipped)
         if rows is None:
             left = len(ledger.trainable("train", step, config.max_trained_count, config.retrained_interval))
+            skips = f" ({len(skipped)} of them skipped by convert_record_to_data_func)" if skipped else ""
             print(
-                f"enable_sampling=false: stopping at step {step}: {left} trainable records left, fewer than a step's "
-                f"{config.prompts_per_step} whole groups of num_generations={config.num_generations}",
+                f"enable_sampling=false: stopping at step {step}: {left} trainable records left{skips}, fewer than a "
+                f"step's {config.prompts_per_step} whole groups of num_generations={config.num_generations}",
                 flush=True,
             )
             break
@@ -371,28 +389,65 @@ def train_from_ledger(
     return 0
 
 
+def default_convert_record_to_data(chat: AdditionChat | PretrainedChat) -> Callable[[Record], RecordData]:
+    """The default ``convert_record_to_data_func`` of a run whose chat format is ``chat``: a record's
+    ``messages[:-1]`` rendered as the prompt, its last message's content tokenised as the answer (eos included)."""
+
+    def convert_record_to_data(record: Record) -> RecordData:
+        messages = record.messages
+        return RecordData(
+            prompt_ids=chat.prompt_ids(messages[:-1]), response_ids=chat.response_ids(messages[-1]["content"])
+        )
+
+    return convert_record_to_data
+
+
 def ledger_rows(
-    ledger: Ledger, records: Mapping[int | None, Record], setup: PolicySetup, config: LedgerRunConfig, step: int
+    ledger: Ledger,
+    records: Mapping[int | None, Record],
+    setup: PolicySetup,
+    config: LedgerRunConfig,
+    step: int,
+    convert_record_to_data_func: Callable[[Record], Any] | None = None,
+    skipped: set[int] | None = None,
 ) -> LedgerRows | None:
     """A step's rows out of the ledger: the first ``prompts_per_step`` whole groups (``num_generations`` records of
-    one task and epoch) still trainable at ``step``, each record's prompt and answer re-tokenised from its messages
-    (the ledger keeps no tokens); None when there are fewer such groups."""
+    one task and epoch) still trainable at ``step``, each record turned into its prompt's and answer's tokens by
+    ``convert_record_to_data_func`` (None: ``default_convert_record_to_data(setup.chat)``, the messages re-tokenised:
+    the ledger keeps no tokens); None when there are fewer such groups. A group with a record the hook skips (returns
+    None or ``[]``) is passed over (its records' ids go into ``skipped``), as a group short of records is.
+
+    Raises:
+        InvalidRecordData: the hook returned something other than ``RecordData`` or None.
+    """
+    convert = convert_record_to_data_func or default_convert_record_to_data(setup.chat)
     groups: dict[str, list[DBRecordData]] = {}
     for data in ledger.trainable("train", step, config.max_trained_count, config.retrained_interval):
         if data.record_id in records:  # written before this run started: a finished sample
             groups.setdefault(data.group_id or f"record/{data.record_id}", []).append(data)
-    whole = [group for group in groups.values() if len(group) == config.num_generations]
-    if len(whole) < config.prompts_per_step:
+    chosen: list[tuple[int, DBRecordData, RecordData]] = []
+    taken = 0
+    for group in groups.values():
+        if taken == config.prompts_per_step:
+            break
+        if len(group) != config.num_generations:
+            continue
+        converted = [convert_record(convert, records[data.record_id]) for data in group]
+        if any(c is None for c in converted):
+            if skipped is not None:
+                skipped.update(d.record_id for d, c in zip(group, converted, strict=True) if c is None)
+            continue
+        chosen.extend((taken, data, c) for data, c in zip(group, converted, strict=True) if c is not None)
+        taken += 1
+    if taken < config.prompts_per_step:
         return None
-    chosen = [(g, data) for g, group in enumerate(whole[: config.prompts_per_step]) for data in group]
-    messages = [records[data.record_id].messages for _, data in chosen]
     return LedgerRows(
-        record_ids=[data.record_id for _, data in chosen],
-        group_ids=[g for g, _ in chosen],
-        rewards=torch.tensor([float(data.score or 0.0) for _, data in chosen]),
-        policy_versions=torch.tensor([float(data.policy_version) for _, data in chosen]),
-        prompts=[setup.chat.prompt_ids(m[:-1]) for m in messages],
-        responses=[setup.chat.response_ids(m[-1]["content"]) for m in messages],
+        record_ids=[data.record_id for _, data, _ in chosen],
+        group_ids=[g for g, _, _ in chosen],
+        rewards=torch.tensor([float(data.score or 0.0) for _, data, _ in chosen]),
+        policy_versions=torch.tensor([float(data.policy_version) for _, data, _ in chosen]),
+        prompts=[c["prompt_ids"] for _, _, c in chosen],
+        responses=[c["response_ids"] for _, _, c in chosen],
     )
 
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
@@ -67,11 +67,14 @@ from trainers.losses import loss_named
 from workers.engines import HFEngine
 from workers.ledger import (
     AsyncSampler,
+    InvalidRecordConverter,
     MalformedConnectionString,
+    Record,
     SamplingConfig,
     Task,
     parse_connection_string,
     register_new_model,
+    resolve_convert_record_to_data_func,
     shared_ledger,
 )
 from workers.tasks.addition import addition_reward, make_prompts
@@ -125,6 +128,10 @@ class AgentRLDemoConfig:
     eval_strategy: str | bool = "no"  # false (YAML's reading of an unquoted no) is no
     eval_steps: int | None = None  # GRPO steps between evaluations (eval_strategy=steps only)
     num_eval_tasks: int = 32  # held-out problems each evaluation samples (seeded apart from the training tasks)
+    # AgentRL's hook (enable_sampling=false only): "package.module:function" (or "package.module.function") called
+    # with each ledger Record, returning {"prompt_ids": [...], "response_ids": [...]} or None to skip the record (and
+    # its group); None: the record's messages re-tokenised with the policy's chat format
+    convert_record_to_data_func: str | None = None
 
     #: the type and range of each numeric or constrained key, checked when the config is parsed
     KEY_RANGES: ClassVar[Mapping[str, Range | Text]] = {
@@ -174,6 +181,18 @@ class AgentRLDemoConfig:
                 f"eval_steps: only eval_strategy=steps reads it, got eval_steps={self.eval_steps} with "
                 f"eval_strategy={self.eval_strategy}"
             )
+        if self.convert_record_to_data_func is not None:
+            if self.enable_sampling:
+                raise ConfigError(
+                    f"convert_record_to_data_func: only enable_sampling=false reads it (GRPO on the ledger's records, "
+                    f"each turned into tokens by it); with sampling the queue's rows are the samplers' own tokens and "
+                    f"log-probs: expected enable_sampling=false, got convert_record_to_data_func="
+                    f"{self.convert_record_to_data_func} with enable_sampling=true"
+                )
+            try:
+                resolve_convert_record_to_data_func(self.convert_record_to_data_func)
+            except InvalidRecordConverter as exc:
+                raise ConfigError(str(exc)) from None
         if self.eval_strategy != "no" and not self.enable_sampling:
             raise ConfigError(
                 f"eval_strategy: {self.eval_strategy} samples the eval tasks, but enable_sampling=false starts no "
@@ -195,6 +214,7 @@ CHANGEABLE_ON_RESUME = (
     "eval_strategy",
     "eval_steps",
     "num_eval_tasks",
+    "convert_record_to_data_func",  # read only with enable_sampling=false, which a resume may switch to
 )
 
 
@@ -261,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     return train(config)
 
 
-def train(config: AgentRLDemoConfig) -> int:
+def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Record], Any] | None = None) -> int:
     """The run itself: warm-up (or resume), then GRPO from the ledger's records (or a PromptSource); with
-    ``enable_sampling`` false, GRPO from the records the ledger already holds, nothing sampled."""
+    ``enable_sampling`` false, GRPO from the records the ledger already holds, nothing sampled, each record turned
+    into tokens by ``convert_record_to_data_func`` (a callable; None: the config's, else the default)."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_config(out, config)  # what a resume of this run is checked against
@@ -276,6 +297,11 @@ def train(config: AgentRLDemoConfig) -> int:
     state = torch.load(checkpoint, weights_only=True) if checkpoint.exists() else None
     title = f"GRPO on two-digit addition (AgentRL demo, prompts from {config.prompts_from})"
     record = RunRecord(out, None if state is None else int(state["step"]), title)
+    if config.enable_sampling and convert_record_to_data_func is not None:
+        raise ConfigError(
+            "convert_record_to_data_func: only enable_sampling=false reads it (GRPO on the ledger's records); "
+            "expected enable_sampling=false, got enable_sampling=true"
+        )
     engine = None
     if config.enable_sampling:
         engine = HFEngine(copy.deepcopy(policy), pad_token_id=setup.pad_token_id, eos_token_id=setup.eos_token_id)
@@ -309,7 +335,7 @@ def train(config: AgentRLDemoConfig) -> int:
     )
     if engine is None:
         trainer = LedgerGRPOTrainer(policy, optimizer, None, ledger, PARTITION, training, setup.pad_token_id)
-        return train_from_ledger(config, trainer, setup, ledger, record, checkpoint, start)
+        return train_from_ledger(config, trainer, setup, ledger, record, checkpoint, start, convert_record_to_data_func)
     engine.update_weights(start, state_dict=policy.state_dict())
     dataset = AdditionDataset(config.num_tasks, seed=config.seed)
     return train_with_sampling(

@@ -4,14 +4,14 @@ fraction of a second (no torch). Like a real server, on SIGTERM it stops its own
     python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind] [--api-key KEY]
                                        [--key-from-env] [ENGINE FLAGS ...]
 
-Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation,
-POST /resume_memory_occupation (health answers 503 while released), SGLang's POST /update_weights_from_disk
-(``{"model_path", "weight_version"}``: recorded, ``{"success": true}``), GET /get_weight_version and POST /generate
-(one empty output per row of ``input_ids``), and GET /argv: ``{"argv": [...], "loads": [[model_path, weight_version],
-...], "generated": [weight_version, ...]}`` (the command line it was started with, flags it does not know included, as
-an engine's sizing flags; the weight loads it answered; the weight version of each generation it answered). With
-``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer
-KEY``, as SGLang's ``--api-key``.
+Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation, POST
+/resume_memory_occupation (health answers 503 while released), SGLang's POST /update_weights_from_disk (``{"model_path",
+"weight_version"}``: recorded, ``{"success": true}``), GET /get_weight_version and POST /generate (one empty output per
+row of ``input_ids``), SGLang's POST /v1/chat/completions (``sglang_chat_reply``), and GET /argv: ``{"argv": [...],
+"loads": [[model_path, weight_version], ...], "generated": [weight_version, ...]}`` (the command line it was started
+with, flags it does not know included, as an engine's sizing flags; the weight loads it answered; the weight version of
+each generation it answered). With ``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401
+without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ def main() -> None:
                 meta = {"output_token_logprobs": [], "finish_reason": {"type": "length"}}
                 empty = {"output_ids": [], "meta_info": meta}
                 self._reply(200, [empty] * len(body["input_ids"]))
+            elif self.path == "/v1/chat/completions":  # SGLang's OpenAI-compatible chat (its reply's fields)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                self._reply(200, sglang_chat_reply(body, str(state["weight_version"])))
             elif self.path == "/update_weights_from_disk":
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 loads.append([body["model_path"], body["weight_version"]])
@@ -98,6 +101,43 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     print("fake engine server: ready", flush=True)
     server.serve_forever()
+
+
+def sglang_chat_reply(body: dict, weight_version: str) -> dict:
+    """SGLang's non-streamed chat completion to ``body``: ``n`` choices of the tokens 5 and 2 (log-probs -0.25 and
+    -1.5); with ``return_prompt_token_ids`` each choice has ``prompt_token_ids`` (here the messages' characters' code
+    points), with ``return_meta_info`` its ``meta_info`` (``output_token_logprobs`` as ``[logprob, token id, text]``
+    when ``logprobs``, and the ``weight_version``); ``logprobs.content`` names tokens, not ids. Without the flags
+    SGLang answers without the ids, as here."""
+    prompt = [ord(c) for message in body.get("messages", []) for c in str(message.get("content", ""))]
+    tokens = [(-0.25, 5, "t5"), (-1.5, 2, "t2")]
+    choices = []
+    for i in range(int(body.get("n") or 1)):
+        choice: dict = {
+            "index": i,
+            "message": {"role": "assistant", "content": "t5t2", "reasoning_content": None, "tool_calls": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "matched_stop": 2,
+        }
+        if body.get("logprobs"):
+            content = [
+                {"token": t, "bytes": list(t.encode()), "logprob": lp, "top_logprobs": []} for lp, _, t in tokens
+            ]
+            choice["logprobs"] = {"content": content}
+        if body.get("return_prompt_token_ids"):
+            choice["prompt_token_ids"] = prompt
+        if body.get("return_meta_info"):
+            meta: dict = {"id": f"req-{i}", "prompt_tokens": len(prompt), "completion_tokens": 2,
+                          "weight_version": weight_version, "finish_reason": {"type": "stop"}}  # fmt: skip
+            if body.get("logprobs"):
+                meta["output_token_logprobs"] = [list(token) for token in tokens]
+            choice["meta_info"] = meta
+        choices.append(choice)
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": 2 * len(choices), "prompt_tokens_details": None}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body.get("model"),
+            "choices": choices, "usage": usage}  # fmt: skip
 
 
 if __name__ == "__main__":

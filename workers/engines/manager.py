@@ -122,12 +122,40 @@ def sizing_args(engine: str, *, tp_size: int = 1, ep_size: int = 1, mem_ratio: f
     return argv
 
 
+def gpu_plan(gpus: Sequence[int | str], num_servers: int, tp_size: int) -> list[list[int | str]]:
+    """Each server's devices (its ``CUDA_VISIBLE_DEVICES``): server ``r`` gets ``gpus[r * tp_size : (r + 1) *
+    tp_size]``; devices beyond ``num_servers * tp_size`` are left unused.
+
+    >>> gpu_plan([0, 1, 2, 3, 4], num_servers=2, tp_size=2)
+    [[0, 1], [2, 3]]
+
+    Raises:
+        InvalidInferenceSizing: fewer than ``num_servers * tp_size`` devices (naming both numbers), a device listed
+            twice (two servers would share it), or a count below 1.
+    """
+    for name, value in (("num_servers", num_servers), ("inf_tp_size", tp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInferenceSizing(f"{name} expected an int >= 1, got {value!r}")
+    need = num_servers * tp_size
+    if len(gpus) < need:
+        raise InvalidInferenceSizing(
+            f"{num_servers} servers of inf_tp_size={tp_size} devices need {need} gpus, got {len(gpus)}: {list(gpus)}"
+        )
+    twice = sorted({str(g) for g in gpus[:need] if [str(h) for h in gpus[:need]].count(str(g)) > 1})
+    if twice:
+        raise InvalidInferenceSizing(
+            f"gpus: expected {need} distinct devices, one server each, got {', '.join(twice)} more than once in "
+            f"{list(gpus)}"
+        )
+    return [list(gpus[r * tp_size : (r + 1) * tp_size]) for r in range(num_servers)]
+
+
 class _LedgerBridge:
     """``EngineServer``'s record sink that keeps the ledger's ``InferenceService`` rows: ``up`` (registered, which
     is also its heartbeat) while the server is healthy and has the newest weights, ``down`` otherwise."""
 
-    def __init__(self, ledger: Ledger | None, model: str) -> None:
-        self.ledger, self.model = ledger, model
+    def __init__(self, ledger: Ledger | None, model: str, kind: str = "openai") -> None:
+        self.ledger, self.model, self.kind = ledger, model, kind
         self.reloading: set[str] = set()  # servers started anew that have not got the newest weights yet
         self.has_weights = False  # a sync happened: a server started anew must be reloaded before it serves
         self._lock = threading.Lock()
@@ -138,6 +166,7 @@ class _LedgerBridge:
         up = record.status == "healthy" and record.name not in self.reloading
         return InferenceService(
             name=record.name,
+            kind=self.kind,  # an engine of SERVER_ENGINES: how the samplers ask it and read its replies
             url=f"{record.url}/v1" if record.url else None,
             model=self.model,
             policy_version=record.version,
@@ -224,11 +253,12 @@ class InferenceManager:
         self.sizing = sizing_args(engine, tp_size=inf_tp_size, ep_size=inf_ep_size, mem_ratio=inf_mem_ratio)
         if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
             raise InvalidInferenceSizing(f"{engine}: dp_size expected an int >= 1 (one server each), got {dp_size!r}")
-        if gpus is not None and len(gpus) < dp_size * inf_tp_size:
-            raise InvalidInferenceSizing(
-                f"{engine}: {dp_size} servers of inf_tp_size={inf_tp_size} devices need {dp_size * inf_tp_size} gpus, "
-                f"got {len(gpus)}: {list(gpus)}"
-            )
+        plan = None
+        if gpus is not None:
+            try:
+                plan = gpu_plan(gpus, dp_size, inf_tp_size)
+            except InvalidInferenceSizing as exc:
+                raise InvalidInferenceSizing(f"{engine}: {exc}") from None
         if sleep_mode and engine != "vllm":
             raise InvalidInferenceSizing(
                 f"{engine}: sleep_mode is vLLM's (--enable-sleep-mode); {engine} releases memory without it"
@@ -259,7 +289,7 @@ class InferenceManager:
             )
         self.model_path, self.model = model_path, model
         self.api_key: str | None = new_api_key() if api_key is True else (api_key or None)
-        self._bridge = _LedgerBridge(ledger, model)
+        self._bridge = _LedgerBridge(ledger, model, engine)
         self._weights: tuple[str, int] | None = None  # the newest checkpoint directory and its version
         self._scratch: ScratchDir | None = None  # where sync_state_dict wrote it
         self._sync_lock = threading.Lock()
@@ -272,14 +302,13 @@ class InferenceManager:
         def argv(host: str, port: int) -> list[str]:
             return command(model_path, port, host, extra=list(extra))
 
-        tp = inf_tp_size
         self.servers: list[EngineServer] = []
         for rank in range(dp_size):
             server_env: dict[str, str | None] = {**base_env, **(env or {})}
             if self.cpu_memory_ratio:
                 server_env[KV_CACHE_ENV] = None  # removed (the run's own environment may set it too)
-            if gpus is not None:
-                server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus[rank * tp : (rank + 1) * tp])
+            if plan is not None:
+                server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in plan[rank])
             server = EngineServer(
                 argv,
                 name=f"{name}-{rank}",

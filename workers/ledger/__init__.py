@@ -13,10 +13,13 @@ from typing import Any
 
 from workers.ledger.blobs import BlobStore, DirectoryBlobStore, MemoryBlobStore, S3BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
+from workers.ledger.convert import RecordData, convert_record, resolve_convert_record_to_data_func
 from workers.ledger.errors import (
     ClaimLost,
     ImageNotFound,
     InferenceFailed,
+    InvalidRecordConverter,
+    InvalidRecordData,
     InvalidSamplingConfig,
     LedgerError,
     LedgerNotFound,
@@ -64,6 +67,8 @@ __all__ = [
     "InferenceFailed",
     "InferenceManager",
     "InferenceService",
+    "InvalidRecordConverter",
+    "InvalidRecordData",
     "InvalidSamplingConfig",
     "Ledger",
     "LedgerError",
@@ -77,6 +82,7 @@ __all__ = [
     "NoTaskAvailable",
     "NotATask",
     "Record",
+    "RecordData",
     "S3BlobStore",
     "Sample",
     "SamplingConfig",
@@ -89,10 +95,12 @@ __all__ = [
     "UnregisteredTaskType",
     "UnsupportedBackend",
     "UnsupportedImageType",
+    "convert_record",
     "open_blob_store",
     "parse_connection_string",
     "preprocess_mm_messages_for_sample",
     "register_new_model",
+    "resolve_convert_record_to_data_func",
     "shared_ledger",
     "store_mm_messages",
     "store_mm_payload",

@@ -50,6 +50,14 @@ class InferenceFailed(LedgerError, RuntimeError):
     """An inference service answered with an error or not at all."""
 
 
+class InvalidRecordConverter(LedgerError, ValueError):
+    """A ``convert_record_to_data_func`` that is not a callable, or a dotted name that does not import one."""
+
+
+class InvalidRecordData(LedgerError, TypeError):
+    """A ``convert_record_to_data_func`` returned something other than a record's training data (or None to skip)."""
+
+
 class LockNotAcquired(LedgerError, TimeoutError):
     """A distributed lock held by another owner was not released within the wait."""
 

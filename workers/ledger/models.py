@@ -185,10 +185,12 @@ class DBRecordData(BaseModel):
 
 class InferenceService(BaseModel):
     """A registered inference endpoint. ``kind`` is ``"openai"`` (``url`` serves ``/v1/chat/completions``, e.g.
-    ``workers/agents/openai_api.py``) or ``"callable"`` (an in-process coroutine registered under ``actor``)."""
+    ``workers/agents/openai_api.py``, or a bare vLLM server), ``"vllm"`` / ``"sglang"`` (a bare vLLM / SGLang server's
+    OpenAI-compatible ``url``, an ``InferenceManager``'s: the kind decides how token ids are asked for and read,
+    workers/ledger/services.py) or ``"callable"`` (an in-process coroutine registered under ``actor``)."""
 
     name: str
-    kind: Literal["openai", "callable"] = "openai"
+    kind: Literal["openai", "vllm", "sglang", "callable"] = "openai"
     url: str | None = None
     actor: str | None = None
     model: str = "policy"

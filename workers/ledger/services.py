@@ -122,7 +122,9 @@ class InferenceClient:
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
         """One chat completion of ``n`` choices (``config.num_generations`` unless ``sampling`` says); each choice has
         ``token_ids`` and ``token_logprobs``. The service is our endpoint (``workers/agents/openai_api.py``) or a bare
-        vLLM server (an ``InferenceManager``'s): see :func:`completion_from_reply`."""
+        vLLM or SGLang server (an ``InferenceManager``'s, registered with ``kind`` ``"vllm"`` / ``"sglang"``): its
+        kind decides what is asked for (:func:`token_id_fields`) and how the reply is read
+        (:func:`completion_from_reply`)."""
         service = await self.pick()
         body = {
             "model": self.config.model,
@@ -132,7 +134,7 @@ class InferenceClient:
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
             "logprobs": True,
-            "return_token_ids": True,  # vLLM's: the prompt's and choices' token ids (our endpoint always sends them)
+            **token_id_fields(service),
             **sampling,
         }
         if self._http is None:
@@ -167,11 +169,23 @@ class InferenceClient:
             self._http = None
 
 
+def token_id_fields(service: InferenceService) -> dict[str, Any]:
+    """What a chat request to ``service`` adds to be answered with token ids: SGLang's ``return_meta_info`` (each
+    choice's ``meta_info.output_token_logprobs``: ``[logprob, token id, text]`` per token) and
+    ``return_prompt_token_ids`` (each choice's ``prompt_token_ids``) for ``kind="sglang"``; vLLM's
+    ``return_token_ids`` otherwise (our endpoint always sends the ids and ignores it). Each engine ignores the other's
+    fields silently, so the kind must be right."""
+    if service.kind == "sglang":
+        return {"return_meta_info": True, "return_prompt_token_ids": True}
+    return {"return_token_ids": True}
+
+
 def completion_from_reply(reply: Any, service: InferenceService) -> ChatCompletion:
     """The ``ChatCompletion`` of ``service``'s reply: our endpoint's as it is; a bare vLLM server's (asked with
     ``return_token_ids``) completed from its own fields: each choice's ``token_logprobs`` from ``logprobs.content``,
     ``policy_version`` from the service's ledger row (vLLM does not say it: the version the service was registered
-    with when it was picked), ``usage`` without vLLM's null details.
+    with when it was picked), ``usage`` without vLLM's null details. A bare SGLang server's (``kind="sglang"``, asked
+    as :func:`token_id_fields` says) is first read from SGLang's fields (:func:`sglang_token_ids`).
 
     Raises:
         InferenceFailed: a reply without the prompt's or a choice's token ids, or whose log-probs do not match the
@@ -182,7 +196,7 @@ def completion_from_reply(reply: Any, service: InferenceService) -> ChatCompleti
     where = f"inference service {service.name} at {service.url}"
     if not isinstance(reply, dict):
         raise InferenceFailed(f"{where}: expected a chat completion object, got {reply!r:.300}")
-    reply = dict(reply)
+    reply = sglang_token_ids(reply, where) if service.kind == "sglang" else dict(reply)
     if reply.get("prompt_token_ids") is None:
         raise InferenceFailed(
             f"{where}: the reply has no prompt_token_ids (expected our endpoint's reply, or vLLM's to a request with "
@@ -212,3 +226,54 @@ def completion_from_reply(reply: Any, service: InferenceService) -> ChatCompleti
     reply.setdefault("policy_version", service.policy_version)
     reply["usage"] = {k: v for k, v in (reply.get("usage") or {}).items() if isinstance(v, int)}
     return ChatCompletion.model_validate(reply)
+
+
+def sglang_token_ids(reply: dict[str, Any], where: str) -> dict[str, Any]:
+    """SGLang's chat completion (to a request with ``logprobs``, ``return_meta_info`` and ``return_prompt_token_ids``)
+    with the fields :func:`completion_from_reply` reads: ``prompt_token_ids`` (SGLang puts it on each choice), each
+    choice's ``token_ids`` and ``token_logprobs`` from its ``meta_info.output_token_logprobs`` (``[logprob, token id,
+    text]`` per token: the OpenAI ``logprobs.content`` has no ids), and ``policy_version`` from ``meta_info``'s
+    ``weight_version`` where it is an integer (the version ``InferenceManager.sync_weights`` loaded; SGLang's
+    initial ``"default"`` leaves the service's ledger row to say it).
+
+    Raises:
+        InferenceFailed: a choice without ``prompt_token_ids`` or ``meta_info.output_token_logprobs`` (SGLang's reply
+            to a request without those flags), naming what is missing.
+    """
+    reply = dict(reply)
+    choices = []
+    versions = set()
+    for choice in reply.get("choices") or []:
+        choice = dict(choice)
+        index = choice.get("index")
+        prompt_ids = choice.get("prompt_token_ids")
+        if prompt_ids is None and reply.get("prompt_token_ids") is None:
+            raise InferenceFailed(
+                f"{where}: choice {index} has no prompt_token_ids (expected SGLang's reply to a request with "
+                f"return_prompt_token_ids), got the keys {sorted(choice)}"
+            )
+        if reply.get("prompt_token_ids") is None:
+            reply["prompt_token_ids"] = prompt_ids
+        meta = choice.get("meta_info") or {}
+        entries = meta.get("output_token_logprobs")
+        if entries is None:
+            raise InferenceFailed(
+                f"{where}: choice {index} has no meta_info.output_token_logprobs (expected SGLang's reply to a request "
+                f"with logprobs and return_meta_info), got meta_info keys {sorted(meta)}"
+            )
+        try:
+            ids, logprobs = [int(entry[1]) for entry in entries], [float(entry[0]) for entry in entries]
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise InferenceFailed(
+                f"{where}: choice {index}'s meta_info.output_token_logprobs: expected [logprob, token id, text] per "
+                f"token, got {entries!r:.200}"
+            ) from None
+        choice.setdefault("token_ids", ids)
+        choice.setdefault("token_logprobs", logprobs)
+        if str(meta.get("weight_version", "")).isdigit():
+            versions.add(int(meta["weight_version"]))
+        choices.append(choice)
+    reply["choices"] = choices
+    if len(versions) == 1 and "policy_version" not in reply:
+        reply["policy_version"] = versions.pop()
+    return reply

@@ -77,3 +77,24 @@ def test_a_shutdown_that_fails_part_way_still_removes_the_channel(monkeypatch):
     with pytest.raises(OSError, match="TensorBoard"):
         run.shutdown()
     assert not channel.path.exists()
+
+
+def test_the_gpus_held_for_the_inference_servers_are_given_back_after_the_servers_stop_even_if_stopping_fails(
+    monkeypatch,
+):
+    run = GRPORun.__new__(GRPORun)  # a started run whose servers Ray reserved GPUs for
+    events: list[str] = []
+
+    def stop() -> None:
+        events.append("servers")
+        raise OSError("a server hung")
+
+    run.inference = SimpleNamespace(stop=stop)
+    run.gpu_holder = "holder"
+    run.client, run.rollout, run.reward, run.trainer, run.sinks, run.channel = None, [], [], [], None, None
+    monkeypatch.setattr(grpo_run.ray, "kill", lambda actor: events.append(f"kill {actor}"))
+    with pytest.raises(OSError, match="a server hung"):
+        run.shutdown()
+    assert events == ["servers", "kill holder"] and run.gpu_holder is None
+    run.shutdown()  # a second call does nothing
+    assert events == ["servers", "kill holder"]

@@ -262,3 +262,139 @@ def test_a_run_gives_worker_i_server_i_and_its_key_and_stops_the_servers_when_it
     assert [server.record.status for server in started.servers] == ["stopped", "stopped"]
     pgids = [server.process.pid for server in started.servers]
     assert all(wait_for(lambda pgid=pgid: group_members(pgid) == []) for pgid in pgids)
+
+
+# ---- placement (issue 27): each server its own GPUs, rollout.gpus or Ray's reserved ones; nothing on CPU ---------
+def test_rollout_gpus_place_the_servers_the_run_starts_on_the_command_line_and_in_yaml(tmp_path):
+    overrides = parse_overrides(
+        ["rollout.engine=sglang", "rollout.num_workers=2", "rollout.inf_tp_size=2", "rollout.gpus=[4,5,6,7]"]
+    )
+    config = load_config(None, overrides)
+    assert config.rollout.gpus == [4, 5, 6, 7]
+    manager = inference_manager(config.rollout, "/models/p", tmp_path)
+    assert [server.env["CUDA_VISIBLE_DEVICES"] for server in manager.servers] == ["4,5", "6,7"]
+    reserved = inference_manager(config.rollout, "/models/p", tmp_path, gpus=["1", "0", "3", "2"])  # Ray's ids
+    assert [server.env["CUDA_VISIBLE_DEVICES"] for server in reserved.servers] == ["1,0", "3,2"]
+    unplaced = inference_manager(RolloutConfig(num_workers=2, engine="sglang"), "/models/p", tmp_path)
+    assert all("CUDA_VISIBLE_DEVICES" not in server.env for server in unplaced.servers)  # CPU: as before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"rollout.engine": "sglang", "rollout.num_workers": 2, "rollout.inf_tp_size": 2, "rollout.gpus": [0, 1, 2]},
+            r"^invalid config: rollout.gpus: 2 servers of inf_tp_size=2 devices need 4 gpus, got 3: \[0, 1, 2\] \(one "
+            r"server per rollout worker: rollout.num_workers=2\)",
+        ),
+        (
+            {"rollout.engine": "sglang", "rollout.num_workers": 2, "rollout.gpus": [0, 0]},
+            r"^invalid config: rollout.gpus: gpus: expected 2 distinct devices, one server each, got 0 more than once",
+        ),
+        (
+            {"rollout.engine": "vllm-server", "rollout.gpus": [-1]},
+            r"^invalid config: rollout.gpus: expected device ids >= 0, got \[-1\] in \[-1\]",
+        ),
+        (
+            {"rollout.engine": "hf", "rollout.gpus": [0]},
+            r"^invalid config: rollout.gpus=\[0\] places the inference servers the run starts \(rollout.engine "
+            r"'vllm-server' or 'sglang' without rollout.engine_url\); rollout.engine='hf' runs in the rollout worker",
+        ),
+        (
+            {"rollout.engine": "sglang", "rollout.engine_url": URLS[0], "rollout.gpus": [0]},
+            r"^invalid config: rollout.gpus=\[0\] places .*; rollout.engine_url names servers started elsewhere: drop "
+            r"one of them",
+        ),
+    ],
+)
+def test_rollout_gpus_the_servers_cannot_take_are_refused_at_config_time(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_without_ray_or_with_rollout_gpus_nothing_is_reserved():
+    import ray
+
+    from orchestration.inference import reserve_server_gpus
+
+    assert not ray.is_initialized()
+    assert reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang")) is None
+    assert reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang", gpus=[0, 1])) is None
+    assert reserve_server_gpus(RolloutConfig(num_workers=2, engine="hf")) is None
+
+
+RESERVE = """
+import json, ray
+from orchestration.config import RolloutConfig
+from orchestration.inference import reserve_server_gpus
+from workers.engines.errors import InvalidInferenceSizing
+
+ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level="ERROR")  # Ray's GPU slots, no device
+out = {}
+holder, ids = reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang"))
+out["reserved"] = ids
+
+
+@ray.remote(num_gpus=2, num_cpus=0)
+class TrainerRank:
+    def gpu_ids(self):
+        return [str(g) for g in ray.get_gpu_ids()]
+
+
+rank = TrainerRank.remote()
+out["trainer"] = ray.get(rank.gpu_ids.remote())  # placed on the devices the servers do not hold
+too_many = RolloutConfig(num_workers=3, engine="sglang", inf_tp_size=2)
+held = RolloutConfig(num_workers=1, engine="sglang")
+for rollout, timeout in ((too_many, 60), (held, 1)):
+    try:
+        reserve_server_gpus(rollout, timeout_s=timeout)
+    except InvalidInferenceSizing as exc:
+        out.setdefault("refused", []).append(str(exc))
+ray.kill(holder)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_ray_reserves_each_servers_gpus_on_this_node_and_other_actors_get_the_rest(tmp_path):
+    """In a Ray of 4 GPU slots (no device needed: Ray hands out ids): 2 servers x inf_tp_size 1 hold 2 ids, an actor
+    asking for 2 GPUs gets the other 2; 3 servers x 2 are refused naming both numbers, and with every slot held a
+    reservation is refused after its timeout."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(Path(__file__).parents[3])}
+    done = subprocess.run([sys.executable, "-c", RESERVE], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    out = json.loads(line.removeprefix("RESULT "))
+    assert len(out["reserved"]) == 2 and len(out["trainer"]) == 2
+    assert sorted(out["reserved"] + out["trainer"]) == ["0", "1", "2", "3"]
+    assert out["refused"] == [
+        "3 servers of inf_tp_size=2 devices need 6 gpus, this node has 4",
+        "1 servers of inf_tp_size=1 devices need 1 gpus of this node's 4: Ray could not reserve them within 1 s (other "
+        "actors hold them); set rollout.gpus to place the servers yourself",
+    ]
+
+
+@pytest.mark.parametrize(("gpus", "placed"), [(None, [None, None]), ([1, 0], ["1", "0"])])
+def test_a_run_places_each_server_on_its_own_gpus_and_on_cpu_nowhere(monkeypatch, tmp_path, gpus, placed):
+    made: list[Any] = []
+
+    def manager(*args: Any, **kwargs: Any) -> Any:
+        made.append(inference_manager(*args, server_command=fake_command, health_interval=0.2, **kwargs))
+        return made[-1]
+
+    def start_workers(self: GRPORun, info: Any, spec: EngineSpec) -> Any:
+        raise RuntimeError("an actor did not start")
+
+    monkeypatch.setattr(grpo_run, "inference_manager", manager)
+    monkeypatch.setattr(grpo_run.transfer_queue, "init", lambda **kwargs: SimpleNamespace(controller_info=None))
+    monkeypatch.setattr(grpo_run.transfer_queue, "shutdown", lambda: None)
+    monkeypatch.setattr(GRPORun, "start_workers", start_workers)
+    overrides = {"output_dir": str(tmp_path), "rollout.engine": "sglang", "rollout.num_workers": 2}
+    config = load_config(CONFIG, {**overrides, "weight_sync": "memory", "rollout.gpus": gpus})
+    with pytest.raises(RuntimeError, match="an actor did not start"):
+        GRPORun(config)  # no Ray here: on a node without GPUs nothing is reserved
+    (started,) = made
+    assert [server.env.get("CUDA_VISIBLE_DEVICES") for server in started.servers] == placed

@@ -105,7 +105,7 @@ def test_help_lists_every_key_with_its_meaning_after_the_whole_description():
                          "lr_warmup_steps", "sft_target", "max_trained_count", "retrained_interval", "max_steps_ahead",
                          "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume", "loss_calculater",
                          "beta1", "beta2", "model_name_or_path", "max_new_tokens", "enable_sampling",
-                         "eval_strategy", "eval_steps", "num_eval_tasks"}  # fmt: skip
+                         "eval_strategy", "eval_steps", "num_eval_tasks", "convert_record_to_data_func"}  # fmt: skip
     for key, (_, meaning) in keys.items():
         assert meaning and f"{key} = " in text and " ".join(meaning.split()) in text, key
     assert text.endswith(" ".join(list(keys.values())[-1][1].split()))  # the last key's meaning, whole

@@ -220,6 +220,69 @@ def test_enable_sampling_false_trains_the_ledgers_records_without_an_engine_and_
     assert [(r["step"], r["rows_trained"]) for r in rows if r["kind"] == "grpo"] == [(0, 8), (1, 8), (2, 8)]
 
 
+def skip_problem_0(record):
+    """A ``convert_record_to_data_func``: task problem-0's records skipped, the others' answers as fixed tokens."""
+    if record.task_id == "problem-0":
+        return None
+    return {"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}
+
+
+def test_convert_record_to_data_func_turns_the_records_into_what_is_trained_and_skips_what_it_returns_none_for(
+    tmp_path, monkeypatch, capsys
+):
+    import orchestration.ledger_grpo as ledger_grpo
+    import recipe.agentrl_demo as demo
+
+    db = f"sqlite:///{tmp_path}/ledger.db"
+    write_groups(db, groups=3)
+    model = save_model(tmp_path / "model", chat_template=False)
+    seen = []
+    step_on = ledger_grpo.LedgerGRPOTrainer.step_on
+
+    def spy(self, step, rows):
+        seen.append((rows.prompts, rows.responses))
+        return step_on(self, step, rows)
+
+    monkeypatch.setattr(ledger_grpo.LedgerGRPOTrainer, "step_on", spy)
+    hook = f"{__name__}:skip_problem_0"
+    argv = the_guides_example(model, tmp_path / "run", db, sampling="false")
+
+    assert demo.main([*argv, "--convert_record_to_data_func", hook]) == 0
+
+    printed = capsys.readouterr().out
+    assert f"--convert_record_to_data_func {hook} -> convert_record_to_data_func={hook} (each ledger Record" in printed
+    assert (
+        "enable_sampling=false: stopping at step 2: 15 trainable records left (8 of them skipped by "
+        "convert_record_to_data_func), fewer than a step's 1 whole groups of num_generations=8"
+    ) in printed
+    assert seen == [([[5, 6, 7]] * 8, [[8, 9]] * 8)] * 2
+    ledger = Ledger(db)
+    try:
+        untrained = {r.task_id for r in ledger.records("train") if not r.trained_count}
+    finally:
+        ledger.close()
+    assert untrained == {"problem-0", "problem-3"}  # skipped, and the group short of records
+
+
+def test_a_convert_record_to_data_func_that_does_not_import_or_is_not_read_is_refused(tmp_path, capsys):
+    from recipe.agentrl_demo import main
+
+    out = str(tmp_path / "run")
+    assert main([f"output_dir={out}", "enable_sampling=false", "convert_record_to_data_func=no_such_module:f"]) == 2
+    assert (
+        "agentrl_demo.py: error: invalid config: convert_record_to_data_func: expected a dotted name "
+        "'package.module:function' of an importable function, got 'no_such_module:f': cannot import module "
+        "'no_such_module' of 'no_such_module:f': No module named 'no_such_module'"
+    ) in capsys.readouterr().err
+    assert main([f"output_dir={out}", f"convert_record_to_data_func={__name__}:skip_problem_0"]) == 2
+    assert (
+        "convert_record_to_data_func: only enable_sampling=false reads it (GRPO on the ledger's records, each turned "
+        "into tokens by it); with sampling the queue's rows are the samplers' own tokens and log-probs: expected "
+        f"enable_sampling=false, got convert_record_to_data_func={__name__}:skip_problem_0 with enable_sampling=true"
+    ) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 # --- eval_strategy (issue 27): evaluation sampling through the ledger's split eval, never trained ------------------
 def test_eval_strategy_steps_samples_held_out_tasks_every_eval_steps_and_trains_none_of_them(tmp_path, ray_session):
     from recipe.agentrl_demo import main

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -342,3 +343,67 @@ def test_no_server_survives_a_sigterm_of_the_owning_process(tmp_path):
         for pgid in pgids:
             for pid in group_members(pgid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_samplers_chat_with_an_sglang_service_reads_sglangs_token_ids(tmp_path):
+    """The services are registered with their engine's kind, so a sampler's InferenceClient asks an SGLang server
+    with SGLang's flags and reads its reply's fields (the stand-in answers as SGLang's /v1/chat/completions)."""
+    import asyncio
+
+    from workers.ledger import InferenceClient
+
+    ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
+    cfg = SamplingConfig(output_dir=str(tmp_path), model="tiny")
+    manager = InferenceManager(
+        "sglang", "/models/tiny", ledger=ledger, model="tiny", server_command=fake_command, health_interval=0.1,
+        log_dir=str(tmp_path / "logs"),
+    )  # fmt: skip
+
+    async def chat() -> Any:
+        client = InferenceClient(ledger, cfg, refresh_s=0, api_key=manager.api_key)
+        try:
+            return await client.chat([{"role": "user", "content": "1+1="}], n=2)
+        finally:
+            await client.aclose()
+
+    with manager:
+        assert wait_for(lambda: [(s.kind, s.status) for s in ledger.services(model="tiny")] == [("sglang", "up")])
+        got = asyncio.run(chat())
+        assert got.prompt_token_ids == [ord(c) for c in "1+1="]
+        assert [(c.token_ids, c.token_logprobs) for c in got.choices] == [([5, 2], [-0.25, -1.5])] * 2
+        assert got.policy_version == 0
+        manager.sync_weights(str(tmp_path / "step-1"))
+        assert asyncio.run(chat()).policy_version == 1  # the synced weights
+
+
+# --- gpu_plan (issue 27): each server's devices, the manager's gpus split (a pure function: no GPU needed) ---------
+@pytest.mark.parametrize(
+    ("gpus", "servers", "tp", "plan"),
+    [
+        ([0, 1, 2, 3], 2, 2, [[0, 1], [2, 3]]),
+        ([0, 1, 2, 3], 4, 1, [[0], [1], [2], [3]]),
+        ([6, 7, 2, 3, 0], 2, 2, [[6, 7], [2, 3]]),  # Ray's ids in its order; the fifth is left unused
+        (["2", "3"], 1, 2, [["2", "3"]]),
+    ],
+)
+def test_the_gpu_plan_gives_server_r_the_devices_r_tp_to_r_plus_1_tp(gpus, servers, tp, plan):
+    from workers.engines.manager import gpu_plan
+
+    assert gpu_plan(gpus, servers, tp) == plan
+
+
+@pytest.mark.parametrize(
+    ("gpus", "servers", "tp", "message"),
+    [
+        ([0, 1, 2], 2, 2, r"^2 servers of inf_tp_size=2 devices need 4 gpus, got 3: \[0, 1, 2\]$"),
+        ([], 1, 1, r"^1 servers of inf_tp_size=1 devices need 1 gpus, got 0: \[\]$"),
+        ([0, 1, 1, 2], 2, 2, r"^gpus: expected 4 distinct devices, one server each, got 1 more than once in "),
+        ([0, 1], 0, 1, r"^num_servers expected an int >= 1, got 0$"),
+        ([0, 1], 1, 0, r"^inf_tp_size expected an int >= 1, got 0$"),
+    ],
+)
+def test_too_few_or_shared_gpus_are_refused_naming_both_numbers(gpus, servers, tp, message):
+    from workers.engines.manager import gpu_plan
+
+    with pytest.raises(InvalidInferenceSizing, match=message):
+        gpu_plan(gpus, servers, tp)

@@ -1,5 +1,6 @@
 """``create_chat_completions`` / ``InferenceClient.chat``: what a sampler asks the least-loaded inference service
-for (the request body), checked against an in-process HTTP transport, no server."""
+for (the request body) and how the reply is read (our endpoint's, a bare vLLM or SGLang server's), checked against an
+in-process HTTP transport, no server."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.fake_engine_server import sglang_chat_reply
 from workers.ledger import AsyncSampler, InferenceClient, InferenceService, Ledger, SamplingConfig
 from workers.ledger.errors import InferenceFailed
 
@@ -158,3 +160,73 @@ def test_a_reply_without_token_ids_or_logprobs_is_refused_naming_what_is_missing
 
     with pytest.raises(InferenceFailed, match=message):
         chat_once(vllm_client(tmp_path, reply, []), n=1)
+
+
+# --- a bare SGLang server's reply (issue 27): the service's kind decides what is asked for and how it is read -------
+def sglang_client(tmp_path, reply: Any, bodies: list[dict[str, Any]]) -> InferenceClient:
+    """A client whose one service is a bare SGLang server (``kind="sglang"``, registered at version 3) answering
+    ``reply(body)``."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=reply(bodies[-1]))
+
+    cfg = SamplingConfig(output_dir=str(tmp_path))
+    ledger = Ledger(cfg.ledger_url)
+    ledger.register_service(InferenceService(name="inference-0", kind="sglang", url="http://sglang/v1",
+                                             model=cfg.model, policy_version=3))  # fmt: skip
+    return InferenceClient(ledger, cfg, transport=httpx.MockTransport(answer))
+
+
+def test_a_bare_sglang_servers_reply_is_a_completion_with_token_ids_and_logprobs(tmp_path):
+    bodies: list[dict[str, Any]] = []
+
+    got = chat_once(sglang_client(tmp_path, lambda body: sglang_chat_reply(body, "default"), bodies), n=2)
+
+    asked = bodies[0]
+    assert asked["logprobs"] is True and asked["return_meta_info"] is True and asked["return_prompt_token_ids"] is True
+    assert "return_token_ids" not in asked  # vLLM's: SGLang would ignore it silently
+    assert got.prompt_token_ids == [ord(c) for c in "t5 t6 t7"] and len(got.choices) == 2
+    assert [(c.token_ids, c.token_logprobs) for c in got.choices] == [([5, 2], [-0.25, -1.5])] * 2
+    assert got.policy_version == 3  # SGLang's initial weight_version "default": the service's ledger row says it
+    assert got.usage == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}
+
+    synced = chat_once(sglang_client(tmp_path / "b", lambda body: sglang_chat_reply(body, "4"), []), n=1)
+    assert synced.policy_version == 4  # the weights that answered (InferenceManager.sync_weights' weight_version)
+
+
+def test_a_vllm_kind_service_is_asked_for_vllms_token_ids():
+    from workers.ledger.services import token_id_fields
+
+    assert token_id_fields(InferenceService(name="v", kind="vllm")) == {"return_token_ids": True}
+    assert token_id_fields(InferenceService(name="o")) == {"return_token_ids": True}  # our endpoint ignores it
+    assert token_id_fields(InferenceService(name="s", kind="sglang")) == {
+        "return_meta_info": True,
+        "return_prompt_token_ids": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("return_prompt_token_ids", r"^inference service inference-0 at http://sglang/v1: choice 0 has no "
+                                    r"prompt_token_ids \(expected SGLang's reply to a request with "
+                                    r"return_prompt_token_ids\), got the keys \['finish_reason', 'index', "),
+        ("return_meta_info", r"^inference service inference-0 at http://sglang/v1: choice 0 has no "
+                             r"meta_info.output_token_logprobs \(expected SGLang's reply to a request with logprobs "
+                             r"and return_meta_info\), got meta_info keys \[\]$"),
+        ("logprobs", r"choice 0 has no meta_info.output_token_logprobs .*got meta_info keys \['completion_tokens', "),
+        ("entries", r"choice 0's meta_info.output_token_logprobs: expected \[logprob, token id, text\] per token, "
+                    r"got \[\[-0.25\], \[-1.5\]\]$"),
+    ],
+)  # fmt: skip
+def test_an_sglang_reply_without_what_is_needed_is_refused_naming_what_is_missing(tmp_path, drop, message):
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        if drop == "entries":
+            out = sglang_chat_reply(body, "default")
+            out["choices"][0]["meta_info"]["output_token_logprobs"] = [[-0.25], [-1.5]]
+            return out
+        return sglang_chat_reply({**body, drop: False}, "default")  # as SGLang answers a request without the flag
+
+    with pytest.raises(InferenceFailed, match=message):
+        chat_once(sglang_client(tmp_path, reply, []), n=1)
