@@ -66,6 +66,7 @@ from orchestration.run_trace import StageTrace
 from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
+from rl_contracts.images import IMAGE_REFS
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
@@ -130,18 +131,32 @@ def load_run_task(config: RLConfig) -> Task:
 
 
 def check_run_task(task: Task, config: RLConfig) -> None:
-    """Refuse a task a run cannot train yet: one that yields images (its ``image_source()`` is not None). The
-    trainer would read its rows' ``image_refs``, which the run's rollout workers (any ``rollout.engine``) do not
-    write: its first step would wait for them until ``queue_timeout``.
+    """Refuse a task a run cannot train: one that yields images (its ``image_source()`` is not None) where the run's
+    rollout cannot sample with them. A vision task's prompt rows carry their images' blob keys (``image_refs``); the
+    rollout workers hand them to the in-process ``hf`` engine, which resolves them through the task's image source
+    (the trainer does the same). Refused: any other ``rollout.engine`` (their engines take token ids only), partial
+    rollouts, a ``rollout.generate_fn`` (its rows are trajectories, without images) and the SFT warm-up (its batches
+    carry no images).
 
     Raises:
-        ConfigError: naming the task and the engine.
+        ConfigError: naming the task, the setting that clashes, and what is supported.
     """
-    if task.image_source() is not None:
+    if task.image_source() is None:
+        return
+    clashes = []
+    if config.rollout.engine != "hf":
+        clashes.append(f"rollout.engine={config.rollout.engine!r} (its engine takes no images)")
+    if config.rollout.partial_rollout:
+        clashes.append("rollout.partial_rollout=true")
+    if config.rollout.generate_fn:
+        clashes.append(f"rollout.generate_fn={config.rollout.generate_fn!r}")
+    if config.sft.enabled:
+        clashes.append("sft.enabled=true (the SFT warm-up feeds no images)")
+    if clashes:
         raise ConfigError(
-            f"task {run_task_name(config)!r} yields images (its image_source() is not None), but a run's rollout "
-            f"workers (rollout.engine={config.rollout.engine!r}) do not write rows with image_refs yet; train a "
-            "vision-language task with the trainer's pieces instead (docs/sampling.md, 'Vision-language models')"
+            f"task {run_task_name(config)!r} yields images (its image_source() is not None), which a run trains with "
+            f"rollout.engine='hf', without partial rollouts, a generate_fn or the SFT warm-up; got "
+            f"{', '.join(clashes)} (docs/sampling.md, 'Vision-language models')"
         )
 
 
@@ -155,6 +170,7 @@ class GRPORun:
     _steps_iter: Generator[int, None, None] | None = None  # what steps() handed out: __exit__ closes it
     inference: InferenceManager | None = None  # the inference servers the run started (orchestration/inference.py)
     gpu_holder: Any = None  # the actor holding the GPUs Ray reserved for those servers (reserve_server_gpus)
+    images: bool = False  # a vision task (its image_source() is not None): its rows carry image_refs
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -182,6 +198,7 @@ class GRPORun:
         save_config(self.out, cfg)
         self.task = load_run_task(cfg)
         check_run_task(self.task, cfg)
+        self.images = self.task.image_source() is not None  # a vision task: its rows carry image_refs
         api_key, model_dir, started = key_from_env(), None, None  # engine_url's servers: the key in TQ_API_KEY
         if starts_servers(cfg.rollout):  # one server per rollout worker, loading the run's model, with its own key
             model_dir = model_directory(cfg.model.path, self.task, self.out)
@@ -326,6 +343,8 @@ class GRPORun:
         fields: dict[str, Any] = {"prompt_ids": jagged([p["prompt_ids"] for p in rows], torch.int64)}
         for name in self.task.reward_fields:
             fields[name] = [str(p[name]) for p in rows]
+        if self.images:  # a vision task: each row names its prompt's images (blob keys), the n samples alike
+            fields[IMAGE_REFS] = [list(p[IMAGE_REFS]) for p in rows]
         return fields
 
     def put_group(self, step: int, group: int, prompt: dict[str, Any]) -> None:
@@ -343,8 +362,11 @@ class GRPORun:
         )  # fmt: skip
 
     def prompt_fields(self) -> list[str] | None:
-        """The fields of a step's rows a rollout worker reads (None: its own default)."""
-        return ["prompt_ids", *self.task.reward_fields] if self.cfg.rollout.generate_fn else None
+        """The fields of a step's rows a rollout worker reads (None: its own default); a vision task's rows
+        with their ``image_refs``."""
+        if self.cfg.rollout.generate_fn:
+            return ["prompt_ids", *self.task.reward_fields]
+        return ["prompt_ids", IMAGE_REFS] if self.images else None
 
     def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
         """Put the step's prompts and start its rollout and reward; ``min_version`` (weight channel only): the
@@ -377,7 +399,8 @@ class GRPORun:
         temperature = self.cfg.rollout.temperature if sampled else 0.0
         params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=0)
         prompts = [p["prompt_ids"] for p in self.eval_prompts]
-        groups = ray.get(self.rollout[0].generate.remote(prompts, params, samples if sampled else 1))
+        images = [list(p[IMAGE_REFS]) for p in self.eval_prompts] if self.images else None
+        groups = ray.get(self.rollout[0].generate.remote(prompts, params, samples if sampled else 1, images))
         return self.task.accuracy(self.eval_prompts, [[g.token_ids for g in group] for group in groups])
 
     def save(self, step: int) -> Path:

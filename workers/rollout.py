@@ -24,6 +24,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from rl_contracts.actors import actor_class
+from rl_contracts.images import IMAGE_REFS, image_refs_of
 from rl_contracts.lost_rows import release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
@@ -149,9 +150,12 @@ class RolloutWorker:
         return self.slot.update_weights(version, weights, path)
 
     @ray.method(concurrency_group="control")
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Any]]:
-        """``n`` responses per prompt from the current weights, outside the queue (evaluation)."""
-        return ray.get(self.engine.generate.remote(prompts, n, params))[1]
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, image_refs: list[list[str]] | None = None
+    ) -> list[list[Any]]:
+        """``n`` responses per prompt from the current weights, outside the queue (evaluation); ``image_refs``: a
+        vision task's prompts' image blob keys, one list per prompt."""
+        return ray.get(self.engine.generate.remote(prompts, n, params, None, image_refs))[1]
 
     @ray.method(concurrency_group="control")
     def engine_pid(self) -> int:
@@ -169,18 +173,23 @@ class RolloutWorker:
 
         ``min_version``: with a weight channel, every generation waits for weights at least this new (the engine
         pulls them itself), so the driver can launch a step before the training step it depends on has ended.
+
+        ``fields`` holding ``image_refs`` (``rl_contracts.images.IMAGE_REFS``, a vision task's rows): each prompt's
+        image blob keys go to the engine with it (a group's n rows carry the same keys; the first row's are read).
         """
         fields = fields or ["prompt_ids"]
+        read = ["prompt_ids", *([IMAGE_REFS] if IMAGE_REFS in fields else [])]
         stats = {"rows": 0.0, "generate_s": 0.0, "weights_wait_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
         clock = QueueClock()
         batches = served_batches(
             self.client, clock, fields, self.batch_rows, step=step, task_name=ROLLOUT_TASK, timeout=self.timeout,
-            read=["prompt_ids"],
+            read=read,
         )  # fmt: skip
         for meta, data in batches:
             stats.setdefault("started_at", time.time())  # wall clock: the run's trace (orchestration) draws the span
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
+            images = image_refs_of(data[IMAGE_REFS])[:: self.n] if IMAGE_REFS in read else None
             t1 = time.perf_counter()
             engine = self.engine
             try:
@@ -190,7 +199,9 @@ class RolloutWorker:
                     ray.get(engine.pull_weights.remote(min_version))
                     stats["weights_wait_s"] += time.perf_counter() - t1
                     t1 = time.perf_counter()
-                version, generations = ray.get(engine.generate.remote(prompts, self.n, self.sampling, min_version))
+                version, generations = ray.get(
+                    engine.generate.remote(prompts, self.n, self.sampling, min_version, images)
+                )
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
                 release_quietly(self.client, meta)  # a step cleared meanwhile has nothing left to generate

@@ -22,6 +22,7 @@ import torch
 from rl_contracts.task import load_task
 from rl_contracts.weight_channel import WeightChannel
 from workers.engines.base import Engine, Generation, SamplingParams
+from workers.engines.errors import ImagesNotSupported
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +67,17 @@ class EngineSpec:
         if self.kind == "hf":
             from workers.engines.hf import HFEngine
 
-            if self.model_path is not None:
-                return HFEngine(
-                    model_path=self.model_path,
-                    device=self.device,
-                    pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
-                    max_batch_size=self.max_batch_size,
-                )
+            # a vision task's images travel as blob keys (a row's image_refs): the engine resolves them through the
+            # task's image source, the trainer's too, so both passes see the same pixels
+            source = task.image_source()
             return HFEngine(
-                task.build_policy(),
+                task.build_policy() if self.model_path is None else None,
+                model_path=self.model_path,
                 device=self.device,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
                 max_batch_size=self.max_batch_size,
+                image_processor=source.pixel_values if source is not None else None,
             )
         raise ValueError(f"engine kind {self.kind!r} is unknown; expected 'hf', 'vllm', 'vllm-server' or 'sglang'")
 
@@ -94,6 +92,7 @@ class EngineActor:
     def __init__(self, spec: EngineSpec, seed: int = 0):
         torch.manual_seed(seed)
         self._engine: Any = spec.build()
+        self._kind = spec.kind + (" with partial_rollout" if spec.partial_rollout else "")
         self._calls = 0
         self._seed = seed
         self._channel = WeightChannel(spec.weights_channel) if spec.weights_channel else None
@@ -117,17 +116,36 @@ class EngineActor:
         return version, state, None
 
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, min_version: int | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        min_version: int | None = None,
+        image_refs: list[list[str]] | None = None,
     ) -> tuple[int, list[list[Generation]]]:
         """``(policy version, generations)``: the version is the one every generation of the call came from.
 
         With a weight channel, the newest published weights are loaded first; ``min_version`` makes the call wait
         until weights at least that new are published (on-policy generation right after a training step).
+
+        ``image_refs``: a vision task's prompts' images, one list of blob keys per prompt (the rows'
+        ``rl_contracts.images.IMAGE_REFS``); the ``hf`` engine resolves them through the task's image source.
+
+        Raises:
+            ImagesNotSupported: ``image_refs`` for an engine that takes no images (any but ``hf``, or ``hf`` with
+                partial rollouts).
         """
         self._calls += 1
         self.restore_server_weights()
         self.pull_weights(min_version)
-        return self._engine.version, self._engine.generate(prompts, n, params)
+        if image_refs is None:
+            return self._engine.version, self._engine.generate(prompts, n, params)
+        if self._kind != "hf":
+            raise ImagesNotSupported(
+                f"engine {self._kind!r} was given image_refs for {len(image_refs)} prompts; only the in-process "
+                "'hf' engine without partial rollouts takes a vision task's images"
+            )
+        return self._engine.version, self._engine.generate(prompts, n, params, images=image_refs)
 
     @ray.method(concurrency_group=WAIT_GROUP)
     def wait_for_weights(self, min_version: int) -> int:

@@ -83,28 +83,33 @@ def test_the_run_resolves_the_task_name_and_the_trainer_gets_the_task_object():
     assert isinstance(load_run_task(named), GuessNumberTask)
 
 
-def test_a_run_refuses_a_task_that_yields_images_whatever_its_engine():
-    """A vision task's rows need image_refs, which a run's rollout workers do not write: without the check its first
-    step would wait for them until queue_timeout."""
+def test_a_run_trains_a_task_with_images_on_the_hf_engine_and_refuses_what_takes_no_images():
+    """A vision task's rows carry image_refs, which the rollout workers hand to the in-process hf engine; the other
+    engines, partial rollouts, a generate_fn and the SFT warm-up take no images: without the check such a run would
+    sample prompts without their pictures (or wait for rows that never come)."""
     from orchestration.grpo_run import check_run_task
-    from workers.ledger.blobs import MemoryBlobStore
-    from workers.models import build_tiny_vlm
     from workers.tasks.addition import AdditionTask
-    from workers.vision import BlobImageSource
+    from workers.tasks.colors import ColorsTask
 
-    class PictureAddition(AdditionTask):
-        def image_source(self):
-            return BlobImageSource(MemoryBlobStore(), build_tiny_vlm().image_processor)
-
-    for engine in ("hf", "vllm-server"):
-        config = load_config(None, {"rollout.engine": engine})
-        check_run_task(AdditionTask(), config)  # a text task: no image source
+    vision = {"task.name": "workers.tasks.colors:ColorsTask", "sft.enabled": False}
+    check_run_task(ColorsTask(), load_config(None, vision))  # the hf engine: trained
+    check_run_task(AdditionTask(), load_config(None, {"rollout.engine": "sglang"}))  # a text task: no image source
+    clashes = {
+        "rollout.engine": ("vllm-server", r"rollout.engine='vllm-server' \(its engine takes no images\)"),
+        "rollout.partial_rollout": (True, r"rollout.partial_rollout=true"),
+        "rollout.generate_fn": ("workers.agents.rollout_fns:single_turn_generate", r"rollout.generate_fn='workers"),
+        "sft.enabled": (True, r"sft.enabled=true \(the SFT warm-up feeds no images\)"),
+    }
+    for key, (value, says) in clashes.items():
         with pytest.raises(
             ConfigError,
-            match=rf"task 'workers.tasks.addition:AdditionTask' yields images .* \(rollout.engine='{engine}'\) do "
-            "not write rows with image_refs yet",
+            match=r"task 'workers.tasks.colors:ColorsTask' yields images .* which a run trains with "
+            rf"rollout.engine='hf', without partial rollouts, a generate_fn or the SFT warm-up; got {says}",
         ):
-            check_run_task(PictureAddition(), config)
+            check_run_task(ColorsTask(), load_config(None, {**vision, key: value}))
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ConfigError, match=rf"got rollout.engine='{engine}'"):
+            check_run_task(ColorsTask(), load_config(None, {**vision, "rollout.engine": engine}))
 
 
 def test_the_idle_timeout_of_the_task_servers_a_run_starts_is_a_config_key_above_the_slowest_turn():
