@@ -332,6 +332,6 @@ def native_lines(config: GuideConfig, given: Collection[str]) -> dict[str, str]:
         "loss_calculater": f"loss_calculater={config.loss_calculater} (LedgerTrainingConfig.loss)",
         "enable_sampling": f"enable_sampling={config.enable_sampling} ({sampling})",
         "convert_record_to_data_func": f"convert_record_to_data_func={config.convert_record_to_data_func} (each "
-        "ledger Record -> {prompt_ids, response_ids} the trainer learns from, None skips it; enable_sampling=false)",
+        "ledger Record -> {prompt_ids, response_ids} the trainer learns from, None skips it and its group)",
     }
     return {key: meaning[key] for key in given if key in meaning}

@@ -46,7 +46,9 @@ class LedgerTrainingConfig:
 @dataclass
 class LedgerRows:
     """A step's rows: each row's ledger record (-1: none), GRPO group, reward, policy version and tokens; ``logprobs``
-    (the sampler's, per response token) None when the rows were rebuilt from ledger records, which keep none."""
+    (the sampler's, per response token) None when the rows were rebuilt from ledger records, which keep none, and a
+    row's empty when it has none (a ``convert_record_to_data_func`` changed its tokens): the policy's own log-probs are
+    then the old ones."""
 
     record_ids: list[int]
     group_ids: list[int]
@@ -129,13 +131,14 @@ class LedgerGRPOTrainer:
             group_ids = torch.tensor(data.group_ids, dtype=torch.int64)[rows]
             advantages = group_advantages_by_id(data.rewards[rows], group_ids)
             prompts, responses = [data.prompts[i] for i in rows], [data.responses[i] for i in rows]
-            if data.logprobs is None:
-                logprobs = [[0.0] * len(r) for r in responses]
-                batch = self._batch(prompts, responses, logprobs)
+            sampled = [None] * len(rows) if data.logprobs is None else [data.logprobs[i] or None for i in rows]
+            logprobs = [lp if lp is not None else [0.0] * len(r) for lp, r in zip(sampled, responses, strict=True)]
+            batch = self._batch(prompts, responses, logprobs)
+            missing = [j for j, lp in enumerate(sampled) if lp is None]
+            if missing:  # rows without the sampler's log-probs: the policy's own are the old ones (ratio 1)
+                part = {key: value[missing] for key, value in batch.items()}
                 with torch.no_grad():
-                    batch["old_logprobs"] = self._logprobs(batch) * batch["response_mask"]
-            else:
-                batch = self._batch(prompts, responses, [data.logprobs[i] for i in rows])
+                    batch["old_logprobs"][missing] = self._logprobs(part) * part["response_mask"]
             loss = self._loss(batch, advantages)
             self.optimizer.zero_grad()
             loss.backward()

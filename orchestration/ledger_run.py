@@ -80,7 +80,8 @@ class LedgerRunConfig(Protocol):
     enable_sampling: bool
     eval_strategy: str | bool  # no, steps or epoch (the config lower-cases it; False is no)
     eval_steps: int | None
-    convert_record_to_data_func: str | None  # enable_sampling false: "module:function" of a Record; None: the default
+    # "module:function" of a Record, on both paths; None: the default (sampling: the sampled tokens as they are)
+    convert_record_to_data_func: str | None
 
 
 def warm_up(
@@ -249,14 +250,36 @@ def train_with_sampling(
     dataset: Dataset,
     partition: str,
     eval_dataset: Dataset | None = None,
+    convert_record_to_data_func: Callable[[Record], Any] | str | None = None,
 ) -> int:
     """GRPO on what the samplers (or the prompt-source producer) put into the queue, the engine updated each step:
     ``sampler_class`` samples the tasks of ``dataset`` (the run's), the queue's rows go to ``partition``. With
     ``eval_strategy`` other than ``no``, ``eval_dataset``'s tasks are sampled after the steps ``eval_due`` names
-    (``evaluate``: split ``eval``, nothing queued, nothing trained) and an ``eval`` row is logged."""
+    (``evaluate``: split ``eval``, nothing queued, nothing trained) and an ``eval`` row is logged.
+
+    ``convert_record_to_data_func`` (this argument, else the config's; None: the sampled tokens as they are): each
+    finished group's records pass through it on their way into the queue (``workers.ledger.convert.sampled_row``):
+    its very tokens keep the sampler's log-probs, other tokens are trained with the policy's own log-probs as the old
+    ones, and a record it skips keeps its group out of the queue (each ``grpo`` row counts ``records_skipped`` and
+    ``groups_skipped`` so far).
+
+    Raises:
+        InvalidRecordConverter: a ``convert_record_to_data_func`` name that does not import a function.
+        ConfigError: a ``convert_record_to_data_func`` with ``prompts_from=prompt-source`` (no ledger records).
+    """
     import ray
 
     import transfer_queue
+
+    spec = convert_record_to_data_func
+    if spec is None:
+        spec = getattr(config, "convert_record_to_data_func", None)
+    convert = resolve_convert_record_to_data_func(spec)
+    if convert is not None and config.prompts_from != "scheduler":
+        raise ConfigError(
+            f"convert_record_to_data_func: turns ledger records into training data, but prompts_from="
+            f"{config.prompts_from} writes no records: expected prompts_from=scheduler with it"
+        )
 
     policy, out = setup.policy, Path(config.output_dir)
     started_ray = not ray.is_initialized()  # a caller's Ray session (a test's) is used, and left running
@@ -295,6 +318,7 @@ def train_with_sampling(
         inference=InferenceClient(ledger, cfg, api_key=api_key),
         stop_when=done.is_set,
         pause_when=ahead,
+        convert_record_to_data_func=convert,
     )
     if config.prompts_from == "scheduler":
         produce: Callable[[], Any] = scheduler.run
@@ -316,6 +340,8 @@ def train_with_sampling(
             for step in range(start, config.steps):
                 warm_up_lr(optimizer, config, step)
                 row = trainer.step(step)
+                if convert is not None:  # counted so far (the samplers run ahead of the trainer)
+                    row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
                 with engine_lock:
                     engine.update_weights(step + 1, state_dict=policy.state_dict())
                 end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)

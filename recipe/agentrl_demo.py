@@ -128,9 +128,12 @@ class AgentRLDemoConfig:
     eval_strategy: str | bool = "no"  # false (YAML's reading of an unquoted no) is no
     eval_steps: int | None = None  # GRPO steps between evaluations (eval_strategy=steps only)
     num_eval_tasks: int = 32  # held-out problems each evaluation samples (seeded apart from the training tasks)
-    # AgentRL's hook (enable_sampling=false only): "package.module:function" (or "package.module.function") called
-    # with each ledger Record, returning {"prompt_ids": [...], "response_ids": [...]} or None to skip the record (and
-    # its group); None: the record's messages re-tokenised with the policy's chat format
+    # AgentRL's hook: "package.module:function" (or "package.module.function") called with each ledger Record,
+    # returning {"prompt_ids": [...], "response_ids": [...]} or None to skip the record (and its group), on both paths:
+    # enable_sampling=false trains the records the ledger holds through it; with sampling each finished group's records
+    # pass through it into the queue (the sampled tokens returned keep their log-probs; other tokens are trained with
+    # the policy's own log-probs as the old ones). None: false re-tokenises the messages with the policy's chat
+    # format, true trains the sampled tokens as they are
     convert_record_to_data_func: str | None = None
 
     #: the type and range of each numeric or constrained key, checked when the config is parsed
@@ -182,12 +185,10 @@ class AgentRLDemoConfig:
                 f"eval_strategy={self.eval_strategy}"
             )
         if self.convert_record_to_data_func is not None:
-            if self.enable_sampling:
+            if self.enable_sampling and self.prompts_from != "scheduler":
                 raise ConfigError(
-                    f"convert_record_to_data_func: only enable_sampling=false reads it (GRPO on the ledger's records, "
-                    f"each turned into tokens by it); with sampling the queue's rows are the samplers' own tokens and "
-                    f"log-probs: expected enable_sampling=false, got convert_record_to_data_func="
-                    f"{self.convert_record_to_data_func} with enable_sampling=true"
+                    f"convert_record_to_data_func: turns ledger records into training data, but prompts_from="
+                    f"{self.prompts_from} writes no records: expected prompts_from=scheduler with it"
                 )
             try:
                 resolve_convert_record_to_data_func(self.convert_record_to_data_func)
@@ -214,7 +215,7 @@ CHANGEABLE_ON_RESUME = (
     "eval_strategy",
     "eval_steps",
     "num_eval_tasks",
-    "convert_record_to_data_func",  # read only with enable_sampling=false, which a resume may switch to
+    "convert_record_to_data_func",  # how records become tokens from now on, as enable_sampling may switch
 )
 
 
@@ -283,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Record], Any] | None = None) -> int:
     """The run itself: warm-up (or resume), then GRPO from the ledger's records (or a PromptSource); with
-    ``enable_sampling`` false, GRPO from the records the ledger already holds, nothing sampled, each record turned
-    into tokens by ``convert_record_to_data_func`` (a callable; None: the config's, else the default)."""
+    ``enable_sampling`` false, GRPO from the records the ledger already holds, nothing sampled. Each record is turned
+    into tokens by ``convert_record_to_data_func`` (a callable; None: the config's, else the default), on both paths
+    (with sampling, on its way into the queue)."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_config(out, config)  # what a resume of this run is checked against
@@ -297,11 +299,6 @@ def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Reco
     state = torch.load(checkpoint, weights_only=True) if checkpoint.exists() else None
     title = f"GRPO on two-digit addition (AgentRL demo, prompts from {config.prompts_from})"
     record = RunRecord(out, None if state is None else int(state["step"]), title)
-    if config.enable_sampling and convert_record_to_data_func is not None:
-        raise ConfigError(
-            "convert_record_to_data_func: only enable_sampling=false reads it (GRPO on the ledger's records); "
-            "expected enable_sampling=false, got enable_sampling=true"
-        )
     engine = None
     if config.enable_sampling:
         engine = HFEngine(copy.deepcopy(policy), pad_token_id=setup.pad_token_id, eos_token_id=setup.eos_token_id)
@@ -353,6 +350,7 @@ def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Reco
         dataset=dataset,
         partition=PARTITION,
         eval_dataset=None if config.eval_strategy == "no" else held_out_dataset(config),
+        convert_record_to_data_func=convert_record_to_data_func,
     )
 
 

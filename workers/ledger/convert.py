@@ -1,12 +1,18 @@
-"""``convert_record_to_data_func``: the hook (AgentRL's name) that turns a ledger ``Record`` into training data on
-the training side of a run that learns from the ledger's records (orchestration/ledger_run.py's ``ledger_rows``, the
-``enable_sampling=false`` path of recipe/agentrl_demo.py).
+"""``convert_record_to_data_func``: the hook (AgentRL's name) that turns a ledger ``Record`` into training data, the
+same on both paths of a run that learns from the ledger's records: training from the records the ledger holds
+(orchestration/ledger_run.py's ``ledger_rows``, ``enable_sampling=false``) and sampling, where each finished group's
+records pass through it on their way into the queue (``AsyncSampler`` with a sink, ``sampled_row``).
 
 The hook is called with one ``Record`` (its ``messages``, ``score``, ``policy_version``, ``blobs`` ...) and returns
 ``RecordData``, a dict ``{"prompt_ids": [int, ...], "response_ids": [int, ...]}``: the tokens of the prompt and of
 the answer the policy is trained on (the default, ``orchestration.ledger_run.default_convert_record_to_data``,
 renders ``messages[:-1]`` with the run's chat format and tokenises the last message's content). It returns None (or
 ``[]``) to skip the record: it is not trained, and neither is its GRPO group (a step trains whole groups).
+
+With sampling, a hook that returns the very tokens sampled (the row's ``prompt_ids`` and ``response_ids``) keeps the
+sampler's per-token log-probs and policy version; one that returns other tokens puts them into the queue without
+log-probs (``response_logprobs`` empty), and the trainer takes the policy's own log-probs of them as the old ones
+(``LedgerGRPOTrainer``, as for rows rebuilt from ledger records).
 
 Give it as a callable or, on a command line or in a config, as a dotted name ``"package.module:function"`` (or
 ``"package.module.function"``):
@@ -95,3 +101,20 @@ def convert_record(fn: Callable[..., Any], record: Record) -> RecordData | None:
     if not checked["response_ids"]:
         raise InvalidRecordData(f"{where}: expected a non-empty response_ids (the answer trained on), got []")
     return RecordData(prompt_ids=checked["prompt_ids"], response_ids=checked["response_ids"])
+
+
+def sampled_row(fn: Callable[..., Any], record: Record, row: dict[str, Any]) -> dict[str, Any] | None:
+    """The queue row of a sampled ``record`` through the hook ``fn``: ``row`` (the sampler's: ``prompt_ids``,
+    ``response_ids``, ``response_logprobs``, ``policy_version``, ...) as it is when ``fn`` returns its very tokens;
+    the hook's tokens with ``response_logprobs`` empty (none: the sampler's belong to other tokens) when it returns
+    others; None when it skips the record.
+
+    Raises:
+        InvalidRecordData: as ``convert_record``.
+    """
+    data = convert_record(fn, record)
+    if data is None:
+        return None
+    if data["prompt_ids"] == list(row["prompt_ids"]) and data["response_ids"] == list(row["response_ids"]):
+        return row
+    return {**row, "prompt_ids": data["prompt_ids"], "response_ids": data["response_ids"], "response_logprobs": []}

@@ -2,8 +2,9 @@
 group (the group's ledger key as its group id), so that a trainer reading with ``GRPOSampler`` gets whole groups.
 
 Row fields: ``record_id`` (int64, the ledger record: the trainer marks it trained), ``prompt_ids`` /
-``response_ids`` (jagged int64), ``response_logprobs`` (jagged float32), ``reward`` (float32), ``policy_version``
-(int64).
+``response_ids`` (jagged int64), ``response_logprobs`` (jagged float32; a row's empty when it has none: a
+``convert_record_to_data_func`` changed its tokens, and the trainer takes the policy's own log-probs as the old ones),
+``reward`` (float32), ``policy_version`` (int64).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@
 
 Records are written once per (task, epoch, sample): a task re-dispatched after its worker died writes only the samples
 that are missing. The trajectory's tensors go to the queue through a ``TrajectorySink`` (one put per GRPO group,
-group id ``split/epoch/task_id``), and the records say where they went.
+group id ``split/epoch/task_id``), and the records say where they went. With a ``convert_record_to_data_func``
+(``SamplingScheduler(..., convert_record_to_data_func=fn)``), each record of a group passes through it on its way into
+the queue (``workers.ledger.convert.sampled_row``): a record it skips (None or ``[]``) keeps its whole group out of the
+queue (recorded, never trained; counted in ``skips``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ import os
 import socket
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
 
 from workers.ledger.blobs import BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
+from workers.ledger.convert import sampled_row
 from workers.ledger.errors import ClaimLost, LedgerUnavailable, NoTaskAvailable
 from workers.ledger.models import DispatchedSamplingTask, Record, Task
 from workers.ledger.multimodal import is_multimodal, preprocess_mm_messages_for_sample, store_mm_messages
@@ -90,9 +95,14 @@ class AsyncSampler(ABC):
     sends their images as base64 ``data:`` URLs; records keep them as ``image_ref`` parts (blob-store keys).
     ``fetch_image_urls``: whether http(s) image URLs are fetched (and stored, sent as data URLs) rather than passed
     through as they are.
+
+    ``convert_record_to_data_func``: with a sink, the hook each record of a group passes through on its way into the
+    queue (``workers.ledger.convert``; None: the sampled tokens as they are); ``skips`` counts the records and groups it
+    kept out of the queue (``records_skipped``, ``groups_skipped``).
     """
 
     fetch_image_urls: bool = False
+    convert_record_to_data_func: Callable[[Record], Any] | None = None
 
     def __init__(
         self,
@@ -104,8 +114,12 @@ class AsyncSampler(ABC):
         blobs: BlobStore | None = None,
         split: str | None = None,
         owner: str | None = None,
+        convert_record_to_data_func: Callable[[Record], Any] | None = None,
     ):
         self.config = config
+        if convert_record_to_data_func is not None:
+            self.convert_record_to_data_func = convert_record_to_data_func
+        self.skips: Counter[str] = Counter()
         self.ledger = ledger if ledger is not None else shared_ledger(config)
         self._own_inference = inference is None
         self.inference = inference if inference is not None else InferenceClient(self.ledger, config)
@@ -255,9 +269,6 @@ class AsyncSampler(ABC):
         stored = await self._ledger_call(self.ledger.write_records, records, self.sink is not None)
         fresh = [(rec, sample) for (rec, written), sample in zip(stored, samples, strict=True) if written]
         if self.sink is not None and fresh:
-            # still the live claim? The check renews the lease (ClaimLost if lost), so no other claimer can take the
-            # task, and replace these unqueued records, for a whole lease_s while the put runs
-            await self._ledger_call(self.ledger.heartbeat, self.claim.id, self.config.lease_s)
             rows = [
                 {
                     "record_id": rec.id,
@@ -269,12 +280,39 @@ class AsyncSampler(ABC):
                 }
                 for rec, sample in fresh
             ]
+            if self.convert_record_to_data_func is not None:
+                converted = await asyncio.to_thread(self._convert_rows, [rec for rec, _ in fresh], rows)
+                if converted is None:  # a record skipped: its group is not trained (recorded, never queued)
+                    return [rec for rec, _ in stored]
+                rows = converted
+            # still the live claim? The check renews the lease (ClaimLost if lost), so no other claimer can take the
+            # task, and replace these unqueued records, for a whole lease_s while the put runs
+            await self._ledger_call(self.ledger.heartbeat, self.claim.id, self.config.lease_s)
             partition_id, indexes = await asyncio.to_thread(self.sink.put_group, rows, group_id, self.claim.task_key)
             ids = [rec.id for rec, _ in fresh]
             await self._ledger_call(self.ledger.set_record_locations, ids, partition_id, indexes, self.claim.id)
             for (rec, _), index in zip(fresh, indexes, strict=True):
                 rec.partition_id, rec.global_indexes = partition_id, [int(index)]
         return [rec for rec, _ in stored]
+
+    def _convert_rows(self, records: list[Record], rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The group's queue rows through ``convert_record_to_data_func``; None (counted in ``skips``) when it skips
+        any of the records."""
+        fn = self.convert_record_to_data_func
+        assert fn is not None
+        converted = [sampled_row(fn, record, row) for record, row in zip(records, rows, strict=True)]
+        kept = [row for row in converted if row is not None]
+        if len(kept) < len(rows):
+            self.skips["records_skipped"] += len(rows) - len(kept)
+            self.skips["groups_skipped"] += 1
+            log.info(
+                "convert_record_to_data_func skipped %d of the %d records of group %s: the group is not queued",
+                len(rows) - len(kept),
+                len(rows),
+                records[0].group_id,
+            )
+            return None
+        return kept
 
 
 def _blob_dir(config: SamplingConfig) -> str:

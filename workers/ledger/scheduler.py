@@ -52,6 +52,9 @@ class SamplingScheduler:
         ledger, sink, inference, blobs: shared resources (defaults as for ``AsyncSampler``).
         stop_when: polled between sampler starts; ``True`` ends the run (e.g. the trainer has enough).
         pause_when: polled likewise; ``True`` starts no new sampler for now (e.g. the trainer is far behind).
+        convert_record_to_data_func: the hook each sampler passes its groups' records through on their way into the
+            sink (``AsyncSampler``); the records and groups it skips are counted in ``stats`` (``records_skipped``,
+            ``groups_skipped``).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class SamplingScheduler:
         stop_when: Callable[[], bool] | None = None,
         pause_when: Callable[[], bool] | None = None,
         lock_ttl_s: float = 30.0,
+        convert_record_to_data_func: Callable[[Any], Any] | None = None,
     ):
         if not (isinstance(sampler_class, type) and issubclass(sampler_class, AsyncSampler)):
             raise TypeError(f"sampler_class must be a subclass of AsyncSampler, got {sampler_class!r}")
@@ -83,6 +87,7 @@ class SamplingScheduler:
         self.owner = f"scheduler:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.stop_when, self.pause_when = stop_when, pause_when
         self.lock_ttl_s = lock_ttl_s
+        self.convert_record_to_data_func = convert_record_to_data_func
         self.stats: Counter[str] = Counter()
         self.epochs_written: list[int] = []
         self._stop = threading.Event()
@@ -260,6 +265,8 @@ class SamplingScheduler:
                 blobs=self.blobs,
                 split=self.split,
             )
+            if self.convert_record_to_data_func is not None:  # an attribute: a subclass's __init__ need not take it
+                sampler.convert_record_to_data_func = self.convert_record_to_data_func
             sampler.adopt(claimed)
         except Exception as exc:  # the claim fails as one whose run() raised: the attempt counts, the error shows
             self.stats["failed"] += 1
@@ -285,3 +292,5 @@ class SamplingScheduler:
         except Exception as exc:  # recorded in the claim by AsyncSampler.__aexit__
             self.stats["failed"] += 1
             log.warning("sampler of task %s failed: %s: %s", getattr(sampler.task, "id", "?"), type(exc).__name__, exc)
+        finally:
+            self.stats.update(getattr(sampler, "skips", {}))  # records and groups the hook kept out

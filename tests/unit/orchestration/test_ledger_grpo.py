@@ -84,3 +84,33 @@ def test_a_step_on_rows_rebuilt_from_records_takes_the_policys_own_log_probs_as_
     # the trained rows' advantages (group 0: +-0.707, group 1's one row left: 0) are token-mean weighted at ratio 1
     assert metrics["loss"] == pytest.approx(-(2 * 0.7071 - 0.7071) / 4, abs=1e-3)
     assert not torch.equal(t.policy.embed.weight, before)
+
+
+def test_rows_without_the_samplers_log_probs_take_the_policys_own_and_the_others_keep_theirs():
+    """A ``convert_record_to_data_func`` that changed a row's tokens leaves it without log-probs (an empty list)."""
+    t = trainer("grpo")
+    t.ledger = MarkingLedger(refused=-1)  # type: ignore[assignment]
+    olds = []
+
+    def spy(batch, advantages):
+        olds.append(batch["old_logprobs"].clone())
+        return LedgerGRPOTrainer._loss(t, batch, advantages)
+
+    t._loss = spy  # type: ignore[method-assign]
+    rows = LedgerRows(
+        record_ids=[10, 11, 12],
+        group_ids=[0, 0, 0],
+        rewards=torch.tensor([1.0, 0.0, 1.0]),
+        policy_versions=torch.tensor([3.0, 3.0, 3.0]),
+        prompts=[[1, 2], [3], [1]],
+        responses=[[4, 5], [7, 1, 6], [2]],
+        logprobs=[[-0.5, -0.25], [], [-1.0]],
+    )
+    own = t._logprobs(t._batch(rows.prompts, rows.responses, [[0.0] * 2, [0.0] * 3, [0.0]])).detach()
+
+    metrics = t.step_on(0, rows)
+
+    [old] = olds
+    assert old[0, 2:4].tolist() == [-0.5, -0.25] and old[2, 1].item() == -1.0  # the sampler's, as they came
+    assert torch.allclose(old[1, 1:4], own[1, 1:4]) and old[1, 0].item() == 0.0  # the policy's own, response only
+    assert metrics["rows_trained"] == 3 and torch.isfinite(torch.tensor(metrics["loss"]))

@@ -4,7 +4,9 @@ claimed and trains no record twice; in the slow tier, the full run learns."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,13 +276,79 @@ def test_a_convert_record_to_data_func_that_does_not_import_or_is_not_read_is_re
         "'package.module:function' of an importable function, got 'no_such_module:f': cannot import module "
         "'no_such_module' of 'no_such_module:f': No module named 'no_such_module'"
     ) in capsys.readouterr().err
-    assert main([f"output_dir={out}", f"convert_record_to_data_func={__name__}:skip_problem_0"]) == 2
+    hook = f"convert_record_to_data_func={__name__}:skip_problem_0"
+    assert main([f"output_dir={out}", "prompts_from=prompt-source", hook]) == 2
     assert (
-        "convert_record_to_data_func: only enable_sampling=false reads it (GRPO on the ledger's records, each turned "
-        "into tokens by it); with sampling the queue's rows are the samplers' own tokens and log-probs: expected "
-        f"enable_sampling=false, got convert_record_to_data_func={__name__}:skip_problem_0 with enable_sampling=true"
+        "agentrl_demo.py: error: invalid config: convert_record_to_data_func: turns ledger records into training "
+        "data, but prompts_from=prompt-source writes no records: expected prompts_from=scheduler with it"
     ) in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+# --- convert_record_to_data_func with enable_sampling=true: each finished group's records pass through it ----------
+SAMPLED = [*SMALL[:4], "prompts_per_step=2", "num_generations=2"]  # 4 rows a step
+
+
+def sampling_run(tmp_path, monkeypatch, hook=None, samples=None, steps: int = 3, argv: tuple[str, ...] = ()):
+    """The demo with sampling, in process, with ``hook`` (a callable; None: ``argv``'s dotted name, if any); the rows
+    each trainer step got. ``samples`` is filled with the samples the samplers wrote, by (task, epoch, sample
+    index), as they write them."""
+    import orchestration.ledger_grpo as ledger_grpo
+    import recipe.agentrl_demo as demo
+    from orchestration.config import config_from_cli
+    from workers.ledger import AsyncSampler
+
+    samples = {} if samples is None else samples
+    steps_rows = []
+    write_records, train = AsyncSampler.write_records, ledger_grpo.LedgerGRPOTrainer._train
+
+    async def remember(self, batch, first_index=0):
+        for i, sample in enumerate(batch):
+            samples[(self.claim.task_id, self.claim.epoch, first_index + i)] = sample
+        return await write_records(self, batch, first_index)
+
+    def spy(self, step, data, wait_s):
+        steps_rows.append(data)
+        return train(self, step, data, wait_s)
+
+    monkeypatch.setattr(AsyncSampler, "write_records", remember)
+    monkeypatch.setattr(ledger_grpo.LedgerGRPOTrainer, "_train", spy)
+    cli = [f"output_dir={tmp_path / 'run'}", f"steps={steps}", *SAMPLED, *argv]
+    config = config_from_cli("", demo.DEFAULT_CONFIG, cli, cls=demo.AgentRLDemoConfig)
+    assert demo.train(config, hook) == 0
+    return steps_rows
+
+
+def sample_of(samples, record):
+    return samples[(record.task_id, record.epoch, record.sample_index)]
+
+
+def test_a_hook_returning_the_sampled_tokens_trains_the_samplers_rows_log_probs_and_versions(
+    tmp_path, monkeypatch, ray_session
+):
+    samples: dict = {}
+    seen = []
+
+    def same_tokens(record):
+        seen.append(record.id)
+        sample = sample_of(samples, record)
+        return {"prompt_ids": list(sample.prompt_ids), "response_ids": list(sample.response_ids)}
+
+    steps_rows = sampling_run(tmp_path, monkeypatch, same_tokens, samples)
+    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
+    try:
+        records = {r.id: r for r in ledger.records("train")}
+    finally:
+        ledger.close()
+    assert len(steps_rows) == 3
+    for rows in steps_rows:
+        assert rows.logprobs is not None and len(rows.record_ids) == 4
+        for i, record_id in enumerate(rows.record_ids):
+            assert record_id in seen  # each trained row passed through the hook
+            sample = sample_of(samples, records[record_id])
+            assert (rows.prompts[i], rows.responses[i]) == (sample.prompt_ids, sample.response_ids)
+            assert rows.logprobs[i] == pytest.approx(sample.response_logprobs, abs=1e-6)  # the sampler's (float32)
+            assert rows.policy_versions[i].item() == sample.policy_version
 
 
 # --- eval_strategy (issue 27): evaluation sampling through the ledger's split eval, never trained ------------------
@@ -312,3 +380,80 @@ def test_eval_strategy_steps_samples_held_out_tasks_every_eval_steps_and_trains_
     assert len(trained) == 16 and {r.split for r in trained} == {"train"}
     assert {t.status for t in eval_tasks} == {"done"} and len({t.id for t in eval_tasks}) == 3  # the same 3 each time
     assert not {r.messages[0]["content"] for r in evaluated} & train_questions  # held out
+
+
+def skip_low_questions(record):
+    """A ``convert_record_to_data_func`` for the sampling run: the records of problems whose first digit is below 5
+    skipped, the others' as fixed tokens (<bos>012345 -> 67<eos>)."""
+    question = record.messages[0]["content"]
+    if question[0] < "5":
+        return None
+    return {"prompt_ids": [1, *range(3, 9)], "response_ids": [9, 10, 2]}
+
+
+def test_a_hook_skipping_records_keeps_their_groups_out_of_the_queue_and_the_run_counts_them(
+    tmp_path, monkeypatch, ray_session, capsys
+):
+    import recipe.agentrl_demo as demo
+
+    hook = f"{__name__}:skip_low_questions"
+    argv = [f"output_dir={tmp_path / 'run'}", "steps=3", *SAMPLED, "--convert_record_to_data_func", hook]
+
+    assert demo.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    assert f"--convert_record_to_data_func {hook} -> convert_record_to_data_func={hook} (each ledger Record" in printed
+    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
+    try:
+        records = ledger.records("train")
+    finally:
+        ledger.close()
+    skipped = [r for r in records if r.messages[0]["content"][0] < "5"]
+    assert skipped and all(r.partition_id is None and not r.trained_count for r in skipped)  # recorded, never queued
+    trained = [r for r in records if r.trained_count]
+    assert len(trained) == 12 and all(r.messages[0]["content"][0] >= "5" for r in trained)  # 3 steps x 2 groups of 2
+    stats = re.search(r"scheduler: \{.*\}", printed)
+    assert stats is not None
+    counts = dict(re.findall(r"'(records_skipped|groups_skipped)': (\d+)", stats.group()))
+    assert counts == {"records_skipped": str(len(skipped)), "groups_skipped": str(len(skipped) // 2)}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["kind"] == "grpo"]
+    assert [r["rows_trained"] for r in grpo] == [4, 4, 4]
+    assert all(r["records_skipped"] == 2 * r["groups_skipped"] for r in grpo) and grpo[-1]["groups_skipped"] >= 1
+
+
+def test_a_hook_changing_the_tokens_trains_its_tokens_with_the_policys_own_log_probs_as_the_old_ones(
+    tmp_path, monkeypatch, ray_session
+):
+    samples: dict = {}
+    fixed = {"prompt_ids": [1, 3, 4, 11, 5, 6, 12], "response_ids": [7, 8, 9, 2]}  # <bos>01+23= -> 456<eos>
+
+    def change_first(record):
+        """Sample 0 of each group changed to fixed tokens, sample 1 as sampled."""
+        if record.sample_index == 0:
+            return fixed
+        sample = sample_of(samples, record)
+        return {"prompt_ids": sample.prompt_ids, "response_ids": sample.response_ids}
+
+    steps_rows = sampling_run(tmp_path, monkeypatch, change_first, samples)
+
+    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
+    try:
+        records = {r.id: r for r in ledger.records("train")}
+    finally:
+        ledger.close()
+    assert len(steps_rows) == 3
+    for rows in steps_rows:
+        assert rows.logprobs is not None and len(rows.record_ids) == 4
+        for i, record_id in enumerate(rows.record_ids):
+            record = records[record_id]
+            sample = sample_of(samples, record)
+            assert rows.policy_versions[i].item() == sample.policy_version  # the record's, changed tokens or not
+            if record.sample_index == 0 and (sample.prompt_ids, sample.response_ids) != tuple(fixed.values()):
+                assert (rows.prompts[i], rows.responses[i], rows.logprobs[i]) == (*fixed.values(), [])
+            else:
+                assert (rows.prompts[i], rows.responses[i]) == (sample.prompt_ids, sample.response_ids)
+                assert rows.logprobs[i] == pytest.approx(sample.response_logprobs, abs=1e-6)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["kind"] == "grpo"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

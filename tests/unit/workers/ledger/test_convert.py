@@ -14,6 +14,7 @@ from workers.ledger import (
     convert_record,
     resolve_convert_record_to_data_func,
 )
+from workers.ledger.convert import sampled_row
 
 RECORD = Record(
     id=7,
@@ -88,3 +89,16 @@ def test_a_hook_returning_the_wrong_shape_is_refused_naming_what_was_expected_an
     with pytest.raises(InvalidRecordData, match=message) as refused:
         convert_record(hook, RECORD)
     assert str(refused.value).startswith("convert_record_to_data_func test_a_hook_returning_the_wrong_shape")
+
+
+ROW = {"record_id": 7, "prompt_ids": [1, 2], "response_ids": [3], "response_logprobs": [-0.5], "reward": 1.0,
+       "policy_version": 4}  # fmt: skip
+
+
+def test_a_sampled_row_keeps_its_log_probs_for_its_own_tokens_loses_them_for_others_and_is_skipped_for_none():
+    assert sampled_row(lambda r: {"prompt_ids": (1, 2), "response_ids": torch.tensor([3])}, RECORD, ROW) is ROW
+    changed = sampled_row(lambda r: {"prompt_ids": [1, 2], "response_ids": [3, 4]}, RECORD, ROW)
+    assert changed == {**ROW, "response_ids": [3, 4], "response_logprobs": []}  # the trainer takes its own
+    assert sampled_row(lambda r: None, RECORD, ROW) is None and sampled_row(lambda r: [], RECORD, ROW) is None
+    with pytest.raises(InvalidRecordData, match=r"of record 7 \(task problem-0\): expected a non-empty response_ids"):
+        sampled_row(lambda r: {"prompt_ids": [1, 2], "response_ids": []}, RECORD, ROW)
