@@ -160,6 +160,35 @@ def check_run_task(task: Task, config: RLConfig) -> None:
         )
 
 
+def check_task_prompts(task: Task, task_name: str, prompts: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    """``prompts`` (``task.prompts(split, ...)``), checked before any is put into the queue: each is a dict with
+    ``prompt_ids``, the task's ``reward_fields`` and, for a task that yields images (its ``image_source()`` is not
+    None), ``image_refs`` (its images' blob keys).
+
+    Raises:
+        ConfigError: naming the task, the split, the prompt's index in ``prompts``, the missing keys and the keys it
+            has.
+    """
+    required = ["prompt_ids", *task.reward_fields]
+    why = ""
+    if task.image_source() is not None:
+        required.append(IMAGE_REFS)
+        why = f" ({IMAGE_REFS!r}: the task yields images, its image_source() is not None)"
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, dict):
+            raise ConfigError(
+                f"task {task_name!r}: {split} prompt {index}: expected a dict with keys {required}{why}, got a "
+                f"{type(prompt).__name__}"
+            )
+        missing = [key for key in required if key not in prompt]
+        if missing:
+            raise ConfigError(
+                f"task {task_name!r}: {split} prompt {index} lacks {missing}: expected keys {required}{why}, got "
+                f"keys {sorted(prompt)}"
+            )
+    return prompts
+
+
 class GRPORun:
     """Starts the queue and the actors of a run (see the module docstring); call :meth:`run`."""
 
@@ -254,8 +283,10 @@ class GRPORun:
         ]
         master = ray.get(self.trainer[0].address.remote())
         ray.get([rank.setup.remote(*master) for rank in self.trainer])
-        self.prompts = PromptSource(self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed), cfg.seed)
-        self.eval_prompts = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
+        train = self.task.prompts("train", cfg.task.num_train_prompts, cfg.task.seed)
+        self.prompts = PromptSource(check_task_prompts(self.task, self.task_name, train, "train"), cfg.seed)
+        evals = self.task.prompts("eval", cfg.task.num_eval_prompts, cfg.task.seed + 1)
+        self.eval_prompts = check_task_prompts(self.task, self.task_name, evals, "eval")
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         # each GRPO row also goes to the controller (Prometheus gauges, the status page) and TensorBoard/W&B if asked
         self.sinks = run_sinks(cfg, transfer_queue.get_controller(), self.out)

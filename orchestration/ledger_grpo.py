@@ -9,11 +9,16 @@ only what is not yet trained.
     trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition_id="agentrl", batch_rows=128)
     metrics = trainer.step(step)           # then push the policy's weights to the engines
     metrics = trainer.step_on(step, rows)  # or a step on LedgerRows rebuilt from records (no queue)
+
+``check_producers`` (a callable that raises when what fills the queue has failed, e.g. a ``SamplingScheduler``'s
+``fatal_error``): the step's wait for rows checks it every ``check_every_s``, so that a failed producer ends the step
+with its error rather than after the whole ``queue_timeout``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +28,7 @@ from rl_contracts.rows import float_rows_of, rows_of
 from trainers.advantages import group_advantages_by_id
 from trainers.fsdp import token_logprobs
 from trainers.losses import loss_named, policy_loss
+from transfer_queue.errors import GetMetaTimeout
 from workers.ledger.queue_sink import FIELDS
 from workers.ledger.store import Ledger
 
@@ -37,6 +43,7 @@ class LedgerTrainingConfig:
     temperature: float = 1.0  # the sampling temperature (the old log-probs were taken at it)
     grad_clip: float = 1.0
     queue_timeout: float = 120.0
+    check_every_s: float = 1.0  # how often a step's wait for rows calls the trainer's check_producers
     loss: str = "grpo"  # the policy loss: a key of trainers.losses.LOSSES, in any case (token-mean aggregated)
 
     def __post_init__(self) -> None:
@@ -71,18 +78,17 @@ class LedgerGRPOTrainer:
         partition_id: str,
         config: LedgerTrainingConfig,
         pad_token_id: int = 0,
+        check_producers: Callable[[], None] | None = None,
     ):
         self.policy, self.optimizer, self.client, self.ledger = policy, optimizer, client, ledger
         self.partition_id, self.cfg, self.pad_token_id = partition_id, config, pad_token_id
+        self.check_producers = check_producers
         self.rows_consumed = 0
         self.rows_cleared = 0  # rows this trainer freed from the queue after their step
 
     def step(self, step: int) -> dict[str, float]:
-        cfg = self.cfg
         t0 = time.perf_counter()
-        meta = self.client.get_meta(
-            list(FIELDS), cfg.batch_rows, partition_id=self.partition_id, task_name="grpo", timeout=cfg.queue_timeout
-        )
+        meta = self._wait_for_rows()
         data = self.client.get_data(meta)
         self.rows_consumed += len(meta)
         wait_s = time.perf_counter() - t0
@@ -101,6 +107,33 @@ class LedgerGRPOTrainer:
         self.rows_cleared += len(meta)
         metrics["step_s"] = time.perf_counter() - t0
         return metrics
+
+    def _wait_for_rows(self) -> Any:
+        """The meta of a step's ``batch_rows`` rows, waited for up to ``queue_timeout``; with ``check_producers``, in
+        waits of ``check_every_s``, each after a check (which raises what the producer failed with).
+
+        Raises:
+            GetMetaTimeout: no full batch within ``queue_timeout``.
+        """
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.queue_timeout
+        while True:
+            wait = cfg.queue_timeout
+            if self.check_producers is not None:
+                self.check_producers()
+                wait = max(min(cfg.check_every_s, deadline - time.monotonic()), 0.01)
+            try:
+                return self.client.get_meta(
+                    list(FIELDS), cfg.batch_rows, partition_id=self.partition_id, task_name="grpo", timeout=wait
+                )
+            except GetMetaTimeout as exc:
+                if self.check_producers is None:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise GetMetaTimeout(
+                        f"the trainer waited queue_timeout={cfg.queue_timeout} s for {cfg.batch_rows} rows of "
+                        f"partition {self.partition_id!r}: {exc}"
+                    ) from exc
 
     def step_on(self, step: int, rows: LedgerRows) -> dict[str, float]:
         """A step on ``rows`` rebuilt from ledger records rather than read from the queue (a run that samples

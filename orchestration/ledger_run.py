@@ -263,9 +263,16 @@ def train_with_sampling(
     ones, and a record it skips keeps its group out of the queue (each ``grpo`` row counts ``records_skipped`` and
     ``groups_skipped`` so far).
 
+    The sampling side's failures reach the trainer: a sampler's non-retryable error (the scheduler's
+    ``fatal_error``) or any error that ends the sampling thread is raised by the step waiting on the queue (it checks
+    every ``training.check_every_s``), and the run ends with it (Ray and the queue shut down) rather than after the
+    queue's timeout.
+
     Raises:
         InvalidRecordConverter: a ``convert_record_to_data_func`` name that does not import a function.
         ConfigError: a ``convert_record_to_data_func`` with ``prompts_from=prompt-source`` (no ledger records).
+        InvalidRecordData: the hook returned something other than ``RecordData`` or None for a sampled record (the
+            first such record ends the run).
     """
     import ray
 
@@ -306,7 +313,23 @@ def train_with_sampling(
         BatchingSampler(locked_generate), setup.chat, model="adder", max_tokens=config.max_new_tokens, api_key=api_key
     )
     sink = QueueSink(client, partition)
-    trainer = LedgerGRPOTrainer(policy, optimizer, client, ledger, partition, training, pad_token_id=setup.pad_token_id)
+    failed: list[BaseException] = []  # what ended the sampling thread, if anything did
+
+    def check_sampling() -> None:
+        error = scheduler.fatal_error or (failed[0] if failed else None)
+        if error is not None:
+            raise error
+
+    trainer = LedgerGRPOTrainer(
+        policy,
+        optimizer,
+        client,
+        ledger,
+        partition,
+        training,
+        pad_token_id=setup.pad_token_id,
+        check_producers=check_sampling,
+    )
     done = threading.Event()
     ahead = lambda: sink.rows_put - trainer.rows_consumed >= config.max_steps_ahead * batch_rows  # noqa: E731
     scheduler = SamplingScheduler(
@@ -330,31 +353,43 @@ def train_with_sampling(
         produce = lambda: prompt_source_producer(  # noqa: E731
             source, engine, engine_lock, sink, setup.chat, config, done, ahead
         )
+
+    def sample() -> None:
+        try:
+            produce()
+        except BaseException as exc:  # the trainer's wait raises it (check_sampling)
+            failed.append(exc)
+
     rewards: list[float] = []
-    with serve_in_background(app) as url:
-        service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
-        with ServiceRegistration(ledger, service, policy_version=lambda: engine.version):
-            sampling = threading.Thread(target=produce, name=f"sampling-{config.prompts_from}", daemon=True)
-            sampling.start()
-            t0 = time.perf_counter()
-            for step in range(start, config.steps):
-                warm_up_lr(optimizer, config, step)
-                row = trainer.step(step)
-                if convert is not None:  # counted so far (the samplers run ahead of the trainer)
-                    row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
-                with engine_lock:
-                    engine.update_weights(step + 1, state_dict=policy.state_dict())
-                end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
-                if eval_dataset is not None and eval_due(config, step):
-                    inference = InferenceClient(ledger, cfg, api_key=api_key)
-                    record.write(evaluate(ledger, cfg, sampler_class, eval_dataset, inference, step + 1))
-            save_checkpoint(checkpoint, policy, optimizer, config.steps)
-            done.set()
-            sampling.join(120)
+    t0 = time.perf_counter()
+    try:
+        with serve_in_background(app) as url:
+            service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
+            with ServiceRegistration(ledger, service, policy_version=lambda: engine.version):
+                sampling = threading.Thread(target=sample, name=f"sampling-{config.prompts_from}", daemon=True)
+                sampling.start()
+                try:
+                    for step in range(start, config.steps):
+                        warm_up_lr(optimizer, config, step)
+                        row = trainer.step(step)
+                        if convert is not None:  # counted so far (the samplers run ahead of the trainer)
+                            row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
+                        with engine_lock:
+                            engine.update_weights(step + 1, state_dict=policy.state_dict())
+                        end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
+                        if eval_dataset is not None and eval_due(config, step):
+                            inference = InferenceClient(ledger, cfg, api_key=api_key)
+                            record.write(evaluate(ledger, cfg, sampler_class, eval_dataset, inference, step + 1))
+                    save_checkpoint(checkpoint, policy, optimizer, config.steps)
+                finally:
+                    done.set()
+                    sampling.join(120)
+                check_sampling()  # a sampler that failed after the last step's rows were put
+    finally:
+        transfer_queue.shutdown()
+        if started_ray:
+            ray.shutdown()
     elapsed = time.perf_counter() - t0
-    transfer_queue.shutdown()
-    if started_ray:
-        ray.shutdown()
     report(config, rewards, elapsed, record)
     print(f"scheduler: {dict(scheduler.stats)}\n")
     print(render_status(ledger))

@@ -68,6 +68,7 @@ from workers.engines import HFEngine
 from workers.ledger import (
     AsyncSampler,
     InvalidRecordConverter,
+    InvalidRecordData,
     MalformedConnectionString,
     Record,
     SamplingConfig,
@@ -279,14 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         print("AgentRL's flags -> this demo's config:\n" + "\n".join(f"  {line}" for line in mapping), flush=True)
     if message:
         print(message, flush=True)
-    return train(config)
+    try:
+        return train(config)
+    except InvalidRecordData as exc:  # the user's hook broke its contract: the run stopped at the first such record
+        print(f"agentrl_demo.py: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Record], Any] | None = None) -> int:
     """The run itself: warm-up (or resume), then GRPO from the ledger's records (or a PromptSource); with
     ``enable_sampling`` false, GRPO from the records the ledger already holds, nothing sampled. Each record is turned
     into tokens by ``convert_record_to_data_func`` (a callable; None: the config's, else the default), on both paths
-    (with sampling, on its way into the queue)."""
+    (with sampling, on its way into the queue).
+
+    Raises:
+        InvalidRecordData: the hook returned something other than a record's data or None (the run stops at the first
+            such record, with sampling or without).
+    """
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_config(out, config)  # what a resume of this run is checked against

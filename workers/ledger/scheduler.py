@@ -12,6 +12,12 @@ at once, all in one statement (``Ledger.claim_many``), and hands each sampler it
 claim whose sampler never started is released when the run is cancelled. The next epoch starts when no task of this
 one is left to claim (``sync_sampling``: when every task of it has finished). The run ends after ``num_epochs`` or on
 ``stop()``.
+
+A sampler that fails with a non-retryable error of the user's code (``NON_RETRYABLE``: a
+``convert_record_to_data_func`` that returned something other than a record's data) ends the run at once: every task
+would fail alike. The scheduler keeps the first such error (``fatal_error``, set before anything is cleaned up, so a
+trainer waiting on the queue can check it), cancels the running samplers (their claims are returned) and ``run()``
+raises it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 from workers.ledger.blobs import BlobStore, open_blob_store
 from workers.ledger.config import SamplingConfig
-from workers.ledger.errors import LockNotAcquired, NoInferenceService, NoTaskAvailable, NotATask
+from workers.ledger.errors import InvalidRecordData, LockNotAcquired, NoInferenceService, NoTaskAvailable, NotATask
 from workers.ledger.models import BASE_TASK_FIELDS, DispatchedSamplingTask, Task, check_registered
 from workers.ledger.multimodal import store_mm_payload
 from workers.ledger.retry import with_retry
@@ -38,6 +44,9 @@ from workers.ledger.services import InferenceClient
 from workers.ledger.store import EpochProgress, Ledger
 
 log = logging.getLogger(__name__)
+
+# errors of the user's code that retrying a task cannot mend (every task would fail alike): the first ends the run
+NON_RETRYABLE: tuple[type[Exception], ...] = (InvalidRecordData,)
 
 
 class SamplingScheduler:
@@ -55,6 +64,9 @@ class SamplingScheduler:
         convert_record_to_data_func: the hook each sampler passes its groups' records through on their way into the
             sink (``AsyncSampler``); the records and groups it skips are counted in ``stats`` (``records_skipped``,
             ``groups_skipped``).
+
+    ``fatal_error``: the first ``NON_RETRYABLE`` error a sampler failed with (None while there is none); ``run()``
+    raises it.
     """
 
     def __init__(
@@ -89,6 +101,7 @@ class SamplingScheduler:
         self.lock_ttl_s = lock_ttl_s
         self.convert_record_to_data_func = convert_record_to_data_func
         self.stats: Counter[str] = Counter()
+        self.fatal_error: Exception | None = None
         self.epochs_written: list[int] = []
         self._stop = threading.Event()
         self._unstarted: dict[asyncio.Task, DispatchedSamplingTask] = {}  # claims handed to samplers not yet started
@@ -97,7 +110,12 @@ class SamplingScheduler:
     def run(self, epochs: Iterable[int] | None = None) -> dict[str, int]:
         """Run to the end (``num_epochs`` or ``stop()``); counts of samplers started, completed, failed, ...
         ``epochs``: the epochs to write and sample, in order (``range(num_epochs)`` by default; an evaluation
-        samples its split's one epoch per evaluation)."""
+        samples its split's one epoch per evaluation).
+
+        Raises:
+            InvalidRecordData (any ``NON_RETRYABLE`` error): the first one a sampler failed with, once the running
+                samplers are cancelled.
+        """
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -119,9 +137,11 @@ class SamplingScheduler:
                     break
                 await asyncio.to_thread(self.write_epoch, epoch)
                 await self._sample_epoch(epoch, running)
+            self._raise_fatal()
             while running:  # the last tasks (or, after stop(), the ones under way)
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 running -= done
+                self._raise_fatal()
         except BaseException:
             for task in running:
                 task.cancel()  # cancelled samplers return their claims
@@ -131,6 +151,10 @@ class SamplingScheduler:
         finally:
             await self.inference.aclose()
         return dict(self.stats)
+
+    def _raise_fatal(self) -> None:
+        if self.fatal_error is not None:
+            raise self.fatal_error
 
     # -- tasks -----------------------------------------------------------------------------------------------------
     def epoch_tasks(self, epoch: int) -> list[Task]:
@@ -289,6 +313,17 @@ class SamplingScheduler:
         except asyncio.CancelledError:
             self.stats["returned"] += 1
             raise
+        except NON_RETRYABLE as exc:  # recorded in the claim too; the run ends (run_async raises it)
+            self.stats["failed"] += 1
+            log.error(
+                "sampler of task %s failed, ending the run: %s: %s",
+                getattr(sampler.task, "id", "?"),
+                type(exc).__name__,
+                exc,
+            )
+            if self.fatal_error is None:
+                self.fatal_error = exc
+            self.stop()
         except Exception as exc:  # recorded in the claim by AsyncSampler.__aexit__
             self.stats["failed"] += 1
             log.warning("sampler of task %s failed: %s: %s", getattr(sampler.task, "id", "?"), type(exc).__name__, exc)

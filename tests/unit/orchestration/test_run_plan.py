@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -110,6 +111,38 @@ def test_a_run_trains_a_task_with_images_on_the_hf_engine_and_refuses_what_takes
     for engine in ("vllm", "sglang"):
         with pytest.raises(ConfigError, match=rf"got rollout.engine='{engine}'"):
             check_run_task(ColorsTask(), load_config(None, {**vision, "rollout.engine": engine}))
+
+
+def test_a_vision_tasks_prompt_without_image_refs_is_refused_naming_the_task_the_prompt_and_the_key():
+    """Put into the queue, such a prompt failed with a bare KeyError('image_refs'); the run checks the task's prompts
+    before it puts any."""
+    from orchestration.grpo_run import check_task_prompts
+    from workers.tasks.addition import AdditionTask
+    from workers.tasks.colors import ColorsTask
+
+    class NoPictures(ColorsTask):
+        def prompts(self, split, num, seed):
+            prompts = super().prompts(split, num, seed)
+            del prompts[2]["image_refs"]
+            return prompts
+
+    name = "workers.tasks.colors:ColorsTask"
+    good = ColorsTask().prompts("train", 4, seed=0)
+    assert check_task_prompts(ColorsTask(), name, good, "train") is good
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"task {name!r}: eval prompt 2 lacks ['image_refs']: expected keys ['prompt_ids', 'answer', 'image_refs'] "
+            "('image_refs': the task yields images, its image_source() is not None), got keys ['answer', 'prompt_ids']"
+        ),
+    ):
+        check_task_prompts(NoPictures(), name, NoPictures().prompts("eval", 4, seed=0), "eval")
+    text = [{"prompt_ids": [1, 2]}]  # a text task's prompt without its reward field
+    with pytest.raises(
+        ConfigError, match=re.escape("task 'addition': train prompt 0 lacks ['answer']: expected keys ['prompt_ids', "
+                                     "'answer'], got keys ['prompt_ids']")
+    ):  # fmt: skip
+        check_task_prompts(AdditionTask(), "addition", text, "train")
 
 
 def test_the_idle_timeout_of_the_task_servers_a_run_starts_is_a_config_key_above_the_slowest_turn():

@@ -457,3 +457,63 @@ def test_a_hook_changing_the_tokens_trains_its_tokens_with_the_policys_own_log_p
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["kind"] == "grpo"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def prompt_ids_only(record):
+    """A ``convert_record_to_data_func`` of the wrong shape: no ``response_ids``."""
+    return {"prompt_ids": [1, 3, 4]}
+
+
+WRONG_SHAPE = (
+    re.escape("convert_record_to_data_func prompt_ids_only of record ")
+    + r"\d+ \(task \d+\): "
+    + re.escape(
+        "expected a dict {'prompt_ids': [int, ...], 'response_ids': [int, ...]} (the answer non-empty), or None / [] "
+        "to skip the record, got a dict without ['response_ids']: keys ['prompt_ids']"
+    )
+)
+
+
+def short_queue_timeout(monkeypatch):
+    """The trainer's queue timeout cut to 30 s: a backstop, so that a run which does not stop at the hook's error ends
+    with GetMetaTimeout (the test fails) rather than waiting 120 s."""
+    import functools
+
+    import recipe.agentrl_demo as demo
+
+    monkeypatch.setattr(demo, "LedgerTrainingConfig", functools.partial(demo.LedgerTrainingConfig, queue_timeout=30))
+
+
+def test_a_hook_returning_the_wrong_shape_with_sampling_stops_the_run_at_once_with_exit_code_2(
+    tmp_path, monkeypatch, ray_session, capsys
+):
+    import recipe.agentrl_demo as demo
+
+    short_queue_timeout(monkeypatch)
+    hook = f"{__name__}:prompt_ids_only"
+    argv = [f"output_dir={tmp_path / 'run'}", "steps=3", *SAMPLED, "--convert_record_to_data_func", hook]
+
+    assert demo.main(argv) == 2
+
+    err = capsys.readouterr().err
+    assert re.search("agentrl_demo.py: error: " + WRONG_SHAPE, err), err[-2000:]
+    import torch
+
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken (no sft warm-up either)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 0
+    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
+    try:
+        failed = [c for c in ledger.claims("train") if c.last_error and "InvalidRecordData" in c.last_error]
+        running = [t for t in ledger.tasks("train") if t.status == "running"]
+    finally:
+        ledger.close()
+    assert failed  # the claim whose group met the hook records the error
+    assert not running  # the other samplers were cancelled and returned their claims
+
+
+def test_train_with_sampling_raises_the_hooks_invalid_record_data(tmp_path, monkeypatch, ray_session):
+    from workers.ledger import InvalidRecordData
+
+    short_queue_timeout(monkeypatch)
+    with pytest.raises(InvalidRecordData, match=WRONG_SHAPE):
+        sampling_run(tmp_path, monkeypatch, prompt_ids_only)

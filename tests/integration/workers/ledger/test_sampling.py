@@ -338,3 +338,36 @@ def test_a_sampler_that_cannot_be_built_fails_its_claim_with_the_error(cfg):
     claims = ledger.claims("train")
     assert claims and all(c.status == "failed" for c in claims)  # none left to wait out its lease
     assert stats["failed"] == len(claims)
+
+
+def a_string(record):
+    """A ``convert_record_to_data_func`` of the wrong shape."""
+    return "not the data"
+
+
+def test_a_non_retryable_error_of_the_users_hook_ends_the_scheduler_run_with_it(cfg):
+    from workers.ledger import InvalidRecordData
+
+    ledger, sink = Ledger(cfg.ledger_url), ListSink()
+    scheduler = SamplingScheduler(
+        config=cfg.model_copy(update={"num_epochs": 3}),
+        sampler_class=QuestionSampler,
+        dataset=QuestionDataset(8),
+        ledger=ledger,
+        sink=sink,
+        convert_record_to_data_func=a_string,
+    )
+    with pytest.raises(
+        InvalidRecordData,
+        match=r"convert_record_to_data_func a_string of record \d+ \(task \d\): expected a dict \{'prompt_ids': "
+        r"\[int, \.\.\.\], 'response_ids': \[int, \.\.\.\]\} .*, got a str: 'not the data'",
+    ) as raised:
+        scheduler.run()
+
+    assert scheduler.fatal_error is raised.value
+    assert not sink.groups  # nothing reached the queue
+    assert ledger.written_epochs("train") == [0]  # the run ended in its first epoch
+    tasks = ledger.tasks("train")
+    assert not [t for t in tasks if t.status == "running"]  # the running samplers were cancelled, their claims returned
+    failed = [c for c in ledger.claims("train") if c.status == "failed"]
+    assert failed and all(c.last_error.startswith("InvalidRecordData: convert_record_to_data_func") for c in failed)
