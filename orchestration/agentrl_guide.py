@@ -38,6 +38,8 @@ class GuideConfig(Protocol):
     eval_strategy: str | bool
     eval_steps: int | None
     convert_record_to_data_func: str | None
+    inference_engine: str  # hf (in this process), vllm or sglang (an InferenceManager's servers)
+    inference_dp_size: int
 
 
 C = TypeVar("C", bound=GuideConfig)
@@ -134,10 +136,9 @@ GUIDE_ORDER = (
 
 #: what serves a policy with tensor or expert parallelism (the demo's in-process HFEngine does neither)
 PARALLEL_ENGINES = (
-    "engine vllm or sglang through an InferenceManager, which starts one server per DP group sized by "
-    "SamplingConfig's inf_tp_size / inf_ep_size / inf_mem_ratio and registers it in the ledger "
-    "(InferenceManager.from_config(cfg, 'sglang', model_path, dp_size=D, ledger=ledger), workers/engines/manager.py; "
-    "docs/sampling.md)"
+    "inference_engine=vllm or sglang: the run's InferenceManager starts inference_dp_size servers (one per DP group) "
+    "sized by the guide's inf_tp_size / inf_ep_size / inf_mem_ratio and registers them in the ledger "
+    "(workers/engines/manager.py; docs/sampling.md)"
 )
 
 
@@ -216,7 +217,7 @@ def apply_guide(
             raise ConfigError(f"--{exc}") from None
         changes["db"] = db
         lines["db_connection_string"] = f"db={redact(db)} (the ledger: tasks, claims, records)"
-    lines.update(inference_mapping(guide))
+    changes.update(inference_mapping(config, guide, lines))
     if config.model_name_or_path is not None and "sft_target" not in given:
         changes["sft_target"] = 0.0  # a pretrained model: no warm-up unless asked for
     try:
@@ -226,6 +227,9 @@ def apply_guide(
             "lr": "learning_rate",
             "checkpoint_every": "save_steps",
             "prompts_per_step": "per_device_train_batch_size",
+            "inference_tp_size": "inf_tp_size",
+            "inference_ep_size": "inf_ep_size",
+            "inference_mem_ratio": "inf_mem_ratio",
         }
         named = [f"--{flag}" for key, flag in flags.items() if key in changes and str(exc).startswith(key)]
         raise ConfigError(f"{' '.join(named)}: {exc}" if named else str(exc)) from None
@@ -270,14 +274,25 @@ def batch_mapping(config: GuideConfig, guide: Mapping[str, str], lines: dict[str
     return {"prompts_per_step": prompts}
 
 
-def inference_mapping(guide: Mapping[str, str]) -> dict[str, str]:
-    """The guide's sizing of its inference services, checked against the demo's engine (HFEngine, in this process,
-    on one device): sizes of 1 and a memory ratio in (0, 1] are accepted and said; anything else is refused, naming
-    what honours it (engine vllm or sglang through an ``InferenceManager``)."""
-    lines = {}
+def inference_mapping(config: GuideConfig, guide: Mapping[str, str], lines: dict[str, str]) -> dict[str, Any]:
+    """The guide's sizing of its inference services (``--inf_tp_size`` / ``--inf_ep_size`` / ``--inf_mem_ratio``),
+    said in ``lines``; the config's changes. With ``inference_engine=hf`` (HFEngine, in this process, on one device)
+    sizes of 1 and a memory ratio in (0, 1] are accepted and said, anything else is refused naming what honours it;
+    with ``vllm`` / ``sglang`` they become ``inference_tp_size`` / ``inference_ep_size`` / ``inference_mem_ratio``, the
+    sizing of each of the ``inference_dp_size`` servers the run's ``InferenceManager`` starts (the config refuses what
+    the engine cannot honour)."""
+    engine = config.inference_engine
+    servers = (
+        f"each of the inference_dp_size={config.inference_dp_size} {engine} servers the run's InferenceManager starts"
+    )
+    changes: dict[str, Any] = {}
     for flag, what in (("inf_tp_size", "tensor"), ("inf_ep_size", "expert")):
         if flag in guide:
             size = guide_value(flag, guide[flag], int)
+            if engine != "hf":
+                changes[f"inference_{flag[4:]}"] = size
+                lines[flag] = f"inference_{flag[4:]}={size} ({what} parallel size of {servers})"
+                continue
             if size != 1:
                 raise ConfigError(
                     f"--{flag}: expected 1 (the demo's engine, HFEngine, serves the policy in this process on one "
@@ -291,11 +306,17 @@ def inference_mapping(guide: Mapping[str, str]) -> dict[str, str]:
         ratio = guide_value("inf_mem_ratio", guide["inf_mem_ratio"], float)
         if not 0 < ratio <= 1:
             raise ConfigError(f"--inf_mem_ratio: expected a float in (0, 1] (a fraction of device memory), got {ratio}")
-        lines["inf_mem_ratio"] = (
-            "accepted, not used: the hf engine does not pre-allocate a KV-cache pool, so there is no memory to size "
-            "(an InferenceManager passes it to vLLM as --gpu-memory-utilization, to SGLang as --mem-fraction-static)"
-        )
-    return lines
+        if engine != "hf":
+            flag = "--gpu-memory-utilization" if engine == "vllm" else "--mem-fraction-static"
+            changes["inference_mem_ratio"] = ratio
+            lines["inf_mem_ratio"] = f"inference_mem_ratio={ratio} ({servers}: {flag} {ratio})"
+        else:
+            lines["inf_mem_ratio"] = (
+                "accepted, not used: the hf engine does not pre-allocate a KV-cache pool, so there is no memory to "
+                "size (an InferenceManager passes it to vLLM as --gpu-memory-utilization, to SGLang as "
+                "--mem-fraction-static)"
+            )
+    return changes
 
 
 def native_lines(config: GuideConfig, given: Collection[str]) -> dict[str, str]:

@@ -86,7 +86,10 @@ class LedgerGRPOTrainer:
         self.rows_consumed = 0
         self.rows_cleared = 0  # rows this trainer freed from the queue after their step
 
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int, before_train: Callable[[], Any] | None = None) -> dict[str, float]:
+        """One step on the next ``batch_rows`` rows of the queue; ``before_train`` is called once they are read,
+        before the step's forward (a colocated run frees its inference servers' memory there: the rows it waits for
+        are sampled by then)."""
         t0 = time.perf_counter()
         meta = self._wait_for_rows()
         data = self.client.get_data(meta)
@@ -101,6 +104,8 @@ class LedgerGRPOTrainer:
             responses=rows_of(data["response_ids"]),
             logprobs=float_rows_of(data["response_logprobs"]),
         )
+        if before_train is not None:
+            before_train()
         metrics = self._train(step, rows, wait_s)
         # the rows are trained (or not trainable any more): free them, or the partition grows until QueueFull
         self.client.clear_samples(meta)

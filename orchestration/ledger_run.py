@@ -7,6 +7,7 @@ config is any dataclass with the fields ``LedgerRunConfig`` names (``AgentRLDemo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -56,6 +57,11 @@ from workers.tasks.addition import (
     sft_batch,
 )
 
+if TYPE_CHECKING:
+    from workers.engines.manager import InferenceManager
+
+logger = logging.getLogger(__name__)
+
 
 class LedgerRunConfig(Protocol):
     """The fields of a run's config dataclass these loops read (recipe/agentrl_demo.py's ``AgentRLDemoConfig``)."""
@@ -82,6 +88,9 @@ class LedgerRunConfig(Protocol):
     eval_steps: int | None
     # "module:function" of a Record, on both paths; None: the default (sampling: the sampled tokens as they are)
     convert_record_to_data_func: str | None
+    inference_engine: str  # hf: the engine in this process; vllm / sglang: an InferenceManager's servers
+    inference_dp_size: int  # how many servers (one per DP group)
+    inference_colocate: bool  # the servers release their memory for each training step
 
 
 def warm_up(
@@ -251,11 +260,20 @@ def train_with_sampling(
     partition: str,
     eval_dataset: Dataset | None = None,
     convert_record_to_data_func: Callable[[Record], Any] | str | None = None,
+    inference_kwargs: Mapping[str, Any] | None = None,
 ) -> int:
     """GRPO on what the samplers (or the prompt-source producer) put into the queue, the engine updated each step:
     ``sampler_class`` samples the tasks of ``dataset`` (the run's), the queue's rows go to ``partition``. With
     ``eval_strategy`` other than ``no``, ``eval_dataset``'s tasks are sampled after the steps ``eval_due`` names
     (``evaluate``: split ``eval``, nothing queued, nothing trained) and an ``eval`` row is logged.
+
+    What the samplers ask is ``config.inference_engine``'s: ``hf``, ``engine`` (in this process) behind the
+    OpenAI-compatible endpoint, registered as one ``InferenceService``; ``vllm`` / ``sglang``, the
+    ``inference_dp_size`` servers of an ``InferenceManager`` (:func:`start_inference_servers`; ``inference_kwargs``
+    are more of its arguments), each loaded with the policy's weights after every step (``sync_state_dict``, the
+    version ``step + 1``), released for each step's training and resumed before the load when
+    ``inference_colocate``, and stopped however the run ends (normal end, an error, SIGINT / SIGTERM: the manager's
+    handlers).
 
     ``convert_record_to_data_func`` (this argument, else the config's; None: the sampled tokens as they are): each
     finished group's records pass through it on their way into the queue (``workers.ledger.convert.sampled_row``):
@@ -276,8 +294,6 @@ def train_with_sampling(
     """
     import ray
 
-    import transfer_queue
-
     spec = convert_record_to_data_func
     if spec is None:
         spec = getattr(config, "convert_record_to_data_func", None)
@@ -288,10 +304,50 @@ def train_with_sampling(
             f"{config.prompts_from} writes no records: expected prompts_from=scheduler with it"
         )
 
-    policy, out = setup.policy, Path(config.output_dir)
+    out = Path(config.output_dir)
     started_ray = not ray.is_initialized()  # a caller's Ray session (a test's) is used, and left running
     if started_ray:
         init_ray(num_cpus=4, include_dashboard=False, logging_level=logging.ERROR)
+    servers = None
+    if config.inference_engine != "hf":
+        servers = start_inference_servers(config, setup, ledger, cfg, out, start, **dict(inference_kwargs or {}))
+    try:
+        return _train_with_sampling(
+            config, setup, engine, optimizer, ledger, cfg, training, record, checkpoint, start, servers, started_ray,
+            sampler_class=sampler_class, dataset=dataset, partition=partition, eval_dataset=eval_dataset,
+            convert=convert,
+        )  # fmt: skip
+    except BaseException:  # an error, or SIGINT's KeyboardInterrupt (SIGTERM: the manager's handler stops them)
+        if servers is not None:
+            servers.stop()
+        raise
+
+
+def _train_with_sampling(
+    config: LedgerRunConfig,
+    setup: PolicySetup,
+    engine: HFEngine,
+    optimizer: torch.optim.Optimizer,
+    ledger: Ledger,
+    cfg: SamplingConfig,
+    training: LedgerTrainingConfig,
+    record: RunRecord,
+    checkpoint: Path,
+    start: int,
+    servers: InferenceManager | None,
+    started_ray: bool,
+    *,
+    sampler_class: type[AsyncSampler],
+    dataset: Dataset,
+    partition: str,
+    eval_dataset: Dataset | None,
+    convert: Callable[[Record], Any] | None,
+) -> int:
+    import ray
+
+    import transfer_queue
+
+    policy, out = setup.policy, Path(config.output_dir)
     batch_rows = training.batch_rows
     client = transfer_queue.init(
         global_batch_size=config.prompts_per_step,
@@ -308,7 +364,8 @@ def train_with_sampling(
         with engine_lock:
             return generate(prompts, params)
 
-    api_key = new_api_key()  # the endpoint's, for this run: its samplers send it, the ledger never holds it
+    # the endpoint's (or the servers'), for this run: its samplers send it, the ledger never holds it
+    api_key = new_api_key() if servers is None else servers.api_key
     app = create_app(
         BatchingSampler(locked_generate), setup.chat, model="adder", max_tokens=config.max_new_tokens, api_key=api_key
     )
@@ -361,30 +418,42 @@ def train_with_sampling(
             failed.append(exc)
 
     rewards: list[float] = []
+    colocated = servers is not None and config.inference_colocate
     t0 = time.perf_counter()
     try:
-        with serve_in_background(app) as url:
-            service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
-            with ServiceRegistration(ledger, service, policy_version=lambda: engine.version):
-                sampling = threading.Thread(target=sample, name=f"sampling-{config.prompts_from}", daemon=True)
-                sampling.start()
-                try:
-                    for step in range(start, config.steps):
-                        warm_up_lr(optimizer, config, step)
-                        row = trainer.step(step)
-                        if convert is not None:  # counted so far (the samplers run ahead of the trainer)
-                            row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
-                        with engine_lock:
-                            engine.update_weights(step + 1, state_dict=policy.state_dict())
-                        end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
-                        if eval_dataset is not None and eval_due(config, step):
-                            inference = InferenceClient(ledger, cfg, api_key=api_key)
-                            record.write(evaluate(ledger, cfg, sampler_class, eval_dataset, inference, step + 1))
-                    save_checkpoint(checkpoint, policy, optimizer, config.steps)
-                finally:
-                    done.set()
-                    sampling.join(120)
-                check_sampling()  # a sampler that failed after the last step's rows were put
+        with contextlib.ExitStack() as serving:
+            if servers is None:  # the in-process engine behind the endpoint, registered as one service
+                url = serving.enter_context(serve_in_background(app))
+                service = InferenceService(name="adder-0", url=url + "/v1", model="adder")
+                serving.enter_context(ServiceRegistration(ledger, service, policy_version=lambda: engine.version))
+            else:  # stopped (and marked down in the ledger) once the sampling is over, before the ledger closes
+                serving.callback(servers.stop)
+            sampling = threading.Thread(target=sample, name=f"sampling-{config.prompts_from}", daemon=True)
+            sampling.start()
+
+            def stop_sampling() -> None:  # also when a step raised; before the servers stop
+                done.set()
+                sampling.join(120)
+
+            serving.callback(stop_sampling)
+            for step in range(start, config.steps):
+                warm_up_lr(optimizer, config, step)
+                row = trainer.step(step, before_train=servers.release_memory if colocated and servers else None)
+                if convert is not None:  # counted so far (the samplers run ahead of the trainer)
+                    row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
+                if servers is None:
+                    with engine_lock:
+                        engine.update_weights(step + 1, state_dict=policy.state_dict())
+                else:
+                    if colocated:
+                        servers.resume_memory()
+                    sync_servers(servers, policy.state_dict(), step + 1)
+                end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
+                if eval_dataset is not None and eval_due(config, step):
+                    inference = InferenceClient(ledger, cfg, api_key=api_key)
+                    record.write(evaluate(ledger, cfg, sampler_class, eval_dataset, inference, step + 1))
+            save_checkpoint(checkpoint, policy, optimizer, config.steps)
+        check_sampling()  # a sampler that failed after the last step's rows were put
     finally:
         transfer_queue.shutdown()
         if started_ray:
@@ -395,6 +464,81 @@ def train_with_sampling(
     print(render_status(ledger))
     ledger.close()  # a normal end leaves ledger.db alone: its -wal and -shm files are checkpointed away
     return 0
+
+
+def inference_model_directory(setup: PolicySetup, out: Path) -> str:
+    """The model directory the run's servers load first: the policy as it is now (warmed up, or resumed) and its
+    tokenizer (``model_name_or_path``'s), written to ``out/inference_model``.
+
+    Raises:
+        ConfigError: a chat format without a tokenizer to save (the built-in addition tokenizer's).
+    """
+    save = getattr(getattr(setup.chat, "tokenizer", None), "save_pretrained", None)
+    if not callable(save):
+        raise ConfigError(
+            "inference_engine: the servers need a Hugging Face tokenizer with a chat template, and the built-in "
+            "addition tokenizer is none: expected model_name_or_path (a local model directory)"
+        )
+    directory = out / "inference_model"
+    directory.mkdir(parents=True, exist_ok=True)
+    policy: Any = setup.policy  # a Hugging Face model (the built-in Llama or model_name_or_path's)
+    policy.save_pretrained(str(directory))
+    save(str(directory))
+    return str(directory.absolute())
+
+
+def start_inference_servers(
+    config: LedgerRunConfig,
+    setup: PolicySetup,
+    ledger: Ledger,
+    cfg: SamplingConfig,
+    out: Path,
+    version: int,
+    **kwargs: Any,
+) -> InferenceManager:
+    """The run's ``config.inference_engine`` servers, started: an ``InferenceManager`` of ``inference_dp_size``
+    servers sized by ``cfg``'s ``inf_tp_size`` / ``inf_ep_size`` / ``inf_mem_ratio``, loading
+    :func:`inference_model_directory`, registered in ``ledger`` as ``InferenceService`` rows of ``cfg.model`` (named
+    ``{model}-{rank}``, kind the engine's), where the samplers' ``InferenceClient`` finds them; a resumed run's weights
+    (``version`` > 0) are loaded as that version. ``kwargs`` go to the manager (logs in ``out/inference_logs``).
+    Every server is stopped when one does not start (or the start is interrupted).
+
+    Raises:
+        EngineServerError: a server that did not start (``EngineNeverHealthy``, ``PortInUse``, ...).
+        InvalidInferenceSizing: a sizing the engine cannot honour (the config refuses it first).
+    """
+    from workers.engines.manager import InferenceManager
+
+    kwargs.setdefault("log_dir", str(out / "inference_logs"))
+    model_dir = inference_model_directory(setup, out)
+    manager = InferenceManager.from_config(
+        cfg, config.inference_engine, model_dir, dp_size=config.inference_dp_size, ledger=ledger, name=cfg.model,
+        **kwargs,
+    )  # fmt: skip
+    try:
+        manager.start()
+        if version > 0:
+            sync_servers(manager, setup.policy.state_dict(), version)
+    except BaseException:
+        manager.stop()
+        raise
+    print(
+        f"inference: {len(manager.servers)} {config.inference_engine} server(s) at {', '.join(manager.urls)} "
+        f"(logs in {kwargs['log_dir']})",
+        flush=True,
+    )
+    return manager
+
+
+def sync_servers(servers: InferenceManager, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    """Load ``state_dict`` into every server as ``version`` (``sync_state_dict``: written once, loaded by each); a
+    server that could not load it keeps serving (and recording) its older version, logged; one that failed for good
+    stops the run (``check``)."""
+    replies = servers.sync_state_dict(state_dict, version)
+    for server, reply in zip(servers.servers, replies, strict=True):
+        if not reply.get("success"):
+            logger.warning("%s did not load the weights of version %d: %s", server.name, version, reply)
+    servers.check()
 
 
 def train_from_ledger(

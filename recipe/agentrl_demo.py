@@ -2,7 +2,9 @@
 ``SamplingScheduler`` over a SQLite ledger, and a GRPO trainer learning from the records through the queue.
 
     1. SFT warm-up of a tiny Llama on two-digit addition until a sampled answer is right 20 % of the time
-    2. the policy's engine behind the OpenAI-compatible endpoint, registered as an InferenceService
+    2. the policy's engine behind the OpenAI-compatible endpoint, registered as an InferenceService (or, with
+       ``inference_engine=vllm`` / ``sglang``, ``inference_dp_size`` servers of an InferenceManager, each registered
+       as one, loaded with the new weights after each step and stopped with the run)
     3. SamplingScheduler (a thread): writes AdditionProblem tasks epoch by epoch; AdditionSampler claims one, asks the
        endpoint for num_generations answers, scores them (evaluate_record), records them and queues the group
     4. the trainer (this thread): whole groups from the queue -> records marked trained (never twice) -> GRPO step
@@ -82,6 +84,7 @@ from workers.tasks.addition import addition_reward, make_prompts
 
 PARTITION = "agentrl"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
+INFERENCE_ENGINES = ("hf", "vllm", "sglang")  # inference_engine: the in-process HFEngine, or an InferenceManager's
 EVAL_SEED = 7_000_000  # the held-out problems' seed offset: apart from the training tasks' (and the warm-up's)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "agentrl_demo.yaml"
 
@@ -136,6 +139,19 @@ class AgentRLDemoConfig:
     # the policy's own log-probs as the old ones). None: false re-tokenises the messages with the policy's chat
     # format, true trains the sampled tokens as they are
     convert_record_to_data_func: str | None = None
+    # what the samplers ask (enable_sampling, prompts_from=scheduler): hf, the policy's HFEngine in this process behind
+    # the OpenAI-compatible endpoint; vllm or sglang: inference_dp_size servers (one per DP group) an InferenceManager
+    # starts on the policy saved to OUTPUT_DIR/inference_model, registered in the ledger as InferenceServices, loaded
+    # with the new weights after each step and stopped with the run (needs model_name_or_path: the servers apply its
+    # tokenizer's chat template)
+    inference_engine: str = "hf"
+    inference_dp_size: int = 1  # vllm / sglang servers, one per DP group (hf: 1, the one in-process engine)
+    inference_tp_size: int = 1  # tensor-parallel size of each server (the guide's --inf_tp_size)
+    inference_ep_size: int = 1  # expert-parallel size of each server (the guide's --inf_ep_size)
+    inference_mem_ratio: float | None = None  # each server's device memory fraction (--inf_mem_ratio); None: default
+    # colocated servers (vllm / sglang) release their memory for each training step (once its rows are read) and
+    # take it back before the new weights are loaded
+    inference_colocate: bool = False
 
     #: the type and range of each numeric or constrained key, checked when the config is parsed
     KEY_RANGES: ClassVar[Mapping[str, Range | Text]] = {
@@ -159,6 +175,11 @@ class AgentRLDemoConfig:
         "eval_strategy": Text(pattern=r"(?i)no|steps|epoch", described=f"one of {sorted(EVAL_STRATEGIES)} (any case)"),
         "eval_steps": Range(int, 1, optional=True),
         "num_eval_tasks": Range(int, 1),
+        "inference_engine": Text(INFERENCE_ENGINES),
+        "inference_dp_size": Range(int, 1),
+        "inference_tp_size": Range(int, 1),
+        "inference_ep_size": Range(int, 1),
+        "inference_mem_ratio": Range(float, 0, 1, low_open=True, optional=True),
     }
 
     def __post_init__(self) -> None:
@@ -195,11 +216,63 @@ class AgentRLDemoConfig:
                 resolve_convert_record_to_data_func(self.convert_record_to_data_func)
             except InvalidRecordConverter as exc:
                 raise ConfigError(str(exc)) from None
+        self.check_inference()
         if self.eval_strategy != "no" and not self.enable_sampling:
             raise ConfigError(
                 f"eval_strategy: {self.eval_strategy} samples the eval tasks, but enable_sampling=false starts no "
                 f"engine to sample them: expected eval_strategy=no with enable_sampling=false"
             )
+
+    def check_inference(self) -> None:
+        """Refuse an ``inference_*`` setting the run cannot honour: server settings with the in-process hf engine,
+        servers for a run that asks no server (``enable_sampling=false``, ``prompts_from=prompt-source``) or without
+        a model directory (whose tokenizer's chat template the servers apply), or a sizing the engine cannot honour
+        (``InferenceManager``'s own refusal)."""
+        engine = self.inference_engine
+        if engine == "hf":
+            given = {
+                "inference_dp_size": (self.inference_dp_size, 1),
+                "inference_tp_size": (self.inference_tp_size, 1),
+                "inference_ep_size": (self.inference_ep_size, 1),
+                "inference_mem_ratio": (self.inference_mem_ratio, None),
+                "inference_colocate": (self.inference_colocate, False),
+            }
+            for key, (value, expected) in given.items():
+                if value != expected:
+                    raise ConfigError(
+                        f"{key}: sets the servers of inference_engine=vllm or sglang, but inference_engine=hf serves "
+                        f"the policy in this process: expected {key}={expected} with it, got {value}"
+                    )
+            return
+        if not self.enable_sampling:
+            raise ConfigError(
+                f"inference_engine: {engine} serves the samplers, but enable_sampling=false samples nothing: expected "
+                f"inference_engine=hf (the default) with enable_sampling=false"
+            )
+        if self.prompts_from != "scheduler":
+            raise ConfigError(
+                f"inference_engine: {engine} servers answer the ledger's samplers, but prompts_from="
+                f"{self.prompts_from} samples the in-process engine: expected prompts_from=scheduler with "
+                f"inference_engine={engine}"
+            )
+        if self.model_name_or_path is None:
+            raise ConfigError(
+                f"inference_engine: {engine} servers apply the tokenizer's chat template to the samplers' messages, "
+                f"and the built-in addition tokenizer has none: expected model_name_or_path (a local model directory) "
+                f"with inference_engine={engine}"
+            )
+        from workers.engines.errors import InvalidInferenceSizing
+        from workers.engines.manager import sizing_args
+
+        try:
+            sizing_args(
+                engine,
+                tp_size=self.inference_tp_size,
+                ep_size=self.inference_ep_size,
+                mem_ratio=self.inference_mem_ratio,
+            )
+        except InvalidInferenceSizing as exc:
+            raise ConfigError(f"inference_engine={exc}") from None
 
 
 # Settings a resumed run may change (everything else shapes the training: a resume that changes it is refused): how
@@ -217,6 +290,13 @@ CHANGEABLE_ON_RESUME = (
     "eval_steps",
     "num_eval_tasks",
     "convert_record_to_data_func",  # how records become tokens from now on, as enable_sampling may switch
+    # what samples and where (the policy and its weights are the same)
+    "inference_engine",
+    "inference_dp_size",
+    "inference_tp_size",
+    "inference_ep_size",
+    "inference_mem_ratio",
+    "inference_colocate",
 )
 
 
@@ -287,11 +367,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Record], Any] | None = None) -> int:
+def train(
+    config: AgentRLDemoConfig,
+    convert_record_to_data_func: Callable[[Record], Any] | None = None,
+    inference_kwargs: Mapping[str, Any] | None = None,
+) -> int:
     """The run itself: warm-up (or resume), then GRPO from the ledger's records (or a PromptSource); with
     ``enable_sampling`` false, GRPO from the records the ledger already holds, nothing sampled. Each record is turned
     into tokens by ``convert_record_to_data_func`` (a callable; None: the config's, else the default), on both paths
-    (with sampling, on its way into the queue).
+    (with sampling, on its way into the queue). ``inference_kwargs``: more arguments of the ``InferenceManager`` of
+    ``inference_engine`` vllm / sglang (tests: ``server_command``, ``engine_factory``, ``health_interval``).
 
     Raises:
         InvalidRecordData: the hook returned something other than a record's data or None (the run stops at the first
@@ -361,6 +446,7 @@ def train(config: AgentRLDemoConfig, convert_record_to_data_func: Callable[[Reco
         partition=PARTITION,
         eval_dataset=None if config.eval_strategy == "no" else held_out_dataset(config),
         convert_record_to_data_func=convert_record_to_data_func,
+        inference_kwargs=inference_kwargs,
     )
 
 
@@ -403,6 +489,9 @@ def sampling_config(config: AgentRLDemoConfig, out: Path) -> SamplingConfig:
         max_concurrent_samples_per_process=config.prompts_per_step,
         lease_s=config.lease_s,
         heartbeat_s=max(config.lease_s / 5, 0.2),
+        inf_tp_size=config.inference_tp_size,  # the InferenceManager's sizing (inference_engine vllm / sglang)
+        inf_ep_size=config.inference_ep_size,
+        inf_mem_ratio=config.inference_mem_ratio,
     )
 
 

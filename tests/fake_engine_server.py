@@ -2,15 +2,19 @@
 fraction of a second (no torch). Like a real server, on SIGTERM it stops its own child processes, then exits.
 
     python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind] [--api-key KEY]
-                                       [--key-from-env] [ENGINE FLAGS ...]
+                                       [--key-from-env] [--vocab-size V] [--chat-delay S] [ENGINE FLAGS ...]
 
 Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation, POST
 /resume_memory_occupation (health answers 503 while released), SGLang's POST /update_weights_from_disk (``{"model_path",
-"weight_version"}``: recorded, ``{"success": true}``), GET /get_weight_version and POST /generate (one empty output per
-row of ``input_ids``), SGLang's POST /v1/chat/completions (``sglang_chat_reply``), and GET /argv: ``{"argv": [...],
-"loads": [[model_path, weight_version], ...], "generated": [weight_version, ...]}`` (the command line it was started
-with, flags it does not know included, as an engine's sizing flags; the weight loads it answered; the weight version of
-each generation it answered). With ``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401
+"weight_version"}``: recorded, ``{"success": true}``), GET /get_model_info (``--model-path``), GET /get_weight_version
+and POST /generate (one empty output per row of ``input_ids``), SGLang's POST /v1/chat/completions
+(``sglang_chat_reply``; to a request with vLLM's ``return_token_ids`` it answers as vLLM does too: ``prompt_token_ids``
+on the reply, ``token_ids`` on each choice), and GET /argv: ``{"argv": [...], "loads": [[model_path, weight_version],
+...], "generated": [weight_version, ...], "chats": [weight_version, ...]}`` (the command line it was started with, flags
+it does not know included, as an engine's sizing flags; the weight loads it answered; the weight version of each
+generation and of each chat completion it answered). ``--vocab-size V``: the prompt's token ids are its characters' code
+points modulo V (a tiny model's vocabulary); ``--chat-delay S``: each chat completion takes S seconds (so concurrent
+samplers' requests overlap). With ``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401
 without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
 """
 
@@ -22,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -33,11 +38,15 @@ def main() -> None:
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--key-from-env", action="store_true")
+    parser.add_argument("--model-path", default=None)  # answered by GET /get_model_info (kept for GET /argv too)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--chat-delay", type=float, default=0.0)
     args, _ = parser.parse_known_args()  # an engine's own flags (--tp-size 2 ...) are kept for GET /argv
     key = os.environ.get("TQ_API_KEY") if args.key_from_env else args.api_key
     state: dict[str, object] = {"released": False, "weight_version": "default"}
     loads: list[list[str]] = []
     generated: list[str] = []
+    chats: list[str] = []
     children: list[subprocess.Popen[bytes]] = []
     if args.spawn_child:
         children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
@@ -56,7 +65,9 @@ def main() -> None:
                 ok = not args.never_healthy and not state["released"]
                 self._reply(200 if ok else 503, {})
             elif self.path == "/argv":
-                self._reply(200, {"argv": sys.argv[1:], "loads": loads, "generated": generated})
+                self._reply(200, {"argv": sys.argv[1:], "loads": loads, "generated": generated, "chats": chats})
+            elif self.path == "/get_model_info":
+                self._reply(200, {"model_path": args.model_path})
             elif self.path == "/get_weight_version":
                 self._reply(200, {"weight_version": state["weight_version"]})
             else:
@@ -76,7 +87,9 @@ def main() -> None:
                 self._reply(200, [empty] * len(body["input_ids"]))
             elif self.path == "/v1/chat/completions":  # SGLang's OpenAI-compatible chat (its reply's fields)
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
-                self._reply(200, sglang_chat_reply(body, str(state["weight_version"])))
+                time.sleep(args.chat_delay)
+                chats.append(str(state["weight_version"]))
+                self._reply(200, sglang_chat_reply(body, str(state["weight_version"]), args.vocab_size))
             elif self.path == "/update_weights_from_disk":
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 loads.append([body["model_path"], body["weight_version"]])
@@ -103,13 +116,16 @@ def main() -> None:
     server.serve_forever()
 
 
-def sglang_chat_reply(body: dict, weight_version: str) -> dict:
+def sglang_chat_reply(body: dict, weight_version: str, vocab_size: int | None = None) -> dict:
     """SGLang's non-streamed chat completion to ``body``: ``n`` choices of the tokens 5 and 2 (log-probs -0.25 and
     -1.5); with ``return_prompt_token_ids`` each choice has ``prompt_token_ids`` (here the messages' characters' code
     points), with ``return_meta_info`` its ``meta_info`` (``output_token_logprobs`` as ``[logprob, token id, text]``
     when ``logprobs``, and the ``weight_version``); ``logprobs.content`` names tokens, not ids. Without the flags
-    SGLang answers without the ids, as here."""
+    SGLang answers without the ids, as here. With vLLM's ``return_token_ids`` the reply has vLLM's ``prompt_token_ids``
+    and each choice its ``token_ids``; ``vocab_size``: the code points modulo it."""
     prompt = [ord(c) for message in body.get("messages", []) for c in str(message.get("content", ""))]
+    if vocab_size:
+        prompt = [token % vocab_size for token in prompt]
     tokens = [(-0.25, 5, "t5"), (-1.5, 2, "t2")]
     choices = []
     for i in range(int(body.get("n") or 1)):
@@ -125,6 +141,8 @@ def sglang_chat_reply(body: dict, weight_version: str) -> dict:
                 {"token": t, "bytes": list(t.encode()), "logprob": lp, "top_logprobs": []} for lp, _, t in tokens
             ]
             choice["logprobs"] = {"content": content}
+        if body.get("return_token_ids"):  # vLLM's
+            choice["token_ids"] = [token_id for _, token_id, _ in tokens]
         if body.get("return_prompt_token_ids"):
             choice["prompt_token_ids"] = prompt
         if body.get("return_meta_info"):
@@ -136,8 +154,11 @@ def sglang_chat_reply(body: dict, weight_version: str) -> dict:
         choices.append(choice)
     usage = {"prompt_tokens": len(prompt), "completion_tokens": 2 * len(choices), "prompt_tokens_details": None}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body.get("model"),
-            "choices": choices, "usage": usage}  # fmt: skip
+    reply = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body.get("model"),
+             "choices": choices, "usage": usage}  # fmt: skip
+    if body.get("return_token_ids"):  # vLLM's
+        reply["prompt_token_ids"] = prompt
+    return reply
 
 
 if __name__ == "__main__":

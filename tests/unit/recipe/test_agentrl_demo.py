@@ -105,7 +105,9 @@ def test_help_lists_every_key_with_its_meaning_after_the_whole_description():
                          "lr_warmup_steps", "sft_target", "max_trained_count", "retrained_interval", "max_steps_ahead",
                          "checkpoint_every", "lease_s", "seed", "output_dir", "db", "resume", "loss_calculater",
                          "beta1", "beta2", "model_name_or_path", "max_new_tokens", "enable_sampling",
-                         "eval_strategy", "eval_steps", "num_eval_tasks", "convert_record_to_data_func"}  # fmt: skip
+                         "eval_strategy", "eval_steps", "num_eval_tasks", "convert_record_to_data_func",
+                         "inference_engine", "inference_dp_size", "inference_tp_size", "inference_ep_size",
+                         "inference_mem_ratio", "inference_colocate"}  # fmt: skip
     for key, (_, meaning) in keys.items():
         assert meaning and f"{key} = " in text and " ".join(meaning.split()) in text, key
     assert text.endswith(" ".join(list(keys.values())[-1][1].split()))  # the last key's meaning, whole
@@ -152,8 +154,10 @@ def test_beta1_and_beta2_are_the_grpo_optimizers_adam_betas():
 
 def test_every_numeric_key_has_a_range():
     numeric = {key for key, (default, _) in config_keys(AgentRLDemoConfig).items() if type(default) in (int, float)}
-    # and the constrained ones: prompts_from, eval_strategy, eval_steps (None by default)
-    assert set(AgentRLDemoConfig.KEY_RANGES) == numeric | {"prompts_from", "eval_strategy", "eval_steps"}
+    # and the constrained ones: prompts_from, eval_strategy, eval_steps and inference_mem_ratio (None by default),
+    # inference_engine
+    constrained = {"prompts_from", "eval_strategy", "eval_steps", "inference_engine", "inference_mem_ratio"}
+    assert set(AgentRLDemoConfig.KEY_RANGES) == numeric | constrained
 
 
 def old_run(out) -> None:
@@ -333,10 +337,10 @@ def test_the_guides_batch_is_rows_per_step_in_whole_groups(tmp_path, started, fl
         (
             ["--inf_tp_size", "2"],
             "--inf_tp_size: expected 1 (the demo's engine, HFEngine, serves the policy in this process on one device: "
-            "no tensor parallelism), got 2; tensor-parallel serving is engine vllm or sglang through an "
-            "InferenceManager, which starts one server per DP group sized by SamplingConfig's inf_tp_size / "
-            "inf_ep_size / inf_mem_ratio and registers it in the ledger (InferenceManager.from_config(cfg, 'sglang', "
-            "model_path, dp_size=D, ledger=ledger), workers/engines/manager.py; docs/sampling.md)",
+            "no tensor parallelism), got 2; tensor-parallel serving is inference_engine=vllm or sglang: the run's "
+            "InferenceManager starts inference_dp_size servers (one per DP group) sized by the guide's inf_tp_size / "
+            "inf_ep_size / inf_mem_ratio and registers them in the ledger (workers/engines/manager.py; "
+            "docs/sampling.md)",
         ),
         (["--inf_ep_size", "4"], "--inf_ep_size: expected 1 (the demo's engine, HFEngine, serves the policy in this"),
         (["--inf_tp_size", "two"], "--inf_tp_size: expected an int, got 'two'"),
@@ -466,3 +470,89 @@ def test_the_held_out_tasks_are_fixed_and_none_is_a_training_task():
 
     assert len(held_out) == 40 and held_out == [item["prompt"] for item in demo.held_out_dataset(config).items]
     assert not set(held_out) & {item["prompt"] for item in demo.AdditionDataset(200, seed=0).items}
+
+
+# --- inference_engine (issue 27 §1): vllm / sglang servers of an InferenceManager for the ledger flow ---------------
+def test_the_guides_inference_flags_size_the_servers_of_inference_engine_vllm(tmp_path, started, capsys):
+    model = model_dir(tmp_path)
+    argv = [f"output_dir={tmp_path / 'run'}", f"model_name_or_path={model}", "inference_engine=vllm",
+            "inference_dp_size=2", "--inf_tp_size", "2", "--inf_ep_size", "2", "--inf_mem_ratio", "0.4"]  # fmt: skip
+
+    assert demo.main(argv) == 0
+
+    [config] = started
+    assert (config.inference_engine, config.inference_dp_size) == ("vllm", 2)
+    assert (config.inference_tp_size, config.inference_ep_size, config.inference_mem_ratio) == (2, 2, 0.4)
+    cfg = demo.sampling_config(config, tmp_path)
+    assert (cfg.inf_tp_size, cfg.inf_ep_size, cfg.inf_mem_ratio) == (2, 2, 0.4)  # InferenceManager.from_config's
+    printed = capsys.readouterr().out
+    servers = "each of the inference_dp_size=2 vllm servers the run's InferenceManager starts"
+    assert f"--inf_tp_size 2 -> inference_tp_size=2 (tensor parallel size of {servers})" in printed
+    assert f"--inf_ep_size 2 -> inference_ep_size=2 (expert parallel size of {servers})" in printed
+    assert f"--inf_mem_ratio 0.4 -> inference_mem_ratio=0.4 ({servers}: --gpu-memory-utilization 0.4)" in printed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["inference_engine=vlm"],
+            "inference_engine must be one of ['hf', 'sglang', 'vllm'], got 'vlm' (from the override "
+            "inference_engine='vlm')",
+        ),
+        (
+            ["inference_engin=vllm"],
+            "unknown config key 'inference_engin' in the override inference_engin='vllm'; did you mean "
+            "inference_engine, inference_ep_size, inference_mem_ratio?",
+        ),
+        (["inference_dp_size=0"], "inference_dp_size must be an int >= 1, got 0"),
+        (["inference_mem_ratio=1.5"], "inference_mem_ratio must be"),
+        (
+            ["inference_dp_size=2"],
+            "inference_dp_size: sets the servers of inference_engine=vllm or sglang, but inference_engine=hf serves "
+            "the policy in this process: expected inference_dp_size=1 with it, got 2",
+        ),
+        (
+            ["inference_colocate=true"],
+            "inference_colocate: sets the servers of inference_engine=vllm or sglang, but inference_engine=hf serves "
+            "the policy in this process: expected inference_colocate=False with it, got True",
+        ),
+        (
+            ["inference_engine=vllm"],
+            "inference_engine: vllm servers apply the tokenizer's chat template to the samplers' messages, and the "
+            "built-in addition tokenizer has none: expected model_name_or_path (a local model directory) with "
+            "inference_engine=vllm",
+        ),
+        (
+            ["inference_engine=sglang", "MODEL", "prompts_from=prompt-source"],
+            "inference_engine: sglang servers answer the ledger's samplers, but prompts_from=prompt-source samples "
+            "the in-process engine: expected prompts_from=scheduler with inference_engine=sglang",
+        ),
+        (
+            ["inference_engine=vllm", "MODEL", "enable_sampling=false"],
+            "inference_engine: vllm serves the samplers, but enable_sampling=false samples nothing: expected "
+            "inference_engine=hf (the default) with enable_sampling=false",
+        ),
+        (
+            ["inference_engine=vllm", "MODEL", "inference_tp_size=4", "inference_ep_size=2"],
+            "inference_engine=vllm: inf_ep_size=2 with inf_tp_size=4: vLLM's --enable-expert-parallel spreads the "
+            "experts over the whole tensor-parallel group of a server",
+        ),
+        (
+            ["inference_engine=sglang", "MODEL", "--inf_tp_size", "4", "--inf_ep_size", "3"],
+            "inference_engine=sglang: inf_ep_size=3 with inf_tp_size=4: SGLang's --ep-size splits the --tp-size ranks "
+            "of a server into expert groups, so it supports an inf_ep_size that divides inf_tp_size=4",
+        ),
+    ],
+)
+def test_an_inference_setting_the_run_cannot_honour_is_refused_with_exit_code_2(
+    tmp_path, started, capsys, args, message
+):
+    out = tmp_path / "run"
+    args = [f"model_name_or_path={model_dir(tmp_path)}" if arg == "MODEL" else arg for arg in args]
+
+    assert demo.main([f"output_dir={out}", *args]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith("agentrl_demo.py: error: ") and message in err, err
+    assert started == [] and not out.exists()
