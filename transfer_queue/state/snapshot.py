@@ -55,7 +55,7 @@ def _partition(part: PartitionState) -> dict[str, Any]:
         "fields": {n: msgspec.to_builtins(s) for n, s in part.fields.items()},
         "num_rows": part.num_rows,
         "field_produced": list(part.field_produced),
-        "group_rows": {g: list(rows) for g, rows in part.group_rows.items()},
+        "group_rows": part.group_rows,  # lists of ints, encoded at once by every caller (no copy: 100k rows ~40 ms)
         "tasks": {
             name: {
                 "consumption": _array(task.consumption),
@@ -69,25 +69,41 @@ def _partition(part: PartitionState) -> dict[str, Any]:
     }
 
 
-def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None) -> bytes:
-    """The state as bytes (msgpack); open puts, parked requests and connections are left out. ``saved_by``
-    (replicas=2: each block is saved once): unit -> the unit whose checkpoint files hold the blocks placed on it."""
+def state_globals(state: QueueState) -> dict[str, Any]:
+    """The state's fields outside its partitions (counters, cleared names, samplers' states, lost rows), as
+    :func:`snapshot_state` saves them."""
     samplers = {"": state.default_sampler.state_dict()}
     samplers.update({task: s.state_dict() for task, s in state.samplers.items()})
     samplers.update(state.pending_sampler_states)
+    return {
+        "max_cleared_step": state.max_cleared_step,
+        "cleared_names": list(state.cleared_names),
+        "next_uid": state._next_uid,
+        "next_put": state._next_put,
+        "samplers": samplers,
+        # the units' restart counts and lost_below are not saved: a restore starts fresh units
+        "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
+    }
+
+
+def partition_snapshot(part: PartitionState) -> dict[str, Any]:
+    """One partition as :func:`snapshot_state` saves it (msgpack-able values, some shared with ``part``: encode it
+    before the partition changes)."""
+    return _partition(part)
+
+
+def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None, **extra: Any) -> bytes:
+    """The state as bytes (msgpack); open puts, parked requests and connections are left out. ``saved_by``
+    (replicas=2: each block is saved once): unit -> the unit whose checkpoint files hold the blocks placed on it.
+    ``extra``: more top-level fields (the journal's ``seq`` and ``next_block``)."""
     return msgspec.msgpack.encode(
         {
             "version": FORMAT_VERSION,
             "config": state.config.to_dict(),
-            "max_cleared_step": state.max_cleared_step,
-            "cleared_names": list(state.cleared_names),
-            "next_uid": state._next_uid,
-            "next_put": state._next_put,
+            **state_globals(state),
             "partitions": [_partition(part) for part in state.partitions.values()],
-            "samplers": samplers,
-            # the units' restart counts and lost_below are not saved: a restore starts fresh units
-            "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
             "saved_by": saved_by,
+            **extra,
         }
     )
 
