@@ -281,6 +281,9 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
             )
     identity = {int(b): int(b) for d in snapshot["partitions"] for b in d["dicts"]["block_refs"]}
     state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]))
+    # the commits answered before are not remembered: a commit retried now of a put from before the restart is told
+    # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)
+    state.ledger.forgotten_upto = state._next_put - 1
     journal = Journal(directory, config.journal_fsync, config.journal_snapshot_bytes, int(snapshot["seq"]), log_end)
     journal.track(state)
     return state, journal, True

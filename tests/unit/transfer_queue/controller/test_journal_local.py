@@ -17,7 +17,7 @@ from tests.unit.conftest import QueueHarness
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
-from transfer_queue.errors import ConfigMismatch, JournalCorrupt
+from transfer_queue.errors import ConfigMismatch, JournalCorrupt, JournalError, NotLeased, RequestTimeout
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.state.journal import LOG, SNAPSHOT, load, open_journal
 from transfer_queue.state.partition_status import row_state_counts
@@ -89,6 +89,8 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
     assert not local.replayed
     client = local.client("producer")
     metas = [client.put(rows(float(v)), partition_id="p") for v in (1, 2, 3)]  # rows 0..5
+    with controller.lock:
+        metas_put_id = max(controller.state.ledger.committed)  # the last of them
     client.put(rows(9.0), partition_id="gone")
     client.clear(partition_id="gone")
     client.set_task_options("t", ack="explicit")
@@ -113,6 +115,8 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
     for value, meta in zip((1.0, 2.0, 3.0), metas, strict=True):  # the units kept the blocks; the ids still point
         assert reader.get_data(meta)["x"].flatten().tolist() == [value] * 6
     reader.set_task_options("t", ack="explicit")  # task options are not journaled: set again
+    with pytest.raises(NotLeased):  # the restart ended the lease: the rows are ready again, not acknowledged
+        client.ack(leased)
     again = reader.get_meta(["x"], 4, partition_id="p", task_name="t", timeout=1)
     # at-least-once: the leased rows are ready again; the acknowledged ones are not served; the uncommitted put's
     # rows are gone (6 committed rows in all)
@@ -126,6 +130,9 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
         assert later.put_id > open_put.put_id
         assert min(pl.block_id for pl in later.placements) > max(pl.block_id for pl in open_put.placements)
         controller.state.ledger.abort(later.put_id)
+        # a commit of a put from before the restart (retried by a client that lost the answer): not known
+        with pytest.raises(RequestTimeout, match=f"put {metas_put_id}: .* or the controller restarted since"):
+            controller.state.ledger.commit(metas_put_id)
     # a put after the restart gets new ids: nothing committed before is overwritten
     new = reader.put(rows(5.0), partition_id="p")
     assert new.global_indexes.tolist() == [6, 7]
@@ -217,3 +224,18 @@ def test_a_journal_of_another_queue_is_refused(tmp_path: Path) -> None:
     config = QueueConfig(global_batch_size=8, num_storage_units=2, journal_dir=str(tmp_path))
     with pytest.raises(ConfigMismatch, match="global_batch_size=4; this one has global_batch_size=8"):
         open_journal(config)
+
+
+def test_a_journal_that_cannot_be_written_fails_the_passs_replies_typed(local: Local) -> None:
+    controller = local.start()
+    client = local.client("c")
+    client.put(rows(1.0), partition_id="p")
+    assert controller.journal is not None
+    with controller.lock:  # the disk went away under the journal
+        os.close(controller.journal._fd)
+        controller.journal._fd = os.open(os.devnull, os.O_RDONLY)
+    with pytest.raises(
+        JournalError, match=r"could not write its journal under .* may not survive a controller restart"
+    ):
+        client.put(rows(2.0), partition_id="p")
+    assert client.list_partitions() == ["p"]  # reads are answered as before
