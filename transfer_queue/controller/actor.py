@@ -26,7 +26,7 @@ from transfer_queue.errors import (
     InvalidRequest,
 )
 from transfer_queue.samplers import SamplerSpec
-from transfer_queue.state.journal import Journal, open_journal, read_identity, write_identity
+from transfer_queue.state.journal import Journal, open_journal, read_identity, remove_journal, write_identity
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state, unit_restores
@@ -103,6 +103,7 @@ class ControllerActor:
         restoring = self._read_checkpoint(restore_from) if restore_from is not None else None
         journal: Journal | None = None
         identity: dict[str, Any] | None = None
+        replayed = False
         if self._config.journal_dir is not None:
             if restoring is not None:
                 raise InvalidRequest(
@@ -124,6 +125,12 @@ class ControllerActor:
         if storage_units is None:
             storage_units = self.start_storage_units(units, storage_unit_options, bind_host)
         self._units = storage_units
+        # replaying a journal: a unit that does not serve this session any more came back empty (Ray restarted it
+        # while the controller was down, or the units are new: the process that started them died); its rows are lost
+        fresh = []
+        if journal is not None and replayed:
+            sessions = ray.get([u.session.remote() for u in storage_units])
+            fresh = [u for u, session in enumerate(sessions) if session != self._session_id]
         self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
         endpoints = ray.get(
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
@@ -140,6 +147,9 @@ class ControllerActor:
         self._server = ControllerServer(
             state, self._session_id, endpoints, bind_host, self._secret, journal=journal, port=port
         )
+        for unit in fresh:
+            lost = self._server.restart_unit(unit, endpoints[unit])
+            logger.warning("storage unit %d does not hold this queue's blocks any more: %s", unit, lost)
         endpoint = self._server.endpoint
         if journal is not None:
             if identity is None:
@@ -315,9 +325,12 @@ class ControllerActor:
         return out
 
     def shutdown(self) -> None:
-        """Stop serving and stop the storage units this controller started (again: a no-op)."""
+        """Stop serving and stop the storage units this controller started (again: a no-op). A journaled
+        controller's journal is removed: the queue it describes is gone (its units with it)."""
         self._watcher.stop()
         self._server.stop()
+        if self._server.journal is not None and self._owns_units:
+            remove_journal(self._server.journal.directory)
         if self._web is not None:
             self._web.stop()
             self._web = None

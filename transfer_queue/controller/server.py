@@ -349,7 +349,8 @@ class ControllerServer(Server):
             if self.journal.snapshot_due():
                 self.journal.snapshot(self.state)
             self.journal.sync_due()
-        except OSError as exc:
+        except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
+            self.counters["failures.journal"] += 1
             logger.exception("the journal under %s could not be written", self.journal.directory)
             failed = JournalError(
                 f"the controller could not write its journal under {self.journal.directory} ({exc}); the change was "

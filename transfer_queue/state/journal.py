@@ -319,3 +319,12 @@ def write_identity(directory: str, session_id: str, secret: bytes, port: int) ->
         os.close(fd)
     os.replace(tmp, path)
     _fsync_dir(directory)
+
+
+def remove_journal(directory: str) -> None:
+    """Remove the journal's files under ``directory`` (the queue was shut down: a new one starts empty)."""
+    for name in (SNAPSHOT, SNAPSHOT + ".tmp", LOG, IDENTITY, IDENTITY + ".tmp"):
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass

@@ -465,6 +465,11 @@ class StorageUnit:
         with server.lock:
             server.store.holds = frozenset(units)
 
+    def session(self) -> str | None:
+        """The session this unit serves (None: it joined none yet, e.g. Ray just restarted it empty): a controller
+        started again from its journal tells the units that kept its blocks from fresh ones."""
+        return None if self._server is None else self._server.session_id
+
     def incarnation(self) -> str:
         """This process's id, new each time Ray (re)starts the actor: the controller's watcher calls it every second
         and attaches a restarted unit (empty, on new ports) when it changes."""

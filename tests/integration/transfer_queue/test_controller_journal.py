@@ -4,6 +4,7 @@ binds the same port and finds its storage units' rows; the client made before th
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -13,7 +14,9 @@ import ray
 import torch
 
 import transfer_queue
-from transfer_queue.errors import GetMetaTimeout, ServerGone
+from transfer_queue import TransferQueueClient, TransferQueueController
+from transfer_queue.errors import GetMetaTimeout, RowsLost, ServerGone
+from transfer_queue.runtime import start_storage_units
 
 
 def restarted_info(controller: Any, timeout: float = 120.0) -> Any:
@@ -71,3 +74,30 @@ def test_a_killed_controller_is_restarted_from_its_journal_and_its_client_goes_o
     finally:
         client.close()
         transfer_queue.shutdown()
+    # the queue is gone, its units with it: its journal too (a new init with the same journal_dir starts empty)
+    assert sorted(os.listdir(tmp_path / "journal")) == []
+
+
+def test_a_journal_replayed_over_new_storage_units_reports_their_rows_lost(ray_session: Any, tmp_path) -> None:
+    journal = str(tmp_path / "journal")
+    units = start_storage_units(1)
+    controller = TransferQueueController.remote(4, storage_units=units, journal_dir=journal, http_port=-1)
+    client = TransferQueueClient("before", ray.get(controller.get_info.remote()))
+    meta = client.put({"x": torch.ones(2, 3)}, partition_id="p")
+    client.close()
+    ray.kill(controller)  # for good (no max_restarts), and its units with it: the journal stays
+    for unit in units:
+        ray.kill(unit)
+    controller = TransferQueueController.remote(
+        4, storage_units=start_storage_units(1), journal_dir=journal, http_port=-1
+    )
+    client = TransferQueueClient("after", ray.get(controller.get_info.remote()))
+    try:
+        assert client.list_partitions() == ["p"]
+        with pytest.raises(RowsLost, match=r"rows \[0, 1\] \(2 of 2\) of partition_id='p' were lost"):
+            client.get_data(meta)
+        assert client.put({"x": torch.ones(2, 3)}, partition_id="p").global_indexes.tolist() == [2, 3]
+    finally:
+        client.close()
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
