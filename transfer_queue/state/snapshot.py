@@ -1,6 +1,6 @@
 """The controller's half of a checkpoint: a QueueState as bytes, and back (issue 8 section 4).
 
-What is saved: partitions (rows, groups, schemas, production, lengths, kv keys), per-task delivery state (acknowledged
+What is saved: partitions (rows, groups, schemas, production, lengths, kv keys, custom meta and kv tags), per-task delivery state (acknowledged
 rows, delivery counts, dead letters; leased rows are turned back to ready), the step window, cleared names, the id
 counters, the samplers' ``state_dict``, and the rows lost with storage units (with the unit that took them, so
 ``client.lost_rows`` and the status calls still report them after a restore). What is not: open puts (a put that had
@@ -66,6 +66,7 @@ def _partition(part: PartitionState) -> dict[str, Any]:
         },
         "arrays": {name: _array(getattr(part, name)) for name in _ARRAYS},
         "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
+        "custom_meta": dict(part.custom_meta),  # set_custom_meta and kv tags
     }
 
 
@@ -176,6 +177,7 @@ def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: Queue
     part.keys = {str(k): int(r) for k, r in d["dicts"]["keys"].items()}
     part.row_keys = {int(r): str(k) for r, k in d["dicts"]["row_keys"].items()}
     part.group_rows = {int(g): [int(r) for r in rows] for g, rows in d["group_rows"].items()}
+    part.custom_meta = {int(r): dict(v) for r, v in d.get("custom_meta", {}).items()}  # none in older snapshots
     # blocks renumbered for the storage units they now live on
     cells = part.block >= 0
     part.block[cells] = [mapping[int(b)] for b in part.block[cells].tolist()]

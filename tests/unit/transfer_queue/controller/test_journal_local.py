@@ -91,6 +91,8 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
     metas = [client.put(rows(float(v)), partition_id="p") for v in (1, 2, 3)]  # rows 0..5
     with controller.lock:
         metas_put_id = max(controller.state.ledger.committed)  # the last of them
+    client.set_custom_meta(metas[2], [{"score": 1}, None])
+    client.kv_put("k", "kv", {"x": torch.ones(1, 3)}, tag={"v": 2})
     client.put(rows(9.0), partition_id="gone")
     client.clear(partition_id="gone")
     client.set_task_options("t", ack="explicit")
@@ -111,7 +113,9 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
         assert controller.state.table.known("p").num_reserved == 0
     assert counts["acknowledged"] == 2 and counts["leased"] == 0
     reader = local.client("reader")
-    assert reader.list_partitions() == ["p", "q"]
+    assert reader.list_partitions() == ["p", "kv", "q"]
+    assert reader.get_custom_meta(metas[2]) == [{"score": 1}, {}]
+    assert reader.kv_list("kv", with_tags=True) == {"k": {"v": 2}}
     for value, meta in zip((1.0, 2.0, 3.0), metas, strict=True):  # the units kept the blocks; the ids still point
         assert reader.get_data(meta)["x"].flatten().tolist() == [value] * 6
     reader.set_task_options("t", ack="explicit")  # task options are not journaled: set again
