@@ -1,12 +1,12 @@
 """The controller's half of a checkpoint: a QueueState as bytes, and back (issue 8 section 4).
 
-What is saved: partitions (rows, groups, schemas, production, lengths, kv keys, custom meta and kv tags), per-task delivery state (acknowledged
-rows, delivery counts, dead letters; leased rows are turned back to ready), the step window, cleared names, the id
-counters, the samplers' ``state_dict``, and the rows lost with storage units (with the unit that took them, so
-``client.lost_rows`` and the status calls still report them after a restore). What is not: open puts (a put that had
-not committed is not in the checkpoint: its rows are freed, as if it had been aborted), parked requests, connections
-and DP rounds (clients ask again; the rows of a round's unacknowledged shares are ready again), remembered commits,
-and the storage units' restart counts (a restore starts fresh units).
+What is saved: partitions (rows, groups, schemas, production, lengths, kv keys, custom meta and kv tags), per-task
+delivery state (acknowledged rows, delivery counts, dead letters; leased rows are turned back to ready), the step
+window, cleared names, the id counters, the samplers' ``state_dict``, and the rows lost with storage units (with the
+unit that took them, so ``client.lost_rows`` and the status calls still report them after a restore). What is not: open
+puts (a put that had not committed is not in the checkpoint: its rows are freed, as if it had been aborted), parked
+requests, connections and DP rounds (clients ask again; the rows of a round's unacknowledged shares are ready again),
+remembered commits, and the storage units' restart counts (a restore starts fresh units).
 
 Restoring onto another number of storage units renumbers blocks: a block of old unit ``u`` goes to new unit
 ``u % new_units`` under a fresh id (ids encode their unit: ``id % num_units``); :func:`block_map` computes the map
