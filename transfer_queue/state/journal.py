@@ -13,8 +13,10 @@ again, readable by its user only):
     the changes since, appended: one record per serving pass that changed durable state (group commit: one
     ``write()`` for the pass, fsynced per ``journal_fsync`` before the pass's replies go out). A record is framed as
     ``<u32 length><u32 crc32><msgpack>`` and holds ``seq``, the partitions dropped (cleared) by key, each partition
-    the pass changed in full (as the snapshot holds it) and the state's other fields (counters, cleared names,
-    samplers' states, lost rows).
+    the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows). A
+    partition's first record since the journal was opened or snapshotted (or since its arrays grew) holds it whole,
+    as the snapshot does; the next ones hold its rows that changed (``rows``: their indexes, and those rows of each
+    per-row array and of each task's consumption and delivery counts) and its dicts whole.
 
 Records are *outcomes*, not requests to run again: samplers and lease clocks are not deterministic, so replay only
 assigns what the serving pass ended with. Replay loads the snapshot, then applies every record whose ``seq`` is above
@@ -24,9 +26,10 @@ holds: they are skipped). What a restore from a checkpoint redoes, replay redoes
 freed), parked requests and connections are not kept. Task options (``set_task_options``) and DP rounds are not
 journaled: clients set them again.
 
-A partition is written whole each pass that changes it, so a pass costs O(rows of the partitions it touched); the
-log is folded into a new snapshot once it is longer than ``journal_snapshot_bytes`` and than the last snapshot, which
-bounds replay to about two snapshots' worth of bytes.
+To know which rows changed, the journal keeps a copy of each partition's per-row arrays as last written (its shadow: the
+partition's array memory once more); a record costs the comparison with it, O(rows of the partitions the pass touched)
+in numpy, plus the partitions' dicts. The log is folded into a new snapshot once it is longer than
+``journal_snapshot_bytes`` and than the last snapshot, which bounds replay to about two snapshots' worth of bytes.
 
 A torn last record (the process died in the middle of a ``write()``) is dropped on open; a record that fails its
 checksum with more records after it is :class:`~transfer_queue.errors.JournalCorrupt`.
@@ -42,17 +45,22 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from transfer_queue.config import QueueConfig
 from transfer_queue.errors import ConfigMismatch, JournalCorrupt, SnapshotError
 from transfer_queue.samplers import SamplerSpec
+from transfer_queue.state.partition import PartitionState
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import (
+    ROW_ARRAYS,
+    array_dict,
     partition_snapshot,
     read_snapshot,
     restore_state,
     snapshot_state,
     state_globals,
+    unarray,
 )
 
 SNAPSHOT = "snapshot"
@@ -127,11 +135,47 @@ def load(directory: str) -> tuple[dict[str, Any] | None, int]:
         for key in record["drops"]:
             parts.pop(key, None)
         for d in record["parts"]:
-            parts[d["key"]] = d
+            parts[d["key"]] = d if "rows" not in d else _patched(parts.get(d["key"]), d, log_path)
         snapshot.update(record["globals"])
         snapshot["seq"] = record["seq"]
     snapshot["partitions"] = list(parts.values())
     return snapshot, good
+
+
+def _patched(base: dict[str, Any] | None, delta: dict[str, Any], path: str) -> dict[str, Any]:
+    """Partition ``base`` (as the snapshot holds it, its arrays decoded as they are patched) with the rows of
+    ``delta`` (a record of the rows that changed) applied."""
+    if base is None or base["uid"] != delta["uid"]:
+        raise JournalCorrupt(
+            f"{path}: a record changes rows of partition {delta['key']!r} (uid {delta['uid']}), which the journal "
+            f"before it does not hold{'' if base is None else ' (it holds uid ' + str(base['uid']) + ')'}"
+        )
+    rows = np.frombuffer(delta["rows"], dtype=np.int64)
+    arrays = {name: unarray(base["arrays"][name]) for name in ROW_ARRAYS}
+    for name in ROW_ARRAYS:
+        if not arrays[name].flags.writeable:
+            arrays[name] = arrays[name].copy()
+        arrays[name][rows] = unarray(delta["arrays"][name])
+    tasks = {}
+    for name, task in delta["tasks"].items():
+        if "rows" not in task:
+            tasks[name] = task
+            continue
+        held = base["tasks"].get(name)
+        if held is None:
+            raise JournalCorrupt(f"{path}: a record changes rows of task {name!r}, which the journal does not hold")
+        task_rows = np.frombuffer(task["rows"], dtype=np.int64)
+        patched = {"dead": task["dead"]}
+        for column in ("consumption", "deliveries"):
+            values = unarray(held[column])
+            if not values.flags.writeable:
+                values = values.copy()
+            values[task_rows] = unarray(task[column])
+            patched[column] = values
+        tasks[name] = patched
+    out = {k: v for k, v in delta.items() if k != "rows"}
+    out["arrays"], out["tasks"] = arrays, tasks
+    return out
 
 
 class Journal:
@@ -153,6 +197,9 @@ class Journal:
         self.seq = seq
         self.clock = clock
         self.uids: dict[Any, int] = {}  # partition key -> uid, as the journal last wrote them
+        # partition key -> the journal's copy of its per-row arrays as last written (the next record holds the rows
+        # that differ); none after a start or a snapshot: the partition's next record is whole
+        self._shadows: dict[Any, _Shadow] = {}
         self.snapshot_size = 0
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0, "snapshots": 0}
         self._synced_at = clock()
@@ -176,17 +223,29 @@ class Journal:
         changed = [key for key, uid in current.items() if self.uids.get(key) != uid or dirty is None or key in dirty]
         if not drops and not changed and not counters:
             return 0
+        shadows = {}
+        try:
+            parts = []
+            for key in changed:
+                d, shadows[key] = self._partition_record(state.partitions[key])
+                parts.append(d)
+            payload = msgspec.msgpack.encode(
+                {
+                    "seq": self.seq + 1,
+                    "drops": drops,
+                    "parts": parts,
+                    "globals": {**state_globals(state), "next_block": state._next_block},
+                }
+            )
+            data = frame(payload)
+            os.write(self._fd, data)
+        except BaseException:
+            self._shadows.clear()  # they may hold rows this record did not get to write: the next ones are whole
+            raise
         self.seq += 1
-        payload = msgspec.msgpack.encode(
-            {
-                "seq": self.seq,
-                "drops": drops,
-                "parts": [partition_snapshot(state.partitions[key]) for key in changed],
-                "globals": {**state_globals(state), "next_block": state._next_block},
-            }
-        )
-        data = frame(payload)
-        os.write(self._fd, data)
+        for key in drops:
+            self._shadows.pop(key, None)
+        self._shadows.update(shadows)
         self.uids = current
         self.log_bytes += len(data)
         self.stats["records"] += 1
@@ -197,6 +256,56 @@ class Journal:
         else:
             self.sync_due()
         return len(data)
+
+    def _partition_record(self, part: PartitionState) -> tuple[dict[str, Any], _Shadow]:
+        """The record of ``part``: whole the first time (after a start or a snapshot) or when its arrays changed
+        shape; else the rows that differ from what the journal holds (its shadow), with the partition's other fields
+        whole. Returns the shadow it leaves (the journal's copy of the arrays, once written)."""
+        d = partition_snapshot(part, arrays=False)
+        shadow = self._shadows.get(part.key)
+        arrays = {name: getattr(part, name) for name in ROW_ARRAYS}
+        if (
+            shadow is None
+            or shadow.uid != part.uid
+            or any(shadow.arrays[n].shape != a.shape or shadow.arrays[n].dtype != a.dtype for n, a in arrays.items())
+        ):
+            full = partition_snapshot(part)
+            d["arrays"], d["tasks"] = full["arrays"], full["tasks"]
+            return d, _Shadow.of(part)
+        changed = np.zeros(len(part.state), dtype=bool)
+        for name, a in arrays.items():
+            differs = a != shadow.arrays[name]
+            changed |= differs.any(axis=1) if differs.ndim > 1 else differs
+        rows = np.flatnonzero(changed)
+        d["rows"] = rows.astype(np.int64).tobytes()
+        d["arrays"] = {name: array_dict(a[rows]) for name, a in arrays.items()}
+        for name, a in arrays.items():
+            shadow.arrays[name][rows] = a[rows]
+        tasks: dict[str, Any] = {}
+        for name, task in part.tasks.items():
+            dead = [[row, reason] for row, reason in task.dead.items()]
+            held = shadow.tasks.get(name)
+            if held is None or len(held[0]) != len(task.consumption) or len(held[1]) != len(task.deliveries):
+                tasks[name] = {
+                    "consumption": array_dict(task.consumption),
+                    "deliveries": array_dict(task.deliveries),
+                    "dead": dead,
+                }
+                shadow.tasks[name] = (task.consumption.copy(), task.deliveries.copy())
+                continue
+            task_rows = np.flatnonzero((task.consumption != held[0]) | (task.deliveries != held[1]))
+            tasks[name] = {
+                "rows": task_rows.astype(np.int64).tobytes(),
+                "consumption": array_dict(task.consumption[task_rows]),
+                "deliveries": array_dict(task.deliveries[task_rows]),
+                "dead": dead,
+            }
+            held[0][task_rows] = task.consumption[task_rows]
+            held[1][task_rows] = task.deliveries[task_rows]
+        for name in [n for n in shadow.tasks if n not in part.tasks]:
+            del shadow.tasks[name]
+        d["tasks"] = tasks
+        return d, shadow
 
     def sync_due(self) -> None:
         """``journal_fsync="interval"``: fsync what was written if the last fsync is older than FSYNC_INTERVAL_S."""
@@ -235,6 +344,7 @@ class Journal:
         self.snapshot_size = len(blob)
         self.stats["snapshots"] += 1
         self.track(state)
+        self._shadows.clear()  # the next record of each partition is whole: the snapshot is its new base
         return len(blob)
 
     def close(self) -> None:
@@ -243,6 +353,25 @@ class Journal:
                 self.sync()
             os.close(self._fd)
             self._fd = -1
+
+
+class _Shadow:
+    """The journal's copy of a partition's per-row arrays (and its tasks' consumption and deliveries), as written."""
+
+    __slots__ = ("arrays", "tasks", "uid")
+
+    def __init__(self, uid: int, arrays: dict[str, np.ndarray], tasks: dict[str, tuple[np.ndarray, np.ndarray]]):
+        self.uid = uid
+        self.arrays = arrays
+        self.tasks = tasks
+
+    @classmethod
+    def of(cls, part: PartitionState) -> _Shadow:
+        return cls(
+            part.uid,
+            {name: getattr(part, name).copy() for name in ROW_ARRAYS},
+            {name: (t.consumption.copy(), t.deliveries.copy()) for name, t in part.tasks.items()},
+        )
 
 
 def _fsync_dir(directory: str) -> None:

@@ -30,8 +30,17 @@ from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.ready_index import AVAILABLE, LEASED, TaskState
 
 FORMAT_VERSION = 1
-_ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
+ROW_ARRAYS = _ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
 _DICTS = ("group_members", "block_refs", "block_nbytes", "keys", "row_keys")
+
+
+def array_dict(a: np.ndarray) -> dict[str, Any]:
+    """An array as the snapshot holds it (dtype, shape, bytes)."""
+    return _array(a)
+
+
+def unarray(d: dict[str, Any] | np.ndarray) -> np.ndarray:
+    return _unarray(d)
 
 
 def _array(a: np.ndarray) -> dict[str, Any]:
@@ -39,12 +48,14 @@ def _array(a: np.ndarray) -> dict[str, Any]:
     return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
-def _unarray(d: dict[str, Any]) -> np.ndarray:
+def _unarray(d: dict[str, Any] | np.ndarray) -> np.ndarray:
+    if isinstance(d, np.ndarray):  # already decoded (the journal's replay patches arrays in place)
+        return d
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 
 
-def _partition(part: PartitionState) -> dict[str, Any]:
-    return {
+def _partition(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
+    d = {
         "key": part.key,
         "uid": part.uid,
         "capacity": part.capacity,
@@ -56,18 +67,20 @@ def _partition(part: PartitionState) -> dict[str, Any]:
         "num_rows": part.num_rows,
         "field_produced": list(part.field_produced),
         "group_rows": part.group_rows,  # lists of ints, encoded at once by every caller (no copy: 100k rows ~40 ms)
-        "tasks": {
+        "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
+        "custom_meta": dict(part.custom_meta),  # set_custom_meta and kv tags
+    }
+    if arrays:
+        d["tasks"] = {
             name: {
                 "consumption": _array(task.consumption),
                 "deliveries": _array(task.deliveries),
                 "dead": [[row, reason] for row, reason in task.dead.items()],
             }
             for name, task in part.tasks.items()
-        },
-        "arrays": {name: _array(getattr(part, name)) for name in _ARRAYS},
-        "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
-        "custom_meta": dict(part.custom_meta),  # set_custom_meta and kv tags
-    }
+        }
+        d["arrays"] = {name: _array(getattr(part, name)) for name in _ARRAYS}
+    return d
 
 
 def state_globals(state: QueueState) -> dict[str, Any]:
@@ -87,10 +100,11 @@ def state_globals(state: QueueState) -> dict[str, Any]:
     }
 
 
-def partition_snapshot(part: PartitionState) -> dict[str, Any]:
+def partition_snapshot(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
     """One partition as :func:`snapshot_state` saves it (msgpack-able values, some shared with ``part``: encode it
-    before the partition changes)."""
-    return _partition(part)
+    before the partition changes); ``arrays=False``: without its per-row arrays and tasks (the journal writes the
+    rows that changed)."""
+    return _partition(part, arrays)
 
 
 def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None, **extra: Any) -> bytes:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -19,8 +20,9 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
 from transfer_queue.errors import ConfigMismatch, JournalCorrupt, JournalError, NotLeased, RequestTimeout
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.state.journal import LOG, SNAPSHOT, load, open_journal
+from transfer_queue.state.journal import LOG, SNAPSHOT, load, open_journal, read_log
 from transfer_queue.state.partition_status import row_state_counts
+from transfer_queue.state.snapshot import partition_snapshot, unarray
 from transfer_queue.storage.unit import BlockStore, StorageServer
 from transfer_queue.wire import protocol as p
 
@@ -243,3 +245,49 @@ def test_a_journal_that_cannot_be_written_fails_the_passs_replies_typed(local: L
     ):
         client.put(rows(2.0), partition_id="p")
     assert client.list_partitions() == ["p"]  # reads are answered as before
+
+
+def arrays_of(d: dict) -> dict:
+    """A partition as the snapshot holds it, its arrays decoded (to compare a replayed one with a live one)."""
+    out = {k: v for k, v in d.items() if k not in ("arrays", "tasks")}
+    out["arrays"] = {n: unarray(a).tolist() for n, a in d["arrays"].items()}
+    out["tasks"] = {
+        t: {"consumption": unarray(v["consumption"]).tolist(), "deliveries": unarray(v["deliveries"]).tolist(),
+            "dead": [list(x) for x in v["dead"]]}
+        for t, v in d["tasks"].items()
+    }  # fmt: skip
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(out))
+
+
+def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -> None:
+    """Records after the first of a partition hold the rows that changed; replayed over the snapshot they give back
+    every partition exactly (arrays, tasks, dicts), through capacity growth, acks, clears and kv keys."""
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    q.ok(p.SetTaskOptions("t", ack="explicit"))
+    sizes = []
+    for i in range(30):
+        q.put("p", 3)  # grows past its first capacity (64 rows): a whole record again, then rows again
+        if i % 4 == 0:
+            meta = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o")).to_meta()
+            q.ok(p.Ack(meta.partition_uid, "t", p.pack_indexes(meta.global_indexes), owner="o", explicit=True))
+        if i == 10:
+            q.put("gone", 2)
+            journal.record(state, None)
+            q.ok(p.Clear("gone"))
+        if i % 7 == 0:
+            q.kv_put("kv", [f"k{i}"])
+        sizes.append(journal.record(state, None))
+    journal.close()
+    records, _ = read_log(str(tmp_path / LOG))
+    kinds = ["rows" if "rows" in d else "whole" for r in records for d in r["parts"] if d["key"] == "p"]
+    # whole the first time and once its arrays grew past 64 rows; the rows that changed every other time
+    assert kinds.count("whole") == 2 and kinds.count("rows") == 29  # 31 records: one a pass, one more at i == 10
+    assert max(sizes[-5:]) < sizes[0] / 4  # a row record is a fraction of a whole one
+    snapshot, _ = load(str(tmp_path))
+    assert snapshot is not None
+    replayed = {d["key"]: arrays_of(d) for d in snapshot["partitions"]}
+    live = {key: arrays_of(partition_snapshot(part)) for key, part in state.partitions.items()}
+    assert sorted(replayed, key=str) == ["kv", "p"]
+    assert replayed == live
