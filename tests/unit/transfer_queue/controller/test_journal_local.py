@@ -20,7 +20,7 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
 from transfer_queue.errors import ConfigMismatch, JournalCorrupt, JournalError, NotLeased, RequestTimeout
 from transfer_queue.metadata import FieldSchema
-from transfer_queue.state.journal import LOG, SNAPSHOT, load, open_journal, read_log
+from transfer_queue.state.journal import FSYNC_INTERVAL_S, LOG, SNAPSHOT, Journal, load, open_journal, read_log
 from transfer_queue.state.partition_status import row_state_counts
 from transfer_queue.state.snapshot import partition_snapshot, unarray
 from transfer_queue.storage.unit import BlockStore, StorageServer
@@ -291,3 +291,20 @@ def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -
     live = {key: arrays_of(partition_snapshot(part)) for key, part in state.partitions.items()}
     assert sorted(replayed, key=str) == ["kv", "p"]
     assert replayed == live
+
+
+@pytest.mark.parametrize("policy", ["always", "interval", "never"])
+def test_the_fsync_policy(tmp_path: Path, policy: str) -> None:
+    now = [0.0]
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path), journal_fsync=policy)
+    state, opened, _ = open_journal(config)
+    opened.close()
+    journal = Journal(str(tmp_path), policy, clock=lambda: now[0])
+    QueueHarness(state).put("p", 2)
+    journal.record(state, None)
+    assert journal.stats["fsyncs"] == (1 if policy == "always" else 0)
+    now[0] += FSYNC_INTERVAL_S
+    journal.sync_due()  # the serving loop calls it every pass
+    assert journal.stats["fsyncs"] == (0 if policy == "never" else 1)
+    journal.close()  # a clean close syncs what is left, unless the OS is to decide
+    assert journal.stats["fsyncs"] == (0 if policy == "never" else 1)
