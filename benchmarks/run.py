@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 from common import Results, loadavg, read_jsonl, run_metadata, table, write_jsonl  # noqa: E402
 
 # Heavy imports (torch, ray, the queue) live inside main(): spawned client processes re-import this file.
-ORDER = ["get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "wake", "auth", "demo"]
+ORDER = ["get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "wake", "auth", "journal", "demo"]
 SEPARATE = {"demo"}  # workloads that start their own queue (and Ray) in a subprocess, after the others
 
 

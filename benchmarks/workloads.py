@@ -1,6 +1,8 @@
-"""The workloads by name (see metadata_workloads.py, payload_workloads.py, wake_latency.py and auth_cost.py)."""
+"""The workloads by name (see metadata_workloads.py, payload_workloads.py, wake_latency.py, auth_cost.py and
+journal_cost.py)."""
 
 from auth_cost import bench_auth
+from journal_cost import bench_journal
 from metadata_workloads import bench_concurrent, bench_get_meta, bench_get_meta_state
 from payload_workloads import bench_grpo, bench_large, bench_small
 from wake_latency import bench_wake
@@ -14,4 +16,5 @@ WORKLOADS = {
     "large": bench_large,
     "wake": bench_wake,
     "auth": bench_auth,
+    "journal": bench_journal,
 }

@@ -57,6 +57,14 @@ class QueueConfig:
         status_partitions: live partitions the status summary (``client.status()``, ``/status.json``, the status
             page and command) details one by one: the most recent ones; the rest are counted in aggregate
             (``partitions_omitted``), so a status read stays bounded however many partitions are live.
+        journal_dir: a directory where the controller journals its bookkeeping (commits, consumption, clears, kv
+            keys; transfer_queue.state.journal): a controller started again over it (Ray restarting it, or a new one
+            in the same process) replays it and finds its storage units' rows. None (the default): no journal.
+        journal_fsync: when the journal is made durable: ``"always"`` (each serving pass's records are fsynced before
+            its replies go out: an acknowledged commit survives a host crash), ``"interval"`` (at most once per
+            second: a host crash may lose the last second, a process crash nothing) or ``"never"`` (the OS decides).
+        journal_snapshot_bytes: the journal's log is folded into a fresh snapshot once it is longer than this and
+            than the last snapshot (which bounds both replay time and disk use).
     """
 
     global_batch_size: int
@@ -82,6 +90,9 @@ class QueueConfig:
     status_partitions: int = 100
     replicas: int = 1
     task_names: tuple[str, ...] = ()
+    journal_dir: str | None = None
+    journal_fsync: str = "always"
+    journal_snapshot_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in (
@@ -143,6 +154,13 @@ class QueueConfig:
         if twice is not None:
             raise InvalidRequest(f"task_names names {twice!r} twice")
         object.__setattr__(self, "task_names", names)
+        if self.journal_dir is not None and (not isinstance(self.journal_dir, str) or not self.journal_dir):
+            raise InvalidRequest(f"journal_dir must be a directory path (str) or None, got {self.journal_dir!r}")
+        if self.journal_fsync not in ("always", "interval", "never"):
+            raise InvalidRequest(f"journal_fsync must be 'always', 'interval' or 'never', got {self.journal_fsync!r}")
+        snap = self.journal_snapshot_bytes
+        if not isinstance(snap, int) or isinstance(snap, bool) or snap < 1:
+            raise InvalidRequest(f"journal_snapshot_bytes must be an int >= 1, got {snap!r}")
 
     def check_extension(self, seconds: Any) -> None:
         """``extend_lease``'s seconds: a finite number in (0, max_lease_s]; InvalidRequest otherwise."""

@@ -189,6 +189,16 @@ class SnapshotError(TransferQueueError, RuntimeError):
     """A controller snapshot of another format, or one that does not decode (``transfer_queue.state.snapshot``)."""
 
 
+class JournalError(TransferQueueError, RuntimeError):
+    """The controller's journal (``journal_dir``) could not be written or read back."""
+
+
+class JournalCorrupt(JournalError):
+    """The controller's journal (``journal_dir``) does not read back: a record in the middle of its log fails its
+    checksum, or its snapshot does not decode (the message names the file and the offset). A torn last record (the
+    process died while writing it) is not an error: it is dropped."""
+
+
 _BY_NAME[TransferQueueError.__name__] = TransferQueueError
 
 

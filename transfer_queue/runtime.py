@@ -32,6 +32,9 @@ CONTROLLER_NAME = "TransferQueueController"
 # A non-detached actor dies when its owner drops the last handle, even when it has a name: the process that
 # started the queue keeps this one until shutdown(), so the queue lives exactly as long as its job.
 _started: list[Any] = []
+# A journaled controller's storage units, started by this process so they outlive the controller's restarts: kept
+# here, or Ray would stop them once the dead controller's borrowed handles were their last ones.
+_units: list[Any] = []
 _run_files: list[RunFile] = []  # this process's discovery record, while the queue it started runs
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,8 @@ def init(
             many saved it. Ignored when a queue already runs (attaching never restores).
         run_metrics: where the program writes its own metrics (e.g. its ``metrics.jsonl``), for the lines
             printed when the queue starts and for the status command.
+        journal_dir: (a QueueConfig field) the controller journals its bookkeeping there and Ray restarts it when
+            it dies: it replays the journal, binds the same port and finds its storage units' rows (docs/api.md).
         **config: other QueueConfig fields (``storage_unit_bytes``, ``default_timeout``, ``put_grace``, ...).
 
     Raises:
@@ -145,6 +150,8 @@ def init(
 
     >>> client = transfer_queue.init(global_batch_size=8, num_n_samples=4)  # doctest: +SKIP
     """
+    if config.get("journal_dir") is not None:
+        config["journal_dir"] = os.path.abspath(config["journal_dir"])
     wanted = QueueConfig(
         global_batch_size=global_batch_size,
         num_global_batch=num_global_batch,
@@ -158,25 +165,40 @@ def init(
     sweep_stale()  # socket directories of queues whose processes died without cleaning up (on this host)
     handle = _find()
     if handle is None:
+        journaled = wanted["journal_dir"] is not None
+        units, options = None, dict(controller_options or {})
+        if journaled:
+            # Ray restarts a journaled controller that died (ray.kill(..., no_restart=False), a crash); its storage
+            # units are this process's, not the controller's (an actor's actors die with it), so they keep their
+            # rows across the controller's restart
+            options = {"max_restarts": -1, **options}
+            units = start_storage_units(
+                num_storage_units, storage_unit_options, max_restarts=wanted["storage_unit_max_restarts"]
+            )
         try:
             handle = TransferQueueController.options(  # type: ignore[attr-defined]
-                name=CONTROLLER_NAME, namespace=NAMESPACE, **(controller_options or {})
+                name=CONTROLLER_NAME, namespace=NAMESPACE, **options
             ).remote(
                 global_batch_size,
                 num_global_batch,
                 num_n_samples,
                 sampler,
                 num_storage_units=num_storage_units,
-                storage_unit_options=storage_unit_options,
+                storage_units=units,
+                storage_unit_options=None if journaled else storage_unit_options,
                 restore_from=None if restore_from is None else os.path.abspath(restore_from),
+                own_storage_units=journaled,
                 **config,
             )
             ray.get(handle.get_info.remote())
             if not _started:  # a driver that exits without shutdown() still stops its queue (and its sockets)
                 atexit.register(_shutdown_at_exit)
             _started.append(handle)
+            _units.extend(units or ())
             _announce(handle, run_metrics)
         except ValueError:  # another process created it first: attach below
+            for unit in units or ():
+                ray.kill(unit)
             handle = _find()
             if handle is None:
                 raise
@@ -283,6 +305,9 @@ def shutdown(timeout: float = 30.0) -> None:
     except Exception:  # a dead or stuck controller is killed below anyway
         pass
     ray.kill(handle)
+    for unit in _units:  # the journaled controller's shutdown stopped them; killed in case it was dead
+        ray.kill(unit)
+    _units.clear()
     _started.clear()
     atexit.unregister(_shutdown_at_exit)
     deadline = time.monotonic() + timeout

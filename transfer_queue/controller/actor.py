@@ -26,6 +26,7 @@ from transfer_queue.errors import (
     InvalidRequest,
 )
 from transfer_queue.samplers import SamplerSpec
+from transfer_queue.state.journal import Journal, open_journal, read_identity, remove_journal, write_identity
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import block_map, read_snapshot, restore_state, unit_restores
@@ -62,6 +63,9 @@ class ControllerActor:
             ``advertise_host``, start the units yourself and pass ``storage_units``.
         restore_from: a directory ``save_checkpoint`` wrote: start with its partitions, consumption, kv keys,
             samplers' states and payload (onto this controller's storage units, however many).
+        own_storage_units: the ``storage_units`` given are this controller's own (stopped on shutdown, restarted by
+            Ray): ``transfer_queue.init`` starts them itself for a controller with a ``journal_dir``, so that they
+            outlive the controller's process (actors die with the actor that created them).
         **config: the other :class:`~transfer_queue.config.QueueConfig` fields (``storage_unit_bytes``,
             ``default_timeout``, ``put_grace``, ``seqlen_fields``).
 
@@ -79,6 +83,7 @@ class ControllerActor:
         storage_unit_options: dict[str, Any] | list[dict[str, Any]] | None = None,
         bind_host: str | None = None,
         restore_from: str | None = None,
+        own_storage_units: bool = False,
         **config: Any,
     ):
         if storage_units is not None and num_storage_units not in (None, len(storage_units)):
@@ -96,12 +101,36 @@ class ControllerActor:
         state = QueueState(self._config, sampler)
         # a checkpoint that is missing or of another queue fails here, before any storage unit is started
         restoring = self._read_checkpoint(restore_from) if restore_from is not None else None
-        self._session_id = uuid.uuid4().hex
-        self._secret = new_secret()  # handed out through Ray only (get_info, attach); proven on every connection
-        self._owns_units = storage_units is None
+        journal: Journal | None = None
+        identity: dict[str, Any] | None = None
+        replayed = False
+        if self._config.journal_dir is not None:
+            if restoring is not None:
+                raise InvalidRequest(
+                    f"restore_from={restore_from!r} and journal_dir={self._config.journal_dir!r} were both given: a "
+                    "journaled controller starts from its journal; restore the checkpoint into a queue without one"
+                )
+            # a controller started again (by Ray, after it died) replays the journal, and presents the session,
+            # secret and port its clients and storage units know
+            state, journal, replayed = open_journal(self._config, sampler)
+            identity = read_identity(self._config.journal_dir)
+            if replayed:
+                logger.warning(
+                    "replayed the journal under %s: %d partitions", self._config.journal_dir, len(state.partitions)
+                )
+        self._session_id = identity["session_id"] if identity else uuid.uuid4().hex
+        # handed out through Ray only (get_info, attach); proven on every connection
+        self._secret = identity["secret"] if identity else new_secret()
+        self._owns_units = storage_units is None or own_storage_units
         if storage_units is None:
             storage_units = self.start_storage_units(units, storage_unit_options, bind_host)
         self._units = storage_units
+        # replaying a journal: a unit that does not serve this session any more came back empty (Ray restarted it
+        # while the controller was down, or the units are new: the process that started them died); its rows are lost
+        fresh = []
+        if journal is not None and replayed:
+            sessions = ray.get([u.session.remote() for u in storage_units])
+            fresh = [u for u, session in enumerate(sessions) if session != self._session_id]
         self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
         endpoints = ray.get(
             [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
@@ -114,7 +143,20 @@ class ControllerActor:
             ray.get([u.hold_copies.remote(self._copies_of(i)) for i, u in enumerate(storage_units)])
         if restoring is not None:
             state = self._restore(*restoring, sampler)
-        self._server = ControllerServer(state, self._session_id, endpoints, bind_host, self._secret)
+        port = identity["port"] if identity else 0
+        self._server = ControllerServer(
+            state, self._session_id, endpoints, bind_host, self._secret, journal=journal, port=port
+        )
+        for unit in fresh:
+            lost = self._server.restart_unit(unit, endpoints[unit])
+            logger.warning("storage unit %d does not hold this queue's blocks any more: %s", unit, lost)
+        endpoint = self._server.endpoint
+        if journal is not None:
+            if identity is None:
+                write_identity(journal.directory, self._session_id, self._secret, _port(endpoint))
+            # clients reach a journaled controller over TCP only: its port is the same after a restart (ZeroMQ
+            # reconnects by itself), its Unix socket's path would not be
+            endpoint = msgspec.structs.replace(endpoint, unix=None)
         self._watcher = UnitWatcher(
             storage_units,
             [e.node_id for e in endpoints],
@@ -127,7 +169,7 @@ class ControllerActor:
         self._info = p.ControllerInfo(
             p.PROTOCOL_VERSION,
             self._session_id,
-            self._server.endpoint,
+            endpoint,
             endpoints,
             self._config.to_dict(),
             self._secret,
@@ -283,9 +325,12 @@ class ControllerActor:
         return out
 
     def shutdown(self) -> None:
-        """Stop serving and stop the storage units this controller started (again: a no-op)."""
+        """Stop serving and stop the storage units this controller started (again: a no-op). A journaled
+        controller's journal is removed: the queue it describes is gone (its units with it)."""
         self._watcher.stop()
         self._server.stop()
+        if self._server.journal is not None and self._owns_units:
+            remove_journal(self._server.journal.directory)
         if self._web is not None:
             self._web.stop()
             self._web = None
@@ -298,6 +343,10 @@ class ControllerActor:
                     pass  # a dead unit (or one on a dead or unreachable node): killed below all the same
             for unit in self._units:
                 ray.kill(unit)
+
+
+def _port(endpoint: p.Endpoint) -> int:
+    return int(endpoint.tcp.rsplit(":", 1)[1])
 
 
 def serve_status(server: ControllerServer, units: list[Any], host: str, port: int) -> Any:

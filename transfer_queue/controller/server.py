@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from transfer_queue.controller.requests import RequestTable
 from transfer_queue.errors import (
     CheckpointError,
+    JournalError,
     TransferQueueError,
     error_to_wire,
 )
@@ -35,6 +36,7 @@ from transfer_queue.ops.metrics import ControllerMetrics
 from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
+from transfer_queue.state.journal import Journal
 from transfer_queue.state.lost_rows import RefillStep, block_live, missing_on, refill_plan, refill_step
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
@@ -74,6 +76,18 @@ REFILL_TIMEOUT = 30.0
 REFILL_RETRY = 0.5
 # request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
+# requests that change nothing the journal keeps: reads, and leases (get_meta, extend_lease, release: a lease does
+# not survive a restart; the delivery counts and samplers' states they change are written with the next record);
+# task options and cancelled waits are not journaled
+_NOT_JOURNALED = (
+    p.Hello, p.QueueStatus, p.SaveCheckpoint, p.DeadLetters, p.ProductionStatus, p.ConsumptionStatus,
+    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta, p.SetTaskOptions,
+    p.GetMeta, p.ExtendLease, p.Release,
+)  # fmt: skip
+_ALL = object()  # a request that may change every partition (reset_consumption of all of them)
+# a reserve changes no partition the journal keeps (open puts are not kept) but hands out put and block ids, which a
+# restarted controller must not hand out again: its record holds the counters only
+_COUNTERS = object()
 
 
 @dataclass
@@ -149,9 +163,17 @@ class ControllerServer(Server):
         storage: list[p.Endpoint],
         host: str | None = None,
         secret: bytes = b"",
+        journal: Journal | None = None,
+        port: int = 0,
     ):
-        super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret)
+        super().__init__("tq-controller", p.decode_controller_request, session_id, host, secret, port=port)
         self.state = state
+        # journal_dir: each serving pass's changes are written (one write, fsynced per journal_fsync) before its
+        # replies go out (transfer_queue.state.journal)
+        self.journal = journal
+        self._dirty: set[Any] | None = set()  # partition keys the pass changed (None: maybe all of them)
+        self._counters = False  # the pass handed out put or block ids
+        self._outgoing: list[tuple[Reply, int, Any, BaseException | None]] = []
         # replicas=2: each unit's partner, on another Ray node where the units run on several (fixed from now on)
         state.ledger.replica_of = replica_units([e.node_id for e in storage], state.config.replicas)
         self.requests = RequestTable(state)  # wire requests in, wire answers out
@@ -281,6 +303,8 @@ class ControllerServer(Server):
 
     def close_sockets(self) -> None:
         self._disk.shutdown(wait=False, cancel_futures=True)
+        if self.journal is not None:
+            self.journal.close()
         for dealer in self._units:
             close_watched(dealer)
         self.sockets.close()
@@ -288,7 +312,64 @@ class ControllerServer(Server):
     def responder(self, incoming: Incoming) -> Responder:
         return _ControllerResponder(self, incoming)
 
+    # ---- the journal: group commit at the end of each serving pass ------------------------------------------------
+    def run_once(self) -> None:
+        super().run_once()
+        if self.journal is not None:
+            with self.lock:
+                self._guard("journal", self._journal_pass)
+
+    def _touches(self, request: Any) -> Any:
+        """The key of the partition ``request`` may change (``_ALL``: any; None: none the journal keeps)."""
+        if isinstance(request, _NOT_JOURNALED):
+            return None
+        state = self.state
+        if isinstance(request, p.Reserve):
+            return _COUNTERS
+        if isinstance(request, (p.Commit, p.Abort)):
+            put = state.ledger.open_puts.get(request.put_id)
+            return None if put is None else put.key
+        uid = getattr(request, "partition_uid", None)
+        if uid is not None:
+            part = state.table.by_uid(uid)
+            return None if part is None else part.key
+        if not hasattr(request, "partition"):
+            return _ALL
+        return _ALL if request.partition is None else request.partition
+
+    def _journal_pass(self) -> None:
+        """Write what this pass changed, then send its replies (a reply never tells of a change not written)."""
+        assert self.journal is not None
+        dirty, self._dirty = self._dirty, set()
+        outgoing, self._outgoing = self._outgoing, []
+        failed: BaseException | None = None
+        try:
+            counters, self._counters = self._counters, False
+            self.journal.record(self.state, dirty, counters)  # also partitions created or dropped (a clear)
+            if self.journal.snapshot_due():
+                self.journal.snapshot(self.state)
+            self.journal.sync_due()
+        except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
+            self.counters["failures.journal"] += 1
+            logger.exception("the journal under %s could not be written", self.journal.directory)
+            failed = JournalError(
+                f"the controller could not write its journal under {self.journal.directory} ({exc}); the change was "
+                "applied but may not survive a controller restart"
+            )
+        for reply, request_id, value, error in outgoing:
+            if failed is not None and error is None:
+                value, error = None, failed
+            self._send_reply(reply, request_id, value, error)
+
     def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
+        if self.journal is not None and self._dirty is not None:
+            touched = self._touches(request)
+            if touched is _ALL:
+                self._dirty = None
+            elif touched is _COUNTERS:
+                self._counters = True
+            elif touched is not None:
+                self._dirty.add(touched)
         if isinstance(request, p.Hello):
             hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session
             responder.ok(hello)
@@ -495,6 +576,12 @@ class ControllerServer(Server):
         ]
 
     def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
+        if self.journal is not None:  # sent once the pass's journal records are written
+            self._outgoing.append((reply, request_id, value, error))
+            return
+        self._send_reply(reply, request_id, value, error)
+
+    def _send_reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
         down = dict(self.down_reasons)  # every reply tells the client which storage units are down
         restarted = dict(self.restarted_units) or None  # ... and which were restarted: where they are, what is lost
         if error is not None:

@@ -347,7 +347,7 @@ class PutLedger:
             if done is None and put_id <= self.forgotten_upto:
                 raise RequestTimeout(
                     f"put {put_id}: its commit is no longer remembered (more than {COMMITS_REMEMBERED} commits "
-                    "since); whether its rows were made visible is unknown"
+                    "since, or the controller restarted since); whether its rows were made visible is unknown"
                 )
             raise PutExpired(
                 f"put {put_id} expired, was aborted, or its partition was cleared before the commit; "

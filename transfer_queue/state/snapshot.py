@@ -1,12 +1,12 @@
 """The controller's half of a checkpoint: a QueueState as bytes, and back (issue 8 section 4).
 
-What is saved: partitions (rows, groups, schemas, production, lengths, kv keys), per-task delivery state (acknowledged
-rows, delivery counts, dead letters; leased rows are turned back to ready), the step window, cleared names, the id
-counters, the samplers' ``state_dict``, and the rows lost with storage units (with the unit that took them, so
-``client.lost_rows`` and the status calls still report them after a restore). What is not: open puts (a put that had
-not committed is not in the checkpoint: its rows are freed, as if it had been aborted), parked requests, connections
-and DP rounds (clients ask again; the rows of a round's unacknowledged shares are ready again), remembered commits,
-and the storage units' restart counts (a restore starts fresh units).
+What is saved: partitions (rows, groups, schemas, production, lengths, kv keys, custom meta and kv tags), per-task
+delivery state (acknowledged rows, delivery counts, dead letters; leased rows are turned back to ready), the step
+window, cleared names, the id counters, the samplers' ``state_dict``, and the rows lost with storage units (with the
+unit that took them, so ``client.lost_rows`` and the status calls still report them after a restore). What is not: open
+puts (a put that had not committed is not in the checkpoint: its rows are freed, as if it had been aborted), parked
+requests, connections and DP rounds (clients ask again; the rows of a round's unacknowledged shares are ready again),
+remembered commits, and the storage units' restart counts (a restore starts fresh units).
 
 Restoring onto another number of storage units renumbers blocks: a block of old unit ``u`` goes to new unit
 ``u % new_units`` under a fresh id (ids encode their unit: ``id % num_units``); :func:`block_map` computes the map
@@ -30,8 +30,17 @@ from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.ready_index import AVAILABLE, LEASED, TaskState
 
 FORMAT_VERSION = 1
-_ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
+ROW_ARRAYS = _ARRAYS = ("state", "group", "length", "cell_length", "produced_mask", "block", "offset")
 _DICTS = ("group_members", "block_refs", "block_nbytes", "keys", "row_keys")
+
+
+def array_dict(a: np.ndarray) -> dict[str, Any]:
+    """An array as the snapshot holds it (dtype, shape, bytes)."""
+    return _array(a)
+
+
+def unarray(d: dict[str, Any] | np.ndarray) -> np.ndarray:
+    return _unarray(d)
 
 
 def _array(a: np.ndarray) -> dict[str, Any]:
@@ -39,12 +48,14 @@ def _array(a: np.ndarray) -> dict[str, Any]:
     return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
-def _unarray(d: dict[str, Any]) -> np.ndarray:
+def _unarray(d: dict[str, Any] | np.ndarray) -> np.ndarray:
+    if isinstance(d, np.ndarray):  # already decoded (the journal's replay patches arrays in place)
+        return d
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 
 
-def _partition(part: PartitionState) -> dict[str, Any]:
-    return {
+def _partition(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
+    d = {
         "key": part.key,
         "uid": part.uid,
         "capacity": part.capacity,
@@ -55,39 +66,59 @@ def _partition(part: PartitionState) -> dict[str, Any]:
         "fields": {n: msgspec.to_builtins(s) for n, s in part.fields.items()},
         "num_rows": part.num_rows,
         "field_produced": list(part.field_produced),
-        "group_rows": {g: list(rows) for g, rows in part.group_rows.items()},
-        "tasks": {
+        "group_rows": part.group_rows,  # lists of ints, encoded at once by every caller (no copy: 100k rows ~40 ms)
+        "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
+        "custom_meta": dict(part.custom_meta),  # set_custom_meta and kv tags
+    }
+    if arrays:
+        d["tasks"] = {
             name: {
                 "consumption": _array(task.consumption),
                 "deliveries": _array(task.deliveries),
                 "dead": [[row, reason] for row, reason in task.dead.items()],
             }
             for name, task in part.tasks.items()
-        },
-        "arrays": {name: _array(getattr(part, name)) for name in _ARRAYS},
-        "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
-    }
+        }
+        d["arrays"] = {name: _array(getattr(part, name)) for name in _ARRAYS}
+    return d
 
 
-def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None) -> bytes:
-    """The state as bytes (msgpack); open puts, parked requests and connections are left out. ``saved_by``
-    (replicas=2: each block is saved once): unit -> the unit whose checkpoint files hold the blocks placed on it."""
+def state_globals(state: QueueState) -> dict[str, Any]:
+    """The state's fields outside its partitions (counters, cleared names, samplers' states, lost rows), as
+    :func:`snapshot_state` saves them."""
     samplers = {"": state.default_sampler.state_dict()}
     samplers.update({task: s.state_dict() for task, s in state.samplers.items()})
     samplers.update(state.pending_sampler_states)
+    return {
+        "max_cleared_step": state.max_cleared_step,
+        "cleared_names": list(state.cleared_names),
+        "next_uid": state._next_uid,
+        "next_put": state._next_put,
+        "samplers": samplers,
+        # the units' restart counts and lost_below are not saved: a restore starts fresh units
+        "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
+    }
+
+
+def partition_snapshot(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
+    """One partition as :func:`snapshot_state` saves it (msgpack-able values, some shared with ``part``: encode it
+    before the partition changes); ``arrays=False``: without its per-row arrays and tasks (the journal writes the
+    rows that changed)."""
+    return _partition(part, arrays)
+
+
+def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None, **extra: Any) -> bytes:
+    """The state as bytes (msgpack); open puts, parked requests and connections are left out. ``saved_by``
+    (replicas=2: each block is saved once): unit -> the unit whose checkpoint files hold the blocks placed on it.
+    ``extra``: more top-level fields (the journal's ``seq`` and ``next_block``)."""
     return msgspec.msgpack.encode(
         {
             "version": FORMAT_VERSION,
             "config": state.config.to_dict(),
-            "max_cleared_step": state.max_cleared_step,
-            "cleared_names": list(state.cleared_names),
-            "next_uid": state._next_uid,
-            "next_put": state._next_put,
+            **state_globals(state),
             "partitions": [_partition(part) for part in state.partitions.values()],
-            "samplers": samplers,
-            # the units' restart counts and lost_below are not saved: a restore starts fresh units
-            "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
             "saved_by": saved_by,
+            **extra,
         }
     )
 
@@ -160,6 +191,7 @@ def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: Queue
     part.keys = {str(k): int(r) for k, r in d["dicts"]["keys"].items()}
     part.row_keys = {int(r): str(k) for r, k in d["dicts"]["row_keys"].items()}
     part.group_rows = {int(g): [int(r) for r in rows] for g, rows in d["group_rows"].items()}
+    part.custom_meta = {int(r): dict(v) for r, v in d.get("custom_meta", {}).items()}  # none in older snapshots
     # blocks renumbered for the storage units they now live on
     cells = part.block >= 0
     part.block[cells] = [mapping[int(b)] for b in part.block[cells].tolist()]

@@ -431,11 +431,24 @@ class StorageUnit:
     ) -> Endpoint:
         """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens.
 
+        Joining the session it already serves, as the same unit, changes nothing (a controller restarted from its
+        journal finds its blocks there).
+
         Args:
             secret: the queue's secret (through Ray, never a socket): every connection must prove it.
             max_message_bytes: the largest message a client may send (a write holds at most what the units hold).
         """
         old = self._server
+        if (
+            old is not None
+            and old.session_id == session_id
+            and old.store.unit == unit
+            and old.store.num_units == num_units
+            and old.store.secret == secret
+        ):
+            # its controller was started again from its journal (journal_dir): the unit keeps its blocks and its
+            # endpoint, which the journal's block ids still point to
+            return old.endpoint
         if old is not None:
             with old.lock:
                 if old.store.blocks:
@@ -451,6 +464,11 @@ class StorageUnit:
         server = self._joined()
         with server.lock:
             server.store.holds = frozenset(units)
+
+    def session(self) -> str | None:
+        """The session this unit serves (None: it joined none yet, e.g. Ray just restarted it empty): a controller
+        started again from its journal tells the units that kept its blocks from fresh ones."""
+        return None if self._server is None else self._server.session_id
 
     def incarnation(self) -> str:
         """This process's id, new each time Ray (re)starts the actor: the controller's watcher calls it every second

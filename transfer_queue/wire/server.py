@@ -73,6 +73,7 @@ class Server:
             is a wildcard such as ``0.0.0.0``).
         secret: the queue's secret; every connection must prove it before a frame is read (transfer_queue.wire.auth).
         max_message_bytes: the largest message accepted (see :meth:`ServerSockets.limit`).
+        port: the TCP port to bind (0: a free one).
 
     Call :meth:`start` once the subclass is ready to serve.
     """
@@ -88,11 +89,12 @@ class Server:
         secret: bytes = b"",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         advertise_host: str | None = None,
+        port: int = 0,
     ):
         self.name = name
         self.session_id = session_id
         self._decode = decode
-        self.sockets = ServerSockets(host, secret=secret, advertise_host=advertise_host)
+        self.sockets = ServerSockets(host, secret=secret, advertise_host=advertise_host, port=port)
         self.sockets.limit(max_message_bytes)
         self.endpoint = self.sockets.endpoint
         self.lock = threading.RLock()  # held while the subclass's code runs; Ray actor methods take it too

@@ -57,7 +57,12 @@ class ServerSockets:
     """
 
     def __init__(
-        self, host: str | None = None, unix: bool = True, secret: bytes = b"", advertise_host: str | None = None
+        self,
+        host: str | None = None,
+        unix: bool = True,
+        secret: bytes = b"",
+        advertise_host: str | None = None,
+        port: int = 0,
     ):
         bind, advertise = server_addresses(host, advertise_host)  # first: a bad address leaves nothing open
         self.ctx = zmq.Context()
@@ -69,7 +74,11 @@ class ServerSockets:
         self.zap = ZapHandler(self.ctx, secret) if secret else None
         if ":" in bind:
             self.router.setsockopt(zmq.IPV6, 1)
-        port = self.router.bind_to_random_port(f"tcp://[{bind}]" if ":" in bind else f"tcp://{bind}")
+        address = f"tcp://[{bind}]" if ":" in bind else f"tcp://{bind}"
+        if port:  # a fixed port (a controller started again from its journal binds the one its clients know)
+            self.router.bind(f"{address}:{port}")
+        else:
+            port = self.router.bind_to_random_port(address)
         self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
         self.unix = UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret) if self._socket_dir else None
         self.endpoint = Endpoint(

@@ -169,3 +169,13 @@ def test_a_restored_partition_keeps_the_queue_config_promote_jagged_and_max_fiel
     # the queue's max_fields still bounds the restored partition
     with pytest.raises(InvalidRequest, match=r"a partition holds at most 2 fields \(QueueConfig.max_fields"):
         ask(state, p.Reserve("s", 1, {"a": X["x"], "b": X["x"]}, 8))
+
+
+def test_custom_meta_and_kv_tags_are_saved(make_queue):
+    q = make_queue(global_batch_size=4, num_storage_units=2)
+    meta = q.put("p", 2)
+    q.ok(p.SetCustomMeta(meta.partition_uid, p.pack_indexes(meta.global_indexes), [{"score": 3}, None]))
+    q.ok(p.KvTag("kv", ["a"], [{"v": 1}]))
+    state, _ = restored(q, 2)
+    assert ask(state, p.GetCustomMeta(meta.partition_uid, p.pack_indexes(meta.global_indexes))) == [{"score": 3}, {}]
+    assert ask(state, p.KvList("kv", True)) == {"a": {"v": 1}}

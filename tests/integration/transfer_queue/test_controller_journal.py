@@ -1,0 +1,103 @@
+"""A dead controller comes back (issue 28 section 2): ``transfer_queue.init(journal_dir=...)`` journals the
+controller's bookkeeping; Ray restarts it after ``ray.kill(controller, no_restart=False)``; it replays the journal,
+binds the same port and finds its storage units' rows; the client made before the kill goes on."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import transfer_queue
+from transfer_queue import TransferQueueClient, TransferQueueController
+from transfer_queue.errors import GetMetaTimeout, RowsLost, ServerGone
+from transfer_queue.runtime import start_storage_units
+
+
+def restarted_info(controller: Any, timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(controller.get_info.remote(), timeout=timeout)
+        except ray.exceptions.ActorUnavailableError:  # restarting: asked again until its constructor returned
+            assert time.monotonic() < deadline, "the controller was not restarted"
+            time.sleep(0.2)
+
+
+def test_a_killed_controller_is_restarted_from_its_journal_and_its_client_goes_on(ray_session: Any, tmp_path) -> None:
+    client = transfer_queue.init(
+        global_batch_size=4, num_storage_units=2, default_timeout=20.0, journal_dir=str(tmp_path / "journal")
+    )
+    try:
+        controller = transfer_queue.get_controller()
+        before = ray.get(controller.get_info.remote())
+        assert before.controller.unix is None  # a journaled controller is reached over TCP: its port stays
+        metas = [client.put({"x": torch.full((2, 3), float(v))}, partition_id="p") for v in (1, 2)]
+        client.set_task_options("t", ack="explicit")
+        acked = client.get_meta(["x"], 2, partition_id="p", task_name="t")
+        client.ack(acked)
+        # a get_meta parked in the controller (nothing ready in "wait") when it dies
+        outcome: list[Any] = []
+
+        def parked() -> None:
+            try:
+                outcome.append(client.get_meta(["x"], 2, partition_id="wait", task_name="t", timeout=15))
+            except Exception as exc:  # the outcome is checked below
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=parked)
+        waiter.start()
+        time.sleep(0.5)  # parked by now (nothing asserts on it: either outcome below is right)
+        ray.kill(controller, no_restart=False)
+        waiter.join(60)
+        assert not waiter.is_alive()
+        (got,) = outcome
+        # in flight when the controller died: the typed connection error, or (re-sent to the new controller,
+        # which has nothing ready in "wait") its timeout
+        assert isinstance(got, (ServerGone, GetMetaTimeout)), got
+
+        after = restarted_info(controller)  # the handle stays valid: Ray restarted the actor behind it
+        assert (after.session_id, after.controller.tcp) == (before.session_id, before.controller.tcp)
+        assert client.list_partitions() == ["p"]  # the same client: its socket reconnected
+        for value, meta in zip((1.0, 2.0), metas, strict=True):
+            assert client.get_data(meta)["x"].flatten().tolist() == [value] * 6
+        client.set_task_options("t", ack="explicit")  # task options are not journaled
+        rest = client.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=5)
+        assert sorted(rest.global_indexes.tolist()) == sorted(set(range(4)) - set(acked.global_indexes.tolist()))
+        with pytest.raises(GetMetaTimeout):  # every committed row is served once: nothing more
+            client.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.5)
+    finally:
+        client.close()
+        transfer_queue.shutdown()
+    # the queue is gone, its units with it: its journal too (a new init with the same journal_dir starts empty)
+    assert sorted(os.listdir(tmp_path / "journal")) == []
+
+
+def test_a_journal_replayed_over_new_storage_units_reports_their_rows_lost(ray_session: Any, tmp_path) -> None:
+    journal = str(tmp_path / "journal")
+    units = start_storage_units(1)
+    controller = TransferQueueController.remote(4, storage_units=units, journal_dir=journal, http_port=-1)
+    client = TransferQueueClient("before", ray.get(controller.get_info.remote()))
+    meta = client.put({"x": torch.ones(2, 3)}, partition_id="p")
+    client.close()
+    ray.kill(controller)  # for good (no max_restarts), and its units with it: the journal stays
+    for unit in units:
+        ray.kill(unit)
+    controller = TransferQueueController.remote(
+        4, storage_units=start_storage_units(1), journal_dir=journal, http_port=-1
+    )
+    client = TransferQueueClient("after", ray.get(controller.get_info.remote()))
+    try:
+        assert client.list_partitions() == ["p"]
+        with pytest.raises(RowsLost, match=r"rows \[0, 1\] \(2 of 2\) of partition_id='p' were lost"):
+            client.get_data(meta)
+        assert client.put({"x": torch.ones(2, 3)}, partition_id="p").global_indexes.tolist() == [2, 3]
+    finally:
+        client.close()
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)

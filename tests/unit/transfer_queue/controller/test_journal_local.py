@@ -1,0 +1,310 @@
+"""A controller that dies comes back from its journal (``journal_dir``), without Ray: a ControllerServer and
+StorageServers in this process; the controller is stopped without a snapshot or any other clean-up ("crashed") and a
+new one is started over the same journal and the same storage units (which kept their blocks), on the same port.
+Committed rows read, acknowledged rows are not served again, leased unacknowledged rows are, cleared partitions stay
+gone, puts that had not committed are gone."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from tests.unit.conftest import QueueHarness
+from transfer_queue.client import TransferQueueClient
+from transfer_queue.config import QueueConfig
+from transfer_queue.controller.server import ControllerServer
+from transfer_queue.errors import ConfigMismatch, JournalCorrupt, JournalError, NotLeased, RequestTimeout
+from transfer_queue.metadata import FieldSchema
+from transfer_queue.state.journal import FSYNC_INTERVAL_S, LOG, SNAPSHOT, Journal, load, open_journal, read_log
+from transfer_queue.state.partition_status import row_state_counts
+from transfer_queue.state.snapshot import partition_snapshot, unarray
+from transfer_queue.storage.unit import BlockStore, StorageServer
+from transfer_queue.wire import protocol as p
+
+SESSION = "j" * 32
+SECRET = b"k" * 32
+
+
+class Local:
+    """Two storage units that outlive the controllers started over ``journal_dir``."""
+
+    def __init__(self, journal_dir: Path, **config: object):
+        self.config = QueueConfig(
+            global_batch_size=4, num_storage_units=2, default_timeout=3.0, journal_dir=str(journal_dir), **config
+        )
+        self.units = [StorageServer(BlockStore(u, 2, SECRET), "127.0.0.1", SESSION, SECRET) for u in range(2)]
+        self.controller: ControllerServer | None = None
+        self.clients: list[TransferQueueClient] = []
+        self.replayed = False
+
+    def start(self, port: int = 0) -> ControllerServer:
+        state, journal, self.replayed = open_journal(self.config)
+        endpoints = [u.endpoint for u in self.units]
+        self.controller = ControllerServer(state, SESSION, endpoints, "127.0.0.1", SECRET, journal=journal, port=port)
+        return self.controller
+
+    def client(self, name: str) -> TransferQueueClient:
+        assert self.controller is not None
+        endpoints = [u.endpoint for u in self.units]
+        info = p.ControllerInfo(
+            p.PROTOCOL_VERSION, SESSION, self.controller.endpoint, endpoints, self.config.to_dict(), SECRET
+        )
+        client = TransferQueueClient(name, info, force_tcp=True)
+        self.clients.append(client)
+        return client
+
+    def crash(self) -> int:
+        """Stop the controller as a dead process would: no snapshot, no goodbye; returns its port."""
+        assert self.controller is not None
+        port = int(self.controller.endpoint.tcp.rsplit(":", 1)[1])
+        self.controller.stop()
+        self.controller = None
+        return port
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.controller is not None:
+            self.controller.stop()
+        for unit in self.units:
+            unit.stop()
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[Local]:
+    queue = Local(tmp_path / "journal")
+    yield queue
+    queue.close()
+
+
+def rows(value: float, n: int = 2) -> dict[str, torch.Tensor]:
+    return {"x": torch.full((n, 3), value)}
+
+
+def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(local: Local) -> None:
+    controller = local.start()
+    assert not local.replayed
+    client = local.client("producer")
+    metas = [client.put(rows(float(v)), partition_id="p") for v in (1, 2, 3)]  # rows 0..5
+    with controller.lock:
+        metas_put_id = max(controller.state.ledger.committed)  # the last of them
+    client.set_custom_meta(metas[2], [{"score": 1}, None])
+    client.kv_put("k", "kv", {"x": torch.ones(1, 3)}, tag={"v": 2})
+    client.put(rows(9.0), partition_id="gone")
+    client.clear(partition_id="gone")
+    client.set_task_options("t", ack="explicit")
+    acked = client.get_meta(["x"], 2, partition_id="p", task_name="t")
+    client.ack(acked)
+    leased = client.get_meta(["x"], 2, partition_id="p", task_name="t")  # never acknowledged
+    schema = {"x": FieldSchema("dense", "float32", (3,))}
+    with controller.lock:  # a put reserved but never committed (its writer died)
+        open_put = QueueHarness(controller.state).reserve("p", 2, schema)
+    client.put(rows(4.0), partition_id="q")  # a pass after the reservation: the journal has its reserved rows
+    port = local.crash()
+
+    controller = local.start(port)
+    assert local.replayed
+    assert controller.endpoint.tcp.endswith(f":{port}")
+    with controller.lock:
+        counts = row_state_counts(controller.state.table.known("p"), "t")
+        assert controller.state.table.known("p").num_reserved == 0
+    assert counts["acknowledged"] == 2 and counts["leased"] == 0
+    reader = local.client("reader")
+    assert reader.list_partitions() == ["p", "kv", "q"]
+    assert reader.get_custom_meta(metas[2]) == [{"score": 1}, {}]
+    assert reader.kv_list("kv", with_tags=True) == {"k": {"v": 2}}
+    for value, meta in zip((1.0, 2.0, 3.0), metas, strict=True):  # the units kept the blocks; the ids still point
+        assert reader.get_data(meta)["x"].flatten().tolist() == [value] * 6
+    reader.set_task_options("t", ack="explicit")  # task options are not journaled: set again
+    with pytest.raises(NotLeased):  # the restart ended the lease: the rows are ready again, not acknowledged
+        client.ack(leased)
+    again = reader.get_meta(["x"], 4, partition_id="p", task_name="t", timeout=1)
+    # at-least-once: the leased rows are ready again; the acknowledged ones are not served; the uncommitted put's
+    # rows are gone (6 committed rows in all)
+    assert sorted(again.global_indexes.tolist()) == sorted(
+        leased.global_indexes.tolist() + [i for i in range(6) if i not in acked.global_indexes.tolist()][2:]
+    )
+    assert not set(again.global_indexes.tolist()) & set(acked.global_indexes.tolist())
+    assert len(again) == 4
+    with controller.lock:  # put and block ids handed out before the crash are not handed out again
+        later = QueueHarness(controller.state).reserve("p", 2, schema)
+        assert later.put_id > open_put.put_id
+        assert min(pl.block_id for pl in later.placements) > max(pl.block_id for pl in open_put.placements)
+        controller.state.ledger.abort(later.put_id)
+        # a commit of a put from before the restart (retried by a client that lost the answer): not known
+        with pytest.raises(RequestTimeout, match=f"put {metas_put_id}: .* or the controller restarted since"):
+            controller.state.ledger.commit(metas_put_id)
+    # a put after the restart gets new ids: nothing committed before is overwritten
+    new = reader.put(rows(5.0), partition_id="p")
+    assert new.global_indexes.tolist() == [6, 7]
+    assert reader.get_data(metas[0])["x"].flatten().tolist() == [1.0] * 6
+
+
+def test_an_old_client_reconnects_to_the_restarted_controller_on_the_same_port(local: Local) -> None:
+    local.start()
+    client = local.client("old")
+    meta = client.put(rows(7.0), partition_id="p")
+    local.start(local.crash())
+    assert client.list_partitions() == ["p"]  # the same client object: its socket reconnected by itself
+    assert client.get_data(meta)["x"].flatten().tolist() == [7.0] * 6
+
+
+def test_each_mutating_pass_is_one_record_written_before_its_reply(local: Local) -> None:
+    controller = local.start()
+    assert controller.journal is not None
+    client = local.client("c")
+    before = controller.journal.stats["records"]
+    client.put(rows(1.0), partition_id="p")  # reserve (creates the partition), commit
+    after_put = controller.journal.stats["records"]
+    assert after_put - before == 2  # the reserve's (the put and block ids it handed out), the commit's
+    client.list_partitions()
+    client.get_production_status(partition_id="p")
+    client.get_meta(["x"], 2, partition_id="p", task_name="t")  # a lease does not survive a restart: not written
+    assert controller.journal.stats["records"] == after_put  # reads and leases write nothing
+    snapshot, _ = load(controller.journal.directory)
+    assert snapshot is not None and [d["key"] for d in snapshot["partitions"]] == ["p"]
+    assert controller.journal.stats["fsyncs"] >= controller.journal.stats["records"]  # journal_fsync="always"
+
+
+def test_snapshots_bound_the_log(tmp_path: Path) -> None:
+    queue = Local(tmp_path / "journal", journal_snapshot_bytes=4096)
+    try:
+        controller = queue.start()
+        client = queue.client("c")
+        for i in range(40):
+            client.put(rows(float(i)), partition_id="p")
+        assert controller.journal is not None
+        assert controller.journal.stats["snapshots"] >= 2  # the first one is written when the journal starts
+        log = os.path.getsize(os.path.join(controller.journal.directory, LOG))
+        snapshot = os.path.getsize(os.path.join(controller.journal.directory, SNAPSHOT))
+        assert log <= max(4096, snapshot) + 4096  # at most one record past the bound
+        queue.start(queue.crash())
+        assert queue.client("r").get_production_status(partition_id="p")["rows"] == 80
+    finally:
+        queue.close()
+
+
+def fill(journal_dir: Path, puts: int = 3) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(journal_dir))
+    state, journal, _ = open_journal(config)
+    harness = QueueHarness(state)
+    for _ in range(puts):
+        harness.put("p", 2)
+        journal.record(state, {"p"})
+    journal.close()
+
+
+def test_a_torn_last_record_is_dropped(tmp_path: Path) -> None:
+    fill(tmp_path)
+    log = tmp_path / LOG
+    data = log.read_bytes()
+    log.write_bytes(data[:-5])  # the process died in the middle of the last write
+    snapshot, end = load(str(tmp_path))
+    assert snapshot is not None and snapshot["seq"] == 2
+    (part,) = snapshot["partitions"]
+    assert part["num_rows"] == 4
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, replayed = open_journal(config)  # the torn bytes are cut before anything is appended
+    assert replayed and state.table.known("p").num_rows == 4
+    assert os.path.getsize(log) == end
+    journal.close()
+
+
+def test_a_damaged_record_before_the_end_is_journal_corrupt(tmp_path: Path) -> None:
+    fill(tmp_path)
+    log = tmp_path / LOG
+    data = bytearray(log.read_bytes())
+    data[12] ^= 0xFF  # inside the first record's payload
+    log.write_bytes(bytes(data))
+    with pytest.raises(JournalCorrupt, match=r"the record at byte 0 fails its checksum .* bytes of records follow it"):
+        load(str(tmp_path))
+
+
+def test_a_journal_of_another_queue_is_refused(tmp_path: Path) -> None:
+    fill(tmp_path)
+    config = QueueConfig(global_batch_size=8, num_storage_units=2, journal_dir=str(tmp_path))
+    with pytest.raises(ConfigMismatch, match="global_batch_size=4; this one has global_batch_size=8"):
+        open_journal(config)
+
+
+def test_a_journal_that_cannot_be_written_fails_the_passs_replies_typed(local: Local) -> None:
+    controller = local.start()
+    client = local.client("c")
+    client.put(rows(1.0), partition_id="p")
+    assert controller.journal is not None
+    with controller.lock:  # the disk went away under the journal
+        os.close(controller.journal._fd)
+        controller.journal._fd = os.open(os.devnull, os.O_RDONLY)
+    with pytest.raises(
+        JournalError, match=r"could not write its journal under .* may not survive a controller restart"
+    ):
+        client.put(rows(2.0), partition_id="p")
+    assert client.list_partitions() == ["p"]  # reads are answered as before
+
+
+def arrays_of(d: dict) -> dict:
+    """A partition as the snapshot holds it, its arrays decoded (to compare a replayed one with a live one)."""
+    out = {k: v for k, v in d.items() if k not in ("arrays", "tasks")}
+    out["arrays"] = {n: unarray(a).tolist() for n, a in d["arrays"].items()}
+    out["tasks"] = {
+        t: {"consumption": unarray(v["consumption"]).tolist(), "deliveries": unarray(v["deliveries"]).tolist(),
+            "dead": [list(x) for x in v["dead"]]}
+        for t, v in d["tasks"].items()
+    }  # fmt: skip
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(out))
+
+
+def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -> None:
+    """Records after the first of a partition hold the rows that changed; replayed over the snapshot they give back
+    every partition exactly (arrays, tasks, dicts), through capacity growth, acks, clears and kv keys."""
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    q.ok(p.SetTaskOptions("t", ack="explicit"))
+    sizes = []
+    for i in range(30):
+        q.put("p", 3)  # grows past its first capacity (64 rows): a whole record again, then rows again
+        if i % 4 == 0:
+            meta = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o")).to_meta()
+            q.ok(p.Ack(meta.partition_uid, "t", p.pack_indexes(meta.global_indexes), owner="o", explicit=True))
+        if i == 10:
+            q.put("gone", 2)
+            journal.record(state, None)
+            q.ok(p.Clear("gone"))
+        if i % 7 == 0:
+            q.kv_put("kv", [f"k{i}"])
+        sizes.append(journal.record(state, None))
+    journal.close()
+    records, _ = read_log(str(tmp_path / LOG))
+    kinds = ["rows" if "rows" in d else "whole" for r in records for d in r["parts"] if d["key"] == "p"]
+    # whole the first time and once its arrays grew past 64 rows; the rows that changed every other time
+    assert kinds.count("whole") == 2 and kinds.count("rows") == 29  # 31 records: one a pass, one more at i == 10
+    assert max(sizes[-5:]) < sizes[0] / 4  # a row record is a fraction of a whole one
+    snapshot, _ = load(str(tmp_path))
+    assert snapshot is not None
+    replayed = {d["key"]: arrays_of(d) for d in snapshot["partitions"]}
+    live = {key: arrays_of(partition_snapshot(part)) for key, part in state.partitions.items()}
+    assert sorted(replayed, key=str) == ["kv", "p"]
+    assert replayed == live
+
+
+@pytest.mark.parametrize("policy", ["always", "interval", "never"])
+def test_the_fsync_policy(tmp_path: Path, policy: str) -> None:
+    now = [0.0]
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path), journal_fsync=policy)
+    state, opened, _ = open_journal(config)
+    opened.close()
+    journal = Journal(str(tmp_path), policy, clock=lambda: now[0])
+    QueueHarness(state).put("p", 2)
+    journal.record(state, None)
+    assert journal.stats["fsyncs"] == (1 if policy == "always" else 0)
+    now[0] += FSYNC_INTERVAL_S
+    journal.sync_due()  # the serving loop calls it every pass
+    assert journal.stats["fsyncs"] == (0 if policy == "never" else 1)
+    journal.close()  # a clean close syncs what is left, unless the OS is to decide
+    assert journal.stats["fsyncs"] == (0 if policy == "never" else 1)
