@@ -6,11 +6,11 @@ replay it.
 
 No Ray, no sockets: a QueueState in this process, filled by puts of ``--put-rows`` rows into partitions of
 ``--partition-rows`` rows each, half of every partition consumed and acknowledged by a task, the journal written
-after every put and every get_meta as the serving loop does (one record per pass: the partitions it touched, in
-full; a snapshot once the log outgrows ``journal_snapshot_bytes`` and the last snapshot). Then the journal is opened
-again, as a controller restarted over it does (snapshot loaded, log replayed, state rebuilt): that time is the
-recovery time. Also: the cost of one record for a put into a partition that already holds N rows (a record holds
-its partition in full, so it grows with the partition).
+after every put and every get_meta as the serving loop does (one record per pass: the rows of the partitions it
+touched that changed; a snapshot once the log outgrows ``journal_snapshot_bytes`` and the last snapshot). Then the
+journal is opened again, as a controller restarted over it does (snapshot loaded, log replayed, state rebuilt):
+that time is the recovery time. Also: the cost of one record for a put into a partition that already holds N rows
+(a record holds the rows the put changed and their groups' and blocks' entries, whatever the partition's size).
 """
 
 from __future__ import annotations
@@ -100,21 +100,21 @@ def recover(directory: str) -> tuple[float, int]:
     return took, sum(part.num_committed for part in state.partitions.values())
 
 
-def record_cost(directory: str, held: int, reps: int = 20) -> float:
-    """Median ms of one record after a 64-row put into a partition already holding ``held`` rows."""
+def record_cost(directory: str, held: int, reps: int = 20) -> tuple[float, int]:
+    """Median ms and bytes of one record after a 64-row put into a partition already holding ``held`` rows."""
     config = QueueConfig(global_batch_size=64, num_storage_units=2, journal_dir=directory, journal_fsync="never")
     state, journal, _ = open_journal(config)
     table = RequestTable(state)
     put(table, "big", held)
     journal.record(state, {"big"})
-    times = []
+    times, sizes = [], []
     for _ in range(reps):
         put(table, "big", 64)
         t = time.perf_counter()
-        journal.record(state, {"big"})
+        sizes.append(journal.record(state, {"big"}))
         times.append(time.perf_counter() - t)
     journal.close()
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(times), int(statistics.median(sizes))
 
 
 def main() -> None:
@@ -140,8 +140,11 @@ def main() -> None:
                 flush=True,
             )
         for held in (1_000, 100_000, 1_000_000):
-            ms = record_cost(os.path.join(base, f"held{held}"), held)
-            print(f"one record for a 64-row put into a partition of {held:>9} rows: {ms:.3f} ms", flush=True)
+            ms, size = record_cost(os.path.join(base, f"held{held}"), held)
+            print(
+                f"one record for a 64-row put into a partition of {held:>9} rows: {ms:.3f} ms, {size} bytes",
+                flush=True,
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     _ = np  # numpy is what the state is made of; imported here so its import time is not in the figures

@@ -173,6 +173,9 @@ class ControllerServer(Server):
         self.journal = journal
         self._dirty: set[Any] | None = set()  # partition keys the pass changed (None: maybe all of them)
         self._counters = False  # the pass handed out put or block ids
+        # timers or a storage unit's restart changed partitions (leases expired into dead letters, rows lost): the
+        # next record also writes every partition with changes marked (PartitionState.mark)
+        self._marked = False
         self._outgoing: list[tuple[Reply, int, Any, BaseException | None]] = []
         # replicas=2: each unit's partner, on another Ray node where the units run on several (fixed from now on)
         state.ledger.replica_of = replica_units([e.node_id for e in storage], state.config.replicas)
@@ -252,6 +255,7 @@ class ControllerServer(Server):
                 self._dead.discard(unit)
                 self.down_reasons.pop(unit, None)
                 self.state.down_units.discard(unit)
+                self._marked = self._counters = True  # its rows lost (marked) and the state's lost rows
                 try:
                     result.update(self.state.unit_restarted(unit))
                 except Exception:  # a bug: keep serving; the unit is up, its old rows may still be listed
@@ -282,7 +286,7 @@ class ControllerServer(Server):
         if self._restarts_due:
             self._guard("storage restarts", self._apply_restarts)
         if time.monotonic() >= self.state.next_deadline:
-            self._guard("tick", self.state.tick)
+            self._guard("tick", self._tick)
         self._guard("storage messages", self._flush_outbox)
         for dealer in self._units:
             if dealer in events:
@@ -319,6 +323,10 @@ class ControllerServer(Server):
             with self.lock:
                 self._guard("journal", self._journal_pass)
 
+    def _tick(self) -> None:
+        self.state.tick()
+        self._marked = True
+
     def _touches(self, request: Any) -> Any:
         """The key of the partition ``request`` may change (``_ALL``: any; None: none the journal keeps)."""
         if isinstance(request, _NOT_JOURNALED):
@@ -345,7 +353,8 @@ class ControllerServer(Server):
         failed: BaseException | None = None
         try:
             counters, self._counters = self._counters, False
-            self.journal.record(self.state, dirty, counters)  # also partitions created or dropped (a clear)
+            marked, self._marked = self._marked, False
+            self.journal.record(self.state, dirty, counters, marked)  # also partitions created or dropped (a clear)
             if self.journal.snapshot_due():
                 self.journal.snapshot(self.state)
             self.journal.sync_due()

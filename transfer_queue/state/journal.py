@@ -14,9 +14,11 @@ again, readable by its user only):
     ``write()`` for the pass, fsynced per ``journal_fsync`` before the pass's replies go out). A record is framed as
     ``<u32 length><u32 crc32><msgpack>`` and holds ``seq``, the partitions dropped (cleared) by key, each partition
     the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows). A
-    partition's first record since the journal was opened or snapshotted (or since its arrays grew) holds it whole,
-    as the snapshot does; the next ones hold its rows that changed (``rows``: their indexes, and those rows of each
-    per-row array and of each task's consumption and delivery counts) and its dicts whole.
+    partition's record holds it whole, as the snapshot does, when the journal does not hold it yet (created since)
+    or its arrays grew; else its scalar fields and what changed since its last record: ``rows`` (their indexes, and
+    those rows of each per-row array, of each task's consumption and delivery counts and dead letters, their kv keys
+    and custom meta), ``groups`` and ``blocks`` (the entries of the groups and blocks those rows held before or hold
+    now: members, rows, references, bytes; None: gone) and ``dropped_tasks``.
 
 Records are *outcomes*, not requests to run again: samplers and lease clocks are not deterministic, so replay only
 assigns what the serving pass ended with. Replay loads the snapshot, then applies every record whose ``seq`` is above
@@ -26,9 +28,12 @@ holds: they are skipped). What a restore from a checkpoint redoes, replay redoes
 freed), parked requests and connections are not kept. Task options (``set_task_options``) and DP rounds are not
 journaled: clients set them again.
 
-To know which rows changed, the journal keeps a copy of each partition's per-row arrays as last written (its shadow: the
-partition's array memory once more); a record costs the comparison with it, O(rows of the partitions the pass touched)
-in numpy, plus the partitions' dicts. The log is folded into a new snapshot once it is longer than
+To know what changed, each mutation of a partition marks the rows it changes (``PartitionState.mark``: commit, abort,
+acks and leases, hand-backs and dead letters, clears, kv keys, custom meta, rows lost), and the groups and blocks they
+held; the journal drains the marks of each partition it writes. A record costs O(what changed), whatever the
+partition's size; marks past twice the partition's rows make its next record whole. Partitions changed by timers (a
+lease expiring into a dead letter) or by a storage unit's restart (rows lost) are written by the next pass's record.
+The log is folded into a new snapshot once it is longer than
 ``journal_snapshot_bytes`` and than the last snapshot, which bounds replay to about two snapshots' worth of bytes.
 
 A torn last record (the process died in the middle of a ``write()``) is dropped on open; a record that fails its
@@ -142,39 +147,62 @@ def load(directory: str) -> tuple[dict[str, Any] | None, int]:
     return snapshot, good
 
 
+_DELTA_ONLY = ("rows", "arrays", "tasks", "groups", "blocks", "row_keys", "custom_meta", "dropped_tasks")
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
+
+
+def _assign(d: dict[Any, Any], key: Any, value: Any) -> None:
+    """``d[key] = value``; ``None``: no entry."""
+    if value is None:
+        d.pop(key, None)
+    else:
+        d[key] = value
+
+
 def _patched(base: dict[str, Any] | None, delta: dict[str, Any], path: str) -> dict[str, Any]:
-    """Partition ``base`` (as the snapshot holds it, its arrays decoded as they are patched) with the rows of
-    ``delta`` (a record of the rows that changed) applied."""
+    """Partition ``base`` (as the snapshot holds it, its arrays decoded as they are patched) with ``delta`` (a record
+    of the rows and dict entries that changed) applied."""
     if base is None or base["uid"] != delta["uid"]:
         raise JournalCorrupt(
             f"{path}: a record changes rows of partition {delta['key']!r} (uid {delta['uid']}), which the journal "
             f"before it does not hold{'' if base is None else ' (it holds uid ' + str(base['uid']) + ')'}"
         )
     rows = np.frombuffer(delta["rows"], dtype=np.int64)
-    arrays = {name: unarray(base["arrays"][name]) for name in ROW_ARRAYS}
+    arrays = {name: _writable(unarray(base["arrays"][name])) for name in ROW_ARRAYS}
     for name in ROW_ARRAYS:
-        if not arrays[name].flags.writeable:
-            arrays[name] = arrays[name].copy()
         arrays[name][rows] = unarray(delta["arrays"][name])
-    tasks = {}
+    dicts, group_rows, custom_meta = base["dicts"], base["group_rows"], base["custom_meta"]
+    for group, members, listed in delta["groups"]:
+        _assign(dicts["group_members"], group, members)
+        _assign(group_rows, group, listed)
+    for block, refs, nbytes in delta["blocks"]:
+        _assign(dicts["block_refs"], block, refs)
+        _assign(dicts["block_nbytes"], block, nbytes)
+    row_list = rows.tolist()
+    for row, key, meta in zip(row_list, delta["row_keys"], delta["custom_meta"], strict=True):
+        _assign(dicts["row_keys"], row, key)
+        _assign(custom_meta, row, meta)
+    dicts["keys"] = {key: row for row, key in dicts["row_keys"].items()}  # a kv key and its row are set and go together
+    tasks = {name: task for name, task in base["tasks"].items() if name not in delta["dropped_tasks"]}
+    size = len(arrays["state"])
     for name, task in delta["tasks"].items():
-        if "rows" not in task:
-            tasks[name] = task
-            continue
-        held = base["tasks"].get(name)
-        if held is None:
-            raise JournalCorrupt(f"{path}: a record changes rows of task {name!r}, which the journal does not hold")
-        task_rows = np.frombuffer(task["rows"], dtype=np.int64)
-        patched = {"dead": task["dead"]}
-        for column in ("consumption", "deliveries"):
-            values = unarray(held[column])
-            if not values.flags.writeable:
-                values = values.copy()
-            values[task_rows] = unarray(task[column])
-            patched[column] = values
-        tasks[name] = patched
-    out = {k: v for k, v in delta.items() if k != "rows"}
-    out["arrays"], out["tasks"] = arrays, tasks
+        held = tasks.get(name)
+        if held is None:  # a task the partition took up since (or dropped and took up again): from a fresh one
+            consumption, deliveries, dead = np.zeros(size, np.int8), np.zeros(size, np.int32), {}
+        else:
+            consumption = _writable(unarray(held["consumption"]))
+            deliveries = _writable(unarray(held["deliveries"]))
+            dead = dict(held["dead"])
+        consumption[rows] = unarray(task["consumption"])
+        deliveries[rows] = unarray(task["deliveries"])
+        for row, reason in zip(row_list, task["dead"], strict=True):
+            _assign(dead, row, reason)
+        tasks[name] = {"consumption": consumption, "deliveries": deliveries, "dead": [[r, x] for r, x in dead.items()]}
+    out = {k: v for k, v in delta.items() if k not in _DELTA_ONLY}
+    out.update(arrays=arrays, tasks=tasks, dicts=dicts, group_rows=group_rows, custom_meta=custom_meta)
     return out
 
 
@@ -197,9 +225,9 @@ class Journal:
         self.seq = seq
         self.clock = clock
         self.uids: dict[Any, int] = {}  # partition key -> uid, as the journal last wrote them
-        # partition key -> the journal's copy of its per-row arrays as last written (the next record holds the rows
-        # that differ); none after a start or a snapshot: the partition's next record is whole
-        self._shadows: dict[Any, _Shadow] = {}
+        # partition key -> (uid, rows, columns) of its arrays as the journal holds them: a partition it does not hold
+        # or whose arrays grew since is written whole, else its rows and entries marked changed (PartitionState.mark)
+        self._shapes: dict[Any, tuple[int, int, int]] = {}
         self.snapshot_size = 0
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0, "snapshots": 0}
         self._synced_at = clock()
@@ -210,42 +238,46 @@ class Journal:
         self.log_bytes = log_end
 
     def track(self, state: QueueState) -> None:
-        """Take ``state``'s partitions as journaled (after a restore, or a snapshot)."""
+        """Take ``state``'s partitions as journaled (after a restore, or a snapshot): what changes in them from now on
+        is marked, and written with their next record."""
         self.uids = {key: part.uid for key, part in state.partitions.items()}
+        self._shapes = {key: _shape(part) for key, part in state.partitions.items()}
+        for part in state.partitions.values():
+            part.clear_marks()
 
-    def record(self, state: QueueState, dirty: set[Any] | None, counters: bool = False) -> int:
+    def record(self, state: QueueState, dirty: set[Any] | None, counters: bool = False, marked: bool = False) -> int:
         """Append what this pass changed: partitions in ``dirty`` (keys; None: all), those created and those removed
-        since the last record, and the state's other fields (``counters``: they alone changed, e.g. a reserve handed
-        out put and block ids). One ``write()``, fsynced per the policy. Returns the bytes written (0: nothing
-        changed)."""
+        since the last record, with ``marked`` every partition with changes marked (timers changed them: leases that
+        expired into dead letters, rows lost with a unit), and the state's other fields (``counters``: they alone
+        changed, e.g. a reserve handed out put and block ids). One ``write()``, fsynced per the policy. Returns the
+        bytes written (0: nothing changed)."""
         current = {key: part.uid for key, part in state.partitions.items()}
         drops = [key for key in self.uids if key not in current]
-        changed = [key for key, uid in current.items() if self.uids.get(key) != uid or dirty is None or key in dirty]
+        changed = [
+            key
+            for key, part in state.partitions.items()
+            if self.uids.get(key) != part.uid or dirty is None or key in dirty or (marked and part.dirty)
+        ]
         if not drops and not changed and not counters:
             return 0
-        shadows = {}
-        try:
-            parts = []
-            for key in changed:
-                d, shadows[key] = self._partition_record(state.partitions[key])
-                parts.append(d)
-            payload = msgspec.msgpack.encode(
-                {
-                    "seq": self.seq + 1,
-                    "drops": drops,
-                    "parts": parts,
-                    "globals": {**state_globals(state), "next_block": state._next_block},
-                }
-            )
-            data = frame(payload)
-            os.write(self._fd, data)
-        except BaseException:
-            self._shadows.clear()  # they may hold rows this record did not get to write: the next ones are whole
-            raise
+        parts = [self._partition_record(state.partitions[key]) for key in changed]
+        payload = msgspec.msgpack.encode(
+            {
+                "seq": self.seq + 1,
+                "drops": drops,
+                "parts": parts,
+                "globals": {**state_globals(state), "next_block": state._next_block},
+            }
+        )
+        data = frame(payload)
+        os.write(self._fd, data)  # raises: the marks stay, the next record writes them
         self.seq += 1
         for key in drops:
-            self._shadows.pop(key, None)
-        self._shadows.update(shadows)
+            self._shapes.pop(key, None)
+        for key in changed:
+            part = state.partitions[key]
+            part.clear_marks()
+            self._shapes[key] = _shape(part)
         self.uids = current
         self.log_bytes += len(data)
         self.stats["records"] += 1
@@ -257,55 +289,35 @@ class Journal:
             self.sync_due()
         return len(data)
 
-    def _partition_record(self, part: PartitionState) -> tuple[dict[str, Any], _Shadow]:
-        """The record of ``part``: whole the first time (after a start or a snapshot) or when its arrays changed
-        shape; else the rows that differ from what the journal holds (its shadow), with the partition's other fields
-        whole. Returns the shadow it leaves (the journal's copy of the arrays, once written)."""
-        d = partition_snapshot(part, arrays=False)
-        shadow = self._shadows.get(part.key)
-        arrays = {name: getattr(part, name) for name in ROW_ARRAYS}
-        if (
-            shadow is None
-            or shadow.uid != part.uid
-            or any(shadow.arrays[n].shape != a.shape or shadow.arrays[n].dtype != a.dtype for n, a in arrays.items())
-        ):
-            full = partition_snapshot(part)
-            d["arrays"], d["tasks"] = full["arrays"], full["tasks"]
-            return d, _Shadow.of(part)
-        changed = np.zeros(len(part.state), dtype=bool)
-        for name, a in arrays.items():
-            differs = a != shadow.arrays[name]
-            changed |= differs.any(axis=1) if differs.ndim > 1 else differs
-        rows = np.flatnonzero(changed)
-        d["rows"] = rows.astype(np.int64).tobytes()
-        d["arrays"] = {name: array_dict(a[rows]) for name, a in arrays.items()}
-        for name, a in arrays.items():
-            shadow.arrays[name][rows] = a[rows]
-        tasks: dict[str, Any] = {}
-        for name, task in part.tasks.items():
-            dead = [[row, reason] for row, reason in task.dead.items()]
-            held = shadow.tasks.get(name)
-            if held is None or len(held[0]) != len(task.consumption) or len(held[1]) != len(task.deliveries):
-                tasks[name] = {
-                    "consumption": array_dict(task.consumption),
-                    "deliveries": array_dict(task.deliveries),
-                    "dead": dead,
-                }
-                shadow.tasks[name] = (task.consumption.copy(), task.deliveries.copy())
-                continue
-            task_rows = np.flatnonzero((task.consumption != held[0]) | (task.deliveries != held[1]))
-            tasks[name] = {
-                "rows": task_rows.astype(np.int64).tobytes(),
-                "consumption": array_dict(task.consumption[task_rows]),
-                "deliveries": array_dict(task.deliveries[task_rows]),
-                "dead": dead,
+    def _partition_record(self, part: PartitionState) -> dict[str, Any]:
+        """The record of ``part``: whole when the journal does not hold it (created since, or cleared and created
+        again), when its arrays grew, or when more changed than it has rows; else the rows marked changed (each per-row
+        array's and each task's values of them, their kv keys and custom meta) and the entries of the groups and
+        blocks they held, with the partition's scalar fields. Costs O(what changed), never O(rows)."""
+        if part.dirty_all or self._shapes.get(part.key) != _shape(part):
+            return partition_snapshot(part)
+        d = partition_snapshot(part, arrays=False, dicts=False)
+        none = np.zeros(0, dtype=np.int64)
+        rows = np.unique(np.concatenate(part.dirty_rows)) if part.dirty_rows else none
+        groups = np.unique(np.concatenate([*part.dirty_groups, part.group[rows]]))
+        blocks = np.unique(np.concatenate([*part.dirty_blocks, part.block[rows].reshape(-1)]))
+        row_list = rows.tolist()
+        d["rows"] = rows.tobytes()
+        d["arrays"] = {name: array_dict(getattr(part, name)[rows]) for name in ROW_ARRAYS}
+        d["groups"] = [[g, part.group_members.get(g), part.group_rows.get(g)] for g in groups[groups >= 0].tolist()]
+        d["blocks"] = [[b, part.block_refs.get(b), part.block_nbytes.get(b)] for b in blocks[blocks >= 0].tolist()]
+        d["row_keys"] = [part.row_keys.get(row) for row in row_list]
+        d["custom_meta"] = [part.custom_meta.get(row) for row in row_list]
+        d["dropped_tasks"] = sorted(part.dropped_tasks)
+        d["tasks"] = {
+            name: {
+                "consumption": array_dict(task.consumption[rows]),
+                "deliveries": array_dict(task.deliveries[rows]),
+                "dead": [task.dead.get(row) for row in row_list],
             }
-            held[0][task_rows] = task.consumption[task_rows]
-            held[1][task_rows] = task.deliveries[task_rows]
-        for name in [n for n in shadow.tasks if n not in part.tasks]:
-            del shadow.tasks[name]
-        d["tasks"] = tasks
-        return d, shadow
+            for name, task in part.tasks.items()
+        }
+        return d
 
     def sync_due(self) -> None:
         """``journal_fsync="interval"``: fsync what was written if the last fsync is older than FSYNC_INTERVAL_S."""
@@ -343,8 +355,7 @@ class Journal:
         self.log_bytes = 0
         self.snapshot_size = len(blob)
         self.stats["snapshots"] += 1
-        self.track(state)
-        self._shadows.clear()  # the next record of each partition is whole: the snapshot is its new base
+        self.track(state)  # the snapshot is the base the partitions' next records change
         return len(blob)
 
     def close(self) -> None:
@@ -355,23 +366,8 @@ class Journal:
             self._fd = -1
 
 
-class _Shadow:
-    """The journal's copy of a partition's per-row arrays (and its tasks' consumption and deliveries), as written."""
-
-    __slots__ = ("arrays", "tasks", "uid")
-
-    def __init__(self, uid: int, arrays: dict[str, np.ndarray], tasks: dict[str, tuple[np.ndarray, np.ndarray]]):
-        self.uid = uid
-        self.arrays = arrays
-        self.tasks = tasks
-
-    @classmethod
-    def of(cls, part: PartitionState) -> _Shadow:
-        return cls(
-            part.uid,
-            {name: getattr(part, name).copy() for name in ROW_ARRAYS},
-            {name: (t.consumption.copy(), t.deliveries.copy()) for name, t in part.tasks.items()},
-        )
+def _shape(part: PartitionState) -> tuple[int, int, int]:
+    return part.uid, len(part.state), part.block.shape[1]
 
 
 def _fsync_dir(directory: str) -> None:

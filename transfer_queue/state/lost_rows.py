@@ -114,6 +114,7 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
         part.lose_rows(rows)
         ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
         gone = ids[copy_on(state, ids, unit) & all_gone(state, ids)].tolist()
+        part.mark_blocks(gone)
         freed = sum(part.block_nbytes.pop(b) for b in gone)
         part.nbytes -= freed
         state.bytes_held -= freed

@@ -122,6 +122,61 @@ class PartitionState:
         self.inflight_mask = np.zeros(cap, dtype=np.uint64)
         self.block = np.full((cap, 4), -1, dtype=np.int64)
         self.offset = np.zeros((cap, 4), dtype=np.int64)
+        # what changed since the journal last wrote this partition (transfer_queue.state.journal), marked by every
+        # mutation here: rows (of the per-row arrays, the tasks' arrays, dead letters, kv keys and custom meta), the
+        # groups and blocks whose dict entries may have changed with them, and tasks dropped. Kept only once a journal
+        # took the partition (``journaled``); past twice the partition's rows it is "everything" (``dirty_all``).
+        self.journaled = False
+        self.dirty_all = False
+        self.dirty_rows: list[np.ndarray] = []
+        self.dirty_groups: list[np.ndarray] = []
+        self.dirty_blocks: list[np.ndarray] = []
+        self.dirty_count = 0
+        self.dropped_tasks: set[str] = set()
+
+    # ---- what the journal writes next ------------------------------------------------------------------------
+    def mark(self, rows: np.ndarray, cells: bool = True) -> None:
+        """``rows`` change now (call before changing them); ``cells``: their groups and blocks may too (their dict
+        entries are written with them: the entries of the groups and blocks they hold now and then)."""
+        if not self.journaled or self.dirty_all or not len(rows):
+            return
+        rows = np.array(rows, dtype=np.int64).reshape(-1)
+        self.dirty_rows.append(rows)
+        n = len(rows)
+        if cells:
+            inside = rows[rows < len(self.state)]
+            self.dirty_groups.append(self.group[inside])
+            self.dirty_blocks.append(self.block[inside].reshape(-1))
+            n += len(inside) * (1 + self.block.shape[1])
+        self._marked(n)
+
+    def mark_blocks(self, blocks: Iterable[int]) -> None:
+        """The dict entries of ``blocks`` change now (their bytes are freed)."""
+        if not self.journaled or self.dirty_all:
+            return
+        ids = np.fromiter(blocks, dtype=np.int64)
+        if len(ids):
+            self.dirty_blocks.append(ids)
+            self._marked(len(ids))
+
+    def _marked(self, n: int) -> None:
+        self.dirty_count += n
+        if self.dirty_count > 2 * len(self.state) + 64:  # the next record is whole: forget the marks
+            self.dirty_all = True
+            self.dirty_rows, self.dirty_groups, self.dirty_blocks = [], [], []
+
+    @property
+    def dirty(self) -> bool:
+        """Something changed since the journal last wrote this partition."""
+        return self.dirty_all or bool(self.dirty_rows or self.dirty_blocks or self.dropped_tasks)
+
+    def clear_marks(self) -> None:
+        """The journal wrote what changed (or took the partition whole): marks start again."""
+        self.journaled = True
+        self.dirty_all = False
+        self.dirty_rows, self.dirty_groups, self.dirty_blocks = [], [], []
+        self.dirty_count = 0
+        self.dropped_tasks = set()
 
     # ---- shape ---------------------------------------------------------------------------------------------
     @property
@@ -240,6 +295,7 @@ class PartitionState:
         self.num_rows = max(self.num_rows, int(rows.max()) + 1)
         self.state[rows] = RESERVED
         self.group[rows] = groups
+        self.mark(rows)
         self.num_reserved += num_rows
         for g, c in zip(*np.unique(groups, return_counts=True), strict=True):
             self.group_members[int(g)] = self.group_members.get(int(g), 0) + int(c)
@@ -276,6 +332,7 @@ class PartitionState:
         """Give back rows reserved by a put that was aborted; a later put takes them."""
         if not len(rows):
             return
+        self.mark(rows)
         for g, c in zip(*np.unique(self.group[rows], return_counts=True), strict=True):
             left = self.group_members.get(int(g), 0) - int(c)
             if left > 0:
@@ -345,6 +402,7 @@ class PartitionState:
         ``lengths``: (rows x names) what each written cell adds to its row's length (None: nothing). A cell written
         again replaces its length, so a row's length never grows by being overwritten.
         Returns the blocks no longer referenced (kv upserts)."""
+        self.mark(rows)
         cols = [self.field_col[n] for n in names]
         mask = 0
         for c in cols:
@@ -409,6 +467,7 @@ class PartitionState:
         idle = [k for k, t in self.tasks.items() if not np.any(t.consumption[:n] != AVAILABLE)]
         for name in idle:
             del self.tasks[name]
+            self.dropped_tasks.add(name)
 
     def check_new_task(self, task_name: str) -> None:
         """Refuse one task name too many: every task this partition follows holds rows (see ``task``)."""
@@ -439,6 +498,7 @@ class PartitionState:
     def consume(self, task_name: str, rows: np.ndarray) -> None:
         """Mark rows acknowledged for a task at once (no lease)."""
         task = self.task(task_name)
+        self.mark(rows, cells=False)
         task.consumption[rows] = CONSUMED
         for index in task.ready.values():
             index.remove(rows, self.group)
@@ -447,6 +507,7 @@ class PartitionState:
         """Hand ``rows`` (distinct, ready) to lease ``lease_id`` of owner ``holder``: no longer ready, one more
         delivery."""
         task = self.task(task_name)
+        self.mark(rows, cells=False)
         task.consumption[rows] = LEASED
         task.lease[rows] = lease_id
         task.holder[rows] = holder
@@ -456,6 +517,7 @@ class PartitionState:
 
     def acknowledge(self, task_name: str, rows: np.ndarray) -> None:
         """Leased rows are done for the task (they keep their lease id and holder, for a later release)."""
+        self.mark(rows, cells=False)
         self.task(task_name).consumption[rows] = CONSUMED
 
     def give_back(self, task_name: str, rows: np.ndarray, reason: str, max_deliveries: int) -> np.ndarray:
@@ -464,6 +526,7 @@ class PartitionState:
         Returns the rows dead-lettered."""
         task = self.task(task_name)
         rows = unique_in_order(rows)
+        self.mark(rows, cells=False)
         dead = rows[task.deliveries[rows] >= max_deliveries]
         back = rows[task.deliveries[rows] < max_deliveries]
         task.lease[rows] = 0
@@ -483,6 +546,7 @@ class PartitionState:
         task = self.task(task_name)
         rows = unique_in_order(rows[(rows >= 0) & (rows < self.num_rows)])
         rows = rows[(task.consumption[rows] == LEASED) | (task.consumption[rows] == CONSUMED)]
+        self.mark(rows, cells=False)
         task.consumption[rows] = AVAILABLE
         task.lease[rows] = 0
         task.holder[rows] = NO_HOLDER
@@ -493,7 +557,8 @@ class PartitionState:
     def reset_consumption(self, task_name: str | None) -> None:
         names = [task_name] if task_name is not None else list(self.tasks)
         for name in names:
-            self.tasks.pop(name, None)
+            if self.tasks.pop(name, None) is not None:
+                self.dropped_tasks.add(name)
             for round_key in [k for k in self.rounds if k[0] == name]:
                 del self.rounds[round_key]
 
@@ -541,6 +606,7 @@ class PartitionState:
 
     def remove_rows(self, rows: np.ndarray) -> list[int]:
         """Forget committed rows (kv_clear); returns the blocks no longer referenced."""
+        self.mark(rows)
         dead: list[int] = []
         for c in range(len(self.fields)):
             cells = self.block[rows, c]
@@ -591,6 +657,7 @@ class PartitionState:
         rows = np.asarray(rows, dtype=np.int64)
         if not len(rows):
             return
+        self.mark(rows)
         for task in self.tasks.values():
             for index in task.ready.values():
                 m = np.uint64(index.mask)
@@ -624,6 +691,7 @@ class PartitionState:
         if len(values) != len(rows):
             raise InvalidRequest(f"custom meta needs one value per row: {len(rows)} rows, got {len(values)}")
         check_custom_meta(values, [f"global index {self.base_index + row}" for row in rows.tolist()])
+        self.mark(rows, cells=False)
         for row, value in zip(rows.tolist(), values, strict=True):
             if value:
                 self.custom_meta[row] = value

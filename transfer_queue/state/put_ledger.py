@@ -436,6 +436,7 @@ class PutLedger:
         units = self.config.num_storage_units
         by_unit: dict[int, list[int]] = {}
         freed = 0
+        part.mark_blocks(blocks)
         for b in blocks:
             by_unit.setdefault(b % units, []).append(b)
             freed += part.block_nbytes.pop(b, 0)

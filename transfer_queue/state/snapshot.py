@@ -54,8 +54,8 @@ def _unarray(d: dict[str, Any] | np.ndarray) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 
 
-def _partition(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
-    d = {
+def _partition(part: PartitionState, arrays: bool = True, dicts: bool = True) -> dict[str, Any]:
+    d: dict[str, Any] = {
         "key": part.key,
         "uid": part.uid,
         "capacity": part.capacity,
@@ -66,10 +66,11 @@ def _partition(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
         "fields": {n: msgspec.to_builtins(s) for n, s in part.fields.items()},
         "num_rows": part.num_rows,
         "field_produced": list(part.field_produced),
-        "group_rows": part.group_rows,  # lists of ints, encoded at once by every caller (no copy: 100k rows ~40 ms)
-        "dicts": {name: dict(getattr(part, name)) for name in _DICTS},
-        "custom_meta": dict(part.custom_meta),  # set_custom_meta and kv tags
     }
+    if dicts:
+        d["group_rows"] = part.group_rows  # lists of ints, encoded at once by every caller (no copy: 100k rows ~40 ms)
+        d["dicts"] = {name: dict(getattr(part, name)) for name in _DICTS}
+        d["custom_meta"] = dict(part.custom_meta)  # set_custom_meta and kv tags
     if arrays:
         d["tasks"] = {
             name: {
@@ -100,11 +101,11 @@ def state_globals(state: QueueState) -> dict[str, Any]:
     }
 
 
-def partition_snapshot(part: PartitionState, arrays: bool = True) -> dict[str, Any]:
+def partition_snapshot(part: PartitionState, arrays: bool = True, dicts: bool = True) -> dict[str, Any]:
     """One partition as :func:`snapshot_state` saves it (msgpack-able values, some shared with ``part``: encode it
-    before the partition changes); ``arrays=False``: without its per-row arrays and tasks (the journal writes the
-    rows that changed)."""
-    return _partition(part, arrays)
+    before the partition changes); ``arrays=False``: without its per-row arrays and tasks, ``dicts=False``: without
+    its dicts (groups, blocks, kv keys, custom meta): the journal writes the rows and entries that changed."""
+    return _partition(part, arrays, dicts)
 
 
 def snapshot_state(state: QueueState, saved_by: dict[int, int] | None = None, **extra: Any) -> bytes:

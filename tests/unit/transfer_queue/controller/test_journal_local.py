@@ -7,10 +7,12 @@ gone, puts that had not committed are gone."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -253,7 +255,7 @@ def arrays_of(d: dict) -> dict:
     out["arrays"] = {n: unarray(a).tolist() for n, a in d["arrays"].items()}
     out["tasks"] = {
         t: {"consumption": unarray(v["consumption"]).tolist(), "deliveries": unarray(v["deliveries"]).tolist(),
-            "dead": [list(x) for x in v["dead"]]}
+            "dead": sorted(list(x) for x in v["dead"])}
         for t, v in d["tasks"].items()
     }  # fmt: skip
     return msgspec.msgpack.decode(msgspec.msgpack.encode(out))
@@ -266,24 +268,40 @@ def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -
     state, journal, _ = open_journal(config)
     q = QueueHarness(state)
     q.ok(p.SetTaskOptions("t", ack="explicit"))
+    q.ok(p.SetTaskOptions("d", ack="explicit", max_deliveries=1))
     sizes = []
     for i in range(30):
-        q.put("p", 3)  # grows past its first capacity (64 rows): a whole record again, then rows again
+        meta = q.put("p", 3)  # grows past its first capacity (64 rows): a whole record again, then rows again
         if i % 4 == 0:
-            meta = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o")).to_meta()
-            q.ok(p.Ack(meta.partition_uid, "t", p.pack_indexes(meta.global_indexes), owner="o", explicit=True))
+            got = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o")).to_meta()
+            q.ok(p.Ack(got.partition_uid, "t", p.pack_indexes(got.global_indexes), owner="o", explicit=True))
+        if i % 5 == 1:  # delivered once, handed back: dead-lettered (a dead letter in the record's rows)
+            got = q.ok(p.GetMeta("p", ["x"], 1, "d", owner="o")).to_meta()
+            q.ok(p.Release(got.partition_uid, "d", p.pack_indexes(got.global_indexes), owner="o"))
+        if i % 6 == 2:
+            indexes = p.pack_indexes(meta.global_indexes[:1])
+            q.ok(p.SetCustomMeta(meta.partition_uid, indexes, [{"i": i}]))
         if i == 10:
             q.put("gone", 2)
             journal.record(state, None)
             q.ok(p.Clear("gone"))
+        if i == 20:  # rows forgotten (their groups, blocks and dead letters with them), a task dropped
+            q.ok(p.ClearSamples(meta.partition_uid, p.pack_indexes(meta.global_indexes[:2])))
+            q.ok(p.ResetConsumption("p", "t"))
         if i % 7 == 0:
             q.kv_put("kv", [f"k{i}"])
+        if i == 15:
+            q.ok(p.KvClear("kv", ["k7"]))
         sizes.append(journal.record(state, None))
+    lost = state.unit_restarted(0)["rows"]  # rows lost with a unit: marked, written by the next pass's record
+    assert lost and journal.record(state, set(), marked=True)
     journal.close()
+    live_p = state.partitions["p"]
+    assert live_p.tasks["d"].dead and live_p.custom_meta and "t" in live_p.tasks  # what the records had to carry
     records, _ = read_log(str(tmp_path / LOG))
     kinds = ["rows" if "rows" in d else "whole" for r in records for d in r["parts"] if d["key"] == "p"]
     # whole the first time and once its arrays grew past 64 rows; the rows that changed every other time
-    assert kinds.count("whole") == 2 and kinds.count("rows") == 29  # 31 records: one a pass, one more at i == 10
+    assert kinds.count("whole") == 2 and kinds.count("rows") == 30  # one a pass, one more at i == 10, the lost rows
     assert max(sizes[-5:]) < sizes[0] / 4  # a row record is a fraction of a whole one
     snapshot, _ = load(str(tmp_path))
     assert snapshot is not None
@@ -308,3 +326,47 @@ def test_the_fsync_policy(tmp_path: Path, policy: str) -> None:
     assert journal.stats["fsyncs"] == (0 if policy == "never" else 1)
     journal.close()  # a clean close syncs what is left, unless the OS is to decide
     assert journal.stats["fsyncs"] == (0 if policy == "never" else 1)
+
+
+def test_a_record_holds_the_rows_that_changed_not_the_partition(tmp_path: Path) -> None:
+    """After a partition's whole record, a one-row change in 100k rows is a record of that row (its arrays' values,
+    its group's and block's dict entries), not of the partition's arrays or dicts."""
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    for _ in range(10):
+        q.put("big", 10_000)
+    assert journal.record(state, None) > 100_000 * 8  # the partition's first record: whole
+    meta = q.put("big", 1)
+    size = journal.record(state, {"big"})
+    got = q.ok(p.GetMeta("big", ["x"], 1, "t", owner="o")).to_meta()
+    q.ok(p.Ack(got.partition_uid, "t", p.pack_indexes(got.global_indexes), owner="o"))
+    acked = journal.record(state, {"big"})
+    journal.close()
+    records, _ = read_log(str(tmp_path / LOG))
+    assert size < 2048 and acked < 2048  # bytes: O(1) rows, whatever the partition's size
+    put_part, ack_part = records[-2]["parts"][0], records[-1]["parts"][0]
+    assert np.frombuffer(put_part["rows"], np.int64).tolist() == [int(meta.global_indexes[0])]
+    assert [g for g, _, _ in put_part["groups"]] == [100_000] and len(put_part["blocks"]) == 1
+    assert np.frombuffer(ack_part["rows"], np.int64).tolist() == [int(got.global_indexes[0])]
+    snapshot, _ = load(str(tmp_path))
+    assert snapshot is not None
+    assert arrays_of(snapshot["partitions"][0]) == arrays_of(partition_snapshot(state.partitions["big"]))
+
+
+def test_a_lease_expiring_into_a_dead_letter_survives_a_restart(local: Local) -> None:
+    """The controller's timer dead-letters a row whose lease expired (max_deliveries=1): no request touched the
+    partition since, yet the next pass's record holds it."""
+    local.start()
+    client = local.client("c")
+    client.put(rows(1.0), partition_id="p")
+    client.set_task_options("t", ack="explicit", lease_s=0.2, max_deliveries=1)
+    leased = client.get_meta(["x"], 1, partition_id="p", task_name="t")
+    deadline = time.monotonic() + 10
+    while not client.dead_letters(partition_id="p", task_name="t") and time.monotonic() < deadline:
+        time.sleep(0.05)  # the serving thread's timer expires the lease
+    dead = client.dead_letters(partition_id="p", task_name="t")  # answered after the timer's pass wrote its record
+    assert [d["global_index"] for d in dead] == leased.global_indexes.tolist()
+    local.start(local.crash())
+    reader = local.client("reader")
+    assert reader.dead_letters(partition_id="p", task_name="t") == dead
