@@ -189,6 +189,11 @@ class SnapshotError(TransferQueueError, RuntimeError):
     """A controller snapshot of another format, or one that does not decode (``transfer_queue.state.snapshot``)."""
 
 
+class PortInUse(TransferQueueError, OSError):
+    """A server that must listen on a fixed port (a controller restarted from its journal: its clients know the port)
+    found it taken for longer than the process before it takes to let go of it."""
+
+
 class JournalError(TransferQueueError, RuntimeError):
     """The controller's journal (``journal_dir``) could not be written or read back."""
 

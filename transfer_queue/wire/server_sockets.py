@@ -3,6 +3,7 @@ host) polled together, with the peers they know and the requests they read (:cla
 
 from __future__ import annotations
 
+import errno
 import functools
 import socket
 import time
@@ -14,6 +15,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from transfer_queue.errors import PortInUse
 from transfer_queue.wire.auth import ZapHandler, secure_server
 from transfer_queue.wire.protocol import Endpoint, ray_node_id
 from transfer_queue.wire.socket_dirs import SocketDir
@@ -46,6 +48,29 @@ class Incoming:
     reply: Reply
 
 
+#: How long a server waits for its fixed port while the process before it (a controller Ray restarts) lets go of it.
+FIXED_PORT_WAIT_S = 30.0
+
+
+def _bind_fixed(router: zmq.Socket, address: str, port: int, host: str) -> None:
+    """Bind ``router`` to ``address:port``, waiting up to ``FIXED_PORT_WAIT_S`` while the port is taken: the process
+    that held it (a controller that died and that Ray restarts at once) may not have let go of it yet."""
+    deadline = time.monotonic() + FIXED_PORT_WAIT_S
+    while True:
+        try:
+            router.bind(f"{address}:{port}")
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            if time.monotonic() >= deadline:
+                raise PortInUse(
+                    f"port {port} of {host} is still taken after {FIXED_PORT_WAIT_S:g} s: another process listens on "
+                    f"it (expected the one before this server to let go of it)"
+                ) from exc
+        time.sleep(0.05)
+
+
 class ServerSockets:
     """Where a server listens: a ROUTER on ``host`` (default: the node's address) on a free port, and a Unix
     socket for clients on this host. :meth:`router_messages` and :meth:`unix_messages` return what arrived as
@@ -76,7 +101,7 @@ class ServerSockets:
             self.router.setsockopt(zmq.IPV6, 1)
         address = f"tcp://[{bind}]" if ":" in bind else f"tcp://{bind}"
         if port:  # a fixed port (a controller started again from its journal binds the one its clients know)
-            self.router.bind(f"{address}:{port}")
+            _bind_fixed(self.router, address, port, bind)
         else:
             port = self.router.bind_to_random_port(address)
         self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
