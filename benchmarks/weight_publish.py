@@ -201,13 +201,17 @@ def bench_model(dtype: str, reps: int, out: list[dict]) -> None:
         memcpy_name = "trainer: memcpy"
         for name, fn, base in (("memcpy", memcpy, None), ("clone", clone, None), ("publish", publish, memcpy_name),
                                ("publish serialised (torch.save, before)", old_publish, memcpy_name)):  # fmt: skip
-            fn()
+            warm = []
+            for _ in range(2):  # the channel's first two writes allocate its two files: the steady state reuses them
+                t0 = time.perf_counter()
+                fn()
+                warm.append(round(time.perf_counter() - t0, 4))
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-            row(out, label, f"trainer: {name}", times, base=base)
+            row(out, label, f"trainer: {name}", times, base=base, first_two_s=warm)
         # engine-side load of the newest write, whole (a reader more than one write behind)
         publish()
         times, mem = [], []
@@ -281,19 +285,23 @@ def delta_steps(name: str, model, steps: int, reps_read: bool, out: list[dict], 
         vocab = model.config.vocab_size
         for step in range(1, steps + 1):
             model.train()
+            before = {n: t.clone() for n, t in model.named_parameters()}
             ids = torch.randint(3, vocab, (2, 32))
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
+                moved = sum(int((p != before[n]).sum()) for n, p in model.named_parameters())
                 w = channel.write(step, model.state_dict())
+            del before
             t0 = time.perf_counter()
             r = channel.read_into(reader, have)
             read_s = time.perf_counter() - t0
             have = r.serial
             equal = all(torch.equal(reader[n], t) for n, t in model.state_dict().items())
             row(out, f"{name} {dtype}", "delta step", step=step, changed_fraction=round(w.changed_fraction, 4),
+                changed_elements_fraction=round(moved / sum(p.numel() for p in model.parameters()), 4),
                 changed_chunks=w.changed_chunks, chunks=w.chunks, write_s=round(w.seconds, 4),
                 bytes_written=w.bytes_written, read_one_behind_s=round(read_s, 4), chunks_copied=r.chunks_copied,
                 reader_equal=equal, load=loadavg())  # fmt: skip
@@ -306,6 +314,7 @@ def row(out: list[dict], model: str, what: str, times: list[float] | None = None
     r: dict[str, Any] = {"model": model, "what": what}
     if times is not None:
         r["median_s"] = round(median(times), 4)
+        r["times_ms"] = [round(1000 * t, 1) for t in times]
         r["reps"] = len(times)
         r["load"] = round(loadavg(), 2)
         if base is not None:

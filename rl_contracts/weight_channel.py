@@ -8,8 +8,9 @@ per-step actor round trip, no serialisation.
 A file is a small header (its serial, the policy version, the tensors' names, dtypes, shapes and byte offsets) and
 the tensors' raw bytes, each at a precomputed offset, then one byte per ``chunk_bytes`` chunk of data saying which
 chunks changed since the previous write. A tensor that shares its storage with an earlier one (tied embeddings) is
-stored once. A reader copies with ``pread`` from the file into its own tensors (:meth:`WeightChannel.read_into`): one
-copy, no intermediate tensors, no unpickling.
+stored once. Both sides map each file once (kept across writes, by inode) and copy with ``Tensor.copy_`` between
+views of the mapping and the tensors: a reader fills its own tensors straight from the file
+(:meth:`WeightChannel.read_into`), one copy, no intermediate tensors, no unpickling.
 
 A version appears atomically (written under a temporary name, then renamed), so a listing shows only whole writes.
 The writer keeps the newest ``keep`` versions and, from the next write on, reuses the oldest one's file (same
@@ -156,7 +157,7 @@ class WeightChannel:
         self.last_write: WriteStats | None = None
         self._owner: ScratchDir | None = None
         # the files this process mapped, by inode: a reused file's pages are mapped once (no page faults per write)
-        self._maps: dict[int, tuple[mmap.mmap, torch.Tensor, bool]] = {}
+        self._maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor, bool]] = {}
 
     @classmethod
     def create(cls, prefix: str = "tq-weights-", root: str | None = None, **kwargs: Any) -> WeightChannel:
@@ -328,8 +329,8 @@ class WeightChannel:
         now hold (-1: none); one behind a delta write, only the changed chunks are copied.
 
         ``tensors`` must hold exactly the written names with their shapes, except a name whose tensor shares the
-        storage of another that is given (tied weights). A CPU contiguous tensor of the written dtype is filled by
-        ``pread``; any other (another dtype or device) is copied and cast whole.
+        storage of another that is given (tied weights). A CPU contiguous tensor of the written dtype is filled byte
+        range by byte range; any other (another dtype or device) is copied and cast whole.
 
         Raises:
             WeightChannelTimeout: if no such version appears within ``timeout`` seconds.
@@ -393,7 +394,8 @@ class WeightChannel:
 
     def _mapped(self, fd: int, size: int, write: bool) -> torch.Tensor:
         """A uint8 tensor over the whole file ``fd`` (``size`` bytes), its mapping kept for the next use of the file."""
-        inode = os.fstat(fd).st_ino
+        stat = os.fstat(fd)
+        inode = (stat.st_dev, stat.st_ino)  # not reused while mapped: the mapping holds the file
         cached = self._maps.get(inode)
         if cached is not None and len(cached[0]) == size and (cached[2] or not write):
             return cached[1]
@@ -409,11 +411,12 @@ class WeightChannel:
 
     def _forget_unlisted(self) -> None:
         """Drop the mappings of files no longer in the channel (unmapped once no copy uses them)."""
-        listed = set()
+        listed: set[tuple[int, int]] = set()
         for name in os.listdir(self.path):
             if _NAME.match(name):
                 try:
-                    listed.add(os.stat(self.path / name).st_ino)
+                    stat = os.stat(self.path / name)
+                    listed.add((stat.st_dev, stat.st_ino))
                 except FileNotFoundError:
                     pass
         for inode in [i for i in self._maps if i not in listed]:
@@ -495,7 +498,7 @@ def _pieces(tensors: list[tuple[_Entry, Any]], runs: list[tuple[int, int]]) -> I
 
 
 def _plan(head: _Header, tensors: dict[str, torch.Tensor]) -> list[tuple[_Entry, torch.Tensor, bool]]:
-    """``(entry, target, direct)`` per target to fill, sorted by offset; ``direct``: ``pread`` into it.
+    """``(entry, target, direct)`` per target to fill, sorted by offset; ``direct``: bytes copied straight into it.
 
     Raises:
         WeightLayoutMismatch: names or shapes differ.
