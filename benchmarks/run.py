@@ -22,8 +22,12 @@ sys.path.insert(0, HERE)
 from common import Results, loadavg, read_jsonl, run_metadata, table, write_jsonl  # noqa: E402
 
 # Heavy imports (torch, ray, the queue) live inside main(): spawned client processes re-import this file.
-ORDER = ["get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "wake", "auth", "journal", "demo"]
-SEPARATE = {"demo"}  # workloads that start their own queue (and Ray) in a subprocess, after the others
+ORDER = [
+    "get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "wake", "auth", "journal", "demo",
+    "weight_publish",
+]  # fmt: skip
+# workloads that need no queue, or start their own (and Ray) in a subprocess: run after the others
+SEPARATE = {"demo", "weight_publish"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     started = time.monotonic()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR")
     results = Results()
+    if all(n in SEPARATE for n in args.only):  # no queue to start
+        return finish(args, meta, results, started)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR")
     raw = None
     try:
         client = tq.init(
@@ -113,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             raw.close()
         tq.shutdown()
         ray.shutdown()
+    return finish(args, meta, results, started)
+
+
+def finish(args: argparse.Namespace, meta: dict, results, started: float) -> int:
+    """The workloads that start their own queue or need none (demo, weight_publish), then the table and the
+    results file."""
     if "demo" in args.only:
         from demo_workload import bench_demo
 
@@ -124,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             print("!! workload demo failed", flush=True)
         print(f"   (demo took {time.monotonic() - t0:.1f} s)", flush=True)
+    if "weight_publish" in args.only:
+        from weight_publish import bench_weight_publish
+
+        t0 = time.monotonic()
+        print(f"\n== weight_publish (load average {loadavg():.2f})", flush=True)
+        try:
+            bench_weight_publish(args.quick, results, args.reps)
+        except Exception:
+            traceback.print_exc()
+            print("!! workload weight_publish failed", flush=True)
+        print(f"   (weight_publish took {time.monotonic() - t0:.1f} s)", flush=True)
     meta["loadavg_end"] = loadavg()
     meta["seconds"] = round(time.monotonic() - started, 1)
     path = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S") + ".jsonl")

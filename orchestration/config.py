@@ -161,6 +161,9 @@ class RLConfig:
     # WeightChannel in shared memory that engines on this host pull from (no driver round trip; lets the driver
     # launch generation of step s+1 while step s trains, the engine waiting for the weights it needs)
     weight_sync: Literal["memory", "disk", "shm"] = "memory"
+    # shm: each publish marks the 1 MiB chunks that changed since the previous one and writes only the chunks it
+    # must; an engine one publish behind copies only the changed chunks (see rl_contracts/weight_channel.py)
+    weight_delta: bool = False
     sync_every: int = 1  # publish weights every k optimizer steps
     output_dir: str = "outputs/grpo"  # metrics, plot, config and checkpoints of the run
     # steps between checkpoints (0: only at the end); None: sized to the run, about 10 checkpoints and at least one
@@ -238,6 +241,11 @@ class RLConfig:
             raise ConfigError(
                 f"rollout.generate_fn={self.rollout.generate_fn!r} runs in rollout workers that take weights by "
                 "update: use weight_sync='memory' or 'disk', not 'shm'"
+            )
+        if self.weight_delta and self.weight_sync != "shm":
+            raise ConfigError(
+                f"weight_delta=true needs weight_sync='shm' (the shared-memory weight channel), got "
+                f"weight_sync={self.weight_sync!r}"
             )
         low = self.train.rollout_is_low
         if low is not None and not low < self.train.rollout_is_high:
@@ -583,6 +591,7 @@ UNRANGED_KEYS = frozenset(
         "sft.target_metric",
         "mode",
         "weight_sync",
+        "weight_delta",
         "output_dir",
         "checkpoint_queue",
         "resume",

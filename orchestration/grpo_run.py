@@ -412,7 +412,8 @@ class GRPORun:
         """Send the trainer's weights to every engine as ``version``; returns the seconds it took."""
         t0 = time.perf_counter()
         if self.channel is not None:  # engines pull it before their next generation
-            ray.get([rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer])
+            delta = self.cfg.weight_delta
+            ray.get([rank.publish_weights.remote(str(self.channel.path), delta) for rank in self.trainer])
         elif self.cfg.weight_sync == "memory":
             weights = ray.get([rank.weights.remote() for rank in self.trainer])[0]
             ray.get([w.update_weights.remote(version, weights) for w in self.rollout])
@@ -544,7 +545,9 @@ class GRPORun:
         self._train_launched = time.time()
         self._publish_refs = []
         if self.channel is not None and self._publishes(step, self._version_after(step)):
-            self._publish_refs = [rank.publish_weights.remote(str(self.channel.path)) for rank in self.trainer]
+            self._publish_refs = [
+                rank.publish_weights.remote(str(self.channel.path), self.cfg.weight_delta) for rank in self.trainer
+            ]
         train = self.lost_prompts.wait(train_refs, self.pending)[0]  # puts again prompts lost with a storage unit
         self._train_done = time.time()
         return train

@@ -239,6 +239,7 @@ class GRPOTrainerRank:
         # a vision task's rows carry image references; the trainer resolves them to pixels (None: a text task)
         self.images = task.image_source() if task is not None else None
         self.version = 0
+        self._channels: dict[tuple[str, bool], WeightChannel] = {}  # publish_weights' channels, by path
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
         self._sft_prompts: list[dict[str, Any]] | None = None
@@ -475,14 +476,18 @@ class GRPOTrainerRank:
         state = self.policy.full_state_dict()
         return [ray.put(state)] if self.rank == 0 else None
 
-    def publish_weights(self, channel_path: str) -> float:
+    def publish_weights(self, channel_path: str, delta: bool = False) -> float:
         """A collective: gather the full weights; rank 0 writes them to the weight channel at ``channel_path`` as
-        this rank's policy version. Returns the seconds it took."""
+        this rank's policy version (``delta``: marking the chunks that changed, see ``WeightChannel``). Returns the
+        seconds it took."""
         assert self.policy is not None
         started = time.perf_counter()
         state = self.policy.full_state_dict()
         if self.rank == 0:
-            WeightChannel(channel_path).write(self.version, state)
+            channel = self._channels.get((channel_path, delta))
+            if channel is None:  # kept: its files stay mapped between publishes
+                channel = self._channels[(channel_path, delta)] = WeightChannel(channel_path, delta=delta)
+            channel.write(self.version, state)
         return time.perf_counter() - started
 
     def save_hf(self, path: str) -> None:

@@ -118,7 +118,7 @@ def wait_for_a_step(run: subprocess.Popen[str], out: Path, wait_until) -> None:
     )
     assert run.poll() is None, stderr_of(run)[-6000:]
     channel = [n for n in shm_scratch() if n.startswith(f"tq-weights-{run.pid}-")]
-    assert len(channel) == 1 and any((Path(shm_root() or tempfile.gettempdir()) / channel[0]).glob("*.pt"))
+    assert len(channel) == 1 and any((Path(shm_root() or tempfile.gettempdir()) / channel[0]).glob("*.weights"))
 
 
 # SIGINT takes the same stop as SIGTERM (tests/unit/orchestration/test_stopping.py; the demo's Ctrl-C test in

@@ -16,6 +16,7 @@ from workers.engines.base import (
     Generation,
     SamplingParams,
     check_prompts,
+    check_version,
     check_weight_update,
 )
 from workers.engines.errors import ImagesNotSupported, ImageTokenMismatch
@@ -294,6 +295,21 @@ class HFEngine(Engine):
             assert path is not None  # check_weight_update: exactly one of state_dict and path
             self._model = _placed(_load_pretrained(path, self._dtype), self._device, self._dtype)
         self._version = version
+
+    def update_weights_in_place(self, fill: Callable[[dict[str, torch.Tensor]], int]) -> int:
+        """Let ``fill`` write new weights straight into the model's parameters and buffers (its ``state_dict()``,
+        which shares their storage; e.g. ``WeightChannel.read_into``) and return their version, which becomes the
+        engine's. Returns it.
+
+        Raises:
+            ValueError: if the version ``fill`` returns is lower than the current one (the weights are then already
+                overwritten; a channel's versions never go back, so only a mixed use of sources can get there).
+        """
+        with torch.no_grad():
+            version = fill(self._model.state_dict())
+        check_version(self._version, version)
+        self._version = version
+        return version
 
     def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         expected = self._model.state_dict()

@@ -171,8 +171,19 @@ class EngineActor:
         channel = self._channel
         newest = channel.newest() if min_version is None else channel.wait(min_version, self._weights_timeout)
         if newest is not None and newest[0] > self._serial:
-            self._serial, version, state = channel.load(newest[1], self._weights_timeout)
-            self._engine.update_weights(version, state_dict=state)
+            in_place = getattr(self._engine, "update_weights_in_place", None)
+            if in_place is None:
+                self._serial, version, state = channel.load(newest[1], self._weights_timeout)
+                self._engine.update_weights(version, state_dict=state)
+                return self._engine.version
+            have, self._serial = self._serial, -1  # until the copy is whole
+
+            def fill(targets: dict[str, torch.Tensor]) -> int:
+                stats = channel.read_into(targets, have, newest[1], self._weights_timeout)
+                self._serial = stats.serial
+                return stats.version
+
+            in_place(fill)  # straight from the shared file into the parameters; only changed chunks one write behind
         return self._engine.version
 
     def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
@@ -182,6 +193,7 @@ class EngineActor:
         if isinstance(weights, list) and weights and isinstance(weights[0], ray.ObjectRef):
             weights = ray.get(weights[0])
         self._engine.update_weights(version, state_dict=weights, path=path)
+        self._serial = -1  # no longer the channel's write: its next one is loaded whole
         return self._engine.version
 
     def restore_server_weights(self) -> bool:

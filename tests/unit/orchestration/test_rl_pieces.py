@@ -291,6 +291,7 @@ def test_jagged_rows_round_trip():
             {"rollout.generate_fn": "workers.agents.rollout_fns:single_turn_generate", "weight_sync": "shm"},
             "use weight_sync='memory' or 'disk', not 'shm'",
         ),
+        ({"weight_delta": True}, "weight_delta=true needs weight_sync='shm' (the shared-memory weight channel), got"),
     ],
 )
 def test_inconsistent_configs_fail_before_any_actor_starts(overrides, message):

@@ -163,6 +163,20 @@ def test_update_weights_accepts_a_state_dict_without_the_tied_head(engine):
     assert torch.equal(engine.model.lm_head.weight, state_dict["model.embed_tokens.weight"])
 
 
+def test_update_weights_in_place_from_a_weight_channel_generates_as_the_published_model(engine, tmp_path):
+    from rl_contracts.weight_channel import WeightChannel
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    channel = WeightChannel(tmp_path)
+    channel.write(2, build_tiny_causal_lm(VOCAB, seed=1).state_dict())
+    assert engine.update_weights_in_place(lambda targets: channel.read_into(targets).version) == 2
+    assert engine.version == 2
+    assert_same_generations(engine.generate(PROMPTS, n=1, params=params),
+                            make_engine(seed=1).generate(PROMPTS, n=1, params=params))  # fmt: skip
+    with pytest.raises(ValueError, match="version must not go backwards: current version=2, got 1"):
+        engine.update_weights_in_place(lambda targets: 1)
+
+
 def test_update_weights_from_a_directory(engine, tmp_path):
     build_tiny_causal_lm(VOCAB, seed=1).save_pretrained(tmp_path)
     engine.update_weights(3, path=str(tmp_path))
