@@ -63,3 +63,28 @@ async def with_retry_async(
             log.warning("%s; retrying in %.2f s", exc, delay)
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
+
+
+async def with_retry_to_end(call: Callable[[], T], deadline_s: float = 120.0) -> T:
+    """:func:`with_retry` of ``call`` in a worker thread, awaited to its end even when the awaiting task is cancelled
+    meanwhile: the cancellation is raised once the call has returned (or raised). For the calls that end a claim
+    (complete, fail, release), which must reach the ledger whatever cancels their task: a plain ``await
+    asyncio.to_thread(...)`` cancelled before a pool thread picked the call up cancels the call, which then never runs
+    (and the claim stays running until its lease runs out)."""
+    call_in_thread = asyncio.ensure_future(asyncio.to_thread(with_retry, call, deadline_s))
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(call_in_thread)
+        except asyncio.CancelledError as exc:
+            if call_in_thread.cancelled():  # the call itself was cancelled (the loop is closing): nothing to wait for
+                raise
+            cancelled = exc  # the awaiting task was: wait on
+            continue
+        except BaseException as error:
+            if cancelled is not None:  # the cancellation wins, raised from the call's error
+                raise cancelled from error
+            raise
+        if cancelled is not None:
+            raise cancelled
+        return result

@@ -40,7 +40,7 @@ from workers.ledger.convert import sampled_row
 from workers.ledger.errors import ClaimLost, LedgerUnavailable, NoTaskAvailable
 from workers.ledger.models import DispatchedSamplingTask, Record, Task
 from workers.ledger.multimodal import is_multimodal, preprocess_mm_messages_for_sample, store_mm_messages
-from workers.ledger.retry import with_retry
+from workers.ledger.retry import with_retry, with_retry_to_end
 from workers.ledger.services import InferenceClient
 from workers.ledger.store import Ledger
 
@@ -156,13 +156,17 @@ class AsyncSampler(ABC):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         assert self.claim is not None
+        claim_id = self.claim.id
+        # the claim's end reaches the ledger even when this task is cancelled meanwhile (the scheduler cancels the
+        # running samplers when one fails for good): else the claim would stay running until its lease ran out
         try:
             if exc_type is None:
-                await self._ledger_call(self.ledger.complete, self.claim.id)
+                await with_retry_to_end(lambda: self.ledger.complete(claim_id))
             elif issubclass(exc_type, asyncio.CancelledError):
-                await self._ledger_call(self.ledger.release, self.claim.id, "cancelled: returned by its sampler")
+                await with_retry_to_end(lambda: self.ledger.release(claim_id, "cancelled: returned by its sampler"))
             else:
-                await self._ledger_call(self.ledger.fail, self.claim.id, f"{exc_type.__name__}: {exc}")
+                error = f"{exc_type.__name__}: {exc}"
+                await with_retry_to_end(lambda: self.ledger.fail(claim_id, error))
         except ClaimLost as lost:  # the lease ran out meanwhile; the re-dispatched claim records what is missing
             log.warning("sampler %s: %s", self.owner, lost)
         finally:

@@ -23,6 +23,8 @@ raises it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import socket
@@ -38,7 +40,7 @@ from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import InvalidRecordData, LockNotAcquired, NoInferenceService, NoTaskAvailable, NotATask
 from workers.ledger.models import BASE_TASK_FIELDS, DispatchedSamplingTask, Task, check_registered
 from workers.ledger.multimodal import store_mm_payload
-from workers.ledger.retry import with_retry
+from workers.ledger.retry import with_retry, with_retry_to_end
 from workers.ledger.sampler import AsyncSampler, TrajectorySink, _blob_dir, shared_ledger
 from workers.ledger.services import InferenceClient
 from workers.ledger.store import EpochProgress, Ledger
@@ -254,7 +256,11 @@ class SamplingScheduler:
         try:
             got = await asyncio.shield(claiming)
         except asyncio.CancelledError:  # the statement runs on in its thread: return what it claims
-            await self._release([claim for claim, _ in await claiming], "returned: the run was cancelled")
+            while not claiming.done():  # however often this task is cancelled meanwhile
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([claiming])
+            claims = [] if claiming.cancelled() or claiming.exception() else claiming.result()
+            await self._release([claim for claim, _ in claims], "returned: the run was cancelled")
             raise
         self.stats["no_task"] += room - len(got)  # another worker took them first
         return got
@@ -272,11 +278,18 @@ class SamplingScheduler:
         await self._release(claims, "returned: its sampler never started")
 
     async def _release(self, claims: list[DispatchedSamplingTask], reason: str) -> None:
+        """Return ``claims``, every one of them even when this task is cancelled meanwhile (the cancellation is raised
+        once they are returned)."""
+        cancelled: asyncio.CancelledError | None = None
         for claim in claims:
             try:
-                await asyncio.to_thread(with_retry, lambda c=claim: self.ledger.release(c.id, reason))
+                await with_retry_to_end(functools.partial(self.ledger.release, claim.id, reason))
+            except asyncio.CancelledError as exc:
+                cancelled = exc
             except Exception as exc:  # the lease runs out instead: the task is claimed again then
                 log.warning("could not return claim %s: %s", claim.id, exc)
+        if cancelled is not None:
+            raise cancelled
 
     async def _one_sampler(self, claimed: tuple[DispatchedSamplingTask, Task]) -> None:
         self._unstarted.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # always inside a task
@@ -297,7 +310,7 @@ class SamplingScheduler:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("sampler of task %s could not be built: %s", claimed[1].id, error)
             try:
-                await asyncio.to_thread(with_retry, lambda: self.ledger.fail(claimed[0].id, error))
+                await with_retry_to_end(lambda: self.ledger.fail(claimed[0].id, error))
             except Exception as failing:  # its lease runs out instead
                 log.warning("could not fail claim %s: %s", claimed[0].id, failing)
             return
