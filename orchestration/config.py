@@ -178,6 +178,12 @@ class RLConfig:
     seed: int = 0  # seeds the weights, the prompt order and sampling
     num_storage_units: int = 2  # the queue's storage actors
     queue_timeout: float = 300.0  # seconds a queue read waits for its rows
+    # copies of each row in the queue: 1, or 2 (on two storage units: a unit killed mid-run loses no row; needs
+    # num_storage_units >= 3)
+    queue_replicas: int = 1
+    # the queue's controller journals its bookkeeping in output_dir/queue_journal: Ray restarts it when it dies and
+    # the run's clients ask again (up to QUEUE_RESTART_RETRY_S) what failed meanwhile. Needs checkpoint_queue=false
+    queue_journal: bool = False
     eval_every: int = 0  # greedy accuracy on the eval prompts every k steps (0: never)
     log_every: int = 10  # without a terminal: one plain line of metrics every k steps (a bar on a terminal)
     tensorboard: bool = False  # also write each step's metrics as TensorBoard scalars in output_dir/tensorboard
@@ -208,6 +214,7 @@ class RLConfig:
                 f"sync_every={self.sync_every} leaves engines up to {self.sync_every - 1} versions behind, more than "
                 f"max_staleness={self.max_staleness}; use mode='async' with max_staleness >= {self.sync_every - 1}"
             )
+        self._check_queue()
         self._check_parallelism()
         self._check_inference()
         tp, world = self.train.tp_size, self.train.world_size
@@ -384,6 +391,19 @@ class RLConfig:
         several_updates = self.train.minibatches_per_step > 1 or self.train.ppo_epochs > 1
         return not same_numerics or self.mode == "async" or several_updates
 
+    def _check_queue(self) -> None:
+        if self.queue_replicas == 2 and self.num_storage_units < 3:
+            raise ConfigError(
+                f"queue_replicas=2 needs num_storage_units >= 3, got {self.num_storage_units}: a put goes to a unit "
+                "and its partner, both live, so with two units one dead unit stops every put until Ray restarted it"
+            )
+        if self.queue_journal and self.checkpoint_queue:
+            raise ConfigError(
+                "queue_journal=true cannot go with checkpoint_queue=true: a resumed run starts its queue from the "
+                "checkpoint's queue snapshot, and a journaled queue cannot start from a snapshot; set "
+                "checkpoint_queue=false (a resumed run generates the steps launched ahead again) or queue_journal=false"
+            )
+
     @property
     def checkpoint_interval(self) -> int:
         """Steps between checkpoints: ``checkpoint_every``, or by default ``steps / 10`` rounded up, at most 100
@@ -556,6 +576,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "seed": _ints(0),
     "num_storage_units": _ints(1),
     "queue_timeout": _POSITIVE,
+    "queue_replicas": Range(int, 1, 2),
     "eval_every": _ints(0),
     "log_every": _ints(1),
 }
@@ -594,6 +615,7 @@ UNRANGED_KEYS = frozenset(
         "weight_delta",
         "output_dir",
         "checkpoint_queue",
+        "queue_journal",
         "resume",
         "tensorboard",
         "trace",

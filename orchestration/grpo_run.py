@@ -87,6 +87,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: queue_journal: seconds the run's queue clients ask the controller again while Ray restarts it (QueueConfig
+#: restart_retry_s); a restart takes a few seconds (a new process, the journal's replay)
+QUEUE_RESTART_RETRY_S = 60.0
+
 #: the task of a run whose config names none (``task.name: null``): the demo's addition task
 DEFAULT_TASK = "workers.tasks.addition:AdditionTask"
 #: the task of a run on your own files (``model.path``, ``data.*``, ``reward.fn``; docs/quickstart.md)
@@ -254,6 +258,8 @@ class GRPORun:
             restore_from=self._restorable_queue(),
             task_names=self.queue_task_names,
             run_metrics=str(self.out / "metrics.jsonl"),
+            replicas=cfg.queue_replicas,
+            **self._queue_journal(),
         )
         info = self.client.controller_info
         spec = EngineSpec(
@@ -662,6 +668,18 @@ class GRPORun:
         if self._queue_from == checkpoint and resumed.queue is not None:
             self._resume_queue(resumed.step, resumed.queue)
         return resumed.step
+
+    def _queue_journal(self) -> dict[str, Any]:
+        """queue_journal: the controller journals in output_dir/queue_journal and every client of the queue (this
+        driver's, the workers', the trainer ranks': they read it from the controller's info) asks again for up to
+        QUEUE_RESTART_RETRY_S what failed while Ray restarted it. The journal outlives a controller, not the run: a
+        journal left by a run that died (its units gone with it) is emptied, a resumed run starts from its checkpoint.
+        """
+        if not self.cfg.queue_journal:
+            return {}
+        journal = self.out / "queue_journal"
+        shutil.rmtree(journal, ignore_errors=True)
+        return {"journal_dir": str(journal), "restart_retry_s": QUEUE_RESTART_RETRY_S}
 
     def _restorable_queue(self) -> str | None:
         """The queue snapshot of the checkpoint this run will resume from, if it has one: the queue starts from it."""

@@ -35,6 +35,8 @@ CHANGEABLE_ON_RESUME = (
     "log_every",
     "queue_timeout",
     "num_storage_units",
+    "queue_replicas",
+    "queue_journal",
     "rollout.num_workers",
     "rollout.num_reward_workers",
     "rollout.groups_per_request",

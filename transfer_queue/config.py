@@ -65,6 +65,11 @@ class QueueConfig:
             second: a host crash may lose the last second, a process crash nothing) or ``"never"`` (the OS decides).
         journal_snapshot_bytes: the journal's log is folded into a fresh snapshot once it is longer than this and
             than the last snapshot (which bounds both replay time and disk use).
+        restart_retry_s: seconds every client of the queue keeps asking the controller again, with backoff, a call
+            that failed with ``ServerGone`` (the controller died; with ``journal_dir`` Ray restarts it and it comes
+            back where it was) before it raises the ``ServerGone``. A put's commit is never asked again (whether its
+            rows became visible is unknown: it raises), nor an abort; a put's reserve is (nothing was committed).
+            0 (the default): no retry.
     """
 
     global_batch_size: int
@@ -93,6 +98,7 @@ class QueueConfig:
     journal_dir: str | None = None
     journal_fsync: str = "always"
     journal_snapshot_bytes: int = 64 << 20
+    restart_retry_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -161,6 +167,9 @@ class QueueConfig:
         snap = self.journal_snapshot_bytes
         if not isinstance(snap, int) or isinstance(snap, bool) or snap < 1:
             raise InvalidRequest(f"journal_snapshot_bytes must be an int >= 1, got {snap!r}")
+        retry = self.restart_retry_s
+        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0 <= retry < float("inf"):
+            raise InvalidRequest(f"restart_retry_s must be a finite number of seconds >= 0, got {retry!r}")
 
     def check_extension(self, seconds: Any) -> None:
         """``extend_lease``'s seconds: a finite number in (0, max_lease_s]; InvalidRequest otherwise."""

@@ -51,6 +51,7 @@ class AsyncTransferQueueClient(KVCalls):
         """
         request = p.SetTaskOptions(task_name, ack, lease_s, max_deliveries)
         await self._control(request, Any, self.config.default_timeout)
+        self._task_options[task_name] = request  # set again after a controller restart (restart_retry_s)
 
     async def dead_letters(
         self, global_step: int | None = None, partition_id: str | None = None, task_name: str = "default"

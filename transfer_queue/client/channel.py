@@ -4,8 +4,10 @@ health, and the checks every call shares. :class:`~transfer_queue.client.AsyncTr
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -31,10 +33,14 @@ from transfer_queue.wire import protocol as p
 from transfer_queue.wire.columns import (
     Column,
 )
-from transfer_queue.wire.transport import AsyncioTransport, Transport
+from transfer_queue.wire.transport import AsyncioTransport, BlockingTransport, Transport
 
 logger = logging.getLogger(__name__)
 REPLY_SLACK = 5.0  # seconds a client waits beyond a server-side timeout before calling the server dead
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # restart_retry_s: the first pause before asking again, and the longest
+# Requests asked again after ServerGone only if the caller knows the outcome: a commit may have been applied (its put
+# raises instead: whether its rows are visible is unknown); an abort is best effort (the controller aborts anyway).
+NOT_RETRIED = (p.Commit, p.Abort)
 KV_READ_ATTEMPTS = 8  # kv_batch_get looks keys up again when a concurrent kv_put replaced them mid-read
 
 
@@ -102,6 +108,9 @@ class QueueChannel:
         self._unit_endpoints: list[p.Endpoint] = list(controller_info.storage_units)
         self._restarted: dict[int, p.UnitRestart] = {}
         # replicas=2: the unit holding the second copy of each unit's blocks (puts write both, reads fall back to it)
+        # The task options this client set (set_task_options), by task: set again after a ServerGone before the call
+        # is asked again (restart_retry_s), since a controller restarted from its journal has forgotten them.
+        self._task_options: dict[str, Any] = {}
         self._replica_of: list[int] | None = controller_info.replica_units
         if self.config.replicas > 1 and (
             self._replica_of is None or len(self._replica_of) != len(controller_info.storage_units)
@@ -228,12 +237,42 @@ class QueueChannel:
         return None
 
     async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:
-        ((reply, _),) = await self._call(
-            [(self.controller_info.controller, body, ())],
-            timeout,
-            f"the controller at {self.controller_info.controller.tcp} did not answer (is it alive?)",
-        )
-        return p.decode_as(reply, reply_type)
+        """One request to the controller. With ``restart_retry_s`` (QueueConfig), one that failed with ServerGone is
+        asked again after a pause (doubling from RETRY_FIRST_S to RETRY_MAX_S) until that many seconds passed since
+        the first failure; then the last ServerGone is raised. Commits and aborts are never asked again. Before it is
+        asked again, the task options this client set are set again (a controller restarted from its journal has
+        forgotten them)."""
+        give_up: float | None = None
+        pause = RETRY_FIRST_S
+        while True:
+            try:
+                if give_up is not None:  # asked again: the controller may be a new one, without the task options
+                    for options in list(self._task_options.values()):
+                        await self._call([(self.controller_info.controller, options, ())], timeout, "set_task_options")
+                ((reply, _),) = await self._call(
+                    [(self.controller_info.controller, body, ())],
+                    timeout,
+                    f"the controller at {self.controller_info.controller.tcp} did not answer (is it alive?)",
+                )
+                return p.decode_as(reply, reply_type)
+            except ServerGone as exc:
+                now = time.monotonic()
+                give_up = now + self.config.restart_retry_s if give_up is None else give_up
+                if isinstance(body, NOT_RETRIED) or now >= give_up:
+                    raise
+                logger.warning(
+                    "%s: %s; asking again in %.1f s (restart_retry_s: %.0f s left)",
+                    type(body).__name__, exc, pause, give_up - now,
+                )  # fmt: skip
+                await self._pause(min(pause, give_up - now))
+                pause = min(2 * pause, RETRY_MAX_S)
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait: without suspending over a blocking transport (its coroutines never suspend), else asyncio.sleep."""
+        if isinstance(self._transport, BlockingTransport):
+            time.sleep(seconds)
+        else:
+            await asyncio.sleep(seconds)
 
     async def _storage(
         self,

@@ -231,6 +231,7 @@ class PutLedger:
         keyed = req.keys is not None
         self.table.check_use(part, keyed)
         part.check_schema(req.fields)
+        chunks = self._place(req)  # before a row is taken: a put that cannot be placed leaves nothing behind
         if keyed:
             assert req.keys is not None
             rows = np.asarray([part.keys.get(k, -1) for k in req.keys], dtype=np.int64)
@@ -249,7 +250,7 @@ class PutLedger:
             new_rows = np.ones(len(rows), dtype=bool)
         part.add_fields(req.fields)
         mask = part.begin_write(rows, list(req.fields), upsert=part.keyed)
-        return self._reserve(part, req, rows, mask, new_rows, lengths)
+        return self._reserve(part, req, rows, mask, new_rows, lengths, chunks)
 
     def _reserve_write(self, req: PutRequest, lengths: np.ndarray | None) -> Reserved | None:
         """A put with metadata: write new fields into existing rows."""
@@ -265,9 +266,18 @@ class PutLedger:
         part.check_write(rows, list(req.fields), upsert=part.keyed)
         if self.bytes_held + req.nbytes > self.byte_budget:
             return None
+        chunks = self._place(req)  # before the rows' fields are marked as being written
         part.add_fields(req.fields)
         mask = part.begin_write(rows, list(req.fields), upsert=part.keyed)
-        return self._reserve(part, req, rows, mask, np.zeros(len(rows), dtype=bool), lengths)
+        return self._reserve(part, req, rows, mask, np.zeros(len(rows), dtype=bool), lengths, chunks)
+
+    def _place(self, req: PutRequest) -> list[tuple[int, int, int]]:
+        """The put's chunks, ``(unit, start, stop)``, on the units it can be placed on now; StorageUnavailable when
+        none can take it. Changes nothing, so a put refused here leaves no row taken nor field marked."""
+        units = self.config.num_storage_units
+        return place_rows(
+            req.num_rows, req.nbytes, units, self.next_put % units, down=self.unplaceable(), replica_of=self.replica_of
+        )
 
     def _reserve(
         self,
@@ -277,12 +287,11 @@ class PutLedger:
         mask: int,
         new_rows: np.ndarray,
         lengths: np.ndarray | None,
+        chunks: list[tuple[int, int, int]],
     ) -> Reserved:
         units = self.config.num_storage_units
         placements, blocks, offsets = [], np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
-        for unit, start, stop in place_rows(
-            len(rows), req.nbytes, units, self.next_put % units, down=self.unplaceable(), replica_of=self.replica_of
-        ):
+        for unit, start, stop in chunks:
             block_id = self.next_block * units + unit
             self.next_block += 1
             placements.append((unit, block_id, start, stop))

@@ -278,3 +278,23 @@ def test_tensor_parallel_groups_take_one_dp_share_each():
     assert (config.train.tp_size, config.train.pp_size, config.train.ep_size, config.train.cp_size) == (2, 1, 1, 1)
     with pytest.raises(ConfigError, match=r"over train\.world_size=4 ranks x"):
         load_config(None, {"train.world_size": 4, "prompts_per_step": 6})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"queue_replicas": 3}, r"^queue_replicas must be an int in \[1, 2\], got 3"),
+        ({"queue_replicas": 2}, r"queue_replicas=2 needs num_storage_units >= 3, got 2: a put goes to a unit and"),
+        ({"queue_journal": True}, r"queue_journal=true cannot go with checkpoint_queue=true"),
+    ],
+)
+def test_queue_keys_refuse_what_the_queue_cannot_do(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_queue_replicas_and_journal_go_together_without_a_queue_checkpoint() -> None:
+    overrides = {"queue_replicas": 2, "num_storage_units": 3, "queue_journal": True, "checkpoint_queue": False}
+    cfg = load_config(None, overrides)
+    assert (cfg.queue_replicas, cfg.queue_journal) == (2, True)
+    assert (load_config(None).queue_replicas, load_config(None).queue_journal) == (1, False)

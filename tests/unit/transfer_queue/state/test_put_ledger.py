@@ -206,3 +206,25 @@ def test_a_reservation_tells_the_client_how_long_its_commit_is_accepted(make_que
     q = make_queue(put_grace=1.5)
     reservation = q.reserve(0, 4, timeout=2.0)
     assert reservation.commit_within == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_put_that_cannot_be_placed_takes_no_row_and_marks_no_field(replicas: int) -> None:
+    """Every unit it could go on is down (replicas=2 over two units: one down leaves no unit whose partner lives): the
+    put is refused, StorageUnavailable, and the same put once a unit is back is served; before, the refused put into
+    existing rows left their fields marked as being written (the retry: FieldAlreadyProduced) and a put of new rows
+    left its rows taken."""
+    from transfer_queue.errors import StorageUnavailable
+
+    b = books(num_storage_units=2, replicas=replicas)
+    created = b.ledger.commit(b.reserve("p", 4).put_id)
+    b.ledger.down_units |= {0, 1} if replicas == 1 else {0}
+    y = {"y": FieldSchema("dense", "float32", ())}
+    into = PutRequest("p", 4, y, 16, target_uid=created.partition_uid, target_indexes=created.global_indexes)
+    with pytest.raises(StorageUnavailable, match="no put can be placed"):
+        b.ledger.try_reserve(b.ledger.validate(into))
+    with pytest.raises(StorageUnavailable, match="no put can be placed"):
+        b.reserve("p", 4)
+    b.ledger.down_units.clear()
+    assert b.ledger.try_reserve(b.ledger.validate(into)) is not None  # the same fields of the same rows
+    assert b.reserve("p", 4).global_indexes.tolist() == [4, 5, 6, 7]  # the refused put took no row
