@@ -236,7 +236,7 @@ class GRPORun:
         if starts_servers(cfg.rollout):  # one server per rollout worker, loading the run's model, with its own key
             model_dir = model_directory(cfg.model.path, self.task, self.out)
             # each server its own devices: rollout.gpus, else GPUs Ray holds for them (none on a CPU node)
-            reserved = reserve_server_gpus(cfg.rollout)
+            reserved = reserve_server_gpus(cfg.rollout, cfg.train.world_size * cfg.train.num_gpus_per_rank)
             gpus = None
             if reserved is not None:
                 self.gpu_holder, gpus = reserved

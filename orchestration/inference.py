@@ -18,6 +18,8 @@ servers' environment is the run's.
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,8 @@ from workers.engines.errors import InvalidInferenceSizing
 if TYPE_CHECKING:
     from rl_contracts.task import Task
     from workers.engines.manager import InferenceManager
+
+logger = logging.getLogger(__name__)
 
 
 def starts_servers(rollout: RolloutConfig) -> bool:
@@ -143,12 +147,16 @@ class GPUHolder:
         return [str(g) for g in ray.get_gpu_ids()]
 
 
-def reserve_server_gpus(rollout: RolloutConfig, timeout_s: float = 60.0) -> tuple[Any, list[str]] | None:
+def reserve_server_gpus(
+    rollout: RolloutConfig, trainer_gpus: float = 0.0, timeout_s: float = 60.0
+) -> tuple[Any, list[str]] | None:
     """GPUs of this node (the driver's, where the manager starts the servers) reserved through Ray for the servers of a
     run that starts them: ``rollout.num_workers x rollout.inf_tp_size`` devices held by a :class:`GPUHolder` actor
     (kill it once the servers stopped), and their ids (Ray's, which are the node's ``CUDA_VISIBLE_DEVICES`` ids), for
     the manager's ``gpus``. None when there is nothing to place: ``rollout.gpus`` given, no servers to start, Ray not
-    running, or a node without GPUs (CPU: the servers' environment stays as it is).
+    running, a node without GPUs (CPU: the servers' environment stays as it is), or a node whose GPUs do not hold the
+    servers and the trainer's ranks (``trainer_gpus``) apart: then they share the devices (colocated, the servers
+    sized by ``inf_mem_ratio``), as before this reservation existed, instead of the trainer waiting for GPUs forever.
 
     Raises:
         InvalidInferenceSizing: this node has fewer GPUs than the servers need (naming both numbers), or Ray could not
@@ -166,6 +174,14 @@ def reserve_server_gpus(rollout: RolloutConfig, timeout_s: float = 60.0) -> tupl
             f"{rollout.num_workers} servers of inf_tp_size={rollout.inf_tp_size} devices need {need} gpus, this node "
             f"has {total}"
         )
+    if need + math.ceil(trainer_gpus) > total:  # no room for both apart: servers and trainer share the devices
+        logger.info(
+            "the run's %d inference servers share this node's %d GPUs with its trainer ranks (%g GPUs)",
+            rollout.num_workers,
+            total,
+            trainer_gpus,
+        )
+        return None
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     holder = (

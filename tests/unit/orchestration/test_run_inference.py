@@ -331,7 +331,9 @@ from workers.engines.errors import InvalidInferenceSizing
 
 ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, logging_level="ERROR")  # Ray's GPU slots, no device
 out = {}
-holder, ids = reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang"))
+# 2 server GPUs and 3 trainer GPUs do not fit apart in 4: they share the devices, nothing is reserved
+out["shared"] = reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang"), trainer_gpus=3) is None
+holder, ids = reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang"), trainer_gpus=2)
 out["reserved"] = ids
 
 
@@ -356,7 +358,8 @@ print("RESULT " + json.dumps(out))
 
 
 def test_ray_reserves_each_servers_gpus_on_this_node_and_other_actors_get_the_rest(tmp_path):
-    """In a Ray of 4 GPU slots (no device needed: Ray hands out ids): 2 servers x inf_tp_size 1 hold 2 ids, an actor
+    """In a Ray of 4 GPU slots (no device needed: Ray hands out ids): 2 servers and 3 trainer GPUs do not fit apart, so
+    nothing is reserved (they share the devices); 2 servers x inf_tp_size 1 hold 2 ids, an actor
     asking for 2 GPUs gets the other 2; 3 servers x 2 are refused naming both numbers, and with every slot held a
     reservation is refused after its timeout."""
     import json
@@ -368,6 +371,7 @@ def test_ray_reserves_each_servers_gpus_on_this_node_and_other_actors_get_the_re
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     out = json.loads(line.removeprefix("RESULT "))
+    assert out["shared"]
     assert len(out["reserved"]) == 2 and len(out["trainer"]) == 2
     assert sorted(out["reserved"] + out["trainer"]) == ["0", "1", "2", "3"]
     assert out["refused"] == [
