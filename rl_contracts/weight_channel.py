@@ -14,7 +14,7 @@ views of the mapping and the tensors: a reader fills its own tensors straight fr
 
 A version appears atomically (written under a temporary name, then renamed), so a listing shows only whole writes.
 The writer keeps the newest ``keep`` versions and, from the next write on, reuses the oldest one's file (same
-layout) instead of allocating a new one: its pages are already in memory, so a publish takes no page faults. The
+layout; never the newest, so not with ``keep=1``) instead of allocating a new one: its pages are already in memory, so a publish takes no page faults. The
 header's serial guards a reader against that reuse, seqlock-style: the writer sets it to -1 before it writes any
 byte and to the new serial once all are written; a reader checks it before and after its copy and, when it changed,
 copies the newest write again (all of it).
@@ -190,7 +190,9 @@ class WeightChannel:
         marks = {s: self._marks(s, v, h) if h is not None and h.layout == layout else None
                  for (s, v), h in zip(writes, headers.values(), strict=True)}  # fmt: skip
         changed = self._changed(tensors, newest, headers, layout, chunks) if self.delta else None
-        oldest = headers[writes[0][0]] if len(writes) >= self.keep else None
+        # the oldest kept write's file is taken over once the channel keeps its count, never the newest (keep=1):
+        # readers would find no version while it is rewritten
+        oldest = headers[writes[0][0]] if len(writes) >= max(self.keep, 2) else None
         reuse = writes[0] if oldest is not None and oldest.layout == layout else None
         reused = reuse is not None
         if reuse is not None:
@@ -386,7 +388,9 @@ class WeightChannel:
             pause = min(pause * 2, 2e-3)
 
     def close(self) -> None:
-        """Delete the channel's files and directory (the owner's side, at the end of a run; idempotent)."""
+        """Delete the channel's files and directory (the owner's side, at the end of a run; idempotent), and drop
+        this side's mappings of them (a deleted file's memory is freed once nothing maps it)."""
+        self._maps.clear()
         if self._owner is not None:
             self._owner.remove()
         else:

@@ -157,19 +157,41 @@ def test_a_delta_write_marks_the_changed_chunks_and_a_reader_one_behind_copies_o
 def test_a_reader_whose_file_is_reused_while_it_copies_copies_the_newest_again(tmp_path, monkeypatch):
     import rl_contracts.weight_channel as wc
 
-    writer = WeightChannel(tmp_path, keep=1)
+    writer = WeightChannel(tmp_path, keep=2)
     writer.write(0, model_state(0))
+    writer.write(1, model_state(1))
     copy, calls = wc._copy, []
 
     def copy_then_publish(*args):
         copied = copy(*args)
         calls.append(copied)
-        if len(calls) == 1:  # the writer reuses the file this reader is copying from
-            writer.write(1, model_state(1))
+        if len(calls) == 1:  # two more writes: the second reuses the file this reader is copying from (version 1's)
+            writer.write(2, model_state(2))
+            writer.write(3, model_state(3))
         return copied
 
     monkeypatch.setattr(wc, "_copy", copy_then_publish)
     target = zeros_like(model_state(0))
     got = WeightChannel(tmp_path).read_into(target, have_serial=-1)
-    assert len(calls) == 2 and (got.serial, got.version) == (1, 1)
-    assert all(torch.equal(target[n], t) for n, t in model_state(1).items())
+    assert len(calls) == 2 and (got.serial, got.version) == (3, 3)
+    assert all(torch.equal(target[n], t) for n, t in model_state(3).items())
+
+
+def test_close_unmaps_the_deleted_files(tmp_path):
+    """The writer's mappings of its files go with close(): a deleted /dev/shm file stays in RAM while it is mapped."""
+    channel = WeightChannel(tmp_path / "ch")
+    for version in range(3):
+        channel.write(version, state(float(version)))
+    assert channel._maps
+    channel.close()
+    assert not channel._maps
+
+
+def test_a_channel_that_keeps_one_version_never_rewrites_it_in_place(tmp_path):
+    """keep=1: reusing the only file would take the newest version away from readers while it is rewritten."""
+    channel = WeightChannel(tmp_path / "ch", keep=1)
+    stats = [channel.write(version, state(float(version))) for version in range(3)]
+    assert [s.reused for s in stats] == [False, False, False]
+    _, version, got = channel.load(min_version=2, timeout=1.0)
+    assert version == 2 and got["w"][0, 0] == 2.0
+    channel.close()
