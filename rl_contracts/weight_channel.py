@@ -14,10 +14,10 @@ views of the mapping and the tensors: a reader fills its own tensors straight fr
 
 A version appears atomically (written under a temporary name, then renamed), so a listing shows only whole writes.
 The writer keeps the newest ``keep`` versions and, from the next write on, reuses the oldest one's file (same
-layout; never the newest, so not with ``keep=1``) instead of allocating a new one: its pages are already in memory, so a publish takes no page faults. The
-header's serial guards a reader against that reuse, seqlock-style: the writer sets it to -1 before it writes any
-byte and to the new serial once all are written; a reader checks it before and after its copy and, when it changed,
-copies the newest write again (all of it).
+layout; never the newest, so not with ``keep=1``) instead of allocating a new one: its pages are already in memory,
+so a publish takes no page faults. The header's serial guards a reader against that reuse, seqlock-style: the
+writer sets it to -1 before it writes any byte and to the new serial once all are written; a reader checks it before
+and after its copy and, when it changed, copies the newest write again (all of it).
 
 With ``delta=True`` the writer compares the new weights with the newest write chunk by chunk and marks the chunks
 that changed; into the reused file it writes only the chunks that differ from what the file holds (those changed
