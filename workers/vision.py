@@ -50,8 +50,8 @@ def image_tensor(image: ImageSource, where: str = "image") -> Tensor:
     """``image`` as a ``[3, H, W]`` float32 RGB tensor in [0, 1].
 
     Raises:
-        UnsupportedImageType: for bytes that are no PNG/JPEG/GIF/WebP, a string that is no base64 ``data:`` URL, a
-            tensor not shaped ``[3, H, W]``, or another type.
+        UnsupportedImageType: for bytes that are no PNG/JPEG/GIF/WebP or do not decode, a string that is no base64
+            ``data:`` URL, a tensor not shaped ``[3, H, W]``, or another type.
     """
     if isinstance(image, Tensor):
         if image.dim() != 3 or image.shape[0] != 3:
@@ -64,7 +64,13 @@ def image_tensor(image: ImageSource, where: str = "image") -> Tensor:
         image_mime(data, where)  # typed error for bytes of no known image type
         from PIL import Image
 
-        image = Image.open(io.BytesIO(data))
+        try:  # a known header over broken or hostile bytes: truncated, undecodable, a decompression bomb
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+            raise UnsupportedImageType(
+                f"{where}: expected a decodable image, got {len(data)} bytes that do not decode: {exc}"
+            ) from exc
     from PIL import Image
 
     if not isinstance(image, Image.Image):

@@ -23,6 +23,7 @@ Give it as a callable or, on a command line or in a config, as a dotted name ``"
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any, TypedDict
 
@@ -95,7 +96,10 @@ def convert_record(fn: Callable[..., Any], record: Record) -> RecordData | None:
         ids = data[key]
         if hasattr(ids, "tolist"):  # a tensor or an array of ids
             ids = ids.tolist()
-        if not isinstance(ids, list | tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        integers = isinstance(ids, list | tuple) and all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids
+        )
+        if not integers:
             raise InvalidRecordData(f"{where}: expected {key} a list of ints, got {ids!r:.200}")
         checked[key] = [int(i) for i in ids]
     if not checked["response_ids"]:

@@ -43,6 +43,7 @@ def test_every_image_source_decodes_to_the_same_rgb_tensor():
     ("source", "match"),
     [
         (b"not an image", r"images\[0\]: expected a PNG, JPEG, GIF or WebP image"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, r"images\[0\]: expected a decodable image, got 48 bytes that do not"),
         ("https://example.com/x.png", r"images\[0\]: expected a base64 data URL .* got 'https://example.com/x.png'"),
         (torch.zeros(1, 4, 4), r"images\[0\]: expected a \[3, H, W\] image tensor, got shape \(1, 4, 4\)"),
         (3, r"images\[0\]: expected image bytes, a base64 data: URL, a PIL image or a \[3, H, W\] tensor, got int"),

@@ -4,6 +4,7 @@ naming what was expected and what arrived."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,8 @@ def test_the_hooks_data_comes_back_checked_and_none_or_an_empty_list_skips_the_r
     assert convert_record(code_points, RECORD) == {"prompt_ids": [49, 43, 50, 61], "response_ids": [51]}
     tensors = lambda r: {"prompt_ids": torch.tensor([1, 2]), "response_ids": (3,)}  # noqa: E731
     assert convert_record(tensors, RECORD) == {"prompt_ids": [1, 2], "response_ids": [3]}
+    numpy_ints = lambda r: {"prompt_ids": [np.int64(1)], "response_ids": [np.int32(3)]}  # noqa: E731
+    assert convert_record(numpy_ints, RECORD) == {"prompt_ids": [1], "response_ids": [3]}
     unanswered = RECORD.model_copy(update={"messages": [*RECORD.messages[:1], {"role": "assistant", "content": ""}]})
     assert convert_record(code_points, unanswered) is None
     assert convert_record(lambda r: [], RECORD) is None
