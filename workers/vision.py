@@ -43,10 +43,10 @@ from workers.ledger.multimodal import IMAGE_REF, image_mime
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-ImageSource = Any  # bytes | str (data: URL) | PIL.Image.Image | Tensor [3, H, W] in [0, 1]
+ImageInput = Any  # bytes | str (data: URL) | PIL.Image.Image | Tensor [3, H, W] in [0, 1]
 
 
-def image_tensor(image: ImageSource, where: str = "image") -> Tensor:
+def image_tensor(image: ImageInput, where: str = "image") -> Tensor:
     """``image`` as a ``[3, H, W]`` float32 RGB tensor in [0, 1].
 
     Raises:
@@ -124,7 +124,7 @@ class ImageProcessor:
             )
         return cls(vision.image_size)
 
-    def __call__(self, images: Sequence[ImageSource]) -> Tensor:
+    def __call__(self, images: Sequence[ImageInput]) -> Tensor:
         """``[len(images), 3, image_size, image_size]`` float32."""
         out = torch.empty(len(images), 3, self.image_size, self.image_size)
         mean = torch.tensor(self.mean).view(3, 1, 1)
@@ -224,7 +224,7 @@ class VisionChatFormat:
         self.chat, self.image_token = chat, image_token
         self.image_token_id, self.tokens_per_image = image_token_id, tokens_per_image
 
-    def prompt(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[ImageSource]]:
+    def prompt(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[ImageInput]]:
         """The prompt ids (image placeholders expanded) and the images, in order.
 
         Raises:
@@ -245,7 +245,7 @@ class VisionChatFormat:
             out.extend([token] * self.tokens_per_image if token == self.image_token_id else [token])
         return out, images
 
-    def text_messages(self, messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageSource]]:
+    def text_messages(self, messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
         """The messages with string content (an image part as ``image_token``) and the images, in order."""
         out, images = [], []
         for i, message in enumerate(messages):
