@@ -637,6 +637,8 @@ def ledger_rows(
             break
         if len(group) != config.num_generations:
             continue
+        if skipped is not None and any(data.record_id in skipped for data in group):
+            continue  # the hook skipped one of its records at an earlier step: not converted again
         converted = [convert_record(convert, records[data.record_id]) for data in group]
         if any(c is None for c in converted):
             if skipped is not None:

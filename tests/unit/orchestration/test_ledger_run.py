@@ -113,6 +113,14 @@ def test_ledger_rows_turn_each_record_into_tokens_by_the_hook_and_pass_over_a_gr
     assert rows.prompts == [[0], [1], [0], [1]]
     assert rows.responses == [[2, 2], [2, 2], [4, 4, 4, 4], [4, 4, 4, 4]]
     assert rows.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    seen: list[str] = []  # the next step: a group the hook skipped is not converted again
+
+    def counting(record: Record):
+        seen.append(record.task_id)
+        return skip_the_first_task(record)
+
+    assert ledger_rows(ledger, records, setup, config, 0, counting, skipped) is not None
+    assert "t0" not in seen and seen.count("t1") == 2
     config.prompts_per_step = 3  # only two whole groups are left once t0's is skipped
     assert ledger_rows(ledger, records, setup, config, 0, skip_the_first_task) is None
     with pytest.raises(InvalidRecordData, match=r"of record \d+ \(task t0\): expected a dict .*got a str: '1'"):
