@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     from workers.engines.manager import InferenceManager
 
 logger = logging.getLogger(__name__)
+#: inference_colocate: seconds a step waits for the sampling requests in flight before it releases the servers
+COLOCATE_DRAIN_S = 120.0
 
 
 class LedgerRunConfig(Protocol):
@@ -389,13 +391,14 @@ def _train_with_sampling(
     )
     done = threading.Event()
     ahead = lambda: sink.rows_put - trainer.rows_consumed >= config.max_steps_ahead * batch_rows  # noqa: E731
+    sampling_client = InferenceClient(ledger, cfg, api_key=api_key)  # drained while colocated servers are released
     scheduler = SamplingScheduler(
         config=cfg,
         sampler_class=sampler_class,
         dataset=dataset,
         split="train",
         sink=sink,
-        inference=InferenceClient(ledger, cfg, api_key=api_key),
+        inference=sampling_client,
         stop_when=done.is_set,
         pause_when=ahead,
         convert_record_to_data_func=convert,
@@ -433,12 +436,23 @@ def _train_with_sampling(
 
             def stop_sampling() -> None:  # also when a step raised; before the servers stop
                 done.set()
+                sampling_client.resume()  # requests held back by a drain end (a step that raised held them)
                 sampling.join(120)
+
+            def release_servers() -> None:  # colocated: no request may be in flight while the servers sleep
+                if not sampling_client.drain(COLOCATE_DRAIN_S):
+                    logger.warning(
+                        "%d sampling requests still in flight after %g s: the servers are released under them",
+                        sampling_client.active,
+                        COLOCATE_DRAIN_S,
+                    )
+                assert servers is not None  # colocated: the run started its servers
+                servers.release_memory()
 
             serving.callback(stop_sampling)
             for step in range(start, config.steps):
                 warm_up_lr(optimizer, config, step)
-                row = trainer.step(step, before_train=servers.release_memory if colocated and servers else None)
+                row = trainer.step(step, before_train=release_servers if colocated else None)
                 if convert is not None:  # counted so far (the samplers run ahead of the trainer)
                     row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
                 if servers is None:
@@ -448,6 +462,7 @@ def _train_with_sampling(
                     if colocated:
                         servers.resume_memory()
                     sync_servers(servers, policy.state_dict(), step + 1)
+                    sampling_client.resume()  # the held requests go on, to servers with the new weights
                 end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
                 if eval_dataset is not None and eval_due(config, step):
                     inference = InferenceClient(ledger, cfg, api_key=api_key)

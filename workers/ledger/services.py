@@ -78,7 +78,10 @@ class InferenceClient:
     of what the service last reported and this process's own requests in flight to it. ``api_key``: the services'
     key (their endpoint's ``create_app(api_key=...)``), sent as a bearer token; None: ``TQ_API_KEY`` if set (the
     ledger never holds it). ``transport``: httpx's transport for the requests (None: the network; a test passes
-    ``httpx.MockTransport``)."""
+    ``httpx.MockTransport``).
+
+    :meth:`drain` holds new requests back and waits for those in flight (a colocated run releases its servers' memory
+    for training only then), :meth:`resume` lets them go on; both may be called from another thread."""
 
     def __init__(
         self,
@@ -91,6 +94,8 @@ class InferenceClient:
         self.ledger, self.config, self.refresh_s, self._transport = ledger, config, refresh_s, transport
         self._headers = bearer_headers(api_key if api_key is not None else key_from_env())
         self.inflight: Counter[str] = Counter()
+        self.paused = threading.Event()  # set by drain(): new requests wait until resume()
+        self.active = 0  # requests past the pause check and not answered yet
         self._services: list[InferenceService] = []
         self._fetched = 0.0
         self._http: httpx.AsyncClient | None = None
@@ -124,7 +129,31 @@ class InferenceClient:
         ``token_ids`` and ``token_logprobs``. The service is our endpoint (``workers/agents/openai_api.py``) or a bare
         vLLM or SGLang server (an ``InferenceManager``'s, registered with ``kind`` ``"vllm"`` / ``"sglang"``): its
         kind decides what is asked for (:func:`token_id_fields`) and how the reply is read
-        (:func:`completion_from_reply`)."""
+        (:func:`completion_from_reply`). Waits while the client is drained (:meth:`drain`)."""
+        while True:  # counted before the check: drain() sees every request that passed it
+            self.active += 1
+            if not self.paused.is_set():
+                break
+            self.active -= 1
+            await asyncio.sleep(0.02)
+        try:
+            return await self._chat(messages, **sampling)
+        finally:
+            self.active -= 1
+
+    def drain(self, timeout_s: float) -> bool:
+        """Hold new requests back and wait up to ``timeout_s`` for those in flight; whether none is left."""
+        self.paused.set()
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.active == 0
+
+    def resume(self) -> None:
+        """Let the requests :meth:`drain` held back go on."""
+        self.paused.clear()
+
+    async def _chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
         service = await self.pick()
         body = {
             "model": self.config.model,

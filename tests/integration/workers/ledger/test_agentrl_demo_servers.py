@@ -135,9 +135,19 @@ def test_colocated_servers_are_released_for_each_steps_training_and_resumed_befo
     events: list[Any] = []
     release, resume, sync = InferenceManager.release_memory, InferenceManager.resume_memory, ledger_run.sync_servers
     train = ledger_grpo.LedgerGRPOTrainer._train
+    clients: list[Any] = []  # the samplers' InferenceClient: no request of it may be in flight at a release
+    in_flight_at_release: list[int] = []
+
+    class Recorded(ledger_run.InferenceClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            clients.append(self)
+
+    monkeypatch.setattr(ledger_run, "InferenceClient", Recorded)
 
     def releasing(self):
         events.append("release")
+        in_flight_at_release.append(sum(sum(c.inflight.values()) for c in clients))
         return release(self)
 
     def resuming(self):
@@ -159,6 +169,7 @@ def test_colocated_servers_are_released_for_each_steps_training_and_resumed_befo
     _, after_sync, code = server_run(tmp_path, monkeypatch, "inference_colocate=true")
     assert code == 0
     assert events == ["release", "train 0", "resume", "sync 1", "release", "train 1", "resume", "sync 2"]
+    assert in_flight_at_release == [0, 0]  # drained first: the samplers' requests waited for the servers to resume
     assert [[v for _, v in s[-1]["loads"]] for s in after_sync.values()] == [["1", "2"]] * 2
 
 
