@@ -42,6 +42,7 @@ checksum with more records after it is :class:`~transfer_queue.errors.JournalCor
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import time
@@ -67,6 +68,8 @@ from transfer_queue.state.snapshot import (
     state_globals,
     unarray,
 )
+
+logger = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot"
 LOG = "log"
@@ -232,6 +235,7 @@ class Journal:
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0, "snapshots": 0}
         self._synced_at = clock()
         self._unsynced = False
+        self._torn = False  # a failed write may have left part of a record after log_bytes
         self._fd = os.open(os.path.join(directory, LOG), os.O_WRONLY | os.O_CREAT, 0o600)
         os.ftruncate(self._fd, log_end)  # a torn tail is dropped before anything is appended after it
         os.lseek(self._fd, log_end, os.SEEK_SET)
@@ -270,7 +274,7 @@ class Journal:
             }
         )
         data = frame(payload)
-        os.write(self._fd, data)  # raises: the marks stay, the next record writes them
+        self._append(data)  # raises: the marks stay, the log holds no part of this record
         self.seq += 1
         for key in drops:
             self._shapes.pop(key, None)
@@ -288,6 +292,28 @@ class Journal:
         else:
             self.sync_due()
         return len(data)
+
+    def _append(self, data: bytes) -> None:
+        """Write ``data`` at the log's end, all of it (``os.write`` may write less); on any failure the log is cut back
+        to where it ended before, so it never holds part of a record with whole ones written after it."""
+        if self._torn:  # an earlier failure could not cut its bytes: cut them before appending after them
+            self._cut()
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except BaseException:
+            self._torn = True
+            try:
+                self._cut()
+            except OSError:
+                logger.exception("the journal under %s could not cut its log to %d B", self.directory, self.log_bytes)
+            raise
+
+    def _cut(self) -> None:
+        os.ftruncate(self._fd, self.log_bytes)
+        os.lseek(self._fd, self.log_bytes, os.SEEK_SET)
+        self._torn = False
 
     def _partition_record(self, part: PartitionState) -> dict[str, Any]:
         """The record of ``part``: whole when the journal does not hold it (created since, or cleared and created
