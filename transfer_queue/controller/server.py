@@ -78,15 +78,16 @@ REFILL_RETRY = 0.5
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
 # requests that change nothing the journal keeps: reads, and leases (get_meta, extend_lease, release: a lease does
 # not survive a restart; the delivery counts and samplers' states they change are written with the next record);
-# task options and cancelled waits are not journaled
+# cancelled waits are not journaled
 _NOT_JOURNALED = (
     p.Hello, p.QueueStatus, p.SaveCheckpoint, p.DeadLetters, p.ProductionStatus, p.ConsumptionStatus,
-    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta, p.SetTaskOptions,
+    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta,
     p.GetMeta, p.ExtendLease, p.Release,
 )  # fmt: skip
 _ALL = object()  # a request that may change every partition (reset_consumption of all of them)
 # a reserve changes no partition the journal keeps (open puts are not kept) but hands out put and block ids, which a
-# restarted controller must not hand out again: its record holds the counters only
+# restarted controller must not hand out again: its record holds the state's fields outside its partitions only (so
+# does set_task_options': the task options are one of them)
 _COUNTERS = object()
 
 
@@ -334,7 +335,7 @@ class ControllerServer(Server):
         if isinstance(request, _NOT_JOURNALED):
             return None
         state = self.state
-        if isinstance(request, p.Reserve):
+        if isinstance(request, (p.Reserve, p.SetTaskOptions)):  # the state's fields outside its partitions
             return _COUNTERS
         if isinstance(request, (p.Commit, p.Abort)):
             put = state.ledger.open_puts.get(request.put_id)

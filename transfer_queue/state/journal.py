@@ -13,7 +13,8 @@ again, readable by its user only):
     the changes since, appended: one record per serving pass that changed durable state (group commit: one
     ``write()`` for the pass, fsynced per ``journal_fsync`` before the pass's replies go out). A record is framed as
     ``<u32 length><u32 crc32><msgpack>`` and holds ``seq``, the partitions dropped (cleared) by key, each partition
-    the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows). A
+    the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows, task
+    options). A
     partition's record holds it whole, as the snapshot does, when the journal does not hold it yet (created since)
     or its arrays grew; else its scalar fields and what changed since its last record: ``rows`` (their indexes, and
     those rows of each per-row array, of each task's consumption and delivery counts and dead letters, their kv keys
@@ -25,8 +26,8 @@ assigns what the serving pass ended with. Replay loads the snapshot, then applie
 the snapshot's (a crash between a snapshot's rename and the log's truncation leaves records the snapshot already
 holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: leased rows are ready again
 (at-least-once: a leased, unacknowledged row is served again), puts that had not committed are gone (their rows
-freed), parked requests and connections are not kept. Task options (``set_task_options``) and DP rounds are not
-journaled: clients set them again.
+freed), parked requests and connections are not kept. Task options (``set_task_options``) are journaled; DP rounds are
+not.
 
 To know what changed, each mutation of a partition marks the rows it changes (``PartitionState.mark``: commit, abort,
 acks and leases, hand-backs and dead letters, clears, kv keys, custom meta, rows lost), and the groups and blocks they
@@ -36,7 +37,9 @@ lease expiring into a dead letter) or by a storage unit's restart (rows lost) ar
 The log is folded into a new snapshot once it is longer than
 ``journal_snapshot_bytes`` and than the last snapshot, which bounds replay to about two snapshots' worth of bytes.
 
-A torn last record (the process died in the middle of a ``write()``) is dropped on open; a record that fails its
+A ``write()`` that fails (or writes part of a record, then fails) has the log cut back to where it ended (the pass's
+changes go with the next record, which holds every partition). A torn last record (the process died in the middle
+of a ``write()``) is dropped on open; a record that fails its
 checksum with more records after it is :class:`~transfer_queue.errors.JournalCorrupt`.
 """
 

@@ -123,7 +123,6 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
     assert reader.kv_list("kv", with_tags=True) == {"k": {"v": 2}}
     for value, meta in zip((1.0, 2.0, 3.0), metas, strict=True):  # the units kept the blocks; the ids still point
         assert reader.get_data(meta)["x"].flatten().tolist() == [value] * 6
-    reader.set_task_options("t", ack="explicit")  # task options are not journaled: set again
     with pytest.raises(NotLeased):  # the restart ended the lease: the rows are ready again, not acknowledged
         client.ack(leased)
     again = reader.get_meta(["x"], 4, partition_id="p", task_name="t", timeout=1)
@@ -447,3 +446,22 @@ def test_a_failed_journal_write_fails_the_replies_of_changes_not_of_reads(
     assert answers["read"].error_type is None
     assert answers["change"].error_type == "JournalError"
     assert "could not write its journal" in (answers["change"].error_message or "")
+
+
+def test_task_options_survive_a_restart(local: Local) -> None:
+    """A client that sets its task options and stays idle through the restart never sets them again: the replayed
+    controller has them from its journal."""
+    controller = local.start()
+    client = local.client("c")
+    client.put(rows(1.0), partition_id="p")
+    client.set_task_options("t", ack="explicit", lease_s=30.0, max_deliveries=3)
+    with controller.lock:
+        live = controller.state.options("t")
+    assert live.ack == "explicit"
+    controller = local.start(local.crash())
+    with controller.lock:
+        assert controller.state.options("t") == live
+    meta = local.client("reader").get_meta(["x"], 2, partition_id="p", task_name="t")
+    local.clients[-1].get_data(meta)  # ack="explicit": reading the rows does not acknowledge them
+    with controller.lock:
+        assert row_state_counts(controller.state.table.known("p"), "t")["leased"] == 2
