@@ -240,13 +240,13 @@ class QueueChannel:
         """One request to the controller. With ``restart_retry_s`` (QueueConfig), one that failed with ServerGone is
         asked again after a pause (doubling from RETRY_FIRST_S to RETRY_MAX_S) until that many seconds passed since
         the first failure; then the last ServerGone is raised. Commits and aborts are never asked again. Before it is
-        asked again, the task options this client set are set again (a controller restarted from its journal has
-        forgotten them)."""
+        asked again, the task options this client set are set again (the journal keeps them; this covers options set
+        in a pass whose record the controller died before writing)."""
         give_up: float | None = None
         pause = RETRY_FIRST_S
         while True:
             try:
-                if give_up is not None:  # asked again: the controller may be a new one, without the task options
+                if give_up is not None:  # asked again: the controller may be a new one
                     for options in list(self._task_options.values()):
                         await self._call([(self.controller_info.controller, options, ())], timeout, "set_task_options")
                 ((reply, _),) = await self._call(

@@ -78,15 +78,16 @@ REFILL_RETRY = 0.5
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
 # requests that change nothing the journal keeps: reads, and leases (get_meta, extend_lease, release: a lease does
 # not survive a restart; the delivery counts and samplers' states they change are written with the next record);
-# task options and cancelled waits are not journaled
+# cancelled waits are not journaled
 _NOT_JOURNALED = (
     p.Hello, p.QueueStatus, p.SaveCheckpoint, p.DeadLetters, p.ProductionStatus, p.ConsumptionStatus,
-    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta, p.SetTaskOptions,
+    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta,
     p.GetMeta, p.ExtendLease, p.Release,
 )  # fmt: skip
 _ALL = object()  # a request that may change every partition (reset_consumption of all of them)
 # a reserve changes no partition the journal keeps (open puts are not kept) but hands out put and block ids, which a
-# restarted controller must not hand out again: its record holds the counters only
+# restarted controller must not hand out again: its record holds the state's fields outside its partitions only (so
+# does set_task_options': the task options are one of them)
 _COUNTERS = object()
 
 
@@ -132,21 +133,22 @@ class RefillBatch:
 class _ControllerResponder(Responder):
     """Frames the controller's replies: every reply header tells the client which storage units are down."""
 
-    __slots__ = ("server",)
+    __slots__ = ("changes", "server")
 
     def __init__(self, server: ControllerServer, incoming: Incoming):
         super().__init__(incoming.reply, -1, incoming.peer)
         self.server = server
+        self.changes = False  # its request may change what the journal keeps: a failed write fails its reply
 
     def ok(self, value: Any, buffers: Sequence[Any] = ()) -> None:
         if not self.answered:
             self.answered = True
-            self.server._reply(self.reply, self.request_id, value, None)
+            self.server._reply(self.reply, self.request_id, value, None, self.changes)
 
     def fail(self, error: BaseException) -> None:
         if not self.answered:
             self.answered = True
-            self.server._reply(self.reply, self.request_id, None, error)
+            self.server._reply(self.reply, self.request_id, None, error, self.changes)
 
 
 class ControllerServer(Server):
@@ -176,7 +178,8 @@ class ControllerServer(Server):
         # timers or a storage unit's restart changed partitions (leases expired into dead letters, rows lost): the
         # next record also writes every partition with changes marked (PartitionState.mark)
         self._marked = False
-        self._outgoing: list[tuple[Reply, int, Any, BaseException | None]] = []
+        # the pass's replies, sent once its record is written; the bool: its request may have changed journaled state
+        self._outgoing: list[tuple[Reply, int, Any, BaseException | None, bool]] = []
         # replicas=2: each unit's partner, on another Ray node where the units run on several (fixed from now on)
         state.ledger.replica_of = replica_units([e.node_id for e in storage], state.config.replicas)
         self.requests = RequestTable(state)  # wire requests in, wire answers out
@@ -332,7 +335,7 @@ class ControllerServer(Server):
         if isinstance(request, _NOT_JOURNALED):
             return None
         state = self.state
-        if isinstance(request, p.Reserve):
+        if isinstance(request, (p.Reserve, p.SetTaskOptions)):  # the state's fields outside its partitions
             return _COUNTERS
         if isinstance(request, (p.Commit, p.Abort)):
             put = state.ledger.open_puts.get(request.put_id)
@@ -359,20 +362,24 @@ class ControllerServer(Server):
                 self.journal.snapshot(self.state)
             self.journal.sync_due()
         except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
+            # what this pass changed is not (surely) written: the next record writes every partition and the counters
+            self._dirty, self._counters, self._marked = None, True, True
             self.counters["failures.journal"] += 1
             logger.exception("the journal under %s could not be written", self.journal.directory)
             failed = JournalError(
                 f"the controller could not write its journal under {self.journal.directory} ({exc}); the change was "
                 "applied but may not survive a controller restart"
             )
-        for reply, request_id, value, error in outgoing:
-            if failed is not None and error is None:
+        for reply, request_id, value, error, changes in outgoing:
+            if failed is not None and error is None and changes:  # reads are answered: they changed nothing
                 value, error = None, failed
             self._send_reply(reply, request_id, value, error)
 
     def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
-        if self.journal is not None and self._dirty is not None:
-            touched = self._touches(request)
+        touched = None if self.journal is None else self._touches(request)
+        if isinstance(responder, _ControllerResponder):
+            responder.changes = touched is not None
+        if touched is not None and self._dirty is not None:
             if touched is _ALL:
                 self._dirty = None
             elif touched is _COUNTERS:
@@ -584,9 +591,11 @@ class ControllerServer(Server):
             for place in reservation.placements
         ]
 
-    def _reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
+    def _reply(
+        self, reply: Reply, request_id: int, value: Any, error: BaseException | None, changes: bool = True
+    ) -> None:
         if self.journal is not None:  # sent once the pass's journal records are written
-            self._outgoing.append((reply, request_id, value, error))
+            self._outgoing.append((reply, request_id, value, error, changes))
             return
         self._send_reply(reply, request_id, value, error)
 

@@ -13,7 +13,8 @@ again, readable by its user only):
     the changes since, appended: one record per serving pass that changed durable state (group commit: one
     ``write()`` for the pass, fsynced per ``journal_fsync`` before the pass's replies go out). A record is framed as
     ``<u32 length><u32 crc32><msgpack>`` and holds ``seq``, the partitions dropped (cleared) by key, each partition
-    the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows). A
+    the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows, task
+    options). A
     partition's record holds it whole, as the snapshot does, when the journal does not hold it yet (created since)
     or its arrays grew; else its scalar fields and what changed since its last record: ``rows`` (their indexes, and
     those rows of each per-row array, of each task's consumption and delivery counts and dead letters, their kv keys
@@ -25,8 +26,8 @@ assigns what the serving pass ended with. Replay loads the snapshot, then applie
 the snapshot's (a crash between a snapshot's rename and the log's truncation leaves records the snapshot already
 holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: leased rows are ready again
 (at-least-once: a leased, unacknowledged row is served again), puts that had not committed are gone (their rows
-freed), parked requests and connections are not kept. Task options (``set_task_options``) and DP rounds are not
-journaled: clients set them again.
+freed), parked requests and connections are not kept. Task options (``set_task_options``) are journaled; DP rounds are
+not.
 
 To know what changed, each mutation of a partition marks the rows it changes (``PartitionState.mark``: commit, abort,
 acks and leases, hand-backs and dead letters, clears, kv keys, custom meta, rows lost), and the groups and blocks they
@@ -36,12 +37,15 @@ lease expiring into a dead letter) or by a storage unit's restart (rows lost) ar
 The log is folded into a new snapshot once it is longer than
 ``journal_snapshot_bytes`` and than the last snapshot, which bounds replay to about two snapshots' worth of bytes.
 
-A torn last record (the process died in the middle of a ``write()``) is dropped on open; a record that fails its
+A ``write()`` that fails (or writes part of a record, then fails) has the log cut back to where it ended (the pass's
+changes go with the next record, which holds every partition). A torn last record (the process died in the middle
+of a ``write()``) is dropped on open; a record that fails its
 checksum with more records after it is :class:`~transfer_queue.errors.JournalCorrupt`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import time
@@ -67,6 +71,8 @@ from transfer_queue.state.snapshot import (
     state_globals,
     unarray,
 )
+
+logger = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot"
 LOG = "log"
@@ -232,6 +238,7 @@ class Journal:
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0, "snapshots": 0}
         self._synced_at = clock()
         self._unsynced = False
+        self._torn = False  # a failed write may have left part of a record after log_bytes
         self._fd = os.open(os.path.join(directory, LOG), os.O_WRONLY | os.O_CREAT, 0o600)
         os.ftruncate(self._fd, log_end)  # a torn tail is dropped before anything is appended after it
         os.lseek(self._fd, log_end, os.SEEK_SET)
@@ -270,7 +277,7 @@ class Journal:
             }
         )
         data = frame(payload)
-        os.write(self._fd, data)  # raises: the marks stay, the next record writes them
+        self._append(data)  # raises: the marks stay, the log holds no part of this record
         self.seq += 1
         for key in drops:
             self._shapes.pop(key, None)
@@ -288,6 +295,28 @@ class Journal:
         else:
             self.sync_due()
         return len(data)
+
+    def _append(self, data: bytes) -> None:
+        """Write ``data`` at the log's end, all of it (``os.write`` may write less); on any failure the log is cut back
+        to where it ended before, so it never holds part of a record with whole ones written after it."""
+        if self._torn:  # an earlier failure could not cut its bytes: cut them before appending after them
+            self._cut()
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except BaseException:
+            self._torn = True
+            try:
+                self._cut()
+            except OSError:
+                logger.exception("the journal under %s could not cut its log to %d B", self.directory, self.log_bytes)
+            raise
+
+    def _cut(self) -> None:
+        os.ftruncate(self._fd, self.log_bytes)
+        os.lseek(self._fd, self.log_bytes, os.SEEK_SET)
+        self._torn = False
 
     def _partition_record(self, part: PartitionState) -> dict[str, Any]:
         """The record of ``part``: whole when the journal does not hold it (created since, or cleared and created

@@ -15,6 +15,7 @@ and :func:`restore_state` rewrites the partitions' cells with it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ from transfer_queue.config import QueueConfig
 from transfer_queue.errors import SnapshotError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SamplerSpec
+from transfer_queue.state.delivery import TaskOptions
 from transfer_queue.state.lost_rows import LostRecord
 from transfer_queue.state.partition import COMMITTED, LOST, RESERVED, PartitionState
 from transfer_queue.state.queue_state import QueueState
@@ -98,6 +100,8 @@ def state_globals(state: QueueState) -> dict[str, Any]:
         "samplers": samplers,
         # the units' restart counts and lost_below are not saved: a restore starts fresh units
         "lost": {"total": state.lost.total, "by_uid": state.lost.by_uid},
+        # set_task_options: a task's ack mode, lease and max deliveries (a replayed controller serves it as before)
+        "task_options": {task: dataclasses.asdict(o) for task, o in state.delivery.task_options.items()},
     }
 
 
@@ -248,4 +252,6 @@ def restore_state(
     samplers = dict(snapshot["samplers"])
     state.default_sampler.load_state_dict(samplers.pop("", {}))
     state.pending_sampler_states = samplers
+    for task, options in (snapshot.get("task_options") or {}).items():  # written before they were saved: none
+        state.set_task_options(task, TaskOptions(**options))
     return state

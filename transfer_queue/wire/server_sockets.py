@@ -91,19 +91,26 @@ class ServerSockets:
     ):
         bind, advertise = server_addresses(host, advertise_host)  # first: a bad address leaves nothing open
         self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        secure_server(self.router, secret)  # CURVE with keys from the queue's secret (see transfer_queue.wire.auth)
-        self.zap = ZapHandler(self.ctx, secret) if secret else None
-        if ":" in bind:
-            self.router.setsockopt(zmq.IPV6, 1)
-        address = f"tcp://[{bind}]" if ":" in bind else f"tcp://{bind}"
-        if port:  # a fixed port (a controller started again from its journal binds the one its clients know)
-            _bind_fixed(self.router, address, port, bind)
-        else:
-            port = self.router.bind_to_random_port(address)
+        self.zap: ZapHandler | None = None
+        try:  # a port that stays taken (PortInUse) or any other failure to bind leaves nothing open
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            secure_server(self.router, secret)  # CURVE with keys from the queue's secret (see transfer_queue.wire.auth)
+            self.zap = ZapHandler(self.ctx, secret) if secret else None
+            if ":" in bind:
+                self.router.setsockopt(zmq.IPV6, 1)
+            address = f"tcp://[{bind}]" if ":" in bind else f"tcp://{bind}"
+            if port:  # a fixed port (a controller started again from its journal binds the one its clients know)
+                _bind_fixed(self.router, address, port, bind)
+            else:
+                port = self.router.bind_to_random_port(address)
+        except BaseException:
+            if self.zap is not None:
+                self.zap.close()
+            self.ctx.destroy(linger=0)  # closes the router too
+            raise
         self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
         self.unix = UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret) if self._socket_dir else None
         self.endpoint = Endpoint(

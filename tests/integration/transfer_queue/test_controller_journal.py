@@ -66,7 +66,7 @@ def test_a_killed_controller_is_restarted_from_its_journal_and_its_client_goes_o
         assert client.list_partitions() == ["p"]  # the same client: its socket reconnected
         for value, meta in zip((1.0, 2.0), metas, strict=True):
             assert client.get_data(meta)["x"].flatten().tolist() == [value] * 6
-        client.set_task_options("t", ack="explicit")  # task options are not journaled
+        client.set_task_options("t", ack="explicit")  # the journal kept them; setting them again is harmless
         rest = client.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=5)
         assert sorted(rest.global_indexes.tolist()) == sorted(set(range(4)) - set(acked.global_indexes.tolist()))
         with pytest.raises(GetMetaTimeout):  # every committed row is served once: nothing more

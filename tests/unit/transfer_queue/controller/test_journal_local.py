@@ -19,7 +19,7 @@ import torch
 from tests.unit.conftest import QueueHarness
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
-from transfer_queue.controller.server import ControllerServer
+from transfer_queue.controller.server import ControllerServer, _ControllerResponder
 from transfer_queue.errors import ConfigMismatch, JournalCorrupt, JournalError, NotLeased, RequestTimeout
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.state.journal import FSYNC_INTERVAL_S, LOG, SNAPSHOT, Journal, load, open_journal, read_log
@@ -27,6 +27,7 @@ from transfer_queue.state.partition_status import row_state_counts
 from transfer_queue.state.snapshot import partition_snapshot, unarray
 from transfer_queue.storage.unit import BlockStore, StorageServer
 from transfer_queue.wire import protocol as p
+from transfer_queue.wire.server_sockets import Incoming, Peer
 
 SESSION = "j" * 32
 SECRET = b"k" * 32
@@ -122,7 +123,6 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
     assert reader.kv_list("kv", with_tags=True) == {"k": {"v": 2}}
     for value, meta in zip((1.0, 2.0, 3.0), metas, strict=True):  # the units kept the blocks; the ids still point
         assert reader.get_data(meta)["x"].flatten().tolist() == [value] * 6
-    reader.set_task_options("t", ack="explicit")  # task options are not journaled: set again
     with pytest.raises(NotLeased):  # the restart ended the lease: the rows are ready again, not acknowledged
         client.ack(leased)
     again = reader.get_meta(["x"], 4, partition_id="p", task_name="t", timeout=1)
@@ -370,3 +370,98 @@ def test_a_lease_expiring_into_a_dead_letter_survives_a_restart(local: Local) ->
     local.start(local.crash())
     reader = local.client("reader")
     assert reader.dead_letters(partition_id="p", task_name="t") == dead
+
+
+def failing_write(monkeypatch: pytest.MonkeyPatch, fd: int, short: bool) -> list[int]:
+    """``os.write`` to ``fd`` fails once: ``short``: it writes half the bytes (a full disk), then the next call raises;
+    else it raises at once. Returns the log sizes seen when it raised."""
+    real, calls, seen = os.write, [0], []
+
+    def write(target: int, data: bytes | memoryview) -> int:
+        if target != fd or calls[0] >= (2 if short else 1):
+            return real(target, data)
+        calls[0] += 1
+        if short and calls[0] == 1:
+            return real(target, bytes(data)[: len(data) // 2])
+        seen.append(os.fstat(fd).st_size)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write)
+    return seen
+
+
+def live_and_replayed(local: Local) -> tuple[dict, dict]:
+    assert local.controller is not None
+    with local.controller.lock:
+        live = {key: arrays_of(partition_snapshot(part)) for key, part in local.controller.state.partitions.items()}
+    local.crash()
+    snapshot, _ = load(local.config.journal_dir or "")
+    assert snapshot is not None
+    return live, {d["key"]: arrays_of(d) for d in snapshot["partitions"]}
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_failed_journal_write_loses_nothing_once_the_next_one_succeeds(
+    local: Local, monkeypatch: pytest.MonkeyPatch, short: bool
+) -> None:
+    """A write that fails (or writes part of the record, then fails) leaves no torn record mid-log, and the next
+    record writes what the failed pass changed."""
+    controller = local.start()
+    client = local.client("c")
+    meta = client.put(rows(1.0), partition_id="p")
+    assert controller.journal is not None
+    seen = failing_write(monkeypatch, controller.journal._fd, short)
+    with pytest.raises(JournalError, match="could not write its journal"):
+        client.set_custom_meta(meta, [{"score": 1}, None])
+    assert seen and os.path.getsize(Path(local.config.journal_dir or "") / LOG) == controller.journal.log_bytes
+    client.put(rows(2.0), partition_id="q")  # a pass that writes: p's change goes with it
+    live, replayed = live_and_replayed(local)
+    assert replayed == live and replayed["p"]["custom_meta"] == {0: {"score": 1}}
+    local.start()  # replays without JournalCorrupt
+    assert local.client("reader").get_custom_meta(meta) == [{"score": 1}, {}]
+
+
+def test_a_failed_journal_write_fails_the_replies_of_changes_not_of_reads(
+    local: Local, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a pass whose record could not be written, a request that changed the state is answered JournalError; a read
+    served in the same pass is answered as usual."""
+    controller = local.start()
+    meta = local.client("c").put(rows(1.0), partition_id="p")
+    assert controller.journal is not None
+    answers: dict[str, p.ReplyHeader] = {}
+
+    def responder(name: str) -> _ControllerResponder:
+        def reply(frames: list) -> None:
+            answers[name] = p.decode_reply_header(frames[0])
+
+        return _ControllerResponder(controller, Incoming([], Peer("tcp", name.encode()), reply))
+
+    indexes = p.pack_indexes(meta.global_indexes[:1])
+    with controller.lock:  # one pass: a read and a change, then its record fails
+        failing_write(monkeypatch, controller.journal._fd, short=False)
+        controller.handle(p.ListPartitions(), [], responder("read"))
+        controller.handle(p.SetCustomMeta(meta.partition_uid, indexes, [{"a": 1}]), [], responder("change"))
+        controller._journal_pass()
+    assert answers["read"].error_type is None
+    assert answers["change"].error_type == "JournalError"
+    assert "could not write its journal" in (answers["change"].error_message or "")
+
+
+def test_task_options_survive_a_restart(local: Local) -> None:
+    """A client that sets its task options and stays idle through the restart never sets them again: the replayed
+    controller has them from its journal."""
+    controller = local.start()
+    client = local.client("c")
+    client.put(rows(1.0), partition_id="p")
+    client.set_task_options("t", ack="explicit", lease_s=30.0, max_deliveries=3)
+    with controller.lock:
+        live = controller.state.options("t")
+    assert live.ack == "explicit"
+    controller = local.start(local.crash())
+    with controller.lock:
+        assert controller.state.options("t") == live
+    meta = local.client("reader").get_meta(["x"], 2, partition_id="p", task_name="t")
+    local.clients[-1].get_data(meta)  # ack="explicit": reading the rows does not acknowledge them
+    with controller.lock:
+        assert row_state_counts(controller.state.table.known("p"), "t")["leased"] == 2

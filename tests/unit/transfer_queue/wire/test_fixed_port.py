@@ -3,6 +3,7 @@ the port while the process before it lets go of it, and names the port when it n
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -41,5 +42,26 @@ def test_a_fixed_port_that_stays_taken_is_a_typed_error_naming_it(monkeypatch: p
     try:
         with pytest.raises(PortInUse, match=rf"port {port} of 127\.0\.0\.1 is still taken after 0\.3 s"):
             ServerSockets(host="127.0.0.1", unix=False, port=port)
+    finally:
+        holder.close()
+
+
+def test_a_fixed_port_that_stays_taken_leaves_nothing_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failed server closes its ZeroMQ context, router and ZAP handler: a process that tries again does not leak
+    file descriptors (or ZeroMQ I/O threads) with every try, even while it keeps the errors."""
+    import transfer_queue.wire.server_sockets as server_sockets
+
+    monkeypatch.setattr(server_sockets, "FIXED_PORT_WAIT_S", 0.0)
+    holder, port = _listener()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        threads = threading.active_count()
+        kept = []  # the errors and their tracebacks, as a caller that reports them keeps them (Ray does)
+        for _ in range(3):
+            with pytest.raises(PortInUse, match=f"port {port} ") as failed:
+                ServerSockets(host="127.0.0.1", unix=False, secret=b"s" * 32, port=port)
+            kept.append(failed.value)
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert threading.active_count() == threads
     finally:
         holder.close()
