@@ -197,6 +197,16 @@ class ControllerServer(Server):
         # Units Ray restarted (empty, on new ports): every reply tells clients where they are now and which of their
         # blocks are lost. Restarts are applied by the serving thread (it owns the sockets).
         self.restarted_units: dict[int, p.UnitRestart] = {}
+        book = state.lost  # a controller replaying its journal: the restarts its clients were told of, as they were
+        for unit, restarts in book.restarts.items():
+            if unit < len(storage):
+                self.restarted_units[unit] = p.UnitRestart(
+                    storage[unit],
+                    book.lost_below.get(unit, 0),
+                    restarts,
+                    book.refilled_below.get(unit, 0),
+                    lost_with=tuple(book.lost_with.get(unit, ())),
+                )
         self._restarts_due: list[tuple[int, p.Endpoint, threading.Event, dict[str, Any]]] = []
         # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
         # its node died), the others are up again when the connection is back.
@@ -783,6 +793,7 @@ class ControllerServer(Server):
         if below <= book.refilled_below.get(unit, 0):
             return
         book.refilled_below[unit] = below
+        self._counters = True  # the units' book changed: the next record holds it (journal_dir)
         restart = self.restarted_units.get(unit)
         if restart is not None:
             self.restarted_units[unit] = msgspec.structs.replace(restart, refilled_below=below)

@@ -67,9 +67,11 @@ from transfer_queue.state.snapshot import (
     partition_snapshot,
     read_snapshot,
     restore_state,
+    restore_units_book,
     snapshot_state,
     state_globals,
     unarray,
+    units_book,
 )
 
 logger = logging.getLogger(__name__)
@@ -273,7 +275,7 @@ class Journal:
                 "seq": self.seq + 1,
                 "drops": drops,
                 "parts": parts,
-                "globals": {**state_globals(state), "next_block": state._next_block},
+                "globals": {**state_globals(state), "next_block": state._next_block, "units": units_book(state)},
             }
         )
         data = frame(payload)
@@ -364,7 +366,7 @@ class Journal:
 
     def snapshot(self, state: QueueState) -> int:
         """Write ``state`` as the new snapshot (atomically) and empty the log; returns the snapshot's size."""
-        blob = snapshot_state(state, None, seq=self.seq, next_block=state._next_block)
+        blob = snapshot_state(state, None, seq=self.seq, next_block=state._next_block, units=units_book(state))
         path = os.path.join(self.directory, SNAPSHOT)
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -435,6 +437,7 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
             )
     identity = {int(b): int(b) for d in snapshot["partitions"] for b in d["dicts"]["block_refs"]}
     state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]))
+    restore_units_book(state, snapshot.get("units"))  # the units' restarts as the clients saw them
     # the commits answered before are not remembered: a commit retried now of a put from before the restart is told
     # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)
     state.ledger.forgotten_upto = state._next_put - 1

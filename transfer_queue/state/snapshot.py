@@ -105,6 +105,32 @@ def state_globals(state: QueueState) -> dict[str, Any]:
     }
 
 
+def units_book(state: QueueState) -> dict[str, Any]:
+    """The storage units' restarts as the controller counts them (restart counts, ``lost_below``, refills and the
+    ranges lost with both copies): the journal keeps them, a checkpoint does not (a restore starts fresh units). A
+    controller replaying its journal numbers a unit's next restart after the ones its clients saw."""
+    book = state.lost
+    return {
+        "restarts": dict(book.restarts),
+        "lost_below": dict(book.lost_below),
+        "refilled_below": dict(book.refilled_below),
+        "blocks_refilled": book.blocks_refilled,
+        "lost_with": {u: [list(t) for t in ranges] for u, ranges in book.lost_with.items()},
+    }
+
+
+def restore_units_book(state: QueueState, units: dict[str, Any] | None) -> None:
+    """Set what :func:`units_book` saved (None: a journal written before it was kept: nothing)."""
+    if not units:
+        return
+    book = state.lost
+    book.restarts = {int(u): int(n) for u, n in units["restarts"].items()}
+    book.lost_below = {int(u): int(n) for u, n in units["lost_below"].items()}
+    book.refilled_below = {int(u): int(n) for u, n in units["refilled_below"].items()}
+    book.blocks_refilled = int(units["blocks_refilled"])
+    book.lost_with = {int(u): [(int(a), int(b), int(c)) for a, b, c in r] for u, r in units["lost_with"].items()}
+
+
 def partition_snapshot(part: PartitionState, arrays: bool = True, dicts: bool = True) -> dict[str, Any]:
     """One partition as :func:`snapshot_state` saves it (msgpack-able values, some shared with ``part``: encode it
     before the partition changes); ``arrays=False``: without its per-row arrays and tasks, ``dicts=False``: without

@@ -465,3 +465,24 @@ def test_task_options_survive_a_restart(local: Local) -> None:
     local.clients[-1].get_data(meta)  # ack="explicit": reading the rows does not acknowledge them
     with controller.lock:
         assert row_state_counts(controller.state.table.known("p"), "t")["leased"] == 2
+
+
+def test_the_units_restarts_survive_a_restart_of_the_controller(tmp_path: Path) -> None:
+    """A replayed controller numbers a unit's next restart after those its clients saw (they drop a restart numbered
+    no higher than one they know, and would go on using a dead unit's address), and keeps what each restart lost."""
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    QueueHarness(state).put("p", 3)
+    journal.record(state, None)
+    state.unit_restarted(0)
+    state.unit_restarted(0)
+    assert journal.record(state, set(), counters=True, marked=True)
+    journal.close()
+    replayed, again, resumed = open_journal(config)
+    try:
+        assert resumed
+        assert replayed.lost.restarts == {0: 2}
+        assert replayed.lost.lost_below == state.lost.lost_below and replayed.lost.total == state.lost.total
+        assert replayed.unit_restarted(0)["restarts"] == 3
+    finally:
+        again.close()
