@@ -296,15 +296,9 @@ def train_with_sampling(
     """
     import ray
 
-    spec = convert_record_to_data_func
-    if spec is None:
-        spec = getattr(config, "convert_record_to_data_func", None)
-    convert = resolve_convert_record_to_data_func(spec)
+    convert = run_hook(config, convert_record_to_data_func)
     if convert is not None and config.prompts_from != "scheduler":
-        raise ConfigError(
-            f"convert_record_to_data_func: turns ledger records into training data, but prompts_from="
-            f"{config.prompts_from} writes no records: expected prompts_from=scheduler with it"
-        )
+        raise hook_without_records(config.prompts_from)
 
     out = Path(config.output_dir)
     started_ray = not ray.is_initialized()  # a caller's Ray session (a test's) is used, and left running
@@ -575,10 +569,7 @@ def train_from_ledger(
         InvalidRecordConverter: a ``convert_record_to_data_func`` name that does not import a function.
         InvalidRecordData: a hook that returned something other than ``RecordData`` or None.
     """
-    spec = convert_record_to_data_func
-    if spec is None:
-        spec = getattr(config, "convert_record_to_data_func", None)
-    convert = resolve_convert_record_to_data_func(spec)
+    convert = run_hook(config, convert_record_to_data_func)
     policy, optimizer = setup.policy, trainer.optimizer
     records = {r.id: r for r in ledger.records("train")}
     where = redact(ledger.connection_string)
@@ -607,6 +598,24 @@ def train_from_ledger(
     print(render_status(ledger))
     ledger.close()
     return 0
+
+
+def run_hook(config: LedgerRunConfig, argument: Callable[[Record], Any] | str | None) -> Callable[[Record], Any] | None:
+    """The run's ``convert_record_to_data_func``: ``argument``, else the config's, resolved (None: none given).
+
+    Raises:
+        InvalidRecordConverter: a name that does not import a function.
+    """
+    spec = argument if argument is not None else getattr(config, "convert_record_to_data_func", None)
+    return resolve_convert_record_to_data_func(spec)
+
+
+def hook_without_records(prompts_from: str) -> ConfigError:
+    """The refusal of a ``convert_record_to_data_func`` in a run whose prompts write no ledger records."""
+    return ConfigError(
+        f"convert_record_to_data_func: turns ledger records into training data, but prompts_from={prompts_from} "
+        f"writes no records: expected prompts_from=scheduler with it"
+    )
 
 
 def default_convert_record_to_data(chat: AdditionChat | PretrainedChat) -> Callable[[Record], RecordData]:

@@ -58,6 +58,7 @@ from orchestration.ledger_run import (
     RunRecord,
     SFTTokens,
     grpo_optimizer,
+    hook_without_records,
     load_policy,
     save_checkpoint,
     train_from_ledger,
@@ -208,10 +209,7 @@ class AgentRLDemoConfig:
             )
         if self.convert_record_to_data_func is not None:
             if self.enable_sampling and self.prompts_from != "scheduler":
-                raise ConfigError(
-                    f"convert_record_to_data_func: turns ledger records into training data, but prompts_from="
-                    f"{self.prompts_from} writes no records: expected prompts_from=scheduler with it"
-                )
+                raise hook_without_records(self.prompts_from)
             try:
                 resolve_convert_record_to_data_func(self.convert_record_to_data_func)
             except InvalidRecordConverter as exc:
