@@ -437,8 +437,9 @@ class GRPORun:
         temperature = self.cfg.rollout.temperature if sampled else 0.0
         params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=0)
         prompts = [p["prompt_ids"] for p in self.eval_prompts]
-        images = [list(p[IMAGE_REFS]) for p in self.eval_prompts] if self.images else None
-        groups = ray.get(self.rollout[0].generate.remote(prompts, params, samples if sampled else 1, images))
+        # a vision task's prompts' image keys (its run has RolloutWorkers; an agent rollout worker takes none)
+        images = ([list(p[IMAGE_REFS]) for p in self.eval_prompts],) if self.images else ()
+        groups = ray.get(self.rollout[0].generate.remote(prompts, params, samples if sampled else 1, *images))
         return self.task.accuracy(self.eval_prompts, [[g.token_ids for g in group] for group in groups])
 
     def save(self, step: int) -> Path:
