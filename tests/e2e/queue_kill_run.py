@@ -10,8 +10,6 @@ it to ``audit.jsonl``: the trainer's acknowledgements and the rows lost. Run by 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,44 +21,29 @@ import ray  # noqa: E402
 
 import transfer_queue  # noqa: E402
 from orchestration.config import config_from_cli  # noqa: E402
-from orchestration.grpo_run import GRPORun, connect_ray  # noqa: E402
+from orchestration.grpo_run import connect_ray  # noqa: E402
 from rl_contracts.stages import TRAIN_TASK  # noqa: E402
+from tests.e2e.unit_death_run import AuditedRun  # noqa: E402
 
 KILL_STEP = 1
 
 
-class QueueKillingRun(GRPORun):
-    queue_task_names = (*GRPORun.queue_task_names, "probe")  # its peek at the prompts' rows
-
+class QueueKillingRun(AuditedRun):
     def __init__(self, config: Any, kill: str):
         super().__init__(config)
-        self.kill = kill
-        self.kills: list[dict[str, Any]] = []
-        self.audit = (self.out / "audit.jsonl").open("w")
-        clear = self.client.clear
-
-        def audit_then_clear(global_step: int | None = None, partition_id: str | None = None) -> None:
-            if global_step is not None:
-                self.write_audit(global_step)
-            clear(global_step=global_step, partition_id=partition_id)
-
-        self.client.clear = audit_then_clear  # type: ignore[method-assign]
+        self.kill_what = kill
 
     def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
         refs = super().launch(step, min_version)
         if step == KILL_STEP:
             controller = transfer_queue.get_controller()
-            if self.kill == "unit":
-                rows = self.cfg.prompts_per_step * self.cfg.n_samples
-                meta = self.client.get_meta(["prompt_ids"], rows, global_step=step, task_name="probe", peek=True)
-                unit = int(meta.blocks[0, 0]) % self.cfg.num_storage_units
-                pid = ray.get(controller.storage_stats.remote())[unit]["pid"]
-                os.kill(pid, signal.SIGKILL)
-                self.kills.append({"step": step, "unit": unit, "pid": pid})
+            if self.kill_what == "unit":
+                unit = self.unit_holding_prompts(step)
+                self.kill(step, unit, ray.get(controller.storage_stats.remote())[unit]["pid"])
             else:
                 ray.kill(controller, no_restart=False)
                 self.kills.append({"step": step, "controller": True})
-            print(f"killed {self.kills[-1]} during step {step}", flush=True)
+                print(f"killed the controller during step {step}", flush=True)
         return refs
 
     def write_audit(self, step: int) -> None:

@@ -31,7 +31,10 @@ from rl_contracts.stages import TRAIN_TASK  # noqa: E402
 KILLS = {1: 0.0, 3: 0.3}  # step -> seconds after its prompts are put
 
 
-class UnitKillingRun(GRPORun):
+class AuditedRun(GRPORun):
+    """A run that writes ``write_audit(step)`` to ``audit.jsonl`` before each step is cleared, and kills storage units
+    (tests/e2e/queue_kill_run.py builds on it too)."""
+
     queue_task_names = (*GRPORun.queue_task_names, "probe", "audit")  # its peeks at the prompts' rows
 
     def __init__(self, config: Any):
@@ -47,14 +50,6 @@ class UnitKillingRun(GRPORun):
 
         self.client.clear = audit_then_clear  # type: ignore[method-assign]
 
-    def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
-        refs = super().launch(step, min_version)
-        if step in KILLS:
-            unit = self.unit_holding_prompts(step)
-            pid = ray.get(transfer_queue.get_controller().storage_stats.remote())[unit]["pid"]
-            threading.Timer(KILLS[step], self.kill, (step, unit, pid)).start()
-        return refs
-
     def unit_holding_prompts(self, step: int) -> int:
         rows = self.cfg.prompts_per_step * self.cfg.n_samples
         meta = self.client.get_meta(["prompt_ids"], rows, global_step=step, task_name="probe", peek=True, timeout=30)
@@ -64,6 +59,19 @@ class UnitKillingRun(GRPORun):
         os.kill(pid, signal.SIGKILL)
         self.kills.append({"step": step, "unit": unit, "pid": pid})
         print(f"killed storage unit {unit} (pid {pid}) during step {step}", flush=True)
+
+    def write_audit(self, step: int) -> None:
+        raise NotImplementedError
+
+
+class UnitKillingRun(AuditedRun):
+    def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
+        refs = super().launch(step, min_version)
+        if step in KILLS:
+            unit = self.unit_holding_prompts(step)
+            pid = ray.get(transfer_queue.get_controller().storage_stats.remote())[unit]["pid"]
+            threading.Timer(KILLS[step], self.kill, (step, unit, pid)).start()
+        return refs
 
     def write_audit(self, step: int) -> None:
         capacity = self.cfg.prompts_per_step * self.cfg.n_samples
