@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -319,6 +320,15 @@ def sampling_run(tmp_path, monkeypatch, hook=None, samples=None, steps: int = 3,
     return steps_rows
 
 
+def train_records(tmp_path: Path) -> dict[int, Any]:
+    """The run's ledger's records of split train, by id."""
+    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
+    try:
+        return {r.id: r for r in ledger.records("train")}
+    finally:
+        ledger.close()
+
+
 def sample_of(samples, record):
     return samples[(record.task_id, record.epoch, record.sample_index)]
 
@@ -335,11 +345,7 @@ def test_a_hook_returning_the_sampled_tokens_trains_the_samplers_rows_log_probs_
         return {"prompt_ids": list(sample.prompt_ids), "response_ids": list(sample.response_ids)}
 
     steps_rows = sampling_run(tmp_path, monkeypatch, same_tokens, samples)
-    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
-    try:
-        records = {r.id: r for r in ledger.records("train")}
-    finally:
-        ledger.close()
+    records = train_records(tmp_path)
     assert len(steps_rows) == 3
     for rows in steps_rows:
         assert rows.logprobs is not None and len(rows.record_ids) == 4
@@ -437,11 +443,7 @@ def test_a_hook_changing_the_tokens_trains_its_tokens_with_the_policys_own_log_p
 
     steps_rows = sampling_run(tmp_path, monkeypatch, change_first, samples)
 
-    ledger = Ledger(f"sqlite:///{tmp_path}/run/ledger.db")
-    try:
-        records = {r.id: r for r in ledger.records("train")}
-    finally:
-        ledger.close()
+    records = train_records(tmp_path)
     assert len(steps_rows) == 3
     for rows in steps_rows:
         assert rows.logprobs is not None and len(rows.record_ids) == 4
