@@ -37,7 +37,7 @@ from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
 from transfer_queue.state.journal import Journal
-from transfer_queue.state.lost_rows import RefillStep, block_live, missing_on, refill_plan, refill_step
+from transfer_queue.state.lost_rows import RefillPlan, RefillStep, block_live, missing_on, plan_refill, still_needed
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
@@ -220,6 +220,7 @@ class ControllerServer(Server):
         self._held: list[HeldReply] = []
         self._refill: RefillBatch | None = None  # replicas=2: the blocks being copied back onto a restarted unit
         self._refill_at = 0.0  # when to plan the next refill batch (later after one was given up or has to wait)
+        self._refill_plans: dict[int, RefillPlan] = {}  # unit -> its refill's blocks, planned once per restart
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self.start()
 
@@ -724,18 +725,22 @@ class ControllerServer(Server):
         batch = RefillBatch(unit, book.lost_below[unit], now + REFILL_TIMEOUT)
         steps: list[RefillStep] = []
         book.refill_waiting.pop(unit, None)
-        for block in refill_plan(self.state, unit):
-            step = refill_step(self.state, unit, block)
-            if step is None:  # its other copy is gone too (its rows are lost): nothing to copy
+        plan = self._refill_plans.get(unit)
+        if plan is None or plan.restart != book.restarts.get(unit, 0):  # planned once per restart of the unit
+            plan = self._refill_plans[unit] = plan_refill(self.state, unit)
+        nbytes = 0
+        for step in plan.from_block(book.refilled_below.get(unit, 0)):
+            if not still_needed(self.state, step):  # cleared or dropped, or its other copy is gone too (lost rows)
                 continue
-            if len(steps) == REFILL_BLOCKS or sum(s.nbytes for s in steps) >= REFILL_BYTES:
-                batch.upto = block
+            if len(steps) == REFILL_BLOCKS or nbytes >= REFILL_BYTES:
+                batch.upto = step.block
                 break
             if step.source in self.state.down_units:  # waits for that unit: the blocks before it go now
                 book.refill_waiting[unit] = step.source
-                batch.upto = block
+                batch.upto = step.block
                 break
             steps.append(step)
+            nbytes += step.nbytes
         if not steps:
             self._refilled(unit, batch.upto)  # past the blocks with nothing to copy
             return False

@@ -18,13 +18,14 @@ unit, for ``client.lost_rows`` and the status calls. Open puts with a block on t
 With ``replicas=2`` every block has a second copy on its replica's unit (``PutLedger.replica_of``): a restarted unit
 loses only the rows whose *other* copy is gone too (its unit was restarted empty since), and clients read the other
 copy of the rest (their blocks are left with one copy, counted by :func:`single_copies` for the status calls). The
-controller then copies those blocks back onto the restarted unit (:func:`refill_plan`, in block id order): every
+controller then copies those blocks back onto the restarted unit (:func:`plan_refill`, in block id order): every
 block below the unit's ``refilled_below`` is on it again, so a block is missing from unit ``u`` only when
 ``refilled_below[u] <= block < lost_below[u]`` (:func:`missing_on`).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -175,36 +176,71 @@ class RefillStep:
     nbytes: int
 
 
-def refill_plan(state: QueueState, unit: int) -> list[int]:
-    """replicas=2: the blocks of live partitions that ``unit`` lost and has not got back yet, in block id order."""
-    below, done = state.lost.lost_below.get(unit, 0), state.lost.refilled_below.get(unit, 0)
-    if state.ledger.replica_of is None or done >= below:
-        return []
-    plan = []
-    for part in state.partitions.values():
-        ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
-        plan.append(ids[(ids >= done) & (ids < below) & copy_on(state, ids, unit)])
-    return sorted(np.concatenate(plan).tolist()) if plan else []
+@dataclass
+class RefillPlan:
+    """A restarted unit's refill, planned once: every block of a live partition that the unit lost then, in block id
+    order, with what copying it back takes. A block's cells never change after its write, so the plan stays right;
+    a block cleared, dropped or lost since is skipped when its turn comes (:func:`still_needed`). Another restart of
+    the unit needs a new plan."""
+
+    unit: int
+    restart: int  # the unit's restart count it was planned for
+    blocks: list[int]
+    steps: list[RefillStep]
+
+    def from_block(self, block: int) -> list[RefillStep]:
+        """The steps of blocks ``>= block`` (the unit's ``refilled_below``: those below it are done)."""
+        return self.steps[bisect.bisect_left(self.blocks, block) :]
 
 
-def refill_step(state: QueueState, unit: int, block: int) -> RefillStep | None:
-    """What copying ``block`` back onto ``unit`` takes; None when it needs nothing (its partition was cleared, it was
-    dropped, or its other copy is gone too: its rows were lost)."""
-    part = next((part for part in state.partitions.values() if block in part.block_nbytes), None)
-    if part is None or all_gone(state, [block])[0]:
-        return None
+def plan_refill(state: QueueState, unit: int) -> RefillPlan:
+    """replicas=2: the refill of ``unit`` from where it stands (its ``refilled_below``): one pass over each live
+    partition's cells, not one per block."""
+    book = state.lost
+    below, done = book.lost_below.get(unit, 0), book.refilled_below.get(unit, 0)
     replica_of = state.ledger.replica_of
-    assert replica_of is not None
-    primary = block % state.config.num_storage_units
-    source = replica_of[primary] if primary == unit else primary
+    steps: list[RefillStep] = []
+    if replica_of is not None and done < below:
+        for part in state.partitions.values():
+            steps.extend(_part_refill(state, part, unit, done, below, replica_of))
+    steps.sort(key=lambda step: step.block)
+    return RefillPlan(unit, book.restarts.get(unit, 0), [step.block for step in steps], steps)
+
+
+def _part_refill(
+    state: QueueState, part: PartitionState, unit: int, done: int, below: int, replica_of: list[int]
+) -> list[RefillStep]:
     n, cols = part.num_rows, len(part.fields)
-    on = part.block[:n, :cols] == block
-    if not on.any():
-        return None
+    block = part.block[:n, :cols]
+    wanted = (block >= done) & (block < below)
+    wanted[wanted] = copy_on(state, block[wanted], unit)
+    if not wanted.any():
+        return []
+    _, col = np.nonzero(wanted)  # row-major: per block, its cells' columns
+    ids, offsets = block[wanted], part.offset[:n, :cols][wanted]
+    order = np.lexsort((col, ids))
+    ids, col, offsets = ids[order], col[order], offsets[order]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    num_rows = np.maximum.reduceat(offsets, starts) + 1
     names = list(part.field_col)
-    fields = [names[c] for c in np.flatnonzero(on.any(axis=0)).tolist()]
-    num_rows = int(part.offset[:n, :cols][on].max()) + 1
-    return RefillStep(block, part.uid, source, num_rows, fields, part.block_nbytes[block])
+    units = state.config.num_storage_units
+    steps = []
+    for i, start in enumerate(starts.tolist()):
+        b = int(ids[start])
+        if b not in part.block_nbytes:
+            continue
+        stop = int(starts[i + 1]) if i + 1 < len(starts) else len(ids)
+        fields = [names[c] for c in np.unique(col[start:stop]).tolist()]
+        primary = b % units
+        source = replica_of[primary] if primary == unit else primary
+        steps.append(RefillStep(b, part.uid, source, int(num_rows[i]), fields, part.block_nbytes[b]))
+    return steps
+
+
+def still_needed(state: QueueState, step: RefillStep) -> bool:
+    """Whether a planned block is still to be copied back: its partition holds it (not cleared or dropped) and its
+    other copy lives (else its rows were lost: nothing to copy)."""
+    return block_live(state, step.uid, step.block) and not all_gone(state, [step.block])[0]
 
 
 def block_live(state: QueueState, uid: int, block: int) -> bool:

@@ -234,6 +234,35 @@ def test_a_restarted_unit_is_refilled_and_then_outlives_the_restart_of_its_partn
     assert storage(client)["blocks_refilled"] == 4
 
 
+def test_a_refill_of_many_batches_is_planned_once_and_copies_every_block_back_whole(
+    queue: LocalQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More blocks than one batch takes, a field written into the rows later (another block): the refill plans once
+    per restart (it was planned again for every batch: quadratic in the queue's blocks) and every block comes back."""
+    from transfer_queue.controller import server as controller_server
+
+    client = queue.client
+    metas = [client.put({"x": torch.full((3, 2), float(i))}, partition_id="p") for i in range(40)]
+    ys = {i: client.put({"y": torch.full((3,), 100.0 + i)}, metadata=metas[i]) for i in range(0, 40, 4)}
+    plans: list[int] = []
+    real = controller_server.plan_refill
+    monkeypatch.setattr(controller_server, "plan_refill", lambda state, unit: plans.append(unit) or real(state, unit))
+    queue.restart(0)
+    wait_for(lambda: refilled(client))
+    assert plans == [0]
+    refilled_blocks = storage(client)["blocks_refilled"]
+    assert refilled_blocks > 2 * controller_server.REFILL_BLOCKS  # three batches at least
+    assert refilled_blocks == len(queue.units[0].store.blocks)
+    for unit in (1, 2):  # every copy is read from unit 0 now
+        queue.controller.mark_unit(unit, "held down by the test")
+    held = queue.units[0].store.blocks
+    x_on_0 = [i for i, m in enumerate(metas) if int(m.blocks[0, 0]) in held]
+    y_on_0 = [i for i, m in ys.items() if int(m.blocks[0, 0]) in held]
+    assert len(x_on_0) > 20 and y_on_0
+    assert [client.get_data(metas[i])["x"][:, 0].tolist() for i in x_on_0] == [[float(i)] * 3 for i in x_on_0]
+    assert [client.get_data(ys[i])["y"].tolist() for i in y_on_0] == [[100.0 + i] * 3 for i in y_on_0]
+
+
 def test_a_refill_waits_for_the_unit_holding_the_other_copy_and_the_status_says_so(queue: LocalQueue) -> None:
     client = queue.client
     metas = put_on_each_unit(client)
