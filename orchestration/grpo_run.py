@@ -680,10 +680,6 @@ class GRPORun:
             return {}
         journal = self.out / "queue_journal"
         shutil.rmtree(journal, ignore_errors=True)
-        logger.warning(
-            "queue_journal: the queue outlives its controller's death, the run's workers not yet (rows handed out "
-            "again after the restart are refused as produced: FieldAlreadyProduced); see docs/rl.md"
-        )
         return {"journal_dir": str(journal), "restart_retry_s": QUEUE_RESTART_RETRY_S}
 
     def _restorable_queue(self) -> str | None:

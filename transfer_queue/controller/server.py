@@ -76,14 +76,16 @@ REFILL_TIMEOUT = 30.0
 REFILL_RETRY = 0.5
 # request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
-# requests that change nothing the journal keeps: reads, and leases (get_meta, extend_lease, release: a lease does
-# not survive a restart; the delivery counts and samplers' states they change are written with the next record);
-# cancelled waits are not journaled
+# requests that change nothing the journal keeps: reads; cancelled waits are not journaled (a cancel that hands back
+# a lease is written with its pass's record all the same: the journal writes every lease that changed)
 _NOT_JOURNALED = (
     p.Hello, p.QueueStatus, p.SaveCheckpoint, p.DeadLetters, p.ProductionStatus, p.ConsumptionStatus,
     p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta,
-    p.GetMeta, p.ExtendLease, p.Release,
 )  # fmt: skip
+# a get_meta may lease rows of any partition (the one it names, or one it waited for, served in a later pass): the
+# journal writes the leases that changed and the partitions whose rows they marked; its reply fails if that record
+# cannot be written (the lease would not survive a restart)
+_LEASES = object()
 _ALL = object()  # a request that may change every partition (reset_consumption of all of them)
 # a reserve changes no partition the journal keeps (open puts are not kept) but hands out put and block ids, which a
 # restarted controller must not hand out again: its record holds the state's fields outside its partitions only (so
@@ -342,9 +344,12 @@ class ControllerServer(Server):
         self._marked = True
 
     def _touches(self, request: Any) -> Any:
-        """The key of the partition ``request`` may change (``_ALL``: any; None: none the journal keeps)."""
+        """The key of the partition ``request`` may change (``_ALL``: any; ``_LEASES``: leases, of any partition; None:
+        none the journal keeps)."""
         if isinstance(request, _NOT_JOURNALED):
             return None
+        if isinstance(request, p.GetMeta):
+            return _LEASES
         state = self.state
         if isinstance(request, (p.Reserve, p.SetTaskOptions)):  # the state's fields outside its partitions
             return _COUNTERS
@@ -395,7 +400,7 @@ class ControllerServer(Server):
                 self._dirty = None
             elif touched is _COUNTERS:
                 self._counters = True
-            elif touched is not None:
+            elif touched is not _LEASES:
                 self._dirty.add(touched)
         if isinstance(request, p.Hello):
             hello = {"client_id": request.client_id, "protocol_version": p.PROTOCOL_VERSION}  # never the session

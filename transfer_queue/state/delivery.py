@@ -32,7 +32,7 @@ from transfer_queue.state.dp_rounds import end_round, mark_released
 from transfer_queue.state.events import QueueEvents
 from transfer_queue.state.partition import PartitionState, unique_in_order
 from transfer_queue.state.partition_table import PartitionTable
-from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED
+from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED, NO_HOLDER
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ class Lease:
     call_id: int = 0  # the client's id for the get_meta that took it (a cancel names it)
     remaining: int = 0  # rows still leased under this lease
     round_key: tuple[str, str] | None = None  # (task, dp_group_id) when the lease holds a DP round's shares
+    duration: float = 0.0  # seconds its deadline was last set ahead (a replayed journal re-arms it this long)
+
+    def journaled(self) -> list[Any]:
+        """The lease as the journal keeps it (its rows are the rows that carry its id; its deadline is re-armed)."""
+        return [self.lease_id, self.owner, self.uid, self.task_name, self.duration, self.call_id]
 
 
 class LeaseBook:
@@ -104,6 +109,9 @@ class LeaseBook:
         self.peers: dict[str, set[Hashable]] = {}  # owner -> its open connections
         self.owner_of_peer: dict[Hashable, str] = {}
         self.orphaned: dict[str, float] = {}  # owner whose last connection closed -> when its leases go back
+        # journal_dir: the ids of the leases opened, extended or closed since the journal's last record (None: the
+        # queue keeps no journal)
+        self.changed: set[int] | None = None
 
     # ---- owners and their connections --------------------------------------------------------------------
     def owner_id(self, owner: str) -> int:
@@ -174,10 +182,25 @@ class LeaseBook:
     ) -> Lease:
         lease = Lease(self._next_id, owner, key, uid, task_name, rows, deadline, call_id, len(rows))
         self._next_id += 1
-        self.leases[lease.lease_id] = lease
-        self.by_owner.setdefault(owner, set()).add(lease.lease_id)
-        heapq.heappush(self._heap, (deadline, lease.lease_id))
+        self.add(lease)
         return lease
+
+    def add(self, lease: Lease) -> None:
+        """Hold ``lease`` (opened now, or restored from the journal under its own id)."""
+        self.leases[lease.lease_id] = lease
+        self.by_owner.setdefault(lease.owner, set()).add(lease.lease_id)
+        heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
+        self._next_id = max(self._next_id, lease.lease_id + 1)
+        if self.changed is not None:
+            self.changed.add(lease.lease_id)
+
+    @property
+    def next_id(self) -> int:
+        return self._next_id
+
+    def skip_ids(self, next_id: int) -> None:
+        """Never hand out a lease id below ``next_id`` (a replayed journal: ids its rows may still carry)."""
+        self._next_id = max(self._next_id, next_id)
 
     def settled(self, lease_ids: np.ndarray) -> None:
         """Rows leased under ``lease_ids`` (one entry per row) were acknowledged or handed back."""
@@ -192,6 +215,8 @@ class LeaseBook:
     def close(self, lease: Lease) -> None:
         """Forget a lease (its heap entry is skipped when it comes up)."""
         self.leases.pop(lease.lease_id, None)
+        if self.changed is not None:
+            self.changed.add(lease.lease_id)
         owned = self.by_owner.get(lease.owner)
         if owned is not None:
             owned.discard(lease.lease_id)
@@ -220,6 +245,8 @@ class LeaseBook:
         """Move ``lease``'s deadline (its earlier heap entry is skipped when it comes up)."""
         lease.deadline = deadline
         heapq.heappush(self._heap, (deadline, lease.lease_id))
+        if self.changed is not None:
+            self.changed.add(lease.lease_id)
 
     def next_deadline(self) -> float:
         while self._heap and (
@@ -298,6 +325,7 @@ class Delivery:
             self.leases.forget_owners(self._holders_in_use())
         lease = self.leases.open(owner, part.key, part.uid, task_name, rows, deadline, call_id)
         lease.round_key = round_key
+        lease.duration = float(lease_s)
         again = int(np.count_nonzero(part.task(task_name).deliveries[rows]))
         if again:
             self.events.redelivered(task_name, again)
@@ -341,6 +369,54 @@ class Delivery:
                 reason,
             )
         self.rows_back(part.key, lease.task_name)
+
+    # ---- the journal (journal_dir) ----------------------------------------------------------------------------
+    def journaled_leases(self, changed: bool) -> list[list[Any]]:
+        """The client leases as the journal keeps them (``Lease.journaled``): ``changed``: those opened, extended or
+        closed since the last record (a closed one as ``[lease_id]``), else every live one. A DP round's lease is
+        not kept (rounds are not journaled: its rows are ready again after a restart)."""
+        book = self.leases
+        ids = sorted(book.changed or ()) if changed else sorted(book.leases)
+        out: list[list[Any]] = []
+        for lease_id in ids:
+            lease = book.leases.get(lease_id)
+            out.append([lease_id] if lease is None or lease.round_key is not None else lease.journaled())
+        return out
+
+    def restore_leases(self, saved: list[list[Any]], next_id: int) -> int:
+        """Hold again the leases a replayed journal kept (``journaled_leases``): each over the rows of its partition
+        and task that are leased under its id, for its owner, its deadline re-armed ``duration`` seconds from now
+        (the restart: a monotonic clock does not carry over to another process or host). Its owner has no connection
+        yet, so the disconnect grace does not run until it connected again and closed its last connection: an owner
+        that never comes back loses its rows at the re-armed deadline. Leased rows of no kept lease (a DP round's) are
+        ready again. Returns the leases restored."""
+        by_id = {int(entry[0]): entry for entry in saved if len(entry) > 1}
+        now = self.clock()
+        restored = 0
+        for part in self.table.partitions.values():
+            for task_name, task in part.tasks.items():
+                leased = np.flatnonzero(task.consumption == LEASED)
+                if not len(leased):
+                    continue
+                ids = task.lease[leased]
+                for lease_id in np.unique(ids).tolist():
+                    rows = leased[ids == lease_id]
+                    entry = by_id.get(int(lease_id))
+                    if entry is None or entry[2] != part.uid or entry[3] != task_name:
+                        task.consumption[rows] = AVAILABLE
+                        task.lease[rows] = 0
+                        task.holder[rows] = NO_HOLDER
+                        continue
+                    _, owner, _, _, duration, call_id = entry
+                    deadline = now + float(duration)
+                    lease = Lease(lease_id, str(owner), part.key, part.uid, task_name, rows, deadline, int(call_id))
+                    lease.remaining, lease.duration = len(rows), float(duration)
+                    self.leases.add(lease)
+                    task.holder[rows] = self.leases.owner_id(lease.owner)
+                    self.wake(lease.deadline)
+                    restored += 1
+        self.leases.skip_ids(next_id)
+        return restored
 
     def expire(self, now: float) -> None:
         """Hand back the rows of expired leases and of owners gone for good."""
@@ -456,6 +532,7 @@ class Delivery:
         for lease_id in np.unique(task.lease[rows[held]]).tolist():
             lease = self.leases.leases.get(lease_id)
             if lease is not None:
+                lease.duration = float(seconds)
                 self.leases.extend(lease, deadline)
         self.wake(deadline)
         return {"extended": int(held.sum())}

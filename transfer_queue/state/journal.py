@@ -7,8 +7,8 @@ again, readable by its user only):
 ``snapshot``
     a whole :class:`~transfer_queue.state.queue_state.QueueState` as
     :func:`~transfer_queue.state.snapshot.snapshot_state` writes it (msgpack), plus ``seq`` (the last log record it
-    includes) and ``next_block``. Written atomically: a temporary file, fsynced, renamed over the old one, the
-    directory fsynced.
+    includes), ``next_block``, the live leases and ``next_lease``. Written atomically: a temporary file, fsynced,
+    renamed over the old one, the directory fsynced.
 ``log``
     the changes since, appended: one record per serving pass that changed durable state (group commit: one
     ``write()`` for the pass, fsynced per ``journal_fsync`` before the pass's replies go out). A record is framed as
@@ -17,17 +17,27 @@ again, readable by its user only):
     options). A
     partition's record holds it whole, as the snapshot does, when the journal does not hold it yet (created since)
     or its arrays grew; else its scalar fields and what changed since its last record: ``rows`` (their indexes, and
-    those rows of each per-row array, of each task's consumption and delivery counts and dead letters, their kv keys
-    and custom meta), ``groups`` and ``blocks`` (the entries of the groups and blocks those rows held before or hold
-    now: members, rows, references, bytes; None: gone) and ``dropped_tasks``.
+    those rows of each per-row array, of each task's consumption, lease ids, delivery counts and dead letters, their
+    kv keys and custom meta), ``groups`` and ``blocks`` (the entries of the groups and blocks those rows held before
+    or hold now: members, rows, references, bytes; None: gone) and ``dropped_tasks``.
 
 Records are *outcomes*, not requests to run again: samplers and lease clocks are not deterministic, so replay only
 assigns what the serving pass ended with. Replay loads the snapshot, then applies every record whose ``seq`` is above
 the snapshot's (a crash between a snapshot's rename and the log's truncation leaves records the snapshot already
-holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: leased rows are ready again
-(at-least-once: a leased, unacknowledged row is served again), puts that had not committed are gone (their rows
-freed), parked requests and connections are not kept. Task options (``set_task_options``) are journaled; DP rounds are
-not.
+holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: puts that had not committed are
+gone (their rows freed), parked requests and connections are not kept. Task options (``set_task_options``) are
+journaled; DP rounds are not (the rows of a round's unacknowledged shares are ready again).
+
+Leases are journaled (unlike a checkpoint's): a record also holds ``leases``, each client lease opened, renewed
+(``extend_lease``) or closed (acknowledged, handed back, released, expired, cancelled) in the pass, as
+``[id, owner, partition uid, task, duration, call id]`` (closed: ``[id]``), and each task's ``lease`` array (the
+lease holding each row) with the rows marked; the snapshot holds every live lease and ``next_lease``. A get_meta's
+reply goes out once the record of its lease is written, so nothing served is served again after a restart. Replay
+holds each lease again over the rows still leased under its id, for its owner, its deadline re-armed its full
+``duration`` (the ``lease_s`` it was granted, or the last ``extend_lease``'s seconds) from the replay: a monotonic
+clock does not carry over to another process or host, so a lease gets at most ``duration`` more than it had left. Its
+owner has no connection yet: the disconnect grace starts only once it connected again and closed its last
+connection, so an owner that never comes back loses its rows at the re-armed deadline.
 
 To know what changed, each mutation of a partition marks the rows it changes (``PartitionState.mark``: commit, abort,
 acks and leases, hand-backs and dead letters, clears, kv keys, custom meta, rows lost), and the groups and blocks they
@@ -142,6 +152,8 @@ def load(directory: str) -> tuple[dict[str, Any] | None, int]:
     except SnapshotError as exc:
         raise JournalCorrupt(f"{snap_path}: {exc}") from None
     parts = {d["key"]: d for d in snapshot["partitions"]}
+    # a journal written before leases were kept has none: its leased rows are ready again on replay
+    leases = None if "leases" not in snapshot else {int(entry[0]): entry for entry in snapshot["leases"]}
     for record in records:
         if record["seq"] <= snapshot["seq"]:
             continue  # already in the snapshot (it was written after this record, the log not yet truncated)
@@ -149,9 +161,14 @@ def load(directory: str) -> tuple[dict[str, Any] | None, int]:
             parts.pop(key, None)
         for d in record["parts"]:
             parts[d["key"]] = d if "rows" not in d else _patched(parts.get(d["key"]), d, log_path)
+        if leases is not None:
+            for entry in record.get("leases", ()):
+                _assign(leases, int(entry[0]), entry if len(entry) > 1 else None)
         snapshot.update(record["globals"])
         snapshot["seq"] = record["seq"]
     snapshot["partitions"] = list(parts.values())
+    if leases is not None:
+        snapshot["leases"] = list(leases.values())
     return snapshot, good
 
 
@@ -180,8 +197,8 @@ def _patched(base: dict[str, Any] | None, delta: dict[str, Any], path: str) -> d
         )
     rows = np.frombuffer(delta["rows"], dtype=np.int64)
     arrays = {name: _writable(unarray(base["arrays"][name])) for name in ROW_ARRAYS}
-    for name in ROW_ARRAYS:
-        arrays[name][rows] = unarray(delta["arrays"][name])
+    for name, values in delta["arrays"].items():  # none: only the tasks' arrays or custom meta of the rows changed
+        arrays[name][rows] = unarray(values)
     dicts, group_rows, custom_meta = base["dicts"], base["group_rows"], base["custom_meta"]
     for group, members, listed in delta["groups"]:
         _assign(dicts["group_members"], group, members)
@@ -209,6 +226,11 @@ def _patched(base: dict[str, Any] | None, delta: dict[str, Any], path: str) -> d
         for row, reason in zip(row_list, task["dead"], strict=True):
             _assign(dead, row, reason)
         tasks[name] = {"consumption": consumption, "deliveries": deliveries, "dead": [[r, x] for r, x in dead.items()]}
+        if "lease" in task:  # the lease holding each row (journals written before leases were kept: none)
+            fresh = held is None or "lease" not in held
+            lease = np.zeros(size, np.int64) if fresh else _writable(unarray(held["lease"]))  # type: ignore[index]
+            lease[rows] = unarray(task["lease"])
+            tasks[name]["lease"] = lease
     out = {k: v for k, v in delta.items() if k not in _DELTA_ONLY}
     out.update(arrays=arrays, tasks=tasks, dicts=dicts, group_rows=group_rows, custom_meta=custom_meta)
     return out
@@ -253,6 +275,7 @@ class Journal:
         self._shapes = {key: _shape(part) for key, part in state.partitions.items()}
         for part in state.partitions.values():
             part.clear_marks()
+        state.delivery.leases.changed = set()  # the leases opened, extended or closed from now on
 
     def record(self, state: QueueState, dirty: set[Any] | None, counters: bool = False, marked: bool = False) -> int:
         """Append what this pass changed: partitions in ``dirty`` (keys; None: all), those created and those removed
@@ -262,12 +285,15 @@ class Journal:
         bytes written (0: nothing changed)."""
         current = {key: part.uid for key, part in state.partitions.items()}
         drops = [key for key in self.uids if key not in current]
+        book = state.delivery.leases
+        if book.changed:  # leases granted, renewed, acknowledged, handed back: their rows are marked too
+            marked = True
         changed = [
             key
             for key, part in state.partitions.items()
             if self.uids.get(key) != part.uid or dirty is None or key in dirty or (marked and part.dirty)
         ]
-        if not drops and not changed and not counters:
+        if not drops and not changed and not counters and not book.changed:
             return 0
         parts = [self._partition_record(state.partitions[key]) for key in changed]
         payload = msgspec.msgpack.encode(
@@ -275,7 +301,13 @@ class Journal:
                 "seq": self.seq + 1,
                 "drops": drops,
                 "parts": parts,
-                "globals": {**state_globals(state), "next_block": state._next_block, "units": units_book(state)},
+                "leases": state.delivery.journaled_leases(changed=True),
+                "globals": {
+                    **state_globals(state),
+                    "next_block": state._next_block,
+                    "next_lease": book.next_id,
+                    "units": units_book(state),
+                },
             }
         )
         data = frame(payload)
@@ -288,6 +320,8 @@ class Journal:
             part.clear_marks()
             self._shapes[key] = _shape(part)
         self.uids = current
+        if book.changed is not None:
+            book.changed.clear()
         self.log_bytes += len(data)
         self.stats["records"] += 1
         self.stats["bytes"] += len(data)
@@ -330,11 +364,14 @@ class Journal:
         d = partition_snapshot(part, arrays=False, dicts=False)
         none = np.zeros(0, dtype=np.int64)
         rows = np.unique(np.concatenate(part.dirty_rows)) if part.dirty_rows else none
-        groups = np.unique(np.concatenate([*part.dirty_groups, part.group[rows]]))
-        blocks = np.unique(np.concatenate([*part.dirty_blocks, part.block[rows].reshape(-1)]))
+        # marks of the tasks' arrays or custom meta alone (a lease, an ack): the per-row arrays, the rows' groups and
+        # blocks did not change, only the blocks marked (freed) are written
+        cells = part.dirty_cells
+        groups = np.unique(np.concatenate([*part.dirty_groups, part.group[rows] if cells else none]))
+        blocks = np.unique(np.concatenate([*part.dirty_blocks, part.block[rows].reshape(-1) if cells else none]))
         row_list = rows.tolist()
         d["rows"] = rows.tobytes()
-        d["arrays"] = {name: array_dict(getattr(part, name)[rows]) for name in ROW_ARRAYS}
+        d["arrays"] = {name: array_dict(getattr(part, name)[rows]) for name in ROW_ARRAYS} if cells else {}
         d["groups"] = [[g, part.group_members.get(g), part.group_rows.get(g)] for g in groups[groups >= 0].tolist()]
         d["blocks"] = [[b, part.block_refs.get(b), part.block_nbytes.get(b)] for b in blocks[blocks >= 0].tolist()]
         d["row_keys"] = [part.row_keys.get(row) for row in row_list]
@@ -344,6 +381,7 @@ class Journal:
             name: {
                 "consumption": array_dict(task.consumption[rows]),
                 "deliveries": array_dict(task.deliveries[rows]),
+                "lease": array_dict(task.lease[rows]),
                 "dead": [task.dead.get(row) for row in row_list],
             }
             for name, task in part.tasks.items()
@@ -366,7 +404,15 @@ class Journal:
 
     def snapshot(self, state: QueueState) -> int:
         """Write ``state`` as the new snapshot (atomically) and empty the log; returns the snapshot's size."""
-        blob = snapshot_state(state, None, seq=self.seq, next_block=state._next_block, units=units_book(state))
+        blob = snapshot_state(
+            state,
+            None,
+            seq=self.seq,
+            next_block=state._next_block,
+            units=units_book(state),
+            leases=state.delivery.journaled_leases(changed=False),
+            next_lease=state.delivery.leases.next_id,
+        )
         path = os.path.join(self.directory, SNAPSHOT)
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -436,7 +482,8 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
                 f"{name}={getattr(config, name)}"
             )
     identity = {int(b): int(b) for d in snapshot["partitions"] for b in d["dicts"]["block_refs"]}
-    state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]))
+    leases = snapshot.get("leases")  # None: a journal written before leases were kept
+    state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]), leases)
     restore_units_book(state, snapshot.get("units"))  # the units' restarts as the clients saw them
     # the commits answered before are not remembered: a commit retried now of a put from before the restart is told
     # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)

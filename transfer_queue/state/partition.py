@@ -132,6 +132,7 @@ class PartitionState:
         self.dirty_groups: list[np.ndarray] = []
         self.dirty_blocks: list[np.ndarray] = []
         self.dirty_count = 0
+        self.dirty_cells = False  # some mark may have changed the per-row arrays (not only the tasks' or custom meta)
         self.dropped_tasks: set[str] = set()
 
     # ---- what the journal writes next ------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class PartitionState:
         self.dirty_rows.append(rows)
         n = len(rows)
         if cells:
+            self.dirty_cells = True
             inside = rows[rows < len(self.state)]
             self.dirty_groups.append(self.group[inside])
             self.dirty_blocks.append(self.block[inside].reshape(-1))
@@ -176,6 +178,7 @@ class PartitionState:
         self.dirty_all = False
         self.dirty_rows, self.dirty_groups, self.dirty_blocks = [], [], []
         self.dirty_count = 0
+        self.dirty_cells = False
         self.dropped_tasks = set()
 
     # ---- shape ---------------------------------------------------------------------------------------------

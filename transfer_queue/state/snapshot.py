@@ -78,6 +78,7 @@ def _partition(part: PartitionState, arrays: bool = True, dicts: bool = True) ->
             name: {
                 "consumption": _array(task.consumption),
                 "deliveries": _array(task.deliveries),
+                "lease": _array(task.lease),  # the lease holding each row (a journal keeps its leases)
                 "dead": [[row, reason] for row, reason in task.dead.items()],
             }
             for name, task in part.tasks.items()
@@ -196,9 +197,13 @@ def unit_restores(
     return out
 
 
-def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: QueueConfig) -> PartitionState:
+def _restore_partition(
+    d: dict[str, Any], mapping: dict[int, int], config: QueueConfig, keep_leases: bool = False
+) -> PartitionState:
     """A saved partition, under the restoring queue's ``max_fields`` and ``promote_jagged`` (as
-    :meth:`PartitionTable.open` builds one), so a resumed run merges and bounds schemas as the saved one did."""
+    :meth:`PartitionTable.open` builds one), so a resumed run merges and bounds schemas as the saved one did.
+    ``keep_leases`` (a journal's replay): leased rows stay leased under their lease ids, for
+    :meth:`~transfer_queue.state.delivery.Delivery.restore_leases`; else they are ready again."""
     part = PartitionState(
         d["key"],
         d["uid"],
@@ -241,8 +246,11 @@ def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: Queue
     part.nbytes = sum(part.block_nbytes.values())
     for name, saved in d["tasks"].items():
         taken = _unarray(saved["consumption"])
-        taken[taken == LEASED] = AVAILABLE  # a lease does not survive a restart: the rows are ready again
         task = part.tasks[name] = TaskState.of_size(len(taken))  # ready indexes are rebuilt on first use
+        if keep_leases and "lease" in saved:
+            task.lease = _unarray(saved["lease"])
+        else:  # a checkpoint's lease does not survive a restore: the rows are ready again
+            taken[taken == LEASED] = AVAILABLE
         task.consumption = taken
         task.deliveries = _unarray(saved["deliveries"])
         task.dead = {int(row): str(reason) for row, reason in saved["dead"]}
@@ -252,11 +260,17 @@ def _restore_partition(d: dict[str, Any], mapping: dict[int, int], config: Queue
 
 
 def restore_state(
-    snapshot: dict[str, Any], config: QueueConfig, sampler: SamplerSpec | None, mapping: dict[int, int], blocks: int
+    snapshot: dict[str, Any],
+    config: QueueConfig,
+    sampler: SamplerSpec | None,
+    mapping: dict[int, int],
+    blocks: int,
+    leases: list[list[Any]] | None = None,
 ) -> QueueState:
     """A QueueState from ``snapshot`` for ``config`` (its storage units may differ in number from the saved one);
-    ``mapping`` and ``blocks`` from :func:`block_map`. Leased rows are ready again; the default sampler loads its
-    saved ``state_dict``, a task's sampler loads its own when it is registered again."""
+    ``mapping`` and ``blocks`` from :func:`block_map`. Leased rows are ready again, unless ``leases`` (a journal's
+    replay: the leases it kept, see :meth:`~transfer_queue.state.delivery.Delivery.restore_leases`) holds theirs;
+    the default sampler loads its saved ``state_dict``, a task's sampler loads its own when it is registered again."""
     state = QueueState(config, sampler)
     state.max_cleared_step = snapshot["max_cleared_step"]
     state.cleared_names = dict.fromkeys(snapshot["cleared_names"])
@@ -264,9 +278,11 @@ def restore_state(
     state._next_put = snapshot["next_put"]
     state._next_block = blocks
     for d in snapshot["partitions"]:
-        part = _restore_partition(d, mapping, config)
+        part = _restore_partition(d, mapping, config, keep_leases=leases is not None)
         state.partitions[part.key] = part
         state.bytes_held += part.nbytes
+    if leases is not None:
+        state.delivery.restore_leases(leases, int(snapshot.get("next_lease", 1)))
     lost = snapshot.get("lost") or {"total": 0, "by_uid": {}}  # written before lost rows were saved: none
     live = {part.uid for part in state.partitions.values()}
     state.lost.total = int(lost["total"])

@@ -78,6 +78,36 @@ def test_a_killed_controller_is_restarted_from_its_journal_and_its_client_goes_o
     assert sorted(os.listdir(tmp_path / "journal")) == []
 
 
+def test_a_lease_taken_before_the_controller_was_killed_is_acknowledged_after_its_restart(
+    ray_session: Any, tmp_path
+) -> None:
+    """The journal keeps leases: a consumer leases rows, Ray restarts the killed controller, the consumer acknowledges
+    them (no NotLeased) and another consumer is never served them."""
+    client = transfer_queue.init(
+        global_batch_size=4, num_storage_units=2, default_timeout=20.0, journal_dir=str(tmp_path / "journal")
+    )
+    other = None
+    try:
+        controller = transfer_queue.get_controller()
+        client.put({"x": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, partition_id="p")
+        client.set_task_options("t", ack="explicit")
+        leased = client.get_meta(["x"], 2, partition_id="p", task_name="t")
+        ray.kill(controller, no_restart=False)
+        other = TransferQueueClient("other", restarted_info(controller))
+        rest = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=5)
+        assert sorted(rest.global_indexes.tolist()) == sorted(set(range(4)) - set(leased.global_indexes.tolist()))
+        client.ack(leased)  # the lease survived the restart: its owner acknowledges it
+        other.ack(rest)
+        with pytest.raises(GetMetaTimeout):  # every row served once: nothing more, the leased ones included
+            other.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.5)
+        assert client.check_consumption_status("t", partition_id="p")  # all 4 rows acknowledged
+    finally:
+        if other is not None:
+            other.close()
+        client.close()
+        transfer_queue.shutdown()
+
+
 def test_a_journal_replayed_over_new_storage_units_reports_their_rows_lost(ray_session: Any, tmp_path) -> None:
     journal = str(tmp_path / "journal")
     units = start_storage_units(1)

@@ -1,8 +1,8 @@
 """A controller that dies comes back from its journal (``journal_dir``), without Ray: a ControllerServer and
 StorageServers in this process; the controller is stopped without a snapshot or any other clean-up ("crashed") and a
 new one is started over the same journal and the same storage units (which kept their blocks), on the same port.
-Committed rows read, acknowledged rows are not served again, leased unacknowledged rows are, cleared partitions stay
-gone, puts that had not committed are gone."""
+Committed rows read, acknowledged rows are not served again, leased unacknowledged rows stay leased to their owner
+(their deadline re-armed from the restart), cleared partitions stay gone, puts that had not committed are gone."""
 
 from __future__ import annotations
 
@@ -20,7 +20,14 @@ from tests.unit.conftest import QueueHarness
 from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer, _ControllerResponder
-from transfer_queue.errors import ConfigMismatch, JournalCorrupt, JournalError, NotLeased, RequestTimeout
+from transfer_queue.errors import (
+    ConfigMismatch,
+    GetMetaTimeout,
+    JournalCorrupt,
+    JournalError,
+    NotLeased,
+    RequestTimeout,
+)
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.state.journal import FSYNC_INTERVAL_S, LOG, SNAPSHOT, Journal, load, open_journal, read_log
 from transfer_queue.state.partition_status import row_state_counts
@@ -116,23 +123,21 @@ def test_a_restarted_controller_replays_its_journal_and_finds_the_units_rows(loc
     with controller.lock:
         counts = row_state_counts(controller.state.table.known("p"), "t")
         assert controller.state.table.known("p").num_reserved == 0
-    assert counts["acknowledged"] == 2 and counts["leased"] == 0
+    assert counts["acknowledged"] == 2 and counts["leased"] == 2  # the lease survived the restart
     reader = local.client("reader")
     assert reader.list_partitions() == ["p", "kv", "q"]
     assert reader.get_custom_meta(metas[2]) == [{"score": 1}, {}]
     assert reader.kv_list("kv", with_tags=True) == {"k": {"v": 2}}
     for value, meta in zip((1.0, 2.0, 3.0), metas, strict=True):  # the units kept the blocks; the ids still point
         assert reader.get_data(meta)["x"].flatten().tolist() == [value] * 6
-    with pytest.raises(NotLeased):  # the restart ended the lease: the rows are ready again, not acknowledged
-        client.ack(leased)
-    again = reader.get_meta(["x"], 4, partition_id="p", task_name="t", timeout=1)
-    # at-least-once: the leased rows are ready again; the acknowledged ones are not served; the uncommitted put's
-    # rows are gone (6 committed rows in all)
-    assert sorted(again.global_indexes.tolist()) == sorted(
-        leased.global_indexes.tolist() + [i for i in range(6) if i not in acked.global_indexes.tolist()][2:]
-    )
-    assert not set(again.global_indexes.tolist()) & set(acked.global_indexes.tolist())
-    assert len(again) == 4
+    again = reader.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=1)
+    # neither the acknowledged rows nor the leased ones are served again; the uncommitted put's rows are gone (6
+    # committed rows in all: the 2 never handed out are what is left)
+    taken = acked.global_indexes.tolist() + leased.global_indexes.tolist()
+    assert sorted(again.global_indexes.tolist()) == [i for i in range(6) if i not in taken]
+    client.ack(leased)  # the lease taken before the restart is acknowledged after it
+    with controller.lock:
+        assert row_state_counts(controller.state.table.known("p"), "t")["acknowledged"] == 4
     with controller.lock:  # put and block ids handed out before the crash are not handed out again
         later = QueueHarness(controller.state).reserve("p", 2, schema)
         assert later.put_id > open_put.put_id
@@ -166,8 +171,9 @@ def test_each_mutating_pass_is_one_record_written_before_its_reply(local: Local)
     assert after_put - before == 2  # the reserve's (the put and block ids it handed out), the commit's
     client.list_partitions()
     client.get_production_status(partition_id="p")
-    client.get_meta(["x"], 2, partition_id="p", task_name="t")  # a lease does not survive a restart: not written
-    assert controller.journal.stats["records"] == after_put  # reads and leases write nothing
+    assert controller.journal.stats["records"] == after_put  # reads write nothing
+    client.get_meta(["x"], 2, partition_id="p", task_name="t")  # a lease survives a restart: written
+    assert controller.journal.stats["records"] == after_put + 1
     snapshot, _ = load(controller.journal.directory)
     assert snapshot is not None and [d["key"] for d in snapshot["partitions"]] == ["p"]
     assert controller.journal.stats["fsyncs"] >= controller.journal.stats["records"]  # journal_fsync="always"
@@ -255,7 +261,7 @@ def arrays_of(d: dict) -> dict:
     out["arrays"] = {n: unarray(a).tolist() for n, a in d["arrays"].items()}
     out["tasks"] = {
         t: {"consumption": unarray(v["consumption"]).tolist(), "deliveries": unarray(v["deliveries"]).tolist(),
-            "dead": sorted(list(x) for x in v["dead"])}
+            "lease": unarray(v["lease"]).tolist(), "dead": sorted(list(x) for x in v["dead"])}
         for t, v in d["tasks"].items()
     }  # fmt: skip
     return msgspec.msgpack.decode(msgspec.msgpack.encode(out))
@@ -293,6 +299,8 @@ def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -
         if i == 15:
             q.ok(p.KvClear("kv", ["k7"]))
         sizes.append(journal.record(state, None))
+    q.ok(p.GetMeta("p", ["x"], 2, "t", owner="kept"))  # a lease still live at the end (a record of it alone)
+    assert journal.record(state, set())
     lost = state.unit_restarted(0)["rows"]  # rows lost with a unit: marked, written by the next pass's record
     assert lost and journal.record(state, set(), marked=True)
     journal.close()
@@ -301,7 +309,8 @@ def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -
     records, _ = read_log(str(tmp_path / LOG))
     kinds = ["rows" if "rows" in d else "whole" for r in records for d in r["parts"] if d["key"] == "p"]
     # whole the first time and once its arrays grew past 64 rows; the rows that changed every other time
-    assert kinds.count("whole") == 2 and kinds.count("rows") == 30  # one a pass, one more at i == 10, the lost rows
+    # one a pass, one more at i == 10, the last lease, the lost rows
+    assert kinds.count("whole") == 2 and kinds.count("rows") == 31
     assert max(sizes[-5:]) < sizes[0] / 4  # a row record is a fraction of a whole one
     snapshot, _ = load(str(tmp_path))
     assert snapshot is not None
@@ -309,6 +318,8 @@ def test_replay_of_row_records_gives_the_state_that_wrote_them(tmp_path: Path) -
     live = {key: arrays_of(partition_snapshot(part)) for key, part in state.partitions.items()}
     assert sorted(replayed, key=str) == ["kv", "p"]
     assert replayed == live
+    # the leases live at the end (granted, some acknowledged or handed back since) are the ones the journal holds
+    assert state.delivery.leases.leases and snapshot["leases"] == state.delivery.journaled_leases(changed=False)
 
 
 @pytest.mark.parametrize("policy", ["always", "interval", "never"])
@@ -349,6 +360,11 @@ def test_a_record_holds_the_rows_that_changed_not_the_partition(tmp_path: Path) 
     assert np.frombuffer(put_part["rows"], np.int64).tolist() == [int(meta.global_indexes[0])]
     assert [g for g, _, _ in put_part["groups"]] == [100_000] and len(put_part["blocks"]) == 1
     assert np.frombuffer(ack_part["rows"], np.int64).tolist() == [int(got.global_indexes[0])]
+    # a lease and its ack change the task's arrays of the row only: not its cells, groups or blocks
+    assert ack_part["arrays"] == {} and ack_part["groups"] == [] and ack_part["blocks"] == []
+    assert unarray(ack_part["tasks"]["t"]["lease"]).tolist() == [
+        state.partitions["big"].tasks["t"].lease[got.global_indexes[0]]
+    ]
     snapshot, _ = load(str(tmp_path))
     assert snapshot is not None
     assert arrays_of(snapshot["partitions"][0]) == arrays_of(partition_snapshot(state.partitions["big"]))
@@ -486,3 +502,58 @@ def test_the_units_restarts_survive_a_restart_of_the_controller(tmp_path: Path) 
         assert replayed.unit_restarted(0)["restarts"] == 3
     finally:
         again.close()
+
+
+def lease_of(controller: ControllerServer, meta: object) -> object:
+    """The live lease holding the rows of ``meta`` (one get_meta's)."""
+    with controller.lock:
+        part = controller.state.table.known("p")
+        task = part.task("t")
+        (lease_id,) = np.unique(task.lease[np.asarray(meta.global_indexes) - part.base_index]).tolist()  # type: ignore[attr-defined]
+        return controller.state.delivery.leases.leases.get(lease_id)
+
+
+def test_a_leased_row_is_not_served_to_another_consumer_after_replay_and_its_owner_acks_it(local: Local) -> None:
+    """The owner of a lease taken before the restart keeps it: another consumer is not served its rows, the owner's
+    extend_lease and ack of it succeed after the restart (the same client, reconnected)."""
+    local.start()
+    owner = local.client("owner")
+    owner.put(rows(1.0, 4), partition_id="p")
+    owner.set_task_options("t", ack="explicit")
+    leased = owner.get_meta(["x"], 2, partition_id="p", task_name="t")
+    controller = local.start(local.crash())
+    lease = lease_of(controller, leased)
+    assert lease is not None and lease.owner == owner.owner  # type: ignore[attr-defined]
+    other = local.client("other")
+    served = other.get_meta(["x"], 2, partition_id="p", task_name="t")  # the rows no lease holds
+    assert not set(served.global_indexes.tolist()) & set(leased.global_indexes.tolist())
+    with pytest.raises(GetMetaTimeout, match="0 rows are ready"):  # the leased rows are not served again
+        other.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.3)
+    assert owner.extend_lease(leased, 60.0) == {"extended": 2}
+    owner.ack(leased)
+    with pytest.raises(NotLeased, match=r"already acknowledged: \[" + str(leased.global_indexes[0])):
+        owner.ack(leased)
+    with controller.lock:
+        counts = row_state_counts(controller.state.table.known("p"), "t")
+    assert counts["acknowledged"] == 2 and counts["leased"] == 2  # the other consumer's two
+
+
+def test_a_lease_that_expires_while_the_controller_is_down_is_rearmed_from_the_restart(local: Local) -> None:
+    """A lease's deadline is re-armed its full duration from the replay (a monotonic clock does not carry over to a
+    new process): its rows are not served again before it, then go back to ready as any expired lease's do."""
+    local.start()
+    owner = local.client("owner")
+    owner.put(rows(1.0, 2), partition_id="p")
+    owner.set_task_options("t", ack="explicit", lease_s=0.5)
+    leased = owner.get_meta(["x"], 2, partition_id="p", task_name="t")
+    port = local.crash()
+    time.sleep(0.6)  # the lease's deadline passes while no controller runs
+    restarted = time.monotonic()
+    controller = local.start(port)
+    lease = lease_of(controller, leased)
+    assert lease is not None and lease.deadline >= restarted + 0.5  # type: ignore[attr-defined]
+    again = local.client("other").get_meta(["x"], 2, partition_id="p", task_name="t", timeout=10)  # waits for it
+    assert sorted(again.global_indexes.tolist()) == sorted(leased.global_indexes.tolist())
+    assert time.monotonic() >= lease.deadline  # type: ignore[attr-defined]
+    with pytest.raises(NotLeased, match="leased to another client"):
+        owner.ack(leased)
