@@ -95,6 +95,10 @@ class RolloutConfig:
     # the devices of those servers: server i gets gpus[i * inf_tp_size : (i + 1) * inf_tp_size] as CUDA_VISIBLE_DEVICES;
     # None: Ray reserves num_workers x inf_tp_size GPUs of this node for them when it has GPUs (none: no placement)
     gpus: list[int] | None = None
+    # those servers share their devices with training (the ledger flow's inference_colocate): before each training
+    # step the rollout workers' generations are held and waited for, the servers' memory freed; after it they are
+    # resumed and loaded with the new weights before generation goes on (orchestration/grpo_run.py)
+    inference_colocate: bool = False
     engine_device: str = "cpu"  # where each engine runs: cpu, cuda, cuda:1
     max_new_tokens: int = 8  # longest response, in tokens
     temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)
@@ -291,6 +295,7 @@ class RLConfig:
                 "workers: give one URL per worker, or one URL (a string) for all of them"
             )
         self._check_server_gpus()
+        self._check_colocate()
         sizing = {"inf_tp_size": rollout.inf_tp_size, "inf_ep_size": rollout.inf_ep_size}
         given: dict[str, float] = {key: value for key, value in sizing.items() if value != 1}
         if rollout.inf_mem_ratio is not None:
@@ -322,6 +327,26 @@ class RLConfig:
             )
         except InvalidInferenceSizing as exc:
             raise ConfigError(f"rollout.inf_*: {exc}") from None
+
+    def _check_colocate(self) -> None:
+        """``rollout.inference_colocate`` frees the memory of the servers the run starts (a server engine, no
+        ``engine_url``) around training, holding the generations of the built-in rollout workers meanwhile."""
+        rollout = self.rollout
+        if not rollout.inference_colocate:
+            return
+        why = None
+        if rollout.engine not in SERVER_ENGINES:
+            why = f"rollout.engine={rollout.engine!r} runs in the rollout worker"
+        elif rollout.engine_url is not None:
+            why = "rollout.engine_url names servers started elsewhere (the run cannot release them)"
+        elif rollout.generate_fn:
+            why = f"rollout.generate_fn={rollout.generate_fn!r} runs agent rollout workers: their requests are not held"
+        if why is not None:
+            raise ConfigError(
+                f"rollout.inference_colocate=true releases the memory of the inference servers the run starts "
+                f"(rollout.engine {' or '.join(repr(e) for e in SERVER_ENGINES)} without rollout.engine_url or "
+                f"rollout.generate_fn); {why}"
+            )
 
     def _check_server_gpus(self) -> None:
         """``rollout.gpus`` places the servers the run starts (a server engine, no ``engine_url``): distinct device
@@ -596,6 +621,7 @@ UNRANGED_KEYS = frozenset(
         "rollout.engine_url",
         "rollout.gpus",  # a list of ints (msgspec): RLConfig.validate checks its ids against the servers it places
         "rollout.partial_rollout",
+        "rollout.inference_colocate",
         "rollout.generate_fn_kwargs",
         "rollout.task_server_env",
         "train.filters.drop_zero_advantage",

@@ -40,6 +40,7 @@ import torch
 import transfer_queue
 from orchestration.config import ConfigError, RLConfig
 from orchestration.inference import (
+    RolloutRequests,
     inference_manager,
     model_directory,
     reserve_server_gpus,
@@ -66,6 +67,7 @@ from orchestration.run_trace import StageTrace
 from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from rl_contracts.actors import actor_class
+from rl_contracts.colocate import ColocatedServers
 from rl_contracts.images import IMAGE_REFS
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
@@ -203,6 +205,8 @@ class GRPORun:
     _steps_iter: Generator[int, None, None] | None = None  # what steps() handed out: __exit__ closes it
     inference: InferenceManager | None = None  # the inference servers the run started (orchestration/inference.py)
     gpu_holder: Any = None  # the actor holding the GPUs Ray reserved for those servers (reserve_server_gpus)
+    # rollout.inference_colocate: those servers' memory freed for each training step (train, sync_weights)
+    colocation: ColocatedServers | None = None
     images: bool = False  # a vision task (its image_source() is not None): its rows carry image_refs
 
     def __init__(self, config: RLConfig):
@@ -279,6 +283,8 @@ class GRPORun:
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p
         )
         self.rollout, self.reward = self.start_workers(info, spec)
+        if cfg.rollout.inference_colocate and self.inference is not None:
+            self.colocation = ColocatedServers(self.inference, RolloutRequests(self.rollout))
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         trainer_config = TrainerConfig.from_run(cfg)  # the trainer's part of the run's config
         self.trainer = [
@@ -547,7 +553,14 @@ class GRPORun:
     def train(self, step: int) -> dict[str, float]:
         """The trainer ranks read ``step``'s scored groups from the queue as they are produced and take their optimizer
         steps (prompts lost with a storage unit are put again meanwhile); returns the trainer's metrics. With a weight
-        channel, the publish of the new version is queued right behind the step on the ranks: no round trip."""
+        channel, the publish of the new version is queued right behind the step on the ranks: no round trip.
+
+        With ``rollout.inference_colocate`` the step's generation ends first, the steps launched ahead have their
+        next generations held and those in flight waited for, and the servers' memory is freed (``sync_weights``
+        brings them back)."""
+        if self.colocation is not None:
+            self.lost_prompts.wait(self.pending[step][0], self.pending)  # the step's rollout done
+            self.colocation.release()
         train_refs = [rank.train_step.remote(step) for rank in self.trainer]
         self._train_launched = time.time()
         self._publish_refs = []
@@ -561,7 +574,13 @@ class GRPORun:
 
     def sync_weights(self, step: int, train: dict[str, float]) -> float:
         """The engines get the trainer's new weights when a publish is due (every ``sync_every`` versions, and after
-        the last step); returns the seconds it took (0 when none was due)."""
+        the last step); returns the seconds it took (0 when none was due). With ``rollout.inference_colocate`` the
+        servers released for the step's training are resumed first, and the held generations go on after it."""
+        if self.colocation is not None:
+            return self.colocation.resume(lambda: self._sync_weights(step, train))
+        return self._sync_weights(step, train)
+
+    def _sync_weights(self, step: int, train: dict[str, float]) -> float:
         if self.channel is None:
             version = int(train["policy_version"])
             return self.publish(version) if self._publishes(step, version) else 0.0

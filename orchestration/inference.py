@@ -7,7 +7,9 @@ sized by ``rollout.inf_tp_size`` / ``inf_ep_size`` / ``inf_mem_ratio``, loading 
 (:func:`model_directory`), with a fresh API key. Rollout worker ``i`` talks to server ``i`` (:func:`worker_urls`); its
 engine client loads each published version into that server (``EngineActor.update_weights`` / ``pull_weights``), so
 the manager itself syncs nothing. :meth:`GRPORun.shutdown <orchestration.grpo_run.GRPORun.shutdown>` stops the
-servers however the run ends.
+servers however the run ends. With ``rollout.inference_colocate`` each training step frees their memory: the rollout
+workers' generations are held (:class:`RolloutRequests`) and the servers released before it, resumed and loaded with
+the new weights after it (``rl_contracts.colocate.ColocatedServers``, the ledger flow's cycle too).
 
 Placement: server ``i`` gets its own ``inf_tp_size`` devices as ``CUDA_VISIBLE_DEVICES`` (the manager's ``gpus``
 split, :func:`~workers.engines.manager.gpu_plan`): ``rollout.gpus`` when given, else the GPUs Ray reserves for the
@@ -136,6 +138,26 @@ def inference_manager(rollout: RolloutConfig, model_dir: str, out: Path, **kwarg
         inf_mem_ratio=rollout.inf_mem_ratio,
         **kwargs,
     )
+
+
+class RolloutRequests:
+    """The generations of a run's rollout workers (each worker's ``RequestGate``), held and let go together: the
+    ``requests`` of a colocated run's ``rl_contracts.colocate.ColocatedServers``."""
+
+    def __init__(self, workers: list[Any]):
+        self.workers = workers
+        self.active = 0  # generations still in flight after the last drain
+
+    def drain(self, timeout_s: float) -> bool:
+        """Hold every worker's next generations and wait up to ``timeout_s`` for those in flight; whether none is
+        left."""
+        self.active = sum(ray.get([worker.drain_requests.remote(timeout_s) for worker in self.workers]))
+        return self.active == 0
+
+    def resume(self) -> None:
+        """Let the held generations go on."""
+        ray.get([worker.resume_requests.remote() for worker in self.workers])
+        self.active = 0
 
 
 @ray.remote(num_cpus=0)

@@ -8,6 +8,7 @@ config is any dataclass with the fields ``LedgerRunConfig`` names (``AgentRLDemo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from torch.utils.data import Dataset
 from orchestration.config import ConfigError
 from orchestration.ledger_grpo import LedgerGRPOTrainer, LedgerRows, LedgerTrainingConfig
 from orchestration.metrics import MetricsLog, PlotRefresher
+from rl_contracts.colocate import ColocatedServers
 from rl_contracts.prompts import PromptSource
 from transfer_queue.runtime import init_ray
 from workers.agents.openai_api import create_app
@@ -61,8 +63,6 @@ if TYPE_CHECKING:
     from workers.engines.manager import InferenceManager
 
 logger = logging.getLogger(__name__)
-#: inference_colocate: seconds a step waits for the sampling requests in flight before it releases the servers
-COLOCATE_DRAIN_S = 120.0
 
 
 class LedgerRunConfig(Protocol):
@@ -415,7 +415,10 @@ def _train_with_sampling(
             failed.append(exc)
 
     rewards: list[float] = []
-    colocated = servers is not None and config.inference_colocate
+    # colocated: the servers' memory freed for each step's training, the samplers' requests held meanwhile
+    colocation = None
+    if servers is not None and config.inference_colocate:
+        colocation = ColocatedServers(servers, sampling_client)
     t0 = time.perf_counter()
     try:
         with contextlib.ExitStack() as serving:
@@ -433,30 +436,19 @@ def _train_with_sampling(
                 sampling_client.resume()  # requests held back by a drain end (a step that raised held them)
                 sampling.join(120)
 
-            def release_servers() -> None:  # colocated: no request may be in flight while the servers sleep
-                if not sampling_client.drain(COLOCATE_DRAIN_S):
-                    logger.warning(
-                        "%d sampling requests still in flight after %g s: the servers are released under them",
-                        sampling_client.active,
-                        COLOCATE_DRAIN_S,
-                    )
-                assert servers is not None  # colocated: the run started its servers
-                servers.release_memory()
-
             serving.callback(stop_sampling)
             for step in range(start, config.steps):
                 warm_up_lr(optimizer, config, step)
-                row = trainer.step(step, before_train=release_servers if colocated else None)
+                row = trainer.step(step, before_train=colocation.release if colocation is not None else None)
                 if convert is not None:  # counted so far (the samplers run ahead of the trainer)
                     row.update({key: scheduler.stats[key] for key in ("records_skipped", "groups_skipped")})
                 if servers is None:
                     with engine_lock:
                         engine.update_weights(step + 1, state_dict=policy.state_dict())
+                elif colocation is not None:  # back, the new weights, then the held requests go on
+                    colocation.resume(functools.partial(sync_servers, servers, policy.state_dict(), step + 1))
                 else:
-                    if colocated:
-                        servers.resume_memory()
                     sync_servers(servers, policy.state_dict(), step + 1)
-                    sampling_client.resume()  # the held requests go on, to servers with the new weights
                 end_of_step(config, row, rewards, record, checkpoint, policy, optimizer)
                 if eval_dataset is not None and eval_due(config, step):
                     inference = InferenceClient(ledger, cfg, api_key=api_key)

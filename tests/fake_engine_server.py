@@ -2,7 +2,8 @@
 fraction of a second (no torch). Like a real server, on SIGTERM it stops its own child processes, then exits.
 
     python tests/fake_engine_server.py --port P [--never-healthy] [--spawn-child] [--fail-bind] [--api-key KEY]
-                                       [--key-from-env] [--vocab-size V] [--chat-delay S] [ENGINE FLAGS ...]
+                                       [--key-from-env] [--vocab-size V] [--chat-delay S] [--generate-tokens]
+                                       [--generate-delay S] [ENGINE FLAGS ...]
 
 Routes: GET /health and /health_generate (200, or 503 with --never-healthy), POST /release_memory_occupation, POST
 /resume_memory_occupation (health answers 503 while released), SGLang's POST /update_weights_from_disk (``{"model_path",
@@ -12,10 +13,13 @@ and POST /generate (one empty output per row of ``input_ids``), SGLang's POST /v
 on the reply, ``token_ids`` on each choice), and GET /argv: ``{"argv": [...], "loads": [[model_path, weight_version],
 ...], "generated": [weight_version, ...], "chats": [weight_version, ...]}`` (the command line it was started with, flags
 it does not know included, as an engine's sizing flags; the weight loads it answered; the weight version of each
-generation and of each chat completion it answered). ``--vocab-size V``: the prompt's token ids are its characters' code
-points modulo V (a tiny model's vocabulary); ``--chat-delay S``: each chat completion takes S seconds (so concurrent
-samplers' requests overlap). With ``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401
-without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
+generation and of each chat completion it answered, a generation while released marked " released"; ``events``:
+release, resume, ``load VERSION`` and ``generate VERSION`` in the order they happened; ``in_flight_at_release``: the
+generations being answered at each release). ``--generate-tokens``: each /generate output is the tokens 5 and 2 with
+their log-probs (else empty); ``--generate-delay S``: each /generate takes S seconds. ``--vocab-size V``: the prompt's
+token ids are its characters' code points modulo V (a tiny model's vocabulary); ``--chat-delay S``: each chat
+completion takes S seconds (so concurrent samplers' requests overlap). With ``--api-key`` (or ``--key-from-env``:
+``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -41,12 +46,18 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)  # answered by GET /get_model_info (kept for GET /argv too)
     parser.add_argument("--vocab-size", type=int, default=None)
     parser.add_argument("--chat-delay", type=float, default=0.0)
+    parser.add_argument("--generate-tokens", action="store_true")
+    parser.add_argument("--generate-delay", type=float, default=0.0)
     args, _ = parser.parse_known_args()  # an engine's own flags (--tp-size 2 ...) are kept for GET /argv
     key = os.environ.get("TQ_API_KEY") if args.key_from_env else args.api_key
     state: dict[str, object] = {"released": False, "weight_version": "default"}
     loads: list[list[str]] = []
     generated: list[str] = []
     chats: list[str] = []
+    events: list[str] = []  # release, resume, generate VERSION (when it finished), in order
+    in_flight_at_release: list[int] = []
+    in_flight = [0]  # /generate requests being answered
+    lock = threading.Lock()
     children: list[subprocess.Popen[bytes]] = []
     if args.spawn_child:
         children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
@@ -65,7 +76,8 @@ def main() -> None:
                 ok = not args.never_healthy and not state["released"]
                 self._reply(200 if ok else 503, {})
             elif self.path == "/argv":
-                self._reply(200, {"argv": sys.argv[1:], "loads": loads, "generated": generated, "chats": chats})
+                self._reply(200, {"argv": sys.argv[1:], "loads": loads, "generated": generated, "chats": chats,
+                                  "events": events, "in_flight_at_release": in_flight_at_release})  # fmt: skip
             elif self.path == "/get_model_info":
                 self._reply(200, {"model_path": args.model_path})
             elif self.path == "/get_weight_version":
@@ -77,14 +89,28 @@ def main() -> None:
             if key is not None and self.headers.get("Authorization") != f"Bearer {key}":
                 self._reply(401, {"error": "Unauthorized"})
             elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
-                state["released"] = self.path.startswith("/release")
+                with lock:
+                    state["released"] = self.path.startswith("/release")
+                    events.append("release" if state["released"] else "resume")
+                    if state["released"]:
+                        in_flight_at_release.append(in_flight[0])
                 self._reply(200, {})
-            elif self.path == "/generate":  # SGLang's schema, no tokens; the weight version it generated with
+            elif self.path == "/generate":  # SGLang's schema; the weight version it generated with
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
-                generated.append(str(state["weight_version"]))
+                with lock:
+                    in_flight[0] += 1
+                time.sleep(args.generate_delay)
+                with lock:
+                    in_flight[0] -= 1
+                    version = str(state["weight_version"]) + (" released" if state["released"] else "")
+                    generated.append(version)
+                    events.append(f"generate {version}")
                 meta = {"output_token_logprobs": [], "finish_reason": {"type": "length"}}
-                empty = {"output_ids": [], "meta_info": meta}
-                self._reply(200, [empty] * len(body["input_ids"]))
+                if args.generate_tokens:  # the tokens 5 and 2 (log-probs -0.25 and -1.5), as sglang_chat_reply
+                    meta = {"output_token_logprobs": [[-0.25, 5, None], [-1.5, 2, None]],
+                            "finish_reason": {"type": "stop"}}  # fmt: skip
+                output = {"output_ids": [5, 2] if args.generate_tokens else [], "meta_info": meta}
+                self._reply(200, [output] * len(body["input_ids"]))
             elif self.path == "/v1/chat/completions":  # SGLang's OpenAI-compatible chat (its reply's fields)
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 time.sleep(args.chat_delay)
@@ -93,6 +119,7 @@ def main() -> None:
             elif self.path == "/update_weights_from_disk":
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 loads.append([body["model_path"], body["weight_version"]])
+                events.append(f"load {body['weight_version']}")
                 state["weight_version"] = body["weight_version"]
                 self._reply(200, {"success": True, "message": "loaded", "num_paused_requests": 0})
             else:

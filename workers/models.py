@@ -86,12 +86,15 @@ TINY_CHAT_TEMPLATE = (
 TINY_SPECIAL_TOKENS = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 
 
-def save_tiny_chat_model(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
+def save_tiny_chat_model(
+    path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, seed: int = 0
+) -> Path:
     """Save a tiny random chat model as a normal Hugging Face directory at ``path`` (made if missing): a
     character-level tokenizer over printable ASCII and newline with a ChatML chat template
     (:data:`TINY_CHAT_TEMPLATE`; ``<|im_end|>`` is its eos), and a :func:`build_tiny_causal_lm` model for it. The
     directory loads with ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` like any downloaded model; for
-    tests and docs that need a ``model.path`` without a download.
+    tests and docs that need a ``model.path`` without a download. (vLLM's CPU attention refuses the default's head
+    size, ``hidden_size / num_heads`` = 16: ``num_heads=2`` gives 32.)
 
     >>> from transformers import AutoTokenizer
     >>> import tempfile
@@ -108,6 +111,7 @@ def save_tiny_chat_model(path: str | Path, *, hidden_size: int = 64, num_layers:
         len(tokenizer),
         hidden_size=hidden_size,
         num_layers=num_layers,
+        num_heads=num_heads,
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

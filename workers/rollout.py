@@ -24,6 +24,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from rl_contracts.actors import actor_class
+from rl_contracts.colocate import RequestGate
 from rl_contracts.images import IMAGE_REFS, image_refs_of
 from rl_contracts.lost_rows import release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
@@ -128,6 +129,7 @@ class RolloutWorker:
         if engine_spec.partial_rollout:  # update_weights must reach the engine while it generates
             self.engine_options.setdefault("max_concurrency", 2)
         self.seed = seed
+        self.gate = RequestGate()  # each step's generations pass it (drain_requests holds them: colocated servers)
         self.slot = EngineSlot(
             lambda restarts: (
                 actor_class(EngineActor).options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts)
@@ -156,6 +158,18 @@ class RolloutWorker:
         """``n`` responses per prompt from the current weights, outside the queue (evaluation); ``image_refs``: a
         vision task's prompts' image blob keys, one list per prompt."""
         return ray.get(self.engine.generate.remote(prompts, n, params, None, image_refs))[1]
+
+    @ray.method(concurrency_group="control")
+    def drain_requests(self, timeout_s: float) -> int:
+        """Hold ``generate_step``'s next generations back and wait up to ``timeout_s`` for the one in flight (a
+        colocated run releases its servers then); returns how many are still in flight (0: drained)."""
+        self.gate.drain(timeout_s)
+        return self.gate.active
+
+    @ray.method(concurrency_group="control")
+    def resume_requests(self) -> None:
+        """Let the generations ``drain_requests`` held back go on."""
+        self.gate.resume()
 
     @ray.method(concurrency_group="control")
     def engine_pid(self) -> int:
@@ -196,12 +210,15 @@ class RolloutWorker:
                 if min_version is not None:  # timed apart: waiting for the trainer is not generating
                     # the wait runs beside the engine: a redo of the step before this one generates meanwhile
                     ray.get(engine.wait_for_weights.remote(min_version))
-                    ray.get(engine.pull_weights.remote(min_version))
+                # held while a colocated run's servers are released for training (drain_requests): waiting too
+                with self.gate.passing():
+                    if min_version is not None:
+                        ray.get(engine.pull_weights.remote(min_version))
                     stats["weights_wait_s"] += time.perf_counter() - t1
                     t1 = time.perf_counter()
-                version, generations = ray.get(
-                    engine.generate.remote(prompts, self.n, self.sampling, min_version, images)
-                )
+                    version, generations = ray.get(
+                        engine.generate.remote(prompts, self.n, self.sampling, min_version, images)
+                    )
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
                 release_quietly(self.client, meta)  # a step cleared meanwhile has nothing left to generate

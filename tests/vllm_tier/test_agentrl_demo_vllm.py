@@ -56,7 +56,9 @@ def test_the_demo_samples_from_two_vllm_servers_and_loads_each_steps_weights_int
     monkeypatch.setattr(InferenceManager, "start", remember)
     monkeypatch.setattr(ledger_run, "sync_servers", spy)
     monkeypatch.setattr(InferenceClient, "pick", picking)
-    model = save_tiny_chat_model(tmp_path / "model")  # a character-level tokenizer with a ChatML template
+    # a character-level tokenizer with a ChatML template; heads of 32 dimensions (vLLM's CPU attention refuses 16:
+    # "Unsupported CPU attention configuration: head_dim=16")
+    model = save_tiny_chat_model(tmp_path / "model", num_heads=2)
     cli = [
         f"output_dir={tmp_path / 'run'}", "steps=2", "sft_target=0", "num_tasks=32", "lease_s=30",
         "prompts_per_step=4", "num_generations=2", "max_new_tokens=4", f"model_name_or_path={model}",

@@ -343,9 +343,13 @@ class InferenceManager:
         if self.engine_kind == "vllm":
             from workers.engines.vllm_server import VLLMServerEngine, vllm_server_command, vllm_server_env
 
+            # the servers answer to the manager's model name: the one its ledger services carry, which the samplers'
+            # InferenceClient asks for (vLLM refuses another name with 404)
             return (
-                vllm_server_command,
-                lambda url: VLLMServerEngine(url, model_path=self.model_path, sleep_mode=sleep_mode),
+                functools.partial(vllm_server_command, served_model=self.model),
+                lambda url: VLLMServerEngine(
+                    url, served_model=self.model, model_path=self.model_path, sleep_mode=sleep_mode
+                ),
                 VLLMServerEngine.health_path,
                 vllm_server_env(),
             )

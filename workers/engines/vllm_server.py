@@ -35,10 +35,17 @@ PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
 
 
 def vllm_server_command(
-    model_path: str, port: int, host: str = "127.0.0.1", *, dtype: str = "float32", extra: list[str] | None = None
+    model_path: str,
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    dtype: str = "float32",
+    served_model: str = "policy",
+    extra: list[str] | None = None,
 ) -> list[str]:
     """The command line of a vLLM OpenAI server for the Engine contract (token ids, processed log-probs, weights
-    by directory); pair it with :func:`vllm_server_env`."""
+    by directory); pair it with :func:`vllm_server_env`. ``served_model``: the only model name it answers to (vLLM
+    refuses a request naming another with 404; ``VLLMServerEngine(served_model=...)`` names the same)."""
     return [
         sys.executable,
         "-m",
@@ -46,7 +53,7 @@ def vllm_server_command(
         "--model",
         model_path,
         "--served-model-name",
-        "policy",
+        served_model,
         "--host",
         host,
         "--port",

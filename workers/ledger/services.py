@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from rl_contracts.colocate import RequestGate
 from workers.api_key import bearer_headers, key_from_env
 from workers.ledger.config import SamplingConfig
 from workers.ledger.errors import InferenceFailed, LedgerUnavailable, NoInferenceService
@@ -94,8 +95,7 @@ class InferenceClient:
         self.ledger, self.config, self.refresh_s, self._transport = ledger, config, refresh_s, transport
         self._headers = bearer_headers(api_key if api_key is not None else key_from_env())
         self.inflight: Counter[str] = Counter()
-        self.paused = threading.Event()  # set by drain(): new requests wait until resume()
-        self.active = 0  # requests past the pause check and not answered yet
+        self.gate = RequestGate()  # drain() closes it: new requests wait until resume()
         self._services: list[InferenceService] = []
         self._fetched = 0.0
         self._http: httpx.AsyncClient | None = None
@@ -130,28 +130,21 @@ class InferenceClient:
         vLLM or SGLang server (an ``InferenceManager``'s, registered with ``kind`` ``"vllm"`` / ``"sglang"``): its
         kind decides what is asked for (:func:`token_id_fields`) and how the reply is read
         (:func:`completion_from_reply`). Waits while the client is drained (:meth:`drain`)."""
-        while True:  # counted before the check: drain() sees every request that passed it
-            self.active += 1
-            if not self.paused.is_set():
-                break
-            self.active -= 1
-            await asyncio.sleep(0.02)
-        try:
+        async with self.gate.passing_async():
             return await self._chat(messages, **sampling)
-        finally:
-            self.active -= 1
+
+    @property
+    def active(self) -> int:
+        """Requests past the drain check and not answered yet."""
+        return self.gate.active
 
     def drain(self, timeout_s: float) -> bool:
         """Hold new requests back and wait up to ``timeout_s`` for those in flight; whether none is left."""
-        self.paused.set()
-        deadline = time.monotonic() + timeout_s
-        while self.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.active == 0
+        return self.gate.drain(timeout_s)
 
     def resume(self) -> None:
         """Let the requests :meth:`drain` held back go on."""
-        self.paused.clear()
+        self.gate.resume()
 
     async def _chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatCompletion:
         service = await self.pick()

@@ -73,6 +73,38 @@ def test_inference_sizes_with_an_engine_in_the_rollout_worker_are_refused_naming
         load_config(None, {"rollout.engine": engine, key: value})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"rollout.engine": "hf"}, "rollout.engine='hf' runs in the rollout worker"),
+        (
+            {"rollout.engine": "sglang", "rollout.engine_url": URLS[0]},
+            r"rollout.engine_url names servers started elsewhere \(the run cannot release them\)",
+        ),
+        (
+            {"rollout.engine": "vllm-server", "rollout.generate_fn": "workers.agents.rollout_fns:single_turn_generate"},
+            "rollout.generate_fn='workers.agents.rollout_fns:single_turn_generate' runs agent rollout workers: their "
+            "requests are not held",
+        ),
+    ],
+)
+def test_colocate_without_servers_the_run_starts_and_holds_is_refused_saying_why(overrides, why):
+    with pytest.raises(
+        ConfigError,
+        match=r"^invalid config: rollout.inference_colocate=true releases the memory of the inference servers the "
+        r"run starts \(rollout.engine 'vllm-server' or 'sglang' without rollout.engine_url or rollout.generate_fn\); "
+        + why
+        + r" \(from the override ",
+    ):
+        load_config(None, {**overrides, "rollout.inference_colocate": True})
+
+
+def test_colocate_with_servers_the_run_starts_is_taken():
+    config = load_config(None, {"rollout.engine": "sglang", "rollout.inference_colocate": True})
+    assert config.rollout.inference_colocate is True
+    assert load_config(None, {"rollout.engine": "sglang"}).rollout.inference_colocate is False
+
+
 def test_inference_sizes_with_servers_started_elsewhere_are_refused():
     with pytest.raises(
         ConfigError, match=r"^invalid config: rollout.inf_tp_size=2 sizes .* rollout.engine_url names servers started"

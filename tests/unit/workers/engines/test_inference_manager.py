@@ -72,6 +72,16 @@ def test_the_servers_command_lines_and_devices():
     assert sglang.api_key and sglang.servers[0].api_key == sglang.api_key
 
 
+def test_vllm_servers_answer_to_the_managers_model_name_and_their_engines_ask_for_it():
+    """The ledger flow's services carry the manager's ``model`` (its ``SamplingConfig.model``) and the samplers ask
+    for it; vLLM answers 404 to a name other than its ``--served-model-name`` (the vLLM tier's ledger run did)."""
+    for model in ("adder", "policy"):  # policy: the default, the Ray GRPO run's
+        manager = InferenceManager("vllm", "/models/p", **({"model": model} if model != "policy" else {}))
+        argv = manager.servers[0].command("127.0.0.1", 8000)
+        assert argv[argv.index("--served-model-name") + 1] == model
+        assert manager.servers[0].engine_factory("http://127.0.0.1:8000").served_model == model
+
+
 @pytest.mark.parametrize(
     ("engine", "kwargs", "message"),
     [
