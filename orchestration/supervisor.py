@@ -9,7 +9,8 @@ one had; the supervisor does, with the queue's at-least-once delivery:
   a second put of rows whose first worker died between its put and its ack is refused, never written twice;
 - each step call the dead worker had (``generate_step`` / ``score_step``; they fail with a ``RayActorError``) is made
   again on the restarted actor, in its redo concurrency group (a call for a later step may be waiting in the step
-  group for weights this step's training publishes);
+  group for weights this step's training publishes), which runs several calls at once (a redo of step s + 1 may be
+  waiting there for rows of its own, and Ray may report the failures of one death in any order);
 - the calls are made again once those rows are back (``disconnect_grace`` after the death was seen, plus a second):
   a call made sooner would find them leased to the dead worker, end the step for itself, and leave them to nobody;
 - a restarted rollout worker is sent the weights last published (``weight_sync`` memory or disk; with the shm channel
@@ -92,11 +93,27 @@ class Supervisor:
         return ref
 
     def check(self, pending: dict[int, tuple[list[Any], list[Any]]]) -> None:
-        """The ended calls of the ``pending`` steps: a call that failed with its worker's death is made again on the
-        restarted worker (its ref replaced in ``pending``), in step order; any other failure is raised (it fails the
-        run, as before)."""
+        """The ended calls of the ``pending`` steps: the calls that failed with their worker's death are made again on
+        the restarted worker (their refs replaced in ``pending``), in step order, in the workers' redo group (it runs
+        several at once: ``rl_contracts.stages.REDO_CONCURRENCY``); any other failure is raised (it fails the run,
+        as before)."""
+        failed = self._failed(pending)
+        for kind, index, exc in {(c.kind, c.index): (c.kind, c.index, e) for _, _, _, c, e in failed}.values():
+            self.restarted(kind, index, exc)
+        for step, refs, position, call, _ in sorted(failed, key=lambda f: (f[0], KINDS.index(f[3].kind))):
+            logger.warning("step %d: %s worker %d's call failed with its death; making it again", step, call.kind,
+                           call.index)  # fmt: skip
+            self.calls.pop(refs[position], None)
+            refs[position] = self.call(call.kind, call.index, step)
+
+    def _failed(
+        self, pending: dict[int, tuple[list[Any], list[Any]]]
+    ) -> list[tuple[int, list[Any], int, Call, BaseException]]:
+        """``(step, refs, position, call, error)`` of each ended call of ``pending`` that failed with its worker's
+        death; other failures are raised, calls that ended well noted."""
+        failed: list[tuple[int, list[Any], int, Call, BaseException]] = []
         for step in sorted(pending):
-            for kind, refs in zip(KINDS, pending[step], strict=True):
+            for refs in pending[step]:
                 for position, ref in enumerate(refs):
                     if ref in self.ok or not _done(ref):
                         continue
@@ -104,7 +121,11 @@ class Supervisor:
                         ray.get(ref)
                         self.ok.add(ref)
                     except RayActorError as exc:
-                        refs[position] = self._again(ref, step, kind, exc)
+                        call = self.calls.get(ref)
+                        if call is None:  # a call the supervisor does not know: nothing to make again
+                            raise
+                        failed.append((step, refs, position, call, exc))
+        return failed
 
     def gather(self, step: int, refs: list[Any]) -> list[dict[str, Any]]:
         """The results of a trained step's calls of one kind; a call that failed with its worker's death is left out
@@ -167,14 +188,6 @@ class Supervisor:
         out = {f"restarts_{kind}": self.restarts[kind] - self._reported[kind] for kind in KINDS}
         self._reported = dict(self.restarts)
         return out
-
-    def _again(self, ref: Any, step: int, kind: str, exc: BaseException) -> Any:
-        call = self.calls.pop(ref, None)
-        if call is None:  # a call the supervisor did not make: nothing to make again
-            raise exc
-        self.restarted(call.kind, call.index, exc)
-        logger.warning("step %d: %s worker %d's call failed with its death; making it again", step, kind, call.index)
-        return self.call(call.kind, call.index, step)
 
 
 def _done(ref: Any) -> bool:

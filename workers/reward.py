@@ -24,7 +24,7 @@ import torch
 from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
-from rl_contracts.stages import REDO_GROUP, REWARD_TASK
+from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, REWARD_TASK
 from rl_contracts.task import Task, load_reward_fn, load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 
@@ -109,7 +109,7 @@ def scores_of(outcomes: Sequence[Any], sample_ids: Sequence[int] | None = None) 
     return out
 
 
-@ray.remote(concurrency_groups={"score": 1, REDO_GROUP: 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
+@ray.remote(concurrency_groups={"score": 1, REDO_GROUP: REDO_CONCURRENCY, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RewardWorker:
     """Scores the responses of global steps.
 

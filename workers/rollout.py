@@ -29,7 +29,7 @@ from rl_contracts.images import IMAGE_REFS, image_refs_of
 from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
-from rl_contracts.stages import REDO_GROUP, ROLLOUT_TASK
+from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, ROLLOUT_TASK
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
@@ -91,7 +91,7 @@ class EngineSlot:
         return engine
 
 
-@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
+@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: REDO_CONCURRENCY, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RolloutWorker:
     """Generates responses for the prompt rows of global steps.
 

@@ -24,7 +24,7 @@ import torch
 from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
-from rl_contracts.stages import REDO_GROUP, ROLLOUT_TASK
+from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, ROLLOUT_TASK
 from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.agents.rollout_fns import chat_format, collect_groups, load_rollout_fn
@@ -48,7 +48,7 @@ def prompt_dicts(data: Any, fields: list[str], n: int) -> list[dict[str, Any]]:
     return [{name: column[i] for name, column in columns.items()} for i in range(0, rows, n)]
 
 
-@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
+@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: REDO_CONCURRENCY, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class AgentRolloutWorker:
     """See the module docstring.
 
