@@ -739,8 +739,8 @@ class GRPORun:
         journal = self.out / "queue_journal"
         shutil.rmtree(journal, ignore_errors=True)
         logger.warning(
-            "queue_journal: the queue outlives its controller's death, the run's workers not yet (rows handed out "
-            "again after the restart are refused as produced: FieldAlreadyProduced); see docs/rl.md"
+            "queue_journal: the queue outlives its controller's death, the run's trainer not yet (its ack of rows "
+            "leased before the restart raises NotLeased); see docs/rl.md"
         )
         return {"journal_dir": str(journal), "restart_retry_s": QUEUE_RESTART_RETRY_S}
 
