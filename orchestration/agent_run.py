@@ -34,7 +34,7 @@ class AgentGRPORun(GRPORun):
             **cfg.rollout.generate_fn_kwargs,
         }
         workers = [
-            actor_class(AgentRolloutWorker).remote(
+            actor_class(AgentRolloutWorker).options(**self.worker_options()).remote(
                 i, info, self.worker_spec(spec, i), self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                 cfg.rollout.generate_fn, kwargs, cfg.rollout.filter_fn, cfg.rollout.reward_fn, cfg.queue_timeout,
                 cfg.seed + i,

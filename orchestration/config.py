@@ -107,6 +107,9 @@ class RolloutConfig:
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
     num_reward_workers: int = 1  # reward worker actors
     reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
+    # times Ray restarts each rollout / reward worker actor that dies (its process killed); the run goes on with the
+    # restarted one, the rows it held handed back (orchestration/supervisor.py); -1: no limit, 0: a death ends the run
+    max_worker_restarts: int = 10
     # Custom rollouts (workers/agents/rollout_fns.py) and task servers the run starts itself on 127.0.0.1.
     generate_fn: str | None = None  # "module:fn", an async generate(prompts, engine, **kwargs) -> list[Sample]
     generate_fn_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments given to generate_fn
@@ -545,6 +548,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "rollout.groups_per_request": _ints(1),
     "rollout.num_reward_workers": _ints(1),
     "rollout.reward_groups_per_request": _ints(1),
+    "rollout.max_worker_restarts": _ints(-1),
     "rollout.generate_fn": _IMPORT_PATH,
     "rollout.filter_fn": _IMPORT_PATH,
     "rollout.reward_fn": _IMPORT_PATH,

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 import transfer_queue
 from orchestration.config import ConfigError, RLConfig
@@ -66,6 +67,7 @@ from orchestration.run_resume import (
 from orchestration.run_trace import StageTrace
 from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
+from orchestration.supervisor import Supervisor
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import ColocatedServers
 from rl_contracts.images import IMAGE_REFS
@@ -285,6 +287,15 @@ class GRPORun:
         self.rollout, self.reward = self.start_workers(info, spec)
         if cfg.rollout.inference_colocate and self.inference is not None:
             self.colocation = ColocatedServers(self.inference, RolloutRequests(self.rollout))
+        self._weights_update: tuple[int, Any, str | None] | None = None  # what publish() last sent the rollout workers
+        # dead rollout / reward workers: Ray restarts them, the supervisor makes their calls again (supervisor.py)
+        self.supervisor = Supervisor(
+            {"rollout": self.rollout, "reward": self.reward},
+            self._call_again,
+            self._worker_restarted,
+            self.client,
+            cfg.rollout.max_worker_restarts,
+        )
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         trainer_config = TrainerConfig.from_run(cfg)  # the trainer's part of the run's config
         self.trainer = [
@@ -329,7 +340,7 @@ class GRPORun:
             from workers.agents.rollout_worker import AgentRolloutWorker
 
             workers = [
-                actor_class(AgentRolloutWorker).remote(
+                actor_class(AgentRolloutWorker).options(**self.worker_options()).remote(
                     i, info, self.worker_spec(spec, i), self.sampling, cfg.n_samples, cfg.rollout.groups_per_request,
                     cfg.rollout.generate_fn, cfg.rollout.generate_fn_kwargs, cfg.rollout.filter_fn,
                     cfg.rollout.reward_fn, cfg.queue_timeout, cfg.seed + i,
@@ -339,7 +350,9 @@ class GRPORun:
             return workers, []
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
         rollout = [
-            actor_class(RolloutWorker).remote(
+            actor_class(RolloutWorker)
+            .options(**self.worker_options())
+            .remote(
                 i,
                 info,
                 self.worker_spec(spec, i),
@@ -353,7 +366,9 @@ class GRPORun:
             for i in range(cfg.rollout.num_workers)
         ]
         reward = [
-            actor_class(RewardWorker).remote(
+            actor_class(RewardWorker)
+            .options(**self.worker_options())
+            .remote(
                 i,
                 info,
                 self.task_name,
@@ -366,6 +381,32 @@ class GRPORun:
             for i in range(cfg.rollout.num_reward_workers)
         ]
         return rollout, reward
+
+    def worker_options(self) -> dict[str, Any]:
+        """Ray options of the rollout and reward worker actors: Ray restarts one that dies, up to
+        ``rollout.max_worker_restarts`` times (the supervisor makes its calls again: orchestration/supervisor.py)."""
+        return {"max_restarts": self.cfg.rollout.max_worker_restarts}
+
+    def _call_again(self, kind: str, index: int, step: int) -> Any:
+        """Worker ``index`` of ``kind``'s call of ``step``, made again (its worker died) in the redo group: a call of
+        a later step may be waiting in the step group for the weights this step's training publishes."""
+        if kind == "rollout":
+            min_version = self._min_version(step, self.start, self.first_version)
+            worker = self.rollout[index].generate_step.options(concurrency_group=REDO_GROUP)
+            return worker.remote(step, self.prompt_fields(), min_version)
+        return self.reward[index].score_step.options(concurrency_group=REDO_GROUP).remote(step)
+
+    def _worker_restarted(self, kind: str, index: int) -> None:
+        """A restarted rollout worker gets the weights last published (with the shm channel its engine pulls them)."""
+        if kind == "rollout" and self._weights_update is not None:
+            ray.get(self.rollout[index].update_weights.remote(*self._weights_update))
+
+    def _tracked(self, step: int, refs: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+        """``(rollout refs, reward refs)`` of ``step``, one per worker in order, remembered by the supervisor."""
+        for kind, kind_refs in zip(("rollout", "reward"), refs, strict=True):
+            for index, ref in enumerate(kind_refs):
+                self.supervisor.track(kind, index, step, ref)
+        return refs
 
     def worker_spec(self, spec: EngineSpec, i: int) -> EngineSpec:
         """Rollout worker ``i``'s engine: ``spec`` with its own server's URL (orchestration/inference.py)."""
@@ -398,11 +439,12 @@ class GRPORun:
     def relaunch(self, step: int, rollout: bool, reward: bool) -> tuple[list[Any], list[Any]]:
         """Start the rollout and/or reward of ``step`` again (rows of it were put again after they had finished), in
         the workers' redo group: the step launched ahead may be waiting for this one's weights in their step group."""
-        return (
+        refs = (
             [w.generate_step.options(concurrency_group=REDO_GROUP).remote(step, self.prompt_fields(), None)
              for w in self.rollout] if rollout else [],
             [w.score_step.options(concurrency_group=REDO_GROUP).remote(step) for w in self.reward] if reward else [],
         )  # fmt: skip
+        return self._tracked(step, refs)
 
     def prompt_fields(self) -> list[str] | None:
         """The fields of a step's rows a rollout worker reads (None: its own default); a vision task's rows
@@ -415,9 +457,12 @@ class GRPORun:
         """Put the step's prompts and start its rollout and reward; ``min_version`` (weight channel only): the
         policy version the rollout waits for."""
         self.put_prompts(step)
-        return (
-            [w.generate_step.remote(step, self.prompt_fields(), min_version) for w in self.rollout],
-            [w.score_step.remote(step) for w in self.reward],
+        return self._tracked(
+            step,
+            (
+                [w.generate_step.remote(step, self.prompt_fields(), min_version) for w in self.rollout],
+                [w.score_step.remote(step) for w in self.reward],
+            ),
         )
 
     def publish(self, version: int) -> float:
@@ -428,14 +473,25 @@ class GRPORun:
             ray.get([rank.publish_weights.remote(str(self.channel.path), delta) for rank in self.trainer])
         elif self.cfg.weight_sync == "memory":
             weights = ray.get([rank.weights.remote() for rank in self.trainer])[0]
-            ray.get([w.update_weights.remote(version, weights) for w in self.rollout])
+            self._send_weights((version, weights, None))
         else:
             path = self.out / "weights" / f"v{version:06d}"
             shutil.rmtree(path, ignore_errors=True)
             ray.get([rank.save_hf.remote(str(path)) for rank in self.trainer])
-            ray.get([w.update_weights.remote(version, None, str(path)) for w in self.rollout])
+            self._send_weights((version, None, str(path)))
         self.version = version
         return time.perf_counter() - t0
+
+    def _send_weights(self, update: tuple[int, Any, str | None]) -> None:
+        """``update_weights(*update)`` on every rollout worker; a worker that died meanwhile gets them once Ray has
+        restarted it (the supervisor's restart sends it ``update``, kept for later restarts too)."""
+        self._weights_update = update
+        refs = [w.update_weights.remote(*update) for w in self.rollout]
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                self.supervisor.restarted("rollout", index, exc)
 
     def evaluate(self, sampled: bool = False, samples: int = 1) -> float:
         """Accuracy of the engines' current weights on the eval prompts: greedy, or the mean over ``samples`` samples
@@ -568,7 +624,8 @@ class GRPORun:
             self._publish_refs = [
                 rank.publish_weights.remote(str(self.channel.path), self.cfg.weight_delta) for rank in self.trainer
             ]
-        train = self.lost_prompts.wait(train_refs, self.pending)[0]  # puts again prompts lost with a storage unit
+        # puts again prompts lost with a storage unit; the supervisor makes the calls of dead workers again
+        train = self.lost_prompts.wait(train_refs, self.pending, self.supervisor.check)[0]
         self._train_done = time.time()
         return train
 
@@ -595,7 +652,8 @@ class GRPORun:
     def end_step(self, step: int, train: dict[str, float], sync_s: float) -> dict[str, Any]:
         """Gather the step's rollout and reward figures, clear its rows from the queue; returns its metrics row."""
         rollout_refs, reward_refs = self.pending.pop(step)
-        rollout_stats, reward_stats = ray.get(rollout_refs), ray.get(reward_refs)
+        rollout_stats = self.supervisor.gather(step, rollout_refs)  # a call that died with its worker left out
+        reward_stats = self.supervisor.gather(step, reward_refs)
         self.client.clear(global_step=step)
         self.lost_prompts.forget(step)
         t0, wall0 = self._step_started
@@ -725,11 +783,11 @@ class GRPORun:
         the workers take only the rows nobody had produced."""
         steps = self.queue_resume.steps if self.queue_resume is not None else []
         return {
-            s: (
+            s: self._tracked(s, (
                 [w.generate_step.remote(s, self.prompt_fields(), self._min_version(s, start, first_version))
                  for w in self.rollout],
                 [w.score_step.remote(s) for w in self.reward],
-            )
+            ))
             for s in steps
         }  # fmt: skip
 
@@ -758,6 +816,7 @@ class GRPORun:
             reward_failures=total(reward, "failed"),
             reward_non_finite=total(reward, "non_finite"),
             tokens=total(rollout, "tokens"),
+            **self.supervisor.take_restarts(),  # restarts_rollout, restarts_reward: worker deaths survived
         )
         return row
 

@@ -4,11 +4,12 @@
 that has steps in flight (launched, not trained: in async mode up to ``max_staleness`` steps, with the shm weight
 channel one more). After ``transfer_queue.init(...,
 restore_from=...)`` those steps' partitions are back with every row that had been put, and leased rows are ready
-again. One case the queue cannot know about: a worker that had taken rows (``get_data`` acknowledges them for its
-task) but had not written its output yet when the checkpoint was taken. Those rows are acknowledged in the snapshot,
-and nobody would ever produce them: the step would never complete. :func:`reconcile_step` makes each worker task's
-consumption agree with what was produced: a row is done for a task exactly when the field that task writes is there
-(acknowledged, never handed out again), and ready for it otherwise (handed out again, first come first served).
+again. One case the queue cannot know about: a worker that had taken rows (workers that acknowledge them when they
+read them) but had not written its output yet when the checkpoint was taken. Those rows are acknowledged in the
+snapshot, and nobody would ever produce them: the step would never complete. :func:`reconcile_step` makes each
+worker task's consumption agree with what was produced: a row is done for a task exactly when the field that task
+writes is there (acknowledged, never handed out again), and ready for it otherwise (handed out again, first come first
+served).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def reconcile_step(client: Any, step: int, outputs: dict[str, str], timeout: flo
         produced = int(status["fields"].get(output, {}).get("produced", 0))
         if produced:
             # a request for the output field is served exactly the rows that have it (whole groups: workers write
-            # whole groups); reading them acknowledges them for the task
+            # whole groups); they are acknowledged for the task (whether it acknowledges by get_data or explicitly)
             meta = client.get_meta(
                 [output], produced, global_step=step, task_name=task, get_n_samples=True, timeout=timeout
             )
@@ -119,6 +120,6 @@ def reconcile_step(client: Any, step: int, outputs: dict[str, str], timeout: flo
                     f"step {step}: {produced} rows have {output!r}, but the queue handed {len(meta)} of them to "
                     f"task {task!r}"
                 )
-            client.get_data(meta.select_fields([output]))
+            client.ack(meta)
         kept[task] = produced
     return kept

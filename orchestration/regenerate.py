@@ -63,17 +63,27 @@ class LostPrompts:
         self.prompts.pop(step, None)
         self.handled.pop(step, None)
 
-    def wait(self, refs: list[Any], pending: dict[int, tuple[list[Any], list[Any]]]) -> list[Any]:
-        """``ray.get(refs)``, putting lost prompts of the ``pending`` steps again meanwhile."""
+    def wait(
+        self,
+        refs: list[Any],
+        pending: dict[int, tuple[list[Any], list[Any]]],
+        watch: Callable[[dict[int, tuple[list[Any], list[Any]]]], None] | None = None,
+    ) -> list[Any]:
+        """``ray.get(refs)``, putting lost prompts of the ``pending`` steps again meanwhile. ``watch(pending)``, once a
+        second, looks at the workers' ended calls (the run's supervisor: it makes the calls of a dead worker again,
+        replacing their refs in ``pending``, and raises other failures); without it a failed call is raised."""
         while True:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=CHECK_EVERY_S)
             if len(done) == len(refs):
                 return ray.get(refs)
+            if watch is not None:
+                watch(pending)
             for step, (rollout, reward) in pending.items():
                 # a worker that failed fails the run now, instead of the trainer waiting for its rows forever
                 # (e.g. prompt + max_new_tokens longer than the model allows: its engine raised ValueError)
-                finished, _ = ray.wait(rollout + reward, num_returns=len(rollout + reward), timeout=0)
-                ray.get(finished)
+                if watch is None:
+                    finished, _ = ray.wait(rollout + reward, num_returns=len(rollout + reward), timeout=0)
+                    ray.get(finished)
                 if self.put_lost(step):  # workers that already left the step are started on it again
                     more_rollout, more_reward = self.relaunch(step, _all_done(rollout), _all_done(reward))
                     rollout.extend(more_rollout)

@@ -5,6 +5,13 @@ A unit that dies is down for a few seconds (reads of its rows raise ``StorageUni
 into them raise ``RowsLost``; ``get_meta`` never serves them again). The driver puts the lost prompts again as new
 rows (``orchestration.regenerate``). A worker therefore hands back what it cannot read or write and goes on: the rows
 that were lost are served to nobody, the others are served again.
+
+A worker that dies (its process killed) is a lease that ends: the rollout and reward tasks acknowledge explicitly
+(:data:`WORKER_TASK_OPTIONS`), after the worker's put, so the rows a dead worker held come back to ready
+``disconnect_grace`` (5 s) after its connections closed, and the restarted worker (or another) takes them. A worker
+that died between its put and its ``ack`` had written them: the second put is refused (``FieldAlreadyProduced``),
+:func:`write_or_release` then writes the rows that nobody wrote and acknowledges the rest, so no row is produced twice
+and none is left unproduced.
 """
 
 from __future__ import annotations
@@ -14,12 +21,28 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from transfer_queue.errors import RowsLost, StaleBatchMeta, StorageUnavailable, StorageUnitDown
+import numpy as np
+import torch
+
+from rl_contracts.rows import jagged
+from transfer_queue.errors import (
+    FieldAlreadyProduced,
+    NotLeased,
+    RowsLost,
+    StaleBatchMeta,
+    StorageUnavailable,
+    StorageUnitDown,
+)
 
 logger = logging.getLogger(__name__)
 PUT_ATTEMPTS = 5  # a put placed on a unit that died mid-put is tried again (the controller places it elsewhere)
 DOWN_PAUSE_S = 0.5  # after a read found a unit down: wait a little (it is being restarted) before asking again
 DOWN_WAIT_S = 120.0  # the longest a reader waits for a down unit to come back (or be restarted empty)
+#: the rollout and reward tasks' ``set_task_options`` (the driver sets them): rows are done when the worker's put is
+#: (``ack`` after it), not when it read them, so a worker that dies mid-batch hands them back (its connections close:
+#: after ``disconnect_grace``). The lease is long: it ends early only for a worker that hangs, and a batch that
+#: outlasted it would be generated twice (the second put refused).
+WORKER_TASK_OPTIONS: dict[str, Any] = {"ack": "explicit", "lease_s": 3600.0}
 
 
 def release_quietly(client: Any, meta: Any) -> None:
@@ -50,22 +73,69 @@ def read_or_none(client: Any, meta: Any, release: bool = True, **kwargs: Any) ->
             return None
 
 
-def write_or_release(client: Any, fields: Any, meta: Any) -> bool:
-    """``client.put(fields, metadata=meta)``; False (and the rows handed back) when some of the rows were lost. A put
-    that failed on a unit that died mid-put is tried again."""
+def write_or_release(client: Any, fields: Any, meta: Any, group_size: int = 1) -> int:
+    """``client.put(fields, metadata=meta)`` then ``client.ack(meta)``; returns the rows this call wrote: 0, with the
+    rows handed back, when some of them were lost. A put that failed on a unit that died mid-put is tried again.
+
+    A put refused because some rows already hold their fields (``FieldAlreadyProduced``: they were served again after
+    a worker that wrote them died before its ack) is made again group by group (``group_size`` rows: a GRPO group's
+    rows are always written together): the groups nobody wrote are written, the others are left as they are, and the
+    whole meta is acknowledged, so nobody is served those rows again."""
+    try:
+        written = _put(client, fields, meta)
+    except FieldAlreadyProduced as exc:
+        logger.warning("%d rows were served again after they were written (%s); writing the others", len(meta), exc)
+        written = 0
+        for start in range(0, len(meta), group_size):
+            positions = list(range(start, min(start + group_size, len(meta))))
+            try:
+                wrote = _put(client, rows_at(fields, positions), meta.select_samples(positions))
+            except FieldAlreadyProduced:
+                continue
+            if wrote is None:  # lost meanwhile: hand all of them back (the written ones come back refused, then acked)
+                release_quietly(client, meta)
+                return 0
+            written += wrote
+    if written is None:
+        return 0
+    try:
+        client.ack(meta)
+    except (NotLeased, StaleBatchMeta) as exc:  # the step was cleared, or the rows were handed back as lost meanwhile
+        logger.warning("%d rows written could not be acknowledged (%s)", len(meta), exc)
+    return written
+
+
+def _put(client: Any, fields: Any, meta: Any) -> int | None:
+    """``put`` (tried again while the unit it went to is down); the rows written, None when some were lost (then
+    they are handed back)."""
     for attempt in range(PUT_ATTEMPTS):
         try:
             client.put(fields, metadata=meta)
-            return True
+            return len(meta)
         except RowsLost as exc:
             logger.warning("%d rows were lost before their fields were written (%s); handing them back", len(meta), exc)
             release_quietly(client, meta)
-            return False
+            return None
         except StorageUnavailable:
             if attempt == PUT_ATTEMPTS - 1:
                 raise
             time.sleep(DOWN_PAUSE_S)
     raise AssertionError("unreachable")
+
+
+def rows_at(fields: dict[str, Any], positions: list[int]) -> dict[str, Any]:
+    """The rows at ``positions`` of each field of a put (jagged nested and dense tensors, numpy arrays, lists)."""
+    out: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            offsets = value.offsets().tolist()  # type: ignore[attr-defined]  # a jagged tensor's; not in the stubs
+            values = value.values()
+            out[name] = jagged([values[offsets[i] : offsets[i + 1]].tolist() for i in positions], value.dtype)
+        elif isinstance(value, (torch.Tensor, np.ndarray)):
+            out[name] = value[positions]
+        else:
+            out[name] = [value[i] for i in positions]
+    return out
 
 
 def put_retrying(client: Any, fields: Any, **kwargs: Any) -> Any:

@@ -16,3 +16,8 @@ TRAIN_TASK = "train"
 # trainer publishes only after this step, and whose scoring waits for that rollout) cannot hold it up: queued behind
 # that call, the redo would wait for the trainer, which waits for the redo.
 REDO_GROUP = "redo"
+# How many calls of the redo group a worker runs at once. More than one: the run's supervisor makes a dead worker's
+# calls of several steps again there (orchestration/supervisor.py), and a scoring call of step s + 1 waits for rows
+# that exist only once step s trained; run one at a time, the call of step s could be queued behind it. A run with
+# more steps in flight than this (max_staleness + 2) could still queue one behind the others.
+REDO_CONCURRENCY = 8

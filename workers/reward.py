@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,10 +21,10 @@ from typing import Any
 import ray
 import torch
 
-from rl_contracts.lost_rows import served_batches, write_or_release
+from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
-from rl_contracts.stages import REDO_GROUP, REWARD_TASK
+from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, REWARD_TASK
 from rl_contracts.task import Task, load_reward_fn, load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 
@@ -108,7 +109,7 @@ def scores_of(outcomes: Sequence[Any], sample_ids: Sequence[int] | None = None) 
     return out
 
 
-@ray.remote(concurrency_groups={"score": 1, REDO_GROUP: 1})  # type: ignore[call-overload]  # Ray's overloads omit it
+@ray.remote(concurrency_groups={"score": 1, REDO_GROUP: REDO_CONCURRENCY, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RewardWorker:
     """Scores the responses of global steps.
 
@@ -134,10 +135,18 @@ class RewardWorker:
     ):
         self.worker_id = worker_id
         self.client = TransferQueueClient(f"reward-{worker_id}", controller_info)
+        # rows are done once their rewards are written: a worker killed mid-batch hands them back (lost_rows.py)
+        self.client.set_task_options(REWARD_TASK, **WORKER_TASK_OPTIONS)
+        self.n = n_samples
         self.task: Task = load_task(task_name, task_kwargs)
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn else None  # None: the task's own rewards
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        """This worker's process id (a restarted worker has a new one: the run's supervisor counts restarts by it)."""
+        return os.getpid()
 
     @ray.method(concurrency_group="score")
     def score_step(self, step: int) -> dict[str, float]:
@@ -164,9 +173,10 @@ class RewardWorker:
                 "reward": torch.tensor(scores.rewards, dtype=torch.float32),
                 "reward_failed": torch.tensor(scores.failed, dtype=torch.bool),
             }
-            if not clock.call(write_or_release, self.client, scored, meta):
+            written = clock.call(write_or_release, self.client, scored, meta, self.n)
+            if not written:  # lost meanwhile, or scored already by a worker that died before its ack
                 continue
-            stats["rows"] += len(meta)
+            stats["rows"] += written
             stats["failed"] += sum(scores.failed)
             stats["non_finite"] += scores.non_finite
         return {**stats, **clock.stats(), "ended_at": time.time()}

@@ -13,6 +13,7 @@ a restarted engine never serves older weights than the last published version.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,10 +27,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import RequestGate
 from rl_contracts.images import IMAGE_REFS, image_refs_of
-from rl_contracts.lost_rows import release_quietly, served_batches, write_or_release
+from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
-from rl_contracts.stages import REDO_GROUP, ROLLOUT_TASK
+from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, ROLLOUT_TASK
 from transfer_queue import BatchMeta, ControllerInfo, TransferQueueClient
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineActor, EngineSpec
@@ -91,7 +92,7 @@ class EngineSlot:
         return engine
 
 
-@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
+@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: REDO_CONCURRENCY, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class RolloutWorker:
     """Generates responses for the prompt rows of global steps.
 
@@ -120,6 +121,8 @@ class RolloutWorker:
     ):
         self.worker_id = worker_id
         self.client = TransferQueueClient(f"rollout-{worker_id}", controller_info)
+        # rows are done once their responses are written: a worker killed mid-batch hands them back (lost_rows.py)
+        self.client.set_task_options(ROLLOUT_TASK, **WORKER_TASK_OPTIONS)
         self.spec = engine_spec
         self.sampling = sampling
         self.n = n_samples
@@ -170,6 +173,11 @@ class RolloutWorker:
     def resume_requests(self) -> None:
         """Let the generations ``drain_requests`` held back go on."""
         self.gate.resume()
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        """This worker's process id (a restarted worker has a new one: the run's supervisor counts restarts by it)."""
+        return os.getpid()
 
     @ray.method(concurrency_group="control")
     def engine_pid(self) -> int:
@@ -226,9 +234,10 @@ class RolloutWorker:
                 stats["engine_restarts"] += 1
                 continue
             stats["generate_s"] += time.perf_counter() - t1
-            if not clock.call(write_or_release, self.client, self._responses(generations, version), meta):
-                continue  # the prompts were lost meanwhile (a storage unit died): they come back as new rows
-            stats["rows"] += len(meta)
+            written = clock.call(write_or_release, self.client, self._responses(generations, version), meta, self.n)
+            if not written:  # lost meanwhile (a storage unit died: they come back as new rows), or written already
+                continue
+            stats["rows"] += written
             stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
         return {**stats, **clock.stats(), "ended_at": time.time()}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -20,10 +21,10 @@ from typing import Any
 import ray
 import torch
 
-from rl_contracts.lost_rows import served_batches, write_or_release
+from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
-from rl_contracts.stages import REDO_GROUP, ROLLOUT_TASK
+from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, ROLLOUT_TASK
 from rl_contracts.task import load_task
 from transfer_queue import ControllerInfo, TransferQueueClient
 from workers.agents.rollout_fns import chat_format, collect_groups, load_rollout_fn
@@ -47,7 +48,7 @@ def prompt_dicts(data: Any, fields: list[str], n: int) -> list[dict[str, Any]]:
     return [{name: column[i] for name, column in columns.items()} for i in range(0, rows, n)]
 
 
-@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: 1, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
+@ray.remote(concurrency_groups={"rollout": 1, REDO_GROUP: REDO_CONCURRENCY, "control": 1})  # type: ignore[call-overload]  # Ray's overloads omit it
 class AgentRolloutWorker:
     """See the module docstring.
 
@@ -81,6 +82,8 @@ class AgentRolloutWorker:
         torch.manual_seed(seed)  # the engine samples from the global generator
         self.worker_id = worker_id
         self.client = TransferQueueClient(f"agent-rollout-{worker_id}", controller_info)
+        # rows are done once their samples are written: a worker killed mid-batch hands them back (lost_rows.py)
+        self.client.set_task_options(ROLLOUT_TASK, **WORKER_TASK_OPTIONS)
         self.engine = engine_spec.build()
         self.task = load_task(engine_spec.task_name, engine_spec.task_kwargs)
         self.n = n_samples
@@ -99,6 +102,11 @@ class AgentRolloutWorker:
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[int, list[Generation]]:
         with self._lock:
             return self.engine.version, [g[0] for g in self.engine.generate(prompts, 1, params)]
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        """This worker's process id (a restarted worker has a new one: the run's supervisor counts restarts by it)."""
+        return os.getpid()
 
     @ray.method(concurrency_group="control")
     def update_weights(self, version: int, weights: Any = None, path: str | None = None) -> int:
@@ -169,10 +177,11 @@ class AgentRolloutWorker:
             )  # fmt: skip
             stats["generate_s"] += time.perf_counter() - t0
             samples = [s for group in groups for s in (group or self._placeholders())]
-            if not clock.call(write_or_release, self.client, self._fields(samples, groups), meta):
-                continue  # the prompts were lost meanwhile (a storage unit died): they come back as new rows
+            written = clock.call(write_or_release, self.client, self._fields(samples, groups), meta, self.n)
+            if not written:  # lost meanwhile (a storage unit died: they come back as new rows), or written already
+                continue
             kept = [s for group in groups if group for s in group]
-            stats["rows"] += len(meta)
+            stats["rows"] += written
             stats["groups"] += group_stats.groups
             stats["dropped_groups"] += group_stats.dropped_groups
             stats["filtered_groups"] += group_stats.filtered_groups

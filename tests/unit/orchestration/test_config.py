@@ -68,6 +68,7 @@ def test_every_default_is_in_its_own_range():
         ("rollout.inf_mem_ratio", 0, "rollout.inf_mem_ratio must be a float in (0, 1] or None, got 0"),
         ("rollout.inf_mem_ratio", 1.2, "rollout.inf_mem_ratio must be a float in (0, 1] or None, got 1.2"),
         ("rollout.task_server_max_episodes", 0, "rollout.task_server_max_episodes must be an int >= 1 or None, got 0"),
+        ("rollout.max_worker_restarts", -2, "rollout.max_worker_restarts must be an int >= -1, got -2"),
         ("sft.batch_size", 0, "sft.batch_size must be an int >= 1, got 0"),
         ("sft.max_steps", 0, "sft.max_steps must be an int >= 1, got 0"),
         ("sft.target_accuracy", 1.2, "sft.target_accuracy must be a float in [0, 1], got 1.2"),

@@ -5,10 +5,12 @@ costs each of them one batch handed back, never the step."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from rl_contracts.lost_rows import served_batches, write_or_release
+from rl_contracts.lost_rows import rows_at, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
-from transfer_queue.errors import RowsLost, StorageUnavailable
+from rl_contracts.rows import float_rows_of, jagged, rows_of
+from transfer_queue.errors import FieldAlreadyProduced, RowsLost, StorageUnavailable
 
 
 class Meta:
@@ -21,12 +23,22 @@ class Meta:
     def select_fields(self, fields: list[str]) -> Meta:
         return Meta(self.rows, fields)
 
+    def select_samples(self, positions: list[int]) -> Meta:
+        return Meta([self.rows[i] for i in positions], self.fields)
+
 
 class Client:
     """Serves the given batches then an empty one; reads of ``lost`` rows raise ``RowsLost``."""
 
-    def __init__(self, batches: list[list[int]], lost: set[int] = frozenset(), put_fails: int = 0):
-        self.batches, self.lost, self.put_fails = list(batches), lost, put_fails
+    def __init__(
+        self,
+        batches: list[list[int]],
+        lost: set[int] = frozenset(),
+        put_fails: int = 0,
+        produced: set[int] = frozenset(),
+    ):
+        self.batches, self.lost, self.put_fails, self.produced = list(batches), lost, put_fails, set(produced)
+        self.acked: list[list[int]] = []
         self.get_meta_calls: list[tuple] = []
         self.read: list[tuple[list[int], list[str]]] = []
         self.released: list[list[int]] = []
@@ -51,7 +63,13 @@ class Client:
             raise StorageUnavailable("unit 0 died mid-put")
         if self.lost & set(metadata.rows):
             raise RowsLost("lost before the write")
+        if self.produced & set(metadata.rows):
+            raise FieldAlreadyProduced(f"rows {sorted(self.produced & set(metadata.rows))} are already produced")
+        self.produced |= set(metadata.rows)
         self.puts.append(metadata.rows)
+
+    def ack(self, meta):
+        self.acked.append(meta.rows)
 
 
 def test_a_batch_with_lost_rows_is_handed_back_and_the_others_are_served_until_the_step_is_empty():
@@ -78,11 +96,37 @@ def test_without_read_the_whole_batch_is_read():
 def test_a_write_to_lost_rows_hands_them_back_and_a_write_to_a_unit_that_died_mid_put_is_tried_again(monkeypatch):
     monkeypatch.setattr("rl_contracts.lost_rows.DOWN_PAUSE_S", 0.0)
     client = Client([], lost={1})
-    assert write_or_release(client, {"x": 1}, Meta([0, 1], ["x"])) is False
-    assert client.released == [[0, 1]] and client.puts == []
+    assert write_or_release(client, {"x": [1, 2]}, Meta([0, 1], ["x"])) == 0
+    assert client.released == [[0, 1]] and client.puts == [] and client.acked == []
     client = Client([], put_fails=2)
-    assert write_or_release(client, {"x": 1}, Meta([0, 1], ["x"])) is True
-    assert client.puts == [[0, 1]]
+    assert write_or_release(client, {"x": [1, 2]}, Meta([0, 1], ["x"])) == 2
+    assert client.puts == [[0, 1]] and client.acked == [[0, 1]]  # acknowledged once written
     client = Client([], put_fails=10)
     with pytest.raises(StorageUnavailable, match="unit 0 died mid-put"):
         write_or_release(client, {"x": 1}, Meta([0, 1], ["x"]))
+
+
+def test_rows_served_again_after_a_dead_worker_wrote_them_are_acknowledged_and_the_others_written_group_by_group():
+    # rows 2, 3 (one group) were written by a worker that died before its ack; they came back with a fresh group
+    client = Client([], produced={2, 3})
+    ids = jagged([[1], [2, 2], [3], [4, 4, 4]], torch.int64)
+    fields = {"ids": ids, "v": torch.tensor([0, 1, 2, 3]), "s": list("abcd")}
+    assert write_or_release(client, fields, Meta([0, 1, 2, 3], ["ids"]), group_size=2) == 2
+    assert client.puts == [[0, 1]]  # the fresh group only: nothing is produced twice
+    assert client.acked == [[0, 1, 2, 3]]  # all of them: none is served again
+    everything_written = Client([], produced={0, 1})
+    assert write_or_release(everything_written, {"x": [1, 2]}, Meta([0, 1], ["x"]), group_size=2) == 0
+    assert everything_written.puts == [] and everything_written.acked == [[0, 1]]
+
+
+def test_rows_at_takes_the_same_rows_of_every_kind_of_field():
+    fields = {
+        "ids": jagged([[1], [2, 2], [3]], torch.int64),
+        "lp": jagged([[0.5], [0.25, 0.75], []], torch.float32),
+        "v": torch.tensor([7, 8, 9]),
+        "s": ["a", "b", "c"],
+    }
+    out = rows_at(fields, [1, 2])
+    assert rows_of(out["ids"]) == [[2, 2], [3]] and out["ids"].dtype == torch.int64
+    assert float_rows_of(out["lp"]) == [[0.25, 0.75], []]
+    assert out["v"].tolist() == [8, 9] and out["s"] == ["b", "c"]

@@ -1,0 +1,314 @@
+"""Kill anything, lose nothing (issue 28): the demo in async mode, with actors SIGKILLed at random moments, against an
+uninterrupted run on the same seed.
+
+    .venv/bin/python benchmarks/kill_anything.py                          # rollout, reward, storage unit: 2 kills each
+    .venv/bin/python benchmarks/kill_anything.py --seed 1 --kills 3 --steps 24
+    .venv/bin/python benchmarks/kill_anything.py --kinds rollout,reward,unit,controller   # the controller too
+
+Two runs of recipe/demo.py's configuration (``mode=async max_staleness=1``, ``queue_replicas=2`` over 3 storage
+units, an SFT warm-up to a sampled accuracy of 0.3, 8 prompts x 4 samples a step), one after the other, each in a child
+process: ``clean`` kills nothing, ``killed`` draws from ``--seed`` (``random.Random``), for each kind in ``--kinds``
+and each of its ``--kills``, a GRPO step and a delay after that step's launch, and then SIGKILLs (``os.kill`` of the
+actor's process; a worker being restarted from an earlier kill is killed once it is back):
+
+- ``rollout``: a rollout worker (Ray restarts it; the run's supervisor makes its calls again:
+  orchestration/supervisor.py)
+- ``reward``: a reward worker (the same)
+- ``unit``: a storage unit (its rows' second copies serve; Ray restarts it, refilled)
+- ``controller``: the queue's controller (``ray.kill(no_restart=False)``; ``queue_journal=true``: Ray restarts it over
+  its journal). Not in the default ``--kinds``: see benchmarks/README.md.
+
+Before each step is cleared, the killed run records what the queue says about it (the trainer's acknowledgements, the
+rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
+
+- rows lost silently: rows of a step never trained (a step's ``prompts_per_step * n_samples`` less those the trainer
+  acknowledged), and rows the queue reports lost;
+- samples trained twice: acknowledgements beyond a step's rows, and rows of a group beyond its ``n_samples``;
+- kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` of its metrics rows,
+  the controller's ``storage_units_restarted``);
+- the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker held (leased, not
+  written, as the queue said just before the kill) times the run's tokens per generated row, over all tokens generated;
+- the final reward (mean of the last fifth of the steps) of both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KINDS = ("rollout", "reward", "unit", "controller")
+DEFAULT_KINDS = "rollout,reward,unit"
+PROMPTS, N = 8, 4
+#: the demo's overrides: async mode, two copies of each row over 3 units, a short warm-up, a small step
+OVERRIDES = [
+    "mode=async", "max_staleness=1", "queue_replicas=2", "num_storage_units=3", f"prompts_per_step={PROMPTS}",
+    f"n_samples={N}", "rollout.groups_per_request=2", "rollout.reward_groups_per_request=2",
+    "task.num_train_prompts=4096", "task.num_eval_prompts=64", "sft.max_steps=1000", "sft.eval_every=50",
+    "sft.batch_size=64", "sft.target_accuracy=0.3", "queue_timeout=120", "checkpoint_every=1000",
+]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=16, help="GRPO steps of each run (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed and the kill schedule's (default 0)")
+    parser.add_argument("--kills", type=int, default=2, help="kills of each kind (default 2)")
+    parser.add_argument("--kinds", default=DEFAULT_KINDS, help=f"what is killed, of {','.join(KINDS)}")
+    parser.add_argument("--out", default=None, help="the JSON report (default benchmarks/results/kill-anything-*.json)")
+    parser.add_argument("--keep", default=None, help="a folder for both runs' outputs and logs")
+    parser.add_argument("--child", choices=("clean", "killed"), help=argparse.SUPPRESS)
+    parser.add_argument("--output-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in args.kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"--kinds: unknown {unknown}; choose from {list(KINDS)}")
+    if args.steps < 4:
+        parser.error(f"--steps: at least 4 (kills fall on steps 1 .. steps - 2), got {args.steps}")
+    return args
+
+
+def schedule(seed: int, kinds: list[str], kills: int, steps: int) -> list[dict[str, Any]]:
+    """The kills, drawn from ``seed``: per kind ``kills`` times a GRPO step in [1, steps - 2] and a delay in
+    [0, 1) s after that step's launch."""
+    rng = random.Random(seed)
+    plan = [
+        {"kind": kind, "step": rng.randint(1, steps - 2), "delay_s": round(rng.random(), 3), "pick": rng.random()}
+        for kind in kinds
+        for _ in range(kills)
+    ]
+    return sorted(plan, key=lambda k: (k["step"], k["delay_s"]))
+
+
+# ---- the child runs ---------------------------------------------------------------------------------------------
+def child(args: argparse.Namespace) -> int:
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    import transfer_queue
+    from orchestration.config import config_from_cli
+    from orchestration.grpo_run import connect_ray
+    from rl_contracts.stages import ROLLOUT_TASK, TRAIN_TASK
+    from tests.e2e.unit_death_run import AuditedRun
+
+    overrides = [*OVERRIDES, f"steps={args.steps}", f"seed={args.seed}", f"output_dir={args.output_dir}"]
+    if "controller" in args.kinds:  # a journaled queue takes no snapshots into checkpoints: neither run's does
+        overrides.append("checkpoint_queue=false")
+        if args.child == "killed":
+            overrides.append("queue_journal=true")
+    config = config_from_cli(__doc__ or "", ROOT / "recipe" / "configs" / "demo.yaml", overrides)
+    plan = schedule(args.seed, args.kinds, args.kills, args.steps) if args.child == "killed" else []
+
+    class KillingRun(AuditedRun):
+        def __init__(self, config: Any):
+            super().__init__(config)
+            self.killer = transfer_queue.TransferQueueClient("killer", self.client.controller_info)
+            self.timers: list[threading.Timer] = []
+            self.held_rows = 0  # rollout rows killed rollout workers held
+
+        def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
+            refs = super().launch(step, min_version)
+            for kill in plan:
+                if kill["step"] == step:
+                    timer = threading.Timer(kill["delay_s"], self.kill_one, (kill,))
+                    timer.start()
+                    self.timers.append(timer)
+            return refs
+
+        def kill_one(self, kill: dict[str, Any]) -> None:
+            kind, pick = kill["kind"], kill["pick"]
+            record = dict(kill)
+            try:
+                if kind == "controller":
+                    ray.kill(transfer_queue.get_controller(), no_restart=False)
+                else:
+                    if kind == "unit":
+                        units = ray.get(transfer_queue.get_controller().storage_stats.remote())
+                        record["unit"] = int(pick * len(units))
+                        pid = units[record["unit"]]["pid"]
+                    else:
+                        workers = self.rollout if kind == "rollout" else self.reward
+                        record["worker"] = int(pick * len(workers))
+                        pid = worker_pid(workers[record["worker"]])
+                    if kind == "rollout":
+                        record["held_rows"] = self.rollout_rows_held()
+                        self.held_rows += record["held_rows"]
+                    os.kill(pid, signal.SIGKILL)
+                    record["pid"] = pid
+                record["at"] = time.time()
+            except Exception as exc:  # a kill that could not be made is reported, not hidden
+                record["error"] = f"{type(exc).__name__}: {exc}"
+            self.kills.append(record)
+            print(f"kill: {record}", flush=True)
+
+        def rollout_rows_held(self) -> int:
+            held = 0
+            for step in list(self.pending):
+                try:
+                    status = self.killer.get_consumption_status(global_step=step, task_name=ROLLOUT_TASK)
+                except Exception:  # a step cleared meanwhile
+                    continue
+                held += int(status["tasks"][ROLLOUT_TASK]["leased"])
+            return held
+
+        def write_audit(self, step: int) -> None:
+            capacity = self.cfg.prompts_per_step * self.cfg.n_samples
+            live = self.client.get_meta(
+                ["prompt_ids"], capacity, global_step=step, task_name="audit", peek=True, timeout=60
+            )
+            row = {
+                "step": step,
+                "live_groups": live.group_ids.tolist(),
+                "train": self.client.get_consumption_status(global_step=step, task_name=TRAIN_TASK)["tasks"][
+                    TRAIN_TASK
+                ],
+                "rows_lost": self.client.get_production_status(global_step=step)["rows_lost"],
+            }
+            self.audit.write(json.dumps(row) + "\n")
+            self.audit.flush()
+
+    def worker_pid(worker: Any) -> int:
+        """The worker's process id, once it is up (a worker killed a moment ago is being restarted)."""
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return int(ray.get(worker.pid.remote()))
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    connect_ray()
+    run = KillingRun(config)
+    try:
+        started = time.perf_counter()
+        rows = run.run()
+        for timer in run.timers:
+            timer.join()
+        units_restarted = ray.get(transfer_queue.get_controller().server_stats.remote())["storage_units_restarted"]
+        summary = {
+            "seconds": time.perf_counter() - started,
+            "kills": run.kills,
+            "held_rows": run.held_rows,
+            "restarts": dict(run.supervisor.restarts),
+            "units_restarted": sum(units_restarted.values()),
+            "groups_put_again": run.lost_prompts.groups_put_again,
+            "rows": rows,
+        }
+        (Path(args.output_dir) / "kill_anything.json").write_text(json.dumps(summary))
+    finally:
+        run.shutdown()
+    return 0
+
+
+# ---- the parent: both runs, the report --------------------------------------------------------------------------
+def last_fifth(values: list[float]) -> float:
+    tail = values[-max(1, len(values) // 5) :]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def report(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    clean = json.loads((work / "clean" / "kill_anything.json").read_text())
+    killed = json.loads((work / "killed" / "kill_anything.json").read_text())
+    audits = [json.loads(line) for line in (work / "killed" / "audit.jsonl").read_text().splitlines()]
+    rows = PROMPTS * N
+    lost_silently = sum(max(0, rows - a["train"]["acknowledged"]) for a in audits)
+    lost_silently += rows * (args.steps - len(audits))  # a step that never finished
+    rows_lost = sum(a["rows_lost"] for a in audits)
+    twice = sum(max(0, a["train"]["acknowledged"] - rows) for a in audits)
+    twice += sum(max(0, a["live_groups"].count(g) - N) for a in audits for g in set(a["live_groups"]))
+    grpo = killed["rows"]
+    tokens = sum(r["tokens"] for r in grpo)
+    per_row = tokens / max(1.0, sum(r["generated_rows"] for r in grpo))
+    regenerated = killed["held_rows"] * per_row
+    kills = {kind: sum(1 for k in killed["kills"] if k["kind"] == kind and "error" not in k) for kind in args.kinds}
+    out = {
+        "seed": args.seed,
+        "steps": args.steps,
+        "kinds": args.kinds,
+        "kills": kills,
+        "kill_errors": [k for k in killed["kills"] if "error" in k],
+        "steps_finished": len(audits),
+        "rows_lost_silently": lost_silently,
+        "rows_reported_lost": rows_lost,
+        "samples_trained_twice": twice,
+        "restarts": {
+            "rollout": sum(r.get("restarts_rollout", 0) for r in grpo),
+            "reward": sum(r.get("restarts_reward", 0) for r in grpo),
+            "unit": killed["units_restarted"],
+        },
+        "groups_put_again": killed["groups_put_again"],
+        "regenerated_token_share": regenerated / (tokens + regenerated) if tokens else 0.0,
+        "final_reward": {
+            "killed": last_fifth([r["reward"] for r in grpo]),
+            "clean": last_fifth([r["reward"] for r in clean["rows"]]),
+        },
+        "seconds": {"killed": killed["seconds"], "clean": clean["seconds"]},
+        "kill_log": killed["kills"],
+    }
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    lines = [
+        f"| seed {out['seed']}, {out['steps']} steps | |",
+        "|---|---|",
+        f"| kills per kind | {', '.join(f'{k} {v}' for k, v in out['kills'].items())} |",
+        f"| restarts counted | {', '.join(f'{k} {v}' for k, v in out['restarts'].items())} |",
+        f"| steps finished | {out['steps_finished']} of {out['steps']} |",
+        f"| rows lost silently | {out['rows_lost_silently']} |",
+        f"| rows the queue reported lost | {out['rows_reported_lost']} |",
+        f"| samples trained twice | {out['samples_trained_twice']} |",
+        f"| generated tokens regenerated after kills | {100 * out['regenerated_token_share']:.2f} % |",
+        f"| final reward (last fifth): killed / clean | {out['final_reward']['killed']:.3f} / "
+        f"{out['final_reward']['clean']:.3f} |",
+        f"| GRPO wall time: killed / clean | {out['seconds']['killed']:.0f} s / {out['seconds']['clean']:.0f} s |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kill-anything-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    for name in ("clean", "killed"):
+        cmd = [
+            sys.executable, __file__, "--child", name, "--output-dir", str(work / name), "--steps", str(args.steps),
+            "--seed", str(args.seed), "--kills", str(args.kills), "--kinds", ",".join(args.kinds),
+        ]  # fmt: skip
+        log = work / f"{name}.log"
+        print(f"{name} run: {' '.join(cmd[1:])} (log {log})", flush=True)
+        with log.open("w") as f:
+            code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        if code != 0:
+            sys.exit(f"the {name} run failed ({code}); its output: {log}")
+    out = report(args, work)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"kill-anything-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k != "kill_log"}))
+    print(table(out))
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
