@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from rl_contracts.images import rows_images
 from trainers.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -339,7 +340,12 @@ class FSDPPolicy:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0, pixel_values: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        temperature: float = 1.0,
+        pixel_values: Tensor | None = None,
+        image_counts: Tensor | None = None,
     ) -> Tensor:
         """Log-probabilities of the given tokens, aligned with ``input_ids``, without gradients.
 
@@ -347,6 +353,8 @@ class FSDPPolicy:
             input_ids: ``[B, T]`` int64, this rank's rows.
             attention_mask: ``[B, T]``, 1 on real tokens.
             temperature: logits are divided by it before the softmax, as in sampling.
+            pixel_values, image_counts: a vision-language model's images and each row's number of them (see
+                :data:`PIXEL_VALUES`, :data:`IMAGE_COUNTS`); every micro-batch gets its own rows' images.
 
         Returns:
             ``[B, T]`` float32 on ``input_ids.device``: ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``
@@ -360,14 +368,15 @@ class FSDPPolicy:
                 f"pixel_values has shape {tuple(pixel_values.shape)}, expected {input_ids.shape[0]} rows like input_ids"
             )
         if self.dynamic_batching:
-            return self._dynamic_logprobs(input_ids, attention_mask, temperature, pixel_values)
+            return self._dynamic_logprobs(input_ids, attention_mask, temperature, pixel_values, image_counts)
         self._check_micro_batch_count(input_ids.shape[0])
         chunks = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             rows = slice(start, start + self.micro_batch_size)
             ids, mask = input_ids[rows].to(self.device), attention_mask[rows].to(self.device)
             pixels = None if pixel_values is None else pixel_values[rows].to(self.device)
-            chunks.append(self._logprobs(ids, mask, temperature, pixels))
+            counts = None if image_counts is None else image_counts[rows]
+            chunks.append(self._logprobs(ids, mask, temperature, pixels, counts))
         return torch.cat(chunks).to(input_ids.device)
 
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
@@ -417,7 +426,9 @@ class FSDPPolicy:
             self._fsdp.set_requires_gradient_sync(i == last)
             mb = {name: value.to(self.device, non_blocking=True) for name, value in mb.items()}
             with self._saved_for_backward():
-                logprobs = self._logprobs(mb["input_ids"], mb["attention_mask"], temperature, mb.get(PIXEL_VALUES))
+                logprobs = self._logprobs(
+                    mb["input_ids"], mb["attention_mask"], temperature, mb.get(PIXEL_VALUES), mb.get(IMAGE_COUNTS)
+                )
                 loss, metrics = loss_fn(logprobs=logprobs, batch=mb)
                 (loss * (weight * self.dp_size / total_weight)).backward()
             for name, value in {"loss": loss, **metrics}.items():
@@ -513,14 +524,25 @@ class FSDPPolicy:
         return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
     def _logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor, temperature: float, pixel_values: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        temperature: float,
+        pixel_values: Tensor | None = None,
+        image_counts: Tensor | None = None,
     ) -> Tensor:
         if self._head is None or self.loss_seq_chunk_size is None:
             return model_token_logprobs(
-                self.model, input_ids, attention_mask, temperature, pixel_values=pixel_values, hf=self._is_hf
+                self.model,
+                input_ids,
+                attention_mask,
+                temperature,
+                pixel_values=pixel_values,
+                image_counts=image_counts,
+                hf=self._is_hf,
             )
         _check_temperature(temperature)
-        kwargs = _forward_kwargs(attention_mask, pixel_values, self._is_hf)
+        kwargs = _forward_kwargs(attention_mask, pixel_values, self._is_hf, image_counts)
         with _head_scores_tokens(self._head, input_ids, temperature, self.loss_seq_chunk_size):
             out = self.model(input_ids=input_ids, **kwargs)
         logprobs = out if isinstance(out, Tensor) else out.logits
@@ -567,7 +589,12 @@ class FSDPPolicy:
         return out
 
     def _dynamic_logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor, temperature: float, pixel_values: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        temperature: float,
+        pixel_values: Tensor | None = None,
+        image_counts: Tensor | None = None,
     ) -> Tensor:
         lengths = row_lengths(attention_mask)
         plan = plan_micro_batches(lengths.tolist(), self.max_tokens_per_micro_batch)
@@ -581,7 +608,8 @@ class FSDPPolicy:
             ids = input_ids[index, :trim].to(self.device)
             mask = attention_mask[index, :trim].to(self.device)
             pixels = None if pixel_values is None else pixel_values[index.to(pixel_values.device)].to(self.device)
-            out[index, :trim] = self._logprobs(ids, mask, temperature, pixels).to(out.device)
+            per_row = None if image_counts is None else image_counts[index.to(image_counts.device)]
+            out[index, :trim] = self._logprobs(ids, mask, temperature, pixels, per_row).to(out.device)
         for _ in range(len(plan), max(self.micro_batch_counts)):
             self._filler_pass(backward=False)
         return out
@@ -762,9 +790,13 @@ def _trim(value: Tensor, width: int, trim: int) -> Tensor:
 
 
 #: the batch key of a vision-language model's images (``train_step``, ``compute_logprobs``): ``[B, K, 3, H, W]``, the
-#: ``K`` images of each row in the order of its image placeholder tokens (every row the same ``K``), or
-#: ``[B, 3, H, W]`` for one image per row; split by rows with the other tensors, never trimmed
+#: images of each row in the order of its image placeholder tokens, padded to the batch's most images per row ``K``
+#: (:data:`IMAGE_COUNTS` says how many are real; without it every row has ``K``), or ``[B, 3, H, W]`` for one image
+#: per row; split by rows with the other tensors, never trimmed
 PIXEL_VALUES = "pixel_values"
+#: the batch key of each row's number of images (``[B]`` int64, 0 to ``K``): the first ``IMAGE_COUNTS[b]`` of row
+#: ``b``'s :data:`PIXEL_VALUES` go to the model, the rest is padding (``rl_contracts.images.rows_images``)
+IMAGE_COUNTS = "image_counts"
 
 
 def model_token_logprobs(
@@ -774,22 +806,26 @@ def model_token_logprobs(
     temperature: float = 1.0,
     *,
     pixel_values: Tensor | None = None,
+    image_counts: Tensor | None = None,
     hf: bool = True,
 ) -> Tensor:
     """The trainer's log-prob pass: :func:`token_logprobs` of ``model``'s logits for ``input_ids``, positions counting
     real tokens (left padding does not shift them), no KV cache (``hf``: a Hugging Face model's ``use_cache=False``).
 
     ``pixel_values`` (see :data:`PIXEL_VALUES`) go to a vision-language model (LLaVA-style: its forward takes
-    ``pixel_values`` ``[N, 3, H, W]`` for the ``N`` images of the batch, row by row) flattened to ``[B * K, 3, H, W]``.
+    ``pixel_values`` ``[N, 3, H, W]`` for the ``N`` images of the batch, row by row): row ``b``'s first
+    ``image_counts[b]`` (see :data:`IMAGE_COUNTS`; all ``K`` without it), none for a batch whose rows hold none.
     The engines feed the same images to the prompt's forward pass, so the log-probs are the sampler's for the same
     weights.
     """
-    out = model(input_ids=input_ids, **_forward_kwargs(attention_mask, pixel_values, hf))
+    out = model(input_ids=input_ids, **_forward_kwargs(attention_mask, pixel_values, hf, image_counts))
     logits = out if isinstance(out, Tensor) else out.logits
     return token_logprobs(logits, input_ids, attention_mask, temperature)
 
 
-def _forward_kwargs(attention_mask: Tensor, pixel_values: Tensor | None, hf: bool) -> dict[str, Any]:
+def _forward_kwargs(
+    attention_mask: Tensor, pixel_values: Tensor | None, hf: bool, image_counts: Tensor | None = None
+) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0),
@@ -801,7 +837,9 @@ def _forward_kwargs(attention_mask: Tensor, pixel_values: Tensor | None, hf: boo
             raise ValueError(
                 f"pixel_values has shape {tuple(pixel_values.shape)}, expected [B, K, 3, H, W] or [B, 3, H, W]"
             )
-        kwargs["pixel_values"] = pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values
+        images = rows_images(pixel_values, image_counts)
+        if images.shape[0]:  # a micro-batch of text rows only: no images (LLaVA wants none for no placeholders)
+            kwargs["pixel_values"] = images
     return kwargs
 
 

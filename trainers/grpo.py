@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from rl_contracts.images import IMAGE_REFS, ImageSource, image_refs_of, rows_pixel_values
+from rl_contracts.images import IMAGE_REFS, ImageSource, image_counts, image_refs_of, rows_pixel_values
 from rl_contracts.lost_rows import read_or_none, release_quietly
 from rl_contracts.partial import mask_offpolicy_tokens
 from rl_contracts.prompts import prompts_checksum, sft_step_batch
@@ -40,7 +40,15 @@ from trainers.advantages import group_advantages_by_id
 from trainers.checkpoint import queue_stage
 from trainers.config import TrainerConfig
 from trainers.filters import apply_filters
-from trainers.fsdp import PIXEL_VALUES, AdamWConfig, FSDPPolicy, LossFn, all_gather_single, init_process_group
+from trainers.fsdp import (
+    IMAGE_COUNTS,
+    PIXEL_VALUES,
+    AdamWConfig,
+    FSDPPolicy,
+    LossFn,
+    all_gather_single,
+    init_process_group,
+)
 from trainers.losses import policy_loss
 from trainers.rollout_correction import rollout_correction
 from transfer_queue import ControllerInfo, TransferQueueClient
@@ -95,8 +103,10 @@ def build_train_batch(
     dropped by the configured filters.
 
     Rows with ``image_refs`` (``rl_contracts.images``: blob keys, not pixels) get ``pixel_values``
-    (``[B, K, 3, H, W]``, ``trainers.fsdp.PIXEL_VALUES``) resolved through ``images`` here, each distinct image once;
-    ``ImagesUnavailable`` without a source, ``UnevenImages`` for rows with different numbers of images.
+    (``[B, K, 3, H, W]``, ``trainers.fsdp.PIXEL_VALUES``, ``K`` the most images a row holds) and ``image_counts``
+    (``[B]``, ``trainers.fsdp.IMAGE_COUNTS``: rows may hold different numbers, 0 included) resolved through
+    ``images`` here, each distinct image once; ``ImagesUnavailable`` without a source, ``UnevenImages`` for
+    references that are not a list of keys per row.
     """
     config = expect_trainer_config(config)
     response_loss_masks = None
@@ -119,9 +129,10 @@ def build_train_batch(
     tensors["rollout_logprobs"] = rollout_logprobs
     tensors["old_logprobs"] = rollout_logprobs.clone()
     if IMAGE_REFS in data.keys():  # noqa: SIM118
-        pixels = rows_pixel_values(image_refs_of(data[IMAGE_REFS]), images)
+        refs = image_refs_of(data[IMAGE_REFS])
+        pixels = rows_pixel_values(refs, images)
         if pixels is not None:
-            tensors[PIXEL_VALUES] = pixels
+            tensors[PIXEL_VALUES], tensors[IMAGE_COUNTS] = pixels, image_counts(refs)
 
     rewards = data["reward"].to(torch.float32).reshape(-1)
     # a non-finite reward never passes the reward worker; should one arrive anyway it counts as a failure
@@ -344,6 +355,7 @@ class GRPOTrainerRank:
                         t["attention_mask"],
                         temperature=logprob_temperature(cfg.temperature),
                         pixel_values=t.get(PIXEL_VALUES),
+                        image_counts=t.get(IMAGE_COUNTS),
                     )
                 if _global_sum(batch.stats["trained_rows"], self.policy.device) > 0:
                     lrs = [self._rl_lr(rl_optimizer_step(version, k, e, rounds, epochs)) for e in range(epochs)]
@@ -408,6 +420,7 @@ class GRPOTrainerRank:
             t["attention_mask"],
             temperature=logprob_temperature(cfg.temperature),
             pixel_values=t.get(PIXEL_VALUES),
+            image_counts=t.get(IMAGE_COUNTS),
         )
         t["old_logprobs"] = old * t["attention_mask"].to(old.dtype)
         weights, metrics = rollout_correction(

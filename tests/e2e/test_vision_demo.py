@@ -30,9 +30,16 @@ VISION = [
 ]
 
 
-def test_a_grpo_run_on_a_task_with_images_trains_on_the_engines_tokens_and_pixels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["task.kwargs.two_pictures=0.5"]],  # prompts with one and with two pictures: mixed in the trainer's batches
+    ids=["one-picture", "one-or-two-pictures"],
+)
+def test_a_grpo_run_on_a_task_with_images_trains_on_the_engines_tokens_and_pixels(
+    tmp_path: Path, extra: list[str]
+) -> None:
     out = tmp_path / "vision"
-    result = run_demo(out, *VISION, short=False)
+    result = run_demo(out, *VISION, *extra, short=False)
     assert "yields images" not in result.stderr
 
     grpo = rows(out, "grpo")

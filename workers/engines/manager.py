@@ -356,7 +356,7 @@ class InferenceManager:
         from workers.engines.sglang import SGLangEngine, sglang_server_command
 
         return (
-            sglang_server_command,
+            functools.partial(sglang_server_command, served_model=self.model),  # the services' model, as for vLLM
             lambda url: SGLangEngine(url, model_path=self.model_path),
             SGLangEngine.health_path,
             {},

@@ -45,17 +45,25 @@ from workers.engines.http_base import HTTPEngine
 
 
 def sglang_server_command(
-    model_path: str, port: int, host: str = "127.0.0.1", *, extra: list[str] | None = None
+    model_path: str,
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    served_model: str = "policy",
+    extra: list[str] | None = None,
 ) -> list[str]:
     """The command line of an SGLang server for ``EngineServer`` (which puts its key where ``KEY_PLACEHOLDER``
     stands): ``EngineServer(lambda h, p: sglang_server_command(path, p, h), health_path="/health_generate",
-    engine_factory=SGLangEngine)``."""
+    engine_factory=SGLangEngine)``. ``served_model``: the model name its OpenAI routes answer to and report (SGLang's
+    ``--served-model-name``; without it, the model path): the ledger services' model, which the samplers ask for."""
     return [
         sys.executable,
         "-m",
         "sglang.launch_server",
         "--model-path",
         model_path,
+        "--served-model-name",
+        served_model,
         "--host",
         host,
         "--port",

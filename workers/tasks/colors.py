@@ -8,6 +8,10 @@ task fills when it is built; a prompt row carries its picture's blob key (``imag
 the trainer ranks) writes the same bytes and so gets the same content-addressed keys: the rollout engine and the
 trainer resolve a row's keys through the same :meth:`ColorsTask.image_source`, to the same pixels.
 
+With ``two_pictures`` (a fraction of the prompts, 0 by default), a prompt shows two pictures and asks "Which colours
+are these?"; its answer is both names, "red and blue": a batch then mixes rows with one and two images, which the
+trainer takes in one batch (``rl_contracts.images.image_counts``).
+
 The reward is read from the answer's characters: the fraction of the colour's name the response starts with
 (case and leading spaces ignored), 1.0 for the whole name; a random policy earns a little of it now and then (the
 first letter), which GRPO can build on.
@@ -41,6 +45,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "orange": (255, 140, 0),
 }
 QUESTION = "What colour is this?"
+QUESTION_TWO = "Which colours are these?"
 
 
 def colour_reward(response_text: str, answer: str) -> float:
@@ -60,11 +65,23 @@ class ColorsTask(Task):
         image_size: the side of each PNG, in pixels (the image processor resizes it to the vision tower's input).
         hidden_size, num_layers: the tiny LLaVA's text model (``build_tiny_vlm``).
         model_seed: the initial weights' seed.
+        two_pictures: the fraction of prompts (drawn per prompt from the seed) with two pictures and the question
+            "Which colours are these?" (answer: "red and blue"); 0: every prompt shows one picture.
     """
 
     reward_fields = ("answer",)
 
-    def __init__(self, image_size: int = 16, hidden_size: int = 64, num_layers: int = 2, model_seed: int = 0):
+    def __init__(
+        self,
+        image_size: int = 16,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        model_seed: int = 0,
+        two_pictures: float = 0.0,
+    ):
+        if not 0.0 <= two_pictures <= 1.0:
+            raise ValueError(f"two_pictures is a fraction of the prompts, in [0, 1]; got {two_pictures}")
+        self.two_pictures = two_pictures
         self.model_kwargs = {"hidden_size": hidden_size, "num_layers": num_layers, "seed": model_seed}
         vlm = build_tiny_vlm(**self.model_kwargs)
         self._tokenizer, self.chat, self.image_processor = vlm.tokenizer, vlm.chat, vlm.image_processor
@@ -75,9 +92,11 @@ class ColorsTask(Task):
         self._source = BlobImageSource(self.blobs, self.image_processor)
         # every prompt renders alike around its picture: the ids are the same for every colour
         picture = solid_png(image_size, image_size, (0, 0, 0))
-        messages = [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": QUESTION}]}]  # fmt: skip
+        part = {"type": "image_url", "image_url": {"url": picture}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
         self.prompt_ids, _ = self.chat.prompt(messages)
+        messages = [{"role": "user", "content": [part, part, {"type": "text", "text": QUESTION_TWO}]}]
+        self.two_prompt_ids, _ = self.chat.prompt(messages)
 
     @property
     def tokenizer(self) -> Any:
@@ -85,14 +104,21 @@ class ColorsTask(Task):
 
     def prompts(self, split: str, num: int, seed: int) -> list[dict[str, Any]]:
         """``num`` prompts with colours drawn from ``seed`` (the eval split from another stream): ``prompt_ids``,
-        ``answer`` (the colour's name) and ``image_refs`` (its picture's blob key)."""
+        ``answer`` (the colour's name) and ``image_refs`` (its picture's blob key); with ``two_pictures``, some
+        prompts with two pictures (two distinct colours, the answer "first and second") and their two keys."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         rng = random.Random(f"{split}-{seed}")
-        names = [rng.choice(list(COLOURS)) for _ in range(num)]
-        return [
-            {"prompt_ids": list(self.prompt_ids), "answer": name, IMAGE_REFS: [self.image_keys[name]]} for name in names
-        ]
+        out = []
+        for _ in range(num):
+            if self.two_pictures and rng.random() < self.two_pictures:
+                names = rng.sample(list(COLOURS), 2)
+                ids, answer = self.two_prompt_ids, " and ".join(names)
+            else:  # the one-picture draws of a task without two_pictures are as they always were
+                names = [rng.choice(list(COLOURS))]
+                ids, answer = self.prompt_ids, names[0]
+            out.append({"prompt_ids": list(ids), "answer": answer, IMAGE_REFS: [self.image_keys[n] for n in names]})
+        return out
 
     def reward(self, response_text: str, **fields: str) -> float:
         return colour_reward(response_text, fields["answer"])

@@ -20,12 +20,14 @@ from rl_contracts.rows import jagged
 from rl_contracts.stages import TRAIN_TASK
 from rl_contracts.task import Task
 from trainers.config import TrainConfig, TrainerConfig
-from trainers.fsdp import PIXEL_VALUES
+from trainers.fsdp import IMAGE_COUNTS, PIXEL_VALUES
 from trainers.grpo import GRPOTrainerRank
 from workers.engines import HFEngine, SamplingParams
+from workers.engines.host import EngineSpec
 from workers.ledger.blobs import MemoryBlobStore
 from workers.ledger.multimodal import image_refs, preprocess_mm_messages_for_sample, store_mm_messages
 from workers.models import build_tiny_vlm
+from workers.tasks.colors import ColorsTask
 from workers.vision import BlobImageSource, solid_png
 
 TEMPERATURE = 1.0
@@ -157,6 +159,73 @@ def test_a_grpo_step_on_samples_with_images_reads_references_and_trains_on_pixel
         assert all(not torch.equal(after[name].detach().full_tensor(), before) for name, before in projector.items())
         status = grpo_queue.client.get_consumption_status(global_step=step, task_name=TRAIN_TASK)
         assert status["tasks"][TRAIN_TASK]["acknowledged"] == prompts * n
+    finally:
+        rank.client.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_grpo_step_on_colours_prompts_with_one_and_two_pictures_trains_them_in_one_batch(grpo_queue: Any) -> None:
+    """``ColorsTask(two_pictures=...)``: the engine a run builds for the task samples prompts with one and with two
+    pictures in one call, their rows go through the queue with their keys, and the trainer's step takes them in one
+    batch (it refused rows with different numbers of images before): each row's recomputed log-probs are the
+    engine's, and the step moves the projector."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    n, num_prompts = grpo_queue.config["num_n_samples"], grpo_queue.config["global_batch_size"]
+    kwargs = {"two_pictures": 0.5}
+    task = ColorsTask(**kwargs)
+    prompts = task.prompts("train", num_prompts, seed=1)
+    assert sorted(len(p[IMAGE_REFS]) for p in prompts) == [1, 1, 2, 2]
+    engine = EngineSpec(kind="hf", task_name="workers.tasks.colors:ColorsTask", task_kwargs=kwargs).build()
+    params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE, seed=0)
+    groups = engine.generate([p["prompt_ids"] for p in prompts], n, params, images=[p[IMAGE_REFS] for p in prompts])
+    samples = [(p, g) for p, group in zip(prompts, groups, strict=True) for g in group]
+    rows = len(samples)
+    step = grpo_queue.step()
+    grpo_queue.client.put(
+        {
+            "prompt_ids": jagged([p["prompt_ids"] for p, _ in samples], torch.int64),
+            "response_ids": jagged([g.token_ids for _, g in samples], torch.int64),
+            "response_logprobs": jagged([g.logprobs for _, g in samples], torch.float32),
+            "policy_version": torch.zeros(rows, dtype=torch.int64),
+            "reward": torch.tensor([float(g.token_ids[0] % 2 == 0) for _, g in samples]),
+            "reward_failed": torch.zeros(rows, dtype=torch.bool),
+            IMAGE_REFS: [p[IMAGE_REFS] for p, _ in samples],
+        },
+        global_step=step,
+    )
+
+    train = TrainConfig(world_size=1, backend="gloo", lr=1e-2, micro_batch_size=8, recompute_old_logprobs=True)
+    cfg = TrainerConfig.from_run(RLConfig(prompts_per_step=num_prompts, n_samples=n, train=train))
+    rank = GRPOTrainerRank.__ray_metadata__.modified_class(0, 1, grpo_queue.info, cfg, ColorsTask(**kwargs))  # type: ignore[attr-defined]
+    seen: list[dict[str, torch.Tensor]] = []
+    recompute = rank._recompute_old_logprobs
+
+    def spy(t: dict[str, torch.Tensor]) -> dict[str, float]:
+        out = recompute(t)
+        seen.append({name: value.clone() for name, value in t.items()})
+        return out
+
+    rank._recompute_old_logprobs = spy
+    try:
+        rank.setup("127.0.0.1", _free_port())
+        projector = {
+            name: p.detach().full_tensor().clone()
+            for name, p in rank.policy.model.named_parameters()
+            if "multi_modal_projector" in name
+        }
+        stats = rank.train_step(step)
+
+        [batch] = seen
+        assert batch[PIXEL_VALUES].shape == (rows, 2, 3, 16, 16)
+        assert sorted(batch[IMAGE_COUNTS].tolist()) == [1] * (2 * n) + [2] * (2 * n)
+        mask = batch["response_mask"] > 0
+        assert mask.sum() > 0
+        assert torch.allclose(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask], atol=1e-5)
+        assert stats["optimizer_steps"] == 1 and stats["rows"] == rows and stats["grad_norm"] > 0
+        after = dict(rank.policy.model.named_parameters())
+        assert all(not torch.equal(after[name].detach().full_tensor(), before) for name, before in projector.items())
     finally:
         rank.client.close()
         if dist.is_initialized():

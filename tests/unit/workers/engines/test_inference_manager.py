@@ -82,6 +82,16 @@ def test_vllm_servers_answer_to_the_managers_model_name_and_their_engines_ask_fo
         assert manager.servers[0].engine_factory("http://127.0.0.1:8000").served_model == model
 
 
+def test_sglang_servers_answer_to_the_managers_model_name():
+    """As the vLLM servers (above): an SGLang server started without ``--served-model-name`` answers to and reports
+    its model path, not the ledger services' model the samplers ask for."""
+    for model in ("adder", "policy"):
+        manager = InferenceManager("sglang", "/models/p", **({"model": model} if model != "policy" else {}))
+        argv = manager.servers[0].command("127.0.0.1", 30000)
+        assert argv[argv.index("--served-model-name") + 1] == model
+        assert argv[argv.index("--model-path") + 1] == "/models/p"
+
+
 @pytest.mark.parametrize(
     ("engine", "kwargs", "message"),
     [

@@ -32,6 +32,22 @@ def test_prompts_carry_one_picture_key_and_the_colour_and_are_a_pure_function_of
         task.prompts("test", 1, seed=0)
 
 
+def test_two_pictures_mixes_prompts_with_two_pictures_and_both_names_as_the_answer(task):
+    prompts = ColorsTask(two_pictures=0.5).prompts("train", 12, seed=3)
+    two = [p for p in prompts if len(p[IMAGE_REFS]) == 2]
+    assert 0 < len(two) < len(prompts)
+    for p in two:
+        first, second = p["answer"].split(" and ")
+        assert first != second and p[IMAGE_REFS] == [task.image_keys[first], task.image_keys[second]]
+        assert p["prompt_ids"].count(100) == 32 and p["prompt_ids"] == task.two_prompt_ids
+    # the rows of both kinds resolve in one batch: padded to two images, one and two counted
+    pixels = rows_pixel_values([p[IMAGE_REFS] for p in prompts], task.image_source())
+    assert pixels is not None and pixels.shape == (12, 2, 3, 16, 16)
+    assert [p for p in ColorsTask(two_pictures=1.0).prompts("eval", 4, seed=0) if len(p[IMAGE_REFS]) != 2] == []
+    with pytest.raises(ValueError, match=r"two_pictures is a fraction of the prompts, in \[0, 1\]; got 1.5"):
+        ColorsTask(two_pictures=1.5)
+
+
 def test_the_image_source_gives_each_colour_its_own_pixels(task):
     keys = [[task.image_keys["red"]], [task.image_keys["blue"]], [task.image_keys["red"]]]
     pixels = rows_pixel_values(keys, task.image_source())
