@@ -557,3 +557,22 @@ def test_a_lease_that_expires_while_the_controller_is_down_is_rearmed_from_the_r
     assert time.monotonic() >= lease.deadline  # type: ignore[attr-defined]
     with pytest.raises(NotLeased, match="leased to another client"):
         owner.ack(leased)
+
+
+def test_the_rows_of_a_client_gone_for_good_are_ready_again_after_a_restart_at_once(local: Local) -> None:
+    """A lease restored from the journal has an owner that never connected to the new controller: no disconnect
+    grace runs for it. ``clients_gone`` (a supervisor saw the owner's process die) hands its rows back at the next
+    tick, not at the lease's deadline (an hour here)."""
+    local.start()
+    dead = local.client("dead")
+    dead.put(rows(1.0, 2), partition_id="p")
+    dead.set_task_options("t", ack="explicit", lease_s=3600.0)
+    leased = dead.get_meta(["x"], 2, partition_id="p", task_name="t")
+    controller = local.start(local.crash())
+    other = local.client("other")
+    with pytest.raises(GetMetaTimeout, match="0 rows are ready"):  # held for the dead owner
+        other.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.3)
+    with controller.lock:
+        controller.state.clients_gone([dead.owner])
+    again = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=3)
+    assert sorted(again.global_indexes.tolist()) == sorted(leased.global_indexes.tolist())

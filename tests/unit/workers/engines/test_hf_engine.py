@@ -334,7 +334,9 @@ def test_a_vlm_never_samples_its_image_token_and_the_trainer_pass_scores_what_it
     for params in (SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), SamplingParams(max_new_tokens=4)):
         groups = engine.generate(prompts, n=2, params=params, images=images)
         rows = [(prompt, imgs, g) for prompt, imgs, group in zip(prompts, images, groups, strict=True) for g in group]
-        assert all(len(g.token_ids) == 4 and vlm.image_token_id not in g.token_ids for _, _, g in rows)
+        eos = vlm.tokenizer.eos_token_id  # an unseeded sample may stop early (2 of 30 global seeds did)
+        assert all(len(g.token_ids) == 4 or g.token_ids[-1] == eos for _, _, g in rows)
+        assert all(vlm.image_token_id not in g.token_ids for _, _, g in rows)
         for prompt, prompt_images, generation in rows:
             batch = pad_sequences([prompt], [generation.token_ids], vlm.tokenizer.pad_token_id)
             pixels = vlm.image_processor(prompt_images)[None]
