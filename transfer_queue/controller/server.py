@@ -374,8 +374,8 @@ class ControllerServer(Server):
             counters, self._counters = self._counters, False
             marked, self._marked = self._marked, False
             self.journal.record(self.state, dirty, counters, marked)  # also partitions created or dropped (a clear)
-            if self.journal.snapshot_due():
-                self.journal.snapshot(self.state)
+            if self.journal.snapshot_due():  # written by the journal's thread: this one only encodes the state
+                self.journal.snapshot(self.state, wait=False)
             self.journal.sync_due()
         except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
             # what this pass changed is not (surely) written: the next record writes every partition and the counters
