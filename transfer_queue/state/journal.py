@@ -74,6 +74,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import cloudpickle
 import msgspec
 import numpy as np
 
@@ -287,6 +288,7 @@ class Journal:
         self.seq = seq
         self.clock = clock
         self.uids: dict[Any, int] = {}  # partition key -> uid, as the journal last wrote them
+        self._specs: dict[str, bytes] = {}  # the registered samplers (QueueState.sampler_specs) it last wrote
         # partition key -> (uid, rows, columns) of its arrays as the journal holds them: a partition it does not hold
         # or whose arrays grew since is written whole, else its rows and entries marked changed (PartitionState.mark)
         self._shapes: dict[Any, tuple[int, int, int]] = {}
@@ -318,6 +320,7 @@ class Journal:
         is marked, and written with their next record."""
         self.uids = {key: part.uid for key, part in state.partitions.items()}
         self._shapes = {key: _shape(part) for key, part in state.partitions.items()}
+        self._specs = dict(state.sampler_specs)
         for part in state.partitions.values():
             part.clear_marks()
         state.delivery.leases.changed = set()  # the leases opened, extended or closed from now on
@@ -338,9 +341,11 @@ class Journal:
             for key, part in state.partitions.items()
             if self.uids.get(key) != part.uid or dirty is None or key in dirty or (marked and part.dirty)
         ]
-        if not drops and not changed and not counters and not book.changed:
+        specs = state.sampler_specs != self._specs  # a sampler registered since the last record
+        if not drops and not changed and not counters and not book.changed and not specs:
             return 0
         parts = [self._partition_record(state.partitions[key]) for key in changed]
+        more = {"sampler_specs": dict(state.sampler_specs)} if specs else {}
         payload = msgspec.msgpack.encode(
             {
                 "seq": self.seq + 1,
@@ -352,6 +357,7 @@ class Journal:
                     "next_block": state._next_block,
                     "next_lease": book.next_id,
                     "units": units_book(state),
+                    **more,
                 },
             }
         )
@@ -365,6 +371,7 @@ class Journal:
             part.clear_marks()
             self._shapes[key] = _shape(part)
         self.uids = current
+        self._specs = dict(state.sampler_specs)
         if book.changed is not None:
             book.changed.clear()
         self.log_bytes += len(data)
@@ -491,6 +498,7 @@ class Journal:
             units=units_book(state),
             leases=state.delivery.journaled_leases(changed=False),
             next_lease=state.delivery.leases.next_id,
+            sampler_specs=dict(state.sampler_specs),
         )
         self._seal()
         self.track(state)  # the snapshot is the base the partitions' next records change
@@ -600,6 +608,11 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     leases = snapshot.get("leases")  # None: a journal written before leases were kept
     state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]), leases)
     restore_units_book(state, snapshot.get("units"))  # the units' restarts as the clients saw them
+    for task, spec in (snapshot.get("sampler_specs") or {}).items():  # registered again, their states loaded
+        try:
+            state.register_sampler(task, cloudpickle.loads(spec))
+        except Exception:  # its class is gone from this build, or it no longer loads: its clients register it again
+            logger.exception("the journal under %s holds a sampler of task %r that does not load", directory, task)
     # the commits answered before are not remembered: a commit retried now of a put from before the restart is told
     # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)
     state.ledger.forgotten_upto = state._next_put - 1

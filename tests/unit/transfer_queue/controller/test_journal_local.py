@@ -30,6 +30,7 @@ from transfer_queue.errors import (
     RequestTimeout,
 )
 from transfer_queue.metadata import FieldSchema
+from transfer_queue.samplers import SequentialSampler
 from transfer_queue.state import journal as journal_module
 from transfer_queue.state.journal import FSYNC_INTERVAL_S, LOG, SNAPSHOT, Journal, load, open_journal, read_log
 from transfer_queue.state.partition_status import row_state_counts
@@ -711,3 +712,63 @@ def test_a_lost_segment_is_journal_corrupt(tmp_path: Path, monkeypatch: pytest.M
         JournalCorrupt, match=rf"record {sealed_at + 1} follows record 0: the records between are missing"
     ):
         load(str(tmp_path))
+
+
+# ---- registered samplers ------------------------------------------------------------------------------------------
+class CountingSampler(SequentialSampler):
+    """A sampler with a field given at registration (``tag``) and a state (``served``)."""
+
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag, self.served = tag, 0
+
+    def state_dict(self) -> dict:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.served = int(state["served"])
+
+
+def test_a_registered_sampler_survives_a_restart(local: Local) -> None:
+    controller = local.start()
+    controller.register_sampler("t", CountingSampler("mine"))  # written before it returns
+    local.start(local.crash())
+    assert local.controller is not None
+    sampler = local.controller.state.samplers["t"]
+    assert isinstance(sampler, CountingSampler) and sampler.tag == "mine"
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_registered_sampler_is_replayed_with_its_state(tmp_path: Path, snapshot: bool) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    state.register_sampler("t", CountingSampler("a"))
+    state.register_sampler("u", lambda: CountingSampler("from a callable"))
+    assert journal.record(state, set())  # the registrations alone make a record
+    state.samplers["t"].served = 5  # type: ignore[attr-defined]
+    journal.record(state, set(), counters=True)
+    if snapshot:
+        journal.snapshot(state)
+    journal.close()
+    restarted, again, replayed = open_journal(config)
+    again.close()
+    t, u = restarted.samplers["t"], restarted.samplers["u"]
+    assert replayed and isinstance(t, CountingSampler) and isinstance(u, CountingSampler)
+    assert (t.tag, t.served, u.tag, u.served) == ("a", 5, "from a callable", 0)
+    assert restarted.pending_sampler_states == {}
+
+
+def test_a_sampler_that_does_not_pickle_is_served_but_not_journaled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    sampler = CountingSampler("locked")
+    sampler.lock = threading.Lock()  # type: ignore[attr-defined]
+    state.register_sampler("t", sampler)
+    assert state.samplers["t"] is sampler and "does not pickle" in caplog.text
+    journal.record(state, set(), counters=True)
+    journal.close()
+    restarted, again, _ = open_journal(config)
+    again.close()
+    assert "t" not in restarted.samplers  # its clients register it again
