@@ -257,8 +257,7 @@ class ControllerActor:
 
     def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
         """Give ``task_name`` its own sampler (instance, class or callable); other tasks keep the default."""
-        with self._server.lock:
-            self._server.state.register_sampler(task_name, sampler)
+        self._server.register_sampler(task_name, sampler)
 
     def cpu_seconds(self) -> float:
         """CPU seconds this controller process and its storage units have used so far (the queue's own cost)."""

@@ -36,6 +36,7 @@ from transfer_queue.ops.metrics import ControllerMetrics
 from transfer_queue.ops.status import RUN_HISTORY, numeric_row, queue_summary
 from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
+from transfer_queue.samplers import SamplerSpec
 from transfer_queue.state.journal import Journal
 from transfer_queue.state.lost_rows import RefillPlan, RefillStep, block_live, missing_on, plan_refill, still_needed
 from transfer_queue.state.placement import replica_units
@@ -339,6 +340,24 @@ class ControllerServer(Server):
             with self.lock:
                 self._guard("journal", self._journal_pass)
 
+    def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
+        """Give ``task_name`` its own sampler (from another thread: a Ray call). With a journal, the sampler (as
+        given, cloudpickled: ``QueueState.sampler_specs``) is written before this returns, so a replayed controller
+        registers it again and loads its journaled state; raises JournalError if that write failed (the sampler is
+        registered all the same, and written with the next record)."""
+        with self.lock:
+            self.state.register_sampler(task_name, sampler)
+            if self.journal is None:
+                return
+            try:
+                self.journal.record(self.state, set())
+            except Exception as exc:
+                self.counters["failures.journal"] += 1
+                raise JournalError(
+                    f"the controller could not write its journal under {self.journal.directory} ({exc}); the sampler "
+                    f"of task {task_name!r} is registered but may not survive a controller restart"
+                ) from exc
+
     def _tick(self) -> None:
         self.state.tick()
         self._marked = True
@@ -374,8 +393,8 @@ class ControllerServer(Server):
             counters, self._counters = self._counters, False
             marked, self._marked = self._marked, False
             self.journal.record(self.state, dirty, counters, marked)  # also partitions created or dropped (a clear)
-            if self.journal.snapshot_due():
-                self.journal.snapshot(self.state)
+            if self.journal.snapshot_due():  # written by the journal's thread: this one only encodes the state
+                self.journal.snapshot(self.state, wait=False)
             self.journal.sync_due()
         except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
             # what this pass changed is not (surely) written: the next record writes every partition and the counters

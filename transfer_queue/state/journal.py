@@ -1,7 +1,7 @@
 """The controller's journal (``QueueConfig.journal_dir``): its bookkeeping on disk, so a controller that died is
 started again where it was (issue 28 section 2).
 
-The directory holds three files (``identity`` too: the session id, secret and port a restarted controller presents
+The directory holds these files (``identity`` too: the session id, secret and port a restarted controller presents
 again, readable by its user only):
 
 ``snapshot``
@@ -12,21 +12,22 @@ again, readable by its user only):
 ``log``
     the changes since, appended: one record per serving pass that changed durable state (group commit: one
     ``write()`` for the pass, fsynced per ``journal_fsync`` before the pass's replies go out). A record is framed as
-    ``<u32 length><u32 crc32><msgpack>`` and holds ``seq``, the partitions dropped (cleared) by key, each partition
-    the pass changed and the state's other fields (counters, cleared names, samplers' states, lost rows, task
-    options). A
-    partition's record holds it whole, as the snapshot does, when the journal does not hold it yet (created since)
-    or its arrays grew; else its scalar fields and what changed since its last record: ``rows`` (their indexes, and
-    those rows of each per-row array, of each task's consumption, lease ids, delivery counts and dead letters, their
-    kv keys and custom meta), ``groups`` and ``blocks`` (the entries of the groups and blocks those rows held before
-    or hold now: members, rows, references, bytes; None: gone) and ``dropped_tasks``.
+    ``<u32 length><u32 crc32><msgpack>`` and holds ``seq`` (one more than the record before it), the partitions
+    dropped (cleared) by key, each partition the pass changed and the state's other fields (counters, cleared names,
+    samplers' states, lost rows, task options). A partition's record holds it whole, as the snapshot does, when the
+    journal does not hold it yet (created since) or its arrays grew; else its scalar fields and what changed since
+    its last record: ``rows`` (their indexes, and those rows of each per-row array, of each task's consumption,
+    lease ids, delivery counts and dead letters, their kv keys and custom meta), ``groups`` and ``blocks`` (the
+    entries of the groups and blocks those rows held before or hold now: members, rows, references, bytes; None:
+    gone) and ``dropped_tasks``.
 
 Records are *outcomes*, not requests to run again: samplers and lease clocks are not deterministic, so replay only
-assigns what the serving pass ended with. Replay loads the snapshot, then applies every record whose ``seq`` is above
-the snapshot's (a crash between a snapshot's rename and the log's truncation leaves records the snapshot already
-holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: puts that had not committed are
-gone (their rows freed), parked requests and connections are not kept. Task options (``set_task_options``) are
-journaled; DP rounds are not (the rows of a round's unacknowledged shares are ready again).
+assigns what the serving pass ended with. Replay loads the snapshot, then applies every record whose ``seq`` is
+above the snapshot's (a crash between a snapshot's rename and the removal of the log segment it holds leaves records
+the snapshot already holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: puts that
+had not committed are gone (their rows freed), parked requests and connections are not kept. Task options
+(``set_task_options``) are journaled; DP rounds are not (the rows of a round's unacknowledged shares are ready
+again).
 
 Leases are journaled (unlike a checkpoint's): a record also holds ``leases``, each client lease opened, renewed
 (``extend_lease``) or closed (acknowledged, handed back, released, expired, cancelled) in the pass, as
@@ -45,7 +46,16 @@ held; the journal drains the marks of each partition it writes. A record costs O
 partition's size; marks past twice the partition's rows make its next record whole. Partitions changed by timers (a
 lease expiring into a dead letter) or by a storage unit's restart (rows lost) are written by the next pass's record.
 The log is folded into a new snapshot once it is longer than
-``journal_snapshot_bytes`` and than the last snapshot, which bounds replay to about two snapshots' worth of bytes.
+``journal_snapshot_bytes`` and than the last snapshot, which bounds replay to about two snapshots' worth of bytes
+(plus what was served while the last one was written).
+
+``log.sealed-SEQ``
+    while a snapshot is written: the log it holds (records up to SEQ). A snapshot is begun at a record boundary on
+    the serving thread, which encodes the state (its consistent copy: the snapshot's bytes), renames the log to the
+    sealed segment and begins a new log; the journal's thread writes the snapshot and then removes the segment. One
+    at a time: while one is written, :meth:`Journal.snapshot_due` says no. A crash before the snapshot's rename
+    replays the old snapshot, the sealed segment(s) and the log; after it, the segment's records are at or below the
+    snapshot's ``seq`` and skipped. A controller started over a sealed segment writes a snapshot before it serves.
 
 A ``write()`` that fails (or writes part of a record, then fails) has the log cut back to where it ended (the pass's
 changes go with the next record, which holds every partition). A torn last record (the process died in the middle
@@ -61,8 +71,10 @@ import struct
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import cloudpickle
 import msgspec
 import numpy as np
 
@@ -78,7 +90,7 @@ from transfer_queue.state.snapshot import (
     read_snapshot,
     restore_state,
     restore_units_book,
-    snapshot_state,
+    snapshot_pieces,
     state_globals,
     unarray,
     units_book,
@@ -88,6 +100,7 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot"
 LOG = "log"
+SEALED = LOG + ".sealed-"  # the log as it was when a snapshot was begun, removed once the snapshot is written
 _HEAD = struct.Struct("<II")  # payload length, crc32 of the payload
 FSYNC_INTERVAL_S = 1.0  # journal_fsync="interval": at most this long between a record and its fsync
 _CHECKED = ("global_batch_size", "num_n_samples", "num_storage_units")
@@ -133,11 +146,25 @@ def read_log(path: str) -> tuple[list[dict[str, Any]], int]:
     return records, offset
 
 
+def sealed_segments(directory: str) -> list[tuple[int, str]]:
+    """The log's sealed segments under ``directory`` (``log.sealed-SEQ``: the log as it was when a snapshot of the
+    state at record SEQ was begun), oldest first, as (SEQ, path)."""
+    out = []
+    for name in os.listdir(directory):
+        if name.startswith(SEALED) and name[len(SEALED) :].isdigit():
+            out.append((int(name[len(SEALED) :]), os.path.join(directory, name)))
+    return sorted(out)
+
+
 def load(directory: str) -> tuple[dict[str, Any] | None, int]:
-    """The snapshot under ``directory`` with the log's records applied (None: no journal there yet), and the byte
-    offset where the log's whole records end."""
+    """The snapshot under ``directory`` with the records of the log's sealed segments and of the log applied (None:
+    no journal there yet), and the byte offset where the log's whole records end."""
     snap_path, log_path = os.path.join(directory, SNAPSHOT), os.path.join(directory, LOG)
-    records, good = read_log(log_path)
+    records: list[dict[str, Any]] = []
+    for _, segment in sealed_segments(directory):
+        records.extend(read_log(segment)[0])
+    tail, good = read_log(log_path)
+    records.extend(tail)
     try:
         with open(snap_path, "rb") as f:
             blob = f.read()
@@ -156,7 +183,12 @@ def load(directory: str) -> tuple[dict[str, Any] | None, int]:
     leases = None if "leases" not in snapshot else {int(entry[0]): entry for entry in snapshot["leases"]}
     for record in records:
         if record["seq"] <= snapshot["seq"]:
-            continue  # already in the snapshot (it was written after this record, the log not yet truncated)
+            continue  # already in the snapshot (written after this record, its segment not yet removed)
+        if record["seq"] != snapshot["seq"] + 1:
+            raise JournalCorrupt(
+                f"{directory}: record {record['seq']} follows record {snapshot['seq']}: the records between are "
+                "missing (a log segment was lost)"
+            )
         for key in record["drops"]:
             parts.pop(key, None)
         for d in record["parts"]:
@@ -238,7 +270,8 @@ def _patched(base: dict[str, Any] | None, delta: dict[str, Any], path: str) -> d
 
 class Journal:
     """The open journal of a running controller: :meth:`record` once per serving pass, :meth:`snapshot` when
-    :meth:`snapshot_due`. Not thread-safe: the serving thread owns it."""
+    :meth:`snapshot_due`. Not thread-safe: the serving thread owns it (a snapshot is written by a thread of its own,
+    which touches only its files)."""
 
     def __init__(
         self,
@@ -255,11 +288,25 @@ class Journal:
         self.seq = seq
         self.clock = clock
         self.uids: dict[Any, int] = {}  # partition key -> uid, as the journal last wrote them
+        self._specs: dict[str, bytes] = {}  # the registered samplers (QueueState.sampler_specs) it last wrote
         # partition key -> (uid, rows, columns) of its arrays as the journal holds them: a partition it does not hold
         # or whose arrays grew since is written whole, else its rows and entries marked changed (PartitionState.mark)
         self._shapes: dict[Any, tuple[int, int, int]] = {}
         self.snapshot_size = 0
-        self.stats = {"records": 0, "bytes": 0, "fsyncs": 0, "snapshots": 0}
+        # snapshots: begun; snapshots_written: written and their segments removed; snapshot_failures: not written
+        # (their segments stay, replayed, until a later snapshot is written); snapshot_pause_s: the serving thread's
+        # part of the last one (encode the state, seal the log)
+        self.stats: dict[str, float] = {
+            "records": 0,
+            "bytes": 0,
+            "fsyncs": 0,
+            "snapshots": 0,
+            "snapshots_written": 0,
+            "snapshot_failures": 0,
+            "snapshot_pause_s": 0.0,
+        }
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tq-journal-snapshot")
+        self._pending: Future[int] | None = None  # the snapshot being written (one at a time)
         self._synced_at = clock()
         self._unsynced = False
         self._torn = False  # a failed write may have left part of a record after log_bytes
@@ -273,6 +320,7 @@ class Journal:
         is marked, and written with their next record."""
         self.uids = {key: part.uid for key, part in state.partitions.items()}
         self._shapes = {key: _shape(part) for key, part in state.partitions.items()}
+        self._specs = dict(state.sampler_specs)
         for part in state.partitions.values():
             part.clear_marks()
         state.delivery.leases.changed = set()  # the leases opened, extended or closed from now on
@@ -293,9 +341,11 @@ class Journal:
             for key, part in state.partitions.items()
             if self.uids.get(key) != part.uid or dirty is None or key in dirty or (marked and part.dirty)
         ]
-        if not drops and not changed and not counters and not book.changed:
+        specs = state.sampler_specs != self._specs  # a sampler registered since the last record
+        if not drops and not changed and not counters and not book.changed and not specs:
             return 0
         parts = [self._partition_record(state.partitions[key]) for key in changed]
+        more = {"sampler_specs": dict(state.sampler_specs)} if specs else {}
         payload = msgspec.msgpack.encode(
             {
                 "seq": self.seq + 1,
@@ -307,6 +357,7 @@ class Journal:
                     "next_block": state._next_block,
                     "next_lease": book.next_id,
                     "units": units_book(state),
+                    **more,
                 },
             }
         )
@@ -320,6 +371,7 @@ class Journal:
             part.clear_marks()
             self._shapes[key] = _shape(part)
         self.uids = current
+        self._specs = dict(state.sampler_specs)
         if book.changed is not None:
             book.changed.clear()
         self.log_bytes += len(data)
@@ -400,47 +452,118 @@ class Journal:
         self._unsynced = False
 
     def snapshot_due(self) -> bool:
-        return self.log_bytes > max(self.snapshot_bytes, self.snapshot_size)
+        """Whether the log is longer than ``journal_snapshot_bytes`` and than the last snapshot, and no snapshot is
+        being written (one at a time: while one is, the log grows past the bound, by what the serving thread writes
+        while the snapshot's bytes go to disk; the first pass after it was written begins the next)."""
+        return self.writing() is None and self.log_bytes > max(self.snapshot_bytes, self.snapshot_size)
 
-    def snapshot(self, state: QueueState) -> int:
-        """Write ``state`` as the new snapshot (atomically) and empty the log; returns the snapshot's size."""
-        blob = snapshot_state(
+    def writing(self) -> Future[int] | None:
+        """The snapshot being written, if any (one that finished is accounted for first)."""
+        if self._pending is not None and self._pending.done():
+            self._finished(self._pending)
+        return self._pending
+
+    def _finished(self, future: Future[int]) -> None:
+        self._pending = None
+        try:
+            self.snapshot_size = future.result()
+        except Exception:
+            # the sealed segments stay: replay reads the last snapshot written and every segment after it
+            self.stats["snapshot_failures"] += 1
+            logger.exception("the journal under %s could not write its snapshot", self.directory)
+        else:
+            self.stats["snapshots_written"] += 1
+
+    def wait(self) -> None:
+        """Wait for the snapshot being written, if any."""
+        if self._pending is not None:
+            self._finished(self._pending)  # its result() waits
+
+    def snapshot(self, state: QueueState, wait: bool = True) -> None:
+        """Begin a snapshot of ``state`` at this record boundary: encode it (the serving thread's part, a consistent
+        copy: the snapshot's bytes), seal the log (renamed ``log.sealed-SEQ``, a new log begun: the records from now
+        on are changes of this snapshot), and have a thread of the journal's own write it (a temporary file, fsynced,
+        renamed over the old snapshot, the directory fsynced) and then remove the sealed segments it holds. ``wait``:
+        return once it is written. A snapshot still being written is waited for first.
+
+        Every crash point replays the same state: before the rename, the old snapshot and every segment; after it,
+        the new snapshot and the records of the segments past its ``seq`` (those of the sealed ones it holds are
+        skipped)."""
+        self.wait()
+        started = time.perf_counter()
+        pieces = snapshot_pieces(
             state,
-            None,
             seq=self.seq,
             next_block=state._next_block,
             units=units_book(state),
             leases=state.delivery.journaled_leases(changed=False),
             next_lease=state.delivery.leases.next_id,
+            sampler_specs=dict(state.sampler_specs),
         )
-        path = os.path.join(self.directory, SNAPSHOT)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(blob)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(self.directory)
-        # the records up to seq are in the snapshot now; a crash before this truncation replays none of them
-        os.ftruncate(self._fd, 0)
-        os.lseek(self._fd, 0, os.SEEK_SET)
-        os.fsync(self._fd)
-        self.log_bytes = 0
-        self.snapshot_size = len(blob)
-        self.stats["snapshots"] += 1
+        self._seal()
         self.track(state)  # the snapshot is the base the partitions' next records change
-        return len(blob)
+        self.stats["snapshots"] += 1
+        self.stats["snapshot_pause_s"] = time.perf_counter() - started
+        self._pending = self._writer.submit(_write_snapshot, self.directory, pieces, self.seq)
+        if wait:
+            pending, self._pending = self._pending, None
+            self.snapshot_size = pending.result()  # raises what the write raised
+            self.stats["snapshots_written"] += 1
+
+    def _seal(self) -> None:
+        """Rename the log ``log.sealed-SEQ`` (its records synced first, unless ``journal_fsync="never"``) and begin a
+        new one. An empty log is kept as it is (a segment of no records: nothing to seal)."""
+        if self._torn:
+            self._cut()
+        if self.log_bytes == 0:
+            return
+        if self._unsynced and self.fsync != "never":
+            self.sync()
+        log = os.path.join(self.directory, LOG)
+        os.rename(log, os.path.join(self.directory, f"{SEALED}{self.seq}"))
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(self._fd)
+        self._fd = fd
+        _fsync_dir(self.directory)  # both names: a crash now replays the sealed segment, then the new log
+        self.log_bytes = 0
+        self._unsynced = False
 
     def close(self) -> None:
+        self.wait()
+        self._writer.shutdown(wait=True)
         if self._fd >= 0:
             if self._unsynced and self.fsync != "never":
                 self.sync()
             os.close(self._fd)
             self._fd = -1
+
+
+def write_snapshot(directory: str, pieces: list[bytes]) -> None:
+    """Write the snapshot (``pieces``, concatenated) under ``directory`` atomically: a temporary file, fsynced,
+    renamed over the old snapshot, the directory fsynced. A crash before the rename leaves the old snapshot."""
+    path = os.path.join(directory, SNAPSHOT)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+
+
+def _write_snapshot(directory: str, pieces: list[bytes], seq: int) -> int:
+    """The journal's writer thread: write the snapshot of the state at record ``seq``, then remove the log segments
+    sealed up to ``seq`` (their records are in it). Returns the snapshot's size."""
+    write_snapshot(directory, pieces)
+    for sealed, path in sealed_segments(directory):
+        if sealed <= seq:
+            os.remove(path)
+    return sum(len(piece) for piece in pieces)
 
 
 def _shape(part: PartitionState) -> tuple[int, int, int]:
@@ -485,11 +608,19 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     leases = snapshot.get("leases")  # None: a journal written before leases were kept
     state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]), leases)
     restore_units_book(state, snapshot.get("units"))  # the units' restarts as the clients saw them
+    for task, spec in (snapshot.get("sampler_specs") or {}).items():  # registered again, their states loaded
+        try:
+            state.register_sampler(task, cloudpickle.loads(spec))
+        except Exception:  # its class is gone from this build, or it no longer loads: its clients register it again
+            logger.exception("the journal under %s holds a sampler of task %r that does not load", directory, task)
     # the commits answered before are not remembered: a commit retried now of a put from before the restart is told
     # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)
     state.ledger.forgotten_upto = state._next_put - 1
     journal = Journal(directory, config.journal_fsync, config.journal_snapshot_bytes, int(snapshot["seq"]), log_end)
+    journal.snapshot_size = os.path.getsize(os.path.join(directory, SNAPSHOT))  # the bound: longer than it, too
     journal.track(state)
+    if sealed_segments(directory):  # the controller died while a snapshot was written: write it again, now
+        journal.snapshot(state)
     return state, journal, True
 
 
@@ -527,8 +658,12 @@ def write_identity(directory: str, session_id: str, secret: bytes, port: int) ->
 
 def remove_journal(directory: str) -> None:
     """Remove the journal's files under ``directory`` (the queue was shut down: a new one starts empty)."""
-    for name in (SNAPSHOT, SNAPSHOT + ".tmp", LOG, IDENTITY, IDENTITY + ".tmp"):
+    segments = [path for _, path in sealed_segments(directory)] if os.path.isdir(directory) else []
+    for path in [
+        *(os.path.join(directory, n) for n in (SNAPSHOT, SNAPSHOT + ".tmp", LOG, IDENTITY, IDENTITY + ".tmp")),
+        *segments,
+    ]:
         try:
-            os.remove(os.path.join(directory, name))
+            os.remove(path)
         except FileNotFoundError:
             pass

@@ -21,11 +21,13 @@ controller to send.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from transfer_queue.config import QueueConfig
@@ -47,6 +49,8 @@ from transfer_queue.state.put_ledger import PutLedger, PutRequest, Reserved
 from transfer_queue.state.reader import MetaReader
 from transfer_queue.state.task_names import TaskNames
 from transfer_queue.state.waiting import WAIT, Parked, Respond, Topic, Wait, WaitingRoom
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,9 @@ class QueueState:
         self.default_sampler = self._checked(make_sampler(sampler))
         self.samplers: dict[str, BaseSampler] = {}
         self.pending_sampler_states: dict[str, dict[str, Any]] = {}  # restored, for tasks not registered again yet
+        # the registered samplers as given (cloudpickled), which a journal keeps: a replayed controller registers them
+        # again (a spec that does not pickle is not kept: its clients register it again after a restart)
+        self.sampler_specs: dict[str, bytes] = {}
         self.outbox: list[tuple[int, DropBlocks | DropPartition]] = []  # (storage unit, order) to send
         self.next_deadline = float("inf")  # earliest deadline of a parked request, open put or lease
         self.caller: Any = None  # the connection of the request being handled (None: unknown, e.g. unit tests)
@@ -141,6 +148,12 @@ class QueueState:
             raise InvalidRequest(f"task_name must be a non-empty str, got {task_name!r}")
         self.task_names.announce(task_name)
         self.samplers[task_name] = self._checked(make_sampler(sampler))
+        try:
+            if self.config.journal_dir is not None:  # only a journal keeps them
+                self.sampler_specs[task_name] = cloudpickle.dumps(sampler)
+        except Exception as exc:  # a lock, a socket, a generator: kept in memory only
+            self.sampler_specs.pop(task_name, None)
+            logger.warning("the sampler of task %r does not pickle (%s): the journal does not keep it", task_name, exc)
         saved = self.pending_sampler_states.pop(task_name, None)
         if saved is not None:  # restored from a checkpoint: the task's sampler goes on where it was
             self.samplers[task_name].load_state_dict(saved)

@@ -7,6 +7,7 @@ Committed rows read, acknowledged rows are not served again, leased unacknowledg
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +30,11 @@ from transfer_queue.errors import (
     RequestTimeout,
 )
 from transfer_queue.metadata import FieldSchema
+from transfer_queue.samplers import SequentialSampler
+from transfer_queue.state import journal as journal_module
 from transfer_queue.state.journal import FSYNC_INTERVAL_S, LOG, SNAPSHOT, Journal, load, open_journal, read_log
 from transfer_queue.state.partition_status import row_state_counts
+from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import partition_snapshot, unarray
 from transfer_queue.storage.unit import BlockStore, StorageServer
 from transfer_queue.wire import protocol as p
@@ -187,7 +191,10 @@ def test_snapshots_bound_the_log(tmp_path: Path) -> None:
         for i in range(40):
             client.put(rows(float(i)), partition_id="p")
         assert controller.journal is not None
+        with controller.lock:  # snapshots are written by the journal's thread: the last one may still be writing
+            controller.journal.wait()
         assert controller.journal.stats["snapshots"] >= 2  # the first one is written when the journal starts
+        assert controller.journal.stats["snapshots_written"] == controller.journal.stats["snapshots"]
         log = os.path.getsize(os.path.join(controller.journal.directory, LOG))
         snapshot = os.path.getsize(os.path.join(controller.journal.directory, SNAPSHOT))
         assert log <= max(4096, snapshot) + 4096  # at most one record past the bound
@@ -559,20 +566,209 @@ def test_a_lease_that_expires_while_the_controller_is_down_is_rearmed_from_the_r
         owner.ack(leased)
 
 
-def test_the_rows_of_a_client_gone_for_good_are_ready_again_after_a_restart_at_once(local: Local) -> None:
-    """A lease restored from the journal has an owner that never connected to the new controller: no disconnect
-    grace runs for it. ``clients_gone`` (a supervisor saw the owner's process die) hands its rows back at the next
-    tick, not at the lease's deadline (an hour here)."""
-    local.start()
-    dead = local.client("dead")
-    dead.put(rows(1.0, 2), partition_id="p")
-    dead.set_task_options("t", ack="explicit", lease_s=3600.0)
-    leased = dead.get_meta(["x"], 2, partition_id="p", task_name="t")
-    controller = local.start(local.crash())
-    other = local.client("other")
-    with pytest.raises(GetMetaTimeout, match="0 rows are ready"):  # held for the dead owner
-        other.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.3)
-    with controller.lock:
-        controller.state.clients_gone([dead.owner])
-    again = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=3)
-    assert sorted(again.global_indexes.tolist()) == sorted(leased.global_indexes.tolist())
+# ---- snapshots written off the serving thread -------------------------------------------------------------------
+class BlockedWriter:
+    """``write_snapshot`` held until ``release`` is set (``begun``: a snapshot's write was reached); ``fail``: the
+    process died in the middle of it (half of the temporary file written, never renamed)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False):
+        self.begun, self.release = threading.Event(), threading.Event()
+        self.fail = fail
+        real = journal_module.write_snapshot
+
+        def write(directory: str, pieces: list[bytes]) -> None:
+            self.begun.set()
+            assert self.release.wait(60.0)
+            if self.fail:
+                blob = b"".join(pieces)
+                Path(directory, SNAPSHOT + ".tmp").write_bytes(blob[: len(blob) // 2])
+                raise OSError("the process died here")
+            real(directory, pieces)
+
+        monkeypatch.setattr(journal_module, "write_snapshot", write)
+
+
+def test_the_serving_thread_answers_while_a_snapshot_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot is written by the journal's thread: with its write held, puts and reads are answered, records go
+    to a new log segment, and no second snapshot begins; once written, a restart replays every row."""
+    queue = Local(tmp_path / "journal", journal_snapshot_bytes=4096)
+    controller = queue.start()
+    writer = BlockedWriter(monkeypatch)  # after the first snapshot (the empty journal's)
+    try:
+        client = queue.client("c")
+        puts = 0
+        while not writer.begun.is_set():
+            client.put(rows(float(puts)), partition_id="p")
+            puts += 1
+        for i in range(10):  # the log passes the bound again: no second snapshot while one is written
+            client.put(rows(100.0 + i), partition_id="p")
+        assert client.get_production_status(partition_id="p")["rows"] == 2 * (puts + 10)
+        journal = controller.journal
+        assert journal is not None and not writer.release.is_set()
+        with controller.lock:
+            assert journal.stats["snapshots"] == 2 and journal.writing() is not None
+            assert journal.log_bytes > 4096 and not journal.snapshot_due()
+        ((sealed_at, _),) = journal_module.sealed_segments(journal.directory)  # the log the snapshot holds
+        assert sealed_at < journal.seq
+        writer.release.set()
+        with controller.lock:
+            journal.wait()
+        assert journal.stats["snapshots_written"] == 2
+        assert journal_module.sealed_segments(journal.directory) == []  # its records are in the snapshot
+        queue.start(queue.crash())
+        assert queue.client("r").get_production_status(partition_id="p")["rows"] == 2 * (puts + 10)
+    finally:
+        writer.release.set()
+        queue.close()
+
+
+def filled(tmp_path: Path) -> tuple[QueueState, Journal, QueueHarness]:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    q.ok(p.SetTaskOptions("t", ack="explicit"))
+    for i in range(6):
+        q.put("p", 3)
+        if i % 2:
+            got = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o")).to_meta()
+            q.ok(p.Ack(got.partition_uid, "t", p.pack_indexes(got.global_indexes), owner="o", explicit=True))
+        journal.record(state, None)
+    return state, journal, q
+
+
+def more(state: QueueState, journal: Journal, q: QueueHarness) -> None:
+    """Records after the snapshot began: changes of the state it holds (rows, acks, a lease, a new partition)."""
+    for i in range(3):
+        q.put("p", 2)
+        q.put(f"q{i}", 1)
+        journal.record(state, None)
+    got = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o")).to_meta()
+    q.ok(p.Ack(got.partition_uid, "t", p.pack_indexes(got.global_indexes[:1]), owner="o", explicit=True))
+    journal.record(state, None)
+
+
+def replayed_is_live(directory: Path, state: QueueState) -> dict:
+    snapshot, _ = load(str(directory))
+    assert snapshot is not None
+    assert {d["key"]: arrays_of(d) for d in snapshot["partitions"]} == {
+        key: arrays_of(partition_snapshot(part)) for key, part in state.partitions.items()
+    }
+    assert snapshot["leases"] == state.delivery.journaled_leases(changed=False)
+    return snapshot
+
+
+def test_a_snapshot_half_written_is_ignored_the_old_one_and_every_segment_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, journal, q = filled(tmp_path)
+    writer = BlockedWriter(monkeypatch, fail=True)
+    journal.snapshot(state, wait=False)
+    sealed_at = journal.seq
+    more(state, journal, q)  # the serving thread goes on while the snapshot is written
+    writer.release.set()
+    journal.close()  # the write "died": the temporary file is half there, the sealed segment stays
+    assert journal.stats["snapshot_failures"] == 1 and (tmp_path / (SNAPSHOT + ".tmp")).exists()
+    assert [s for s, _ in journal_module.sealed_segments(str(tmp_path))] == [sealed_at]
+    assert replayed_is_live(tmp_path, state)["seq"] == journal.seq
+    monkeypatch.undo()
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    _, again, replayed = open_journal(config)  # a snapshot written again at once; the segments removed
+    assert replayed and journal_module.sealed_segments(str(tmp_path)) == [] and again.stats["snapshots_written"] == 1
+    again.close()
+    assert load(str(tmp_path))[0]["seq"] == journal.seq  # type: ignore[index]
+    replayed_is_live(tmp_path, state)
+
+
+def test_a_snapshot_written_before_its_segment_was_removed_skips_the_records_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, journal, q = filled(tmp_path)
+    writer = BlockedWriter(monkeypatch)
+    journal.snapshot(state, wait=False)
+    ((sealed_at, segment),) = journal_module.sealed_segments(str(tmp_path))
+    kept = Path(segment).read_bytes()
+    more(state, journal, q)
+    writer.release.set()
+    journal.wait()
+    assert journal_module.sealed_segments(str(tmp_path)) == []
+    Path(segment).write_bytes(kept)  # the process died between the snapshot's rename and the segment's removal
+    journal.close()
+    snapshot = replayed_is_live(tmp_path, state)
+    assert snapshot["seq"] == journal.seq and sealed_at < journal.seq
+
+
+def test_a_lost_segment_is_journal_corrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state, journal, q = filled(tmp_path)
+    writer = BlockedWriter(monkeypatch, fail=True)
+    journal.snapshot(state, wait=False)
+    more(state, journal, q)
+    writer.release.set()
+    journal.close()
+    ((sealed_at, segment),) = journal_module.sealed_segments(str(tmp_path))
+    os.remove(segment)
+    with pytest.raises(
+        JournalCorrupt, match=rf"record {sealed_at + 1} follows record 0: the records between are missing"
+    ):
+        load(str(tmp_path))
+
+
+# ---- registered samplers ------------------------------------------------------------------------------------------
+class CountingSampler(SequentialSampler):
+    """A sampler with a field given at registration (``tag``) and a state (``served``)."""
+
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag, self.served = tag, 0
+
+    def state_dict(self) -> dict:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.served = int(state["served"])
+
+
+def test_a_registered_sampler_survives_a_restart(local: Local) -> None:
+    controller = local.start()
+    controller.register_sampler("t", CountingSampler("mine"))  # written before it returns
+    local.start(local.crash())
+    assert local.controller is not None
+    sampler = local.controller.state.samplers["t"]
+    assert isinstance(sampler, CountingSampler) and sampler.tag == "mine"
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_registered_sampler_is_replayed_with_its_state(tmp_path: Path, snapshot: bool) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    state.register_sampler("t", CountingSampler("a"))
+    state.register_sampler("u", lambda: CountingSampler("from a callable"))
+    assert journal.record(state, set())  # the registrations alone make a record
+    state.samplers["t"].served = 5  # type: ignore[attr-defined]
+    journal.record(state, set(), counters=True)
+    if snapshot:
+        journal.snapshot(state)
+    journal.close()
+    restarted, again, replayed = open_journal(config)
+    again.close()
+    t, u = restarted.samplers["t"], restarted.samplers["u"]
+    assert replayed and isinstance(t, CountingSampler) and isinstance(u, CountingSampler)
+    assert (t.tag, t.served, u.tag, u.served) == ("a", 5, "from a callable", 0)
+    assert restarted.pending_sampler_states == {}
+
+
+def test_a_sampler_that_does_not_pickle_is_served_but_not_journaled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    sampler = CountingSampler("locked")
+    sampler.lock = threading.Lock()  # type: ignore[attr-defined]
+    state.register_sampler("t", sampler)
+    assert state.samplers["t"] is sampler and "does not pickle" in caplog.text
+    journal.record(state, set(), counters=True)
+    journal.close()
+    restarted, again, _ = open_journal(config)
+    again.close()
+    assert "t" not in restarted.samplers  # its clients register it again
