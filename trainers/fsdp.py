@@ -216,6 +216,11 @@ class FSDPPolicy:
         the most, so FSDP's collectives line up. The accumulation weights are those above, so the update is the
         fixed-count one's (up to float rounding).
 
+    Vision-language models (LLaVA-style, see :data:`PIXEL_VALUES`): every forward pass runs the vision tower, on a
+    blank image whose features are multiplied by 0 when the micro-batch holds no images (and in filler passes), so
+    ranks whose micro-batches differ in holding images run the same collectives; the update is unchanged (see
+    :class:`_VisionInEveryPass`).
+
     Gradient synchronisation: over the micro-batches of one ``train_step`` gradients accumulate unsharded on each
     rank (``set_requires_gradient_sync(False)``), and are reduce-scattered once, in the last micro-batch's
     backward, as DDP's ``no_sync`` does.
@@ -315,6 +320,8 @@ class FSDPPolicy:
             for layer in decoder_layers(module):
                 parallelize_module(layer, mesh_2d["tp"], _llama_layer_plan())
             mesh = mesh_2d["dp"]
+        # a vision-language model runs its vision tower in every pass, so every rank's collectives match
+        self._vision_every_pass = _VisionInEveryPass.attach(module) if self._is_hf else None
         self.units = [m for m in decoder_layers(module) if _num_params(m) >= min_layer_params]
         for layer in self.units:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -821,6 +828,80 @@ def model_token_logprobs(
     out = model(input_ids=input_ids, **_forward_kwargs(attention_mask, pixel_values, hf, image_counts))
     logits = out if isinstance(out, Tensor) else out.logits
     return token_logprobs(logits, input_ids, attention_mask, temperature)
+
+
+class _VisionInEveryPass:
+    """Runs a vision-language model's vision tower and projector on one blank image in every forward pass that is
+    given no images (a micro-batch of text rows, a dynamic-batching filler pass), its features multiplied by 0 and
+    added to the token embeddings: the pass's values are unchanged and the vision weights get an exactly zero
+    gradient, but every rank runs the same FSDP collectives in the same order whatever its micro-batches hold.
+
+    Why: with several ranks, the vision tower's layers (``decoder_layers``: ``CLIPEncoderLayer``,
+    ``CLIPVisionEmbeddings``) are FSDP units of their own, each gathered in its forward and reduce-scattered in its
+    backward. A rank whose micro-batch has images runs those collectives and a rank whose has none does not: the
+    ranks' collectives fall out of step (a hang, or one unit's shards gathered into another's). Sharding the vision
+    tower with the root unit instead would gather it on every rank in every pass, but not fix the backward: FSDP2
+    reduce-scatters only the parameters that have a gradient, and a rank that never ran the vision tower has none
+    for it, so the ranks' reduce-scatters would still differ in size. Here every rank's vision parameters have a
+    gradient, the true one or an exact 0 (``0 * features`` back-propagates zeros), so the reduced gradient is that
+    of the ranks with images alone, the single-rank gradient up to float rounding; this costs one small image's
+    vision-tower pass per image-less micro-batch. The blank image's features must be finite (``0 * inf`` is NaN).
+
+    The dummy runs right after the token embedding, where the model runs the real images (LLaVA-style models: a
+    ``get_image_features(pixel_values=...)`` and a ``config.vision_config`` with ``image_size``), so the collectives
+    come in the same order as a pass with images.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        config: Any = getattr(model, "config")  # noqa: B009 (checked by attach)
+        size = config.vision_config.image_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        channels = getattr(config.vision_config, "num_channels", 3)
+        self.image_shape = (1, channels, height, width)
+        self.feature_kwargs = {
+            name: getattr(config, name)
+            for name in ("vision_feature_layer", "vision_feature_select_strategy")
+            if hasattr(config, name)
+        }
+        self.model = model
+        #: set by the model's forward pre-hook when the pass has no images; the embedding's hook consumes it
+        self.pending = False
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        embeddings: Any = getattr(model, "get_input_embeddings")()  # noqa: B009 (checked by attach)
+        embeddings.register_forward_hook(self._after_embedding)
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> _VisionInEveryPass | None:
+        """Hook ``model`` if it is a vision-language model (see above); ``None`` for any other model."""
+        config = getattr(model, "config", None)
+        vision = getattr(config, "vision_config", None)
+        if not callable(getattr(model, "get_image_features", None)) or getattr(vision, "image_size", None) is None:
+            return None
+        return cls(model)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.pending = kwargs.get("pixel_values") is None
+
+    def _after_embedding(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        if not self.pending:
+            return None
+        self.pending = False  # once per pass (a model that embeds twice runs one dummy)
+        images = torch.zeros(self.image_shape, dtype=torch.float32, device=output.device)
+        features: Any = getattr(self.model, "get_image_features")(pixel_values=images, **self.feature_kwargs)  # noqa: B009
+        return output + _features_sum(features).to(output.dtype) * 0.0
+
+
+def _features_sum(features: Any) -> Tensor:
+    """The sum of a ``get_image_features`` result: a tensor, a list of them, or an output whose ``pooler_output``
+    (Hugging Face 5) or ``image_embeds`` holds them."""
+    if not isinstance(features, (Tensor, list, tuple)):
+        pooled = getattr(features, "pooler_output", None)
+        features = pooled if pooled is not None else getattr(features, "image_embeds", None)
+    if isinstance(features, Tensor):
+        return features.sum()
+    if isinstance(features, (list, tuple)) and features and all(isinstance(f, Tensor) for f in features):
+        return torch.stack([f.sum() for f in features]).sum()
+    raise TypeError(f"get_image_features returned {type(features).__name__}, expected tensors of image features")
 
 
 def _forward_kwargs(
