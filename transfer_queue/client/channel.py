@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from transfer_queue.config import QueueConfig
@@ -266,6 +267,8 @@ class QueueChannel:
                 )  # fmt: skip
                 await self._pause(min(pause, give_up - now))
                 pause = min(2 * pause, RETRY_MAX_S)
+                if isinstance(body, p.Ack):  # the first may have been applied: acknowledged by us is no error then
+                    body = msgspec.structs.replace(body, again=True)
 
     async def _pause(self, seconds: float) -> None:
         """Wait: without suspending over a blocking transport (its coroutines never suspend), else asyncio.sleep."""

@@ -71,7 +71,13 @@ class RequestTable:
                 req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.dp_group_id
             ),
             p.Ack: lambda req: s.delivery.ack(
-                req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.explicit, req.dp_group_id
+                req.partition_uid,
+                req.task_name,
+                _unpack(req.global_indexes),
+                req.owner,
+                req.explicit,
+                req.dp_group_id,
+                req.again,
             ),
             p.ExtendLease: lambda req: s.delivery.extend(
                 req.partition_uid, req.task_name, _unpack(req.global_indexes), req.owner, req.seconds, req.dp_group_id

@@ -186,6 +186,9 @@ class Ack(msgspec.Struct, tag="ack"):
     explicit: bool = False
     reply: bool = True  # False: the client does not wait for an answer (get_data's ack over a Unix socket)
     dp_group_id: str | None = None
+    # asked again after ServerGone (restart_retry_s): rows this owner acknowledged already are no error (the first
+    # ack may have been applied and its reply lost)
+    again: bool = False
 
 
 class ExtendLease(msgspec.Struct, tag="extend_lease"):

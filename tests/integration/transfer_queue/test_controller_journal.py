@@ -82,9 +82,14 @@ def test_a_lease_taken_before_the_controller_was_killed_is_acknowledged_after_it
     ray_session: Any, tmp_path
 ) -> None:
     """The journal keeps leases: a consumer leases rows, Ray restarts the killed controller, the consumer acknowledges
-    them (no NotLeased) and another consumer is never served them."""
+    them (no NotLeased) and another consumer is never served them. ``restart_retry_s``: the owner's first call after
+    the restart may find its old connection gone (``ServerGone``) and is asked again, as a run's clients do."""
     client = transfer_queue.init(
-        global_batch_size=4, num_storage_units=2, default_timeout=20.0, journal_dir=str(tmp_path / "journal")
+        global_batch_size=4,
+        num_storage_units=2,
+        default_timeout=20.0,
+        journal_dir=str(tmp_path / "journal"),
+        restart_retry_s=30.0,
     )
     other = None
     try:

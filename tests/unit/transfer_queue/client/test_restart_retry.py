@@ -121,3 +121,12 @@ def test_a_client_asked_again_sets_its_task_options_again_first(clock: FakeClock
     kinds = [type(r).__name__ for r in transport.requests]
     assert kinds == ["ListPartitions", "SetTaskOptions", "SetTaskOptions", "ListPartitions"]
     assert transport.requests[-2] == p.SetTaskOptions("train", "explicit", None, None)
+
+
+def test_an_ack_asked_again_says_so_so_that_rows_it_acknowledged_already_are_no_error(clock: FakeClock) -> None:
+    """The first ack may have reached the restarted controller and its reply been lost: the one asked again carries
+    ``again`` (the controller then takes rows this client acknowledged already as done, not NotLeased)."""
+    transport = ScriptedTransport(gone=2, reply=None)
+    ack = p.Ack(3, "train", b"", "retrying", True)
+    run_sync(client(transport, 60.0)._control(ack, Any, 5.0))
+    assert [r.again for r in transport.requests] == [False, True, True]

@@ -63,6 +63,21 @@ def test_a_lease_is_acknowledged_by_its_owner_only():
         w.delivery.ack(w.part.uid, "train", np.asarray([0]), "alice", explicit=True)
 
 
+def test_an_ack_asked_again_after_server_gone_takes_the_owner_s_acknowledged_rows_as_done():
+    """``again`` (the client's retry after ServerGone: its first ack may have been applied, its reply lost): rows the
+    owner acknowledged already are no error; rows another client acknowledged still are."""
+    w = World()
+    w.lease([0, 1])
+    w.lease([2, 3], owner="bob", call_id=2)
+    assert w.delivery.ack(w.part.uid, "train", np.asarray([0, 1]), "alice", explicit=True) == {"acknowledged": 2}
+    assert w.delivery.ack(w.part.uid, "train", np.asarray([2, 3]), "bob", explicit=True) == {"acknowledged": 2}
+    assert w.delivery.ack(w.part.uid, "train", np.asarray([0, 1]), "alice", True, None, True) == {"acknowledged": 0}
+    with pytest.raises(NotLeased, match=r"already acknowledged: \[2\]"):
+        w.delivery.ack(w.part.uid, "train", np.asarray([2]), "alice", True, None, True)
+    with pytest.raises(NotLeased, match=r"already acknowledged: \[0\]"):  # without again: as before
+        w.delivery.ack(w.part.uid, "train", np.asarray([0]), "alice", explicit=True)
+
+
 def test_a_get_data_ack_is_ignored_for_explicit_tasks_and_stale_metas():
     w = World()
     w.lease([0])
