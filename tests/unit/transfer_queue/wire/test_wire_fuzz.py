@@ -174,6 +174,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "owner": st.sampled_from(["", "a", "b"]),
     "call_id": mostly(st.integers(0, 3), HUGE),
     "explicit": st.booleans(),
+    "again": st.booleans(),
     "reply": st.booleans(),
     "dp_group_id": mostly(st.none() | st.sampled_from(["g", "auto-0"]), st.text(max_size=3)),
     "ack": mostly(st.sampled_from(["auto", "explicit"]), st.text(max_size=3)),
