@@ -104,8 +104,9 @@ def any_failed(refs: list[Any]) -> bool:
 
 
 def raise_if_rank_died(refs: list[Any], step: int, wait_s: float = 0.0) -> None:
-    """Raise :class:`TrainerRankDied` if a rank's call of ``refs`` (one per rank) failed with its death."""
-    died = dead_rank(refs, wait_s)
+    """Raise :class:`TrainerRankDied` if a rank's call of ``refs`` (one per rank) failed with its death (waiting up to
+    ``wait_s`` for the calls still running only when none has yet)."""
+    died = dead_rank(refs) or (dead_rank(refs, wait_s) if wait_s else None)
     if died is not None:
         raise TrainerRankDied(died[0], step, died[1]) from died[1]
 
