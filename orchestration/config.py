@@ -565,6 +565,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "train.cp_size": _ints(1),
     "train.backend": Text(("gloo", "nccl", "mpi", "ucc"), optional=True),
     "train.num_gpus_per_rank": _floats(0),
+    "train.max_restarts": _ints(0),
     "train.lr": _POSITIVE,
     "train.lr_warmup_steps": _ints(0),
     "train.weight_decay": _floats(0),

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 import transfer_queue
 from orchestration.config import ConfigError, RLConfig
@@ -68,6 +68,14 @@ from orchestration.run_trace import StageTrace
 from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
 from orchestration.supervisor import Supervisor
+from orchestration.trainer_restarts import (
+    RANK_DEATH_WAIT_S,
+    TrainerRankDied,
+    any_failed,
+    raise_if_rank_died,
+    rank_died,
+    run_with_trainer_restarts,
+)
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import ColocatedServers
 from rl_contracts.images import IMAGE_REFS
@@ -210,6 +218,8 @@ class GRPORun:
     # rollout.inference_colocate: those servers' memory freed for each training step (train, sync_weights)
     colocation: ColocatedServers | None = None
     images: bool = False  # a vision task (its image_source() is not None): its rows carry image_refs
+    # trainer-group restarts (a trainer rank died: orchestration/trainer_restarts.py) the next step row counts
+    restarts_trainer: int = 0
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -531,7 +541,15 @@ class GRPORun:
         :class:`~orchestration.stopping.SigtermStops`) becomes :class:`RunStopped` with the GRPO steps done."""
         if self._steps_iter is not None:  # a loop left early: its progress line closed, its trace written, first
             self._steps_iter.close()
+        # a trainer rank's death (a call on it failed with RayActorError, or a rank's collective with it): the
+        # trainer group restarts (orchestration/trainer_restarts.py)
+        rank = rank_died(self.trainer, exc) if isinstance(exc, RayError) else None
         self.shutdown()
+        died = TrainerRankDied(rank, self.step, exc) if rank is not None else exc
+        if isinstance(died, TrainerRankDied):  # what the restart needs to know of this run
+            died.unreported, died.saved = self.restarts_trainer, self._saved_step is not None
+        if died is not exc:
+            raise died from exc
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not isinstance(exc, RunStopped):
             raise RunStopped(self.step) from None
 
@@ -624,8 +642,20 @@ class GRPORun:
             self._publish_refs = [
                 rank.publish_weights.remote(str(self.channel.path), self.cfg.weight_delta) for rank in self.trainer
             ]
-        # puts again prompts lost with a storage unit; the supervisor makes the calls of dead workers again
-        train = self.lost_prompts.wait(train_refs, self.pending, self.supervisor.check)[0]
+
+        # puts again prompts lost with a storage unit; the supervisor makes the calls of dead workers again; a rank's
+        # death raises TrainerRankDied at once (a surviving rank may wait in a collective for it)
+        def watch(pending: dict[int, tuple[list[Any], list[Any]]]) -> None:
+            raise_if_rank_died(train_refs, step)
+            self.supervisor.check(pending)
+
+        try:
+            train = self.lost_prompts.wait(train_refs, self.pending, watch)[0]
+        except Exception:
+            # a rank that died fails the survivors' collectives too: the death is the cause, whichever ended first
+            if any_failed(train_refs):
+                raise_if_rank_died(train_refs, step, RANK_DEATH_WAIT_S)
+            raise
         self._train_done = time.time()
         return train
 
@@ -817,7 +847,9 @@ class GRPORun:
             reward_non_finite=total(reward, "non_finite"),
             tokens=total(rollout, "tokens"),
             **self.supervisor.take_restarts(),  # restarts_rollout, restarts_reward: worker deaths survived
+            restarts_trainer=self.restarts_trainer,  # trainer-group restarts since the last row (trainer_restarts.py)
         )
+        self.restarts_trainer = 0
         return row
 
     @property
@@ -907,10 +939,18 @@ def train_and_report(config: RLConfig, loop: Loop | None = None) -> list[dict[st
     Raises:
         RunStopped: on a Ctrl-C (KeyboardInterrupt), once the run's actors and queue are stopped; ``step`` is the
             GRPO steps done (orchestration/stopping.py).
+        TrainerRestartsSpent: a trainer rank died after ``train.max_restarts`` restarts of the trainer group (each
+            resumes the run from its last checkpoint: orchestration/trainer_restarts.py).
     """
     started = time.perf_counter()
-    with GRPORun(config) as run:
-        rows = loop(run) if loop is not None else run.run()
+
+    def attempt(cfg: RLConfig, restarts: int) -> tuple[GRPORun, list[dict[str, Any]]]:
+        with GRPORun(cfg) as run:
+            run.restarts_trainer = restarts
+            return run, loop(run) if loop is not None else run.run()
+
+    # a dead trainer rank: the run stops and resumes from its last checkpoint, up to train.max_restarts times
+    run, rows = run_with_trainer_restarts(config, attempt)
     first, last = fifth_means([r["reward"] for r in rows])
     print(f"\nGRPO mean reward: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
     print(time_line(len(rows), time.perf_counter() - started, run.timings))

@@ -30,6 +30,10 @@ class TrainConfig:
     cp_size: int = 1  # context (sequence) parallel degree: 1 only (not supported)
     backend: str | None = None  # None: nccl on GPU, gloo on CPU
     num_gpus_per_rank: float = 0.0  # GPUs per trainer rank (0: CPU)
+    # times a run restarts its trainer group when a trainer rank dies (its process killed): the run stops what it
+    # started and resumes from its last checkpoint in the same process (orchestration/trainer_restarts.py); 0: a
+    # rank's death ends the run
+    max_restarts: int = 3
     lr: float = 5e-4  # AdamW learning rate of RL
     # linear warm-up of the RL learning rate over the first k optimizer steps (lr * min(1, (n + 1) / k)); Adam's
     # first steps move every weight by about lr whatever the gradient, which can knock a warmed-up policy over

@@ -15,6 +15,7 @@ NCCL on GPU.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -254,6 +255,10 @@ class GRPOTrainerRank:
         self.policy: FSDPPolicy | None = None
         self.reference: FSDPPolicy | None = None
         self._sft_prompts: list[dict[str, Any]] | None = None
+
+    def pid(self) -> int:
+        """This rank's process id (a test kills it: orchestration/trainer_restarts.py)."""
+        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 hosts the process group's store: this node's address and a free port."""

@@ -1,0 +1,49 @@
+"""A demo run survives the death of a trainer rank (issue 28, section 3): tests/e2e/trainer_kill_run.py SIGKILLs
+trainer rank 1 while step 3 trains; the run stops what it started and resumes from its last checkpoint in the same
+process (orchestration/trainer_restarts.py), finishes every step and exits 0. Every step has one row in
+metrics.jsonl (the rows past the checkpoint were cut back and written again) and the restart is counted once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_demo import ROOT, SHORT
+
+STEPS = 6
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+RESTART = re.compile(
+    r"trainer rank 1 died at step (\d+); restarting the trainer group from checkpoint (\S+) \(restart 1 of 3\)"
+)
+
+
+def test_a_run_whose_trainer_rank_is_killed_restarts_the_trainer_group_and_finishes(tmp_path: Path) -> None:
+    out = tmp_path / "trainer_kill"
+    cmd = [
+        sys.executable, str(ROOT / "tests" / "e2e" / "trainer_kill_run.py"), f"output_dir={out}", *SHORT,
+        f"steps={STEPS}", "checkpoint_every=1",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert "killing trainer rank 1" in result.stdout, result.stdout[-3000:]
+    said = RESTART.search(log)
+    assert said, log[-4000:]
+    died_at, checkpoint = int(said[1]), Path(said[2])
+    resumed = re.search(rf"resumed from {re.escape(str(checkpoint))} at step (\d+)", result.stdout)
+    assert resumed, result.stdout[-3000:]
+    resumed_at = int(resumed[1])
+    # checkpoint_every=1: the checkpoint before the step that was training (or one earlier, had it died mid-save)
+    assert died_at >= 3 and died_at - 1 <= resumed_at <= died_at, said[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["kind"] == "grpo"]
+    assert [r["step"] for r in grpo] == list(range(STEPS))  # each step once: the rows past the checkpoint cut back
+    assert [r["restarts_trainer"] for r in grpo] == [1 if s == resumed_at else 0 for s in range(STEPS)]

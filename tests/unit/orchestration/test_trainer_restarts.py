@@ -1,0 +1,104 @@
+"""run_with_trainer_restarts (orchestration/trainer_restarts.py): a dead trainer rank starts the run again, up to
+``train.max_restarts`` times, then ends it with TrainerRestartsSpent naming the key; other failures end it at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestration.config import ConfigError, RLConfig, load_config, parse_overrides
+from orchestration.trainer_restarts import TrainerRankDied, TrainerRestartsSpent, run_with_trainer_restarts
+
+CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
+
+
+def config(out: Path, *overrides: str) -> RLConfig:
+    return load_config(CONFIG, parse_overrides([f"output_dir={out}", *overrides]))
+
+
+def dying(deaths: int) -> tuple[list[int], object]:
+    """An attempt whose trainer rank 1 dies at step 4 the first ``deaths`` times; records each attempt's restarts."""
+    seen: list[int] = []
+
+    def attempt(cfg: RLConfig, restarts: int) -> str:
+        seen.append(restarts)
+        if len(seen) <= deaths:
+            raise TrainerRankDied(1, 4)
+        return "done"
+
+    return seen, attempt
+
+
+def test_a_dead_rank_restarts_the_run_until_it_finishes_and_says_so(tmp_path: Path, capsys) -> None:
+    seen, attempt = dying(2)
+    assert run_with_trainer_restarts(config(tmp_path, "train.max_restarts=3"), attempt) == "done"
+    assert seen == [0, 1, 1]  # each start told the restarts no step row has counted yet (its own death's)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "trainer rank 1 died at step 4; restarting the trainer group from the start of GRPO (no checkpoint yet) "
+        f"(restart {n} of 3)"
+        for n in (1, 2)
+    ]
+
+
+def test_restarts_spent_end_the_run_with_a_typed_error_naming_the_budget_key(tmp_path: Path) -> None:
+    seen, attempt = dying(10)
+    with pytest.raises(TrainerRestartsSpent, match=r"expected at most train\.max_restarts=2 .* restart 3") as info:
+        run_with_trainer_restarts(config(tmp_path, "train.max_restarts=2"), attempt)
+    assert len(seen) == 3 and isinstance(info.value.__cause__, TrainerRankDied)
+    assert str(info.value).startswith("trainer rank 1 died at step 4")
+
+
+def test_max_restarts_0_ends_the_run_at_the_first_death(tmp_path: Path) -> None:
+    seen, attempt = dying(1)
+    with pytest.raises(TrainerRestartsSpent, match=r"train\.max_restarts=0"):
+        run_with_trainer_restarts(config(tmp_path, "train.max_restarts=0"), attempt)
+    assert seen == [0]
+
+
+def test_another_failure_is_not_restarted(tmp_path: Path) -> None:
+    attempts: list[int] = []
+
+    def attempt(cfg: RLConfig, restarts: int) -> None:
+        attempts.append(restarts)
+        raise ValueError("a reward function raised")
+
+    with pytest.raises(ValueError, match="a reward function raised"):
+        run_with_trainer_restarts(config(tmp_path), attempt)
+    assert attempts == [0]
+
+
+def test_restarts_a_run_did_not_report_are_carried_to_the_next_start(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    def attempt(cfg: RLConfig, restarts: int) -> str:
+        seen.append(restarts)
+        if len(seen) < 3:
+            died = TrainerRankDied(0, 2)
+            died.unreported = restarts  # it died before a step row counted them
+            raise died
+        return "done"
+
+    run_with_trainer_restarts(config(tmp_path), attempt)
+    assert seen == [0, 1, 2]
+
+
+def test_a_run_that_saved_a_checkpoint_restarts_with_resume_on(tmp_path: Path) -> None:
+    configs: list[RLConfig] = []
+
+    def attempt(cfg: RLConfig, restarts: int) -> str:
+        configs.append(cfg)
+        if len(configs) == 1:
+            died = TrainerRankDied(0, 2)
+            died.saved = True
+            raise died
+        return "done"
+
+    run_with_trainer_restarts(config(tmp_path, "resume=false"), attempt)
+    assert [c.resume for c in configs] == [False, True]
+
+
+def test_max_restarts_below_0_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train\.max_restarts must be an int >= 0, got -1"):
+        config(tmp_path, "train.max_restarts=-1").validate()
