@@ -296,6 +296,11 @@ class GRPORun:
             self.client,
             cfg.rollout.max_worker_restarts,
         )
+        # each worker's queue client (its owner), by kind and index: a dead one's rows go back at once
+        self._worker_owners: dict[str, dict[int, str]] = {
+            kind: dict(enumerate(ray.get([w.queue_owner.remote() for w in workers])))
+            for kind, workers in (("rollout", self.rollout), ("reward", self.reward))
+        }
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         trainer_config = TrainerConfig.from_run(cfg)  # the trainer's part of the run's config
         self.trainer = [
@@ -397,7 +402,14 @@ class GRPORun:
         return self.reward[index].score_step.options(concurrency_group=REDO_GROUP).remote(step)
 
     def _worker_restarted(self, kind: str, index: int) -> None:
-        """A restarted rollout worker gets the weights last published (with the shm channel its engine pulls them)."""
+        """The dead worker's queue client is gone: the controller hands its rows back now (a lease a restarted
+        controller replayed from its journal would otherwise hold them to its deadline). A restarted rollout worker
+        gets the weights last published (with the shm channel its engine pulls them)."""
+        workers = self.rollout if kind == "rollout" else self.reward
+        owners = self._worker_owners.setdefault(kind, {})
+        if index in owners:
+            ray.get(transfer_queue.get_controller().clients_gone.remote([owners[index]]))
+        owners[index] = ray.get(workers[index].queue_owner.remote())
         if kind == "rollout" and self._weights_update is not None:
             ray.get(self.rollout[index].update_weights.remote(*self._weights_update))
 
