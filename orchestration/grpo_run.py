@@ -67,7 +67,7 @@ from orchestration.run_resume import (
 from orchestration.run_trace import StageTrace
 from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
-from orchestration.supervisor import Supervisor
+from orchestration.supervisor import Supervisor, when_up
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import ColocatedServers
 from rl_contracts.images import IMAGE_REFS
@@ -407,11 +407,13 @@ class GRPORun:
         gets the weights last published (with the shm channel its engine pulls them)."""
         workers = self.rollout if kind == "rollout" else self.reward
         owners = self._worker_owners.setdefault(kind, {})
-        if index in owners:
-            ray.get(transfer_queue.get_controller().clients_gone.remote([owners[index]]))
-        owners[index] = ray.get(workers[index].queue_owner.remote())
+        if index in owners:  # a controller being restarted is waited for: its replay holds the dead worker's leases
+            controller = transfer_queue.get_controller()
+            when_up(lambda: ray.get(controller.clients_gone.remote([owners[index]])))
+        owners[index] = when_up(lambda: ray.get(workers[index].queue_owner.remote()))
         if kind == "rollout" and self._weights_update is not None:
-            ray.get(self.rollout[index].update_weights.remote(*self._weights_update))
+            update = self._weights_update
+            when_up(lambda: ray.get(self.rollout[index].update_weights.remote(*update)))
 
     def _tracked(self, step: int, refs: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
         """``(rollout refs, reward refs)`` of ``step``, one per worker in order, remembered by the supervisor."""
