@@ -210,11 +210,19 @@ def child(args: argparse.Namespace) -> int:
     try:
         started = time.perf_counter()
         rows = run.run()
+        seconds = time.perf_counter() - started
         for timer in run.timers:
             timer.join()
-        units_restarted = ray.get(transfer_queue.get_controller().server_stats.remote())["storage_units_restarted"]
+        unit_kills = sum(1 for k in run.kills if k["kind"] == "unit" and "error" not in k)
+        deadline = time.monotonic() + 60  # a unit killed late in the run: Ray's restart may come after the last step
+        while True:
+            stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
+            units_restarted = stats["storage_units_restarted"]
+            if sum(units_restarted.values()) >= unit_kills or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         summary = {
-            "seconds": time.perf_counter() - started,
+            "seconds": seconds,
             "kills": run.kills,
             "held_rows": run.held_rows,
             "restarts": dict(run.supervisor.restarts),
