@@ -1,9 +1,9 @@
 """Kill anything, lose nothing (issue 28): the demo in async mode, with actors SIGKILLed at random moments, against an
 uninterrupted run on the same seed.
 
-    .venv/bin/python benchmarks/kill_anything.py                          # rollout, reward, storage unit: 2 kills each
-    .venv/bin/python benchmarks/kill_anything.py --seed 1 --kills 3 --steps 24
-    .venv/bin/python benchmarks/kill_anything.py --kinds rollout,reward,unit,controller   # the controller too
+    .venv/bin/python benchmarks/kill_anything.py              # rollout, reward, unit, controller: 2 kills each
+    .venv/bin/python benchmarks/kill_anything.py --seed 1 --kills 3 --steps 24 --clean-runs 2
+    .venv/bin/python benchmarks/kill_anything.py --kinds rollout,reward,unit   # not the controller
 
 Two runs of recipe/demo.py's configuration (``mode=async max_staleness=1``, ``queue_replicas=2`` over 3 storage
 units, an SFT warm-up to a sampled accuracy of 0.3, 8 prompts x 4 samples a step), one after the other, each in a child
@@ -16,7 +16,7 @@ actor's process; a worker being restarted from an earlier kill is killed once it
 - ``reward``: a reward worker (the same)
 - ``unit``: a storage unit (its rows' second copies serve; Ray restarts it, refilled)
 - ``controller``: the queue's controller (``ray.kill(no_restart=False)``; ``queue_journal=true``: Ray restarts it over
-  its journal). Not in the default ``--kinds``: see benchmarks/README.md.
+  its journal, the leases and DP rounds in flight included; the run's supervisor tells it which workers died).
 
 Before each step is cleared, the killed run records what the queue says about it (the trainer's acknowledgements, the
 rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
@@ -24,11 +24,16 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
 - rows lost silently: rows of a step never trained (a step's ``prompts_per_step * n_samples`` less those the trainer
   acknowledged), and rows the queue reports lost;
 - samples trained twice: acknowledgements beyond a step's rows, and rows of a group beyond its ``n_samples``;
+- staleness: each trained row's sampling policy version (read back from the queue before the step is cleared) against
+  the version that trained it, over ``max_staleness``;
 - kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` of its metrics rows,
   the controller's ``storage_units_restarted``);
 - the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker held (leased, not
   written, as the queue said just before the kill) times the run's tokens per generated row, over all tokens generated;
-- the final reward (mean of the last fifth of the steps) of both runs.
+- the final reward (mean of the last fifth of the steps) of both runs (``--clean-runs 2``: of two untouched runs).
+
+``killed_figures`` is what tests/e2e/test_kill_anything_soak.py (slow) checks of a short killed run. Figures measured:
+benchmarks/README.md, "kill anything, lose nothing".
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 KINDS = ("rollout", "reward", "unit", "controller")
-DEFAULT_KINDS = "rollout,reward,unit"
+DEFAULT_KINDS = "rollout,reward,unit,controller"
 PROMPTS, N = 8, 4
 #: the demo's overrides: async mode, two copies of each row over 3 units, a short warm-up, a small step
 OVERRIDES = [
@@ -68,7 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=2, help="kills of each kind (default 2)")
     parser.add_argument("--kinds", default=DEFAULT_KINDS, help=f"what is killed, of {','.join(KINDS)}")
     parser.add_argument("--out", default=None, help="the JSON report (default benchmarks/results/kill-anything-*.json)")
-    parser.add_argument("--keep", default=None, help="a folder for both runs' outputs and logs")
+    parser.add_argument("--keep", default=None, help="a folder for both runs' outputs and logs (emptied first)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for both runs (repeatable)"
+    )
+    parser.add_argument(
+        "--clean-runs", type=int, default=1, help="untouched runs on the same seed (>1: their spread is the noise)"
+    )
     parser.add_argument("--child", choices=("clean", "killed"), help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -104,7 +116,7 @@ def child(args: argparse.Namespace) -> int:
     from rl_contracts.stages import ROLLOUT_TASK, TRAIN_TASK
     from tests.e2e.unit_death_run import AuditedRun
 
-    overrides = [*OVERRIDES, f"steps={args.steps}", f"seed={args.seed}", f"output_dir={args.output_dir}"]
+    overrides = [*OVERRIDES, *args.set, f"steps={args.steps}", f"seed={args.seed}", f"output_dir={args.output_dir}"]
     if "controller" in args.kinds:  # a journaled queue takes no snapshots into checkpoints: neither run's does
         overrides.append("checkpoint_queue=false")
         if args.child == "killed":
@@ -136,13 +148,13 @@ def child(args: argparse.Namespace) -> int:
                     ray.kill(transfer_queue.get_controller(), no_restart=False)
                 else:
                     if kind == "unit":
-                        units = ray.get(transfer_queue.get_controller().storage_stats.remote())
+                        units = when_up(lambda: ray.get(transfer_queue.get_controller().storage_stats.remote()))
                         record["unit"] = int(pick * len(units))
                         pid = units[record["unit"]]["pid"]
                     else:
                         workers = self.rollout if kind == "rollout" else self.reward
                         record["worker"] = int(pick * len(workers))
-                        pid = worker_pid(workers[record["worker"]])
+                        pid = when_up(lambda: int(ray.get(workers[record["worker"]].pid.remote())))
                     if kind == "rollout":
                         record["held_rows"] = self.rollout_rows_held()
                         self.held_rows += record["held_rows"]
@@ -167,11 +179,13 @@ def child(args: argparse.Namespace) -> int:
         def write_audit(self, step: int) -> None:
             capacity = self.cfg.prompts_per_step * self.cfg.n_samples
             live = self.client.get_meta(
-                ["prompt_ids"], capacity, global_step=step, task_name="audit", peek=True, timeout=60
+                ["policy_version"], capacity, global_step=step, task_name="audit", peek=True, timeout=60
             )
             row = {
                 "step": step,
                 "live_groups": live.group_ids.tolist(),
+                # the policy version that sampled each row, read back from the queue (the staleness check)
+                "policy_versions": self.client.get_data(live)["policy_version"].reshape(-1).int().tolist(),
                 "train": self.client.get_consumption_status(global_step=step, task_name=TRAIN_TASK)["tasks"][
                     TRAIN_TASK
                 ],
@@ -180,12 +194,12 @@ def child(args: argparse.Namespace) -> int:
             self.audit.write(json.dumps(row) + "\n")
             self.audit.flush()
 
-    def worker_pid(worker: Any) -> int:
-        """The worker's process id, once it is up (a worker killed a moment ago is being restarted)."""
+    def when_up(call: Any) -> Any:
+        """``call()``, once its actor is up (a worker, or the controller, killed a moment ago is being restarted)."""
         deadline = time.monotonic() + 120
         while True:
             try:
-                return int(ray.get(worker.pid.remote()))
+                return call()
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise
@@ -196,11 +210,19 @@ def child(args: argparse.Namespace) -> int:
     try:
         started = time.perf_counter()
         rows = run.run()
+        seconds = time.perf_counter() - started
         for timer in run.timers:
             timer.join()
-        units_restarted = ray.get(transfer_queue.get_controller().server_stats.remote())["storage_units_restarted"]
+        unit_kills = sum(1 for k in run.kills if k["kind"] == "unit" and "error" not in k)
+        deadline = time.monotonic() + 60  # a unit killed late in the run: Ray's restart may come after the last step
+        while True:
+            stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
+            units_restarted = stats["storage_units_restarted"]
+            if sum(units_restarted.values()) >= unit_kills or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         summary = {
-            "seconds": time.perf_counter() - started,
+            "seconds": seconds,
             "kills": run.kills,
             "held_rows": run.held_rows,
             "restarts": dict(run.supervisor.restarts),
@@ -220,31 +242,40 @@ def last_fifth(values: list[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def report(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    clean = json.loads((work / "clean" / "kill_anything.json").read_text())
-    killed = json.loads((work / "killed" / "kill_anything.json").read_text())
-    audits = [json.loads(line) for line in (work / "killed" / "audit.jsonl").read_text().splitlines()]
+def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: int = 1) -> dict[str, Any]:
+    """The killed run's figures, from its ``kill_anything.json`` and ``audit.jsonl`` in ``run_dir`` (a run of
+    ``steps`` GRPO steps of ``PROMPTS * N`` rows, killing ``kinds``); tests/e2e/test_kill_anything_soak.py checks
+    them too."""
+    killed = json.loads((run_dir / "kill_anything.json").read_text())
+    audits = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    grpo = killed["rows"]
     rows = PROMPTS * N
     lost_silently = sum(max(0, rows - a["train"]["acknowledged"]) for a in audits)
-    lost_silently += rows * (args.steps - len(audits))  # a step that never finished
+    lost_silently += rows * (steps - len(audits))  # a step that never finished
     rows_lost = sum(a["rows_lost"] for a in audits)
     twice = sum(max(0, a["train"]["acknowledged"] - rows) for a in audits)
     twice += sum(max(0, a["live_groups"].count(g) - N) for a in audits for g in set(a["live_groups"]))
-    grpo = killed["rows"]
+    # staleness: each row's sampling version (read back from the queue) against the version that trained it (the
+    # trainer's version before the step: its ``policy_version`` after it, less one)
+    trained_by = {int(r["step"]): int(r["policy_version"]) - 1 for r in grpo}
+    staleness = [trained_by[a["step"]] - v for a in audits if a["step"] in trained_by for v in a["policy_versions"]]
     tokens = sum(r["tokens"] for r in grpo)
     per_row = tokens / max(1.0, sum(r["generated_rows"] for r in grpo))
     regenerated = killed["held_rows"] * per_row
-    kills = {kind: sum(1 for k in killed["kills"] if k["kind"] == kind and "error" not in k) for kind in args.kinds}
-    out = {
-        "seed": args.seed,
-        "steps": args.steps,
-        "kinds": args.kinds,
-        "kills": kills,
+    return {
+        "steps": steps,
+        "kinds": kinds,
+        "kills": {kind: sum(1 for k in killed["kills"] if k["kind"] == kind and "error" not in k) for kind in kinds},
         "kill_errors": [k for k in killed["kills"] if "error" in k],
         "steps_finished": len(audits),
+        "rows_per_step": [a["train"]["rows"] for a in audits],
         "rows_lost_silently": lost_silently,
         "rows_reported_lost": rows_lost,
         "samples_trained_twice": twice,
+        "rows_version_checked": len(staleness),
+        "staleness_max": max(staleness, default=0),
+        "rows_beyond_max_staleness": sum(1 for s in staleness if s > max_staleness),
+        "rows_left_out_as_stale": sum(int(r.get("stale_rows", 0)) for r in grpo),
         "restarts": {
             "rollout": sum(r.get("restarts_rollout", 0) for r in grpo),
             "reward": sum(r.get("restarts_reward", 0) for r in grpo),
@@ -252,14 +283,26 @@ def report(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         },
         "groups_put_again": killed["groups_put_again"],
         "regenerated_token_share": regenerated / (tokens + regenerated) if tokens else 0.0,
-        "final_reward": {
-            "killed": last_fifth([r["reward"] for r in grpo]),
-            "clean": last_fifth([r["reward"] for r in clean["rows"]]),
-        },
-        "seconds": {"killed": killed["seconds"], "clean": clean["seconds"]},
+        "final_reward": last_fifth([r["reward"] for r in grpo]),
+        "seconds": killed["seconds"],
         "kill_log": killed["kills"],
     }
-    return out
+
+
+def report(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cleans = [json.loads((work / name / "kill_anything.json").read_text()) for name in clean_names(args)]
+    killed = killed_figures(work / "killed", args.steps, args.kinds)
+    rewards = [last_fifth([r["reward"] for r in clean["rows"]]) for clean in cleans]
+    return {
+        "seed": args.seed,
+        **killed,
+        "final_reward": {"killed": killed["final_reward"], "clean": rewards[0], "clean_runs": rewards},
+        "seconds": {"killed": killed["seconds"], "clean": cleans[0]["seconds"]},
+    }
+
+
+def clean_names(args: argparse.Namespace) -> list[str]:
+    return ["clean", *(f"clean{i}" for i in range(2, args.clean_runs + 1))]
 
 
 def table(out: dict[str, Any]) -> str:
@@ -272,9 +315,12 @@ def table(out: dict[str, Any]) -> str:
         f"| rows lost silently | {out['rows_lost_silently']} |",
         f"| rows the queue reported lost | {out['rows_reported_lost']} |",
         f"| samples trained twice | {out['samples_trained_twice']} |",
+        f"| rows trained beyond max_staleness (of rows checked) | {out['rows_beyond_max_staleness']} "
+        f"(of {out['rows_version_checked']}; staleness max {out['staleness_max']}) |",
         f"| generated tokens regenerated after kills | {100 * out['regenerated_token_share']:.2f} % |",
         f"| final reward (last fifth): killed / clean | {out['final_reward']['killed']:.3f} / "
-        f"{out['final_reward']['clean']:.3f} |",
+        + " and ".join(f"{r:.3f}" for r in out["final_reward"]["clean_runs"])
+        + " |",
         f"| GRPO wall time: killed / clean | {out['seconds']['killed']:.0f} s / {out['seconds']['clean']:.0f} s |",
     ]
     return "\n".join(lines)
@@ -288,10 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
-    for name in ("clean", "killed"):
+    for name in [*clean_names(args), "killed"]:
+        shutil.rmtree(work / name, ignore_errors=True)  # a run finds a checkpoint in its output_dir and resumes
         cmd = [
-            sys.executable, __file__, "--child", name, "--output-dir", str(work / name), "--steps", str(args.steps),
+            sys.executable, __file__, "--child", name.rstrip("0123456789"), "--output-dir", str(work / name),
+            "--steps", str(args.steps),
             "--seed", str(args.seed), "--kills", str(args.kills), "--kinds", ",".join(args.kinds),
+            *(f"--set={o}" for o in args.set),
         ]  # fmt: skip
         log = work / f"{name}.log"
         print(f"{name} run: {' '.join(cmd[1:])} (log {log})", flush=True)

@@ -67,7 +67,7 @@ from orchestration.run_resume import (
 from orchestration.run_trace import StageTrace
 from orchestration.sft_warm_up import sft_warm_up
 from orchestration.stopping import RunStopped, SigtermStops, stopped_line
-from orchestration.supervisor import Supervisor
+from orchestration.supervisor import Supervisor, when_up
 from orchestration.trainer_restarts import (
     RANK_DEATH_WAIT_S,
     TrainerRankDied,
@@ -306,6 +306,11 @@ class GRPORun:
             self.client,
             cfg.rollout.max_worker_restarts,
         )
+        # each worker's queue client (its owner), by kind and index: a dead one's rows go back at once
+        self._worker_owners: dict[str, dict[int, str]] = {
+            kind: dict(enumerate(ray.get([w.queue_owner.remote() for w in workers])))
+            for kind, workers in (("rollout", self.rollout), ("reward", self.reward))
+        }
         rank_options = {"num_gpus": cfg.train.num_gpus_per_rank} if cfg.train.num_gpus_per_rank else {}
         trainer_config = TrainerConfig.from_run(cfg)  # the trainer's part of the run's config
         self.trainer = [
@@ -407,9 +412,18 @@ class GRPORun:
         return self.reward[index].score_step.options(concurrency_group=REDO_GROUP).remote(step)
 
     def _worker_restarted(self, kind: str, index: int) -> None:
-        """A restarted rollout worker gets the weights last published (with the shm channel its engine pulls them)."""
+        """The dead worker's queue client is gone: the controller hands its rows back now (a lease a restarted
+        controller replayed from its journal would otherwise hold them to its deadline). A restarted rollout worker
+        gets the weights last published (with the shm channel its engine pulls them)."""
+        workers = self.rollout if kind == "rollout" else self.reward
+        owners = self._worker_owners.setdefault(kind, {})
+        if index in owners:  # a controller being restarted is waited for: its replay holds the dead worker's leases
+            controller = transfer_queue.get_controller()
+            when_up(lambda: ray.get(controller.clients_gone.remote([owners[index]])))
+        owners[index] = when_up(lambda: ray.get(workers[index].queue_owner.remote()))
         if kind == "rollout" and self._weights_update is not None:
-            ray.get(self.rollout[index].update_weights.remote(*self._weights_update))
+            update = self._weights_update
+            when_up(lambda: ray.get(self.rollout[index].update_weights.remote(*update)))
 
     def _tracked(self, step: int, refs: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
         """``(rollout refs, reward refs)`` of ``step``, one per worker in order, remembered by the supervisor."""

@@ -190,6 +190,19 @@ class Supervisor:
         return out
 
 
+def when_up(call: Callable[[], Any], wait_s: float = RESTART_WAIT_S) -> Any:
+    """``call()`` (a ``ray.get`` of an actor's method), asked again while its actor is being restarted (a worker
+    killed again right after its restart, the controller replaying its journal), for up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call()
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _done(ref: Any) -> bool:
     done, _ = ray.wait([ref], timeout=0)
     return bool(done)

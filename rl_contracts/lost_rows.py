@@ -28,7 +28,9 @@ from rl_contracts.rows import jagged
 from transfer_queue.errors import (
     FieldAlreadyProduced,
     NotLeased,
+    RequestTimeout,
     RowsLost,
+    ServerGone,
     StaleBatchMeta,
     StorageUnavailable,
     StorageUnitDown,
@@ -106,8 +108,9 @@ def write_or_release(client: Any, fields: Any, meta: Any, group_size: int = 1) -
 
 
 def _put(client: Any, fields: Any, meta: Any) -> int | None:
-    """``put`` (tried again while the unit it went to is down); the rows written, None when some were lost (then
-    they are handed back)."""
+    """``put`` (tried again while the unit it went to is down, and when the controller died under its commit: the
+    outcome of that commit is unknown, so the put is made again, and a commit that had landed is then refused with
+    ``FieldAlreadyProduced``); the rows written, None when some were lost (then they are handed back)."""
     for attempt in range(PUT_ATTEMPTS):
         try:
             client.put(fields, metadata=meta)
@@ -116,7 +119,7 @@ def _put(client: Any, fields: Any, meta: Any) -> int | None:
             logger.warning("%d rows were lost before their fields were written (%s); handing them back", len(meta), exc)
             release_quietly(client, meta)
             return None
-        except StorageUnavailable:
+        except (StorageUnavailable, ServerGone, RequestTimeout):
             if attempt == PUT_ATTEMPTS - 1:
                 raise
             time.sleep(DOWN_PAUSE_S)

@@ -144,6 +144,10 @@ class RewardWorker:
         self.timeout = timeout
 
     @ray.method(concurrency_group="control")
+    def queue_owner(self) -> str:
+        """Its queue client's owner (the supervisor tells the controller when this worker died)."""
+        return str(self.client.owner)
+
     def pid(self) -> int:
         """This worker's process id (a restarted worker has a new one: the run's supervisor counts restarts by it)."""
         return os.getpid()

@@ -310,6 +310,14 @@ class ControllerActor:
         and the curves of the status page."""
         self._server.record_run_row(row)
 
+    def clients_gone(self, owners: list[str]) -> None:
+        """Clients ``owners`` (``TransferQueueClient.owner``) died for good: the rows they hold leased are ready again
+        within a serving pass, not after ``disconnect_grace`` (nor, for a lease restored from the journal, whose owner
+        never connected to this controller, at the lease's deadline). A supervisor that saw a worker's death says
+        so (orchestration/supervisor.py); an owner that speaks again keeps what it holds by then."""
+        with self._server.lock:
+            self._server.state.clients_gone(list(owners))
+
     def storage_stats(self) -> list[dict[str, Any]]:
         """Blocks, payload bytes and resident memory of each storage unit. A unit that cannot answer (dead, being
         restarted by Ray, not attached again yet) reports zeros and ``error``: why."""

@@ -30,7 +30,7 @@ from transfer_queue.errors import InvalidRequest, NotLeased, StaleBatchMeta
 from transfer_queue.metadata import PartitionKey
 from transfer_queue.state.dp_rounds import end_round, mark_released
 from transfer_queue.state.events import QueueEvents
-from transfer_queue.state.partition import PartitionState, unique_in_order
+from transfer_queue.state.partition import DPRound, PartitionState, unique_in_order
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED, NO_HOLDER
 
@@ -372,24 +372,45 @@ class Delivery:
 
     # ---- the journal (journal_dir) ----------------------------------------------------------------------------
     def journaled_leases(self, changed: bool) -> list[list[Any]]:
-        """The client leases as the journal keeps them (``Lease.journaled``): ``changed``: those opened, extended or
-        closed since the last record (a closed one as ``[lease_id]``), else every live one. A DP round's lease is
-        not kept (rounds are not journaled: its rows are ready again after a restart)."""
+        """The leases as the journal keeps them (``Lease.journaled``): ``changed``: those opened, extended or
+        closed since the last record (a closed one as ``[lease_id]``), else every live one. A DP round's lease also
+        keeps its round (:meth:`_journaled_round`: the ranks' shares), so the ranks fetch and acknowledge their
+        shares after a restart as before it."""
         book = self.leases
         ids = sorted(book.changed or ()) if changed else sorted(book.leases)
         out: list[list[Any]] = []
         for lease_id in ids:
             lease = book.leases.get(lease_id)
-            out.append([lease_id] if lease is None or lease.round_key is not None else lease.journaled())
+            if lease is None:
+                out.append([lease_id])
+            elif lease.round_key is None:
+                out.append(lease.journaled())
+            else:
+                dp_round = self._journaled_round(lease)
+                out.append([lease_id] if dp_round is None else [*lease.journaled(), dp_round])
         return out
+
+    def _journaled_round(self, lease: Lease) -> list[Any] | None:
+        """``[dp_group_id, dp_size, batch_size, fields, shares (local rows per rank), released ranks]`` of the DP
+        round ``lease`` holds; None when its partition forgot the round (nobody can ask for its shares again)."""
+        assert lease.round_key is not None
+        part = self.table.by_uid(lease.uid)
+        dp_round = None if part is None else part.rounds.get(lease.round_key)
+        if dp_round is None or dp_round.shares is None or dp_round.lease_id != lease.lease_id:
+            return None
+        return [
+            lease.round_key[1], dp_round.dp_size, dp_round.batch_size, list(dp_round.fields),
+            [share.tolist() for share in dp_round.shares], sorted(dp_round.released),
+        ]  # fmt: skip
 
     def restore_leases(self, saved: list[list[Any]], next_id: int) -> int:
         """Hold again the leases a replayed journal kept (``journaled_leases``): each over the rows of its partition
         and task that are leased under its id, for its owner, its deadline re-armed ``duration`` seconds from now
         (the restart: a monotonic clock does not carry over to another process or host). Its owner has no connection
         yet, so the disconnect grace does not run until it connected again and closed its last connection: an owner
-        that never comes back loses its rows at the re-armed deadline. Leased rows of no kept lease (a DP round's) are
-        ready again. Returns the leases restored."""
+        that never comes back loses its rows at the re-armed deadline. A DP round's lease brings its round back to the
+        partition (its shares: each rank fetches and acknowledges its own as before the restart). Leased rows of no
+        kept lease are ready again. Returns the leases restored."""
         by_id = {int(entry[0]): entry for entry in saved if len(entry) > 1}
         now = self.clock()
         restored = 0
@@ -407,10 +428,18 @@ class Delivery:
                         task.lease[rows] = 0
                         task.holder[rows] = NO_HOLDER
                         continue
-                    _, owner, _, _, duration, call_id = entry
+                    owner, duration, call_id = entry[1], entry[4], entry[5]
                     deadline = now + float(duration)
                     lease = Lease(lease_id, str(owner), part.key, part.uid, task_name, rows, deadline, int(call_id))
                     lease.remaining, lease.duration = len(rows), float(duration)
+                    if len(entry) > 6:  # a DP round's lease, with its round
+                        group_id, dp_size, batch_size, fields, shares, released = entry[6]
+                        lease.round_key = (task_name, str(group_id))
+                        part.rounds[lease.round_key] = DPRound(
+                            int(dp_size), int(batch_size), tuple(fields),
+                            shares=[np.asarray(share, dtype=np.int64) for share in shares],
+                            released={int(rank) for rank in released}, lease_id=int(lease_id), lease_s=float(duration),
+                        )  # fmt: skip
                     self.leases.add(lease)
                     task.holder[rows] = self.leases.owner_id(lease.owner)
                     self.wake(lease.deadline)
@@ -551,7 +580,10 @@ class Delivery:
         state = task.consumption[rows]
         rows = rows[((state == LEASED) | (state == CONSUMED)) & (mine | ours)]
         leased = rows[task.consumption[rows] == LEASED]
-        self.leases.settled(task.lease[leased])
+        lease_ids = task.lease[leased]
+        self.leases.settled(lease_ids)
+        if self.leases.changed is not None:  # a DP round's lease still live is journaled again: its released ranks
+            self.leases.changed.update(i for i in np.unique(lease_ids).tolist() if i in self.leases.leases)
         worn = rows[task.deliveries[rows] >= self.max_deliveries(task_name)]
         if len(worn):
             part.give_back(task_name, worn, "released", self.max_deliveries(task_name))

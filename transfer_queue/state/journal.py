@@ -26,12 +26,12 @@ assigns what the serving pass ended with. Replay loads the snapshot, then applie
 above the snapshot's (a crash between a snapshot's rename and the removal of the log segment it holds leaves records
 the snapshot already holds: they are skipped). What a restore from a checkpoint redoes, replay redoes too: puts that
 had not committed are gone (their rows freed), parked requests and connections are not kept. Task options
-(``set_task_options``) are journaled; DP rounds are not (the rows of a round's unacknowledged shares are ready
-again).
+(``set_task_options``) are journaled; so are DP rounds whose lease is live, with that lease (below).
 
 Leases are journaled (unlike a checkpoint's): a record also holds ``leases``, each client lease opened, renewed
 (``extend_lease``) or closed (acknowledged, handed back, released, expired, cancelled) in the pass, as
-``[id, owner, partition uid, task, duration, call id]`` (closed: ``[id]``), and each task's ``lease`` array (the
+``[id, owner, partition uid, task, duration, call id]`` (a DP round's lease adds its round: ``[dp_group_id, dp_size,
+batch_size, fields, shares, released ranks]``; closed: ``[id]``), and each task's ``lease`` array (the
 lease holding each row) with the rows marked; the snapshot holds every live lease and ``next_lease``. A get_meta's
 reply goes out once the record of its lease is written, so nothing served is served again after a restart. Replay
 holds each lease again over the rows still leased under its id, for its owner, its deadline re-armed its full

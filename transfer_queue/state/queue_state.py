@@ -221,6 +221,15 @@ class QueueState:
 
         return owned
 
+    def clients_gone(self, owners: list[str]) -> None:
+        """Clients ``owners`` are gone for good (their process died, as their supervisor knows): their leases go back
+        at the next tick, without the disconnect grace. A lease a replayed journal restored has an owner that never
+        connected to this controller, so no grace runs for it: without this its rows wait for the lease's deadline."""
+        now = self.clock()
+        for owner in owners:
+            self.leases.orphaned[owner] = now
+        self._wake(now)
+
     def _wake(self, deadline: float) -> None:
         self.next_deadline = min(self.next_deadline, deadline)
 

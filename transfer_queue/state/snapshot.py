@@ -280,7 +280,8 @@ def _restore_partition(
         task.consumption = taken
         task.deliveries = _unarray(saved["deliveries"])
         task.dead = {int(row): str(reason) for row, reason in saved["dead"]}
-    # DP rounds are not restored: the rows of a round's unacknowledged shares are ready again (their lease is gone),
+    # DP rounds are not restored here: the rows of a round's unacknowledged shares are ready again (their lease is gone;
+    # a journal's replay brings a round back with its lease, Delivery.restore_leases),
     # so a rank that asks for its round again after a restore gets a new share of ready rows, never a row twice.
     return part
 

@@ -10,7 +10,7 @@ import torch
 from rl_contracts.lost_rows import rows_at, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import float_rows_of, jagged, rows_of
-from transfer_queue.errors import FieldAlreadyProduced, RowsLost, StorageUnavailable
+from transfer_queue.errors import FieldAlreadyProduced, RowsLost, ServerGone, StorageUnavailable
 
 
 class Meta:
@@ -117,6 +117,32 @@ def test_rows_served_again_after_a_dead_worker_wrote_them_are_acknowledged_and_t
     everything_written = Client([], produced={0, 1})
     assert write_or_release(everything_written, {"x": [1, 2]}, Meta([0, 1], ["x"]), group_size=2) == 0
     assert everything_written.puts == [] and everything_written.acked == [[0, 1]]
+
+
+class CommitLost(Client):
+    """The controller dies under the first put's commit (ServerGone); ``landed``: that commit had made the rows
+    visible (a journaled controller replays it), else it had not."""
+
+    def __init__(self, landed: bool):
+        super().__init__([])
+        self.landed, self.died = landed, False
+
+    def put(self, fields, metadata):
+        if not self.died:
+            self.died = True
+            if self.landed:
+                super().put(fields, metadata)
+            raise ServerGone("the controller at tcp://127.0.0.1:1 did not answer (is it alive?)")
+        super().put(fields, metadata)
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_put_whose_commit_died_with_the_controller_is_made_again_and_produces_each_row_once(monkeypatch, landed):
+    monkeypatch.setattr("rl_contracts.lost_rows.DOWN_PAUSE_S", 0.0)
+    client = CommitLost(landed)
+    written = write_or_release(client, {"x": [1, 2]}, Meta([0, 1], ["x"]), group_size=2)
+    assert client.puts == [[0, 1]]  # written once: the second put of a commit that landed is refused
+    assert written == (0 if landed else 2) and client.acked == [[0, 1]]
 
 
 def test_rows_at_takes_the_same_rows_of_every_kind_of_field():

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -24,6 +25,7 @@ from transfer_queue.controller.server import ControllerServer, _ControllerRespon
 from transfer_queue.errors import (
     ConfigMismatch,
     GetMetaTimeout,
+    InvalidRequest,
     JournalCorrupt,
     JournalError,
     NotLeased,
@@ -772,3 +774,69 @@ def test_a_sampler_that_does_not_pickle_is_served_but_not_journaled(
     restarted, again, _ = open_journal(config)
     again.close()
     assert "t" not in restarted.samplers  # its clients register it again
+
+
+def test_a_dp_rounds_shares_survive_a_restart_each_rank_acks_its_own(local: Local) -> None:
+    """A DP round's lease is kept with its round (a GRPO run's trainer ranks: tests/e2e/test_kill_anything_soak.py):
+    after the restart no other consumer is served the round's rows, a rank asking for its share again gets the same
+    rows, and each rank acknowledges its share (before: the rows were ready again and the acks raised NotLeased)."""
+    local.start()
+    rank0, rank1 = local.client("rank0"), local.client("rank1")
+    rank0.put(rows(1.0, 6), partition_id="p")
+    rank0.set_task_options("t", ack="explicit")
+
+    def share(client: TransferQueueClient, rank: int) -> Any:
+        params = {"dp_size": 2, "dp_rank": rank, "dp_group_id": "round-0"}
+        return client.get_meta(["x"], 2, partition_id="p", task_name="t", sampler_params=params)
+
+    first, second = share(rank0, 0), share(rank1, 1)
+    round_rows = set(first.global_indexes.tolist()) | set(second.global_indexes.tolist())
+    assert len(round_rows) == 4  # two disjoint shares of the round
+    controller = local.start(local.crash())
+    other = local.client("other")
+    served = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=3)
+    assert sorted(served.global_indexes.tolist()) == sorted(set(range(6)) - round_rows)  # the two rows no round holds
+    with pytest.raises(GetMetaTimeout, match="0 rows are ready"):  # the round's rows are not served again
+        other.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.3)
+    assert share(rank1, 1).global_indexes.tolist() == second.global_indexes.tolist()
+    rank0.ack(first)
+    rank1.ack(second)
+    with controller.lock:
+        counts = row_state_counts(controller.state.table.known("p"), "t")
+    assert counts["acknowledged"] == 4 and counts["leased"] == 2  # the other consumer's two
+
+
+def test_a_dp_rank_that_released_its_share_before_a_restart_may_not_fetch_it_after(local: Local) -> None:
+    """A rank's release is journaled with its round's lease: after the restart its share of that round is refused,
+    as before the restart, and its peer's ack of its own share works."""
+    local.start()
+    rank0, rank1 = local.client("rank0"), local.client("rank1")
+    rank0.put(rows(1.0, 4), partition_id="p")
+    rank0.set_task_options("t", ack="explicit")
+    params = [{"dp_size": 2, "dp_rank": r, "dp_group_id": "round-0"} for r in range(2)]
+    first = rank0.get_meta(["x"], 2, partition_id="p", task_name="t", sampler_params=params[0])
+    second = rank1.get_meta(["x"], 2, partition_id="p", task_name="t", sampler_params=params[1])
+    rank1.release(second)
+    local.start(local.crash())
+    with pytest.raises(InvalidRequest, match="the share of dp_rank=1 in dp_group_id 'round-0' was released"):
+        rank1.get_meta(["x"], 2, partition_id="p", task_name="t", sampler_params=params[1], timeout=3)
+    rank0.ack(first)
+
+
+def test_the_rows_of_a_client_gone_for_good_are_ready_again_after_a_restart_at_once(local: Local) -> None:
+    """A lease restored from the journal has an owner that never connected to the new controller: no disconnect
+    grace runs for it. ``clients_gone`` (a supervisor saw the owner's process die) hands its rows back at the next
+    tick, not at the lease's deadline (an hour here)."""
+    local.start()
+    dead = local.client("dead")
+    dead.put(rows(1.0, 2), partition_id="p")
+    dead.set_task_options("t", ack="explicit", lease_s=3600.0)
+    leased = dead.get_meta(["x"], 2, partition_id="p", task_name="t")
+    controller = local.start(local.crash())
+    other = local.client("other")
+    with pytest.raises(GetMetaTimeout, match="0 rows are ready"):  # held for the dead owner
+        other.get_meta(["x"], 1, partition_id="p", task_name="t", timeout=0.3)
+    with controller.lock:
+        controller.state.clients_gone([dead.owner])
+    again = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=3)
+    assert sorted(again.global_indexes.tolist()) == sorted(leased.global_indexes.tolist())
