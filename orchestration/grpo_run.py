@@ -421,6 +421,8 @@ class GRPORun:
             controller = transfer_queue.get_controller()
             when_up(lambda: ray.get(controller.clients_gone.remote([owners[index]])))
         owners[index] = when_up(lambda: ray.get(workers[index].queue_owner.remote()))
+        if kind == "rollout" and self.colocation is not None and isinstance(self.colocation.requests, RolloutRequests):
+            self.colocation.requests.restarted(index)  # its new gate is held while the servers are released
         if kind == "rollout" and self._weights_update is not None:
             update = self._weights_update
             when_up(lambda: ray.get(self.rollout[index].update_weights.remote(*update)))
@@ -647,7 +649,8 @@ class GRPORun:
         next generations held and those in flight waited for, and the servers' memory is freed (``sync_weights``
         brings them back)."""
         if self.colocation is not None:
-            self.lost_prompts.wait(self.pending[step][0], self.pending)  # the step's rollout done
+            # the step's rollout done; a rollout worker that died meanwhile is restarted and its call made again
+            self.lost_prompts.wait(self.pending[step][0], self.pending, self.supervisor.check)
             self.colocation.release()
         train_refs = [rank.train_step.remote(step) for rank in self.trainer]
         self._train_launched = time.time()
