@@ -72,6 +72,7 @@ from orchestration.trainer_restarts import (
     RANK_DEATH_WAIT_S,
     TrainerRankDied,
     any_failed,
+    joined_rows,
     raise_if_rank_died,
     rank_died,
     run_with_trainer_restarts,
@@ -960,14 +961,20 @@ def train_and_report(config: RLConfig, loop: Loop | None = None) -> list[dict[st
             resumes the run from its last checkpoint: orchestration/trainer_restarts.py).
     """
     started = time.perf_counter()
+    died: list[GRPORun] = []  # the starts a trainer rank's death ended (their rows up to it)
 
     def attempt(cfg: RLConfig, restarts: int) -> tuple[GRPORun, list[dict[str, Any]]]:
         with GRPORun(cfg) as run:
             run.restarts_trainer = restarts
-            return run, loop(run) if loop is not None else run.run()
+            died.append(run)  # until it returns
+            rows = loop(run) if loop is not None else run.run()
+        died.pop()
+        return run, rows
 
-    # a dead trainer rank: the run stops and resumes from its last checkpoint, up to train.max_restarts times
-    run, rows = run_with_trainer_restarts(config, attempt)
+    # a dead trainer rank: the run stops and resumes from its last checkpoint, up to train.max_restarts times; the
+    # reward line covers the whole run: each start's rows up to the step the next one resumed from
+    run, last_rows = run_with_trainer_restarts(config, attempt)
+    rows = joined_rows([(r.start, r.rows) for r in died] + [(run.start, last_rows)])
     first, last = fifth_means([r["reward"] for r in rows])
     print(f"\nGRPO mean reward: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
     print(time_line(len(rows), time.perf_counter() - started, run.timings))
