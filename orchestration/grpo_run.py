@@ -72,6 +72,7 @@ from orchestration.trainer_restarts import (
     RANK_DEATH_WAIT_S,
     TrainerRankDied,
     any_failed,
+    joined_rows,
     raise_if_rank_died,
     rank_died,
     run_with_trainer_restarts,
@@ -421,6 +422,8 @@ class GRPORun:
             controller = transfer_queue.get_controller()
             when_up(lambda: ray.get(controller.clients_gone.remote([owners[index]])))
         owners[index] = when_up(lambda: ray.get(workers[index].queue_owner.remote()))
+        if kind == "rollout" and self.colocation is not None and isinstance(self.colocation.requests, RolloutRequests):
+            self.colocation.requests.restarted(index)  # its new gate is held while the servers are released
         if kind == "rollout" and self._weights_update is not None:
             update = self._weights_update
             when_up(lambda: ray.get(self.rollout[index].update_weights.remote(*update)))
@@ -647,7 +650,8 @@ class GRPORun:
         next generations held and those in flight waited for, and the servers' memory is freed (``sync_weights``
         brings them back)."""
         if self.colocation is not None:
-            self.lost_prompts.wait(self.pending[step][0], self.pending)  # the step's rollout done
+            # the step's rollout done; a rollout worker that died meanwhile is restarted and its call made again
+            self.lost_prompts.wait(self.pending[step][0], self.pending, self.supervisor.check)
             self.colocation.release()
         train_refs = [rank.train_step.remote(step) for rank in self.trainer]
         self._train_launched = time.time()
@@ -957,14 +961,20 @@ def train_and_report(config: RLConfig, loop: Loop | None = None) -> list[dict[st
             resumes the run from its last checkpoint: orchestration/trainer_restarts.py).
     """
     started = time.perf_counter()
+    died: list[GRPORun] = []  # the starts a trainer rank's death ended (their rows up to it)
 
     def attempt(cfg: RLConfig, restarts: int) -> tuple[GRPORun, list[dict[str, Any]]]:
         with GRPORun(cfg) as run:
             run.restarts_trainer = restarts
-            return run, loop(run) if loop is not None else run.run()
+            died.append(run)  # until it returns
+            rows = loop(run) if loop is not None else run.run()
+        died.pop()
+        return run, rows
 
-    # a dead trainer rank: the run stops and resumes from its last checkpoint, up to train.max_restarts times
-    run, rows = run_with_trainer_restarts(config, attempt)
+    # a dead trainer rank: the run stops and resumes from its last checkpoint, up to train.max_restarts times; the
+    # reward line covers the whole run: each start's rows up to the step the next one resumed from
+    run, last_rows = run_with_trainer_restarts(config, attempt)
+    rows = joined_rows([(r.start, r.rows) for r in died] + [(run.start, last_rows)])
     first, last = fifth_means([r["reward"] for r in rows])
     print(f"\nGRPO mean reward: first fifth {first:.3f} -> last fifth {last:.3f} ({last - first:+.3f})")
     print(time_line(len(rows), time.perf_counter() - started, run.timings))

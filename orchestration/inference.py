@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from orchestration.config import SERVER_ENGINES, SERVER_KIND, RolloutConfig
 from rl_contracts.actors import actor_class
@@ -147,17 +148,38 @@ class RolloutRequests:
     def __init__(self, workers: list[Any]):
         self.workers = workers
         self.active = 0  # generations still in flight after the last drain
+        self.held = False  # between drain() and resume(): the servers may be released
 
     def drain(self, timeout_s: float) -> bool:
         """Hold every worker's next generations and wait up to ``timeout_s`` for those in flight; whether none is
-        left."""
-        self.active = sum(ray.get([worker.drain_requests.remote(timeout_s) for worker in self.workers]))
+        left. A dead worker (being restarted) is skipped: the supervisor's restart holds its new gate
+        (:meth:`restarted`)."""
+        self.held = True
+        self.active = sum(_alive([worker.drain_requests.remote(timeout_s) for worker in self.workers], 0))
         return self.active == 0
 
     def resume(self) -> None:
-        """Let the held generations go on."""
-        ray.get([worker.resume_requests.remote() for worker in self.workers])
+        """Let the held generations go on (a dead worker skipped: its restarted gate starts open)."""
+        self.held = False
+        _alive([worker.resume_requests.remote() for worker in self.workers], None)
         self.active = 0
+
+    def restarted(self, index: int) -> None:
+        """Worker ``index`` was restarted (its gate starts open): while the requests are held (the servers released)
+        its gate is closed too, so that it generates nothing before :meth:`resume`."""
+        if self.held:
+            ray.get(self.workers[index].drain_requests.remote(0.0))
+
+
+def _alive(refs: list[Any], dead: Any) -> list[Any]:
+    """The results of the workers' calls ``refs``; ``dead`` for a call whose worker died (or is being restarted)."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except RayActorError:
+            out.append(dead)
+    return out
 
 
 @ray.remote(num_cpus=0)

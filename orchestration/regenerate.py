@@ -75,7 +75,14 @@ class LostPrompts:
         while True:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=CHECK_EVERY_S)
             if len(done) == len(refs):
-                return ray.get(refs)
+                if watch is None:
+                    return ray.get(refs)
+                # ``refs`` may be a step's calls (a colocated run waits for its rollout): one that ended with its
+                # worker's death is made again by ``watch`` (its ref replaced in place), not raised
+                watch(pending)
+                if _all_done(refs):
+                    return ray.get(refs)
+                continue
             if watch is not None:
                 watch(pending)
             for step, (rollout, reward) in pending.items():

@@ -8,9 +8,11 @@ one had; the supervisor does, with the queue's at-least-once delivery:
   rollout and reward tasks acknowledge after the worker's put (``rl_contracts.lost_rows.WORKER_TASK_OPTIONS``), and
   a second put of rows whose first worker died between its put and its ack is refused, never written twice;
 - each step call the dead worker had (``generate_step`` / ``score_step``; they fail with a ``RayActorError``) is made
-  again on the restarted actor, in its redo concurrency group (a call for a later step may be waiting in the step
-  group for weights this step's training publishes), which runs several calls at once (a redo of step s + 1 may be
-  waiting there for rows of its own, and Ray may report the failures of one death in any order);
+  again on the restarted actor (only when its process is new: a call that failed with ``ActorUnavailableError``, the
+  worker unreachable for a while but alive, may still run on it and is not made twice), in its redo concurrency
+  group (a call for a later step may be waiting in the step group for weights this step's training publishes),
+  which runs several calls at once (a redo of step s + 1 may be waiting there for rows of its own, and Ray may
+  report the failures of one death in any order);
 - the calls are made again once those rows are back (``disconnect_grace`` after the death was seen, plus a second):
   a call made sooner would find them leased to the dead worker, end the step for itself, and leave them to nobody;
 - a restarted rollout worker is sent the weights last published (``weight_sync`` memory or disk; with the shm channel
@@ -52,6 +54,7 @@ class Call:
     kind: str  # "rollout" or "reward"
     index: int  # the worker's index in the run's list of that kind
     step: int
+    pid: int | None = None  # the worker's process when the call was made: made again only on a new one
 
 
 class Supervisor:
@@ -81,6 +84,7 @@ class Supervisor:
         self.pids = {kind: ray.get([w.pid.remote() for w in handles]) for kind, handles in workers.items()}
         self.calls: dict[Any, Call] = {}  # the step calls made, by their ref
         self.ok: set[Any] = set()  # refs that ended well (not looked at again)
+        self.lived: set[Any] = set()  # refs that failed while their worker lived on (not made again, not looked at)
         self.restarts = dict.fromkeys(KINDS, 0)  # since the run started
         self._reported = dict.fromkeys(KINDS, 0)  # what take_restarts() handed out
         self.grace_s = float(getattr(getattr(client, "config", None), "disconnect_grace", 5.0))
@@ -89,7 +93,7 @@ class Supervisor:
 
     def track(self, kind: str, index: int, step: int, ref: Any) -> Any:
         """Remember the step call ``ref`` (``kind`` worker ``index``, ``step``); returns it."""
-        self.calls[ref] = Call(kind, index, step)
+        self.calls[ref] = Call(kind, index, step, self.pids[kind][index])
         return ref
 
     def check(self, pending: dict[int, tuple[list[Any], list[Any]]]) -> None:
@@ -100,7 +104,14 @@ class Supervisor:
         failed = self._failed(pending)
         for kind, index, exc in {(c.kind, c.index): (c.kind, c.index, e) for _, _, _, c, e in failed}.values():
             self.restarted(kind, index, exc)
-        for step, refs, position, call, _ in sorted(failed, key=lambda f: (f[0], KINDS.index(f[3].kind))):
+        for step, refs, position, call, exc in sorted(failed, key=lambda f: (f[0], KINDS.index(f[3].kind))):
+            if call.pid is not None and self.pids[call.kind][call.index] == call.pid:
+                # the same process answers: it was unreachable for a while (ActorUnavailableError), not dead; the call
+                # may still run on it (its rows are its own), so it is not made twice; gather() leaves it out
+                logger.warning("step %d: %s worker %d's call failed (%s) but the worker lived on; not made again",
+                               step, call.kind, call.index, type(exc).__name__)  # fmt: skip
+                self.lived.add(refs[position])
+                continue
             logger.warning("step %d: %s worker %d's call failed with its death; making it again", step, call.kind,
                            call.index)  # fmt: skip
             self.calls.pop(refs[position], None)
@@ -115,7 +126,7 @@ class Supervisor:
         for step in sorted(pending):
             for refs in pending[step]:
                 for position, ref in enumerate(refs):
-                    if ref in self.ok or not _done(ref):
+                    if ref in self.ok or ref in self.lived or not _done(ref):
                         continue
                     try:
                         ray.get(ref)
@@ -142,6 +153,7 @@ class Supervisor:
         for ref in refs:
             self.calls.pop(ref, None)
             self.ok.discard(ref)
+            self.lived.discard(ref)
         return out
 
     def call(self, kind: str, index: int, step: int) -> Any:

@@ -120,6 +120,16 @@ def restart_line(died: TrainerRankDied, checkpoint: Any, restart: int, budget: i
     )
 
 
+def joined_rows(attempts: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """The metric rows of a run its trainer-group restarts started again: ``attempts`` are each start's ``(first
+    step, rows)`` in order; an attempt's rows of the steps from the next one's first step on (trained again after the
+    checkpoint it resumed from) are left out, as ``MetricsLog.cut_back`` leaves them out of the run's JSONL."""
+    rows: list[dict[str, Any]] = []
+    for start, attempt_rows in attempts:
+        rows = [r for r in rows if int(r["step"]) < start] + list(attempt_rows)
+    return rows
+
+
 def run_with_trainer_restarts(config: RLConfig, attempt: Callable[[RLConfig, int], T]) -> T:
     """``attempt(config, restarts)``: one start of the run (it stops what it started however it ends), told the
     trainer-group restarts not yet reported in a step row; started again after a :class:`TrainerRankDied`, up to

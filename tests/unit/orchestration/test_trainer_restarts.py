@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from orchestration.config import ConfigError, RLConfig, load_config, parse_overrides
-from orchestration.trainer_restarts import TrainerRankDied, TrainerRestartsSpent, run_with_trainer_restarts
+from orchestration.trainer_restarts import (
+    TrainerRankDied,
+    TrainerRestartsSpent,
+    joined_rows,
+    run_with_trainer_restarts,
+)
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
 
@@ -102,3 +107,49 @@ def test_a_run_that_saved_a_checkpoint_restarts_with_resume_on(tmp_path: Path) -
 def test_max_restarts_below_0_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train\.max_restarts must be an int >= 0, got -1"):
         config(tmp_path, "train.max_restarts=-1").validate()
+
+
+def test_joined_rows_keep_each_starts_rows_up_to_the_step_the_next_one_resumed_from() -> None:
+    first = [{"step": s, "reward": 0.0} for s in range(5)]  # died after step 4; checkpoint at step 3
+    second = [{"step": s, "reward": 0.5} for s in range(3, 7)]  # died after step 6; checkpoint at step 6
+    third = [{"step": s, "reward": 1.0} for s in range(6, 10)]
+    rows = joined_rows([(0, first), (3, second), (6, third)])
+    assert [(r["step"], r["reward"]) for r in rows] == [(s, 0.0) for s in range(3)] + [
+        (s, 0.5) for s in range(3, 6)
+    ] + [(s, 1.0) for s in range(6, 10)]
+    assert joined_rows([(2, first[2:])]) == first[2:]  # no restart: the start's rows as they are
+
+
+def test_the_reward_line_after_a_trainer_restart_covers_the_whole_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from orchestration import grpo_run
+
+    class FakeRun:
+        """A run whose trainer rank dies after step 4 the first time; the second start resumes from checkpoint 2."""
+
+        starts = 0
+
+        def __init__(self, cfg: RLConfig):
+            self.start, self.rows, self.timings, self.restarts_trainer = 0, [], {}, 0
+            FakeRun.starts += 1
+
+        def __enter__(self) -> FakeRun:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def run(self) -> list[dict[str, float]]:
+            first = FakeRun.starts == 1
+            self.start = 0 if first else 2
+            for step in range(self.start, 5 if first else 10):
+                self.rows.append({"step": step, "reward": 0.0 if step < 2 else 1.0})
+            if first:
+                raise TrainerRankDied(1, 4)
+            return self.rows
+
+    monkeypatch.setattr(grpo_run, "GRPORun", FakeRun)
+    rows = grpo_run.train_and_report(config(tmp_path, "train.max_restarts=1"))
+    assert [r["step"] for r in rows] == list(range(10))
+    assert "GRPO mean reward: first fifth 0.000 -> last fifth 1.000 (+1.000)" in capsys.readouterr().out
