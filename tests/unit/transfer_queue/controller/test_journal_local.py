@@ -840,3 +840,28 @@ def test_the_rows_of_a_client_gone_for_good_are_ready_again_after_a_restart_at_o
         controller.state.clients_gone([dead.owner])
     again = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=3)
     assert sorted(again.global_indexes.tolist()) == sorted(leased.global_indexes.tolist())
+
+
+def test_an_ack_applied_before_a_crash_and_asked_again_after_the_restart_is_no_error(local: Local) -> None:
+    """The controller died after writing an ack's record and before its reply: the client asks again (``again``) and
+    the replayed rows, acknowledged with no holder kept, are no error; a plain second ack still is NotLeased, and so
+    are rows another client acknowledged after the restart."""
+    local.start()
+    owner = local.client("owner")
+    owner.put(rows(1.0, 4), partition_id="p")
+    owner.set_task_options("t", ack="explicit")
+    leased = owner.get_meta(["x"], 2, partition_id="p", task_name="t")
+    owner.ack(leased)  # its record written; the reply lost with the controller
+    controller = local.start(local.crash())
+    other = local.client("other")
+    theirs = other.get_meta(["x"], 2, partition_id="p", task_name="t")
+    other.ack(theirs)
+    delivery = controller.state.delivery
+    with controller.lock:
+        uid = controller.state.table.known("p").uid
+        mine = np.asarray(leased.global_indexes, dtype=np.int64)
+        assert delivery.ack(uid, "t", mine, owner.owner, explicit=True, again=True) == {"acknowledged": 0}  # type: ignore[attr-defined]
+        with pytest.raises(NotLeased, match=r"already acknowledged: \[" + str(mine[0])):
+            delivery.ack(uid, "t", mine, owner.owner, explicit=True)  # type: ignore[attr-defined]
+        with pytest.raises(NotLeased, match="already acknowledged"):  # another client's, acknowledged since
+            delivery.ack(uid, "t", np.asarray(theirs.global_indexes), owner.owner, explicit=True, again=True)  # type: ignore[attr-defined]
