@@ -393,8 +393,6 @@ class ControllerServer(Server):
             counters, self._counters = self._counters, False
             marked, self._marked = self._marked, False
             self.journal.record(self.state, dirty, counters, marked)  # also partitions created or dropped (a clear)
-            if self.journal.snapshot_due():  # written by the journal's thread: this one only encodes the state
-                self.journal.snapshot(self.state, wait=False)
             self.journal.sync_due()
         except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
             # what this pass changed is not (surely) written: the next record writes every partition and the counters
@@ -405,10 +403,24 @@ class ControllerServer(Server):
                 f"the controller could not write its journal under {self.journal.directory} ({exc}); the change was "
                 "applied but may not survive a controller restart"
             )
+        else:
+            self._begin_snapshot()
         for reply, request_id, value, error, changes in outgoing:
             if failed is not None and error is None and changes:  # reads are answered: they changed nothing
                 value, error = None, failed
             self._send_reply(reply, request_id, value, error)
+
+    def _begin_snapshot(self) -> None:
+        """Begin a snapshot if the log is due one (written by the journal's thread: this one only encodes the state
+        and seals the log). One that cannot begin fails no reply: the pass's record is written; the log's segments
+        stay and are replayed, and a later pass tries again."""
+        assert self.journal is not None
+        try:
+            if self.journal.snapshot_due():
+                self.journal.snapshot(self.state, wait=False)
+        except Exception:
+            self.journal.stats["snapshot_failures"] += 1
+            logger.exception("the journal under %s could not begin a snapshot", self.journal.directory)
 
     def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
         touched = None if self.journal is None else self._touches(request)

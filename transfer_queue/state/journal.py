@@ -520,8 +520,13 @@ class Journal:
         if self._unsynced and self.fsync != "never":
             self.sync()
         log = os.path.join(self.directory, LOG)
-        os.rename(log, os.path.join(self.directory, f"{SEALED}{self.seq}"))
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        sealed = os.path.join(self.directory, f"{SEALED}{self.seq}")
+        os.rename(log, sealed)
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except BaseException:  # no new log: the old one is the log again (appended to as before; a later seal retries)
+            os.rename(sealed, log)
+            raise
         os.close(self._fd)
         self._fd = fd
         _fsync_dir(self.directory)  # both names: a crash now replays the sealed segment, then the new log

@@ -865,3 +865,46 @@ def test_an_ack_applied_before_a_crash_and_asked_again_after_the_restart_is_no_e
             delivery.ack(uid, "t", mine, owner.owner, explicit=True)  # type: ignore[attr-defined]
         with pytest.raises(NotLeased, match="already acknowledged"):  # another client's, acknowledged since
             delivery.ack(uid, "t", np.asarray(theirs.global_indexes), owner.owner, explicit=True, again=True)  # type: ignore[attr-defined]
+
+
+def fail_opening_a_new_log(monkeypatch: pytest.MonkeyPatch, times: int = 1) -> list[int]:
+    """The next ``times`` opens of a new log (a seal's) fail with ENOSPC; returns the list of failures counted."""
+    real_open, failed = os.open, []
+
+    def flaky_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(os.sep + LOG) and flags & os.O_TRUNC and len(failed) < times:
+            failed.append(1)
+            raise OSError(28, "No space left on device")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(journal_module.os, "open", flaky_open)
+    return failed
+
+
+def test_a_snapshot_that_cannot_begin_fails_no_reply_and_a_later_one_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass's record is written before its snapshot begins: a snapshot that cannot (its new log not opened) fails
+    no reply, is counted, and leaves the log as it was; a later pass's snapshot is written, and a restart replays
+    every row."""
+    queue = Local(tmp_path / "journal", journal_snapshot_bytes=4096)
+    try:
+        controller = queue.start()
+        journal = controller.journal
+        assert journal is not None
+        failed = fail_opening_a_new_log(monkeypatch)
+        client = queue.client("c")
+        puts = 0
+        while not failed:
+            client.put(rows(float(puts)), partition_id="p")  # never JournalError
+            puts += 1
+        client.put(rows(-1.0), partition_id="p")  # the next pass seals the log and begins the snapshot again
+        with controller.lock:
+            journal.wait()
+            assert journal.stats["snapshot_failures"] == 1
+            assert journal.stats["snapshots_written"] == journal.stats["snapshots"] >= 2
+            assert journal_module.sealed_segments(str(journal.directory)) == []
+        queue.start(queue.crash())
+        assert queue.client("r").get_production_status(partition_id="p")["rows"] == 2 * (puts + 1)
+    finally:
+        queue.close()
