@@ -600,7 +600,11 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     if snapshot is None:
         state = QueueState(config, sampler)
         journal = Journal(directory, config.journal_fsync, config.journal_snapshot_bytes, 0, log_end)
-        journal.snapshot(state)
+        try:
+            journal.snapshot(state)
+        except BaseException:
+            journal.close()
+            raise
         return state, journal, False
     saved = snapshot["config"]
     for name in _CHECKED:
@@ -622,10 +626,18 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)
     state.ledger.forgotten_upto = state._next_put - 1
     journal = Journal(directory, config.journal_fsync, config.journal_snapshot_bytes, int(snapshot["seq"]), log_end)
-    journal.snapshot_size = os.path.getsize(os.path.join(directory, SNAPSHOT))  # the bound: longer than it, too
-    journal.track(state)
-    if sealed_segments(directory):  # the controller died while a snapshot was written: write it again, now
-        journal.snapshot(state)
+    try:
+        journal.snapshot_size = os.path.getsize(os.path.join(directory, SNAPSHOT))  # the bound: longer than it, too
+        journal.track(state)
+        if sealed_segments(directory):  # the controller died while a snapshot was written: write it again, now
+            try:
+                journal.snapshot(state)
+            except Exception:  # the state replayed: serve on; the segments stay, replayed until a snapshot is written
+                journal.stats["snapshot_failures"] += 1
+                logger.exception("the journal under %s could not write its catch-up snapshot", directory)
+    except BaseException:
+        journal.close()
+        raise
     return state, journal, True
 
 

@@ -908,3 +908,30 @@ def test_a_snapshot_that_cannot_begin_fails_no_reply_and_a_later_one_is_written(
         assert queue.client("r").get_production_status(partition_id="p")["rows"] == 2 * (puts + 1)
     finally:
         queue.close()
+
+
+def test_a_catch_up_snapshot_that_fails_at_start_is_logged_and_the_replayed_state_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal replayed over sealed segments writes a snapshot at once; one that cannot be written (a full disk)
+    does not keep the controller from starting: the segments stay, and the next start replays them again."""
+    state, journal, q = filled(tmp_path)
+    writer = BlockedWriter(monkeypatch, fail=True)
+    journal.snapshot(state, wait=False)
+    more(state, journal, q)
+    writer.release.set()
+    journal.close()  # a sealed segment the snapshot never replaced
+    monkeypatch.undo()
+
+    def full_disk(directory: str, pieces: list[bytes]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal_module, "write_snapshot", full_disk)
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    restarted, again, replayed = open_journal(config)
+    assert replayed and again.stats["snapshot_failures"] == 1 and again.stats["snapshots_written"] == 0
+    assert len(journal_module.sealed_segments(str(tmp_path))) == 2  # the log was sealed too: both replayed
+    again.close()
+    assert restarted.table.known("p").num_rows == state.table.known("p").num_rows
+    monkeypatch.undo()
+    replayed_is_live(tmp_path, state)
