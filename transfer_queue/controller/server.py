@@ -77,15 +77,14 @@ REFILL_TIMEOUT = 30.0
 REFILL_RETRY = 0.5
 # request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
-# requests that change nothing the journal keeps: reads; cancelled waits are not journaled (a cancel that hands back
-# a lease is written with its pass's record all the same: the journal writes every lease that changed)
+# requests that change nothing the journal keeps: reads
 _NOT_JOURNALED = (
     p.Hello, p.QueueStatus, p.SaveCheckpoint, p.DeadLetters, p.ProductionStatus, p.ConsumptionStatus,
-    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta,
+    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows,
 )  # fmt: skip
-# a get_meta may lease rows of any partition (the one it names, or one it waited for, served in a later pass): the
-# journal writes the leases that changed and the partitions whose rows they marked; its reply fails if that record
-# cannot be written (the lease would not survive a restart)
+# a get_meta may lease rows of any partition (the one it names, or one it waited for, served in a later pass), and a
+# cancel_get_meta hand them back: the journal writes the leases that changed and the partitions whose rows they
+# marked; their replies fail if that record cannot be written (the change would not survive a restart)
 _LEASES = object()
 _ALL = object()  # a request that may change every partition (reset_consumption of all of them)
 # a reserve changes no partition the journal keeps (open puts are not kept) but hands out put and block ids, which a
@@ -367,7 +366,7 @@ class ControllerServer(Server):
         none the journal keeps)."""
         if isinstance(request, _NOT_JOURNALED):
             return None
-        if isinstance(request, p.GetMeta):
+        if isinstance(request, (p.GetMeta, p.CancelGetMeta)):
             return _LEASES
         state = self.state
         if isinstance(request, (p.Reserve, p.SetTaskOptions)):  # the state's fields outside its partitions
