@@ -341,7 +341,8 @@ class ControllerServer(Server):
 
     def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
         """Give ``task_name`` its own sampler (from another thread: a Ray call). With a journal, the sampler (as
-        given, cloudpickled: ``QueueState.sampler_specs``) is written before this returns, so a replayed controller
+        given, cloudpickled: ``QueueState.sampler_specs``) is written (and fsynced, unless ``journal_fsync="never"``)
+        before this returns, so a replayed controller
         registers it again and loads its journaled state; raises JournalError if that write failed (the sampler is
         registered all the same, and written with the next record)."""
         with self.lock:
@@ -350,6 +351,8 @@ class ControllerServer(Server):
                 return
             try:
                 self.journal.record(self.state, set())
+                if self.journal.fsync == "interval":  # not the pass's next fsync: the caller goes on once it returns
+                    self.journal.sync()
             except Exception as exc:
                 self.counters["failures.journal"] += 1
                 raise JournalError(

@@ -936,3 +936,20 @@ def test_a_catch_up_snapshot_that_fails_at_start_is_logged_and_the_replayed_stat
     assert restarted.table.known("p").num_rows == state.table.known("p").num_rows
     monkeypatch.undo()
     replayed_is_live(tmp_path, state)
+
+
+def test_a_registered_sampler_is_fsynced_before_register_sampler_returns(tmp_path: Path) -> None:
+    """journal_fsync="interval" leaves a pass's record to the next fsync; a registered sampler's is fsynced at once."""
+    queue = Local(tmp_path / "journal", journal_fsync="interval")
+    try:
+        controller = queue.start()
+        journal = controller.journal
+        assert journal is not None
+        with controller.lock:  # the interval never runs out: only an fsync of register_sampler's own counts
+            journal.clock, journal._synced_at = (lambda: 0.0), 0.0
+            fsyncs = journal.stats["fsyncs"]
+        controller.register_sampler("t", CountingSampler("a"))
+        with controller.lock:
+            assert journal.stats["fsyncs"] == fsyncs + 1 and not journal._unsynced
+    finally:
+        queue.close()
