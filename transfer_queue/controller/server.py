@@ -77,15 +77,14 @@ REFILL_TIMEOUT = 30.0
 REFILL_RETRY = 0.5
 # request type -> its wire tag ("get_meta", "commit", ...): the ``kind`` label of the metrics
 KINDS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in typing.get_args(p.ControllerRequest)}
-# requests that change nothing the journal keeps: reads; cancelled waits are not journaled (a cancel that hands back
-# a lease is written with its pass's record all the same: the journal writes every lease that changed)
+# requests that change nothing the journal keeps: reads
 _NOT_JOURNALED = (
     p.Hello, p.QueueStatus, p.SaveCheckpoint, p.DeadLetters, p.ProductionStatus, p.ConsumptionStatus,
-    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows, p.CancelGetMeta,
+    p.ListPartitions, p.KvLookup, p.KvList, p.GetCustomMeta, p.LostRows,
 )  # fmt: skip
-# a get_meta may lease rows of any partition (the one it names, or one it waited for, served in a later pass): the
-# journal writes the leases that changed and the partitions whose rows they marked; its reply fails if that record
-# cannot be written (the lease would not survive a restart)
+# a get_meta may lease rows of any partition (the one it names, or one it waited for, served in a later pass), and a
+# cancel_get_meta hand them back: the journal writes the leases that changed and the partitions whose rows they
+# marked; their replies fail if that record cannot be written (the change would not survive a restart)
 _LEASES = object()
 _ALL = object()  # a request that may change every partition (reset_consumption of all of them)
 # a reserve changes no partition the journal keeps (open puts are not kept) but hands out put and block ids, which a
@@ -342,7 +341,8 @@ class ControllerServer(Server):
 
     def register_sampler(self, task_name: str, sampler: SamplerSpec) -> None:
         """Give ``task_name`` its own sampler (from another thread: a Ray call). With a journal, the sampler (as
-        given, cloudpickled: ``QueueState.sampler_specs``) is written before this returns, so a replayed controller
+        given, cloudpickled: ``QueueState.sampler_specs``) is written (and fsynced, unless ``journal_fsync="never"``)
+        before this returns, so a replayed controller
         registers it again and loads its journaled state; raises JournalError if that write failed (the sampler is
         registered all the same, and written with the next record)."""
         with self.lock:
@@ -351,6 +351,8 @@ class ControllerServer(Server):
                 return
             try:
                 self.journal.record(self.state, set())
+                if self.journal.fsync == "interval":  # not the pass's next fsync: the caller goes on once it returns
+                    self.journal.sync()
             except Exception as exc:
                 self.counters["failures.journal"] += 1
                 raise JournalError(
@@ -367,7 +369,7 @@ class ControllerServer(Server):
         none the journal keeps)."""
         if isinstance(request, _NOT_JOURNALED):
             return None
-        if isinstance(request, p.GetMeta):
+        if isinstance(request, (p.GetMeta, p.CancelGetMeta)):
             return _LEASES
         state = self.state
         if isinstance(request, (p.Reserve, p.SetTaskOptions)):  # the state's fields outside its partitions
@@ -393,8 +395,6 @@ class ControllerServer(Server):
             counters, self._counters = self._counters, False
             marked, self._marked = self._marked, False
             self.journal.record(self.state, dirty, counters, marked)  # also partitions created or dropped (a clear)
-            if self.journal.snapshot_due():  # written by the journal's thread: this one only encodes the state
-                self.journal.snapshot(self.state, wait=False)
             self.journal.sync_due()
         except Exception as exc:  # a full disk, a lost mount, or a bug: the pass's replies go out all the same
             # what this pass changed is not (surely) written: the next record writes every partition and the counters
@@ -405,10 +405,24 @@ class ControllerServer(Server):
                 f"the controller could not write its journal under {self.journal.directory} ({exc}); the change was "
                 "applied but may not survive a controller restart"
             )
+        else:
+            self._begin_snapshot()
         for reply, request_id, value, error, changes in outgoing:
             if failed is not None and error is None and changes:  # reads are answered: they changed nothing
                 value, error = None, failed
             self._send_reply(reply, request_id, value, error)
+
+    def _begin_snapshot(self) -> None:
+        """Begin a snapshot if the log is due one (written by the journal's thread: this one only encodes the state
+        and seals the log). One that cannot begin fails no reply: the pass's record is written; the log's segments
+        stay and are replayed, and a later pass tries again."""
+        assert self.journal is not None
+        try:
+            if self.journal.snapshot_due():
+                self.journal.snapshot(self.state, wait=False)
+        except Exception:
+            self.journal.stats["snapshot_failures"] += 1
+            logger.exception("the journal under %s could not begin a snapshot", self.journal.directory)
 
     def handle(self, request: Any, buffers: list[Any], responder: Responder) -> None:
         touched = None if self.journal is None else self._touches(request)

@@ -510,7 +510,9 @@ class Delivery:
         """Acknowledge rows ``owner`` holds, or its DP round ``dp_group_id`` still holds (a late ack of a round whose
         lease expired acknowledges nothing another round took since); ``explicit`` (the user's ack): rows not held
         are NotLeased. ``again``: the client asks again after ServerGone (its first ack may have been applied and the
-        reply lost), so rows ``owner`` acknowledged already are no error."""
+        reply lost), so rows ``owner`` acknowledged already are no error, and so are rows acknowledged before a
+        replay of the journal (it keeps no holder: the controller may have died between the ack's record and its
+        reply)."""
         if not explicit and (self.options(task_name).ack == "explicit" or self.table.by_uid(uid) is None):
             return None  # a get_data's acknowledgement: the task acknowledges by itself / the meta is stale
         part, rows, mine, ours = self.held_rows(uid, task_name, indexes, owner, "ack", dp_group_id)
@@ -518,8 +520,12 @@ class Delivery:
         state = task.consumption[rows]
         take = (state == LEASED) & (mine | ours)
         if explicit:
-            # TP peers of a DP rank acknowledge the same share: once counts; so does the owner's ack asked again
-            done = (state == CONSUMED) & (ours | mine) if again else (state == CONSUMED) & ours
+            # TP peers of a DP rank acknowledge the same share: once counts; so does the owner's ack asked again,
+            # and rows acknowledged before a replay (the journal keeps no holder: its first ack may be one of them)
+            if again:
+                done = (state == CONSUMED) & (ours | mine | (task.holder[rows] == NO_HOLDER))
+            else:
+                done = (state == CONSUMED) & ours
             bad = ~(take | done)
             if bad.any():
                 by_round = task.holder[rows[bad]] == self.leases.round_holder

@@ -520,8 +520,13 @@ class Journal:
         if self._unsynced and self.fsync != "never":
             self.sync()
         log = os.path.join(self.directory, LOG)
-        os.rename(log, os.path.join(self.directory, f"{SEALED}{self.seq}"))
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        sealed = os.path.join(self.directory, f"{SEALED}{self.seq}")
+        os.rename(log, sealed)
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except BaseException:  # no new log: the old one is the log again (appended to as before; a later seal retries)
+            os.rename(sealed, log)
+            raise
         os.close(self._fd)
         self._fd = fd
         _fsync_dir(self.directory)  # both names: a crash now replays the sealed segment, then the new log
@@ -595,7 +600,11 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     if snapshot is None:
         state = QueueState(config, sampler)
         journal = Journal(directory, config.journal_fsync, config.journal_snapshot_bytes, 0, log_end)
-        journal.snapshot(state)
+        try:
+            journal.snapshot(state)
+        except BaseException:
+            journal.close()
+            raise
         return state, journal, False
     saved = snapshot["config"]
     for name in _CHECKED:
@@ -617,10 +626,18 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     # its outcome is unknown (RequestTimeout), never that its rows are not visible (they may well be)
     state.ledger.forgotten_upto = state._next_put - 1
     journal = Journal(directory, config.journal_fsync, config.journal_snapshot_bytes, int(snapshot["seq"]), log_end)
-    journal.snapshot_size = os.path.getsize(os.path.join(directory, SNAPSHOT))  # the bound: longer than it, too
-    journal.track(state)
-    if sealed_segments(directory):  # the controller died while a snapshot was written: write it again, now
-        journal.snapshot(state)
+    try:
+        journal.snapshot_size = os.path.getsize(os.path.join(directory, SNAPSHOT))  # the bound: longer than it, too
+        journal.track(state)
+        if sealed_segments(directory):  # the controller died while a snapshot was written: write it again, now
+            try:
+                journal.snapshot(state)
+            except Exception:  # the state replayed: serve on; the segments stay, replayed until a snapshot is written
+                journal.stats["snapshot_failures"] += 1
+                logger.exception("the journal under %s could not write its catch-up snapshot", directory)
+    except BaseException:
+        journal.close()
+        raise
     return state, journal, True
 
 

@@ -467,9 +467,10 @@ def test_a_failed_journal_write_fails_the_replies_of_changes_not_of_reads(
         failing_write(monkeypatch, controller.journal._fd, short=False)
         controller.handle(p.ListPartitions(), [], responder("read"))
         controller.handle(p.SetCustomMeta(meta.partition_uid, indexes, [{"a": 1}]), [], responder("change"))
+        controller.handle(p.CancelGetMeta("c", 1), [], responder("cancel"))  # may hand a lease back: a change
         controller._journal_pass()
     assert answers["read"].error_type is None
-    assert answers["change"].error_type == "JournalError"
+    assert answers["change"].error_type == "JournalError" and answers["cancel"].error_type == "JournalError"
     assert "could not write its journal" in (answers["change"].error_message or "")
 
 
@@ -840,3 +841,115 @@ def test_the_rows_of_a_client_gone_for_good_are_ready_again_after_a_restart_at_o
         controller.state.clients_gone([dead.owner])
     again = other.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=3)
     assert sorted(again.global_indexes.tolist()) == sorted(leased.global_indexes.tolist())
+
+
+def test_an_ack_applied_before_a_crash_and_asked_again_after_the_restart_is_no_error(local: Local) -> None:
+    """The controller died after writing an ack's record and before its reply: the client asks again (``again``) and
+    the replayed rows, acknowledged with no holder kept, are no error; a plain second ack still is NotLeased, and so
+    are rows another client acknowledged after the restart."""
+    local.start()
+    owner = local.client("owner")
+    owner.put(rows(1.0, 4), partition_id="p")
+    owner.set_task_options("t", ack="explicit")
+    leased = owner.get_meta(["x"], 2, partition_id="p", task_name="t")
+    owner.ack(leased)  # its record written; the reply lost with the controller
+    controller = local.start(local.crash())
+    other = local.client("other")
+    theirs = other.get_meta(["x"], 2, partition_id="p", task_name="t")
+    other.ack(theirs)
+    delivery = controller.state.delivery
+    with controller.lock:
+        uid = controller.state.table.known("p").uid
+        mine = np.asarray(leased.global_indexes, dtype=np.int64)
+        assert delivery.ack(uid, "t", mine, owner.owner, explicit=True, again=True) == {"acknowledged": 0}  # type: ignore[attr-defined]
+        with pytest.raises(NotLeased, match=r"already acknowledged: \[" + str(mine[0])):
+            delivery.ack(uid, "t", mine, owner.owner, explicit=True)  # type: ignore[attr-defined]
+        with pytest.raises(NotLeased, match="already acknowledged"):  # another client's, acknowledged since
+            delivery.ack(uid, "t", np.asarray(theirs.global_indexes), owner.owner, explicit=True, again=True)  # type: ignore[attr-defined]
+
+
+def fail_opening_a_new_log(monkeypatch: pytest.MonkeyPatch, times: int = 1) -> list[int]:
+    """The next ``times`` opens of a new log (a seal's) fail with ENOSPC; returns the list of failures counted."""
+    real_open, failed = os.open, []
+
+    def flaky_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(os.sep + LOG) and flags & os.O_TRUNC and len(failed) < times:
+            failed.append(1)
+            raise OSError(28, "No space left on device")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(journal_module.os, "open", flaky_open)
+    return failed
+
+
+def test_a_snapshot_that_cannot_begin_fails_no_reply_and_a_later_one_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass's record is written before its snapshot begins: a snapshot that cannot (its new log not opened) fails
+    no reply, is counted, and leaves the log as it was; a later pass's snapshot is written, and a restart replays
+    every row."""
+    queue = Local(tmp_path / "journal", journal_snapshot_bytes=4096)
+    try:
+        controller = queue.start()
+        journal = controller.journal
+        assert journal is not None
+        failed = fail_opening_a_new_log(monkeypatch)
+        client = queue.client("c")
+        puts = 0
+        while not failed:
+            client.put(rows(float(puts)), partition_id="p")  # never JournalError
+            puts += 1
+        client.put(rows(-1.0), partition_id="p")  # the next pass seals the log and begins the snapshot again
+        with controller.lock:
+            journal.wait()
+            assert journal.stats["snapshot_failures"] == 1
+            assert journal.stats["snapshots_written"] == journal.stats["snapshots"] >= 2
+            assert journal_module.sealed_segments(str(journal.directory)) == []
+        queue.start(queue.crash())
+        assert queue.client("r").get_production_status(partition_id="p")["rows"] == 2 * (puts + 1)
+    finally:
+        queue.close()
+
+
+def test_a_catch_up_snapshot_that_fails_at_start_is_logged_and_the_replayed_state_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal replayed over sealed segments writes a snapshot at once; one that cannot be written (a full disk)
+    does not keep the controller from starting: the segments stay, and the next start replays them again."""
+    state, journal, q = filled(tmp_path)
+    writer = BlockedWriter(monkeypatch, fail=True)
+    journal.snapshot(state, wait=False)
+    more(state, journal, q)
+    writer.release.set()
+    journal.close()  # a sealed segment the snapshot never replaced
+    monkeypatch.undo()
+
+    def full_disk(directory: str, pieces: list[bytes]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal_module, "write_snapshot", full_disk)
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    restarted, again, replayed = open_journal(config)
+    assert replayed and again.stats["snapshot_failures"] == 1 and again.stats["snapshots_written"] == 0
+    assert len(journal_module.sealed_segments(str(tmp_path))) == 2  # the log was sealed too: both replayed
+    again.close()
+    assert restarted.table.known("p").num_rows == state.table.known("p").num_rows
+    monkeypatch.undo()
+    replayed_is_live(tmp_path, state)
+
+
+def test_a_registered_sampler_is_fsynced_before_register_sampler_returns(tmp_path: Path) -> None:
+    """journal_fsync="interval" leaves a pass's record to the next fsync; a registered sampler's is fsynced at once."""
+    queue = Local(tmp_path / "journal", journal_fsync="interval")
+    try:
+        controller = queue.start()
+        journal = controller.journal
+        assert journal is not None
+        with controller.lock:  # the interval never runs out: only an fsync of register_sampler's own counts
+            journal.clock, journal._synced_at = (lambda: 0.0), 0.0
+            fsyncs = journal.stats["fsyncs"]
+        controller.register_sampler("t", CountingSampler("a"))
+        with controller.lock:
+            assert journal.stats["fsyncs"] == fsyncs + 1 and not journal._unsynced
+    finally:
+        queue.close()
