@@ -522,10 +522,9 @@ class Delivery:
         if explicit:
             # TP peers of a DP rank acknowledge the same share: once counts; so does the owner's ack asked again,
             # and rows acknowledged before a replay (the journal keeps no holder: its first ack may be one of them)
-            if again:
-                done = (state == CONSUMED) & (ours | mine | (task.holder[rows] == NO_HOLDER))
-            else:
-                done = (state == CONSUMED) & ours
+            # (and rows whose holder's id was forgotten since: an owner whose connections all closed holding no
+            # lease loses its id, so the first ack's rows no longer name it; with again any acknowledged row counts)
+            done = state == CONSUMED if again else (state == CONSUMED) & ours
             bad = ~(take | done)
             if bad.any():
                 by_round = task.holder[rows[bad]] == self.leases.round_holder

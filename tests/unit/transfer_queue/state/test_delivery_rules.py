@@ -63,17 +63,21 @@ def test_a_lease_is_acknowledged_by_its_owner_only():
         w.delivery.ack(w.part.uid, "train", np.asarray([0]), "alice", explicit=True)
 
 
-def test_an_ack_asked_again_after_server_gone_takes_the_owner_s_acknowledged_rows_as_done():
-    """``again`` (the client's retry after ServerGone: its first ack may have been applied, its reply lost): rows the
-    owner acknowledged already are no error; rows another client acknowledged still are."""
+def test_an_ack_asked_again_after_server_gone_takes_acknowledged_rows_as_done():
+    """``again`` (the client's retry after ServerGone: its first ack may have been applied, its reply lost): rows
+    acknowledged already are no error, even once the owner's id was forgotten (its connections closed holding no
+    lease: the first ack's rows no longer name it; the default tier's journal test failed so); whoever acknowledged
+    them (a holder is not kept across a journal replay either). A plain second ack is NotLeased as before."""
     w = World()
     w.lease([0, 1])
     w.lease([2, 3], owner="bob", call_id=2)
     assert w.delivery.ack(w.part.uid, "train", np.asarray([0, 1]), "alice", explicit=True) == {"acknowledged": 2}
     assert w.delivery.ack(w.part.uid, "train", np.asarray([2, 3]), "bob", explicit=True) == {"acknowledged": 2}
     assert w.delivery.ack(w.part.uid, "train", np.asarray([0, 1]), "alice", True, None, True) == {"acknowledged": 0}
-    with pytest.raises(NotLeased, match=r"already acknowledged: \[2\]"):
-        w.delivery.ack(w.part.uid, "train", np.asarray([2]), "alice", True, None, True)
+    w.delivery.leases.forget_owners(np.zeros(0, dtype=bool))  # nobody holds a live row: every id forgotten
+    assert w.delivery.leases.holder_of("alice") == -1
+    assert w.delivery.ack(w.part.uid, "train", np.asarray([0, 1]), "alice", True, None, True) == {"acknowledged": 0}
+    assert w.delivery.ack(w.part.uid, "train", np.asarray([2]), "alice", True, None, True) == {"acknowledged": 0}
     with pytest.raises(NotLeased, match=r"already acknowledged: \[0\]"):  # without again: as before
         w.delivery.ack(w.part.uid, "train", np.asarray([0]), "alice", explicit=True)
 
