@@ -108,11 +108,11 @@ def schedule(seed: int, kinds: list[str], kills: int, steps: int) -> list[dict[s
 # ---- the child runs ---------------------------------------------------------------------------------------------
 def child(args: argparse.Namespace) -> int:
     import ray
-    from ray.exceptions import ActorUnavailableError
 
     import transfer_queue
     from orchestration.config import config_from_cli
     from orchestration.grpo_run import connect_ray
+    from orchestration.supervisor import when_up
     from rl_contracts.stages import ROLLOUT_TASK, TRAIN_TASK
     from tests.e2e.unit_death_run import AuditedRun
 
@@ -193,17 +193,6 @@ def child(args: argparse.Namespace) -> int:
             }
             self.audit.write(json.dumps(row) + "\n")
             self.audit.flush()
-
-    def when_up(call: Any) -> Any:
-        """``call()``, once its actor is up (a worker, or the controller, killed a moment ago is being restarted)."""
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                return call()
-            except ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
 
     connect_ray()
     run = KillingRun(config)
