@@ -54,7 +54,9 @@ def test_a_relaunched_step_runs_while_the_step_ahead_waits_for_it(queue):
     # the step launched ahead: its rows come only after the trainer finished step 0 (here: after the redo is done)
     blocked = [rollout.generate_step.remote(ahead), reward.score_step.remote(ahead)]
     put_prompts(client, redo)
-    driver = SimpleNamespace(rollout=[rollout], reward=[reward], prompt_fields=lambda: None)
+    driver = SimpleNamespace(
+        rollout=[rollout], reward=[reward], prompt_fields=lambda: None, _tracked=lambda step, refs: refs
+    )
 
     rollout_refs, reward_refs = GRPORun.relaunch(driver, redo, True, True)  # type: ignore[arg-type]
 
