@@ -112,6 +112,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def spy_on_batches(rank: Any) -> list[dict[str, torch.Tensor]]:
+    """The batches ``rank``'s old-log-prob pass is given, copied as it sees them (filled as it trains)."""
+    seen: list[dict[str, torch.Tensor]] = []
+    recompute = rank._recompute_old_logprobs
+
+    def spy(t: dict[str, torch.Tensor]) -> dict[str, float]:
+        out = recompute(t)
+        seen.append({name: value.clone() for name, value in t.items()})
+        return out
+
+    rank._recompute_old_logprobs = spy
+    return seen
+
+
+def projector_weights(rank: Any) -> dict[str, torch.Tensor]:
+    """A copy of the VLM's projector weights (to see a training step move them)."""
+    return {
+        name: p.detach().full_tensor().clone()
+        for name, p in rank.policy.model.named_parameters()
+        if "multi_modal_projector" in name
+    }
+
+
 def test_a_grpo_step_on_samples_with_images_reads_references_and_trains_on_pixels(grpo_queue: Any) -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
@@ -127,22 +150,10 @@ def test_a_grpo_step_on_samples_with_images_reads_references_and_trains_on_pixel
     cfg = TrainerConfig.from_run(RLConfig(prompts_per_step=prompts, n_samples=n, train=train))
     assert cfg.temperature == TEMPERATURE and cfg.train.weight_decay == 0.0  # a moved weight is the gradient's
     rank = GRPOTrainerRank.__ray_metadata__.modified_class(0, 1, grpo_queue.info, cfg, task)  # type: ignore[attr-defined]
-    seen: list[dict[str, torch.Tensor]] = []
-    recompute = rank._recompute_old_logprobs
-
-    def spy(t: dict[str, torch.Tensor]) -> dict[str, float]:
-        out = recompute(t)
-        seen.append({name: value.clone() for name, value in t.items()})
-        return out
-
-    rank._recompute_old_logprobs = spy
+    seen = spy_on_batches(rank)
     try:
         rank.setup("127.0.0.1", _free_port())
-        projector = {
-            name: p.detach().full_tensor().clone()
-            for name, p in rank.policy.model.named_parameters()
-            if "multi_modal_projector" in name
-        }
+        projector = projector_weights(rank)
         assert projector
         stats = rank.train_step(step)
 
@@ -199,22 +210,10 @@ def test_a_grpo_step_on_colours_prompts_with_one_and_two_pictures_trains_them_in
     train = TrainConfig(world_size=1, backend="gloo", lr=1e-2, micro_batch_size=8, recompute_old_logprobs=True)
     cfg = TrainerConfig.from_run(RLConfig(prompts_per_step=num_prompts, n_samples=n, train=train))
     rank = GRPOTrainerRank.__ray_metadata__.modified_class(0, 1, grpo_queue.info, cfg, ColorsTask(**kwargs))  # type: ignore[attr-defined]
-    seen: list[dict[str, torch.Tensor]] = []
-    recompute = rank._recompute_old_logprobs
-
-    def spy(t: dict[str, torch.Tensor]) -> dict[str, float]:
-        out = recompute(t)
-        seen.append({name: value.clone() for name, value in t.items()})
-        return out
-
-    rank._recompute_old_logprobs = spy
+    seen = spy_on_batches(rank)
     try:
         rank.setup("127.0.0.1", _free_port())
-        projector = {
-            name: p.detach().full_tensor().clone()
-            for name, p in rank.policy.model.named_parameters()
-            if "multi_modal_projector" in name
-        }
+        projector = projector_weights(rank)
         stats = rank.train_step(step)
 
         [batch] = seen
