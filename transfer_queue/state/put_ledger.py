@@ -35,7 +35,7 @@ from transfer_queue.errors import (
     TransferQueueError,
 )
 from transfer_queue.metadata import BatchMeta, FieldSchema, PartitionKey, describe_partition
-from transfer_queue.state.partition import COMMITTED, PartitionState
+from transfer_queue.state.partition import COMMITTED, PartitionState, value_counts
 from transfer_queue.state.partition_table import PartitionTable
 from transfer_queue.state.placement import place_rows, replica_units
 
@@ -366,10 +366,10 @@ class PutLedger:
         part.end_write(put.rows, put.mask)
         dead = part.commit(put.rows, put.names, put.blocks, put.offsets, put.lengths, put.new_rows)
         rows_before = bytes_before = 0  # split the put's bytes over its blocks by rows, summing to nbytes exactly
-        for b, c in zip(*np.unique(put.blocks, return_counts=True), strict=True):
-            rows_before += int(c)
+        for b, c in value_counts(put.blocks):
+            rows_before += c
             upto = put.nbytes * rows_before // len(put.rows)
-            part.block_nbytes[int(b)] = upto - bytes_before
+            part.block_nbytes[b] = upto - bytes_before
             bytes_before = upto
         self.drop_blocks(part, dead)
         extra = {"keys": put.keys} if put.keys is not None else {}
