@@ -36,9 +36,10 @@ from transfer_queue.ops.web import PROMETHEUS_TEXT, HttpEndpoint
 from transfer_queue.storage.checkpoint import CheckpointError, load_unit, restore_into, save_unit
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.auth import write_token
-from transfer_queue.wire.columns import Column, concat_columns, jagged_take, nframes, take_rows
+from transfer_queue.wire.columns import Column, as_buffer, concat_columns, jagged_take, nframes, take_rows
 from transfer_queue.wire.server import DEFAULT_MAX_MESSAGE_BYTES, Responder, Server
 from transfer_queue.wire.transport import Endpoint
+from transfer_queue.wire.unix_socket import GatheredFrame
 
 logger = logging.getLogger(__name__)
 TRIM_EVERY_BYTES = 64 << 20
@@ -147,19 +148,28 @@ class BlockStore:
                 "match the data)"
             )
 
-    def read(self, req: p.Read) -> tuple[p.ReadReply, list[Any]]:
-
+    def read(self, req: p.Read, gathered: bool = False) -> tuple[p.ReadReply, list[Any]]:
+        """The rows ``req`` names, field by field: a reply and its buffers. ``gathered`` (the server's sends): a
+        field whose rows lie in several blocks, each a run, in order, comes back as a :class:`GatheredFrame` of
+        those runs, not copied into one new buffer (the common large read: a step's puts read back in order)."""
         if self._dead(req.partition_uid):
             raise StaleBatchMeta(f"the rows of this BatchMeta were cleared (partition uid {req.partition_uid})")
         specs, buffers = [], []
         for spec in req.fields:
-            column = self._gather(req.partition_uid, spec)
+            parts, positions = self._parts(req.partition_uid, spec)
+            runs = _in_order(parts, positions) if gathered and len(parts) > 1 else None
+            if runs is not None:
+                column_spec, frames = _gathered(runs)
+                specs.append(p.ColumnSpec(spec.name, *column_spec))
+                buffers.extend(frames)
+                continue
+            column = concat_columns(parts, positions, sum(len(pos) for pos in positions))
             specs.append(p.ColumnSpec(spec.name, column.schema, column.num_rows, nframes(column.schema)))
             buffers.extend(column.buffers())
         return p.ReadReply(specs), buffers
 
-    def _gather(self, uid: int, spec: p.ReadField) -> Column:
-
+    def _parts(self, uid: int, spec: p.ReadField) -> tuple[list[Column], list[np.ndarray]]:
+        """Each block's rows of ``spec``'s field, and where they go in the reply."""
         blocks = p.unpack_indexes(spec.blocks)
         offsets = p.unpack_indexes(spec.offsets)
         if len(blocks) != len(offsets):
@@ -185,7 +195,7 @@ class BlockStore:
             raise InvalidRequest(f"field {spec.name!r}: a read needs at least one row")
         if len({part.schema for part in parts}) > 1:  # a field promoted to jagged: its older blocks are dense
             parts = [part.as_jagged() for part in parts]
-        return concat_columns(parts, positions, len(blocks))
+        return parts, positions
 
     def _dead(self, uid: int) -> bool:
         return uid in self.dead_partitions or (uid <= self.max_uid and uid not in self.live_uids)
@@ -266,6 +276,38 @@ def save_staged(staging: str, unit: int, num_units: int, blocks: dict[int, Block
     return sum(block.nbytes for block in blocks.values())
 
 
+def _in_order(parts: list[Column], positions: list[np.ndarray]) -> list[Column] | None:
+    """``parts`` in reply order when each is one run of the reply's rows and the runs follow each other from row 0
+    (then the parts' bytes end to end are the reply's); None otherwise, or for object columns (one encoded list)."""
+    if parts[0].schema.kind == "object":
+        return None
+    order = sorted(range(len(parts)), key=lambda i: int(positions[i][0]))
+    at = 0
+    for i in order:
+        pos = positions[i]
+        if int(pos[0]) != at or int(pos[-1]) != at + len(pos) - 1:  # np.unique per block: ascending, no repeats
+            return None
+        at += len(pos)
+    return [parts[i] for i in order]
+
+
+def _gathered(runs: list[Column]) -> tuple[tuple[Any, int, int], list[Any]]:
+    """The (schema, rows, frames) spec and the frames of ``runs`` laid end to end, without copying their data: a
+    dense column is one :class:`GatheredFrame`; a jagged one its values as one and its offsets (small) joined."""
+    schema = runs[0].schema
+    num_rows = sum(run.num_rows for run in runs)
+    values = GatheredFrame([as_buffer(run.data) for run in runs if run.data is not None and run.data.numel()])
+    if schema.kind == "dense":
+        return (schema, num_rows, 1), [values]
+    offsets, base = [np.zeros(1, dtype=np.int64)], 0
+    for run in runs:
+        assert run.offsets is not None
+        run_offsets = run.offsets.numpy()
+        offsets.append(run_offsets[1:] - run_offsets[0] + base)
+        base += int(run_offsets[-1] - run_offsets[0])
+    return (schema, num_rows, 2), [values, np.concatenate(offsets)]
+
+
 def _take(column: Column, rows: np.ndarray) -> Column:
     """Rows of a block's column; a view when they are one contiguous ascending run."""
 
@@ -319,7 +361,7 @@ class StorageServer(Server):
         self.metrics = StorageMetrics()  # recorded on the serving thread; read by scrapes under ``lock``
         self._handlers: dict[type, Any] = {
             p.Write: lambda req, bufs: self.store.write(req, bufs),
-            p.Read: lambda req, bufs: self.store.read(req),
+            p.Read: lambda req, bufs: self.store.read(req, gathered=True),
             p.DropBlocks: lambda req, bufs: self.store.drop_blocks(req.partition_uid, req.block_ids, req.block_floor),
             p.DropPartition: lambda req, bufs: self.store.drop_partition(
                 req.partition_uid, req.live_uids, req.max_uid, req.block_floor

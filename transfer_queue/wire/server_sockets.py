@@ -20,7 +20,7 @@ from transfer_queue.wire.auth import ZapHandler, secure_server
 from transfer_queue.wire.protocol import Endpoint, ray_node_id
 from transfer_queue.wire.socket_dirs import SocketDir
 from transfer_queue.wire.sockets import HANDSHAKE_FAILED, Reply, close_watched, server_addresses, tcp_address, watch
-from transfer_queue.wire.unix_socket import MAX_MESSAGE_BYTES, UnixServer
+from transfer_queue.wire.unix_socket import MAX_MESSAGE_BYTES, GatheredFrame, UnixServer
 
 T = TypeVar("T")
 Frames = list[Any]
@@ -257,7 +257,8 @@ class ServerSockets:
 
     def _send_router(self, identity: zmq.Frame, frames: Sequence[Any]) -> None:
         try:
-            self.router.send_multipart([identity, *frames], copy=False)
+            joined: list[Any] = [f.join() if isinstance(f, GatheredFrame) else f for f in frames]  # ZeroMQ: one each
+            self.router.send_multipart([identity, *joined], copy=False)
         except zmq.ZMQError:  # the client went away
             pass
 

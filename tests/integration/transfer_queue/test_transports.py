@@ -49,6 +49,29 @@ def test_put_get_meta_get_data(queue: Any, over: Any) -> None:
     assert torch.equal(got["x"], data["x"]) and list(got["t"]) == list("abcdefgh")
 
 
+def test_a_read_across_several_puts_blocks_in_order(queue: Any, over: Any) -> None:
+    """A unit sends the runs of several blocks end to end as one frame (a GatheredFrame; ZeroMQ joins it)."""
+    client, step = over(queue), queue.step()
+    parts = [
+        TensorDict(
+            {
+                "x": torch.arange(i * 4, i * 4 + 4, dtype=torch.float64).unsqueeze(1).expand(4, 64).contiguous(),
+                "r": torch.nested.nested_tensor([torch.arange(i * 4 + k) for k in range(4)], layout=torch.jagged),
+            },
+            batch_size=[4],
+        )
+        for i in range(3)
+    ]
+    for part in parts:
+        client.put(part, global_step=step)
+    got = client.get_data(client.get_meta(["x", "r"], 12, global_step=step, task_name="runs"))
+    order = got["x"][:, 0].long().tolist()
+    assert sorted(order) == list(range(12))
+    for k, row in enumerate(order):
+        assert torch.equal(got["x"][k], parts[row // 4]["x"][row % 4])
+        assert torch.equal(got["r"][k], torch.arange(row))
+
+
 def test_grpo_groups(grpo_queue: Any, over: Any) -> None:
     client, step = over(grpo_queue), grpo_queue.step()
     client.put(TensorDict({"x": torch.arange(8)}, batch_size=[8]), global_step=step, group_ids=[1, 2] * 4)

@@ -18,6 +18,7 @@ from transfer_queue.errors import (
 from transfer_queue.storage.unit import BlockStore
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.columns import Column, columns_from_tensordict
+from transfer_queue.wire.unix_socket import GatheredFrame
 
 UID = 5
 
@@ -99,6 +100,31 @@ def test_reads_gather_across_blocks_in_any_order(store):
     assert row_values(out) == expected([9, 0, 5, 2, 6, 1, 4])
     out, _ = read(store, [(0, 2), (0, 2), (0, 0)])  # the same row twice, and rows out of order in one block
     assert row_values(out) == expected([2, 2, 0])
+
+
+def test_a_read_of_runs_of_blocks_in_order_sends_the_blocks_rows_without_copying_them(store):
+    cells = [(0, 2), (0, 3), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2)]  # rows 2..8: a run in each of three blocks
+    blocks = p.pack_indexes(np.array([b for b, _ in cells]))
+    offsets = p.pack_indexes(np.array([o for _, o in cells]))
+    request = p.Read(UID, [p.ReadField(n, blocks, offsets) for n in ("ids", "resp", "tag")])
+    plain_reply, plain = store.read(request)
+    reply, gathered = store.read(request, gathered=True)
+    assert reply == plain_reply
+    ids, values = gathered[0], gathered[1]  # dense ids, jagged resp values: the blocks' own memory, end to end
+    assert isinstance(ids, GatheredFrame) and isinstance(values, GatheredFrame) and len(ids.views) == 3
+    assert np.shares_memory(np.asarray(ids.views[0]), np.asarray(store.blocks[0].columns["ids"].buffers()[0]))
+    joined = [g.join() if isinstance(g, GatheredFrame) else np.frombuffer(g, dtype=np.uint8) for g in gathered]
+    assert [bytes(j) for j in joined] == [bytes(memoryview(b).cast("B")) for b in plain]
+    out, i = {}, 0
+    for spec in reply.columns:
+        out[spec.name] = Column.from_buffers(spec.schema, spec.num_rows, joined[i : i + spec.nframes]).to_value()
+        i += spec.nframes
+    assert row_values(out) == expected(list(range(2, 9)))
+    # blocks interleaved in the reply (block 0, block 2, block 0 again) are gathered the old way: one new buffer
+    _, mixed = store.read(p.Read(UID, [p.ReadField("ids", p.pack_indexes(np.array([0, 2, 0])),
+                                                   p.pack_indexes(np.array([0, 0, 1])))]), gathered=True)  # fmt: skip
+    assert not isinstance(mixed[0], GatheredFrame)
+    assert np.asarray(mixed[0]).view(np.int64).reshape(3, 3)[:, 0].tolist() == [0, 4, 1]
 
 
 def test_stats_count_the_bytes_of_the_frames(store):

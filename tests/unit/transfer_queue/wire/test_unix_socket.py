@@ -13,6 +13,7 @@ import pytest
 from transfer_queue.wire.unix_socket import (
     MAX_FRAMES,
     FrameReader,
+    GatheredFrame,
     ProtocolViolation,
     UnixServer,
     connect,
@@ -203,3 +204,18 @@ def test_a_server_that_closes_before_its_challenge_is_gone_not_an_authentication
         connect(path, b"s" * 32)
     thread.join()
     listener.close()
+
+
+def test_a_gathered_frame_arrives_as_one_frame_of_its_pieces_end_to_end():
+    a, b = pair()
+    rng = np.random.default_rng(1)
+    pieces = [rng.integers(0, 255, size=n, dtype=np.uint8) for n in (2_000_000, 0, 7, 1_500_000)]
+    gathered = GatheredFrame(pieces)
+    assert gathered.nbytes == sum(x.nbytes for x in pieces)
+    done = threading.Event()
+    threading.Thread(target=lambda: (send_all(a, [b"head", gathered, b"tail"], 10), done.set())).start()
+    (message,) = read_all(b, FrameReader())
+    assert done.wait(10)
+    assert [bytes(message[0]), bytes(message[2])] == [b"head", b"tail"] and len(message) == 3
+    assert np.array_equal(np.frombuffer(message[1], dtype=np.uint8), np.concatenate(pieces))
+    assert np.array_equal(gathered.join(), np.concatenate(pieces))  # what the ZeroMQ path sends
