@@ -7,7 +7,10 @@ Plain Python (no Ray, no sockets, no wire format). The first call of a round (``
 of that round with a ``dp_rank`` gets that rank's share, however many TP/PP peers ask. A round's state lives in its
 partition (:class:`~transfer_queue.state.partition.DPRound`, so a clear forgets it); :class:`DPRounds` keeps the
 automatic round numbers of calls that name no ``dp_group_id``: the k-th call of a ``dp_rank`` (per ``world_rank``,
-else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same round.
+else per client: its owner, else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same
+round. A journaled controller keeps the counters of ``world_rank`` and of clients (:meth:`DPRounds.journaled`): after
+a restart each rank goes on with its next round, and a call asked again (the same owner and call id, after
+ServerGone) is numbered as it was the first time.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ MAX_DP_SIZE = 1 << 16  # bounds the shares one DP round is split into
 MAX_ROUNDS_PER_PARTITION = 1024
 
 # An automatic DP round counter: (partition, task, dp_rank, caller), the caller being ``world_rank`` when given,
-# else the connection: the TP peers of one dp_rank count their own calls, so their k-th calls meet in round k.
+# else the client's owner (a str), else the connection: the TP peers of one dp_rank count their own calls, so their
+# k-th calls meet in round k.
 AutoRoundCounter = tuple[PartitionKey, str, int, Any]
 
 
@@ -62,14 +66,27 @@ class DPRounds:
     def __init__(self) -> None:
         self.auto_rounds: dict[AutoRoundCounter, int] = {}
         self._of_caller: dict[Any, set[AutoRoundCounter]] = {}  # a closed connection forgets its own counters only
+        # the call (owner, call id) that took each counter's last number: asked again, it is numbered the same
+        self._last_call: dict[AutoRoundCounter, tuple[str, int]] = {}
+        self.changed = False  # the counters changed since the journal's last record (journal_dir)
 
     # ---- automatic round numbers ------------------------------------------------------------------------------
-    def number(self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any) -> tuple[str, Any]:
-        """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job."""
+    def number(
+        self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any, call: tuple[str, int] | None = None
+    ) -> tuple[str, Any]:
+        """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job. ``call``: the client's
+        (owner, call id); the call asked again (ServerGone: its first reply was lost) gets the number it took."""
         counter = (key, task_name, dp_rank, caller)
         number = self.auto_rounds.get(counter, 0)
+        if call is not None and number and self._last_call.get(counter) == call:
+            return f"auto-{number - 1}", (counter, number - 1)
         self.auto_rounds[counter] = number + 1
+        if call is not None:
+            self._last_call[counter] = call
+        else:
+            self._last_call.pop(counter, None)
         self._of_caller.setdefault(caller, set()).add(counter)
+        self.changed = True
         return f"auto-{number}", (counter, number)
 
     def forget(self, job: GetMetaJob) -> None:
@@ -79,21 +96,51 @@ class DPRounds:
             counter, number = job.auto_round
             if self.auto_rounds.get(counter) == number + 1:
                 self.auto_rounds[counter] = number
+                self._last_call.pop(counter, None)
+                self.changed = True
 
     def drop_caller(self, caller: Any) -> None:
-        """Connection ``caller`` closed: forget its counters."""
+        """Connection ``caller`` closed, or client ``caller`` (its owner) is gone for good: forget its counters."""
         for counter in self._of_caller.pop(caller, ()):
             self.auto_rounds.pop(counter, None)
+            self._last_call.pop(counter, None)
+            self.changed = True
 
     def drop_partition(self, key: PartitionKey, task_name: str | None = None) -> None:
         """Forget the counters of partition ``key`` (of one task; None: every task)."""
         for counter in [c for c in self.auto_rounds if c[0] == key and task_name in (None, c[1])]:
             del self.auto_rounds[counter]
+            self._last_call.pop(counter, None)
+            self.changed = True
             mine = self._of_caller.get(counter[3])
             if mine is not None:
                 mine.discard(counter)
                 if not mine:
                     del self._of_caller[counter[3]]
+
+    # ---- the journal (journal_dir) ----------------------------------------------------------------------------
+    def journaled(self) -> list[list[Any]]:
+        """The counters a restarted controller goes on with: those of a ``world_rank`` or of a client's owner (a
+        connection's end with it), as ``[partition, task, dp_rank, caller, next number, owner, call id]`` (the last
+        two: the call that took the number before it, or ``["", 0]``)."""
+        out: list[list[Any]] = []
+        for counter, number in self.auto_rounds.items():
+            key, task_name, dp_rank, caller = counter
+            if isinstance(caller, (int, str)) and not isinstance(caller, bool):
+                owner, call_id = self._last_call.get(counter, ("", 0))
+                out.append([key, task_name, dp_rank, caller, number, owner, call_id])
+        return out
+
+    def restore(self, saved: list[list[Any]], live: Any) -> None:
+        """Take the counters :meth:`journaled` kept, of the partitions in ``live`` (keys)."""
+        for key, task_name, dp_rank, caller, number, owner, call_id in saved:
+            if key not in live:
+                continue
+            counter = (key, str(task_name), int(dp_rank), caller)
+            self.auto_rounds[counter] = int(number)
+            if owner and call_id:
+                self._last_call[counter] = (str(owner), int(call_id))
+            self._of_caller.setdefault(caller, set()).add(counter)
 
     # ---- serving a round ------------------------------------------------------------------------------------
     def serve(
