@@ -452,16 +452,14 @@ class Delivery:
         self.leases.skip_ids(next_id)
         return restored
 
-    def expire(self, now: float) -> list[str]:
-        """Hand back the rows of expired leases and of owners gone for good; returns those owners."""
+    def expire(self, now: float) -> None:
+        """Hand back the rows of expired leases and of owners gone for good."""
         # rows handed back go in front of the ready ones: the latest lease first, so the oldest ends up in front
         for lease in reversed(self.leases.expired(now)):
             self.give_back(lease, "lease expired")
-        gone = self.leases.take_orphans(now)
-        for owner in gone:
+        for owner in self.leases.take_orphans(now):
             for lease in reversed(self.leases.of_owner(owner)):
                 self.give_back(lease, "client disconnected")
-        return gone
 
     def rows_of_call(self, part: PartitionState, task_name: str, owner: str, call_id: int) -> np.ndarray | None:
         """The rows of ``part``'s task that get_meta ``call_id`` of ``owner`` was served and still holds leased (None:

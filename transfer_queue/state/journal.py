@@ -38,7 +38,11 @@ holds each lease again over the rows still leased under its id, for its owner, i
 ``duration`` (the ``lease_s`` it was granted, or the last ``extend_lease``'s seconds) from the replay: a monotonic
 clock does not carry over to another process or host, so a lease gets at most ``duration`` more than it had left. Its
 owner has no connection yet: the disconnect grace starts only once it connected again and closed its last
-connection, so an owner that never comes back loses its rows at the re-armed deadline.
+connection, so an owner that never comes back loses its rows at the re-armed deadline. A get_meta whose reply was lost
+(the controller died after writing its lease's record) is asked again under the same (owner, call id): it is answered
+with the rows of that lease (:meth:`~transfer_queue.state.delivery.Delivery.rows_of_call`), not new ones. The
+automatic DP round numbers (:meth:`~transfer_queue.state.dp_rounds.DPRounds.journaled`) are kept with the state's
+other fields: in the snapshot, and in a record (``auto_rounds``) when they changed.
 
 To know what changed, each mutation of a partition marks the rows it changes (``PartitionState.mark``: commit, abort,
 acks and leases, hand-backs and dead letters, clears, kv keys, custom meta, rows lost), and the groups and blocks they
@@ -61,6 +65,11 @@ A ``write()`` that fails (or writes part of a record, then fails) has the log cu
 changes go with the next record, which holds every partition). A torn last record (the process died in the middle
 of a ``write()``) is dropped on open; a record that fails its
 checksum with more records after it is :class:`~transfer_queue.errors.JournalCorrupt`.
+
+``removing``
+    a journal being removed (:func:`remove_journal`: the queue was shut down): written first, removed after every
+    other file. A start that finds it finishes the removal and starts empty (a removal cut short, its snapshot gone and
+    its log not, would otherwise read as a damaged journal).
 """
 
 from __future__ import annotations

@@ -241,8 +241,7 @@ class QueueState:
         now = self.clock()
         self.ledger.expire(now)
         self.waiting.expire(now, self._get_meta_timeout, self._put_timeout, self.rounds.forget)
-        for owner in self.delivery.expire(now):  # gone for good: its automatic DP round counters with it
-            self.rounds.drop_caller(owner)
+        self.delivery.expire(now)
         deadlines = [self.leases.next_deadline(), *self.ledger.deadlines(), self.waiting.next_deadline()]
         self.next_deadline = min(deadlines, default=float("inf"))
         return None if self.next_deadline == float("inf") else self.next_deadline

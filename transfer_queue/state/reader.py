@@ -119,9 +119,7 @@ class MetaReader:
             world_rank = params.get("world_rank")
             if world_rank is not None and (not isinstance(world_rank, int) or isinstance(world_rank, bool)):
                 raise InvalidRequest(f"sampler_params['world_rank'] must be an int, got {world_rank!r}")
-            # per world_rank, else per client (its owner: a client that reconnects, or a restarted controller's
-            # journal, keeps its count), else per connection
-            caller = world_rank if world_rank is not None else owner if owner and owner != ROUND_OWNER else connection
+            caller = connection if world_rank is None else world_rank
             call = (owner, call_id) if owner and call_id and owner != ROUND_OWNER else None
             dp_group_id, auto_round = self.rounds.number(key, task_name, dp_rank, caller, call)
         return GetMetaJob(
