@@ -101,6 +101,7 @@ class LeaseBook:
     def __init__(self) -> None:
         self.leases: dict[int, Lease] = {}
         self.by_owner: dict[str, set[int]] = {}
+        self.by_call: dict[tuple[str, int], int] = {}  # (owner, call id) -> the live lease that get_meta took
         self._heap: list[tuple[float, int]] = []
         self._next_id = 1
         self._owner_ids: dict[str, int] = {}  # the owners some row may carry as its holder
@@ -189,6 +190,8 @@ class LeaseBook:
         """Hold ``lease`` (opened now, or restored from the journal under its own id)."""
         self.leases[lease.lease_id] = lease
         self.by_owner.setdefault(lease.owner, set()).add(lease.lease_id)
+        if lease.call_id:
+            self.by_call[(lease.owner, lease.call_id)] = lease.lease_id
         heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
         self._next_id = max(self._next_id, lease.lease_id + 1)
         if self.changed is not None:
@@ -215,6 +218,8 @@ class LeaseBook:
     def close(self, lease: Lease) -> None:
         """Forget a lease (its heap entry is skipped when it comes up)."""
         self.leases.pop(lease.lease_id, None)
+        if self.by_call.get((lease.owner, lease.call_id)) == lease.lease_id:
+            del self.by_call[(lease.owner, lease.call_id)]
         if self.changed is not None:
             self.changed.add(lease.lease_id)
         owned = self.by_owner.get(lease.owner)
@@ -455,6 +460,21 @@ class Delivery:
         for owner in self.leases.take_orphans(now):
             for lease in reversed(self.leases.of_owner(owner)):
                 self.give_back(lease, "client disconnected")
+
+    def rows_of_call(self, part: PartitionState, task_name: str, owner: str, call_id: int) -> np.ndarray | None:
+        """The rows of ``part``'s task that get_meta ``call_id`` of ``owner`` was served and still holds leased (None:
+        no live lease of that call). The client asks a get_meta again under the same call id after ServerGone
+        (``restart_retry_s``): the controller may have leased rows (and journaled the lease) and died, or lost the
+        connection, before its reply went out; the retry is answered with those rows, not new ones, so none stays
+        leased to a client that never learned which they were."""
+        if not owner or not call_id or owner == ROUND_OWNER:
+            return None
+        lease = self.leases.leases.get(self.leases.by_call.get((owner, call_id), 0))
+        if lease is None or lease.uid != part.uid or lease.task_name != task_name:
+            return None
+        task = part.task(task_name)
+        rows = lease.rows[(task.lease[lease.rows] == lease.lease_id) & (task.consumption[lease.rows] == LEASED)]
+        return rows if len(rows) else None
 
     def cancel(self, owner: str, call_id: int) -> None:
         """Hand back what get_meta ``call_id`` of ``owner`` was served."""

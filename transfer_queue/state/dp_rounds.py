@@ -7,7 +7,10 @@ Plain Python (no Ray, no sockets, no wire format). The first call of a round (``
 of that round with a ``dp_rank`` gets that rank's share, however many TP/PP peers ask. A round's state lives in its
 partition (:class:`~transfer_queue.state.partition.DPRound`, so a clear forgets it); :class:`DPRounds` keeps the
 automatic round numbers of calls that name no ``dp_group_id``: the k-th call of a ``dp_rank`` (per ``world_rank``,
-else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same round.
+else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same
+round. A journaled controller keeps the counters (:meth:`DPRounds.journaled`): after a restart each rank goes on
+with its next round (a connection's counter, which ends with the controller, from past every number its rank took),
+and a call asked again (the same owner and call id, after ServerGone) is numbered as it was the first time.
 """
 
 from __future__ import annotations
@@ -62,14 +65,40 @@ class DPRounds:
     def __init__(self) -> None:
         self.auto_rounds: dict[AutoRoundCounter, int] = {}
         self._of_caller: dict[Any, set[AutoRoundCounter]] = {}  # a closed connection forgets its own counters only
+        # the call (owner, call id) that took each counter's last number: asked again, it is numbered the same
+        self._last_call: dict[AutoRoundCounter, tuple[str, int]] = {}
+        # A replayed journal (its connections are gone with the controller that died): per (partition, task,
+        # dp_rank), the number a connection's new counter begins at (past every number taken before the restart), and
+        # the number each call that took one kept (owner, call id: asked again on a new connection, it gets it again).
+        self._base: dict[tuple[PartitionKey, str, int], int] = {}
+        self._replayed_calls: dict[tuple[PartitionKey, str, int, str, int], int] = {}
+        self.changed = False  # the counters changed since the journal's last record (journal_dir)
 
     # ---- automatic round numbers ------------------------------------------------------------------------------
-    def number(self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any) -> tuple[str, Any]:
-        """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job."""
+    def number(
+        self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any, call: tuple[str, int] | None = None
+    ) -> tuple[str, Any]:
+        """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job. ``call``: the client's
+        (owner, call id); the call asked again (ServerGone: its first reply was lost) gets the number it took."""
         counter = (key, task_name, dp_rank, caller)
-        number = self.auto_rounds.get(counter, 0)
+        number = self.auto_rounds.get(counter)
+        if number is None:  # the caller's first call (a connection's: perhaps since the controller restarted)
+            taken = None if call is None else self._replayed_calls.pop((key, task_name, dp_rank, *call), None)
+            if taken is not None:
+                number = taken
+            elif _journaled_caller(caller):
+                number = 0
+            else:
+                number = self._base.get((key, task_name, dp_rank), 0)
+        elif call is not None and number and self._last_call.get(counter) == call:
+            return f"auto-{number - 1}", (counter, number - 1)
         self.auto_rounds[counter] = number + 1
+        if call is not None:
+            self._last_call[counter] = call
+        else:
+            self._last_call.pop(counter, None)
         self._of_caller.setdefault(caller, set()).add(counter)
+        self.changed = True
         return f"auto-{number}", (counter, number)
 
     def forget(self, job: GetMetaJob) -> None:
@@ -79,21 +108,70 @@ class DPRounds:
             counter, number = job.auto_round
             if self.auto_rounds.get(counter) == number + 1:
                 self.auto_rounds[counter] = number
+                self._last_call.pop(counter, None)
+                self.changed = True
 
     def drop_caller(self, caller: Any) -> None:
         """Connection ``caller`` closed: forget its counters."""
         for counter in self._of_caller.pop(caller, ()):
             self.auto_rounds.pop(counter, None)
+            self._last_call.pop(counter, None)
+            self.changed = True
 
     def drop_partition(self, key: PartitionKey, task_name: str | None = None) -> None:
         """Forget the counters of partition ``key`` (of one task; None: every task)."""
         for counter in [c for c in self.auto_rounds if c[0] == key and task_name in (None, c[1])]:
             del self.auto_rounds[counter]
+            self._last_call.pop(counter, None)
+            self.changed = True
             mine = self._of_caller.get(counter[3])
             if mine is not None:
                 mine.discard(counter)
                 if not mine:
                     del self._of_caller[counter[3]]
+        for base in [e for e in self._base if e[0] == key and task_name in (None, e[1])]:
+            del self._base[base]
+            self.changed = True
+        for call in [e for e in self._replayed_calls if e[0] == key and task_name in (None, e[1])]:
+            del self._replayed_calls[call]
+            self.changed = True
+
+    # ---- the journal (journal_dir) ----------------------------------------------------------------------------
+    def journaled(self) -> list[list[Any]]:
+        """The counters as the journal keeps them: ``[partition, task, dp_rank, caller, next number, owner, call id]``
+        (the last two: the call that took the number before it, or ``["", 0]``). A ``world_rank``'s counter is kept as
+        it is; a connection's (it ends with the controller) with ``caller`` None: a replay begins the new connections'
+        counters of its rank past it, and the call that took its last number gets that number again."""
+        out: list[list[Any]] = []
+        for (key, task_name, dp_rank, caller), number in self.auto_rounds.items():
+            owner, call_id = self._last_call.get((key, task_name, dp_rank, caller), ("", 0))
+            kept = caller if _journaled_caller(caller) else None
+            out.append([key, task_name, dp_rank, kept, number, owner, call_id])
+        out.extend(
+            [key, task_name, dp_rank, None, number, "", 0] for (key, task_name, dp_rank), number in self._base.items()
+        )
+        out.extend(
+            [key, task_name, dp_rank, None, number + 1, owner, call_id]
+            for (key, task_name, dp_rank, owner, call_id), number in self._replayed_calls.items()
+        )
+        return out
+
+    def restore(self, saved: list[list[Any]], live: Any) -> None:
+        """Take the counters :meth:`journaled` kept, of the partitions in ``live`` (keys)."""
+        for key, task_name, dp_rank, caller, number, owner, call_id in saved:
+            if key not in live:
+                continue
+            rank = (key, str(task_name), int(dp_rank))
+            if caller is not None:  # a world_rank's
+                counter = (*rank, caller)
+                self.auto_rounds[counter] = int(number)
+                if owner and call_id:
+                    self._last_call[counter] = (str(owner), int(call_id))
+                self._of_caller.setdefault(caller, set()).add(counter)
+                continue
+            self._base[rank] = max(self._base.get(rank, 0), int(number))
+            if owner and call_id and int(number):
+                self._replayed_calls[(*rank, str(owner), int(call_id))] = int(number) - 1
 
     # ---- serving a round ------------------------------------------------------------------------------------
     def serve(
@@ -190,3 +268,8 @@ def end_round(part: PartitionState, round_key: tuple[str, str], lease_id: int) -
     dp_round = part.rounds.get(round_key)
     if dp_round is not None and dp_round.lease_id == lease_id:
         dp_round.expired = True
+
+
+def _journaled_caller(caller: Any) -> bool:
+    """Whether a counter's caller outlives the controller: a ``world_rank`` (an int), not a connection."""
+    return isinstance(caller, int) and not isinstance(caller, bool)

@@ -38,7 +38,11 @@ holds each lease again over the rows still leased under its id, for its owner, i
 ``duration`` (the ``lease_s`` it was granted, or the last ``extend_lease``'s seconds) from the replay: a monotonic
 clock does not carry over to another process or host, so a lease gets at most ``duration`` more than it had left. Its
 owner has no connection yet: the disconnect grace starts only once it connected again and closed its last
-connection, so an owner that never comes back loses its rows at the re-armed deadline.
+connection, so an owner that never comes back loses its rows at the re-armed deadline. A get_meta whose reply was lost
+(the controller died after writing its lease's record) is asked again under the same (owner, call id): it is answered
+with the rows of that lease (:meth:`~transfer_queue.state.delivery.Delivery.rows_of_call`), not new ones. The
+automatic DP round numbers (:meth:`~transfer_queue.state.dp_rounds.DPRounds.journaled`) are kept with the state's
+other fields: in the snapshot, and in a record (``auto_rounds``) when they changed.
 
 To know what changed, each mutation of a partition marks the rows it changes (``PartitionState.mark``: commit, abort,
 acks and leases, hand-backs and dead letters, clears, kv keys, custom meta, rows lost), and the groups and blocks they
@@ -61,6 +65,11 @@ A ``write()`` that fails (or writes part of a record, then fails) has the log cu
 changes go with the next record, which holds every partition). A torn last record (the process died in the middle
 of a ``write()``) is dropped on open; a record that fails its
 checksum with more records after it is :class:`~transfer_queue.errors.JournalCorrupt`.
+
+``removing``
+    a journal being removed (:func:`remove_journal`: the queue was shut down): written first, removed after every
+    other file. A start that finds it finishes the removal and starts empty (a removal cut short, its snapshot gone and
+    its log not, would otherwise read as a damaged journal).
 """
 
 from __future__ import annotations
@@ -342,10 +351,13 @@ class Journal:
             if self.uids.get(key) != part.uid or dirty is None or key in dirty or (marked and part.dirty)
         ]
         specs = state.sampler_specs != self._specs  # a sampler registered since the last record
-        if not drops and not changed and not counters and not book.changed and not specs:
+        rounds = state.rounds.changed  # automatic DP round numbers taken (or forgotten) since
+        if not drops and not changed and not counters and not book.changed and not specs and not rounds:
             return 0
         parts = [self._partition_record(state.partitions[key]) for key in changed]
-        more = {"sampler_specs": dict(state.sampler_specs)} if specs else {}
+        more: dict[str, Any] = {"sampler_specs": dict(state.sampler_specs)} if specs else {}
+        if rounds:
+            more["auto_rounds"] = state.rounds.journaled()
         payload = msgspec.msgpack.encode(
             {
                 "seq": self.seq + 1,
@@ -372,6 +384,8 @@ class Journal:
             self._shapes[key] = _shape(part)
         self.uids = current
         self._specs = dict(state.sampler_specs)
+        if rounds:
+            state.rounds.changed = False
         if book.changed is not None:
             book.changed.clear()
         self.log_bytes += len(data)
@@ -499,6 +513,7 @@ class Journal:
             leases=state.delivery.journaled_leases(changed=False),
             next_lease=state.delivery.leases.next_id,
             sampler_specs=dict(state.sampler_specs),
+            auto_rounds=state.rounds.journaled(),
         )
         self._seal()
         self.track(state)  # the snapshot is the base the partitions' next records change
@@ -596,6 +611,9 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     if directory is None:
         raise ValueError("open_journal needs a config with a journal_dir")
     os.makedirs(directory, exist_ok=True)
+    if os.path.exists(os.path.join(directory, REMOVING)):  # the last queue's shutdown died removing its journal
+        logger.warning("the journal under %s was being removed when its process died: removed now", directory)
+        _finish_removal(directory)
     snapshot, log_end = load(directory)
     if snapshot is None:
         state = QueueState(config, sampler)
@@ -617,6 +635,8 @@ def open_journal(config: QueueConfig, sampler: SamplerSpec | None = None) -> tup
     leases = snapshot.get("leases")  # None: a journal written before leases were kept
     state = restore_state(snapshot, config, sampler, identity, int(snapshot["next_block"]), leases)
     restore_units_book(state, snapshot.get("units"))  # the units' restarts as the clients saw them
+    # the automatic DP round numbers: each rank goes on with its next round (written before they were kept: none)
+    state.rounds.restore(snapshot.get("auto_rounds") or [], state.partitions)
     for task, spec in (snapshot.get("sampler_specs") or {}).items():  # registered again, their states loaded
         try:
             state.register_sampler(task, cloudpickle.loads(spec))
@@ -647,6 +667,8 @@ IDENTITY = "identity"
 def read_identity(directory: str) -> dict[str, Any] | None:
     """What a controller started again over ``directory`` must present as before (its clients and storage units
     know it): ``session_id``, ``secret`` and its TCP ``port``; None before the first controller wrote it."""
+    if os.path.exists(os.path.join(directory, REMOVING)):  # being removed (open_journal finishes it): none
+        return None
     try:
         with open(os.path.join(directory, IDENTITY), "rb") as f:
             blob = f.read()
@@ -673,14 +695,30 @@ def write_identity(directory: str, session_id: str, secret: bytes, port: int) ->
     _fsync_dir(directory)
 
 
+REMOVING = "removing"  # a journal being removed: a start that finds it finishes the removal and starts empty
+
+
 def remove_journal(directory: str) -> None:
-    """Remove the journal's files under ``directory`` (the queue was shut down: a new one starts empty)."""
-    segments = [path for _, path in sealed_segments(directory)] if os.path.isdir(directory) else []
-    for path in [
-        *(os.path.join(directory, n) for n in (SNAPSHOT, SNAPSHOT + ".tmp", LOG, IDENTITY, IDENTITY + ".tmp")),
-        *segments,
-    ]:
+    """Remove the journal's files under ``directory`` (the queue was shut down: a new one starts empty). Atomic: the
+    marker ``removing`` is written first (the directory fsynced), then the files are removed, the marker last; a
+    process that dies in between leaves the marker, and :func:`open_journal` over it finishes the removal and starts
+    empty (a half-removed journal, its snapshot gone and its log not, would otherwise be JournalCorrupt)."""
+    if not os.path.isdir(directory):
+        return
+    marker = os.path.join(directory, REMOVING)
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o600))
+    _fsync_dir(directory)
+    _finish_removal(directory)
+
+
+def _finish_removal(directory: str) -> None:
+    """Remove the journal's files under ``directory``, then the ``removing`` marker (a journal it marks)."""
+    names = [SNAPSHOT, SNAPSHOT + ".tmp", LOG, IDENTITY, IDENTITY + ".tmp"]
+    for path in [*(os.path.join(directory, n) for n in names), *(path for _, path in sealed_segments(directory))]:
         try:
             os.remove(path)
         except FileNotFoundError:
             pass
+    _fsync_dir(directory)  # the files are gone before the marker is: a crash now still finds it
+    os.remove(os.path.join(directory, REMOVING))
+    _fsync_dir(directory)

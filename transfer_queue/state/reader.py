@@ -119,9 +119,9 @@ class MetaReader:
             world_rank = params.get("world_rank")
             if world_rank is not None and (not isinstance(world_rank, int) or isinstance(world_rank, bool)):
                 raise InvalidRequest(f"sampler_params['world_rank'] must be an int, got {world_rank!r}")
-            dp_group_id, auto_round = self.rounds.number(
-                key, task_name, dp_rank, connection if world_rank is None else world_rank
-            )
+            caller = connection if world_rank is None else world_rank
+            call = (owner, call_id) if owner and call_id and owner != ROUND_OWNER else None
+            dp_group_id, auto_round = self.rounds.number(key, task_name, dp_rank, caller, call)
         return GetMetaJob(
             key,
             fields,
@@ -147,6 +147,9 @@ class MetaReader:
         if part is None:
             return None
         if job.dp_group_id is None:
+            held = None if job.peek else self.delivery.rows_of_call(part, job.task_name, job.owner, job.call_id)
+            if held is not None:  # asked again (ServerGone): what the call was served before, not new rows
+                return part.meta(held, job.fields, job.task_name, {"warning": job.warning} if job.warning else {})
             rows = self.select(part, job, job.batch_size)
             if rows is None:
                 return None

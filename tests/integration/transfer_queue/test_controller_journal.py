@@ -136,3 +136,40 @@ def test_a_journal_replayed_over_new_storage_units_reports_their_rows_lost(ray_s
         client.close()
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
+
+
+def test_automatic_dp_rounds_go_on_after_the_controller_was_killed(ray_session: Any, tmp_path) -> None:
+    """Two DP ranks fetch without a dp_group_id (automatic rounds, counted per connection): rank 0 opens auto-0, Ray
+    restarts the killed controller, rank 1 gets its share of auto-0 and rank 0's next call opens auto-1 with other
+    rows (before: the numbering began again, and rank 0 was served its auto-0 share a second time)."""
+    rank0 = transfer_queue.init(
+        global_batch_size=4,
+        num_storage_units=2,
+        default_timeout=20.0,
+        journal_dir=str(tmp_path / "journal"),
+        restart_retry_s=30.0,
+    )
+    rank1 = None
+    try:
+        controller = transfer_queue.get_controller()
+        rank0.put({"x": torch.arange(16, dtype=torch.float32).reshape(8, 2)}, partition_id="p")
+        rank0.set_task_options("t", ack="explicit")
+
+        def share(client: TransferQueueClient, rank: int) -> Any:
+            params = {"dp_size": 2, "dp_rank": rank}
+            return client.get_meta(["x"], 2, partition_id="p", task_name="t", sampler_params=params, timeout=5)
+
+        first = share(rank0, 0)
+        ray.kill(controller, no_restart=False)
+        rank1 = TransferQueueClient("rank1", restarted_info(controller))
+        peer = share(rank1, 1)
+        following = share(rank0, 0)
+        assert (first.extra["dp_group_id"], peer.extra["dp_group_id"]) == ("auto-0", "auto-0")
+        assert following.extra["dp_group_id"] == "auto-1"
+        seen = [set(m.global_indexes.tolist()) for m in (first, peer, following)]
+        assert not (seen[0] & seen[1]) and not (seen[2] & (seen[0] | seen[1]))  # nothing served twice
+    finally:
+        if rank1 is not None:
+            rank1.close()
+        rank0.close()
+        transfer_queue.shutdown()

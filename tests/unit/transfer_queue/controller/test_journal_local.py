@@ -954,3 +954,222 @@ def test_a_registered_sampler_is_fsynced_before_register_sampler_returns(tmp_pat
             assert journal.stats["fsyncs"] == fsyncs + 1 and not journal._unsynced
     finally:
         queue.close()
+
+
+# ---- a get_meta asked again after ServerGone (restart_retry_s) ---------------------------------------------------
+def journaled(tmp_path: Path) -> tuple[QueueConfig, QueueState, Journal, QueueHarness]:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    q.ok(p.SetTaskOptions("t", ack="explicit", lease_s=3600.0))
+    q.put("p", 6)
+    journal.record(state, None)
+    return config, state, journal, q
+
+
+def test_a_get_meta_whose_reply_died_with_the_controller_is_answered_with_its_journaled_lease(tmp_path: Path) -> None:
+    """The controller leased rows to get_meta call 7, journaled the lease and died before its reply went out: the
+    client asks again under the same call id (restart_retry_s) and the replayed controller answers with the rows of
+    that lease, not new ones (before: two more rows, the first two leased for an hour to a client that never learned
+    which they were). A new call id is served new rows; the owner acknowledges what it was told."""
+    config, state, journal, q = journaled(tmp_path)
+    lost = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o", call_id=7)).to_meta()  # its reply never arrives
+    journal.record(state, None)
+    journal.close()
+    state, journal, replayed = open_journal(config)
+    q = QueueHarness(state)
+    assert replayed
+    again = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o", call_id=7)).to_meta()
+    assert sorted(again.global_indexes.tolist()) == sorted(lost.global_indexes.tolist())
+    new = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o", call_id=8)).to_meta()
+    assert not set(new.global_indexes.tolist()) & set(lost.global_indexes.tolist())
+    for meta in (again, new):
+        q.ok(p.Ack(meta.partition_uid, "t", p.pack_indexes(meta.global_indexes), owner="o", explicit=True))
+    other = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="other", call_id=7)).to_meta()  # the last two
+    assert not set(other.global_indexes.tolist()) & {*lost.global_indexes, *new.global_indexes}
+    assert row_state_counts(state.table.known("p"), "t")["acknowledged"] == 4
+    journal.close()
+
+
+def test_a_get_meta_asked_again_on_the_same_controller_gets_the_rows_it_was_served(tmp_path: Path) -> None:
+    """The reply was lost with the connection, the controller lived on: the call asked again gets the same rows (the
+    lease is its own still); once they are acknowledged or handed back, the call id names no lease and is served as
+    a new call."""
+    _, state, journal, q = journaled(tmp_path)
+    first = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o", call_id=3)).to_meta()
+    again = q.ok(p.GetMeta("p", ["x"], 2, "t", owner="o", call_id=3)).to_meta()
+    assert again.global_indexes.tolist() == first.global_indexes.tolist()
+    assert row_state_counts(state.table.known("p"), "t")["leased"] == 2
+    q.ok(p.Release(first.partition_uid, "t", p.pack_indexes(first.global_indexes), owner="o"))
+    assert len(q.ok(p.GetMeta("p", ["x"], 4, "t", owner="o", call_id=3)).to_meta()) == 4
+    journal.close()
+
+
+def test_a_get_meta_parked_when_the_controller_died_leaves_nothing_leased_and_is_served_once_asked_again(
+    tmp_path: Path,
+) -> None:
+    """A parked get_meta leased nothing: the replayed controller holds no lease for it, and the call asked again
+    waits as any new one and is served rows no other call holds."""
+    config, state, journal, q = journaled(tmp_path)
+    waiting = q.send(p.GetMeta("q", ["x"], 2, "t", owner="o", call_id=5))
+    assert not waiting.done
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    assert state.delivery.leases.leases == {}
+    again = q.send(p.GetMeta("q", ["x"], 2, "t", owner="o", call_id=5))
+    assert not again.done
+    q.put("q", 2)
+    assert again.done and again.result().to_meta().global_indexes.tolist() == [0, 1]
+    assert row_state_counts(state.table.known("q"), "t")["leased"] == 2
+    journal.close()
+
+
+# ---- removing a journal (the queue shut down) -------------------------------------------------------------------
+class Died(BaseException):
+    """The process died here."""
+
+
+@pytest.mark.parametrize("cut", range(6))
+def test_a_journal_removal_cut_at_any_step_is_finished_by_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: int
+) -> None:
+    """The queue's shutdown removes its journal one file at a time; the process dies after ``cut`` of them (the
+    marker ``removing`` written first). The next start finds no journal: it starts empty, presents no old identity,
+    and leaves no marker (before: a snapshot removed and a log not was JournalCorrupt)."""
+    fill(tmp_path)
+    journal_module.write_identity(str(tmp_path), SESSION, SECRET, 5555)
+    Path(tmp_path / f"{journal_module.SEALED}1").write_bytes(b"")  # a sealed segment too: every kind of file
+    removed: list[str] = []
+    real_remove = os.remove
+
+    def remove(path: str) -> None:
+        if len(removed) == cut:
+            raise Died(path)
+        real_remove(path)
+        removed.append(os.path.basename(path))
+
+    monkeypatch.setattr(os, "remove", remove)
+    try:
+        journal_module.remove_journal(str(tmp_path))
+    except Died:
+        pass
+    monkeypatch.undo()
+    if cut >= 5:  # every file removed (those that exist: snapshot, log, identity, the segment), then the marker
+        assert os.listdir(tmp_path) == []
+    else:
+        assert journal_module.REMOVING in os.listdir(tmp_path) and len(removed) == cut
+    assert journal_module.read_identity(str(tmp_path)) is None
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, journal_dir=str(tmp_path))
+    state, journal, replayed = open_journal(config)
+    assert not replayed and state.partitions == {}
+    assert sorted(os.listdir(tmp_path)) == [LOG, SNAPSHOT]  # a new journal: no marker, no old identity
+    journal.close()
+
+
+# ---- automatic DP round numbers (no dp_group_id) ------------------------------------------------------------------
+def auto_share(q: QueueHarness, rank: int, call_id: int, world_rank: bool, peer: object = None) -> Any:
+    """Rank ``rank``'s next share of an automatic round (numbered per ``world_rank``, else per connection ``peer``)."""
+    params: dict[str, Any] = {"dp_size": 2, "dp_rank": rank}
+    if world_rank:
+        params["world_rank"] = rank
+    reply = q.send(p.GetMeta("p", ["x"], 1, "t", params, owner=f"rank{rank}", call_id=call_id), peer)
+    assert reply.done
+    return reply.result().to_meta()
+
+
+@pytest.mark.parametrize("world_rank", [True, False], ids=["per-world-rank", "per-connection"])
+def test_automatic_dp_round_numbers_go_on_after_a_restart(tmp_path: Path, world_rank: bool) -> None:
+    """Rank 0 opened round auto-0 before the crash, rank 1 asks after the replay: rank 1 gets its share of that round,
+    and rank 0's next call (on a new connection) opens auto-1 with new rows (before: the numbering began again at
+    auto-0, so rank 0 was served its auto-0 share a second time)."""
+    config, state, journal, q = journaled(tmp_path)
+    first = auto_share(q, 0, 1, world_rank, peer=object())
+    assert first.extra["dp_group_id"] == "auto-0"
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    peer = auto_share(q, 1, 1, world_rank, peer=object())
+    assert peer.extra["dp_group_id"] == "auto-0"
+    assert not set(peer.global_indexes.tolist()) & set(first.global_indexes.tolist())
+    rank0 = object()
+    following = auto_share(q, 0, 2, world_rank, peer=rank0)
+    assert following.extra["dp_group_id"] == "auto-1"
+    assert not set(following.global_indexes.tolist()) & {*first.global_indexes, *peer.global_indexes}
+    assert auto_share(q, 0, 3, world_rank, peer=rank0).extra["dp_group_id"] == "auto-2"
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)  # and again: the counters written by a record, not only a snapshot
+    q = QueueHarness(state)
+    assert auto_share(q, 1, 2, world_rank, peer=object()).extra["dp_group_id"] == "auto-1"
+    q.put("p", 2)  # rows for round auto-3
+    assert auto_share(q, 0, 4, world_rank, peer=object()).extra["dp_group_id"] == "auto-3"
+    journal.close()
+
+
+@pytest.mark.parametrize("world_rank", [True, False], ids=["per-world-rank", "per-connection"])
+def test_an_automatic_dp_round_call_asked_again_keeps_its_round(tmp_path: Path, world_rank: bool) -> None:
+    """A call of an automatic round asked again after ServerGone (the same owner and call id) is numbered as the
+    first time, on the same controller and on a replayed one (a new connection): the rank stays in step with its
+    peers (before: the retry took the next round, skipping the one whose share it was served)."""
+    config, state, journal, q = journaled(tmp_path)
+    conn = object()
+    first = auto_share(q, 0, 1, world_rank, peer=conn)
+    again = auto_share(q, 0, 1, world_rank, peer=conn)  # the reply was lost
+    assert again.extra["dp_group_id"] == "auto-0" and again.global_indexes.tolist() == first.global_indexes.tolist()
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    conn = object()
+    replayed = auto_share(q, 0, 1, world_rank, peer=conn)
+    assert replayed.extra["dp_group_id"] == "auto-0"
+    assert replayed.global_indexes.tolist() == first.global_indexes.tolist()
+    assert auto_share(q, 0, 2, world_rank, peer=conn).extra["dp_group_id"] == "auto-1"
+    journal.close()
+
+
+def test_a_client_whose_get_meta_reply_died_with_the_controller_asks_again_and_gets_the_same_rows(
+    tmp_path: Path,
+) -> None:
+    """End to end, over sockets: the controller leases rows to a client's get_meta, writes the record and dies before
+    the reply goes out; a new controller replays the journal on the same port; the client (``restart_retry_s``)
+    asks again under the same call id and is answered with the rows of that lease, which it acknowledges; nothing
+    else stays leased (before: two new rows, the first two leased for an hour to nobody who knew)."""
+    queue = Local(tmp_path / "journal", restart_retry_s=30.0)
+    try:
+        controller = queue.start()
+        client = queue.client("c")
+        client.put(rows(1.0, 4), partition_id="p")
+        client.set_task_options("t", ack="explicit", lease_s=3600.0)
+        served: list[list[int]] = []
+        died = threading.Event()
+        send = controller._send_reply
+
+        def lost(reply: Any, request_id: int, value: Any, error: BaseException | None) -> None:
+            if isinstance(value, p.MetaWire) and not died.is_set():  # its record is written: the reply is lost
+                served.append(value.to_meta().global_indexes.tolist())
+                died.set()
+                return
+            send(reply, request_id, value, error)
+
+        controller._send_reply = lost  # type: ignore[method-assign]
+        restarted: list[ControllerServer] = []
+
+        def restart() -> None:
+            died.wait(30)
+            restarted.append(queue.start(queue.crash()))
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        meta = client.get_meta(["x"], 2, partition_id="p", task_name="t", timeout=10)
+        thread.join(30)
+        assert restarted and meta.global_indexes.tolist() in (served[0], sorted(served[0]))
+        with restarted[0].lock:
+            counts = row_state_counts(restarted[0].state.table.known("p"), "t")
+        assert counts["leased"] == 2 and counts["ready"] == 2
+        client.ack(meta)
+    finally:
+        queue.close()

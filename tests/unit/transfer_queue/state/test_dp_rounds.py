@@ -95,3 +95,16 @@ def test_automatic_counters_are_forgotten_with_their_caller_or_partition():
     assert list(rounds.auto_rounds) == [("s", "train", 0, "b")]
     rounds.drop_partition("s")
     assert rounds.auto_rounds == {}
+
+
+def test_replayed_counters_are_forgotten_with_their_partition():
+    """What a journal's replay gave (a world_rank's counter, a rank's base for new connections, a call's number)
+    goes with its partition, as live counters do: nothing of a cleared partition is journaled again."""
+    rounds = DPRounds()
+    saved = [["s", "train", 0, 3, 2, "o", 7], ["s", "train", 1, None, 5, "o", 9], ["gone", "train", 0, None, 1, "", 0]]
+    rounds.restore(saved, live={"s"})
+    assert rounds.number("s", "train", 1, "conn")[0] == "auto-5"  # a new connection of rank 1: past every number
+    assert rounds.number("s", "train", 1, "conn2", ("o", 9))[0] == "auto-4"  # the call asked again: its number
+    assert rounds.number("s", "train", 0, 3, ("o", 7))[0] == "auto-1"  # world_rank 3's call asked again
+    rounds.drop_partition("s")
+    assert rounds.journaled() == [] and rounds.number("s", "train", 1, "conn")[0] == "auto-0"
