@@ -43,6 +43,7 @@ from transfer_queue.state.lost_rows import (
     RefillPlan,
     RefillStep,
     block_live,
+    holders_now,
     missing_on,
     plan_move,
     plan_refill,
@@ -568,7 +569,8 @@ class ControllerServer(Server):
     def _savers(self) -> dict[int, list[int] | None]:
         """Which units write the checkpoint, and the blocks of which units each writes (None: all it holds). With one
         copy, every unit (all must be up). With replicas=2 each block is saved once: the blocks placed on unit ``u``
-        by ``u`` if it is up and holds all of them, else by its replica's unit if that one does."""
+        by ``u`` if it is up and holds all of them, else by its replica's unit if that one does, else by a unit the
+        copies of a retired holder were moved to if it holds all of them."""
         units = self.state.config.num_storage_units
         down = self.state.down_units
         replica_of = self.state.ledger.replica_of
@@ -585,9 +587,12 @@ class ControllerServer(Server):
         for primary in range(units):
             mine = ids[ids % units == primary]
             holders = [primary, replica_of[primary]]
+            first, second = holders_now(self.state, mine)  # a retired unit's copies: where they were moved
+            moved = sorted({*first.tolist(), *second.tolist()} - set(holders))
             whole = [
-                h for h in holders
-                if h not in down and not missing_on(self.state, mine, np.full(len(mine), h, np.int64)).any()
+                h for h in [*holders, *moved]
+                if h not in down and ((first == h) | (second == h)).all()
+                and not missing_on(self.state, mine, np.full(len(mine), h, np.int64)).any()
             ]  # fmt: skip
             if not whole:
                 why = [

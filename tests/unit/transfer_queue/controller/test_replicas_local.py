@@ -483,7 +483,9 @@ def rereplicated(client: TransferQueueClient, unit: int) -> bool:
     return summary["rereplicating"] == [] and unit in summary["rereplicated"]
 
 
-def test_a_retired_unit_s_copies_are_moved_so_a_second_unit_lost_for_good_loses_nothing(queue: LocalQueue) -> None:
+def test_a_retired_unit_s_copies_are_moved_so_a_second_unit_lost_for_good_loses_nothing(
+    queue: LocalQueue, tmp_path: Any
+) -> None:
     client = queue.client
     metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(30)]
     ys = {i: client.put({"y": torch.full((2,), 100.0 + i)}, metadata=metas[i]) for i in range(0, 30, 5)}
@@ -511,6 +513,8 @@ def test_a_retired_unit_s_copies_are_moved_so_a_second_unit_lost_for_good_loses_
         "one holding the first, and only 1 unit [2] is up; its blocks stay single-copy"
     }
     assert summary["blocks_single_copy"] == len(ids)  # degraded again, and says why
+    saved = client.save_checkpoint(str(tmp_path))  # unit 0's and 1's blocks by unit 2, which holds moved copies
+    assert saved_blocks(saved) == sorted(ids)
 
 
 def test_without_the_move_a_second_unit_lost_for_good_takes_rows_with_it(queue: LocalQueue) -> None:
