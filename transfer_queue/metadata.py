@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -352,3 +352,40 @@ def check_custom_meta(values: list[Any], labels: list[str]) -> None:
                 f"the custom meta of {label} is {size} bytes encoded; at most {MAX_CUSTOM_META_BYTES} are allowed "
                 "(put larger values into a field)"
             )
+
+
+class Moved(Protocol):
+    """A retired unit's moved copies (``p.UnitMove``, ``state.lost_rows.CopiesMoved``): see :func:`current_holders`."""
+
+    @property
+    def unit(self) -> int: ...
+    @property
+    def to(self) -> dict[int, int]: ...
+    @property
+    def below(self) -> int: ...
+
+
+def current_holders(
+    blocks: np.ndarray, num_units: int, replica_of: Sequence[int], moves: Sequence[Moved] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """replicas=2: per block id, the two units holding its copies now: the unit it was placed on and its replica's
+    unit, except that a copy on a retired unit whose copies were moved (``moves``, in the order the units were
+    retired) is on the unit it was moved to once the move went past the block (``below``). A move's target is chosen
+    per unit holding the other copy (``to``), so a block is resolved slot by slot, the other slot as it stands.
+
+    >>> from types import SimpleNamespace as M
+    >>> [h.tolist() for h in current_holders(np.array([0, 3, 2]), 3, [1, 2, 0], [M(unit=0, to={1: 2, 2: 1}, below=3)])]
+    [[2, 0, 2], [1, 1, 1]]
+    """
+    blocks = np.asarray(blocks, dtype=np.int64)
+    first = blocks % num_units
+    second = np.asarray(replica_of, dtype=np.int64)[first]
+    for move in moves:
+        to = np.full(num_units, -1, dtype=np.int64)
+        for survivor, target in move.to.items():
+            to[survivor] = target
+        done = blocks < move.below
+        for slot, other in ((first, second), (second, first)):
+            moved = done & (slot == move.unit)
+            slot[moved] = np.where(to[other[moved]] >= 0, to[other[moved]], slot[moved])
+    return first, second

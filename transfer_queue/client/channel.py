@@ -29,7 +29,7 @@ from transfer_queue.errors import (
     UnsupportedValue,
     error_from_wire,
 )
-from transfer_queue.metadata import BatchMeta, PartitionKey, describe_partition
+from transfer_queue.metadata import BatchMeta, PartitionKey, current_holders, describe_partition
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.columns import (
     Column,
@@ -108,6 +108,8 @@ class QueueChannel:
         # the blocks of a restarted unit are lost: both from the controller's replies.
         self._unit_endpoints: list[p.Endpoint] = list(controller_info.storage_units)
         self._restarted: dict[int, p.UnitRestart] = {}
+        # replicas=2: the retired units whose copies the controller moved onto others (where, how far): its replies
+        self._moved: list[p.UnitMove] = []
         # replicas=2: the unit holding the second copy of each unit's blocks (puts write both, reads fall back to it)
         # The task options this client set (set_task_options), by task: set again after a ServerGone before the call
         # is asked again (restart_retry_s), since a controller restarted from its journal has forgotten them.
@@ -174,6 +176,8 @@ class QueueChannel:
                 self._down_units = dict(header.down_units)
             if header.restarted_units:
                 self._learn_restarts(header.restarted_units)
+            if header.moved_units is not None:
+                self._moved = header.moved_units
             if header.error_type is not None:
                 raise error_from_wire(header.error_type, header.error_message or "")
             out.append((frames[1], frames[2:]))
@@ -192,11 +196,11 @@ class QueueChannel:
     def _read_units(self, meta: BatchMeta, avoid: Sequence[int] = ()) -> np.ndarray:
         """The storage unit to read each cell of ``meta`` from: the unit its block was placed on, or (replicas=2)
         the unit holding its second copy when the first is down, in ``avoid`` (it just failed) or restarted empty
-        since the block was written, and the second is not."""
+        since the block was written, and the second is not (a retired unit's copy: where the controller moved it)."""
         units = meta.blocks % len(self._unit_endpoints)
         if self._replica_of is None:
             return units
-        replica = np.asarray(self._replica_of, dtype=np.int64)[units]
+        units, replica = current_holders(meta.blocks, len(self._unit_endpoints), self._replica_of, self._moved)
         fallback = ~self._usable(meta.blocks, units, avoid) & self._usable(meta.blocks, replica, avoid)
         return np.where(fallback, replica, units)
 

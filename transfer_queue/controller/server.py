@@ -38,7 +38,18 @@ from transfer_queue.ops.trace import DEFAULT_MAX_EVENTS, RequestTrace
 from transfer_queue.ops.why_stuck import why_stuck
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.state.journal import Journal
-from transfer_queue.state.lost_rows import RefillPlan, RefillStep, block_live, missing_on, plan_refill, still_needed
+from transfer_queue.state.lost_rows import (
+    CopiesMoved,
+    RefillPlan,
+    RefillStep,
+    block_live,
+    holders_now,
+    missing_on,
+    plan_move,
+    plan_refill,
+    start_move,
+    still_needed,
+)
 from transfer_queue.state.placement import replica_units
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.snapshot import snapshot_state
@@ -70,7 +81,8 @@ UNIT_CONNECT_TIMEOUT_MS = 2_000
 # connections to the units, one batch at a time (at most REFILL_BLOCKS blocks, or REFILL_BYTES once above one block):
 # the serving loop sends a batch's reads and writes without waiting and goes on serving. A batch not done within
 # REFILL_TIMEOUT (a unit stopped answering) is given up and tried again; so is a refill waiting for a down unit, every
-# REFILL_RETRY seconds.
+# REFILL_RETRY seconds. The copies a retired unit (down for good) held are moved onto other units the same way, once no
+# refill is due (lost_rows.start_move).
 REFILL_BLOCKS = 16
 REFILL_BYTES = 64 << 20
 REFILL_TIMEOUT = 30.0
@@ -122,7 +134,8 @@ class PendingSave:
 @dataclass
 class RefillBatch:
     """Blocks being copied back onto restarted unit ``unit``: the reads from their other copy (request id -> step),
-    then the writes to ``unit``. Once every one is answered, every block below ``upto`` it lost is on it again."""
+    then the writes to ``unit``. Once every one is answered, every block below ``upto`` it lost is on it again. With
+    ``move``: blocks of retired unit ``unit`` being copied onto other units (each step's ``target``) instead."""
 
     unit: int
     upto: int
@@ -130,6 +143,12 @@ class RefillBatch:
     reads: dict[int, RefillStep] = field(default_factory=dict)
     writes: dict[int, RefillStep] = field(default_factory=dict)
     failed: str = ""  # why the batch is given up (it is planned again from where the unit's refill stands)
+    move: CopiesMoved | None = None
+
+    def units(self) -> set[int]:
+        """The units it reads from and writes to (one going down gives the batch up)."""
+        steps = [*self.reads.values(), *self.writes.values()]
+        return {step.source for step in steps} | {step.target if self.move else self.unit for step in steps}
 
 
 class _ControllerResponder(Responder):
@@ -223,6 +242,7 @@ class ControllerServer(Server):
         self._refill: RefillBatch | None = None  # replicas=2: the blocks being copied back onto a restarted unit
         self._refill_at = 0.0  # when to plan the next refill batch (later after one was given up or has to wait)
         self._refill_plans: dict[int, RefillPlan] = {}  # unit -> its refill's blocks, planned once per restart
+        self._move_plans: dict[int, RefillPlan] = {}  # retired unit -> its copies to move, planned once
         self._drop_ack_wait = min(DROP_ACK_WAIT, state.config.default_timeout / 2)
         self.start()
 
@@ -318,7 +338,9 @@ class ControllerServer(Server):
                 self._guard("checkpoint", self.start_save, directory, finish)
         if self._save is not None:
             self._guard("checkpoint", self._advance_save, time.monotonic())
-        if self.state.ledger.replica_of is not None and (self._refill is not None or self.state.lost.refilling()):
+        if self.state.ledger.replica_of is not None and (
+            self._refill is not None or self.state.lost.refilling() or self._moves_due()
+        ):
             self._guard("refill", self._advance_refill, time.monotonic())
 
     def close_sockets(self) -> None:
@@ -547,7 +569,8 @@ class ControllerServer(Server):
     def _savers(self) -> dict[int, list[int] | None]:
         """Which units write the checkpoint, and the blocks of which units each writes (None: all it holds). With one
         copy, every unit (all must be up). With replicas=2 each block is saved once: the blocks placed on unit ``u``
-        by ``u`` if it is up and holds all of them, else by its replica's unit if that one does."""
+        by ``u`` if it is up and holds all of them, else by its replica's unit if that one does, else by a unit the
+        copies of a retired holder were moved to if it holds all of them."""
         units = self.state.config.num_storage_units
         down = self.state.down_units
         replica_of = self.state.ledger.replica_of
@@ -564,9 +587,12 @@ class ControllerServer(Server):
         for primary in range(units):
             mine = ids[ids % units == primary]
             holders = [primary, replica_of[primary]]
+            first, second = holders_now(self.state, mine)  # a retired unit's copies: where they were moved
+            moved = sorted({*first.tolist(), *second.tolist()} - set(holders))
             whole = [
-                h for h in holders
-                if h not in down and not missing_on(self.state, mine, np.full(len(mine), h, np.int64)).any()
+                h for h in [*holders, *moved]
+                if h not in down and ((first == h) | (second == h)).all()
+                and not missing_on(self.state, mine, np.full(len(mine), h, np.int64)).any()
             ]  # fmt: skip
             if not whole:
                 why = [
@@ -651,10 +677,13 @@ class ControllerServer(Server):
     def _send_reply(self, reply: Reply, request_id: int, value: Any, error: BaseException | None) -> None:
         down = dict(self.down_reasons)  # every reply tells the client which storage units are down
         restarted = dict(self.restarted_units) or None  # ... and which were restarted: where they are, what is lost
+        # ... and where the copies of retired units were moved
+        moved = [p.UnitMove(m.unit, m.to, m.below) for m in self.state.lost.moves] or None
         if error is not None:
-            header, body = p.ReplyHeader(request_id, *error_to_wire(error), down, restarted), b""
+            header, body = p.ReplyHeader(request_id, *error_to_wire(error), down, restarted, moved), b""
         else:
-            header, body = p.ReplyHeader(request_id, down_units=down, restarted_units=restarted), p.encode(value)
+            header = p.ReplyHeader(request_id, down_units=down, restarted_units=restarted, moved_units=moved)
+            body = p.encode(value)
         reply([p.encode(header), body])
 
     def mark_unit(self, unit: int, down: str | None, final: bool = False) -> None:
@@ -736,8 +765,9 @@ class ControllerServer(Server):
         has not got back yet, is up, and whose next block's other copy is on a unit that is up."""
         batch = self._refill
         if batch is not None:
-            if batch.unit in self.state.down_units:
-                batch.failed = f"storage unit {batch.unit} went down"
+            gone = sorted(batch.units() & self.state.down_units) if batch.move else [batch.unit]
+            if gone and gone[0] in self.state.down_units:
+                batch.failed = f"storage unit {gone[0]} went down"
             elif now >= batch.deadline:
                 batch.failed = f"not answered within {REFILL_TIMEOUT} s"
             if batch.failed:
@@ -748,11 +778,17 @@ class ControllerServer(Server):
             if batch.reads or batch.writes:
                 return
             self._refill = None
-            self._refilled(batch.unit, batch.upto)
+            if batch.move is not None:
+                self._moved(batch.move, batch.upto)
+            else:
+                self._refilled(batch.unit, batch.upto)
         if now < self._refill_at:
             return
         for unit in self.state.lost.refilling():
             if unit not in self.state.down_units and self._start_refill(unit, now):
+                return
+        for unit in sorted(self._dead):  # no refill to send: move the copies of the retired units
+            if self._start_move(unit, now):
                 return
         self._refill_at = now + REFILL_RETRY  # nothing to send now: every refill waits for a down unit
 
@@ -782,6 +818,10 @@ class ControllerServer(Server):
         if not steps:
             self._refilled(unit, batch.upto)  # past the blocks with nothing to copy
             return False
+        self._send_reads(batch, steps)
+        return True
+
+    def _send_reads(self, batch: RefillBatch, steps: list[RefillStep]) -> None:
         envelope_session = p.PROTOCOL_VERSION, self._session
         for step in steps:
             request_id = next(self._ids)
@@ -797,7 +837,6 @@ class ControllerServer(Server):
                 break
             batch.reads[request_id] = step
         self._refill = batch
-        return True
 
     def _refill_read(self, batch: RefillBatch, step: RefillStep, header: p.ReplyHeader, frames: list[bytes]) -> None:
         """A block's other copy arrived: write it to the unit being refilled, if the block is still held. This runs on
@@ -815,18 +854,83 @@ class ControllerServer(Server):
         write = p.Write(step.uid, step.block, step.num_rows, reply.columns, nbytes, token, refill=True)
         request_id = next(self._ids)
         envelope = p.Envelope(p.PROTOCOL_VERSION, self._session, request_id)
+        target = step.target if batch.move is not None else batch.unit
         try:
-            self._units[batch.unit].send_multipart([p.encode(envelope), p.encode(write), *buffers], zmq.NOBLOCK)
+            self._units[target].send_multipart([p.encode(envelope), p.encode(write), *buffers], zmq.NOBLOCK)
         except zmq.Again:
-            batch.failed = f"storage unit {batch.unit} takes no messages"
+            batch.failed = f"storage unit {target} takes no messages"
             return
         batch.writes[request_id] = step
 
     def _refill_written(self, batch: RefillBatch, step: RefillStep, header: p.ReplyHeader) -> None:
         if not header.error_type:
-            self.state.lost.blocks_refilled += 1
+            if batch.move is not None:
+                self.state.lost.blocks_rereplicated += 1
+            else:
+                self.state.lost.blocks_refilled += 1
         elif block_live(self.state, step.uid, step.block):
-            batch.failed = f"writing block {step.block} to storage unit {batch.unit}: {header.error_message}"
+            target = step.target if batch.move is not None else batch.unit
+            batch.failed = f"writing block {step.block} to storage unit {target}: {header.error_message}"
+
+    # ---- replicas=2: moving the copies a retired unit held onto other units ---------------------------------------
+    def _moves_due(self) -> bool:
+        """A retired unit's copies are to be moved (or are being moved)."""
+        book = self.state.lost
+        return any((move := book.move_of(unit)) is None or not move.done for unit in self._dead)
+
+    def _start_move(self, unit: int, now: float) -> bool:
+        """Send the reads of the next batch of retired unit ``unit``'s copies to move (deciding where they go first);
+        False when there is nothing to send now (done, or waiting: status's ``cannot_rereplicate`` says why)."""
+        book = self.state.lost
+        move = book.move_of(unit)
+        if move is None:
+            made = start_move(self.state, unit, [e.node_id for e in self._storage], self._dead)
+            if isinstance(made, str):
+                return False
+            move = made
+            self.state.ledger.moved_to |= set(move.to.values())
+            self._counters = True  # the units' book changed: the next record holds it (journal_dir)
+            logger.warning("storage unit %d is retired; moving the copies it held (holder of the other copy -> "
+                           "new holder: %s)", unit, move.to)  # fmt: skip
+        if move.done:
+            return False
+        plan = self._move_plans.get(unit)
+        if plan is None:  # planned once (a replayed controller plans from where the move stands)
+            plan = self._move_plans[unit] = plan_move(self.state, move)
+        batch = RefillBatch(unit, move.upto, now + REFILL_TIMEOUT, move=move)
+        steps: list[RefillStep] = []
+        nbytes = 0
+        book.cannot_rereplicate.pop(unit, None)
+        for step in plan.from_block(move.below):
+            if not block_live(self.state, step.uid, step.block) or step.source in self._dead:
+                continue  # cleared or dropped, or its other copy is gone for good too: nothing to copy
+            if len(steps) == REFILL_BLOCKS or nbytes >= REFILL_BYTES:
+                batch.upto = step.block
+                break
+            waits = sorted({step.source, step.target} & self.state.down_units)
+            if waits:  # the blocks before it go now
+                book.cannot_rereplicate[unit] = f"storage unit {waits[0]} is down (waiting for it)"
+                batch.upto = step.block
+                break
+            steps.append(step)
+            nbytes += step.nbytes
+        if not steps:
+            self._moved(move, batch.upto)  # past the blocks with nothing to copy
+            return False
+        self._send_reads(batch, steps)
+        return True
+
+    def _moved(self, move: CopiesMoved, upto: int) -> None:
+        """Every block below ``upto`` with a copy on retired unit ``move.unit`` has it on its new unit (or needs no
+        copy): tell the clients (every reply), which read those copies there from now on."""
+        below = min(upto, move.upto)
+        if below <= move.below:
+            return
+        move.below = below
+        self._counters = True  # the units' book changed: the next record holds it (journal_dir)
+        if move.done:
+            self._move_plans.pop(move.unit, None)
+            logger.warning("storage unit %d is retired; each block it held a copy of has two copies again", move.unit)
 
     def _refilled(self, unit: int, upto: int) -> None:
         """Every block below ``upto`` that ``unit`` lost is on it again (or needs no copy): tell the clients, which

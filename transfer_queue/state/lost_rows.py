@@ -21,6 +21,13 @@ copy of the rest (their blocks are left with one copy, counted by :func:`single_
 controller then copies those blocks back onto the restarted unit (:func:`plan_refill`, in block id order): every
 block below the unit's ``refilled_below`` is on it again, so a block is missing from unit ``u`` only when
 ``refilled_below[u] <= block < lost_below[u]`` (:func:`missing_on`).
+
+A unit retired for good (Ray will not restart it) is not refilled: the controller copies each block that had a copy
+on it onto another unit instead (:func:`start_move`, :func:`plan_move`), per unit holding the other copy onto a third
+unit, on another Ray node where there is one (:func:`~transfer_queue.state.placement.move_targets`), in block id
+order. :class:`CopiesMoved` records where and how far (``below``); clients learn it from every reply and read the moved
+copies (:func:`~transfer_queue.state.placement.current_holders`). A queue of two units has no third: its status says
+the copies cannot be moved (``cannot_rereplicate``) and the blocks stay single-copy.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from transfer_queue.state.partition import COMMITTED, LOST
+from transfer_queue.state.placement import current_holders, move_targets
 from transfer_queue.state.ready_index import AVAILABLE, CONSUMED, DEAD, LEASED
 
 if TYPE_CHECKING:
@@ -52,6 +60,21 @@ class LostRecord:
 
 
 @dataclass
+class CopiesMoved:
+    """Retired unit ``unit``'s copies being moved: the blocks below ``upto`` (every block handed out when it was
+    retired) that had a copy on it, per unit ``s`` holding the other copy onto unit ``to[s]``; done below ``below``."""
+
+    unit: int
+    to: dict[int, int]
+    upto: int
+    below: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.below >= self.upto
+
+
+@dataclass
 class LostRowBook:
     """Per partition uid, the rows lost (local row -> record); per unit, its restarts and its ``lost_below``."""
 
@@ -65,6 +88,13 @@ class LostRowBook:
     refill_waiting: dict[int, int] = field(default_factory=dict)  # unit -> the down unit its refill waits for
     # unit -> (partner, lo, hi) per restart: the blocks it shares with partner in [lo, hi) lost both copies then
     lost_with: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # replicas=2: the retired units whose copies were moved onto others, in the order they were retired
+    moves: list[CopiesMoved] = field(default_factory=list)
+    blocks_rereplicated: int = 0  # blocks copied onto another unit for a retired one since the queue started
+    cannot_rereplicate: dict[int, str] = field(default_factory=dict)  # retired unit -> why its copies are not moved
+
+    def move_of(self, unit: int) -> CopiesMoved | None:
+        return next((move for move in self.moves if move.unit == unit), None)
 
     def refilling(self) -> list[int]:
         """The units that lost blocks not all copied back yet."""
@@ -166,7 +196,8 @@ def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
 @dataclass
 class RefillStep:
     """One block to copy back onto a restarted unit: its partition, the unit holding the other copy, and what to read
-    of it there (every field a cell of the partition still takes from it, rows ``0..num_rows-1``)."""
+    of it there (every field a cell of the partition still takes from it, rows ``0..num_rows-1``); ``target``: the
+    unit to write it to when it is a retired unit's copy being moved (-1: the refilled unit)."""
 
     block: int
     uid: int
@@ -174,6 +205,7 @@ class RefillStep:
     num_rows: int
     fields: list[str]
     nbytes: int
+    target: int = -1
 
 
 @dataclass
@@ -208,12 +240,22 @@ def plan_refill(state: QueueState, unit: int) -> RefillPlan:
 
 
 def _part_refill(
-    state: QueueState, part: PartitionState, unit: int, done: int, below: int, replica_of: list[int]
+    state: QueueState,
+    part: PartitionState,
+    unit: int,
+    done: int,
+    below: int,
+    replica_of: list[int],
+    move: CopiesMoved | None = None,
 ) -> list[RefillStep]:
     n, cols = part.num_rows, len(part.fields)
     block = part.block[:n, :cols]
     wanted = (block >= done) & (block < below)
-    wanted[wanted] = copy_on(state, block[wanted], unit)
+    if move is None:
+        wanted[wanted] = copy_on(state, block[wanted], unit)
+    else:
+        first, second = holders_now(state, block[wanted], before=move)
+        wanted[wanted] = (first == unit) | (second == unit)
     if not wanted.any():
         return []
     _, col = np.nonzero(wanted)  # row-major: per block, its cells' columns
@@ -231,10 +273,79 @@ def _part_refill(
             continue
         stop = int(starts[i + 1]) if i + 1 < len(starts) else len(ids)
         fields = [names[c] for c in np.unique(col[start:stop]).tolist()]
-        primary = b % units
-        source = replica_of[primary] if primary == unit else primary
-        steps.append(RefillStep(b, part.uid, source, int(num_rows[i]), fields, part.block_nbytes[b]))
+        if move is None:
+            primary = b % units
+            source = replica_of[primary] if primary == unit else primary
+            steps.append(RefillStep(b, part.uid, source, int(num_rows[i]), fields, part.block_nbytes[b]))
+            continue
+        one, other = (int(h[0]) for h in holders_now(state, np.array([b]), before=move))
+        source = other if one == unit else one
+        if source in move.to:  # else its other copy is on a unit retired before it was moved: nothing to copy
+            steps.append(
+                RefillStep(b, part.uid, source, int(num_rows[i]), fields, part.block_nbytes[b], move.to[source])
+            )
     return steps
+
+
+def holders_now(
+    state: QueueState, blocks: np.ndarray, before: CopiesMoved | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """replicas=2: per block id, the two units holding its copies now (the retired units' copies moved: every move
+    recorded, or those before ``before``)."""
+    moves = state.lost.moves
+    if before is not None:
+        moves = moves[: moves.index(before)]
+    assert state.ledger.replica_of is not None
+    return current_holders(blocks, state.config.num_storage_units, state.ledger.replica_of, moves)
+
+
+def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[int]) -> CopiesMoved | str:
+    """replicas=2: retired unit ``unit``'s copies are to be moved: record where (a :class:`CopiesMoved`, from block 0
+    up to every block handed out so far), or say why not now (a str, also kept for the status: a unit holding the
+    other copies is down, or there is no unit to copy to). ``retired``: the units down for good."""
+    book = state.lost
+    units = state.config.num_storage_units
+    up = [u for u in range(units) if u not in retired and u not in state.down_units and u != unit]
+    if len(up) < 2:  # without scanning the blocks: no unit to copy to (a queue of two units)
+        why = (
+            f"the copies of retired storage unit {unit} cannot be re-replicated: a second copy needs a unit other "
+            f"than the one holding the first, and only {len(up)} unit{'' if len(up) == 1 else 's'} {up} "
+            f"{'is' if len(up) == 1 else 'are'} up; its blocks stay single-copy"
+        )
+        book.cannot_rereplicate[unit] = why
+        return why
+    survivors: set[int] = set()
+    for part in state.partitions.values():
+        ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
+        first, second = holders_now(state, ids)
+        survivors |= set(second[first == unit].tolist()) | set(first[second == unit].tolist())
+    survivors -= retired  # both copies gone for good: nothing to copy
+    waiting = sorted(survivors & state.down_units)
+    targets = (
+        f"storage unit {waiting[0]}, which holds the other copies, is down"
+        if waiting
+        else move_targets(unit, survivors, node_ids, state.down_units | retired)
+    )
+    if isinstance(targets, str):
+        book.cannot_rereplicate[unit] = targets
+        return targets
+    book.cannot_rereplicate.pop(unit, None)
+    move = CopiesMoved(unit, targets, state._next_block * units)
+    book.moves.append(move)
+    return move
+
+
+def plan_move(state: QueueState, move: CopiesMoved) -> RefillPlan:
+    """replicas=2: the copies of a retired unit still to move (from ``move.below``), in block id order: each block of a
+    live partition with a copy on it, read from the unit holding its other copy, written to the unit chosen for that
+    one. Planned once per move, like a refill (a block cleared or dropped meanwhile is skipped when its turn comes)."""
+    replica_of = state.ledger.replica_of
+    steps: list[RefillStep] = []
+    if replica_of is not None and not move.done:
+        for part in state.partitions.values():
+            steps.extend(_part_refill(state, part, move.unit, move.below, move.upto, replica_of, move))
+    steps.sort(key=lambda step: step.block)
+    return RefillPlan(move.unit, -1, [step.block for step in steps], steps)
 
 
 def still_needed(state: QueueState, step: RefillStep) -> bool:
@@ -256,13 +367,12 @@ def single_copies(state: QueueState) -> dict[str, int]:
     replica_of = state.ledger.replica_of
     if replica_of is None:
         return {}
-    units = state.config.num_storage_units
     down = np.fromiter(state.down_units, dtype=np.int64, count=len(state.down_units))
     blocks = rows = 0
     for part in state.partitions.values():
         ids = np.fromiter(part.block_nbytes, dtype=np.int64, count=len(part.block_nbytes))
         weak_mask = np.zeros(len(ids), dtype=bool)
-        for holders in (ids % units, np.asarray(replica_of, dtype=np.int64)[ids % units]):
+        for holders in holders_now(state, ids):  # a retired unit's copies moved are on the unit they were moved to
             weak_mask |= missing_on(state, ids, holders) | np.isin(holders, down)
         weak = ids[weak_mask].tolist()
         blocks += len(weak)
@@ -279,12 +389,19 @@ def single_copies(state: QueueState) -> dict[str, int]:
 def refill_summary(state: QueueState) -> dict[str, Any]:
     """For status (replicas=2): the restarted units whose lost copies are being copied back (``refilling``), those of
     them waiting for a down unit that holds the other copy (``refill_waiting``: unit -> that unit), and the blocks
-    copied back since the queue started (``blocks_refilled``)."""
+    copied back since the queue started (``blocks_refilled``); the retired units whose copies are being moved onto
+    others (``rereplicating``), those whose copies were all moved (``rereplicated``: unit -> {unit holding the other
+    copy: unit it was moved to}), those whose copies cannot be moved and why (``cannot_rereplicate``), and the blocks
+    moved since the queue started (``blocks_rereplicated``)."""
     book: LostRowBook = state.lost
     return {
         "refilling": book.refilling(),
         "refill_waiting": dict(book.refill_waiting),
         "blocks_refilled": book.blocks_refilled,
+        "rereplicating": sorted(move.unit for move in book.moves if not move.done),
+        "rereplicated": {move.unit: dict(move.to) for move in book.moves if move.done},
+        "cannot_rereplicate": dict(book.cannot_rereplicate),
+        "blocks_rereplicated": book.blocks_rereplicated,
     }
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from transfer_queue.errors import StorageUnavailable
+from transfer_queue.metadata import current_holders
+
+__all__ = ["current_holders", "move_targets", "place_rows", "replica_units"]
 
 MIN_BYTES_PER_UNIT = 1 << 20
 
@@ -81,4 +84,32 @@ def replica_units(node_ids: Sequence[str], replicas: int) -> list[int] | None:
         others = [(u + i) % n for i in range(1, n)]  # round robin from the next unit
         candidates = [v for v in others if node_ids[v] != node_ids[u]] or others
         out.append(min(candidates, key=out.count))  # the one holding the fewest copies so far (the first of those)
+    return out
+
+
+def move_targets(
+    unit: int, survivors: Collection[int], node_ids: Sequence[str], unusable: Collection[int]
+) -> dict[int, int] | str:
+    """replicas=2: where the copies that retired unit ``unit`` held go, per unit holding their other copy: the next
+    unit round robin after it that is usable (not retired nor down, not ``unit``) and on another Ray node than it
+    (any usable one when none is), as :func:`replica_units` chooses a partner. Returns why not (a str) when some
+    survivor has no such unit: a queue of two units has no third to copy to.
+
+    >>> move_targets(0, [1, 2], ["a", "b", "c"], {0})
+    {1: 2, 2: 1}
+    >>> move_targets(0, [1], ["", ""], {0})
+    'no storage unit other than 0 and 1 is up to take the copies of storage unit 0 whose other copy is on 1'
+    """
+    n = len(node_ids)
+    out: dict[int, int] = {}
+    for survivor in sorted(survivors):
+        others = [(survivor + i) % n for i in range(1, n)]
+        usable = [v for v in others if v != unit and v not in unusable]
+        elsewhere = [v for v in usable if node_ids[v] != node_ids[survivor] or not node_ids[v]]
+        if not usable:
+            return (
+                f"no storage unit other than {unit} and {survivor} is up to take the copies of storage unit {unit} "
+                f"whose other copy is on {survivor}"
+            )
+        out[survivor] = (elsewhere or usable)[0]
     return out

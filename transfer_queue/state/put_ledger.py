@@ -146,6 +146,7 @@ class PutLedger:
         # replicas=2: the unit holding the second copy of each unit's blocks (the controller sets it from its units'
         # nodes: transfer_queue.state.placement.replica_units); None: one copy
         self.replica_of: list[int] | None = replica_units([""] * config.num_storage_units, config.replicas)
+        self.moved_to: set[int] = set()  # replicas=2: units holding copies moved off retired units
         self.bytes_held = 0
         self.next_put = 1
         self.next_block = 0
@@ -451,8 +452,8 @@ class PutLedger:
             freed += part.block_nbytes.pop(b, 0)
         part.nbytes -= freed
         self.bytes_held -= freed
-        for unit, ids in by_unit.items():
-            for holder in self.holders(unit):
+        for unit, ids in by_unit.items():  # also to the units a retired unit's copies were moved to (lost_rows)
+            for holder in sorted({*self.holders(unit), *self.moved_to}):
                 self.send_drop(holder, part.uid, ids, self.block_floor())
         if freed:
             self.space_freed()

@@ -27,7 +27,7 @@ from transfer_queue.errors import SnapshotError
 from transfer_queue.metadata import FieldSchema
 from transfer_queue.samplers import SamplerSpec
 from transfer_queue.state.delivery import TaskOptions
-from transfer_queue.state.lost_rows import LostRecord
+from transfer_queue.state.lost_rows import CopiesMoved, LostRecord
 from transfer_queue.state.partition import COMMITTED, LOST, RESERVED, PartitionState
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.state.ready_index import AVAILABLE, LEASED, TaskState
@@ -120,6 +120,9 @@ def units_book(state: QueueState) -> dict[str, Any]:
         "refilled_below": dict(book.refilled_below),
         "blocks_refilled": book.blocks_refilled,
         "lost_with": {u: [list(t) for t in ranges] for u, ranges in book.lost_with.items()},
+        # replicas=2: the retired units' copies moved onto others (where, how far), in the order they were retired
+        "moves": [[m.unit, dict(m.to), m.upto, m.below] for m in book.moves],
+        "blocks_rereplicated": book.blocks_rereplicated,
     }
 
 
@@ -133,6 +136,12 @@ def restore_units_book(state: QueueState, units: dict[str, Any] | None) -> None:
     book.refilled_below = {int(u): int(n) for u, n in units["refilled_below"].items()}
     book.blocks_refilled = int(units["blocks_refilled"])
     book.lost_with = {int(u): [(int(a), int(b), int(c)) for a, b, c in r] for u, r in units["lost_with"].items()}
+    book.moves = [
+        CopiesMoved(int(u), {int(s): int(t) for s, t in to.items()}, int(upto), int(below))
+        for u, to, upto, below in units.get("moves", ())
+    ]
+    book.blocks_rereplicated = int(units.get("blocks_rereplicated", 0))
+    state.ledger.moved_to = {t for move in book.moves for t in move.to.values()}
 
 
 def partition_snapshot(part: PartitionState, arrays: bool = True, dicts: bool = True) -> dict[str, Any]:

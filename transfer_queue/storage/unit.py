@@ -101,7 +101,8 @@ class BlockStore:
             raise PutExpired(
                 f"block {req.block_id} belongs to a put that was aborted or already finished; the write was dropped"
             )
-        if req.block_id % self.num_units != self.unit and req.block_id % self.num_units not in self.holds:
+        mine = req.block_id % self.num_units == self.unit or req.block_id % self.num_units in self.holds
+        if not mine and not req.refill:  # the controller's copies (signed) go anywhere: a retired unit's are moved
             raise InvalidRequest(
                 f"block {req.block_id} belongs to storage unit {req.block_id % self.num_units}, not {self.unit}"
             )

@@ -104,6 +104,16 @@ class UnitRestart(msgspec.Struct, array_like=True, frozen=True):
     lost_with: tuple[tuple[int, int, int], ...] = ()
 
 
+class UnitMove(msgspec.Struct, array_like=True, frozen=True):
+    """replicas=2: storage unit ``unit`` was retired (down for good) and the controller copies each block that had a
+    copy on it onto another unit, in block id order: every such block below ``below`` whose other copy is on unit
+    ``s`` has its copy on unit ``to[s]`` now (``transfer_queue.state.placement.current_holders``)."""
+
+    unit: int
+    to: dict[int, int]
+    below: int = 0
+
+
 class ReplyHeader(msgspec.Struct, array_like=True, frozen=True):
     request_id: int
     error_type: str | None = None
@@ -112,6 +122,9 @@ class ReplyHeader(msgspec.Struct, array_like=True, frozen=True):
     down_units: dict[int, str] | None = None
     # The controller's replies: the storage units restarted since the queue started (None: none, or a storage unit).
     restarted_units: dict[int, UnitRestart] | None = None
+    # The controller's replies (replicas=2): the retired units whose copies were moved, in the order they were retired
+    # (None: none, or a storage unit)
+    moved_units: list[UnitMove] | None = None
 
 
 # ---- controller requests --------------------------------------------------------------------------------------

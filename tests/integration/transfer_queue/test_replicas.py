@@ -91,11 +91,39 @@ def test_init_with_two_replicas_reads_a_unit_killed_for_good_from_its_replica_at
         check_all_read_back(client, metas)  # before the controller noticed: the failed read falls back itself
         wait_until(lambda: 0 in ray.get(controller.server_stats.remote())["storage_units_down"], 30, what="unit 0 down")
         check_all_read_back(client, metas)  # known down: read from the replica without trying unit 0
+        # unit 0's own 2 blocks and 2 copies on it were single-copy until moved onto the other two units
+        wait_until(lambda: 0 in client.status()["storage"]["rereplicated"], 30, what="unit 0's copies moved")
         storage = client.status()["storage"]
-        assert storage["blocks_single_copy"] == 4  # unit 0's own 2 blocks and 2 copies on it
+        assert storage["blocks_single_copy"] == 0 and storage["blocks_rereplicated"] == 4
         assert storage["refilling"] == [] and storage["blocks_refilled"] == 0  # dead for good: nothing to refill
         meta = client.put({"x": torch.ones(2, 8), "y": torch.zeros(2, dtype=torch.int64)}, partition_id="p")
         assert client.get_data(meta)["x"].shape == (2, 8)
+    finally:
+        client.close()
+        transfer_queue.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_unit_lost_for_good_is_re_replicated_so_a_second_one_lost_for_good_loses_nothing(
+    ray_session: Any, wait_until: Callable[..., Any]
+) -> None:
+    client = transfer_queue.init(
+        global_batch_size=4, num_storage_units=3, default_timeout=5.0, replicas=2, storage_unit_max_restarts=0
+    )
+    controller = transfer_queue.get_controller()
+    try:
+        metas = put_rows(client, 9)
+        pids = [u["pid"] for u in ray.get(controller.storage_stats.remote())]
+        os.kill(pids[0], signal.SIGKILL)  # max_restarts=0: retired; its copies are moved onto units 1 and 2
+        wait_until(lambda: 0 in client.status()["storage"]["rereplicated"], 60, what="unit 0's copies to be moved")
+        storage = client.status()["storage"]
+        assert storage["blocks_single_copy"] == 0 and storage["rereplicating"] == []  # healthy again
+        assert storage["blocks_rereplicated"] == 6  # the 3 blocks placed on unit 0 and the 3 copies of unit 2's
+        assert [u["blocks"] for u in ray.get(controller.storage_stats.remote())[1:]] == [9, 9]
+        os.kill(pids[1], signal.SIGKILL)  # a second unit lost for good: unit 2 holds a copy of every block
+        wait_until(lambda: 1 in client.status()["storage"]["cannot_rereplicate"], 60, what="unit 1 retired")
+        check_all_read_back(client, metas)  # 0 lost
+        assert client.status()["storage"]["blocks_single_copy"] == 9  # degraded, and says it cannot re-replicate
     finally:
         client.close()
         transfer_queue.shutdown()

@@ -59,6 +59,15 @@ function refillLabel(storage) {
   return `blocks copied back (refilling unit ${refilling.join(", ")}${waiting.length ? "; " + waiting.join(", ") : ""})`;
 }
 
+// replicas=2: the copies of units lost for good moved onto other units: which are being moved, which cannot be and why
+function rereplicaLabel(storage) {
+  const moving = storage.rereplicating || [];
+  const cannot = Object.entries(storage.cannot_rereplicate || {}).map(([u, why]) => `unit ${u}: ${why}`);
+  const doing = moving.length ? `moving the copies of unit ${moving.join(", ")}` : "";
+  const notes = [doing, ...cannot].filter((x) => x);
+  return `blocks re-replicated${notes.length ? " (" + notes.join("; ") + ")" : ""}`;
+}
+
 function drawCards(s) {
   const cards = document.getElementById("cards");
   cards.replaceChildren(
@@ -72,7 +81,8 @@ function drawCards(s) {
     card(`held of ${fmtBytes(s.storage.budget)}`, fmtBytes(s.storage.bytes_held), "bytes-held"),
     ...(s.storage.replicas > 1  // replicas=2: blocks left with one live copy (a unit down or restarted empty)
       ? [card(`blocks with one copy of ${s.storage.replicas}`, s.storage.blocks_single_copy, "blocks-single-copy"),
-         card(refillLabel(s.storage), s.storage.blocks_refilled, "blocks-refilled")]
+         card(refillLabel(s.storage), s.storage.blocks_refilled, "blocks-refilled"),
+         card(rereplicaLabel(s.storage), s.storage.blocks_rereplicated || 0, "blocks-rereplicated")]
       : []),
   );
 }

@@ -1173,3 +1173,32 @@ def test_a_client_whose_get_meta_reply_died_with_the_controller_asks_again_and_g
         client.ack(meta)
     finally:
         queue.close()
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_retired_unit_s_moved_copies_survive_a_restart_of_the_controller(tmp_path: Path, snapshot: bool) -> None:
+    """replicas=2: where a retired unit's copies were moved and how far the move went are journaled (a record of the
+    units' book, as a refill's progress is) and replayed, from the log or a snapshot: a replayed controller tells its
+    clients the same holders and goes on from there."""
+    from transfer_queue.state.lost_rows import start_move
+
+    config = QueueConfig(global_batch_size=4, num_storage_units=3, replicas=2, journal_dir=str(tmp_path))
+    state, journal, _ = open_journal(config)
+    for _ in range(3):  # one put per unit
+        QueueHarness(state).put("p", 1)
+    journal.record(state, None)
+    state.down_units.add(0)
+    move = start_move(state, 0, ["", "", ""], {0})
+    assert not isinstance(move, str)
+    move.below, state.lost.blocks_rereplicated = 3, 2
+    assert journal.record(state, set(), counters=True)
+    if snapshot:
+        journal.snapshot(state)
+    journal.close()
+    replayed, again, resumed = open_journal(config)
+    try:
+        assert resumed
+        assert replayed.lost.moves == [move] and move.to == {1: 2, 2: 1}
+        assert replayed.lost.blocks_rereplicated == 2 and replayed.ledger.moved_to == {1, 2}
+    finally:
+        again.close()

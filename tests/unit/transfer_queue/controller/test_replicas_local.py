@@ -469,3 +469,107 @@ def test_a_checkpoint_of_one_copy_restores_into_two(tmp_path: Any) -> None:
         assert sorted(got) == sorted(float(v) for v in range(4) for _ in range(2))
     finally:
         stop_queue(restored)
+
+
+def retire(queue: LocalQueue, unit: int) -> None:
+    """Unit ``unit`` is lost for good: stopped, and marked down for good (as the unit watch does when Ray will not
+    restart it)."""
+    queue.units[unit].stop()
+    queue.controller.mark_unit(unit, "its Ray actor died (held by the test)", final=True)
+
+
+def rereplicated(client: TransferQueueClient, unit: int) -> bool:
+    summary = storage(client)
+    return summary["rereplicating"] == [] and unit in summary["rereplicated"]
+
+
+def test_a_retired_unit_s_copies_are_moved_so_a_second_unit_lost_for_good_loses_nothing(
+    queue: LocalQueue, tmp_path: Any
+) -> None:
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(30)]
+    ys = {i: client.put({"y": torch.full((2,), 100.0 + i)}, metadata=metas[i]) for i in range(0, 30, 5)}
+    before = [client.get_data(m)["x"][:, 0].tolist() for m in metas]
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    summary = storage(client)
+    assert summary["rereplicated"] == {0: {1: 2, 2: 1}}  # unit 0's own blocks (other copy on 1) go to 2, 2's to 1
+    assert (
+        summary["blocks_single_copy"] == 0 and summary["rows_single_copy"] == 0 and summary["cannot_rereplicate"] == {}
+    )
+    ids = [int(m.blocks[0, 0]) for m in [*metas, *ys.values()]]
+    with_copy_on_0 = [b for b in ids if b % UNITS in (0, 2)]
+    assert summary["blocks_rereplicated"] == len(with_copy_on_0)
+    for unit in (1, 2):  # every block is on both live units now
+        assert sorted(queue.units[unit].store.blocks) == sorted(ids)
+    retire(queue, 1)  # the second unit lost for good: every block still has its copy on unit 2
+    wait_for(lambda: 1 in queue.controller.state.lost.cannot_rereplicate)
+    assert [client.get_data(m)["x"][:, 0].tolist() for m in metas] == before
+    assert [client.get_data(m)["y"].tolist() for m in ys.values()] == [[100.0 + i] * 2 for i in ys]
+    assert client.lost_rows(partition_id="p") == []
+    summary = storage(client)
+    assert summary["cannot_rereplicate"] == {
+        1: "the copies of retired storage unit 1 cannot be re-replicated: a second copy needs a unit other than the "
+        "one holding the first, and only 1 unit [2] is up; its blocks stay single-copy"
+    }
+    assert summary["blocks_single_copy"] == len(ids)  # degraded again, and says why
+    saved = client.save_checkpoint(str(tmp_path))  # unit 0's and 1's blocks by unit 2, which holds moved copies
+    assert saved_blocks(saved) == sorted(ids)
+
+
+def test_without_the_move_a_second_unit_lost_for_good_takes_rows_with_it(queue: LocalQueue) -> None:
+    """What the move prevents (the same run with it held off): unit 0's own blocks had their other copy on unit 1."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    queue.controller._moves_due = lambda: False  # type: ignore[method-assign]
+    retire(queue, 0)
+    retire(queue, 1)
+    client.ping()
+    with pytest.raises(StorageUnitDown, match=r"storage unit 0 is down \(its Ray actor died"):
+        client.get_data(metas[0])
+
+
+def test_a_block_cleared_or_put_while_a_retired_unit_s_copies_move_is_safe(queue: LocalQueue) -> None:
+    client = queue.client
+    kept = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    cleared = [int(client.put({"x": torch.ones(2, 4)}, partition_id="q").blocks[0, 0]) for _ in range(UNITS)]
+    block = max(int(m.blocks[0, 0]) for m in kept if int(m.blocks[0, 0]) % UNITS in (0, 2))  # has a copy on 0
+    held, release = hold_refill_reads(queue.controller, block)
+    retire(queue, 0)
+    assert held.wait(10), "the move never read the block's other copy"
+    client.clear(partition_id="q")  # cleared meanwhile: not moved
+    fresh = client.put({"x": torch.full((2, 4), 50.0)}, partition_id="p")  # a put racing it: on 1 and 2 only
+    assert int(fresh.blocks[0, 0]) % UNITS == 1
+    release.set()
+    wait_for(lambda: rereplicated(client, 0))
+    assert not {b for unit in queue.units[1:] for b in unit.store.blocks} & set(cleared)  # none moved or left
+    assert int(fresh.blocks[0, 0]) >= queue.controller.state.lost.moves[0].upto  # not one of the moved
+    assert storage(client)["blocks_single_copy"] == 0
+    retire(queue, 1)
+    got = [client.get_data(m)["x"][:, 0].tolist() for m in [*kept, fresh]]
+    assert got == [[float(v)] * 2 for v in range(6)] + [[50.0, 50.0]]
+    assert storage(client)["blocks_single_copy"] == 7
+
+
+def test_with_two_units_a_retired_unit_s_copies_cannot_move_and_the_status_says_so() -> None:
+    config = QueueConfig(global_batch_size=4, num_storage_units=2, default_timeout=3.0, replicas=2)
+    stores = []
+    for u in range(2):
+        unit_store = BlockStore(u, 2, SECRET)
+        unit_store.holds = frozenset({1 - u})
+        stores.append(unit_store)
+    local = start_queue(QueueState(config, None), stores)
+    try:
+        metas = [local.client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(4)]
+        local.units[0].stop()
+        local.controller.mark_unit(0, "its Ray actor died (held by the test)", final=True)
+        wait_for(lambda: storage(local.client)["cannot_rereplicate"] != {})
+        summary = storage(local.client)
+        assert summary["cannot_rereplicate"] == {
+            0: "the copies of retired storage unit 0 cannot be re-replicated: a second copy needs a unit other than "
+            "the one holding the first, and only 1 unit [1] is up; its blocks stay single-copy"
+        }
+        assert summary["blocks_single_copy"] == 4 and summary["rereplicating"] == [] and summary["rereplicated"] == {}
+        assert [local.client.get_data(m)["x"][0, 0].item() for m in metas] == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        stop_queue(local)

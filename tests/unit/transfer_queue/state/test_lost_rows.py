@@ -110,3 +110,46 @@ def test_lost_rows_of_a_cleared_partition_are_forgotten(make_queue):
     q.state.unit_restarted(0)
     assert meta.partition_uid not in q.state.lost.by_uid
     assert q.state.lost.total >= 2 and q.state.lost.restarts[unit_of(meta)] >= 1
+
+
+def test_a_retired_unit_s_copies_are_planned_onto_a_unit_of_another_node_than_the_surviving_copy(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired, the blocks that had a copy on it (its own
+    and unit 2's) have their other copy on unit 2 (node b): they go to unit 1 (node a), read from 2, in block id
+    order; blocks handed out later are not in the move; with unit 1 down too they go to 3 (node b: the only one)."""
+    from transfer_queue.state.lost_rows import holders_now, plan_move, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    assert q.state.ledger.replica_of == [2, 3, 0, 1]
+    metas = [q.put(0, 1) for _ in range(8)]
+    blocks = sorted(int(m.blocks[0, 0]) for m in metas)
+    q.state.down_units.add(0)
+    move = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(move, str)
+    assert (move.unit, move.to, move.below, move.upto) == (0, {2: 1}, 0, q.state._next_block * 4)
+    plan = plan_move(q.state, move)
+    moved = [b for b in blocks if b % 4 in (0, 2)]
+    assert plan.blocks == moved and len(moved) == 4
+    assert {(s.source, s.target, tuple(s.fields), s.num_rows) for s in plan.steps} == {(2, 1, ("x",), 1)}
+    later = q.put(1, 1)  # after the retirement: on units 1 and 3 (0 and 2 cannot take a put: 0 is down)
+    assert int(later.blocks[0, 0]) >= move.upto and plan_move(q.state, move).blocks == moved
+    ids = np.asarray(moved)
+    assert [h.tolist() for h in holders_now(q.state, ids)] == [[b % 4 for b in moved], [(b % 4 + 2) % 4 for b in moved]]
+    move.below = move.upto  # done: the copies on 0 are on 1 now
+    first, second = holders_now(q.state, ids)
+    assert sorted(zip(first.tolist(), second.tolist(), strict=True)) == [(1, 2)] * 2 + [(2, 1)] * 2
+    assert plan_move(q.state, move).steps == []
+    q.state.lost.moves.clear()
+    q.state.down_units.add(1)
+    assert start_move(q.state, 0, nodes, {0}).to == {2: 3}  # node a has no unit up: the same node as the copy
+    q.state.lost.moves.clear()
+    q.state.down_units.add(2)
+    assert start_move(q.state, 0, nodes, {0}) == (
+        "the copies of retired storage unit 0 cannot be re-replicated: a second copy needs a unit other than the one "
+        "holding the first, and only 1 unit [3] is up; its blocks stay single-copy"
+    )
+    q.state.down_units.discard(1)
+    assert start_move(q.state, 0, nodes, {0}) == "storage unit 2, which holds the other copies, is down"
+    assert q.state.lost.cannot_rereplicate == {0: "storage unit 2, which holds the other copies, is down"}
