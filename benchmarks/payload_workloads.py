@@ -228,6 +228,18 @@ def bench_large(bench: Bench) -> None:
         held.append(sum(u["bytes"] for u in after) / nbytes)
         rss_growth.append((sum(u["rss_bytes"] for u in after) - sum(u["rss_bytes"] for u in before)) / nbytes)
         rss_back.append(sum(u["rss_bytes"] for u in cleared) / rss_start)
+    from_puts = []  # the same rows put 256 at a time (a step from many rollout puts), read back in one get_data
+    for _ in range(bench.reps):
+        pid = bench.fresh("large-puts")
+        for start in range(0, rows, 256):
+            client.put(td[start : start + 256], partition_id=pid)
+        meta = client.get_meta(list(td.keys()), rows, partition_id=pid, task_name="large")
+        settle()
+        t_get, back = timed(lambda m=meta: client.get_data(m))
+        del back
+        from_puts.append(gb / t_get)
+        client.clear(partition_id=pid)
+        wait_until(lambda: sum(u["bytes"] for u in stats()) <= bytes_start, 60, "storage drop")
     bufs, sizes = buffers_of(td), [b.nbytes for b in buffers_of(td)]
     raw: dict[str, float] = {}
     for transport in ("ipc", "tcp"):
@@ -268,6 +280,15 @@ def bench_large(bench: Bench) -> None:
         baseline="raw zmq fetch (best)",
         baseline_value=max(raw["fetch.ipc"], raw["fetch.tcp"]),
         extra={"note": "a second get of the same rows (its memory was just freed by the first)"},
+    )
+    bench.add(
+        f"get_data.{label}.from_puts",
+        "large",
+        "GB/s",
+        from_puts,
+        baseline="raw zmq fetch (best)",
+        baseline_value=max(raw["fetch.ipc"], raw["fetch.tcp"]),
+        extra={"note": f"the rows put in {-(-rows // 256)} puts of 256, read back in one get_data"},
     )
     bench.add(f"storage.bytes/payload.{label}", "large", "x", held, target="<= 1.2", met=max(held) <= 1.2)
     bench.add(
