@@ -29,7 +29,8 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
 - kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` of its metrics rows,
   the controller's ``storage_units_restarted``);
 - the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker held (leased, not
-  written, as the queue said just before the kill) times the run's tokens per generated row, over all tokens generated;
+  written, as the queue said just before the kill) times the run's tokens per generated row, less the tokens resumed
+  from in-flight checkpoints (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated;
 - the final reward (mean of the last fifth of the steps) of both runs (``--clean-runs 2``: of two untouched runs).
 
 ``killed_figures`` is what tests/e2e/test_kill_anything_soak.py (slow) checks of a short killed run. Figures measured:
@@ -250,7 +251,8 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     staleness = [trained_by[a["step"]] - v for a in audits if a["step"] in trained_by for v in a["policy_versions"]]
     tokens = sum(r["tokens"] for r in grpo)
     per_row = tokens / max(1.0, sum(r["generated_rows"] for r in grpo))
-    regenerated = killed["held_rows"] * per_row
+    resumed = sum(r.get("resumed_tokens", 0) for r in grpo)  # in-flight checkpoints: tokens not generated again
+    regenerated = max(0.0, killed["held_rows"] * per_row - resumed)
     return {
         "steps": steps,
         "kinds": kinds,
@@ -272,6 +274,7 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
         },
         "groups_put_again": killed["groups_put_again"],
         "regenerated_token_share": regenerated / (tokens + regenerated) if tokens else 0.0,
+        "resumed_tokens": resumed,
         "final_reward": last_fifth([r["reward"] for r in grpo]),
         "seconds": killed["seconds"],
         "kill_log": killed["kills"],

@@ -104,6 +104,11 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; 0 is greedy (log-probs then at temperature 1)
     top_p: float = 1.0  # nucleus sampling; log-probs stay those of the untruncated distribution
     partial_rollout: bool = False  # a weight update stops generations mid-way; they resume on the new weights
+    chunk_tokens: int = 16  # partial rollouts: tokens an engine without abort (or checkpointing) generates per call
+    # partial rollouts: each chunk's partial responses go into the queue as they are generated, so a rollout worker
+    # killed mid-step resumes them when its call is made again, instead of generating them again (rl_contracts/
+    # inflight.py)
+    checkpoint_inflight: bool = False
     groups_per_request: int = 16  # GRPO groups a rollout worker takes from the queue at a time
     num_reward_workers: int = 1  # reward worker actors
     reward_groups_per_request: int = 16  # GRPO groups a reward worker scores at a time
@@ -255,6 +260,12 @@ class RLConfig:
             raise ConfigError(
                 f"rollout.generate_fn={self.rollout.generate_fn!r} runs in rollout workers that take weights by "
                 "update: use weight_sync='memory' or 'disk', not 'shm'"
+            )
+        if self.rollout.checkpoint_inflight and (not self.rollout.partial_rollout or self.rollout.generate_fn):
+            raise ConfigError(
+                "rollout.checkpoint_inflight=true checkpoints a partial rollout's chunks: it needs "
+                f"rollout.partial_rollout=true and no rollout.generate_fn, got partial_rollout="
+                f"{str(self.rollout.partial_rollout).lower()}, generate_fn={self.rollout.generate_fn!r}"
             )
         if self.weight_delta and self.weight_sync != "shm":
             raise ConfigError(
@@ -549,6 +560,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "rollout.num_reward_workers": _ints(1),
     "rollout.reward_groups_per_request": _ints(1),
     "rollout.max_worker_restarts": _ints(-1),
+    "rollout.chunk_tokens": _ints(1),
     "rollout.generate_fn": _IMPORT_PATH,
     "rollout.filter_fn": _IMPORT_PATH,
     "rollout.reward_fn": _IMPORT_PATH,
@@ -626,6 +638,7 @@ UNRANGED_KEYS = frozenset(
         "rollout.engine_url",
         "rollout.gpus",  # a list of ints (msgspec): RLConfig.validate checks its ids against the servers it places
         "rollout.partial_rollout",
+        "rollout.checkpoint_inflight",
         "rollout.inference_colocate",
         "rollout.generate_fn_kwargs",
         "rollout.task_server_env",

@@ -80,6 +80,7 @@ from orchestration.trainer_restarts import (
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import ColocatedServers
 from rl_contracts.images import IMAGE_REFS
+from rl_contracts.inflight import inflight_partition
 from rl_contracts.lost_rows import put_retrying
 from rl_contracts.prompts import PromptSource
 from rl_contracts.rows import jagged
@@ -290,6 +291,7 @@ class GRPORun:
             url=self.worker_urls[0],
             api_key=api_key,  # the key of the servers, handed to the actors through Ray
             partial_rollout=cfg.rollout.partial_rollout,
+            chunk_tokens=cfg.rollout.chunk_tokens,
             seed=cfg.seed,
         )
         self.sampling = SamplingParams(
@@ -378,6 +380,8 @@ class GRPORun:
                 cfg.queue_timeout,
                 engine_options,
                 cfg.seed + i,
+                cfg.rollout.checkpoint_inflight,
+                cfg.max_staleness,
             )
             for i in range(cfg.rollout.num_workers)
         ]
@@ -409,7 +413,7 @@ class GRPORun:
         if kind == "rollout":
             min_version = self._min_version(step, self.start, self.first_version)
             worker = self.rollout[index].generate_step.options(concurrency_group=REDO_GROUP)
-            return worker.remote(step, self.prompt_fields(), min_version)
+            return worker.remote(step, self.prompt_fields(), min_version, self._train_version(step))
         return self.reward[index].score_step.options(concurrency_group=REDO_GROUP).remote(step)
 
     def _worker_restarted(self, kind: str, index: int) -> None:
@@ -467,8 +471,8 @@ class GRPORun:
         """Start the rollout and/or reward of ``step`` again (rows of it were put again after they had finished), in
         the workers' redo group: the step launched ahead may be waiting for this one's weights in their step group."""
         refs = (
-            [w.generate_step.options(concurrency_group=REDO_GROUP).remote(step, self.prompt_fields(), None)
-             for w in self.rollout] if rollout else [],
+            [w.generate_step.options(concurrency_group=REDO_GROUP).remote(
+                step, self.prompt_fields(), None, self._train_version(step)) for w in self.rollout] if rollout else [],
             [w.score_step.options(concurrency_group=REDO_GROUP).remote(step) for w in self.reward] if reward else [],
         )  # fmt: skip
         return self._tracked(step, refs)
@@ -487,7 +491,10 @@ class GRPORun:
         return self._tracked(
             step,
             (
-                [w.generate_step.remote(step, self.prompt_fields(), min_version) for w in self.rollout],
+                [
+                    w.generate_step.remote(step, self.prompt_fields(), min_version, self._train_version(step))
+                    for w in self.rollout
+                ],
                 [w.score_step.remote(step) for w in self.reward],
             ),
         )
@@ -703,6 +710,8 @@ class GRPORun:
         rollout_stats = self.supervisor.gather(step, rollout_refs)  # a call that died with its worker left out
         reward_stats = self.supervisor.gather(step, reward_refs)
         self.client.clear(global_step=step)
+        if self.cfg.rollout.checkpoint_inflight:  # partials a dead call left, unresumed (rl_contracts/inflight.py)
+            self.client.kv_clear(None, inflight_partition(step))
         self.lost_prompts.forget(step)
         t0, wall0 = self._step_started
         if self.stage_trace is not None:
@@ -742,6 +751,11 @@ class GRPORun:
                 row["eval_accuracy"] = self.evaluate()
             self.log(row)
         return self.rows
+
+    def _train_version(self, step: int) -> int:
+        """The trainer's policy version when it trains ``step`` (the staleness of a resumed partial is measured
+        against it)."""
+        return self._version_after(step) - 1
 
     def _version_after(self, step: int) -> int:
         """The trainer's policy version once it has trained ``step``."""
@@ -832,8 +846,8 @@ class GRPORun:
         steps = self.queue_resume.steps if self.queue_resume is not None else []
         return {
             s: self._tracked(s, (
-                [w.generate_step.remote(s, self.prompt_fields(), self._min_version(s, start, first_version))
-                 for w in self.rollout],
+                [w.generate_step.remote(s, self.prompt_fields(), self._min_version(s, start, first_version),
+                                        first_version + s - start) for w in self.rollout],
                 [w.score_step.remote(s) for w in self.reward],
             ))
             for s in steps
@@ -868,6 +882,9 @@ class GRPORun:
             restarts_trainer=self.restarts_trainer,  # trainer-group restarts since the last row (trainer_restarts.py)
         )
         self.restarts_trainer = 0
+        if self.cfg.rollout.checkpoint_inflight:  # tokens resumed from in-flight checkpoints, partials too stale
+            for key in ("resumed_tokens", "stale_partials", "stale_partial_tokens"):
+                row[key] = total(rollout, key)
         return row
 
     @property

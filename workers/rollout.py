@@ -4,6 +4,13 @@ For a global step it loops: ``get_meta(["prompt_ids", ...], whole groups)`` -> g
 -> ``put`` ``response_ids``, ``response_logprobs``, ``response_mask``-ready lengths, ``policy_version`` and
 ``finish_reason`` into those same rows -> until the step's rows are all taken (end of stream).
 
+With ``checkpoint_inflight`` (``rollout.checkpoint_inflight``, partial rollouts), the engine writes each chunk's
+partial responses into the queue as it generates (rl_contracts/inflight.py): a call of the step made again after
+this worker was killed reads them and resumes each response where it stopped, its tokens and their versions kept,
+unless its oldest token is more than ``max_staleness`` versions older than the policy that trains the step (then
+it is generated again, counted in ``stale_partials``). The checkpoints of a batch are cleared once its rows are
+written.
+
 The engine lives in its own actor. If it dies mid-call, the worker hands the rows back to the queue (``release``),
 starts a new engine with the latest weights, and carries on: no prompt is lost. Restarts and weight updates go
 through one :class:`EngineSlot`, so a weight update that arrives while an engine restarts lands in the new engine:
@@ -27,6 +34,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import RequestGate
 from rl_contracts.images import IMAGE_REFS, image_refs_of
+from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial, fresh_enough, inflight_partition, row_keys
 from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, release_quietly, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
@@ -105,6 +113,9 @@ class RolloutWorker:
         groups_per_request: GRPO groups taken from the queue at a time.
         timeout: seconds one wait for rows may take.
         engine_options: Ray options of the engine actor (e.g. ``num_gpus``).
+        checkpoint_inflight: write partial responses into the queue chunk by chunk and resume from them (needs
+            ``engine_spec.partial_rollout``).
+        max_staleness: the versions a resumed partial's oldest token may lag the policy that trains its step.
     """
 
     def __init__(
@@ -118,7 +129,16 @@ class RolloutWorker:
         timeout: float = 300.0,
         engine_options: dict[str, Any] | None = None,
         seed: int = 0,
+        checkpoint_inflight: bool = False,
+        max_staleness: int = 0,
     ):
+        if checkpoint_inflight and not engine_spec.partial_rollout:
+            raise ValueError(
+                "checkpoint_inflight needs a partial-rollout engine (EngineSpec.partial_rollout=True, "
+                "rollout.partial_rollout=true): its chunks are what is checkpointed"
+            )
+        self.checkpoint_inflight = checkpoint_inflight
+        self.max_staleness = max_staleness
         self.worker_id = worker_id
         self.client = TransferQueueClient(f"rollout-{worker_id}", controller_info)
         # rows are done once their responses are written: a worker killed mid-batch hands them back (lost_rows.py)
@@ -193,7 +213,11 @@ class RolloutWorker:
 
     @ray.method(concurrency_group="rollout")
     def generate_step(
-        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+        self,
+        step: int,
+        fields: list[str] | None = None,
+        min_version: int | None = None,
+        train_version: int | None = None,
     ) -> dict[str, float]:
         """Generate responses for every prompt row of ``step`` this worker gets; returns timings and counts.
 
@@ -202,10 +226,17 @@ class RolloutWorker:
 
         ``fields`` holding ``image_refs`` (``rl_contracts.images.IMAGE_REFS``, a vision task's rows): each prompt's
         image blob keys go to the engine with it (a group's n rows carry the same keys; the first row's are read).
+
+        ``train_version``: the policy version that will train ``step``; with ``checkpoint_inflight``, a checkpointed
+        partial whose oldest token is more than ``max_staleness`` versions older is generated again (None: every
+        partial is resumed).
         """
         fields = fields or ["prompt_ids"]
         read = ["prompt_ids", *([IMAGE_REFS] if IMAGE_REFS in fields else [])]
         stats = {"rows": 0.0, "generate_s": 0.0, "weights_wait_s": 0.0, "tokens": 0.0, "engine_restarts": 0.0}
+        if self.checkpoint_inflight:
+            stats.update(resumed_tokens=0.0, stale_partials=0.0, stale_partial_tokens=0.0)
+        store = InflightCheckpoints(self.client, inflight_partition(step)) if self.checkpoint_inflight else None
         clock = QueueClock()
         batches = served_batches(
             self.client, clock, fields, self.batch_rows, step=step, task_name=ROLLOUT_TASK, timeout=self.timeout,
@@ -216,6 +247,9 @@ class RolloutWorker:
             check_groups(meta, self.n)
             prompts = rows_of(data["prompt_ids"])[:: self.n]  # rows come group by group, n rows per prompt
             images = image_refs_of(data[IMAGE_REFS])[:: self.n] if IMAGE_REFS in read else None
+            inflight = None
+            if store is not None:
+                inflight = clock.call(self._inflight_call, store, meta, train_version, stats)
             t1 = time.perf_counter()
             engine = self.engine
             try:
@@ -229,7 +263,7 @@ class RolloutWorker:
                     stats["weights_wait_s"] += time.perf_counter() - t1
                     t1 = time.perf_counter()
                     version, generations = ray.get(
-                        engine.generate.remote(prompts, self.n, self.sampling, min_version, images)
+                        engine.generate.remote(prompts, self.n, self.sampling, min_version, images, inflight)
                     )
             except ENGINE_FAILURES as exc:
                 logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
@@ -243,7 +277,27 @@ class RolloutWorker:
                 continue
             stats["rows"] += written
             stats["tokens"] += sum(len(g.token_ids) for group in generations for g in group)
+            if store is not None and inflight is not None:  # written: its checkpoints are done with
+                stats["resumed_tokens"] += sum(len(p.token_ids) for p in inflight.resume if p is not None)
+                clock.call(store.clear, inflight.keys)
         return {**stats, **clock.stats(), "ended_at": time.time()}
+
+    def _inflight_call(
+        self, store: InflightCheckpoints, meta: BatchMeta, train_version: int | None, stats: dict[str, float]
+    ) -> InflightCall:
+        """The batch's checkpoint keys and the partials it resumes from (those fresh enough; the others counted)."""
+        keys = row_keys(meta.group_ids, self.n)
+        found = store.load(keys)
+        resume: list[Partial | None] = []
+        for key in keys:
+            partial = found.get(key)
+            if partial is not None and not fresh_enough(partial, train_version, self.max_staleness):
+                logger.info("rollout %d: partial %s is too stale to resume; generating it again", self.worker_id, key)
+                stats["stale_partials"] += 1
+                stats["stale_partial_tokens"] += len(partial.token_ids)
+                partial = None
+            resume.append(partial)
+        return InflightCall(self.client.controller_info, store.partition, keys, resume)
 
     def _responses(self, generations: list[list[Any]], version: int) -> dict[str, Any]:
         """The fields to write into the prompt rows (a plain dict: a put takes one, and it skips building a

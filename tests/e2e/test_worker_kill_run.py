@@ -20,13 +20,14 @@ PROMPTS, N, STEPS = 8, 4, 5
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_a_run_survives_a_killed_rollout_worker_and_reward_worker_with_every_row_trained_once(tmp_path: Path) -> None:
-    out = tmp_path / "worker_kill"
+def run_with_kills(out: Path, *extra: str) -> list[dict]:
+    """The run of tests/e2e/worker_kill_run.py with ``extra`` overrides, checked: both deaths survived, every step
+    trained all its rows, each once; returns its GRPO metric rows."""
     cmd = [
         sys.executable, str(ROOT / "tests" / "e2e" / "worker_kill_run.py"), f"output_dir={out}", f"steps={STEPS}",
         f"prompts_per_step={PROMPTS}", f"n_samples={N}", "rollout.groups_per_request=2",
         "rollout.reward_groups_per_request=2", "task.num_train_prompts=64", "task.num_eval_prompts=16",
-        "sft.max_steps=4", "sft.eval_every=2", "sft.batch_size=16", "queue_timeout=120",
+        "sft.max_steps=4", "sft.eval_every=2", "sft.batch_size=16", "queue_timeout=120", *extra,
     ]  # fmt: skip
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -48,3 +49,20 @@ def test_a_run_survives_a_killed_rollout_worker_and_reward_worker_with_every_row
         assert audit["rows_lost"] == 0, audit
         assert audit["produced"]["response_ids"] == audit["produced"]["reward"] == PROMPTS * N, audit
         assert Counter(audit["live_groups"]) == dict.fromkeys(range(PROMPTS), N), audit  # no row put twice
+    return grpo
+
+
+def test_a_run_survives_a_killed_rollout_worker_and_reward_worker_with_every_row_trained_once(tmp_path: Path) -> None:
+    run_with_kills(tmp_path / "worker_kill")
+
+
+def test_a_rollout_worker_killed_mid_generation_resumes_its_checkpointed_partials(tmp_path: Path) -> None:
+    """rollout.checkpoint_inflight: the worker is killed once its rows of step 1 have checkpoints; the redo of its
+    call resumes them (the step's row counts the tokens kept), none too stale (sync: the same version)."""
+    grpo = run_with_kills(
+        tmp_path / "inflight", "rollout.partial_rollout=true", "rollout.checkpoint_inflight=true",
+        "rollout.chunk_tokens=1", "rollout.max_new_tokens=16",
+    )  # fmt: skip
+    resumed = {r["step"]: r["resumed_tokens"] for r in grpo}
+    assert resumed[1] > 0 and sum(resumed.values()) == resumed[1], resumed
+    assert sum(r["stale_partials"] for r in grpo) == 0

@@ -27,6 +27,7 @@ import ray  # noqa: E402
 import transfer_queue  # noqa: E402
 from orchestration.config import config_from_cli  # noqa: E402
 from orchestration.grpo_run import connect_ray  # noqa: E402
+from rl_contracts.inflight import inflight_partition  # noqa: E402
 from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK  # noqa: E402
 from tests.e2e.unit_death_run import AuditedRun  # noqa: E402
 from transfer_queue.errors import PartitionCleared, UnknownPartition  # noqa: E402
@@ -35,9 +36,12 @@ KILLS = {1: ("rollout", ROLLOUT_TASK), 3: ("reward", REWARD_TASK)}  # step -> th
 HOLD_WAIT_S = 60.0  # the longest the killer waits for the worker to hold rows of the step (then it kills anyway)
 
 
-def kill_when_holding(client: Any, step: int, task: str, pid: int, deadline_s: float = HOLD_WAIT_S) -> int:
+def kill_when_holding(
+    client: Any, step: int, task: str, pid: int, deadline_s: float = HOLD_WAIT_S, checkpointed: bool = False
+) -> int:
     """SIGKILL ``pid`` as soon as ``task`` holds rows of ``step`` (leased, not written), or once the step is gone
-    or ``deadline_s`` passed; returns the rows it held (as far as the queue said just before)."""
+    or ``deadline_s`` passed; returns the rows it held (as far as the queue said just before). ``checkpointed``
+    (``rollout.checkpoint_inflight``): not before the rows have in-flight checkpoints (the worker is mid-generation)."""
     deadline = time.monotonic() + deadline_s
     held = 0
     while time.monotonic() < deadline:
@@ -46,9 +50,9 @@ def kill_when_holding(client: Any, step: int, task: str, pid: int, deadline_s: f
         except (UnknownPartition, PartitionCleared):
             held = 0
             break
-        if held:
+        if held and (not checkpointed or client.kv_list(inflight_partition(step))):
             break
-        time.sleep(0.005)
+        time.sleep(0.001 if held else 0.005)
     os.kill(pid, signal.SIGKILL)
     return held
 
@@ -67,7 +71,8 @@ class WorkerKillingRun(AuditedRun):
             pid = ray.get(worker.pid.remote())
 
             def kill() -> None:
-                held = kill_when_holding(self.killer, step, task, pid)
+                checkpointed = kind == "rollout" and self.cfg.rollout.checkpoint_inflight
+                held = kill_when_holding(self.killer, step, task, pid, checkpointed=checkpointed)
                 self.kills.append({"step": step, "kind": kind, "pid": pid, "rows_held": held})
                 print(f"killed {kind} worker 0 (pid {pid}) holding {held} rows of step {step}", flush=True)
 

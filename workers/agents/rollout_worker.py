@@ -148,7 +148,11 @@ class AgentRolloutWorker:
 
     @ray.method(concurrency_group="rollout")
     def generate_step(
-        self, step: int, fields: list[str] | None = None, min_version: int | None = None
+        self,
+        step: int,
+        fields: list[str] | None = None,
+        min_version: int | None = None,
+        train_version: int | None = None,
     ) -> dict[str, float]:
         """Episodes for every group of ``step`` this worker gets; returns counts for the step's metrics row.
 
@@ -156,7 +160,8 @@ class AgentRolloutWorker:
         single-turn ``generate_fn`` takes ``prompt_ids`` and the task's reward fields).
 
         ``fields`` and ``min_version`` are ``RolloutWorker.generate_step``'s; weights arrive by ``update_weights``
-        (``weight_sync`` memory or disk), so a ``min_version`` (the shm weight channel) is refused."""
+        (``weight_sync`` memory or disk), so a ``min_version`` (the shm weight channel) is refused. ``train_version``
+        is for in-flight checkpoints, which agent rollouts do not write: ignored."""
         if min_version is not None:
             raise ValueError(
                 f"AgentRolloutWorker takes weights by update_weights; got min_version={min_version} "

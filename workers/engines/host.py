@@ -13,12 +13,14 @@ weights that only its own training step can publish.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
+from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial
 from rl_contracts.task import load_task
 from rl_contracts.weight_channel import WeightChannel
 from workers.engines.base import Engine, Generation, SamplingParams
@@ -41,6 +43,7 @@ class EngineSpec:
     weights_timeout: float = 300.0  # seconds a generation may wait for the policy version it needs
     url: str | None = None  # the server of a "vllm-server" or "sglang" engine
     partial_rollout: bool = False  # a weight update stops generation mid-way and resumes it (engines/partial.py)
+    chunk_tokens: int = 16  # partial rollouts: tokens per chunk (engines without abort, in-flight checkpoints)
     seed: int = 0  # the engine's own seed (vLLM)
     # the key of the "vllm-server" / "sglang" server (sent as a bearer token; None: TQ_API_KEY of the actor's env)
     api_key: str | None = field(default=None, repr=False)
@@ -104,7 +107,10 @@ class EngineActor:
 
             # a newer version in the weight channel (or an update_weights call: the actor then runs with
             # max_concurrency=2) stops the running generation, which resumes on the new weights
-            self._engine = PartialRollout(self._engine, self._channel_update if self._channel else None)
+            self._engine = PartialRollout(
+                self._engine, self._channel_update if self._channel else None, chunk_tokens=spec.chunk_tokens
+            )
+        self._inflight: tuple[Any, Any] | None = None  # (controller info, its queue client): in-flight checkpoints
 
     def _channel_update(self) -> tuple[int, Any, None] | None:
         """The channel's newest weights when they are newer than the engine's (polled by partial rollouts)."""
@@ -122,6 +128,7 @@ class EngineActor:
         params: SamplingParams,
         min_version: int | None = None,
         image_refs: list[list[str]] | None = None,
+        inflight: InflightCall | None = None,
     ) -> tuple[int, list[list[Generation]]]:
         """``(policy version, generations)``: the version is the one every generation of the call came from.
 
@@ -131,13 +138,20 @@ class EngineActor:
         ``image_refs``: a vision task's prompts' images, one list of blob keys per prompt (the rows'
         ``rl_contracts.images.IMAGE_REFS``); the ``hf`` engine resolves them through the task's image source.
 
+        ``inflight`` (partial rollouts only; ``rollout.checkpoint_inflight``): each chunk's partial responses go into
+        the queue under ``inflight.keys`` as they are generated, and responses resume from ``inflight.resume``
+        (rl_contracts/inflight.py).
+
         Raises:
             ImagesNotSupported: ``image_refs`` for an engine that takes no images (any but ``hf``, or ``hf`` with
                 partial rollouts).
+            ValueError: ``inflight`` for an engine without partial rollouts.
         """
         self._calls += 1
         self.restore_server_weights()
         self.pull_weights(min_version)
+        if inflight is not None:
+            return self._engine.version, self._generate_checkpointed(prompts, n, params, inflight)
         if image_refs is None:
             return self._engine.version, self._engine.generate(prompts, n, params)
         if self._kind != "hf":
@@ -146,6 +160,29 @@ class EngineActor:
                 "'hf' engine without partial rollouts takes a vision task's images"
             )
         return self._engine.version, self._engine.generate(prompts, n, params, images=image_refs)
+
+    def _generate_checkpointed(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, inflight: InflightCall
+    ) -> list[list[Generation]]:
+        if not self._kind.endswith("with partial_rollout"):
+            raise ValueError(
+                "in-flight checkpoints need a partial-rollout engine (rollout.partial_rollout=true); got "
+                f"{self._kind!r}"
+            )
+        if self._inflight is None or self._inflight[0] != inflight.controller_info:
+            from transfer_queue import TransferQueueClient
+
+            self._inflight = (
+                inflight.controller_info,
+                TransferQueueClient(f"engine-{os.getpid()}", inflight.controller_info),
+            )
+        store = InflightCheckpoints(self._inflight[1], inflight.partition)
+        keys = inflight.keys
+
+        def checkpoint(rows: list[int], partials: list[Partial]) -> None:
+            store.save([keys[i] for i in rows], partials)
+
+        return self._engine.generate(prompts, n, params, resume=inflight.resume, on_chunk=checkpoint)
 
     @ray.method(concurrency_group=WAIT_GROUP)
     def wait_for_weights(self, min_version: int) -> int:

@@ -10,17 +10,23 @@ sampled it (``Generation.versions``), so the trainer can mask tokens older than 
 
 Resuming re-reads prompt + partial response as a new prompt: the new weights' KV cache is rebuilt from the tokens,
 never mixed with the old one.
+
+In-flight checkpoints (``rollout.checkpoint_inflight``, rl_contracts/inflight.py): ``generate(..., on_chunk=...)``
+runs every engine in chunks of ``chunk_tokens`` (an abortable one too) and hands the rows each chunk advanced to
+``on_chunk``; ``resume=`` starts rows from partials a generation killed mid-way had checkpointed, their tokens,
+log-probs and versions kept (``resumed_tokens`` counts them).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from rl_contracts.inflight import Partial
 from rl_contracts.partial import mask_offpolicy_tokens
 from workers.engines.base import Engine, Generation, SamplingParams
 
@@ -55,6 +61,7 @@ class PartialRollout:
         self._generating = threading.Lock()  # held while a generation runs
         self._loaded = threading.Condition()
         self.resumes = 0  # responses resumed after an update (a counter for metrics)
+        self.resumed_tokens = 0  # tokens taken from in-flight checkpoints instead of generated (``resume``)
         self.updates_during_generation = 0
 
     @property
@@ -105,24 +112,56 @@ class PartialRollout:
             with self._loaded:
                 self._loaded.notify_all()
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Generation]]:
-        """``n`` responses per prompt, each with ``versions`` (one per token); see the module docstring."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        resume: Sequence[Partial | None] | None = None,
+        on_chunk: Callable[[list[int], list[Partial]], None] | None = None,
+    ) -> list[list[Generation]]:
+        """``n`` responses per prompt, each with ``versions`` (one per token); see the module docstring.
+
+        ``resume``: one entry per response (``n`` per prompt, in order), the partial it starts from (None: from its
+        prompt). ``on_chunk(rows, partials)``: after each chunk, the responses it advanced (their indices in that
+        order) with everything generated so far; given, every engine runs in chunks of ``chunk_tokens``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if resume is not None and len(resume) != len(prompts) * n:
+            raise ValueError(f"resume needs one entry per response ({len(prompts)} prompts x {n}), got {len(resume)}")
         try:
             with self._generating:
-                return self._generate(prompts, n, params)
+                return self._generate(prompts, n, params, resume, on_chunk)
         finally:  # after the release: a waiting update_weights sees the generation ended
             with self._loaded:
                 self._loaded.notify_all()
 
-    def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Generation]]:
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        resume: Sequence[Partial | None] | None,
+        on_chunk: Callable[[list[int], list[Partial]], None] | None,
+    ) -> list[list[Generation]]:
         rows = [list(prompt) for prompt in prompts for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
         reasons: list[str | None] = [None] * len(rows)
-        abortable = bool(getattr(self.engine, "supports_abort", False))
+        for i, partial in enumerate(resume or []):
+            if partial is not None:
+                tokens[i], logprobs[i], versions[i] = (
+                    list(partial.token_ids),
+                    list(partial.logprobs),
+                    list(partial.versions),
+                )
+                reasons[i] = partial.finish_reason
+                if reasons[i] is None and len(tokens[i]) >= params.max_new_tokens:
+                    reasons[i] = "length"
+                self.resumed_tokens += len(tokens[i])
+        # checkpointing: chunks for every engine, so that a kill loses at most one chunk per response
+        abortable = bool(getattr(self.engine, "supports_abort", False)) and on_chunk is None
         segment = 0
         while True:
             self._load_pending()
@@ -153,6 +192,11 @@ class PartialRollout:
                         reasons[i] = "stop"
                     elif len(tokens[i]) >= params.max_new_tokens:
                         reasons[i] = "length"
+                if on_chunk is not None:
+                    on_chunk(
+                        list(members),
+                        [Partial(list(tokens[i]), list(logprobs[i]), list(versions[i]), reasons[i]) for i in members],
+                    )
                 if self._update_waiting():
                     break  # load before the other budgets' rows run on old weights
             segment += 1
@@ -167,5 +211,6 @@ class PartialRollout:
             **self.engine.health(),
             "partial_rollout": True,
             "resumes": self.resumes,
+            "resumed_tokens": self.resumed_tokens,
             "updates_during_generation": self.updates_during_generation,
         }
