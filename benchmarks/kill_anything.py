@@ -174,13 +174,14 @@ def child(args: argparse.Namespace) -> int:
 
     class KillingRun(AuditedRun):
         audit_mode = "a"
+        closed = True  # until started: a start-up that fails shuts down what it started, nothing of this class
 
         def __init__(self, config: Any):
             super().__init__(config)
             self.kills = shared.kills
             self.killer = transfer_queue.TransferQueueClient("killer", self.client.controller_info)
             self.timers: list[threading.Timer] = []
-            self.closed = False
+            self.closed = False  # started: shutdown() reads the counts first
             self.unit_kills = 0  # storage units this start killed
             self.ahead_rows = 0  # at a trainer rank's death: rollout rows of the steps launched, not trained
 
@@ -235,7 +236,7 @@ def child(args: argparse.Namespace) -> int:
             """Before the queue stops: the storage units its controller restarted (a unit killed late: Ray's
             restart may come after the last step), and, a trainer rank dead, the rollout rows of the steps in
             flight (generated again by the next start)."""
-            if not self.closed and self.client is not None:
+            if not self.closed:
                 self.closed = True
                 for timer in self.timers:
                     timer.cancel()
