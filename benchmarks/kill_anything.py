@@ -337,6 +337,7 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     by_step = {a["step"]: a for a in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
     audits = [by_step[s] for s in sorted(by_step)]
     grpo = killed["rows"]
+    supervisors = killed["restarts"] if isinstance(killed["restarts"], list) else [killed["restarts"]]
     rows = PROMPTS * N
     lost_silently = sum(max(0, rows - a["train"]["acknowledged"]) for a in audits)
     lost_silently += rows * (steps - len(audits))  # a step that never finished
@@ -365,8 +366,8 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
         "rows_beyond_max_staleness": sum(1 for s in staleness if s > max_staleness),
         "rows_left_out_as_stale": sum(int(r.get("stale_rows", 0)) for r in grpo),
         "restarts": {
-            "rollout": sum(r.get("restarts_rollout", 0) for r in grpo),
-            "reward": sum(r.get("restarts_reward", 0) for r in grpo),
+            # each start's supervisor (a row that counted one may be cut back by a trainer-group restart)
+            **{kind: sum(int(start.get(kind, 0)) for start in supervisors) for kind in ("rollout", "reward")},
             "unit": killed["units_restarted"],
             "trainer": sum(r.get("restarts_trainer", 0) for r in grpo),
             "engine": killed.get("engines_restarted", 0),
