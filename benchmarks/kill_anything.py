@@ -1,7 +1,7 @@
 """Kill anything, lose nothing (issue 28): the demo in async mode, with actors SIGKILLed at random moments, against an
 uninterrupted run on the same seed.
 
-    .venv/bin/python benchmarks/kill_anything.py              # rollout, reward, unit, controller: 2 kills each
+    .venv/bin/python benchmarks/kill_anything.py              # every kind: 2 kills each
     .venv/bin/python benchmarks/kill_anything.py --seed 1 --kills 3 --steps 24 --clean-runs 2
     .venv/bin/python benchmarks/kill_anything.py --kinds rollout,reward,unit   # not the controller
 
@@ -17,6 +17,16 @@ actor's process; a worker being restarted from an earlier kill is killed once it
 - ``unit``: a storage unit (its rows' second copies serve; Ray restarts it, refilled)
 - ``controller``: the queue's controller (``ray.kill(no_restart=False)``; ``queue_journal=true``: Ray restarts it over
   its journal, the leases and DP rounds in flight included; the run's supervisor tells it which workers died).
+- ``trainer``: a trainer rank (the trainer group restarts from the run's last checkpoint in the same process,
+  orchestration/trainer_restarts.py; with this kind both runs save one every ``TRAINER_CHECKPOINT_EVERY`` steps and
+  ``train.max_restarts`` is ``--kills``). The killed run's figures join the starts as the run's metrics do: each
+  step's last audit and metrics row count; the rows a restart generated again (the steps past its checkpoint, the
+  steps launched ahead) count as regenerated.
+- ``engine``: an engine server the run started (``rollout.engine=sglang`` in both runs, one server per rollout worker;
+  its ``EngineServer`` restarts it on the same URL; the rollout worker's generation in flight waits for it, loads the
+  newest weights into it and is made again: workers/engines/host.py). SGLang needs CUDA: the servers are
+  tests/engine_fakes.py's SGLang stand-in, SGLang's routes over an ``HFEngine`` of the run's model directory (real
+  samples and log-probs, each published version loaded from disk).
 
 Before each step is cleared, the killed run records what the queue says about it (the trainer's acknowledgements, the
 rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
@@ -26,11 +36,13 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
 - samples trained twice: acknowledgements beyond a step's rows, and rows of a group beyond its ``n_samples``;
 - staleness: each trained row's sampling policy version (read back from the queue before the step is cleared) against
   the version that trained it, over ``max_staleness``;
-- kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` of its metrics rows,
-  the controller's ``storage_units_restarted``);
-- the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker held (leased, not
-  written, as the queue said just before the kill) times the run's tokens per generated row, less the tokens resumed
-  from in-flight checkpoints (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated;
+- kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` /
+  ``restarts_trainer`` of its metrics rows, the controller's ``storage_units_restarted``, the engine servers'
+  ``EngineServer`` restarts);
+- the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker or engine server
+  held (leased, not written, as the queue said just before the kill) and those a trainer-group restart generated
+  again, times the run's tokens per generated row, less the tokens resumed from in-flight checkpoints
+  (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated;
 - the final reward (mean of the last fifth of the steps) of both runs (``--clean-runs 2``: of two untouched runs).
 
 ``killed_figures`` is what tests/e2e/test_kill_anything_soak.py (slow) checks of a short killed run. Figures measured:
@@ -56,9 +68,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KINDS = ("rollout", "reward", "unit", "controller")
-DEFAULT_KINDS = "rollout,reward,unit,controller"
+KINDS = ("rollout", "reward", "unit", "controller", "trainer", "engine")
+DEFAULT_KINDS = ",".join(KINDS)
 PROMPTS, N = 8, 4
+TRAINER_CHECKPOINT_EVERY = 2  # with ``trainer`` killed: a trainer-group restart trains at most 2 steps again
 #: the demo's overrides: async mode, two copies of each row over 3 units, a short warm-up, a small step
 OVERRIDES = [
     "mode=async", "max_staleness=1", "queue_replicas=2", "num_storage_units=3", f"prompts_per_step={PROMPTS}",
@@ -106,6 +119,25 @@ def schedule(seed: int, kinds: list[str], kills: int, steps: int) -> list[dict[s
     return sorted(plan, key=lambda k: (k["step"], k["delay_s"]))
 
 
+def serve_policy_with_stand_ins() -> None:
+    """The run's engine servers (``rollout.engine=sglang``, one per rollout worker, started and restarted by its
+    ``InferenceManager``) are tests/engine_fakes.py's SGLang stand-in: SGLang's routes over an ``HFEngine`` of the
+    run's model directory (real samples and log-probs; ``/update_weights_from_disk`` loads each published version).
+    SGLang itself needs CUDA."""
+    from orchestration import grpo_run
+    from orchestration.inference import inference_manager
+    from workers.api_key import KEY_PLACEHOLDER
+
+    def stand_in(model_path: str, port: int, host: str = "127.0.0.1", *, extra: list[str] | None = None) -> list[str]:
+        return [sys.executable, str(ROOT / "tests" / "engine_fakes.py"), "--host", host, "--port", str(port),
+                "--api-key", KEY_PLACEHOLDER, "--model-path", model_path, "--eos-token-id", "2"]  # fmt: skip
+
+    def manager(*args: Any, **kwargs: Any) -> Any:
+        return inference_manager(*args, server_command=stand_in, health_interval=0.5, **kwargs)
+
+    grpo_run.inference_manager = manager  # type: ignore[assignment]
+
+
 # ---- the child runs ---------------------------------------------------------------------------------------------
 def child(args: argparse.Namespace) -> int:
     import ray
@@ -114,6 +146,7 @@ def child(args: argparse.Namespace) -> int:
     from orchestration.config import config_from_cli
     from orchestration.grpo_run import connect_ray
     from orchestration.supervisor import when_up
+    from orchestration.trainer_restarts import joined_rows, run_with_trainer_restarts
     from rl_contracts.stages import ROLLOUT_TASK, TRAIN_TASK
     from tests.e2e.unit_death_run import AuditedRun
 
@@ -122,26 +155,50 @@ def child(args: argparse.Namespace) -> int:
         overrides.append("checkpoint_queue=false")
         if args.child == "killed":
             overrides.append("queue_journal=true")
+    if "trainer" in args.kinds:  # a dead trainer rank: the run resumes from its last checkpoint (both runs save them)
+        overrides += [f"checkpoint_every={TRAINER_CHECKPOINT_EVERY}", f"train.max_restarts={args.kills}"]
+    if "engine" in args.kinds:  # the run starts its engine servers: SGLang stand-ins over the run's HF policy
+        overrides.append("rollout.engine=sglang")
+        serve_policy_with_stand_ins()
     config = config_from_cli(__doc__ or "", ROOT / "recipe" / "configs" / "demo.yaml", overrides)
     plan = schedule(args.seed, args.kinds, args.kills, args.steps) if args.child == "killed" else []
 
+    class Shared:  # what the run's starts (a trainer-group restart starts it again) share
+        def __init__(self) -> None:
+            self.kills: list[dict[str, Any]] = []
+            self.made: set[int] = set()  # the plan's kills made (one a start's end cancelled: the next start's)
+            self.held_rows = 0  # rollout rows killed rollout workers held
+            self.units_restarted = 0
+            self.engines_restarted = 0
+
+    shared = Shared()
+
     class KillingRun(AuditedRun):
+        audit_mode = "a"
+        closed = True  # until started: a start-up that fails shuts down what it started, nothing of this class
+
         def __init__(self, config: Any):
             super().__init__(config)
+            self.kills = shared.kills
             self.killer = transfer_queue.TransferQueueClient("killer", self.client.controller_info)
             self.timers: list[threading.Timer] = []
-            self.held_rows = 0  # rollout rows killed rollout workers held
+            self.closed = False  # started: shutdown() reads the counts first
+            self.unit_kills = 0  # storage units this start killed
+            self.ahead_rows = 0  # at a trainer rank's death: rollout rows of the steps launched, not trained
 
         def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
             refs = super().launch(step, min_version)
-            for kill in plan:
-                if kill["step"] == step:
-                    timer = threading.Timer(kill["delay_s"], self.kill_one, (kill,))
+            for i, kill in enumerate(plan):
+                if kill["step"] == step and i not in shared.made:
+                    timer = threading.Timer(kill["delay_s"], self.kill_one, (i, kill))
                     timer.start()
                     self.timers.append(timer)
             return refs
 
-        def kill_one(self, kill: dict[str, Any]) -> None:
+        def kill_one(self, i: int, kill: dict[str, Any]) -> None:
+            if self.closed or i in shared.made:  # this start ended (a trainer rank died): the next one kills
+                return
+            shared.made.add(i)
             kind, pick = kill["kind"], kill["pick"]
             record = dict(kill)
             try:
@@ -152,13 +209,22 @@ def child(args: argparse.Namespace) -> int:
                         units = when_up(lambda: ray.get(transfer_queue.get_controller().storage_stats.remote()))
                         record["unit"] = int(pick * len(units))
                         pid = units[record["unit"]]["pid"]
+                        self.unit_kills += 1
+                    elif kind == "engine":
+                        assert self.inference is not None, "the engine kind needs servers the run started"
+                        servers = self.inference.servers
+                        record["server"] = int(pick * len(servers))
+                        pid = int(servers[record["server"]].record.pid or 0)
+                    elif kind == "trainer":
+                        record["rank"] = int(pick * len(self.trainer))
+                        pid = int(ray.get(self.trainer[record["rank"]].pid.remote()))
                     else:
                         workers = self.rollout if kind == "rollout" else self.reward
                         record["worker"] = int(pick * len(workers))
                         pid = when_up(lambda: int(ray.get(workers[record["worker"]].pid.remote())))
-                    if kind == "rollout":
+                    if kind in ("rollout", "engine"):  # a dead server's generations in flight are made again
                         record["held_rows"] = self.rollout_rows_held()
-                        self.held_rows += record["held_rows"]
+                        shared.held_rows += record["held_rows"]
                     os.kill(pid, signal.SIGKILL)
                     record["pid"] = pid
                 record["at"] = time.time()
@@ -167,14 +233,39 @@ def child(args: argparse.Namespace) -> int:
             self.kills.append(record)
             print(f"kill: {record}", flush=True)
 
-        def rollout_rows_held(self) -> int:
+        def shutdown(self) -> None:
+            """Before the queue stops: the storage units its controller restarted (a unit killed late: Ray's
+            restart may come after the last step), and, a trainer rank dead, the rollout rows of the steps in
+            flight (generated again by the next start)."""
+            if not self.closed:
+                self.closed = True
+                for timer in self.timers:
+                    timer.cancel()
+                if self.inference is not None:  # the engine servers their EngineServer restarted after a crash
+                    shared.engines_restarted += sum(server.record.restarts for server in self.inference.servers)
+                try:
+                    self.ahead_rows = self.rollout_rows_held(("acknowledged", "leased"))
+                    deadline = time.monotonic() + 60
+                    while True:
+                        stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
+                        restarted = sum(stats["storage_units_restarted"].values())
+                        if restarted >= self.unit_kills or time.monotonic() > deadline:
+                            break
+                        time.sleep(0.2)
+                    shared.units_restarted += restarted
+                finally:
+                    super().shutdown()
+            else:
+                super().shutdown()
+
+        def rollout_rows_held(self, states: tuple[str, ...] = ("leased",)) -> int:
             held = 0
             for step in list(self.pending):
                 try:
                     status = self.killer.get_consumption_status(global_step=step, task_name=ROLLOUT_TASK)
                 except Exception:  # a step cleared meanwhile
                     continue
-                held += int(status["tasks"][ROLLOUT_TASK]["leased"])
+                held += sum(int(status["tasks"][ROLLOUT_TASK][state]) for state in states)
             return held
 
         def write_audit(self, step: int) -> None:
@@ -195,34 +286,40 @@ def child(args: argparse.Namespace) -> int:
             self.audit.write(json.dumps(row) + "\n")
             self.audit.flush()
 
+    def attempt(cfg: Any, restarts: int) -> tuple[KillingRun, list[dict[str, Any]]]:
+        with KillingRun(cfg) as run:
+            run.restarts_trainer = restarts
+            attempts.append(run)  # a trainer rank's death ends it: the next attempt resumes from its checkpoint
+            rows = run.run()
+        return run, rows
+
     connect_ray()
-    run = KillingRun(config)
-    try:
-        started = time.perf_counter()
-        rows = run.run()
-        seconds = time.perf_counter() - started
+    attempts: list[KillingRun] = []
+    started = time.perf_counter()
+    # a dead trainer rank: the run stops and resumes from its last checkpoint (orchestration/trainer_restarts.py)
+    last, last_rows = run_with_trainer_restarts(config, attempt)
+    seconds = time.perf_counter() - started
+    for run in attempts:
         for timer in run.timers:
             timer.join()
-        unit_kills = sum(1 for k in run.kills if k["kind"] == "unit" and "error" not in k)
-        deadline = time.monotonic() + 60  # a unit killed late in the run: Ray's restart may come after the last step
-        while True:
-            stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
-            units_restarted = stats["storage_units_restarted"]
-            if sum(units_restarted.values()) >= unit_kills or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        summary = {
-            "seconds": seconds,
-            "kills": run.kills,
-            "held_rows": run.held_rows,
-            "restarts": dict(run.supervisor.restarts),
-            "units_restarted": sum(units_restarted.values()),
-            "groups_put_again": run.lost_prompts.groups_put_again,
-            "rows": rows,
-        }
-        (Path(args.output_dir) / "kill_anything.json").write_text(json.dumps(summary))
-    finally:
-        run.shutdown()
+    # each start's rows up to the step the next one resumed from; the steps past it are generated again
+    died = [(run.start, run.rows) for run in attempts[:-1]]
+    rows = joined_rows([*died, (last.start, last_rows)])
+    rerun_rows = sum(run.ahead_rows for run in attempts[:-1])
+    for (_, done), after in zip(died, attempts[1:], strict=True):
+        rerun_rows += sum(int(r["generated_rows"]) for r in done if int(r["step"]) >= after.start)
+    summary = {
+        "seconds": seconds,
+        "kills": shared.kills,
+        "held_rows": shared.held_rows,
+        "rerun_rows": rerun_rows,  # rows a trainer-group restart generated again
+        "restarts": [dict(run.supervisor.restarts) for run in attempts],
+        "units_restarted": shared.units_restarted,
+        "engines_restarted": shared.engines_restarted,
+        "groups_put_again": sum(run.lost_prompts.groups_put_again for run in attempts),
+        "rows": rows,
+    }
+    (Path(args.output_dir) / "kill_anything.json").write_text(json.dumps(summary))
     return 0
 
 
@@ -237,8 +334,11 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     ``steps`` GRPO steps of ``PROMPTS * N`` rows, killing ``kinds``); tests/e2e/test_kill_anything_soak.py checks
     them too."""
     killed = json.loads((run_dir / "kill_anything.json").read_text())
-    audits = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    # a trainer-group restart trains the steps after its checkpoint again: each step's last audit counts
+    by_step = {a["step"]: a for a in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    audits = [by_step[s] for s in sorted(by_step)]
     grpo = killed["rows"]
+    supervisors = killed["restarts"] if isinstance(killed["restarts"], list) else [killed["restarts"]]
     rows = PROMPTS * N
     lost_silently = sum(max(0, rows - a["train"]["acknowledged"]) for a in audits)
     lost_silently += rows * (steps - len(audits))  # a step that never finished
@@ -252,7 +352,7 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     tokens = sum(r["tokens"] for r in grpo)
     per_row = tokens / max(1.0, sum(r["generated_rows"] for r in grpo))
     resumed = sum(r.get("resumed_tokens", 0) for r in grpo)  # in-flight checkpoints: tokens not generated again
-    regenerated = max(0.0, killed["held_rows"] * per_row - resumed)
+    regenerated = max(0.0, (killed["held_rows"] + killed.get("rerun_rows", 0)) * per_row - resumed)
     return {
         "steps": steps,
         "kinds": kinds,
@@ -268,13 +368,18 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
         "rows_beyond_max_staleness": sum(1 for s in staleness if s > max_staleness),
         "rows_left_out_as_stale": sum(int(r.get("stale_rows", 0)) for r in grpo),
         "restarts": {
-            "rollout": sum(r.get("restarts_rollout", 0) for r in grpo),
-            "reward": sum(r.get("restarts_reward", 0) for r in grpo),
+            # each start's supervisor (a row that counted one may be cut back by a trainer-group restart)
+            **{kind: sum(int(start.get(kind, 0)) for start in supervisors) for kind in ("rollout", "reward")},
             "unit": killed["units_restarted"],
+            "trainer": sum(r.get("restarts_trainer", 0) for r in grpo),
+            "engine": killed.get("engines_restarted", 0),
         },
         "groups_put_again": killed["groups_put_again"],
         "regenerated_token_share": regenerated / (tokens + regenerated) if tokens else 0.0,
         "resumed_tokens": resumed,
+        # rows generated again: those killed rollout workers and engine servers held, those a trainer-group restart
+        # generated again (the steps past its checkpoint and those launched ahead)
+        "regenerated_rows": {"held_at_kills": killed["held_rows"], "trainer_restarts": killed.get("rerun_rows", 0)},
         "final_reward": last_fifth([r["reward"] for r in grpo]),
         "seconds": killed["seconds"],
         "kill_log": killed["kills"],

@@ -15,11 +15,12 @@ on the reply, ``token_ids`` on each choice), and GET /argv: ``{"argv": [...], "l
 it does not know included, as an engine's sizing flags; the weight loads it answered; the weight version of each
 generation and of each chat completion it answered, a generation while released marked " released"; ``events``:
 release, resume, ``load VERSION`` and ``generate VERSION`` in the order they happened; ``in_flight_at_release``: the
-generations being answered at each release). ``--generate-tokens``: each /generate output is the tokens 5 and 2 with
-their log-probs (else empty); ``--generate-delay S``: each /generate takes S seconds. ``--vocab-size V``: the prompt's
-token ids are its characters' code points modulo V (a tiny model's vocabulary); ``--chat-delay S``: each chat
-completion takes S seconds (so concurrent samplers' requests overlap). With ``--api-key`` (or ``--key-from-env``:
-``TQ_API_KEY``), the POST routes answer 401 without ``Authorization: Bearer KEY``, as SGLang's ``--api-key``.
+generations being answered at each release; ``in_flight``: those being answered now). ``--generate-tokens``: each
+/generate output is the tokens 5 and 2 with their log-probs (else empty); ``--generate-delay S``: each /generate takes
+S seconds. ``--vocab-size V``: the prompt's token ids are its characters' code points modulo V (a tiny model's
+vocabulary); ``--chat-delay S``: each chat completion takes S seconds (so concurrent samplers' requests overlap).
+With ``--api-key`` (or ``--key-from-env``: ``TQ_API_KEY``), the POST routes answer 401 without ``Authorization:
+Bearer KEY``, as SGLang's ``--api-key``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main() -> None:
                 self._reply(200 if ok else 503, {})
             elif self.path == "/argv":
                 self._reply(200, {"argv": sys.argv[1:], "loads": loads, "generated": generated, "chats": chats,
-                                  "events": events, "in_flight_at_release": in_flight_at_release})  # fmt: skip
+                                  "events": events, "in_flight_at_release": in_flight_at_release,
+                                  "in_flight": in_flight[0]})  # fmt: skip
             elif self.path == "/get_model_info":
                 self._reply(200, {"model_path": args.model_path})
             elif self.path == "/get_weight_version":

@@ -36,11 +36,13 @@ class AuditedRun(GRPORun):
     (tests/e2e/queue_kill_run.py builds on it too)."""
 
     queue_task_names = (*GRPORun.queue_task_names, "probe", "audit")  # its peeks at the prompts' rows
+    #: "a": a run started again in the same output_dir (a trainer-group restart) appends to the audit of the last
+    audit_mode = "w"
 
     def __init__(self, config: Any):
         super().__init__(config)
         self.kills: list[dict[str, Any]] = []
-        self.audit = (self.out / "audit.jsonl").open("w")
+        self.audit = (self.out / "audit.jsonl").open(self.audit_mode)
         clear = self.client.clear
 
         def audit_then_clear(global_step: int | None = None, partition_id: str | None = None) -> None:

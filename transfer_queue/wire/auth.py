@@ -37,7 +37,8 @@ from transfer_queue.errors import AuthenticationFailed, RequestTimeout
 SECRET_BYTES = 32
 NONCE_BYTES = 32
 PROOF_BYTES = 32
-ACCEPTED = b"\x01"  # the server's one-byte answer to a good proof (a bad one closes the connection)
+ACCEPTED = b"\x01"  # the server's one-byte answer to a good proof
+REFUSED = b"\x00"  # its answer to a bad one, before it closes the connection (a close alone: the server is gone)
 HANDSHAKE_TIMEOUT = 10.0
 _UNIX_LABEL = b"transfer_queue unix v1 "
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -102,6 +103,8 @@ def answer_unix_challenge(sock: socket.socket, secret: bytes, timeout: float = H
         raise RequestTimeout(f"the server did not answer the proof within {timeout:.1f} s (it is hung)") from None
     except OSError:
         answer = b""
+    if not answer:  # no answer: the server died (or closed) between the challenge and the answer, e.g. SIGKILLed
+        raise ConnectionResetError("the server closed the connection before answering the proof (the server is gone)")
     if answer != ACCEPTED:
         raise AuthenticationFailed(
             "the server refused this queue's secret: the controller_info is from another queue (fetch a fresh one)"

@@ -14,6 +14,7 @@ Limits on frame count and sizes are checked before anything is allocated; a peer
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
@@ -30,6 +31,7 @@ from transfer_queue.wire.auth import (
     ACCEPTED,
     HANDSHAKE_TIMEOUT,
     PROOF_BYTES,
+    REFUSED,
     answer_unix_challenge,
     check_unix_proof,
     new_nonce,
@@ -375,6 +377,9 @@ class UnixServer:
                 return False
             return True
         self.unauthenticated += 1  # a wrong answer, or the peer hung up before answering
+        if chunk:  # a wrong answer: told so (a close alone reads as a server gone), best effort
+            with contextlib.suppress(OSError):
+                conn.sock.send(REFUSED)
         self.drop(fd)
         return False
 

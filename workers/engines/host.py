@@ -8,12 +8,18 @@ from a Hugging Face directory, each with the policy version they are; or, with a
 Waiting for a version not yet published (``wait_for_weights``) runs beside the engine, in its own concurrency group:
 a generation that needs no newer weights (a step's redo after a storage unit died) must not queue behind a wait for
 weights that only its own training step can publish.
+
+A server engine's generation that fails because its server is unreachable (``EngineUnavailable``: the server died
+under it, e.g. SIGKILLed) waits for the server to answer its health route again (``EngineServer`` restarts a crashed
+server on the same URL) and is made again, with the weights it had loaded (``restore_server_weights``): the rollout
+worker's rows stay leased by it meanwhile and get one generation, neither lost nor written twice.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +30,14 @@ from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial
 from rl_contracts.task import load_task
 from rl_contracts.weight_channel import WeightChannel
 from workers.engines.base import Engine, Generation, SamplingParams
-from workers.engines.errors import ImagesNotSupported
+from workers.engines.errors import EngineUnavailable, ImagesNotSupported
 
 logger = logging.getLogger(__name__)
+
+#: how long a generation whose server died waits for it to answer again before it fails (a server's restart loads
+#: the model again: minutes for a large one)
+SERVER_BACK_S = 600.0
+SERVER_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -141,13 +152,48 @@ class EngineActor:
         ``inflight`` (partial rollouts only; ``rollout.checkpoint_inflight``): each chunk's partial responses go into
         the queue under ``inflight.keys`` as they are generated, and responses resume from ``inflight.resume``
         (rl_contracts/inflight.py).
+        A server engine whose server died under the call waits for it to answer again (``SERVER_BACK_S``) and
+        generates again, after loading the weights it had into it (see the module docstring).
 
         Raises:
             ImagesNotSupported: ``image_refs`` for an engine that takes no images (any but ``hf``, or ``hf`` with
                 partial rollouts).
             ValueError: ``inflight`` for an engine without partial rollouts.
+            EngineUnavailable: a server engine's server did not answer again within ``SERVER_BACK_S``.
         """
         self._calls += 1
+        deadline: float | None = None
+        while True:
+            try:
+                return self._generate(prompts, n, params, min_version, image_refs, inflight)
+            except EngineUnavailable as exc:  # its server died under it: made again once the server is back
+                deadline = deadline if deadline is not None else time.monotonic() + SERVER_BACK_S
+                logger.warning("%s; waiting for the server to come back to generate again", exc)
+                self._wait_for_server(deadline, exc)
+
+    def _wait_for_server(self, deadline: float, cause: EngineUnavailable) -> None:
+        """Until the server answers its health route.
+
+        Raises:
+            EngineUnavailable: not back by ``deadline`` (``cause`` chained).
+        """
+        while not self._engine.health().get("ok"):
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"the server at {getattr(self._engine, 'url', None)} did not answer again within "
+                    f"{SERVER_BACK_S:.0f} s after a generation failed: {cause}"
+                ) from cause
+            time.sleep(SERVER_POLL_S)
+
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        min_version: int | None,
+        image_refs: list[list[str]] | None,
+        inflight: InflightCall | None,
+    ) -> tuple[int, list[list[Generation]]]:
         self.restore_server_weights()
         self.pull_weights(min_version)
         if inflight is not None:

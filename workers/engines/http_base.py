@@ -62,6 +62,7 @@ class HTTPEngine(Engine):
         self.timeout = timeout
         self._model_path = model_path
         self._version = version
+        self._loaded = False  # whether this client loaded weights into the server (version 0 too: the SFT warm-up's)
         # trust_env=False: the servers are local; a proxy from the environment must not intercept loopback calls
         self._client = httpx.Client(base_url=self.url, timeout=timeout, trust_env=False)
         self.use_api_key(api_key if api_key is not None else key_from_env())
@@ -132,7 +133,7 @@ class HTTPEngine(Engine):
                 self._load_directory(str(scratch.path), version)
             finally:
                 scratch.remove()
-        self._version = version
+        self._version, self._loaded = version, True
 
     def update_weights_from_checkpoint(self, checkpoint_path: str, version: int | None = None) -> dict[str, Any]:
         """The seed's protocol (``sync_weights_to_engines``): load a directory; ``version`` defaults to the next one.
@@ -140,7 +141,7 @@ class HTTPEngine(Engine):
         version = self._version + 1 if version is None else version
         check_version(self._version, version)
         reply = self._load_directory(str(checkpoint_path), version)
-        self._version = version
+        self._version, self._loaded = version, True
         return {"success": True, "version": version, "reply": reply}
 
     def save_state_dict(self, state_dict: dict[str, torch.Tensor]) -> ScratchDir:
@@ -174,12 +175,14 @@ class HTTPEngine(Engine):
     def server_restarted(self) -> bool:
         """Whether the server no longer holds the weights this client loaded into it: it reports another weight
         version than the client's (a server restarted after a crash comes back with the weights on its command
-        line). False while the client is at version 0 (the initial weights), or without a version route.
+        line). False while the client has loaded none (at version 0: the initial weights), or without a version
+        route; a load of version 0 (the SFT warm-up's weights) counts.
 
         Raises:
             EngineUnavailable: the server could not be reached.
         """
-        return self._version > 0 and self.weight_version_path != "" and self.served_version() != str(self._version)
+        held = self._loaded or self._version > 0
+        return held and self.weight_version_path != "" and self.served_version() != str(self._version)
 
     def model_path(self) -> str | None:
         if self._model_path is None:

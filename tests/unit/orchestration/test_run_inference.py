@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -262,6 +264,60 @@ def test_with_a_weight_channel_a_restarted_server_gets_the_channels_newest_weigh
             assert [version for _, version in loads(url)] == ["1"] and generated(url) == ["1"]
     finally:
         channel.close()
+
+
+def test_a_server_restarted_after_the_warm_ups_version_0_gets_version_0_again(tmp_path):
+    # the SFT warm-up publishes its weights as version 0: a server restarted then holds its command line's weights
+    rollout = RolloutConfig(num_workers=1, engine="sglang")
+    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=fake_command, health_interval=0.1)
+    with manager:
+        (url,) = worker_urls(rollout, manager.urls)
+        spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key)
+        actor = EngineActor.__ray_metadata__.modified_class(spec)
+        params = SamplingParams(max_new_tokens=1)
+        assert actor.restore_server_weights() is False  # nothing loaded yet: the command line's weights are the ones
+        actor.update_weights(0, None, str(tmp_path / "v0"))
+        server = manager.servers[0]
+        os.kill(server.process.pid, signal.SIGKILL)
+        assert wait_for(lambda: server.record.restarts == 1 and server.record.status == "healthy")
+        assert actor.generate([[1, 2]], 1, params)[0] == 0
+        assert loads(url) == [[str(tmp_path / "v0"), "0"]] and generated(url) == ["0"]
+
+
+def slow_generations(
+    model_path: str, port: int, host: str = "127.0.0.1", *, extra: list[str] | None = None
+) -> list[str]:
+    """``fake_command`` whose generations take 2 s each (a kill lands while one is in flight)."""
+    return fake_command(model_path, port, host, extra=[*(extra or []), "--generate-delay", "2"])
+
+
+def test_a_generation_in_flight_when_its_server_is_killed_is_made_again_once_the_server_is_back(tmp_path):
+    rollout = RolloutConfig(num_workers=1, engine="sglang")
+    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=slow_generations, health_interval=0.1)
+    with manager:
+        (url,) = worker_urls(rollout, manager.urls)
+        spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key)
+        actor = EngineActor.__ray_metadata__.modified_class(spec)
+        actor.update_weights(2, None, str(tmp_path / "v2"))
+        server, pid = manager.servers[0], manager.servers[0].process.pid
+        in_flight = threading.Event()
+
+        def kill_once_in_flight() -> None:
+            while not in_flight.is_set():  # the request reached the server: it counts it before answering
+                if httpx.get(f"{url}/argv", trust_env=False, timeout=5).json()["in_flight"]:
+                    in_flight.set()
+                else:
+                    time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_in_flight)
+        killer.start()
+        version, generations = actor.generate([[1, 2]], 2, SamplingParams(max_new_tokens=1))  # waits, asks again
+        killer.join()
+        assert in_flight.is_set() and server.record.restarts == 1
+        assert version == 2 and len(generations[0]) == 2
+        # the new server got version 2 before it generated, and generated the request once
+        assert loads(url) == [[str(tmp_path / "v2"), "2"]] and generated(url) == ["2"]
 
 
 def test_a_run_gives_worker_i_server_i_and_its_key_and_stops_the_servers_when_it_ends(monkeypatch, tmp_path):

@@ -219,3 +219,33 @@ def test_a_gathered_frame_arrives_as_one_frame_of_its_pieces_end_to_end():
     assert [bytes(message[0]), bytes(message[2])] == [b"head", b"tail"] and len(message) == 3
     assert np.array_equal(np.frombuffer(message[1], dtype=np.uint8), np.concatenate(pieces))
     assert np.array_equal(gathered.join(), np.concatenate(pieces))  # what the ZeroMQ path sends
+
+
+def test_a_server_that_dies_after_the_proof_before_its_answer_is_gone_not_an_authentication_failure(tmp_path):
+    """A storage unit SIGKILLed while a client connects: the client got the challenge and sent its proof, then the
+    connection closed with no answer. Found by benchmarks/kill_anything.py (a rollout worker's put to a unit killed
+    at that moment ended the run with AuthenticationFailed): gone, as above; a refusal is an answer of its own."""
+    from transfer_queue.wire.auth import NONCE_BYTES, PROOF_BYTES
+    from transfer_queue.wire.unix_socket import connect
+
+    path = str(tmp_path / "dying.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def challenge_then_die() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(b"n" * NONCE_BYTES)
+        proof = b""
+        while len(proof) < PROOF_BYTES:
+            proof += conn.recv(PROOF_BYTES - len(proof))
+        conn.close()
+
+    thread = threading.Thread(target=challenge_then_die)
+    thread.start()
+    with pytest.raises(
+        ConnectionResetError, match=r"closed the connection before answering the proof \(the server is gone\)"
+    ):
+        connect(path, b"s" * 32)
+    thread.join()
+    listener.close()
