@@ -17,6 +17,7 @@ worker's rows stay leased by it meanwhile and get one generation, neither lost n
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ import torch
 from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial
 from rl_contracts.task import load_task
 from rl_contracts.weight_channel import WeightChannel
+from transfer_queue.errors import TransferQueueError
 from workers.engines.base import Engine, Generation, SamplingParams
 from workers.engines.errors import EngineUnavailable, ImagesNotSupported
 
@@ -122,6 +124,7 @@ class EngineActor:
                 self._engine, self._channel_update if self._channel else None, chunk_tokens=spec.chunk_tokens
             )
         self._inflight: tuple[Any, Any] | None = None  # (controller info, its queue client): in-flight checkpoints
+        self.checkpoint_failures = 0  # in-flight checkpoints that could not be written (the generation went on)
 
     def _channel_update(self) -> tuple[int, Any, None] | None:
         """The channel's newest weights when they are newer than the engine's (polled by partial rollouts)."""
@@ -163,27 +166,55 @@ class EngineActor:
         """
         self._calls += 1
         deadline: float | None = None
+        resumed_before = getattr(self._engine, "resumed_tokens", None)
         while True:
             try:
                 return self._generate(prompts, n, params, min_version, image_refs, inflight)
             except EngineUnavailable as exc:  # its server died under it: made again once the server is back
                 deadline = deadline if deadline is not None else time.monotonic() + SERVER_BACK_S
-                logger.warning("%s; waiting for the server to come back to generate again", exc)
-                self._wait_for_server(deadline, exc)
+                if not self._wait_for_server(deadline, exc):
+                    raise  # the server answers: not a death (e.g. a generation slower than the client's timeout)
+                logger.warning("%s; the server is back: generating again", exc)
+                if inflight is not None:  # resume from the chunks the failed try checkpointed, counted once
+                    inflight = self._checkpointed_since(inflight)
+                    if resumed_before is not None:
+                        self._engine.resumed_tokens = resumed_before
 
-    def _wait_for_server(self, deadline: float, cause: EngineUnavailable) -> None:
-        """Until the server answers its health route.
+    def _wait_for_server(self, deadline: float, cause: EngineUnavailable) -> bool:
+        """Until the server answers its health route; whether it was seen down meanwhile (a server that answers at
+        once did not die under the call: its failure is not retried).
 
         Raises:
             EngineUnavailable: not back by ``deadline`` (``cause`` chained).
         """
+        down = False
         while not self._engine.health().get("ok"):
+            down = True
             if time.monotonic() > deadline:
                 raise EngineUnavailable(
                     f"the server at {getattr(self._engine, 'url', None)} did not answer again within "
                     f"{SERVER_BACK_S:.0f} s after a generation failed: {cause}"
                 ) from cause
             time.sleep(SERVER_POLL_S)
+        return down
+
+    def _checkpointed_since(self, inflight: InflightCall) -> InflightCall:
+        """``inflight`` resuming from the partials its rows have in the queue now (those a failed try wrote, when
+        longer than what it resumed from)."""
+        if self._inflight is None:
+            return inflight
+        try:
+            saved = InflightCheckpoints(self._inflight[1], inflight.partition).load(inflight.keys)
+        except TransferQueueError as exc:
+            logger.warning(
+                "in-flight checkpoints of %s could not be read (%s): resuming as before", inflight.partition, exc
+            )
+            return inflight
+        resume = [
+            saved[key] if key in saved and len(saved[key].token_ids) > len(old.token_ids if old else ()) else old
+            for key, old in zip(inflight.keys, inflight.resume, strict=True)
+        ]
+        return dataclasses.replace(inflight, resume=resume)
 
     def _generate(
         self,
@@ -226,7 +257,11 @@ class EngineActor:
         keys = inflight.keys
 
         def checkpoint(rows: list[int], partials: list[Partial]) -> None:
-            store.save([keys[i] for i in rows], partials)
+            try:
+                store.save([keys[i] for i in rows], partials)
+            except TransferQueueError as exc:  # a checkpoint is best effort: the generation goes on without it
+                self.checkpoint_failures += 1
+                logger.warning("an in-flight checkpoint of %d rows was not written (%s); generating on", len(rows), exc)
 
         return self._engine.generate(prompts, n, params, resume=inflight.resume, on_chunk=checkpoint)
 

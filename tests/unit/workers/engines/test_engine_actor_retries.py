@@ -1,0 +1,122 @@
+"""EngineActor.generate when its server fails under a call: made again only when the server was seen down (a server
+that answers its health route did not die: a timeout of a slow generation is raised, not asked again forever); a
+checkpointed generation asked again resumes from the chunks its failed try wrote; a checkpoint that cannot be
+written does not stop the generation."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from rl_contracts.inflight import InflightCall, Partial
+from transfer_queue.errors import ServerGone
+from workers.engines import SamplingParams
+from workers.engines import host as host_module
+from workers.engines.base import Generation
+from workers.engines.errors import EngineUnavailable
+from workers.engines.host import EngineActor, EngineSpec
+
+PARAMS = SamplingParams(max_new_tokens=4)
+
+
+class StubServerEngine:
+    """A server engine's client: ``health`` answers from ``healthy`` (one value per check, the last repeated);
+    ``generate`` fails with EngineUnavailable ``failures`` times, then answers."""
+
+    url = "http://127.0.0.1:9"
+    version = 3
+    resumed_tokens = 0
+
+    def __init__(self, failures: int, healthy: list[bool]):
+        self.failures, self.healthy, self.calls, self.resumes = failures, list(healthy), 0, []
+
+    def health(self) -> dict[str, Any]:
+        ok = self.healthy.pop(0) if len(self.healthy) > 1 else self.healthy[0]
+        return {"ok": ok}
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls > 5:
+            raise RuntimeError("asked again and again")
+        self.resumes.append(kwargs.get("resume"))
+        self.resumed_tokens += sum(len(p.token_ids) for p in kwargs.get("resume") or [] if p is not None)
+        if self.calls <= self.failures:
+            if "on_chunk" in kwargs:
+                kwargs["on_chunk"]([0], [Partial([7, 8], [-0.1, -0.2], [3, 3])])
+            raise EngineUnavailable("sglang server at http://127.0.0.1:9: POST /generate failed: ReadTimeout()")
+        return [[Generation([1], [-0.5], "stop") for _ in range(n)] for _ in prompts]
+
+
+def actor_over(engine: StubServerEngine, partial: bool = False) -> Any:
+    spec = EngineSpec(kind="sglang", url=engine.url, api_key="k", partial_rollout=partial)
+    actor = EngineActor.__ray_metadata__.modified_class(spec)
+    actor._engine, actor._kind = engine, "sglang" + (" with partial_rollout" if partial else "")
+    return actor
+
+
+@pytest.fixture(autouse=True)
+def fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_module, "SERVER_POLL_S", 0.0)
+
+
+def test_a_failure_of_a_server_that_answers_its_health_route_is_raised_not_asked_again():
+    engine = StubServerEngine(failures=10, healthy=[True])  # a slow generation timing out, the server alive
+    with pytest.raises(EngineUnavailable, match="ReadTimeout"):
+        actor_over(engine).generate([[1, 2]], 2, PARAMS)
+    assert engine.calls == 1
+
+
+def test_a_generation_whose_server_was_seen_down_is_made_again_once_it_is_back():
+    engine = StubServerEngine(failures=1, healthy=[False, False, True])
+    version, generations = actor_over(engine).generate([[1, 2]], 2, PARAMS)
+    assert engine.calls == 2 and version == 3 and len(generations[0]) == 2
+
+
+class Store:
+    """InflightCheckpoints over a dict: what the queue holds, by key."""
+
+    held: ClassVar[dict[str, Partial]] = {}
+    fail_saves = False
+
+    def __init__(self, client: Any, partition: str):
+        pass
+
+    def save(self, keys: list[str], partials: list[Partial]) -> None:
+        if Store.fail_saves:
+            raise ServerGone("the controller is gone (restarting)")
+        Store.held.update(zip(keys, partials, strict=True))
+
+    def load(self, keys: list[str]) -> dict[str, Partial]:
+        return {k: Store.held[k] for k in keys if k in Store.held}
+
+
+def test_a_checkpointed_generation_asked_again_resumes_from_what_its_failed_try_wrote(monkeypatch):
+    monkeypatch.setattr(host_module, "InflightCheckpoints", Store)
+    Store.held, Store.fail_saves = {}, False
+    engine = StubServerEngine(failures=1, healthy=[False, True])
+    actor = actor_over(engine, partial=True)
+    actor._inflight = ("info", object())
+    first = Partial([5], [-0.3], [2])
+    call = InflightCall("info", "inflight/step_1", ["g0/0", "g0/1"], [first, None])
+    actor.generate([[1, 2]], 2, PARAMS, inflight=call)
+    assert engine.resumes[0] == [first, None]
+    # the second try resumes row 0 from the two tokens the first try checkpointed, counted once
+    assert engine.resumes[1] == [Partial([7, 8], [-0.1, -0.2], [3, 3]), None]
+    assert engine.resumed_tokens == 2
+
+
+def test_a_checkpoint_that_cannot_be_written_does_not_stop_the_generation(monkeypatch):
+    monkeypatch.setattr(host_module, "InflightCheckpoints", Store)
+    Store.held, Store.fail_saves = {}, True
+
+    class Chunking(StubServerEngine):
+        def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, **kwargs: Any) -> Any:
+            kwargs["on_chunk"]([0], [Partial([7], [-0.1], [3])])
+            return [[Generation([7, 1], [-0.1, -0.5], "stop") for _ in range(n)] for _ in prompts]
+
+    actor = actor_over(Chunking(failures=0, healthy=[True]), partial=True)
+    actor._inflight = ("info", object())
+    call = InflightCall("info", "inflight/step_1", ["g0/0"], [None])
+    _, generations = actor.generate([[1, 2]], 1, PARAMS, inflight=call)
+    assert generations[0][0].token_ids == [7, 1] and actor.checkpoint_failures == 1
