@@ -8,8 +8,9 @@ of that round with a ``dp_rank`` gets that rank's share, however many TP/PP peer
 partition (:class:`~transfer_queue.state.partition.DPRound`, so a clear forgets it); :class:`DPRounds` keeps the
 automatic round numbers of calls that name no ``dp_group_id``: the k-th call of a ``dp_rank`` (per ``world_rank``,
 else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same
-round. A journaled controller keeps the counters (:meth:`DPRounds.journaled`): after a restart each rank goes on
-with its next round (a connection's counter, which ends with the controller, from past every number its rank took),
+round. A journaled controller keeps the counters (:meth:`DPRounds.journaled`), each connection's with its client
+(owner): after a restart a new connection of that client goes on where one of its old connections stopped (the one
+furthest behind first, so no TP peer skips a round), a client not seen before starts at its rank's smallest counter,
 and a call asked again (the same owner and call id, after ServerGone) is numbered as it was the first time.
 """
 
@@ -67,29 +68,50 @@ class DPRounds:
         self._of_caller: dict[Any, set[AutoRoundCounter]] = {}  # a closed connection forgets its own counters only
         # the call (owner, call id) that took each counter's last number: asked again, it is numbered the same
         self._last_call: dict[AutoRoundCounter, tuple[str, int]] = {}
-        # A replayed journal (its connections are gone with the controller that died): per (partition, task,
-        # dp_rank), the number a connection's new counter begins at (past every number taken before the restart), and
+        self._owner_of: dict[AutoRoundCounter, str] = {}  # the client (owner) of each connection's counter
+        # A replayed journal (its connections are gone with the controller that died): per (partition, task, dp_rank,
+        # owner), the counters its connections had (a new connection of the owner takes one over, the smallest first);
+        # per (partition, task, dp_rank), the counter a client not seen before begins at (the rank's smallest); and
         # the number each call that took one kept (owner, call id: asked again on a new connection, it gets it again).
+        self._left: dict[tuple[PartitionKey, str, int, str], list[int]] = {}
         self._base: dict[tuple[PartitionKey, str, int], int] = {}
         self._replayed_calls: dict[tuple[PartitionKey, str, int, str, int], int] = {}
         self.changed = False  # the counters changed since the journal's last record (journal_dir)
 
     # ---- automatic round numbers ------------------------------------------------------------------------------
     def number(
-        self, key: PartitionKey, task_name: str, dp_rank: int, caller: Any, call: tuple[str, int] | None = None
+        self,
+        key: PartitionKey,
+        task_name: str,
+        dp_rank: int,
+        caller: Any,
+        call: tuple[str, int] | None = None,
+        owner: str = "",
     ) -> tuple[str, Any]:
         """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job. ``call``: the client's
-        (owner, call id); the call asked again (ServerGone: its first reply was lost) gets the number it took."""
+        (owner, call id); the call asked again (ServerGone: its first reply was lost) gets the number it took.
+        ``owner``: the client the connection ``caller`` belongs to (default: ``call``'s)."""
         counter = (key, task_name, dp_rank, caller)
         number = self.auto_rounds.get(counter)
         if number is None:  # the caller's first call (a connection's: perhaps since the controller restarted)
-            taken = None if call is None else self._replayed_calls.pop((key, task_name, dp_rank, *call), None)
+            rank = (key, task_name, dp_rank)
+            owner = owner or ("" if call is None else call[0])
+            left = None if _journaled_caller(caller) or not owner else self._left.get((*rank, owner))
+            taken = None if call is None else self._replayed_calls.pop((*rank, *call), None)
             if taken is not None:
                 number = taken
+                if left and taken + 1 in left:  # the old connection whose last call this was: taken over
+                    left.remove(taken + 1)
             elif _journaled_caller(caller):
                 number = 0
-            else:
-                number = self._base.get((key, task_name, dp_rank), 0)
+            elif left:  # the owner's old connection furthest behind (threads of one client: none skips a round)
+                number = left.pop(0)
+            else:  # a client not seen before the restart (or one with more connections than before)
+                number = self._base.get(rank, 0)
+            if left is not None and not left:
+                del self._left[(*rank, owner)]
+            if owner and not _journaled_caller(caller):
+                self._owner_of[counter] = owner
         elif call is not None and number and self._last_call.get(counter) == call:
             return f"auto-{number - 1}", (counter, number - 1)
         self.auto_rounds[counter] = number + 1
@@ -116,6 +138,7 @@ class DPRounds:
         for counter in self._of_caller.pop(caller, ()):
             self.auto_rounds.pop(counter, None)
             self._last_call.pop(counter, None)
+            self._owner_of.pop(counter, None)
             self.changed = True
 
     def drop_partition(self, key: PartitionKey, task_name: str | None = None) -> None:
@@ -123,6 +146,7 @@ class DPRounds:
         for counter in [c for c in self.auto_rounds if c[0] == key and task_name in (None, c[1])]:
             del self.auto_rounds[counter]
             self._last_call.pop(counter, None)
+            self._owner_of.pop(counter, None)
             self.changed = True
             mine = self._of_caller.get(counter[3])
             if mine is not None:
@@ -132,27 +156,50 @@ class DPRounds:
         for base in [e for e in self._base if e[0] == key and task_name in (None, e[1])]:
             del self._base[base]
             self.changed = True
+        for left in [e for e in self._left if e[0] == key and task_name in (None, e[1])]:
+            del self._left[left]
+            self.changed = True
         for call in [e for e in self._replayed_calls if e[0] == key and task_name in (None, e[1])]:
             del self._replayed_calls[call]
             self.changed = True
 
     # ---- the journal (journal_dir) ----------------------------------------------------------------------------
     def journaled(self) -> list[list[Any]]:
-        """The counters as the journal keeps them: ``[partition, task, dp_rank, caller, next number, owner, call id]``
-        (the last two: the call that took the number before it, or ``["", 0]``). A ``world_rank``'s counter is kept as
-        it is; a connection's (it ends with the controller) with ``caller`` None: a replay begins the new connections'
-        counters of its rank past it, and the call that took its last number gets that number again."""
+        """The counters as the journal keeps them: ``[partition, task, dp_rank, caller, next number, owner, call id]``.
+        A ``world_rank``'s counter is kept as it is (``caller``: the world rank; ``owner``, ``call id``: the call that
+        took the number before it, or ``["", 0]``). A connection's (it ends with the controller) with ``caller`` None,
+        ``owner`` its client and ``call id`` the call that took its last number (0: none): a replay hands it to a new
+        connection of that client, and the call that took its last number gets that number again. An entry with no
+        owner only sets where the rank's clients not seen before begin."""
         out: list[list[Any]] = []
-        for (key, task_name, dp_rank, caller), number in self.auto_rounds.items():
-            owner, call_id = self._last_call.get((key, task_name, dp_rank, caller), ("", 0))
-            kept = caller if _journaled_caller(caller) else None
-            out.append([key, task_name, dp_rank, kept, number, owner, call_id])
+        ranks = set()  # ranks with a connection's counter: where a new client begins follows from them
+        for counter, number in self.auto_rounds.items():
+            key, task_name, dp_rank, caller = counter
+            if _journaled_caller(caller):
+                owner, call_id = self._last_call.get(counter, ("", 0))
+                out.append([key, task_name, dp_rank, caller, number, owner, call_id])
+                continue
+            owner = self._owner_of.get(counter, "")
+            last = self._last_call.get(counter)
+            call_id = last[1] if last is not None and last[0] == owner else 0
+            out.append([key, task_name, dp_rank, None, number, owner, call_id])
+            ranks.add((key, task_name, dp_rank))
+        # the old connections no new one took over yet, each with the call that took its last number if it was not
+        # asked again yet (a call whose old connection a new call took over is not kept again: a thread of its client
+        # went on past it)
+        calls: dict[tuple[Any, ...], list[int]] = {}
+        for (*slot, call_id), number in self._replayed_calls.items():
+            calls.setdefault((*slot, number + 1), []).append(call_id)
+        for (key, task_name, dp_rank, owner), left in self._left.items():
+            for number in left:
+                ids = calls.get((key, task_name, dp_rank, owner, number))
+                call_id = ids.pop() if ids else 0
+                out.append([key, task_name, dp_rank, None, number, owner, call_id])
+                ranks.add((key, task_name, dp_rank))
         out.extend(
-            [key, task_name, dp_rank, None, number, "", 0] for (key, task_name, dp_rank), number in self._base.items()
-        )
-        out.extend(
-            [key, task_name, dp_rank, None, number + 1, owner, call_id]
-            for (key, task_name, dp_rank, owner, call_id), number in self._replayed_calls.items()
+            [key, task_name, dp_rank, None, number, "", 0]
+            for (key, task_name, dp_rank), number in self._base.items()
+            if (key, task_name, dp_rank) not in ranks
         )
         return out
 
@@ -169,9 +216,13 @@ class DPRounds:
                     self._last_call[counter] = (str(owner), int(call_id))
                 self._of_caller.setdefault(caller, set()).add(counter)
                 continue
-            self._base[rank] = max(self._base.get(rank, 0), int(number))
+            self._base[rank] = min(self._base.get(rank, int(number)), int(number))
+            if owner:
+                self._left.setdefault((*rank, str(owner)), []).append(int(number))
             if owner and call_id and int(number):
                 self._replayed_calls[(*rank, str(owner), int(call_id))] = int(number) - 1
+        for left in self._left.values():
+            left.sort()
 
     # ---- serving a round ------------------------------------------------------------------------------------
     def serve(

@@ -121,7 +121,8 @@ class MetaReader:
                 raise InvalidRequest(f"sampler_params['world_rank'] must be an int, got {world_rank!r}")
             caller = connection if world_rank is None else world_rank
             call = (owner, call_id) if owner and call_id and owner != ROUND_OWNER else None
-            dp_group_id, auto_round = self.rounds.number(key, task_name, dp_rank, caller, call)
+            client = owner if owner != ROUND_OWNER else ""
+            dp_group_id, auto_round = self.rounds.number(key, task_name, dp_rank, caller, call, client)
         return GetMetaJob(
             key,
             fields,

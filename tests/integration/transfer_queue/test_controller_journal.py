@@ -173,3 +173,43 @@ def test_automatic_dp_rounds_go_on_after_the_controller_was_killed(ray_session: 
             rank1.close()
         rank0.close()
         transfer_queue.shutdown()
+
+
+def test_a_tp_peer_gets_the_round_its_peer_opened_before_the_controller_was_killed(ray_session: Any, tmp_path) -> None:
+    """TP peers A and B of dp_rank 0 are separate clients: both fetch auto-0, A fetches auto-1, Ray restarts the
+    killed controller, B's next call gets A's share of auto-1 (the same rows) and A's next call opens auto-2 (before:
+    B's next call opened auto-2 and B never fetched round 1, so the peers trained on different batches)."""
+    a = transfer_queue.init(
+        global_batch_size=4,
+        num_storage_units=2,
+        default_timeout=20.0,
+        journal_dir=str(tmp_path / "journal"),
+        restart_retry_s=30.0,
+    )
+    b = None
+    try:
+        controller = transfer_queue.get_controller()
+        b = TransferQueueClient("b", ray.get(controller.get_info.remote()))
+        a.put({"x": torch.arange(16, dtype=torch.float32).reshape(8, 2)}, partition_id="p")
+        a.set_task_options("t", ack="explicit")
+
+        def share(client: TransferQueueClient) -> Any:
+            params = {"dp_size": 2, "dp_rank": 0}
+            return client.get_meta(["x"], 1, partition_id="p", task_name="t", sampler_params=params, timeout=5)
+
+        assert share(a).extra["dp_group_id"] == share(b).extra["dp_group_id"] == "auto-0"
+        ahead = share(a)
+        assert ahead.extra["dp_group_id"] == "auto-1"
+        ray.kill(controller, no_restart=False)
+        restarted_info(controller)
+        behind = share(b)
+        assert behind.extra["dp_group_id"] == "auto-1"
+        assert behind.global_indexes.tolist() == ahead.global_indexes.tolist()
+        following = share(a)
+        assert following.extra["dp_group_id"] == "auto-2"
+        assert not set(following.global_indexes.tolist()) & set(ahead.global_indexes.tolist())
+    finally:
+        if b is not None:
+            b.close()
+        a.close()
+        transfer_queue.shutdown()

@@ -1131,6 +1131,38 @@ def test_an_automatic_dp_round_call_asked_again_keeps_its_round(tmp_path: Path, 
     journal.close()
 
 
+def test_after_a_restart_a_tp_peer_gets_the_share_of_the_round_its_peer_opened(tmp_path: Path) -> None:
+    """TP peers A and B of dp_rank 0 are separate clients on their own connections: both fetched auto-0..2, A then
+    fetched auto-3 and the controller died before B asked. After the replay B's next call gets A's share of auto-3
+    (the same rows) and A's next call opens auto-4 with other rows (before: B's next call opened auto-4, B never
+    fetched round 3, and A and B trained on different batches)."""
+    config, state, journal, q = journaled(tmp_path)
+    q.put("p", 4)  # rows for rounds auto-0..4 (two rows each)
+
+    def share(owner: str, call_id: int, peer: object) -> Any:
+        reply = q.send(p.GetMeta("p", ["x"], 1, "t", {"dp_size": 2, "dp_rank": 0}, owner=owner, call_id=call_id), peer)
+        assert reply.done
+        return reply.result().to_meta()
+
+    conn_a, conn_b = object(), object()
+    for call_id in (1, 2, 3):
+        a, b = share("A", call_id, conn_a), share("B", call_id, conn_b)
+        assert a.extra["dp_group_id"] == b.extra["dp_group_id"] == f"auto-{call_id - 1}"
+    ahead = share("A", 4, conn_a)
+    assert ahead.extra["dp_group_id"] == "auto-3"
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    behind = share("B", 4, object())
+    assert behind.extra["dp_group_id"] == "auto-3"
+    assert behind.global_indexes.tolist() == ahead.global_indexes.tolist()
+    following = share("A", 5, object())
+    assert following.extra["dp_group_id"] == "auto-4"
+    assert not set(following.global_indexes.tolist()) & set(ahead.global_indexes.tolist())
+    journal.close()
+
+
 def test_a_client_whose_get_meta_reply_died_with_the_controller_asks_again_and_gets_the_same_rows(
     tmp_path: Path,
 ) -> None:

@@ -108,3 +108,65 @@ def test_replayed_counters_are_forgotten_with_their_partition():
     assert rounds.number("s", "train", 0, 3, ("o", 7))[0] == "auto-1"  # world_rank 3's call asked again
     rounds.drop_partition("s")
     assert rounds.journaled() == [] and rounds.number("s", "train", 1, "conn")[0] == "auto-0"
+
+
+def replayed(rounds: DPRounds) -> DPRounds:
+    """The counters a controller restarted from its journal has (its connections are gone)."""
+    again = DPRounds()
+    again.restore(rounds.journaled(), live={"s"})
+    return again
+
+
+def test_after_a_replay_a_tp_peer_of_another_client_gets_the_round_its_peer_opened():
+    """TP peers A and B of dp_rank 0 are separate clients (owners), each on its connection: both took auto-0..2, A
+    then took auto-3, and the controller restarted before B asked. B's next call joins auto-3 (A's round: its share)
+    and A's next call opens auto-4 (before: a connection's counter was kept per rank, the largest, so B's next call
+    got auto-4 and B skipped round 3 while A trained on it: TP collectives ran on different batches)."""
+    rounds = DPRounds()
+    for call_id in (1, 2, 3):
+        for owner in ("A", "B"):
+            rounds.number("s", "train", 0, f"conn-{owner}", (owner, call_id))
+    assert rounds.number("s", "train", 0, "conn-A", ("A", 4))[0] == "auto-3"
+    rounds = replayed(rounds)
+    assert rounds.number("s", "train", 0, "new-B", ("B", 4))[0] == "auto-3"
+    assert rounds.number("s", "train", 0, "new-A", ("A", 5))[0] == "auto-4"
+    assert rounds.number("s", "train", 0, "new-B", ("B", 5))[0] == "auto-4"
+
+
+def test_after_a_replay_a_call_asked_again_keeps_its_round_and_a_new_client_starts_at_the_smallest():
+    """A's call 4 (auto-3) asked again after the restart gets auto-3 again; a client not seen before (its owner is
+    new) starts at the rank's smallest counter, so it skips no round its rank's peers still have to meet in."""
+    rounds = DPRounds()
+    for owner, calls in (("A", 4), ("B", 3)):
+        for call_id in range(1, calls + 1):
+            rounds.number("s", "train", 0, f"conn-{owner}", (owner, call_id))
+    rounds = replayed(rounds)
+    assert rounds.number("s", "train", 0, "new-A", ("A", 4))[0] == "auto-3"  # asked again: its round
+    assert rounds.number("s", "train", 0, "new-A", ("A", 5))[0] == "auto-4"
+    assert rounds.number("s", "train", 0, "conn-C", ("C", 1))[0] == "auto-3"
+    assert rounds.number("s", "train", 0, "conn-B", ("B", 4))[0] == "auto-3"
+
+
+def test_after_a_replay_the_threads_of_one_client_take_over_its_connections_furthest_behind_first():
+    """Two threads of one client (one owner, a connection each) as TP peers: the first took auto-3, the second had
+    not asked yet. After the restart the client's first new connection goes on from the one behind (auto-3: it
+    skips nothing), the next from the one ahead (auto-4); a further connection starts at the rank's smallest. What
+    no new connection took over yet survives a second restart, with the call that may still be asked again."""
+    rounds = DPRounds()
+    call_ids = iter(range(1, 100))
+    for _ in range(3):
+        for conn in ("t1", "t2"):
+            rounds.number("s", "train", 0, conn, ("O", next(call_ids)))
+    assert rounds.number("s", "train", 0, "t1", ("O", 7))[0] == "auto-3"
+    rounds = replayed(rounds)
+    assert rounds.number("s", "train", 0, "n2", ("O", 8))[0] == "auto-3"  # the thread behind asks first
+    rounds = replayed(rounds)  # a second restart before the thread ahead asked: its call 7 is still known
+    assert rounds.number("s", "train", 0, "n1", ("O", 7))[0] == "auto-3"  # asked again
+    assert rounds.number("s", "train", 0, "n1", ("O", 9))[0] == "auto-4"
+    rounds = DPRounds()
+    rounds.restore([["s", "train", 0, None, 4, "O", 7], ["s", "train", 0, None, 3, "O", 6]], live={"s"})
+    assert [rounds.number("s", "train", 0, f"n{i}", ("O", 10 + i))[0] for i in range(3)] == [
+        "auto-3",
+        "auto-4",
+        "auto-3",
+    ]
