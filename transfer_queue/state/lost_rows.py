@@ -26,8 +26,10 @@ A unit retired for good (Ray will not restart it) is not refilled: the controlle
 on it onto another unit instead (:func:`start_move`, :func:`plan_move`), per unit holding the other copy onto a third
 unit, on another Ray node where there is one (:func:`~transfer_queue.state.placement.move_targets`), in block id
 order. :class:`CopiesMoved` records where and how far (``below``); clients learn it from every reply and read the moved
-copies (:func:`~transfer_queue.state.placement.current_holders`). A queue of two units has no third: its status says
-the copies cannot be moved (``cannot_rereplicate``) and the blocks stay single-copy.
+copies (:func:`~transfer_queue.state.placement.current_holders`); refills and losses count them the same way
+(:func:`holders_now`): a restarted unit gets back the copies it holds now, read from the other holder now. A queue of
+two units has no third: its status says the copies cannot be moved (``cannot_rereplicate``) and the blocks stay
+single-copy.
 """
 
 from __future__ import annotations
@@ -159,14 +161,12 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
 
 
 def copy_on(state: QueueState, blocks: np.ndarray, unit: int) -> np.ndarray:
-    """Per block id (>= 0), whether ``unit`` holds a copy of it (its own unit, or with replicas=2 its replica's)."""
-    units = state.config.num_storage_units
-    primary = blocks % units
-    on = primary == unit
-    replica_of = state.ledger.replica_of
-    if replica_of is not None:
-        on |= np.asarray(replica_of, dtype=np.int64)[primary] == unit
-    return on
+    """Per block id (>= 0), whether ``unit`` holds a copy of it: its own unit, or with replicas=2 one of the two units
+    holding its copies now (:func:`holders_now`: a retired unit's copy is on the unit it was moved to)."""
+    if state.ledger.replica_of is None:
+        return blocks % state.config.num_storage_units == unit
+    first, second = holders_now(state, blocks)
+    return (first == unit) | (second == unit)
 
 
 def missing_on(state: QueueState, blocks: np.ndarray, units: np.ndarray) -> np.ndarray:
@@ -183,14 +183,13 @@ def missing_on(state: QueueState, blocks: np.ndarray, units: np.ndarray) -> np.n
 
 
 def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
-    """Per block id (>= 0), whether every copy of it is gone: each unit holding one lost it (:func:`missing_on`)."""
+    """Per block id (>= 0), whether every copy of it is gone: each unit holding one now (:func:`holders_now`) lost it
+    (:func:`missing_on`)."""
     blocks = np.asarray(blocks, dtype=np.int64)
-    primary = blocks % state.config.num_storage_units
-    gone = missing_on(state, blocks, primary)
-    replica_of = state.ledger.replica_of
-    if replica_of is not None:
-        gone &= missing_on(state, blocks, np.asarray(replica_of, dtype=np.int64)[primary])
-    return gone
+    if state.ledger.replica_of is None:
+        return missing_on(state, blocks, blocks % state.config.num_storage_units)
+    first, second = holders_now(state, blocks)
+    return missing_on(state, blocks, first) & missing_on(state, blocks, second)
 
 
 @dataclass
@@ -234,7 +233,7 @@ def plan_refill(state: QueueState, unit: int) -> RefillPlan:
     steps: list[RefillStep] = []
     if replica_of is not None and done < below:
         for part in state.partitions.values():
-            steps.extend(_part_refill(state, part, unit, done, below, replica_of))
+            steps.extend(_part_refill(state, part, unit, done, below))
     steps.sort(key=lambda step: step.block)
     return RefillPlan(unit, book.restarts.get(unit, 0), [step.block for step in steps], steps)
 
@@ -245,17 +244,13 @@ def _part_refill(
     unit: int,
     done: int,
     below: int,
-    replica_of: list[int],
     move: CopiesMoved | None = None,
 ) -> list[RefillStep]:
     n, cols = part.num_rows, len(part.fields)
     block = part.block[:n, :cols]
     wanted = (block >= done) & (block < below)
-    if move is None:
-        wanted[wanted] = copy_on(state, block[wanted], unit)
-    else:
-        first, second = holders_now(state, block[wanted], before=move)
-        wanted[wanted] = (first == unit) | (second == unit)
+    first, second = holders_now(state, block[wanted], before=move)  # a refill: with every move (before=None)
+    wanted[wanted] = (first == unit) | (second == unit)
     if not wanted.any():
         return []
     _, col = np.nonzero(wanted)  # row-major: per block, its cells' columns
@@ -265,22 +260,18 @@ def _part_refill(
     starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
     num_rows = np.maximum.reduceat(offsets, starts) + 1
     names = list(part.field_col)
-    units = state.config.num_storage_units
+    one, other = holders_now(state, ids[starts], before=move)  # read from the unit holding the other copy now
+    sources = np.where(one == unit, other, one).tolist()
     steps = []
     for i, start in enumerate(starts.tolist()):
-        b = int(ids[start])
+        b, source = int(ids[start]), sources[i]
         if b not in part.block_nbytes:
             continue
         stop = int(starts[i + 1]) if i + 1 < len(starts) else len(ids)
         fields = [names[c] for c in np.unique(col[start:stop]).tolist()]
         if move is None:
-            primary = b % units
-            source = replica_of[primary] if primary == unit else primary
             steps.append(RefillStep(b, part.uid, source, int(num_rows[i]), fields, part.block_nbytes[b]))
-            continue
-        one, other = (int(h[0]) for h in holders_now(state, np.array([b]), before=move))
-        source = other if one == unit else one
-        if source in move.to:  # else its other copy is on a unit retired before it was moved: nothing to copy
+        elif source in move.to:  # else its other copy is on a unit retired before it was moved: nothing to copy
             steps.append(
                 RefillStep(b, part.uid, source, int(num_rows[i]), fields, part.block_nbytes[b], move.to[source])
             )
@@ -343,7 +334,7 @@ def plan_move(state: QueueState, move: CopiesMoved) -> RefillPlan:
     steps: list[RefillStep] = []
     if replica_of is not None and not move.done:
         for part in state.partitions.values():
-            steps.extend(_part_refill(state, part, move.unit, move.below, move.upto, replica_of, move))
+            steps.extend(_part_refill(state, part, move.unit, move.below, move.upto, move))
     steps.sort(key=lambda step: step.block)
     return RefillPlan(move.unit, -1, [step.block for step in steps], steps)
 

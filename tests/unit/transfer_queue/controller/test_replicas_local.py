@@ -517,6 +517,29 @@ def test_a_retired_unit_s_copies_are_moved_so_a_second_unit_lost_for_good_loses_
     assert saved_blocks(saved) == sorted(ids)
 
 
+def test_a_unit_restarted_after_a_move_gets_back_the_moved_copies_from_where_they_are_now(queue: LocalQueue) -> None:
+    """Unit 0 retired, its copies moved (unit 0's own blocks onto 2, unit 2's onto 1): every block is on 1 and 2. Unit 2
+    restarted empty is the target of the first and the survivor of the second: its refill copies back all of them
+    from unit 1 (none from retired 0), and then unit 1 lost for good takes no row with it."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = [client.get_data(m)["x"][:, 0].tolist() for m in metas]
+    ids = sorted(int(m.blocks[0, 0]) for m in metas)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    assert storage(client)["rereplicated"] == {0: {1: 2, 2: 1}}
+    assert queue.restart(2)["rows"] == 0
+    wait_for(lambda: refilled(client))
+    assert sorted(queue.units[2].store.blocks) == ids
+    summary = storage(client)
+    assert summary["blocks_refilled"] == len(ids) and summary["refill_waiting"] == {}
+    assert summary["blocks_single_copy"] == 0
+    retire(queue, 1)
+    assert [client.get_data(m)["x"][:, 0].tolist() for m in metas] == before
+    assert client.lost_rows(partition_id="p") == []
+    assert storage(client)["blocks_single_copy"] == len(ids)
+
+
 def test_without_the_move_a_second_unit_lost_for_good_takes_rows_with_it(queue: LocalQueue) -> None:
     """What the move prevents (the same run with it held off): unit 0's own blocks had their other copy on unit 1."""
     client = queue.client

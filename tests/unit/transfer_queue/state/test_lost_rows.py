@@ -153,3 +153,39 @@ def test_a_retired_unit_s_copies_are_planned_onto_a_unit_of_another_node_than_th
     q.state.down_units.discard(1)
     assert start_move(q.state, 0, nodes, {0}) == "storage unit 2, which holds the other copies, is down"
     assert q.state.lost.cannot_rereplicate == {0: "storage unit 2, which holds the other copies, is down"}
+
+
+def test_after_a_move_a_restarted_target_and_a_restarted_survivor_refill_from_the_copies_held_now(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1 (read from 2).
+    Target 1 restarted empty: its refill copies the moved blocks back too, read from 2. Survivor 2 restarted empty
+    then: its refill reads the moved blocks from 1, not from retired 0. Both restarted before either got them back:
+    the moved blocks' rows are lost (both units holding them now lost them)."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    blocks = sorted(int(m.blocks[0, 0]) for m in metas)
+    moved = [b for b in blocks if b % 4 in (0, 2)]
+    q.state.down_units.add(0)
+    move = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(move, str) and move.to == {2: 1}
+    move.below = move.upto  # done: the copies on 0 are on 1 now
+    book = q.state.lost
+
+    assert q.state.unit_restarted(1)["rows"] == 0
+    plan = plan_refill(q.state, 1)
+    assert plan.blocks == blocks  # its own blocks (from 3) and the moved ones (from 2)
+    assert {s.block: s.source for s in plan.steps} == {b: 2 if b in moved else 3 for b in blocks}
+    assert not all_gone(q.state, moved).any()
+    book.refilled_below[1] = book.lost_below[1]  # refilled
+
+    assert q.state.unit_restarted(2)["rows"] == 0
+    plan = plan_refill(q.state, 2)
+    assert plan.blocks == moved and {s.source for s in plan.steps} == {1}  # not retired 0
+
+    assert q.state.unit_restarted(1)["rows"] == 4  # 2 not refilled yet: both copies of the moved blocks are gone
+    assert all_gone(q.state, moved).all()
+    assert sorted(r["unit"] for r in lost(q, 0)) == [1] * 4
