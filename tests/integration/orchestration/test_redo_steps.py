@@ -55,7 +55,11 @@ def test_a_relaunched_step_runs_while_the_step_ahead_waits_for_it(queue):
     blocked = [rollout.generate_step.remote(ahead), reward.score_step.remote(ahead)]
     put_prompts(client, redo)
     driver = SimpleNamespace(
-        rollout=[rollout], reward=[reward], prompt_fields=lambda: None, _tracked=lambda step, refs: refs
+        rollout=[rollout],
+        reward=[reward],
+        prompt_fields=lambda: None,
+        _tracked=lambda step, refs: refs,
+        _train_version=lambda step: 0,
     )
 
     rollout_refs, reward_refs = GRPORun.relaunch(driver, redo, True, True)  # type: ignore[arg-type]
