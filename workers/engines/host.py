@@ -125,6 +125,7 @@ class EngineActor:
             )
         self._inflight: tuple[Any, Any] | None = None  # (controller info, its queue client): in-flight checkpoints
         self.checkpoint_failures = 0  # in-flight checkpoints that could not be written (the generation went on)
+        self._chunks_written: dict[str, Partial] = {}  # this call's checkpointed partials, by key (a retry's resume)
 
     def _channel_update(self) -> tuple[int, Any, None] | None:
         """The channel's newest weights when they are newer than the engine's (polled by partial rollouts)."""
@@ -167,6 +168,7 @@ class EngineActor:
         self._calls += 1
         deadline: float | None = None
         resumed_before = getattr(self._engine, "resumed_tokens", None)
+        self._chunks_written = {}
         while True:
             try:
                 return self._generate(prompts, n, params, min_version, image_refs, inflight)
@@ -199,22 +201,12 @@ class EngineActor:
         return down
 
     def _checkpointed_since(self, inflight: InflightCall) -> InflightCall:
-        """``inflight`` resuming from the partials its rows have in the queue now (those a failed try wrote, when
-        longer than what it resumed from)."""
-        if self._inflight is None:
-            return inflight
-        try:
-            saved = InflightCheckpoints(self._inflight[1], inflight.partition).load(inflight.keys)
-        except TransferQueueError as exc:
-            logger.warning(
-                "in-flight checkpoints of %s could not be read (%s): resuming as before", inflight.partition, exc
-            )
-            return inflight
-        resume = [
-            saved[key] if key in saved and len(saved[key].token_ids) > len(old.token_ids if old else ()) else old
-            for key, old in zip(inflight.keys, inflight.resume, strict=True)
-        ]
-        return dataclasses.replace(inflight, resume=resume)
+        """``inflight`` resuming from the partials its failed try checkpointed (kept here as they were written, so
+        what the queue holds from before the call, e.g. a partial the rollout found too stale, is never taken)."""
+        written = self._chunks_written
+        return dataclasses.replace(
+            inflight, resume=[written.get(k, old) for k, old in zip(inflight.keys, inflight.resume, strict=True)]
+        )
 
     def _generate(
         self,
@@ -257,6 +249,7 @@ class EngineActor:
         keys = inflight.keys
 
         def checkpoint(rows: list[int], partials: list[Partial]) -> None:
+            self._chunks_written.update((keys[i], partial) for i, partial in zip(rows, partials, strict=True))
             try:
                 store.save([keys[i] for i in rows], partials)
             except TransferQueueError as exc:  # a checkpoint is best effort: the generation goes on without it

@@ -93,7 +93,8 @@ class Store:
 
 def test_a_checkpointed_generation_asked_again_resumes_from_what_its_failed_try_wrote(monkeypatch):
     monkeypatch.setattr(host_module, "InflightCheckpoints", Store)
-    Store.held, Store.fail_saves = {}, False
+    stale = Partial([9] * 5, [-0.1] * 5, [0] * 5)  # in the queue from before: the rollout found it too stale
+    Store.held, Store.fail_saves = {"g0/1": stale}, False
     engine = StubServerEngine(failures=1, healthy=[False, True])
     actor = actor_over(engine, partial=True)
     actor._inflight = ("info", object())
@@ -101,7 +102,8 @@ def test_a_checkpointed_generation_asked_again_resumes_from_what_its_failed_try_
     call = InflightCall("info", "inflight/step_1", ["g0/0", "g0/1"], [first, None])
     actor.generate([[1, 2]], 2, PARAMS, inflight=call)
     assert engine.resumes[0] == [first, None]
-    # the second try resumes row 0 from the two tokens the first try checkpointed, counted once
+    # the second try resumes row 0 from the two tokens the first try checkpointed, counted once; row 1, which the
+    # rollout started from its prompt, does not take the stale partial the queue still holds
     assert engine.resumes[1] == [Partial([7, 8], [-0.1, -0.2], [3, 3]), None]
     assert engine.resumed_tokens == 2
 
