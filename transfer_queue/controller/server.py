@@ -15,7 +15,7 @@ import threading
 import time
 import typing
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -797,24 +797,20 @@ class ControllerServer(Server):
         refill is done, or waits for a down unit holding the other copy of its next block)."""
         book = self.state.lost
         batch = RefillBatch(unit, book.lost_below[unit], now + REFILL_TIMEOUT)
-        steps: list[RefillStep] = []
         book.refill_waiting.pop(unit, None)
         plan = self._refill_plans.get(unit)
         if plan is None or plan.restart != book.restarts.get(unit, 0):  # planned once per restart of the unit
             plan = self._refill_plans[unit] = plan_refill(self.state, unit)
-        nbytes = 0
-        for step in plan.from_block(book.refilled_below.get(unit, 0)):
-            if not still_needed(self.state, step):  # cleared or dropped, or its other copy is gone too (lost rows)
-                continue
-            if len(steps) == REFILL_BLOCKS or nbytes >= REFILL_BYTES:
-                batch.upto = step.block
-                break
-            if step.source in self.state.down_units:  # waits for that unit: the blocks before it go now
-                book.refill_waiting[unit] = step.source
-                batch.upto = step.block
-                break
-            steps.append(step)
-            nbytes += step.nbytes
+
+        def waits(step: RefillStep) -> bool:
+            if step.source not in self.state.down_units:
+                return False
+            book.refill_waiting[unit] = step.source
+            return True
+
+        # skipped: cleared or dropped, or its other copy is gone too (lost rows)
+        steps = _next_batch(batch, plan.from_block(book.refilled_below.get(unit, 0)),
+                            lambda step: not still_needed(self.state, step), waits)  # fmt: skip
         if not steps:
             self._refilled(unit, batch.upto)  # past the blocks with nothing to copy
             return False
@@ -898,22 +894,18 @@ class ControllerServer(Server):
         if plan is None:  # planned once (a replayed controller plans from where the move stands)
             plan = self._move_plans[unit] = plan_move(self.state, move)
         batch = RefillBatch(unit, move.upto, now + REFILL_TIMEOUT, move=move)
-        steps: list[RefillStep] = []
-        nbytes = 0
         book.cannot_rereplicate.pop(unit, None)
-        for step in plan.from_block(move.below):
-            if not block_live(self.state, step.uid, step.block) or step.source in self._dead:
-                continue  # cleared or dropped, or its other copy is gone for good too: nothing to copy
-            if len(steps) == REFILL_BLOCKS or nbytes >= REFILL_BYTES:
-                batch.upto = step.block
-                break
-            waits = sorted({step.source, step.target} & self.state.down_units)
-            if waits:  # the blocks before it go now
-                book.cannot_rereplicate[unit] = f"storage unit {waits[0]} is down (waiting for it)"
-                batch.upto = step.block
-                break
-            steps.append(step)
-            nbytes += step.nbytes
+
+        def waits(step: RefillStep) -> bool:
+            down = sorted({step.source, step.target} & self.state.down_units)
+            if down:
+                book.cannot_rereplicate[unit] = f"storage unit {down[0]} is down (waiting for it)"
+            return bool(down)
+
+        # skipped: cleared or dropped, or its other copy is gone for good too: nothing to copy
+        steps = _next_batch(batch, plan.from_block(move.below),
+                            lambda step: not block_live(self.state, step.uid, step.block) or step.source in self._dead,
+                            waits)  # fmt: skip
         if not steps:
             self._moved(move, batch.upto)  # past the blocks with nothing to copy
             return False
@@ -1014,3 +1006,25 @@ def _save_failed(directory: str, exc: BaseException | None) -> CheckpointError:
         f"saving the checkpoint under {directory} failed: {type(exc).__name__}: {exc}; the previous checkpoint "
         "stays current"
     )
+
+
+def _next_batch(
+    batch: RefillBatch,
+    steps: Iterable[RefillStep],
+    skip: Callable[[RefillStep], bool],
+    waits: Callable[[RefillStep], bool],
+) -> list[RefillStep]:
+    """The next copies of a refill or a move: up to ``REFILL_BLOCKS`` blocks or ``REFILL_BYTES`` bytes of ``steps``,
+    leaving out those ``skip`` says need no copy and stopping at the first that ``waits`` for a down unit (the blocks
+    before it go now); ``batch.upto`` is set where the batch stopped."""
+    taken: list[RefillStep] = []
+    nbytes = 0
+    for step in steps:
+        if skip(step):
+            continue
+        if len(taken) == REFILL_BLOCKS or nbytes >= REFILL_BYTES or waits(step):
+            batch.upto = step.block
+            break
+        taken.append(step)
+        nbytes += step.nbytes
+    return taken
