@@ -6,10 +6,12 @@ servers are the stand-in of tests/fake_engine_server.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -219,15 +221,24 @@ def generated(url: str) -> list[str]:
     return httpx.get(f"{url}/argv", trust_env=False, timeout=10).json()["generated"]
 
 
+@contextlib.contextmanager
+def one_server(tmp_path: Path, command: Any = fake_command, **spec: Any) -> Iterator[tuple[Any, str, Any]]:
+    """A run's one SGLang stand-in server (restarted by its monitor) and the worker's EngineActor over it, without
+    Ray: ``(manager, url, actor)``."""
+    rollout = RolloutConfig(num_workers=1, engine="sglang")
+    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=command, health_interval=0.1)
+    with manager:
+        (url,) = worker_urls(rollout, manager.urls)
+        actor = EngineActor.__ray_metadata__.modified_class(
+            EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key, **spec)
+        )
+        yield manager, url, actor
+
+
 def test_a_crashed_server_comes_back_at_its_url_and_gets_the_newest_weights_before_the_workers_next_generation(
     tmp_path,
 ):
-    rollout = RolloutConfig(num_workers=1, engine="sglang")
-    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=fake_command, health_interval=0.1)
-    with manager:
-        (url,) = worker_urls(rollout, manager.urls)
-        spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key)
-        actor = EngineActor.__ray_metadata__.modified_class(spec)  # the worker's EngineActor, without Ray
+    with one_server(tmp_path) as (manager, url, actor):
         params = SamplingParams(max_new_tokens=1)
         for version in (1, 2):  # two publishes
             actor.update_weights(version, None, str(tmp_path / f"v{version}"))
@@ -268,12 +279,7 @@ def test_with_a_weight_channel_a_restarted_server_gets_the_channels_newest_weigh
 
 def test_a_server_restarted_after_the_warm_ups_version_0_gets_version_0_again(tmp_path):
     # the SFT warm-up publishes its weights as version 0: a server restarted then holds its command line's weights
-    rollout = RolloutConfig(num_workers=1, engine="sglang")
-    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=fake_command, health_interval=0.1)
-    with manager:
-        (url,) = worker_urls(rollout, manager.urls)
-        spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key)
-        actor = EngineActor.__ray_metadata__.modified_class(spec)
+    with one_server(tmp_path) as (manager, url, actor):
         params = SamplingParams(max_new_tokens=1)
         assert actor.restore_server_weights() is False  # nothing loaded yet: the command line's weights are the ones
         actor.update_weights(0, None, str(tmp_path / "v0"))
@@ -292,12 +298,7 @@ def slow_generations(
 
 
 def test_a_generation_in_flight_when_its_server_is_killed_is_made_again_once_the_server_is_back(tmp_path):
-    rollout = RolloutConfig(num_workers=1, engine="sglang")
-    manager = inference_manager(rollout, "/models/tiny", tmp_path, server_command=slow_generations, health_interval=0.1)
-    with manager:
-        (url,) = worker_urls(rollout, manager.urls)
-        spec = EngineSpec(kind="sglang", model_path="/models/tiny", url=url, api_key=manager.api_key)
-        actor = EngineActor.__ray_metadata__.modified_class(spec)
+    with one_server(tmp_path, slow_generations) as (manager, url, actor):
         actor.update_weights(2, None, str(tmp_path / "v2"))
         server, pid = manager.servers[0], manager.servers[0].process.pid
         in_flight = threading.Event()
