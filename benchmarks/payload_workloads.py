@@ -261,35 +261,13 @@ def bench_large(bench: Bench) -> None:
         target=">= 1.2 GB/s",
         met=float(np.median(puts)) >= 1.2,
     )
-    bench.add(
-        f"get_data.{label}",
-        "large",
-        "GB/s",
-        gets,
-        baseline="raw zmq fetch (best)",
-        baseline_value=max(raw["fetch.ipc"], raw["fetch.tcp"]),
-        target=">= 1.2 GB/s",
-        met=float(np.median(gets)) >= 1.2,
-        extra={"split_ms": _split(("storage", "client"), split)},
-    )
-    bench.add(
-        f"get_data.{label}.again",
-        "large",
-        "GB/s",
-        gets_again,
-        baseline="raw zmq fetch (best)",
-        baseline_value=max(raw["fetch.ipc"], raw["fetch.tcp"]),
-        extra={"note": "a second get of the same rows (its memory was just freed by the first)"},
-    )
-    bench.add(
-        f"get_data.{label}.from_puts",
-        "large",
-        "GB/s",
-        from_puts,
-        baseline="raw zmq fetch (best)",
-        baseline_value=max(raw["fetch.ipc"], raw["fetch.tcp"]),
-        extra={"note": f"the rows put in {-(-rows // 256)} puts of 256, read back in one get_data"},
-    )
+    fetch = {"baseline": "raw zmq fetch (best)", "baseline_value": max(raw["fetch.ipc"], raw["fetch.tcp"])}
+    bench.add(f"get_data.{label}", "large", "GB/s", gets, **fetch, target=">= 1.2 GB/s",
+              met=float(np.median(gets)) >= 1.2, extra={"split_ms": _split(("storage", "client"), split)})  # fmt: skip
+    bench.add(f"get_data.{label}.again", "large", "GB/s", gets_again, **fetch,
+              extra={"note": "a second get of the same rows (its memory was just freed by the first)"})  # fmt: skip
+    bench.add(f"get_data.{label}.from_puts", "large", "GB/s", from_puts, **fetch,
+              extra={"note": f"the rows put in {-(-rows // 256)} puts of 256, read back in one get_data"})  # fmt: skip
     bench.add(f"storage.bytes/payload.{label}", "large", "x", held, target="<= 1.2", met=max(held) <= 1.2)
     bench.add(
         f"storage.rss_growth/payload.{label}",
