@@ -181,10 +181,9 @@ def test_a_stream_cut_anywhere_parses_to_the_same_messages():
     assert reader.idle
 
 
-def test_a_server_that_closes_before_its_challenge_is_gone_not_an_authentication_failure(tmp_path):
-    """A server killed with connections in its backlog closes them before challenging: the client must read that as
-    a dead server (an OSError, as a refused connection: transports then report ServerGone or take TCP), never as a
-    wrong secret (AuthenticationFailed, which says the controller_info is from another queue)."""
+def connect_to_a_dying_server(tmp_path, serve, match: str) -> None:
+    """``connect`` to a Unix socket whose one connection ``serve(conn)`` handles then closes: it raises
+    ConnectionResetError (the server is gone) matching ``match``."""
     from transfer_queue.wire.unix_socket import connect
 
     path = str(tmp_path / "dying.sock")
@@ -192,18 +191,26 @@ def test_a_server_that_closes_before_its_challenge_is_gone_not_an_authentication
     listener.bind(path)
     listener.listen(1)
 
-    def accept_and_close() -> None:
+    def accept() -> None:
         conn, _ = listener.accept()
+        serve(conn)
         conn.close()
 
-    thread = threading.Thread(target=accept_and_close)
+    thread = threading.Thread(target=accept)
     thread.start()
-    with pytest.raises(
-        ConnectionResetError, match=r"closed the connection before its challenge \(the server is gone\)"
-    ):
+    with pytest.raises(ConnectionResetError, match=match):
         connect(path, b"s" * 32)
     thread.join()
     listener.close()
+
+
+def test_a_server_that_closes_before_its_challenge_is_gone_not_an_authentication_failure(tmp_path):
+    """A server killed with connections in its backlog closes them before challenging: the client must read that as
+    a dead server (an OSError, as a refused connection: transports then report ServerGone or take TCP), never as a
+    wrong secret (AuthenticationFailed, which says the controller_info is from another queue)."""
+    connect_to_a_dying_server(
+        tmp_path, lambda conn: None, r"closed the connection before its challenge \(the server is gone\)"
+    )
 
 
 def test_a_gathered_frame_arrives_as_one_frame_of_its_pieces_end_to_end():
@@ -226,26 +233,13 @@ def test_a_server_that_dies_after_the_proof_before_its_answer_is_gone_not_an_aut
     connection closed with no answer. Found by benchmarks/kill_anything.py (a rollout worker's put to a unit killed
     at that moment ended the run with AuthenticationFailed): gone, as above; a refusal is an answer of its own."""
     from transfer_queue.wire.auth import NONCE_BYTES, PROOF_BYTES
-    from transfer_queue.wire.unix_socket import connect
 
-    path = str(tmp_path / "dying.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-
-    def challenge_then_die() -> None:
-        conn, _ = listener.accept()
+    def challenge(conn: socket.socket) -> None:
         conn.sendall(b"n" * NONCE_BYTES)
         proof = b""
         while len(proof) < PROOF_BYTES:
             proof += conn.recv(PROOF_BYTES - len(proof))
-        conn.close()
 
-    thread = threading.Thread(target=challenge_then_die)
-    thread.start()
-    with pytest.raises(
-        ConnectionResetError, match=r"closed the connection before answering the proof \(the server is gone\)"
-    ):
-        connect(path, b"s" * 32)
-    thread.join()
-    listener.close()
+    connect_to_a_dying_server(
+        tmp_path, challenge, r"closed the connection before answering the proof \(the server is gone\)"
+    )
