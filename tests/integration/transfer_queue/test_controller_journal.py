@@ -29,6 +29,13 @@ def restarted_info(controller: Any, timeout: float = 120.0) -> Any:
             time.sleep(0.2)
 
 
+def journaled_queue(tmp_path: Any) -> TransferQueueClient:
+    """A queue journaled under ``tmp_path``, whose client asks again for 30 s what failed with ServerGone (as a run's
+    clients do: its first call after the restart may find its old connection gone)."""
+    return transfer_queue.init(global_batch_size=4, num_storage_units=2, default_timeout=20.0,
+                               journal_dir=str(tmp_path / "journal"), restart_retry_s=30.0)  # fmt: skip
+
+
 def test_a_killed_controller_is_restarted_from_its_journal_and_its_client_goes_on(ray_session: Any, tmp_path) -> None:
     client = transfer_queue.init(
         global_batch_size=4, num_storage_units=2, default_timeout=20.0, journal_dir=str(tmp_path / "journal")
@@ -84,13 +91,7 @@ def test_a_lease_taken_before_the_controller_was_killed_is_acknowledged_after_it
     """The journal keeps leases: a consumer leases rows, Ray restarts the killed controller, the consumer acknowledges
     them (no NotLeased) and another consumer is never served them. ``restart_retry_s``: the owner's first call after
     the restart may find its old connection gone (``ServerGone``) and is asked again, as a run's clients do."""
-    client = transfer_queue.init(
-        global_batch_size=4,
-        num_storage_units=2,
-        default_timeout=20.0,
-        journal_dir=str(tmp_path / "journal"),
-        restart_retry_s=30.0,
-    )
+    client = journaled_queue(tmp_path)
     other = None
     try:
         controller = transfer_queue.get_controller()
@@ -142,13 +143,7 @@ def test_automatic_dp_rounds_go_on_after_the_controller_was_killed(ray_session: 
     """Two DP ranks fetch without a dp_group_id (automatic rounds, counted per connection): rank 0 opens auto-0, Ray
     restarts the killed controller, rank 1 gets its share of auto-0 and rank 0's next call opens auto-1 with other
     rows (before: the numbering began again, and rank 0 was served its auto-0 share a second time)."""
-    rank0 = transfer_queue.init(
-        global_batch_size=4,
-        num_storage_units=2,
-        default_timeout=20.0,
-        journal_dir=str(tmp_path / "journal"),
-        restart_retry_s=30.0,
-    )
+    rank0 = journaled_queue(tmp_path)
     rank1 = None
     try:
         controller = transfer_queue.get_controller()
@@ -179,13 +174,7 @@ def test_a_tp_peer_gets_the_round_its_peer_opened_before_the_controller_was_kill
     """TP peers A and B of dp_rank 0 are separate clients: both fetch auto-0, A fetches auto-1, Ray restarts the
     killed controller, B's next call gets A's share of auto-1 (the same rows) and A's next call opens auto-2 (before:
     B's next call opened auto-2 and B never fetched round 1, so the peers trained on different batches)."""
-    a = transfer_queue.init(
-        global_batch_size=4,
-        num_storage_units=2,
-        default_timeout=20.0,
-        journal_dir=str(tmp_path / "journal"),
-        restart_retry_s=30.0,
-    )
+    a = journaled_queue(tmp_path)
     b = None
     try:
         controller = transfer_queue.get_controller()
