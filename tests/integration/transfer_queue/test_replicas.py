@@ -74,13 +74,17 @@ def test_a_killed_unit_restarted_empty_loses_no_row_with_two_replicas(
         client.close()
 
 
+def three_units_none_restarted() -> Any:
+    """A queue of three storage units keeping two copies of each row, whose units Ray never restarts."""
+    return transfer_queue.init(global_batch_size=4, num_storage_units=3, default_timeout=5.0, replicas=2,
+                               storage_unit_max_restarts=0)  # fmt: skip
+
+
 @pytest.mark.timeout(120)
 def test_init_with_two_replicas_reads_a_unit_killed_for_good_from_its_replica_at_once(
     ray_session: Any, wait_until: Callable[..., Any]
 ) -> None:
-    client = transfer_queue.init(
-        global_batch_size=4, num_storage_units=3, default_timeout=5.0, replicas=2, storage_unit_max_restarts=0
-    )
+    client = three_units_none_restarted()
     controller = transfer_queue.get_controller()
     try:
         assert client.config.replicas == 2
@@ -107,9 +111,7 @@ def test_init_with_two_replicas_reads_a_unit_killed_for_good_from_its_replica_at
 def test_a_unit_lost_for_good_is_re_replicated_so_a_second_one_lost_for_good_loses_nothing(
     ray_session: Any, wait_until: Callable[..., Any]
 ) -> None:
-    client = transfer_queue.init(
-        global_batch_size=4, num_storage_units=3, default_timeout=5.0, replicas=2, storage_unit_max_restarts=0
-    )
+    client = three_units_none_restarted()
     controller = transfer_queue.get_controller()
     try:
         metas = put_rows(client, 9)
