@@ -183,8 +183,9 @@ class EngineActor:
                         self._engine.resumed_tokens = resumed_before
 
     def _wait_for_server(self, deadline: float, cause: EngineUnavailable) -> bool:
-        """Until the server answers its health route; whether it was seen down meanwhile (a server that answers at
-        once did not die under the call: its failure is not retried).
+        """Until the server answers its health route; whether it died under the call: seen down meanwhile, or
+        answering at once but restarted (it lost the weights this client loaded: a restart quicker than the first
+        health check). A server that answers at once with its weights did not die: its failure is not retried.
 
         Raises:
             EngineUnavailable: not back by ``deadline`` (``cause`` chained).
@@ -198,7 +199,13 @@ class EngineActor:
                     f"{SERVER_BACK_S:.0f} s after a generation failed: {cause}"
                 ) from cause
             time.sleep(SERVER_POLL_S)
-        return down
+        if down:
+            return True
+        restarted = getattr(self._engine, "server_restarted", None)
+        try:
+            return restarted is not None and bool(restarted())
+        except EngineUnavailable:  # gone again between the two checks: wait for it once more
+            return self._wait_for_server(deadline, cause)
 
     def _checkpointed_since(self, inflight: InflightCall) -> InflightCall:
         """``inflight`` resuming from the partials its failed try checkpointed (kept here as they were written, so

@@ -28,8 +28,12 @@ class StubServerEngine:
     version = 3
     resumed_tokens = 0
 
-    def __init__(self, failures: int, healthy: list[bool]):
+    def __init__(self, failures: int, healthy: list[bool], restarted: bool = False):
         self.failures, self.healthy, self.calls, self.resumes = failures, list(healthy), 0, []
+        self.restarted = restarted  # the server reports another weight version than the one this client loaded
+
+    def server_restarted(self) -> bool:
+        return self.restarted
 
     def health(self) -> dict[str, Any]:
         ok = self.healthy.pop(0) if len(self.healthy) > 1 else self.healthy[0]
@@ -69,6 +73,14 @@ def test_a_failure_of_a_server_that_answers_its_health_route_is_raised_not_asked
 
 def test_a_generation_whose_server_was_seen_down_is_made_again_once_it_is_back():
     engine = StubServerEngine(failures=1, healthy=[False, False, True])
+    version, generations = actor_over(engine).generate([[1, 2]], 2, PARAMS)
+    assert engine.calls == 2 and version == 3 and len(generations[0]) == 2
+
+
+def test_a_server_restarted_before_the_first_health_check_is_told_by_its_weights_and_asked_again():
+    # the server died and its restart answered before the actor's first health check: never seen down, but it
+    # lost the weights this client loaded (another weight version), so it did die under the call
+    engine = StubServerEngine(failures=1, healthy=[True], restarted=True)
     version, generations = actor_over(engine).generate([[1, 2]], 2, PARAMS)
     assert engine.calls == 2 and version == 3 and len(generations[0]) == 2
 
