@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,6 +48,10 @@ KV_READ_ATTEMPTS = 8  # kv_batch_get looks keys up again when a concurrent kv_pu
 
 # Sessions of queues this process shut down (``transfer_queue.shutdown``): their clients fail at once.
 _closed_sessions: set[str] = set()
+
+
+#: per thread, the (partition, task, dp_rank) whose next automatic DP round a client remembers (the most recent)
+AUTO_ROUNDS_KEPT = 256
 
 
 def mark_queue_closed(session_id: str) -> None:
@@ -110,10 +115,14 @@ class QueueChannel:
         self._restarted: dict[int, p.UnitRestart] = {}
         # replicas=2: the retired units whose copies the controller moved onto others (where, how far): its replies
         self._moved: list[p.UnitMove] = []
-        # replicas=2: the unit holding the second copy of each unit's blocks (puts write both, reads fall back to it)
         # The task options this client set (set_task_options), by task: set again after a ServerGone before the call
         # is asked again (restart_retry_s), since a controller restarted from its journal has forgotten them.
         self._task_options: dict[str, Any] = {}
+        # Automatic DP rounds: per thread (a thread has its own connections), the round each (partition, task,
+        # dp_rank) of it expects next; sent with its get_meta, so a controller that restarted (or a new connection
+        # after one closed) numbers the thread's rounds where they stopped (transfer_queue/state/dp_rounds.py).
+        self._auto_rounds = threading.local()
+        # replicas=2: the unit holding the second copy of each unit's blocks (puts write both, reads fall back to it)
         self._replica_of: list[int] | None = controller_info.replica_units
         if self.config.replicas > 1 and (
             self._replica_of is None or len(self._replica_of) != len(controller_info.storage_units)
@@ -125,6 +134,27 @@ class QueueChannel:
             )
 
     # ---- plumbing ------------------------------------------------------------------------------------------
+    def _next_auto_round(self, key: tuple[Any, ...]) -> int | None:
+        """The automatic DP round this thread expects next for ``key`` (partition, task, dp_rank), None before its
+        first."""
+        return self._thread_auto_rounds().get(key)
+
+    def _note_auto_round(self, key: tuple[Any, ...], meta: BatchMeta) -> None:
+        """Remember the round after ``meta``'s when it is an automatic one (``auto-k``)."""
+        group = meta.extra.get("dp_group_id")
+        if isinstance(group, str) and group.startswith("auto-") and group[5:].isdigit():
+            rounds = self._thread_auto_rounds()
+            rounds.pop(key, None)  # the newest last: the oldest go first past AUTO_ROUNDS_KEPT
+            rounds[key] = int(group[5:]) + 1
+            while len(rounds) > AUTO_ROUNDS_KEPT:
+                del rounds[next(iter(rounds))]
+
+    def _thread_auto_rounds(self) -> dict[tuple[Any, ...], int]:
+        rounds = getattr(self._auto_rounds, "rounds", None)
+        if rounds is None:
+            rounds = self._auto_rounds.rounds = {}
+        return rounds
+
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.config.default_timeout

@@ -217,8 +217,11 @@ class RowCalls(QueueChannel):
         if not all(isinstance(f, str) for f in fields):
             raise InvalidRequest(f"data_fields must be a field name or a list of them, got {data_fields!r}")
         call_id = next(self._calls)
+        partition = _partition(global_step, partition_id)
+        dp_rank = sampler_params.get("dp_rank", 0) if isinstance(sampler_params, dict) else 0
+        auto_key = (partition, task_name, dp_rank) if isinstance(dp_rank, int) and isinstance(task_name, str) else None
         request = p.GetMeta(
-            _partition(global_step, partition_id),
+            partition,
             fields,
             batch_size,
             task_name,
@@ -229,6 +232,7 @@ class RowCalls(QueueChannel):
             self.owner,
             call_id,
             bool(peek),
+            None if auto_key is None else self._next_auto_round(auto_key),
         )
         try:
             wire: p.MetaWire = await self._control(request, p.MetaWire, timeout + REPLY_SLACK)
@@ -236,6 +240,8 @@ class RowCalls(QueueChannel):
             await self._withdraw(call_id)
             raise
         meta = wire.to_meta()
+        if auto_key is not None:
+            self._note_auto_round(auto_key, meta)
         warning = meta.extra.pop("warning", None)
         if warning:  # a task name never seen before (transfer_queue.state.task_names): the caller hears of it
             warnings.warn(warning, UnknownTaskWarning, stacklevel=3)

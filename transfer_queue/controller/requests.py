@@ -176,4 +176,5 @@ class RequestTable:
             owner=req.owner,
             call_id=req.call_id,
             peek=req.peek,
+            next_auto_round=req.next_auto_round,
         )

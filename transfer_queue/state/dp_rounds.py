@@ -87,10 +87,13 @@ class DPRounds:
         caller: Any,
         call: tuple[str, int] | None = None,
         owner: str = "",
+        next_round: int | None = None,
     ) -> tuple[str, Any]:
         """The next automatic round of this caller: ``(dp_group_id, auto_round)`` for the job. ``call``: the client's
         (owner, call id); the call asked again (ServerGone: its first reply was lost) gets the number it took.
-        ``owner``: the client the connection ``caller`` belongs to (default: ``call``'s)."""
+        ``owner``: the client the connection ``caller`` belongs to (default: ``call``'s). ``next_round``: the round
+        the calling thread of the client expects (its last automatic round + 1, None before its first): a connection
+        new to this controller (it restarted, or the thread's old connection closed) goes on from it."""
         counter = (key, task_name, dp_rank, caller)
         number = self.auto_rounds.get(counter)
         if number is None:  # the caller's first call (a connection's: perhaps since the controller restarted)
@@ -104,6 +107,10 @@ class DPRounds:
                     left.remove(taken + 1)
             elif _journaled_caller(caller):
                 number = 0
+            elif next_round is not None and next_round >= 0:  # the thread says where it stopped
+                number = next_round
+                if left and next_round in left:  # its old connection: taken over
+                    left.remove(next_round)
             elif left:  # the owner's old connection furthest behind (threads of one client: none skips a round)
                 number = left.pop(0)
             else:  # a client not seen before the restart (or one with more connections than before)

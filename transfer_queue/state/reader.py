@@ -73,10 +73,13 @@ class MetaReader:
         call_id: int = 0,
         peek: bool = False,
         connection: Any = None,
+        next_auto_round: int | None = None,
     ) -> GetMetaJob:
         """Validate a get_meta before it takes anything or waits.
 
-        ``connection``: the one it came on; it numbers the automatic DP rounds of a rank that gives no ``world_rank``.
+        ``connection``: the one it came on; it numbers the automatic DP rounds of a rank that gives no ``world_rank``,
+        going on from ``next_auto_round`` (the round the calling thread expects) on a connection new to this
+        controller.
         """
         key = self.table.check_key(partition)
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -122,7 +125,10 @@ class MetaReader:
             caller = connection if world_rank is None else world_rank
             call = (owner, call_id) if owner and call_id and owner != ROUND_OWNER else None
             client = owner if owner != ROUND_OWNER else ""
-            dp_group_id, auto_round = self.rounds.number(key, task_name, dp_rank, caller, call, client)
+            hint = next_auto_round if world_rank is None else None
+            if hint is not None and (not isinstance(hint, int) or isinstance(hint, bool) or hint < 0):
+                raise InvalidRequest(f"next_auto_round must be an int >= 0 or None, got {hint!r}")
+            dp_group_id, auto_round = self.rounds.number(key, task_name, dp_rank, caller, call, client, hint)
         return GetMetaJob(
             key,
             fields,

@@ -173,6 +173,9 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
     owner: str = ""
     call_id: int = 0
     peek: bool = False  # a non-consuming read: the rows stay ready for the task (upstream's force_fetch)
+    # automatic DP rounds (dp_size > 1, no dp_group_id, no world_rank): the round the calling thread expects next (its
+    # last + 1; None before its first), so a connection new to the controller goes on from it (a restart, a reconnect)
+    next_auto_round: int | None = None
 
 
 class Release(msgspec.Struct, tag="release"):

@@ -202,3 +202,46 @@ def test_a_tp_peer_gets_the_round_its_peer_opened_before_the_controller_was_kill
             b.close()
         a.close()
         transfer_queue.shutdown()
+
+
+def test_threads_of_one_client_a_round_apart_go_on_from_their_own_rounds_after_the_controller_was_killed(
+    ray_session: Any, tmp_path
+) -> None:
+    """Two threads of one client as TP peers of dp_rank 0 (a connection each): both fetch auto-0, the first fetches
+    auto-1, Ray restarts the killed controller and the thread ahead asks first: it opens auto-2 and the thread behind
+    gets its share of auto-1 (before: the first new connection of the client took over the counter furthest behind,
+    so the thread ahead was served its auto-1 rows a second time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = journaled_queue(tmp_path)
+    ahead_thread, behind_thread = ThreadPoolExecutor(1), ThreadPoolExecutor(1)  # one lasting thread each
+    try:
+        controller = transfer_queue.get_controller()
+        client.put({"x": torch.arange(16, dtype=torch.float32).reshape(8, 2)}, partition_id="p")
+        client.set_task_options("t", ack="explicit")
+
+        def share(thread: ThreadPoolExecutor) -> Any:
+            params = {"dp_size": 2, "dp_rank": 0}
+            call = thread.submit(
+                client.get_meta, ["x"], 1, partition_id="p", task_name="t", sampler_params=params, timeout=5
+            )
+            return call.result(timeout=60)
+
+        assert share(ahead_thread).extra["dp_group_id"] == share(behind_thread).extra["dp_group_id"] == "auto-0"
+        ahead = share(ahead_thread)
+        assert ahead.extra["dp_group_id"] == "auto-1"
+        ray.kill(controller, no_restart=False)
+        restarted_info(controller)
+        for thread in (ahead_thread, behind_thread):  # each thread reconnects first, with a call outside any round
+            thread.submit(client.get_meta, ["x"], 1, partition_id="p", task_name="look", peek=True).result(60)
+        following = share(ahead_thread)
+        assert following.extra["dp_group_id"] == "auto-2"
+        assert not set(following.global_indexes.tolist()) & set(ahead.global_indexes.tolist())
+        behind = share(behind_thread)
+        assert behind.extra["dp_group_id"] == "auto-1"
+        assert behind.global_indexes.tolist() == ahead.global_indexes.tolist()
+    finally:
+        ahead_thread.shutdown()
+        behind_thread.shutdown()
+        client.close()
+        transfer_queue.shutdown()

@@ -170,3 +170,33 @@ def test_after_a_replay_the_threads_of_one_client_take_over_its_connections_furt
         "auto-4",
         "auto-3",
     ]
+
+
+def test_after_a_replay_a_thread_that_names_its_next_round_goes_on_from_it_whatever_the_order():
+    """Two threads of one client (one owner, a connection each), a round apart: the first took auto-3, the second
+    auto-2. After the restart the thread ahead asks first; it names the round it expects (its last + 1, the client
+    sends it) and gets auto-4, then the thread behind gets auto-3 (before: the first new connection took over the
+    counter furthest behind, auto-3, and the thread ahead was served its round 3 share a second time)."""
+    rounds = DPRounds()
+    call_ids = iter(range(1, 100))
+    for _ in range(3):
+        for conn in ("t1", "t2"):
+            rounds.number("s", "train", 0, conn, ("O", next(call_ids)))
+    assert rounds.number("s", "train", 0, "t1", ("O", 7))[0] == "auto-3"
+    rounds = replayed(rounds)
+    assert rounds.number("s", "train", 0, "n1", ("O", 8), next_round=4)[0] == "auto-4"
+    assert rounds.number("s", "train", 0, "n2", ("O", 9), next_round=3)[0] == "auto-3"
+    assert rounds.number("s", "train", 0, "n1", ("O", 10), next_round=5)[0] == "auto-5"  # the counter is kept
+    assert rounds.journaled() and not rounds._left  # both old connections were taken over
+
+
+def test_a_thread_whose_connection_closed_goes_on_from_the_round_it_names():
+    """A thread's connection closed and it reconnected to the same controller (no restart): its counter went with
+    the connection, so its next call began again at auto-0, a round its rank was served long ago (before); the
+    round it names goes on where it stopped."""
+    rounds = DPRounds()
+    for call_id in range(1, 4):
+        rounds.number("s", "train", 0, "c1", ("O", call_id))
+    rounds.drop_caller("c1")
+    assert rounds.number("s", "train", 0, "c2", ("O", 4), next_round=3)[0] == "auto-3"
+    assert rounds.number("s", "train", 0, "c3", ("O", 5))[0] == "auto-0"  # naming none: as before

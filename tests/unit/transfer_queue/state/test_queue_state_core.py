@@ -132,6 +132,17 @@ def test_world_rank_names_the_caller_of_an_automatic_round(make_queue):
         q.get(0, "x", 2, sampler_params=dp(0, world_rank="a"))
 
 
+def test_the_round_a_thread_names_is_checked_and_numbers_a_new_connection(make_queue):
+    q = make_queue(global_batch_size=8)
+    q.put(0, 8, X)
+    request = q.get_request(0, "x", 2, sampler_params=dp(0))
+    request.next_auto_round = 1  # a thread that took auto-0 before its connection closed
+    assert q.ok(request).to_meta().extra["dp_group_id"] == "auto-1"
+    request.next_auto_round = -1
+    with pytest.raises(InvalidRequest, match=r"next_auto_round must be an int >= 0 or None, got -1"):
+        q.send(request, peer="another connection").result()
+
+
 def test_a_call_that_raises_takes_no_automatic_round(make_queue):
     class Failing(DPSampler):
         fail = True

@@ -178,6 +178,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "reply": st.booleans(),
     "dp_group_id": mostly(st.none() | st.sampled_from(["g", "auto-0"]), st.text(max_size=3)),
     "ack": mostly(st.sampled_from(["auto", "explicit"]), st.text(max_size=3)),
+    "next_auto_round": mostly(st.none() | st.integers(0, 3), st.integers(-2, -1) | HUGE),
     "max_deliveries": mostly(st.none() | st.integers(1, 3), st.integers(-1, 0) | HUGE),
 }
 FIELD_VALUES_BY_TAG: dict[tuple[str, str], st.SearchStrategy] = {
