@@ -32,7 +32,11 @@ VISION = [
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["task.kwargs.two_pictures=0.5"]],  # prompts with one and with two pictures: mixed in the trainer's batches
+    [
+        # one picture a prompt: the mixed case below covers it too; slow tier (make test's 10-minute budget)
+        pytest.param([], marks=pytest.mark.slow),
+        ["task.kwargs.two_pictures=0.5"],  # prompts with one and with two pictures: mixed in the trainer's batches
+    ],
     ids=["one-picture", "one-or-two-pictures"],
 )
 def test_a_grpo_run_on_a_task_with_images_trains_on_the_engines_tokens_and_pixels(

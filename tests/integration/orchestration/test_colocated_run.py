@@ -38,7 +38,8 @@ def served(url: str) -> dict:
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"mode": "sync", "weight_sync": "memory"},
+        # the sync loop's release and resume are the async one's without the step ahead: slow tier (make test's budget)
+        pytest.param({"mode": "sync", "weight_sync": "memory"}, marks=pytest.mark.slow),
         # the step ahead generates while a step trains: its next generations are held, the one in flight finished
         {"mode": "async", "max_staleness": 1, "weight_sync": "shm"},
     ],
