@@ -218,18 +218,27 @@ class QueueChannel:
 
     def _rows_lost(self, meta: BatchMeta, units: np.ndarray) -> RowsLost | None:
         """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty (with
-        replicas=2: if both copies of them were gone, now or when the second of their units restarted)."""
-        gone = self._missing(meta.blocks, meta.blocks % len(self._unit_endpoints))
+        replicas=2: if both copies of them were gone, now or when the second of the units holding them then
+        restarted; a retired unit's copies held where they were moved). ``units``: the unit each cell is read from;
+        a lost cell is put on that unit's restart, else on the restart that lost its last copy."""
+        num_units = len(self._unit_endpoints)
+        if self._replica_of is None:
+            gone = self._missing(meta.blocks, meta.blocks % num_units)
+        else:
+            first, second = current_holders(meta.blocks, num_units, self._replica_of, self._moved)
+            gone = self._missing(meta.blocks, first) & self._missing(meta.blocks, second)
+        took = {unit: np.zeros(np.shape(gone), dtype=bool) for unit in self._restarted}
         if self._replica_of is not None:
-            primary = meta.blocks % len(self._unit_endpoints)
-            replica = np.asarray(self._replica_of, dtype=np.int64)[primary]
-            gone &= self._missing(meta.blocks, replica)
-            for unit, restart in self._restarted.items():  # lost then, whatever was copied back since
+            for unit, restart in self._restarted.items():  # lost then, whatever was copied back or moved since
                 for partner, lo, hi in restart.lost_with:
-                    pair = ((primary == unit) & (replica == partner)) | ((primary == partner) & (replica == unit))
-                    gone |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
+                    moves = [move for move in self._moved if move.unit not in (unit, partner)]
+                    one, other = current_holders(meta.blocks, num_units, self._replica_of, moves)  # as held then
+                    pair = ((one == unit) & (other == partner)) | ((one == partner) & (other == unit))
+                    took[unit] |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
+                    gone |= took[unit]
+        read_from_restarted = np.isin(units, list(self._restarted))
         for unit, restart in sorted(self._restarted.items()):
-            lost = (units == unit) & (meta.blocks >= 0) & gone
+            lost = ((units == unit) | (took[unit] & ~read_from_restarted)) & (meta.blocks >= 0) & gone
             if lost.any():
                 rows = np.unique(meta.global_indexes[lost.any(axis=1)])
                 fields = [name for j, name in enumerate(meta.field_names) if lost[:, j].any()]

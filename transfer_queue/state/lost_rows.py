@@ -94,6 +94,11 @@ class LostRowBook:
     moves: list[CopiesMoved] = field(default_factory=list)
     blocks_rereplicated: int = 0  # blocks copied onto another unit for a retired one since the queue started
     cannot_rereplicate: dict[int, str] = field(default_factory=dict)  # retired unit -> why its copies are not moved
+    retired: set[int] = field(default_factory=set)  # the units down for good (Ray will not restart them)
+
+    def retired_units(self) -> set[int]:
+        """The units down for good: those marked so and those whose copies were moved."""
+        return self.retired | {move.unit for move in self.moves}
 
     def move_of(self, unit: int) -> CopiesMoved | None:
         return next((move for move in self.moves if move.unit == unit), None)
@@ -119,12 +124,8 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book: LostRowBook = state.lost
     units = state.config.num_storage_units
     floor = state._next_block * units  # every block of this unit handed out so far is gone
-    replica_of = state.ledger.replica_of
-    if replica_of is not None:  # the partners' blocks not copied back yet lose their other copy now
-        for partner in sorted({replica_of[unit], *(u for u, r in enumerate(replica_of) if r == unit)} - {unit}):
-            lo, hi = book.refilled_below.get(partner, 0), book.lost_below.get(partner, 0)
-            if lo < hi:
-                book.lost_with.setdefault(unit, []).append((partner, lo, hi))
+    if state.ledger.replica_of is not None:  # the blocks it shares now whose other copy is gone lose both now
+        book.lost_with.setdefault(unit, []).extend(_lost_with(state, unit, floor))
     book.lost_below[unit] = floor
     book.refilled_below[unit] = 0
     book.refill_waiting.pop(unit, None)
@@ -160,6 +161,27 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
             "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, []))}  # fmt: skip
 
 
+def _lost_with(state: QueueState, unit: int, floor: int) -> list[tuple[int, int, int]]:
+    """replicas=2, ``unit`` restarting empty: per unit ``u`` that could share blocks with it (with the copies held
+    now, :func:`holders_now`), ``(u, lo, hi)``: the blocks the two hold in ``[lo, hi)`` lost both copies now. A unit
+    restarted and not refilled yet: the blocks it has not got back; a retired unit: those whose copy its move has not
+    reached (``below``; a unit retired without a move, every block). A client tells which blocks the two held then by
+    the holders with the moves of neither of them (later moves of other units do not change them)."""
+    book = state.lost
+    retired = book.retired_units()
+    out = []
+    for other in range(state.config.num_storage_units):
+        lo, hi = book.refilled_below.get(other, 0), book.lost_below.get(other, 0)
+        if other == unit:
+            continue
+        if other in retired:
+            move = book.move_of(other)
+            lo, hi = (0, floor) if move is None else (move.below, move.upto)
+        if lo < hi:
+            out.append((other, lo, hi))
+    return out
+
+
 def copy_on(state: QueueState, blocks: np.ndarray, unit: int) -> np.ndarray:
     """Per block id (>= 0), whether ``unit`` holds a copy of it: its own unit, or with replicas=2 one of the two units
     holding its copies now (:func:`holders_now`: a retired unit's copy is on the unit it was moved to)."""
@@ -184,12 +206,15 @@ def missing_on(state: QueueState, blocks: np.ndarray, units: np.ndarray) -> np.n
 
 def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
     """Per block id (>= 0), whether every copy of it is gone: each unit holding one now (:func:`holders_now`) lost it
-    (:func:`missing_on`)."""
+    (:func:`missing_on`) or is retired (a copy a move has not reached yet: gone for good)."""
     blocks = np.asarray(blocks, dtype=np.int64)
     if state.ledger.replica_of is None:
         return missing_on(state, blocks, blocks % state.config.num_storage_units)
     first, second = holders_now(state, blocks)
-    return missing_on(state, blocks, first) & missing_on(state, blocks, second)
+    retired = np.fromiter(state.lost.retired_units(), dtype=np.int64)  # their copies not moved yet are gone for good
+    return (missing_on(state, blocks, first) | np.isin(first, retired)) & (
+        missing_on(state, blocks, second) | np.isin(second, retired)
+    )
 
 
 @dataclass

@@ -123,6 +123,7 @@ def units_book(state: QueueState) -> dict[str, Any]:
         # replicas=2: the retired units' copies moved onto others (where, how far), in the order they were retired
         "moves": [[m.unit, dict(m.to), m.upto, m.below] for m in book.moves],
         "blocks_rereplicated": book.blocks_rereplicated,
+        "retired": sorted(book.retired),
     }
 
 
@@ -141,6 +142,7 @@ def restore_units_book(state: QueueState, units: dict[str, Any] | None) -> None:
         for u, to, upto, below in units.get("moves", ())
     ]
     book.blocks_rereplicated = int(units.get("blocks_rereplicated", 0))
+    book.retired = {int(u) for u in units.get("retired", ())}
     state.ledger.moved_to = {t for move in book.moves for t in move.to.values()}
 
 

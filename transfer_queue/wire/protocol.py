@@ -99,8 +99,9 @@ class UnitRestart(msgspec.Struct, array_like=True, frozen=True):
     lost_below: int
     restarts: int
     refilled_below: int = 0
-    # replicas=2: (unit, lo, hi) per unit sharing blocks with this one that had not got back every copy it lost when
-    # this one restarted: the blocks the two share in [lo, hi) had both copies gone (lost), whatever refills since
+    # replicas=2: (unit, lo, hi) per unit that had not got back every copy it lost when this one restarted, or was
+    # retired with copies its move had not reached: the blocks the two held then in [lo, hi) had both copies gone
+    # (lost), whatever refills or moves since (the two held a block then: its holders through the moves of neither)
     lost_with: tuple[tuple[int, int, int], ...] = ()
 
 

@@ -596,3 +596,58 @@ def test_with_two_units_a_retired_unit_s_copies_cannot_move_and_the_status_says_
         assert [local.client.get_data(m)["x"][0, 0].item() for m in metas] == [0.0, 1.0, 2.0, 3.0]
     finally:
         stop_queue(local)
+
+
+def test_after_a_move_both_units_holding_a_moved_copy_restarted_lose_its_rows_typed(queue: LocalQueue) -> None:
+    """Unit 0 retired, its copies moved (every block on 1 and 2 now). Units 1 and 2 both restarted empty before a
+    refill: every row put before is lost, moved ones included, and a read of them raises RowsLost (as without a move:
+    the client tells the pair by where the copies were then); a row put between the two restarts still reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    queue.controller._start_refill = lambda unit, now: False  # type: ignore[method-assign]  # no refill runs
+    queue.restart(1)
+    fresh = client.put({"x": torch.full((2, 4), 7.0)}, partition_id="p")  # on 1 and 2 after 1 restarted
+    assert queue.restart(2)["rows"] == 6
+    client.ping()
+    for meta in metas.values():
+        lost = meta.global_indexes.tolist()
+        match = re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit ")
+        with pytest.raises(RowsLost, match=match + r"[12] died and was restarted empty \(restart 1\)"):
+            client.get_data(meta)
+    assert client.get_data(fresh)["x"][:, 0].tolist() == [7.0, 7.0]
+    expected = sorted(i for meta in metas.values() for i in meta.global_indexes.tolist())
+    assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected
+
+
+def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took_and_never_stalls(
+    queue: LocalQueue,
+) -> None:
+    """Unit 0 retired and its copies' move held at its first block: survivor 2 restarted empty meanwhile. The blocks
+    whose other copy was still on retired 0 (unit 2's own) lost both copies: their rows are lost, typed; the refill
+    of 2 does not wait for 0 (which never comes back), the move finishes, and every other row reads."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = [client.get_data(m)["x"][0, 0].item() for m in metas]
+    first = min(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % UNITS == 0)  # moved first (from 1)
+    held, release = hold_refill_reads(queue.controller, first)
+    retire(queue, 0)
+    assert held.wait(10), "the move never read the block's other copy"
+    assert queue.controller.state.lost.moves[0].below == 0
+    result = queue.restart(2)
+    on_2_and_0 = [m for m in metas if int(m.blocks[0, 0]) % UNITS == 2]
+    assert result["rows"] == 2 * len(on_2_and_0) == 4
+    release.set()
+    wait_for(lambda: refilled(client) and rereplicated(client, 0))
+    summary = storage(client)
+    assert summary["refill_waiting"] == {} and summary["blocks_single_copy"] == 0
+    for meta in on_2_and_0:
+        lost = meta.global_indexes.tolist()
+        match = re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit 2 died and was restarted")
+        with pytest.raises(RowsLost, match=match):
+            client.get_data(meta)
+    kept = [i for i, m in enumerate(metas) if m not in on_2_and_0]
+    assert [client.get_data(metas[i])["x"][0, 0].item() for i in kept] == [before[i] for i in kept]
+    expected = sorted(i for meta in on_2_and_0 for i in meta.global_indexes.tolist())
+    assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected

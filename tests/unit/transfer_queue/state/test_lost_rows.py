@@ -189,3 +189,34 @@ def test_after_a_move_a_restarted_target_and_a_restarted_survivor_refill_from_th
     assert q.state.unit_restarted(1)["rows"] == 4  # 2 not refilled yet: both copies of the moved blocks are gone
     assert all_gone(q.state, moved).all()
     assert sorted(r["unit"] for r in lost(q, 0)) == [1] * 4
+
+
+def test_a_survivor_restarted_while_a_move_runs_loses_the_blocks_the_move_has_not_reached(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired, its copies being moved to 1 (read from 2),
+    the move halfway. Survivor 2 restarted empty: the blocks the move has not reached had their other copy on retired
+    0, gone for good too: their rows are lost (not refilled from 0, which never comes back); those it reached are
+    refilled from 1, and the restart's ``lost_with`` names the range lost with 0."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    blocks = sorted(int(m.blocks[0, 0]) for m in metas)
+    moved = [b for b in blocks if b % 4 in (0, 2)]
+    q.state.down_units.add(0)
+    q.state.lost.retired.add(0)
+    move = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(move, str) and move.to == {2: 1}
+    move.below = moved[2]  # the first two moved: on 1 now
+    reached, left = moved[:2], moved[2:]
+
+    result = q.state.unit_restarted(2)
+    assert result["rows"] == 2 and (0, moved[2], move.upto) in result["lost_with"]
+    assert all_gone(q.state, left).all() and not all_gone(q.state, reached).any()
+    plan = plan_refill(q.state, 2)
+    assert 0 not in {s.source for s in plan.steps}  # nothing waits for retired 0
+    assert {s.block: s.source for s in plan.steps} == {b: 1 for b in reached}
+    lost_blocks = {int(m.blocks[0, 0]): m.global_indexes.tolist() for m in metas}
+    assert sorted(r["global_index"] for r in lost(q, 0)) == sorted(i for b in left for i in lost_blocks[b])
