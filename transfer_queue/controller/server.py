@@ -701,6 +701,7 @@ class ControllerServer(Server):
             if final:
                 self._dead.add(unit)
                 self.state.lost.retired.add(unit)  # its copies a move has not reached are gone for good
+                self._counters = True  # the units' book changed: the next record holds it (journal_dir)
             if self.down_reasons.get(unit) != down and (final or unit not in self._dead):
                 logger.warning(
                     "storage unit %d (%s) is down: %s; new puts go to the others", unit, self._storage[unit].tcp, down

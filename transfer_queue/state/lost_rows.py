@@ -94,11 +94,9 @@ class LostRowBook:
     moves: list[CopiesMoved] = field(default_factory=list)
     blocks_rereplicated: int = 0  # blocks copied onto another unit for a retired one since the queue started
     cannot_rereplicate: dict[int, str] = field(default_factory=dict)  # retired unit -> why its copies are not moved
-    retired: set[int] = field(default_factory=set)  # the units down for good (Ray will not restart them)
-
-    def retired_units(self) -> set[int]:
-        """The units down for good: those marked so and those whose copies were moved."""
-        return self.retired | {move.unit for move in self.moves}
+    # the units down for good (Ray said it will not restart them; a unit it brings back after all leaves it: its
+    # copies a move reached stay where they were moved, the others are refilled like any restarted unit's)
+    retired: set[int] = field(default_factory=set)
 
     def move_of(self, unit: int) -> CopiesMoved | None:
         return next((move for move in self.moves if move.unit == unit), None)
@@ -124,6 +122,7 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book: LostRowBook = state.lost
     units = state.config.num_storage_units
     floor = state._next_block * units  # every block of this unit handed out so far is gone
+    book.retired.discard(unit)  # back after all (Ray restarted it elsewhere): no longer down for good
     if state.ledger.replica_of is not None:  # the blocks it shares now whose other copy is gone lose both now
         book.lost_with.setdefault(unit, []).extend(_lost_with(state, unit, floor))
     book.lost_below[unit] = floor
@@ -168,7 +167,7 @@ def _lost_with(state: QueueState, unit: int, floor: int) -> list[tuple[int, int,
     reached (``below``; a unit retired without a move, every block). A client tells which blocks the two held then by
     the holders with the moves of neither of them (later moves of other units do not change them)."""
     book = state.lost
-    retired = book.retired_units()
+    retired = book.retired
     out = []
     for other in range(state.config.num_storage_units):
         lo, hi = book.refilled_below.get(other, 0), book.lost_below.get(other, 0)
@@ -211,7 +210,7 @@ def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
     if state.ledger.replica_of is None:
         return missing_on(state, blocks, blocks % state.config.num_storage_units)
     first, second = holders_now(state, blocks)
-    retired = np.fromiter(state.lost.retired_units(), dtype=np.int64)  # their copies not moved yet are gone for good
+    retired = np.fromiter(state.lost.retired, dtype=np.int64)  # their copies not moved yet are gone for good
     return (missing_on(state, blocks, first) | np.isin(first, retired)) & (
         missing_on(state, blocks, second) | np.isin(second, retired)
     )
@@ -318,7 +317,9 @@ def holders_now(
 def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[int]) -> CopiesMoved | str:
     """replicas=2: retired unit ``unit``'s copies are to be moved: record where (a :class:`CopiesMoved`, from block 0
     up to every block handed out so far), or say why not now (a str, also kept for the status: a unit holding the
-    other copies is down, or there is no unit to copy to). ``retired``: the units down for good."""
+    other copies is down, or there is no unit to copy to). ``retired``: the units down for good; ``unit`` is marked
+    so too. A unit still being refilled takes them only when no other can: a copy written there counts as missing
+    (:func:`missing_on`) until its refill passes the block, so a restart of the survivor meanwhile would lose it."""
     book = state.lost
     units = state.config.num_storage_units
     up = [u for u in range(units) if u not in retired and u not in state.down_units and u != unit]
@@ -340,14 +341,17 @@ def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[i
     targets = (
         f"storage unit {waiting[0]}, which holds the other copies, is down"
         if waiting
-        else move_targets(unit, survivors, node_ids, state.down_units | retired)
+        else move_targets(unit, survivors, node_ids, state.down_units | retired | set(book.refilling()))
     )
+    if isinstance(targets, str) and not waiting:  # only a unit still refilling can take them: it does (see above)
+        targets = move_targets(unit, survivors, node_ids, state.down_units | retired)
     if isinstance(targets, str):
         book.cannot_rereplicate[unit] = targets
         return targets
     book.cannot_rereplicate.pop(unit, None)
     move = CopiesMoved(unit, targets, state._next_block * units)
     book.moves.append(move)
+    book.retired.add(unit)  # its copies the move has not reached are gone for good
     return move
 
 
@@ -414,7 +418,7 @@ def refill_summary(state: QueueState) -> dict[str, Any]:
         "refilling": book.refilling(),
         "refill_waiting": dict(book.refill_waiting),
         "blocks_refilled": book.blocks_refilled,
-        "rereplicating": sorted(move.unit for move in book.moves if not move.done),
+        "rereplicating": sorted(move.unit for move in book.moves if not move.done and move.unit in book.retired),
         "rereplicated": {move.unit: dict(move.to) for move in book.moves if move.done},
         "cannot_rereplicate": dict(book.cannot_rereplicate),
         "blocks_rereplicated": book.blocks_rereplicated,

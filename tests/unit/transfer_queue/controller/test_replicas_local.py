@@ -651,3 +651,22 @@ def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took
     assert [client.get_data(metas[i])["x"][0, 0].item() for i in kept] == [before[i] for i in kept]
     expected = sorted(i for meta in on_2_and_0 for i in meta.global_indexes.tolist())
     assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected
+
+
+def test_a_retired_unit_ray_brings_back_after_its_move_is_no_longer_retired(queue: LocalQueue) -> None:
+    """Unit 1 retired and its copies moved; then Ray brings it back after all (restarted elsewhere, empty). A block
+    put since on 0 has its other copy on 1: when 0 restarts, that copy lives (1 is not retired any more), so nothing
+    is lost and every row, moved or new, reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    retire(queue, 1)
+    wait_for(lambda: rereplicated(client, 1))
+    assert queue.restart(1)["rows"] == 0  # every copy it held was moved
+    wait_for(lambda: refilled(client))
+    fresh = put_on_each_unit(client, first=10.0)  # 0's has its other copy on 1 again
+    fresh_before = values(client, fresh)
+    assert queue.restart(0)["rows"] == 0
+    client.ping()
+    assert values(client, metas) == before and values(client, fresh) == fresh_before
+    assert client.lost_rows(partition_id="p") == []

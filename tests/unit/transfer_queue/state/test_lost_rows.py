@@ -220,3 +220,60 @@ def test_a_survivor_restarted_while_a_move_runs_loses_the_blocks_the_move_has_no
     assert {s.block: s.source for s in plan.steps} == {b: 1 for b in reached}
     lost_blocks = {int(m.blocks[0, 0]): m.global_indexes.tolist() for m in metas}
     assert sorted(r["global_index"] for r in lost(q, 0)) == sorted(i for b in left for i in lost_blocks[b])
+
+
+def test_a_retired_unit_ray_brings_back_after_its_move_holds_its_new_copies_again(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1. Ray brings 0
+    back after all (restarted elsewhere): it is no longer retired, and a block put on it since (other copy on 2) is
+    not lost when 2 restarts: its copy on 0 lives. The moved blocks stay on 1 (also not lost)."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, refill_summary, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=16, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    moved = sorted(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % 4 in (0, 2))
+    q.state.down_units.add(0)
+    q.state.lost.retired.add(0)  # as the controller's mark_unit(final=True) does
+    move = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(move, str)
+    move.below = move.upto  # done: the copies on 0 are on 1 now
+    book = q.state.lost
+
+    q.state.down_units.discard(0)
+    assert q.state.unit_restarted(0)["rows"] == 0  # back after all: held nothing (every copy was moved)
+    assert plan_refill(q.state, 0).steps == []  # nothing to refill
+    book.refilled_below[0] = book.lost_below[0]
+    fresh = [q.put(0, 1) for _ in range(8)]
+    on_0 = sorted(int(m.blocks[0, 0]) for m in fresh if int(m.blocks[0, 0]) % 4 == 0)
+    assert on_0 and not all_gone(q.state, on_0).any()
+
+    assert q.state.unit_restarted(2)["rows"] == 0  # their copies on 0 and the moved ones on 1 live
+    assert not all_gone(q.state, on_0 + moved).any()
+    assert (0, 0, book.lost_below[0]) not in q.state.lost.lost_with.get(2, [])
+    assert refill_summary(q.state)["rereplicating"] == [] and book.retired == set()
+
+
+def test_a_retired_unit_s_copies_are_not_moved_onto_a_unit_still_refilling(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3). Unit 0 restarted and not refilled yet; unit 1 retires:
+    the copies whose other copy is on 3 go to 2, not to 0 (the first unit of another node than 3, taken otherwise):
+    a copy written onto a refilling unit counts as missing there until its refill passes it, so a restart of 3
+    meanwhile would lose rows that 0 holds."""
+    from transfer_queue.state.lost_rows import start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    for _ in range(8):
+        q.put(0, 1)
+    q.state.unit_restarted(0)
+    assert q.state.lost.refilling() == [0]
+    q.state.down_units.add(1)
+    move = start_move(q.state, 1, nodes, {1})
+    assert not isinstance(move, str) and move.to == {3: 2}
+    q.state.lost.moves.clear()
+    q.state.lost.refilled_below[0] = q.state.lost.lost_below[0]  # refilled: 0 is taken again
+    move = start_move(q.state, 1, nodes, {1})
+    assert not isinstance(move, str) and move.to == {3: 0}
