@@ -230,8 +230,8 @@ class QueueChannel:
         took = {unit: np.zeros(np.shape(gone), dtype=bool) for unit in self._restarted}
         if self._replica_of is not None:
             for unit, restart in self._restarted.items():  # lost then, whatever was copied back or moved since
-                for partner, lo, hi in restart.lost_with:
-                    moves = [move for move in self._moved if move.unit not in (unit, partner)]
+                for i, (partner, lo, hi) in enumerate(restart.lost_with):
+                    moves = [move for move in self._moved_then(restart, i) if move.unit not in (unit, partner)]
                     one, other = current_holders(meta.blocks, num_units, self._replica_of, moves)  # as held then
                     pair = ((one == unit) & (other == partner)) | ((one == partner) & (other == unit))
                     took[unit] |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
@@ -249,6 +249,17 @@ class QueueChannel:
                     "(client.lost_rows lists them)"
                 )
         return None
+
+    def _moved_then(self, restart: p.UnitRestart, entry: int) -> list[p.UnitMove]:
+        """The moves as they stood when ``restart`` lost its ``lost_with[entry]`` pair (each only as far as it had
+        gone; those started since left out); all as they stand now from a controller that does not say."""
+        if entry >= len(restart.lost_with_moved):
+            return self._moved
+        belows = restart.lost_with_moved[entry]
+        return [
+            msgspec.structs.replace(move, below=min(move.below, below))
+            for move, below in zip(self._moved, belows, strict=False)
+        ]
 
     async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:
         """One request to the controller. With ``restart_retry_s`` (QueueConfig), one that failed with ServerGone is

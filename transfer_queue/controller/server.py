@@ -227,6 +227,7 @@ class ControllerServer(Server):
                     restarts,
                     book.refilled_below.get(unit, 0),
                     lost_with=tuple(book.lost_with.get(unit, ())),
+                    lost_with_moved=tuple(book.lost_with_moved.get(unit, ())),
                 )
         self._restarts_due: list[tuple[int, p.Endpoint, threading.Event, dict[str, Any]]] = []
         # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
@@ -301,6 +302,7 @@ class ControllerServer(Server):
                     int(result.get("lost_below", 0)),
                     int(result.get("restarts", 0)),
                     lost_with=tuple(result.get("lost_with", ())),
+                    lost_with_moved=tuple(result.get("lost_with_moved", ())),
                 )
                 self._flush_outbox()
             logger.warning(

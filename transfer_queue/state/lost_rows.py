@@ -90,6 +90,8 @@ class LostRowBook:
     refill_waiting: dict[int, int] = field(default_factory=dict)  # unit -> the down unit its refill waits for
     # unit -> (partner, lo, hi) per restart: the blocks it shares with partner in [lo, hi) lost both copies then
     lost_with: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # per lost_with entry: each move's ``below`` then (in the order of ``moves``; those started since not listed)
+    lost_with_moved: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
     # replicas=2: the retired units whose copies were moved onto others, in the order they were retired
     moves: list[CopiesMoved] = field(default_factory=list)
     blocks_rereplicated: int = 0  # blocks copied onto another unit for a retired one since the queue started
@@ -124,7 +126,10 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     floor = state._next_block * units  # every block of this unit handed out so far is gone
     book.retired.discard(unit)  # back after all (Ray restarted it elsewhere): no longer down for good
     if state.ledger.replica_of is not None:  # the blocks it shares now whose other copy is gone lose both now
-        book.lost_with.setdefault(unit, []).extend(_lost_with(state, unit, floor))
+        pairs = _lost_with(state, unit, floor)
+        book.lost_with.setdefault(unit, []).extend(pairs)
+        then = tuple(move.below for move in book.moves)
+        book.lost_with_moved.setdefault(unit, []).extend(then for _ in pairs)
     book.lost_below[unit] = floor
     book.refilled_below[unit] = 0
     book.refill_waiting.pop(unit, None)
@@ -157,7 +162,8 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book.forget_cleared({part.uid for part in state.partitions.values()})
     state._retry_putters()
     return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
-            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, []))}  # fmt: skip
+            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, [])),
+            "lost_with_moved": list(book.lost_with_moved.get(unit, []))}  # fmt: skip
 
 
 def _lost_with(state: QueueState, unit: int, floor: int) -> list[tuple[int, int, int]]:

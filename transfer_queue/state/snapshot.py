@@ -120,6 +120,7 @@ def units_book(state: QueueState) -> dict[str, Any]:
         "refilled_below": dict(book.refilled_below),
         "blocks_refilled": book.blocks_refilled,
         "lost_with": {u: [list(t) for t in ranges] for u, ranges in book.lost_with.items()},
+        "lost_with_moved": {u: [list(t) for t in belows] for u, belows in book.lost_with_moved.items()},
         # replicas=2: the retired units' copies moved onto others (where, how far), in the order they were retired
         "moves": [[m.unit, dict(m.to), m.upto, m.below] for m in book.moves],
         "blocks_rereplicated": book.blocks_rereplicated,
@@ -137,6 +138,9 @@ def restore_units_book(state: QueueState, units: dict[str, Any] | None) -> None:
     book.refilled_below = {int(u): int(n) for u, n in units["refilled_below"].items()}
     book.blocks_refilled = int(units["blocks_refilled"])
     book.lost_with = {int(u): [(int(a), int(b), int(c)) for a, b, c in r] for u, r in units["lost_with"].items()}
+    book.lost_with_moved = {  # a journal written before: none (a client takes the moves as they stand)
+        int(u): [tuple(int(b) for b in t) for t in r] for u, r in units.get("lost_with_moved", {}).items()
+    }
     book.moves = [
         CopiesMoved(int(u), {int(s): int(t) for s, t in to.items()}, int(upto), int(below))
         for u, to, upto, below in units.get("moves", ())

@@ -103,6 +103,9 @@ class UnitRestart(msgspec.Struct, array_like=True, frozen=True):
     # retired with copies its move had not reached: the blocks the two held then in [lo, hi) had both copies gone
     # (lost), whatever refills or moves since (the two held a block then: its holders through the moves of neither)
     lost_with: tuple[tuple[int, int, int], ...] = ()
+    # per lost_with entry, how far each move had gone then (``below``, in the order of the moves; a move started since
+    # is not listed): the two held a block then as the moves stood then, not as they stand now
+    lost_with_moved: tuple[tuple[int, ...], ...] = ()
 
 
 class UnitMove(msgspec.Struct, array_like=True, frozen=True):

@@ -670,3 +670,26 @@ def test_a_retired_unit_ray_brings_back_after_its_move_is_no_longer_retired(queu
     client.ping()
     assert values(client, metas) == before and values(client, fresh) == fresh_before
     assert client.lost_rows(partition_id="p") == []
+
+
+def test_a_move_made_after_a_restart_does_not_make_a_block_look_lost_with_that_restart(queue: LocalQueue) -> None:
+    """Unit 1 restarted, its refill waiting for unit 2 (down), then unit 2 restarted: unit 1's own block (copies on 1
+    and 2) lost both copies. The refills finish, then unit 0 is retired and its copies moved (0's own block to 2, 2's
+    to 1): both are on 1 and 2 now, the pair unit 2's restart lost blocks with, but they were not on that pair then
+    (the moves as they stood at the restart): they read."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    queue.controller.mark_unit(2, "held down by the test")  # 1's refill waits for 2 (its own block's other copy)
+    assert queue.restart(1)["rows"] == 0
+    result = queue.restart(2)
+    assert result["rows"] == 2 and [partner for partner, _, _ in result["lost_with"]] == [1]
+    wait_for(lambda: refilled(client))
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    assert storage(client)["rereplicated"] == {0: {1: 2, 2: 1}}
+    client.ping()
+    assert values(client, {0: metas[0], 2: metas[2]}) == {0: before[0], 2: before[2]}
+    lost = metas[1].global_indexes.tolist()
+    with pytest.raises(RowsLost, match=re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit ")):
+        client.get_data(metas[1])
