@@ -75,6 +75,13 @@ def _partition(global_step: int | None, partition_id: str | None, metadata: Batc
     return key
 
 
+def _told(restart: p.UnitRestart) -> tuple[int, int, int]:
+    """How far what a controller says of a unit's restart has gone: a later restart, more refilled, or (replicas=2)
+    more blocks lost with it (``lost_with`` grows when a unit holding their other copies is retired before the refill
+    got them back)."""
+    return restart.restarts, restart.refilled_below, len(restart.lost_with)
+
+
 def _kv_partition(partition_id: str) -> str:
     if not isinstance(partition_id, str) or not partition_id:
         raise InvalidRequest(f"a kv partition_id must be a non-empty str, got {partition_id!r}")
@@ -188,7 +195,7 @@ class QueueChannel:
         ``refilled_below`` (replicas=2: copied back since)."""
         for unit, restart in restarted.items():
             known = self._restarted.get(unit)
-            newer = known is None or (restart.restarts, restart.refilled_below) > (known.restarts, known.refilled_below)
+            newer = known is None or _told(restart) > _told(known)
             if 0 <= unit < len(self._unit_endpoints) and newer:
                 self._restarted[unit] = restart
                 self._unit_endpoints[unit] = restart.endpoint
@@ -231,7 +238,7 @@ class QueueChannel:
         if self._replica_of is not None:
             for unit, restart in self._restarted.items():  # lost then, whatever was copied back or moved since
                 for i, (partner, lo, hi) in enumerate(restart.lost_with):
-                    moves = [move for move in self._moved_then(restart, i) if move.unit not in (unit, partner)]
+                    moves = self._moved_then(restart, i, unit, partner)
                     one, other = current_holders(meta.blocks, num_units, self._replica_of, moves)  # as held then
                     pair = ((one == unit) & (other == partner)) | ((one == partner) & (other == unit))
                     took[unit] |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
@@ -250,11 +257,13 @@ class QueueChannel:
                 )
         return None
 
-    def _moved_then(self, restart: p.UnitRestart, entry: int) -> list[p.UnitMove]:
-        """The moves as they stood when ``restart`` lost its ``lost_with[entry]`` pair (each only as far as it had
-        gone; those started since left out); all as they stand now from a controller that does not say."""
+    def _moved_then(self, restart: p.UnitRestart, entry: int, unit: int, partner: int) -> list[p.UnitMove]:
+        """The moves as they stood when ``restart`` of ``unit`` lost its ``lost_with[entry]`` pair with ``partner``
+        (each only as far as it had gone; those started since left out), those of a unit brought back after its
+        move included (the blocks moved off it were not on it then). A controller that does not say how they stood:
+        those of other units as they stand now (a move of either unit of the pair may have gone on since)."""
         if entry >= len(restart.lost_with_moved):
-            return self._moved
+            return [move for move in self._moved if move.unit not in (unit, partner)]
         belows = restart.lost_with_moved[entry]
         return [
             msgspec.structs.replace(move, below=min(move.below, below))

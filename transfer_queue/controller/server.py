@@ -47,6 +47,7 @@ from transfer_queue.state.lost_rows import (
     missing_on,
     plan_move,
     plan_refill,
+    retire_unit,
     start_move,
     still_needed,
 )
@@ -230,6 +231,7 @@ class ControllerServer(Server):
                     lost_with_moved=tuple(book.lost_with_moved.get(unit, ())),
                 )
         self._restarts_due: list[tuple[int, p.Endpoint, threading.Event, dict[str, Any]]] = []
+        self._retires_due: set[int] = set()  # units marked down for good, retired by the serving thread (rows lost)
         # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
         # its node died), the others are up again when the connection is back.
         self.down_reasons: dict[int, str] = {}
@@ -287,9 +289,11 @@ class ControllerServer(Server):
             close_watched(old)
             self._units[unit] = self._connect_unit(unit, endpoint)
             self._refill = None  # a batch reading from or writing to the old incarnation is never answered
+            self._move_plans.pop(unit, None)  # retired again later: a move of its own, planned then
             with self.lock:
                 self._storage[unit] = endpoint
                 self._dead.discard(unit)
+                self._retires_due.discard(unit)
                 self.down_reasons.pop(unit, None)
                 self.state.down_units.discard(unit)
                 self._marked = self._counters = True  # its rows lost (marked) and the state's lost rows
@@ -311,6 +315,34 @@ class ControllerServer(Server):
             )  # fmt: skip
             done.set()
 
+    def _apply_retirements(self) -> None:
+        """The units marked down for good since: retired (``lost_rows.retire_unit``): the rows whose last copy was on
+        one are lost, and the restarts that took their other copy tell clients so (``lost_with``)."""
+        with self.lock:
+            due, self._retires_due = sorted(self._retires_due), set()
+            book = self.state.lost
+            for unit in due:
+                if unit not in self._dead:  # brought back meanwhile
+                    continue
+                result = retire_unit(self.state, unit)
+                self._counters = True  # the units' book changed: the next record holds it (journal_dir)
+                self._marked = self._marked or bool(result["rows"])
+                for other in result["units"]:
+                    restart = self.restarted_units.get(other)
+                    if restart is not None:
+                        self.restarted_units[other] = msgspec.structs.replace(
+                            restart,
+                            lost_with=tuple(book.lost_with.get(other, ())),
+                            lost_with_moved=tuple(book.lost_with_moved.get(other, ())),
+                        )
+                if result["rows"]:
+                    logger.warning(
+                        "storage unit %d is lost for good; %d rows whose other copy was gone already (units %s "
+                        "restarted and not refilled yet) are lost (%s)",
+                        unit, result["rows"], result["units"], result["partitions"],
+                    )  # fmt: skip
+            self._flush_outbox()
+
     # ---- the loop's hooks (transfer_queue.wire.server.Server) -------------------------------------------------------
     def next_wakeup(self) -> float:
         save = [self._save.deadline] if self._save is not None else []
@@ -323,6 +355,8 @@ class ControllerServer(Server):
     def periodic(self, events: dict[Any, int]) -> None:
         if self._restarts_due:
             self._guard("storage restarts", self._apply_restarts)
+        if self._retires_due:
+            self._guard("storage retirements", self._apply_retirements)
         if time.monotonic() >= self.state.next_deadline:
             self._guard("tick", self._tick)
         self._guard("storage messages", self._flush_outbox)
@@ -702,8 +736,7 @@ class ControllerServer(Server):
                 return
             if final:
                 self._dead.add(unit)
-                self.state.lost.retired.add(unit)  # its copies a move has not reached are gone for good
-                self._counters = True  # the units' book changed: the next record holds it (journal_dir)
+                self._retires_due.add(unit)  # its copies a move has not reached are gone for good (serving thread)
             if self.down_reasons.get(unit) != down and (final or unit not in self._dead):
                 logger.warning(
                     "storage unit %d (%s) is down: %s; new puts go to the others", unit, self._storage[unit].tcp, down
@@ -791,7 +824,7 @@ class ControllerServer(Server):
         for unit in self.state.lost.refilling():
             if unit not in self.state.down_units and self._start_refill(unit, now):
                 return
-        for unit in sorted(self._dead):  # no refill to send: move the copies of the retired units
+        for unit in sorted(self._dead - self._retires_due):  # no refill to send: move the retired units' copies
             if self._start_move(unit, now):
                 return
         self._refill_at = now + REFILL_RETRY  # nothing to send now: every refill waits for a down unit
@@ -904,6 +937,12 @@ class ControllerServer(Server):
             down = sorted({step.source, step.target} & self.state.down_units)
             if down:
                 book.cannot_rereplicate[unit] = f"storage unit {down[0]} is down (waiting for it)"
+            elif book.refilled_below.get(step.target, 0) <= step.block < book.lost_below.get(step.target, 0):
+                # a copy written there now would count as missing (missing_on) until the refill passes the block
+                book.cannot_rereplicate[unit] = (
+                    f"storage unit {step.target} is not refilled up to block {step.block} yet (waiting for it)"
+                )
+                return True
             return bool(down)
 
         # skipped: cleared or dropped, or its other copy is gone for good too: nothing to copy

@@ -64,12 +64,15 @@ class LostRecord:
 @dataclass
 class CopiesMoved:
     """Retired unit ``unit``'s copies being moved: the blocks below ``upto`` (every block handed out when it was
-    retired) that had a copy on it, per unit ``s`` holding the other copy onto unit ``to[s]``; done below ``below``."""
+    retired) that had a copy on it, per unit ``s`` holding the other copy onto unit ``to[s]``; done below ``below``.
+    ``restart``: the unit's restart count then (a unit Ray brings back and that is retired again has the copies it
+    took since moved by a move of their own: :meth:`LostRowBook.move_of`)."""
 
     unit: int
     to: dict[int, int]
     upto: int
     below: int = 0
+    restart: int = 0
 
     @property
     def done(self) -> bool:
@@ -101,7 +104,10 @@ class LostRowBook:
     retired: set[int] = field(default_factory=set)
 
     def move_of(self, unit: int) -> CopiesMoved | None:
-        return next((move for move in self.moves if move.unit == unit), None)
+        """The move of ``unit``'s copies since it was retired last (None: none since its last restart; a move of an
+        earlier retirement stays in ``moves``: the blocks it reached are where it moved them)."""
+        restart = self.restarts.get(unit, 0)
+        return next((move for move in self.moves if move.unit == unit and move.restart == restart), None)
 
     def refilling(self) -> list[int]:
         """The units that lost blocks not all copied back yet."""
@@ -137,6 +143,46 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     for put in list(state.open_puts.values()):  # a put that wrote (or would write) there can never commit whole
         if len(put.blocks) and np.any(copy_on(state, put.blocks, unit)):
             state.ledger.abort(put.put_id)
+    lost_per_partition = _lose_rows(state, unit, restart)
+    return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
+            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, [])),
+            "lost_with_moved": list(book.lost_with_moved.get(unit, []))}  # fmt: skip
+
+
+def retire_unit(state: QueueState, unit: int) -> dict[str, Any]:
+    """Storage unit ``unit`` is down for good (Ray will not restart it): its copies a move has not reached are gone
+    for good (``LostRowBook.retired``, :func:`all_gone`). With replicas=2, a block whose other copy was gone already
+    (on a unit restarted and not refilled yet) has no copy left now: its rows are lost, put on that unit's restart,
+    whose ``lost_with`` names ``unit`` from now on (so clients tell them lost: the pair held them then), and its
+    refill passes them by (it never claims a copy it did not get back).
+
+    Returns ``{"units", "rows", "partitions"}``: the restarted units whose ``lost_with`` grew, the rows lost in all
+    and per partition."""
+    book: LostRowBook = state.lost
+    lost_per_partition: dict[Any, int] = {}
+    grown: list[int] = []
+    if unit in book.retired:  # told again
+        return {"units": grown, "rows": 0, "partitions": lost_per_partition}
+    book.retired.add(unit)
+    if state.ledger.replica_of is not None:
+        then = tuple(move.below for move in book.moves)
+        for other in book.refilling():
+            if other == unit or other in book.retired:
+                continue
+            lo, hi = book.refilled_below.get(other, 0), book.lost_below[other]
+            book.lost_with.setdefault(other, []).append((unit, lo, hi))
+            book.lost_with_moved.setdefault(other, []).append(then)
+            grown.append(other)
+            for key, rows in _lose_rows(state, other, book.restarts.get(other, 0)).items():
+                lost_per_partition[key] = lost_per_partition.get(key, 0) + rows
+    return {"units": grown, "rows": sum(lost_per_partition.values()), "partitions": lost_per_partition}
+
+
+def _lose_rows(state: QueueState, unit: int, restart: int) -> dict[Any, int]:
+    """Mark lost the committed rows with a field whose last copy was on ``unit`` (with replicas=2: each of its copies
+    is gone), with the rest of their GRPO groups, as taken by ``unit``'s restart ``restart``; puts into them are
+    aborted and their blocks forgotten. Returns the rows lost per partition."""
+    book: LostRowBook = state.lost
     lost_per_partition: dict[Any, int] = {}
     for part in list(state.partitions.values()):
         rows, fields_of = _rows_on_unit(state, part, unit)
@@ -161,9 +207,7 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
         state._retry_getters(part.key)
     book.forget_cleared({part.uid for part in state.partitions.values()})
     state._retry_putters()
-    return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
-            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, [])),
-            "lost_with_moved": list(book.lost_with_moved.get(unit, []))}  # fmt: skip
+    return lost_per_partition
 
 
 def _lost_with(state: QueueState, unit: int, floor: int) -> list[tuple[int, int, int]]:
@@ -325,7 +369,7 @@ def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[i
     up to every block handed out so far), or say why not now (a str, also kept for the status: a unit holding the
     other copies is down, or there is no unit to copy to). ``retired``: the units down for good; ``unit`` is marked
     so too. A unit still being refilled takes them only when no other can: a copy written there counts as missing
-    (:func:`missing_on`) until its refill passes the block, so a restart of the survivor meanwhile would lose it."""
+    (:func:`missing_on`) until its refill passes the block, so the controller's move waits for that first."""
     book = state.lost
     units = state.config.num_storage_units
     up = [u for u in range(units) if u not in retired and u not in state.down_units and u != unit]
@@ -355,7 +399,7 @@ def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[i
         book.cannot_rereplicate[unit] = targets
         return targets
     book.cannot_rereplicate.pop(unit, None)
-    move = CopiesMoved(unit, targets, state._next_block * units)
+    move = CopiesMoved(unit, targets, state._next_block * units, restart=book.restarts.get(unit, 0))
     book.moves.append(move)
     book.retired.add(unit)  # its copies the move has not reached are gone for good
     return move
@@ -420,12 +464,13 @@ def refill_summary(state: QueueState) -> dict[str, Any]:
     copy: unit it was moved to}), those whose copies cannot be moved and why (``cannot_rereplicate``), and the blocks
     moved since the queue started (``blocks_rereplicated``)."""
     book: LostRowBook = state.lost
+    moves = [move for unit in sorted(book.retired) if (move := book.move_of(unit)) is not None]
     return {
         "refilling": book.refilling(),
         "refill_waiting": dict(book.refill_waiting),
         "blocks_refilled": book.blocks_refilled,
-        "rereplicating": sorted(move.unit for move in book.moves if not move.done and move.unit in book.retired),
-        "rereplicated": {move.unit: dict(move.to) for move in book.moves if move.done},
+        "rereplicating": [move.unit for move in moves if not move.done],
+        "rereplicated": {move.unit: dict(move.to) for move in moves if move.done},
         "cannot_rereplicate": dict(book.cannot_rereplicate),
         "blocks_rereplicated": book.blocks_rereplicated,
     }

@@ -693,3 +693,114 @@ def test_a_move_made_after_a_restart_does_not_make_a_block_look_lost_with_that_r
     lost = metas[1].global_indexes.tolist()
     with pytest.raises(RowsLost, match=re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit ")):
         client.get_data(metas[1])
+
+
+def test_a_unit_brought_back_after_its_move_does_not_make_the_blocks_moved_off_it_look_lost(queue: LocalQueue) -> None:
+    """Unit 0 retired and its copies moved (every block on 1 and 2 now); unit 2 restarted empty, its refill not run:
+    1 holds every block. Then Ray brings 0 back: its restart names 2 (not refilled) in ``lost_with``, but the block 0
+    and 2 shared is on 1 and 2 since the move (as it stood at that restart): nothing is lost and every row reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    queue.controller._start_refill = lambda unit, now: False  # type: ignore[method-assign]  # no refill runs
+    assert queue.restart(2)["rows"] == 0
+    result = queue.restart(0)
+    assert result["rows"] == 0 and [partner for partner, _, _ in result["lost_with"]] == [2]
+    client.ping()
+    assert values(client, metas) == before
+    assert client.lost_rows(partition_id="p") == []
+
+
+def test_a_unit_brought_back_and_retired_again_has_the_copies_it_took_since_moved(queue: LocalQueue) -> None:
+    """Unit 0 retired, its copies moved; Ray brings it back, blocks are put on it again, then it is lost for good a
+    second time: those copies are moved too (a move of their own, not the first one, done long ago), so restarts of
+    the units holding their other copies lose nothing."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    moved = storage(client)["blocks_rereplicated"]
+    assert queue.restart(0)["rows"] == 0
+    wait_for(lambda: refilled(client))
+    fresh = put_on_each_unit(client, first=10.0)  # 0's has its other copy on 1, 2's on 0
+    every = {**{u: metas[u] for u in metas}, **{UNITS + u: m for u, m in fresh.items()}}
+    before = values(client, every)
+    retire(queue, 0)
+    wait_for(lambda: storage(client)["blocks_rereplicated"] == moved + 2)  # the fresh blocks of 0 and of 2
+    wait_for(lambda: rereplicated(client, 0))
+    assert storage(client)["blocks_single_copy"] == 0
+    assert queue.restart(1)["rows"] == 0  # every block is on 1 and 2 again
+    wait_for(lambda: refilled(client))
+    assert queue.restart(2)["rows"] == 0
+    client.ping()
+    assert values(client, every) == before
+
+
+def test_a_unit_retired_while_a_restarted_unit_waits_for_it_takes_the_rows_they_shared_lost_typed(
+    queue: LocalQueue,
+) -> None:
+    """Unit 0 down (not for good yet); unit 2 restarted empty, its refill held: its own block's other copy is on 0.
+    Then 0 is lost for good: that block has no copy left. Its rows are lost (listed, put on 2's restart) and a client
+    that knew of 2's restart before is told (RowsLost, though 2's refill has not moved); the refill then goes on
+    without the block (never claiming 2 holds it), 0's other copies are moved, and every other row reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    start_refill = queue.controller._start_refill
+    hold = threading.Event()
+    hold.set()
+    queue.controller._start_refill = (  # type: ignore[method-assign]
+        lambda unit, now: False if hold.is_set() else start_refill(unit, now)
+    )
+    queue.units[0].stop()
+    wait_for(lambda: 0 in queue.controller.down_reasons)
+    assert queue.restart(2)["rows"] == 0  # 0 holds the other copy of 2's own block
+    client.ping()  # this client knows of 2's restart, nothing refilled
+    queue.controller.mark_unit(0, "its Ray actor died (held by the test)", final=True)
+    lost = metas[2].global_indexes.tolist()
+    wait_for(lambda: [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost)
+    assert {r["unit"] for r in client.lost_rows(partition_id="p")} == {2}
+    match = re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit 2 died and was restarted")
+    with pytest.raises(RowsLost, match=match):
+        client.get_data(metas[2])
+    hold.clear()
+    wait_for(lambda: refilled(client) and rereplicated(client, 0))
+    with pytest.raises(RowsLost, match=match):
+        client.get_data(metas[2])
+    assert values(client, {0: metas[0], 1: metas[1]}) == {0: before[0], 1: before[1]}
+    assert storage(client)["blocks_single_copy"] == 0
+
+
+def test_a_move_onto_a_unit_being_refilled_waits_for_its_refill_so_no_row_it_holds_is_called_lost(
+    queue: LocalQueue,
+) -> None:
+    """Unit 2 restarted empty, its refill held; then unit 0 is retired: its own block's copy (other copy on 1) can only
+    go to 2 (the one other unit). A copy written onto 2 below where its refill stands would count as missing there,
+    so a restart of 1 would call its rows lost while 2 holds them: the move waits for 2's refill (the status says so)
+    and goes on once the refill passed the block. Every row the queue calls lost is held by no unit."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    start_refill = queue.controller._start_refill
+    hold = threading.Event()
+    hold.set()
+    queue.controller._start_refill = (  # type: ignore[method-assign]
+        lambda unit, now: False if hold.is_set() else start_refill(unit, now)
+    )
+    assert queue.restart(2)["rows"] == 0
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0) or "refilled" in storage(client)["cannot_rereplicate"].get(0, ""))
+    assert len(client.lost_rows(partition_id="p")) == 2  # 2's own block: its other copy was on 0
+    assert queue.restart(1)["rows"] == 4  # 0's and 1's: 2 got no copy back of either (its refill is held)
+    client.ping()
+    for row in client.lost_rows(partition_id="p"):
+        meta = next(m for m in metas.values() if row["global_index"] in m.global_indexes.tolist())
+        block = int(meta.blocks[0, 0])
+        assert [u for u in (1, 2) if block in queue.units[u].store.blocks] == [], f"block {block} is held"
+    hold.clear()
+    wait_for(lambda: refilled(client) and rereplicated(client, 0))
+    assert len(client.lost_rows(partition_id="p")) == 6
+    for meta in metas.values():
+        with pytest.raises(RowsLost, match=r"\(2 of 2\) of partition_id='p' were lost: storage unit [12] died"):
+            client.get_data(meta)

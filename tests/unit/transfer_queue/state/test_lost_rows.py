@@ -277,3 +277,70 @@ def test_a_retired_unit_s_copies_are_not_moved_onto_a_unit_still_refilling(make_
     q.state.lost.refilled_below[0] = q.state.lost.lost_below[0]  # refilled: 0 is taken again
     move = start_move(q.state, 1, nodes, {1})
     assert not isinstance(move, str) and move.to == {3: 0}
+
+
+def test_a_unit_brought_back_and_retired_again_gets_a_move_of_its_own(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1, then Ray brings
+    it back (restarted) and blocks are put on it again. Its first move is not its move any more (the blocks it reached
+    stay on 1); retired again, a move of its own takes the copies it holds now, the new blocks included."""
+    from transfer_queue.state.lost_rows import plan_move, refill_summary, retire_unit, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=32, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    for _ in range(8):
+        q.put(0, 1)
+    book = q.state.lost
+    q.state.down_units.add(0)
+    retire_unit(q.state, 0)
+    first = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(first, str) and book.move_of(0) is first
+    first.below = first.upto  # done: the copies on 0 are on 1 now
+    assert refill_summary(q.state)["rereplicated"] == {0: {2: 1}}
+
+    q.state.down_units.discard(0)
+    assert q.state.unit_restarted(0)["rows"] == 0  # back after all: every copy it held was moved
+    assert book.move_of(0) is None and refill_summary(q.state)["rereplicated"] == {}
+    book.refilled_below[0] = book.lost_below[0]
+    fresh = [q.put(0, 1) for _ in range(8)]
+    on_0 = sorted(int(m.blocks[0, 0]) for m in fresh if int(m.blocks[0, 0]) % 4 in (0, 2))
+    assert on_0
+
+    q.state.down_units.add(0)
+    retire_unit(q.state, 0)
+    second = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(second, str) and second is not first and book.move_of(0) is second
+    assert second.upto == q.state._next_block * 4 and second.restart == 1
+    assert plan_move(q.state, second).blocks == on_0  # the blocks it took since it came back, not the moved ones
+    assert refill_summary(q.state)["rereplicating"] == [0]
+
+
+def test_a_unit_retired_while_a_restarted_unit_waits_for_it_takes_the_blocks_they_shared_lost(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 down, unit 2 restarted empty (nothing lost: 0 holds
+    the other copies; its refill waits for 0). Then 0 is retired: the blocks 0 and 2 share have no copy left. Their
+    rows are lost now (put on 2's restart, whose ``lost_with`` names 0 so clients tell them lost) and 2's refill has
+    nothing left to copy."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, retire_unit
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    shared = sorted(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % 4 in (0, 2))
+    q.state.down_units.add(0)
+    assert q.state.unit_restarted(2)["rows"] == 0
+    assert {s.source for s in plan_refill(q.state, 2).steps} == {0}
+    book = q.state.lost
+    lost_below = book.lost_below[2]
+
+    result = retire_unit(q.state, 0)
+    assert result == {"units": [2], "rows": 4, "partitions": {0: 4}}
+    assert book.lost_with[2] == [(0, 0, lost_below)] and book.lost_with_moved[2] == [()]
+    assert all_gone(q.state, shared).all()
+    expected = sorted(int(m.global_indexes[0]) for m in metas if int(m.blocks[0, 0]) in shared)
+    assert sorted(r["global_index"] for r in lost(q, 0)) == expected
+    assert {(r["unit"], tuple(r["fields"])) for r in lost(q, 0)} == {(2, ("x",))}
+    assert plan_refill(q.state, 2).steps == []  # nothing to copy back: the refill never claims them
+    assert retire_unit(q.state, 0)["rows"] == 0 and book.lost_with[2] == [(0, 0, lost_below)]  # told again: nothing
