@@ -145,11 +145,17 @@ class RefillBatch:
     writes: dict[int, RefillStep] = field(default_factory=dict)
     failed: str = ""  # why the batch is given up (it is planned again from where the unit's refill stands)
     move: CopiesMoved | None = None
+    blocks: list[int] = field(default_factory=list)  # its blocks, in block id order
+    done: set[int] = field(default_factory=set)  # those written (or needing no copy any more)
 
     def units(self) -> set[int]:
         """The units it reads from and writes to (one going down gives the batch up)."""
         steps = [*self.reads.values(), *self.writes.values()]
         return {step.source for step in steps} | {step.target if self.move else self.unit for step in steps}
+
+    def done_below(self) -> int:
+        """Every block of the batch below this is written (``upto`` once all are): a batch given up keeps them."""
+        return next((block for block in self.blocks if block not in self.done), self.upto)
 
 
 class _ControllerResponder(Responder):
@@ -288,7 +294,8 @@ class ControllerServer(Server):
             self.sockets.unregister(old)
             close_watched(old)
             self._units[unit] = self._connect_unit(unit, endpoint)
-            self._refill = None  # a batch reading from or writing to the old incarnation is never answered
+            if self._refill is not None:  # a batch reading from or writing to the old incarnation is never answered
+                self._give_up(self._refill)
             self._move_plans.pop(unit, None)  # retired again later: a move of its own, planned then
             with self.lock:
                 self._storage[unit] = endpoint
@@ -810,7 +817,8 @@ class ControllerServer(Server):
             if batch.failed:
                 logger.warning("refilling storage unit %d: a batch was given up (%s); trying again", batch.unit,
                                batch.failed)  # fmt: skip
-                self._refill, self._refill_at = None, now + REFILL_RETRY
+                self._give_up(batch)
+                self._refill_at = now + REFILL_RETRY
                 return
             if batch.reads or batch.writes:
                 return
@@ -854,8 +862,19 @@ class ControllerServer(Server):
         self._send_reads(batch, steps)
         return True
 
+    def _give_up(self, batch: RefillBatch) -> None:
+        """Drop ``batch`` (it is planned again from where its refill or move stands), keeping the copies it wrote
+        before its first block not written: they are on their unit (a restart of the unit they were read from must
+        not call them lost; one of the unit written to loses them as any of its blocks)."""
+        self._refill = None
+        if batch.move is not None:
+            self._moved(batch.move, batch.done_below())
+        else:
+            self._refilled(batch.unit, batch.done_below())
+
     def _send_reads(self, batch: RefillBatch, steps: list[RefillStep]) -> None:
         envelope_session = p.PROTOCOL_VERSION, self._session
+        batch.blocks = [step.block for step in steps]
         for step in steps:
             request_id = next(self._ids)
             rows = np.arange(step.num_rows, dtype=np.int64)
@@ -876,6 +895,7 @@ class ControllerServer(Server):
         the serving thread, which also decides every drop and sends it on the same connection after this write: a
         block cleared or dropped before is not written back, one dropped after is dropped there too."""
         if not block_live(self.state, step.uid, step.block):
+            batch.done.add(step.block)  # no copy needed any more
             return
         if header.error_type:
             batch.failed = f"reading block {step.block} from storage unit {step.source}: {header.error_message}"
@@ -896,6 +916,8 @@ class ControllerServer(Server):
         batch.writes[request_id] = step
 
     def _refill_written(self, batch: RefillBatch, step: RefillStep, header: p.ReplyHeader) -> None:
+        if not header.error_type or not block_live(self.state, step.uid, step.block):
+            batch.done.add(step.block)
         if not header.error_type:
             if batch.move is not None:
                 self.state.lost.blocks_rereplicated += 1

@@ -624,9 +624,11 @@ def test_after_a_move_both_units_holding_a_moved_copy_restarted_lose_its_rows_ty
 def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took_and_never_stalls(
     queue: LocalQueue,
 ) -> None:
-    """Unit 0 retired and its copies' move held at its first block: survivor 2 restarted empty meanwhile. The blocks
-    whose other copy was still on retired 0 (unit 2's own) lost both copies: their rows are lost, typed; the refill
-    of 2 does not wait for 0 (which never comes back), the move finishes, and every other row reads."""
+    """Unit 0 retired and its copies' move held at unit 0's first block (the batch's other blocks written): survivor
+    2 restarted empty meanwhile. The blocks whose other copy was still on retired 0 (unit 2's own after the held one:
+    the move had not got past it) lost both copies: their rows are lost, typed; the refill of 2 does not wait for 0
+    (which never comes back), the move finishes, and every other row reads (unit 2's own before the held one too:
+    the batch wrote them to 1, and giving it up keeps them)."""
     client = queue.client
     metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
     before = [client.get_data(m)["x"][0, 0].item() for m in metas]
@@ -634,10 +636,16 @@ def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took
     held, release = hold_refill_reads(queue.controller, first)
     retire(queue, 0)
     assert held.wait(10), "the move never read the block's other copy"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [first]
+
+    wait_for(rest_written)
     assert queue.controller.state.lost.moves[0].below == 0
     result = queue.restart(2)
-    on_2_and_0 = [m for m in metas if int(m.blocks[0, 0]) % UNITS == 2]
-    assert result["rows"] == 2 * len(on_2_and_0) == 4
+    on_2_and_0 = [m for m in metas if int(m.blocks[0, 0]) % UNITS == 2 and int(m.blocks[0, 0]) > first]
+    assert result["rows"] == 2 * len(on_2_and_0) > 0
     release.set()
     wait_for(lambda: refilled(client) and rereplicated(client, 0))
     summary = storage(client)
@@ -804,3 +812,65 @@ def test_a_move_onto_a_unit_being_refilled_waits_for_its_refill_so_no_row_it_hol
     for meta in metas.values():
         with pytest.raises(RowsLost, match=r"\(2 of 2\) of partition_id='p' were lost: storage unit [12] died"):
             client.get_data(meta)
+
+
+def test_a_move_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_source_loses_only_the_rest(
+    queue: LocalQueue,
+) -> None:
+    """Unit 0 retired: its copies' move reads from 1 and 2 in one batch; the last block's read (from 2) is held, every
+    other copy is written. Unit 2 then dies (the batch is given up) and is restarted empty: the copies the batch wrote
+    stay counted where they were written (unit 2's first block is on 2 and 1 now, 1 holds it), so only the held
+    block, whose other copy was on retired 0 alone, is lost."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
+    held_block = max(b for b in before if b % UNITS == 2)
+    held, _release = hold_refill_reads(queue.controller, held_block)
+    retire(queue, 0)
+    assert held.wait(10), "the move never read the held block"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [held_block]
+
+    wait_for(rest_written)
+    queue.units[2].stop()
+    wait_for(lambda: queue.controller._refill is None)  # given up: its unit 2 went down
+    assert queue.restart(2)["rows"] == 2  # the held block's rows only
+    client.ping()
+    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
+    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
+    for meta in metas:
+        block = int(meta.blocks[0, 0])
+        if block != held_block:
+            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]
+
+
+def test_a_refill_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_source_loses_only_the_rest(
+    queue: LocalQueue,
+) -> None:
+    """The same for a refill: unit 1 restarted, its refill's last block held (its other blocks written back onto 1),
+    then the unit the held block is read from is restarted empty (the batch is given up): only the held block is
+    lost, not its sibling the batch wrote back (1 holds it, and giving the batch up keeps it)."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
+    held_block = max(b for b in before if b % UNITS in (0, 1))  # a copy on 1
+    source = 2 if held_block % UNITS == 1 else 0  # where the other copy is
+    held, _release = hold_refill_reads(queue.controller, held_block)
+    assert queue.restart(1)["rows"] == 0
+    assert held.wait(10), "the refill never read the held block"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [held_block]
+
+    wait_for(rest_written)
+    assert queue.restart(source)["rows"] == 2  # the batch is given up; the held block's rows only are lost
+    client.ping()
+    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
+    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
+    for meta in metas:
+        block = int(meta.blocks[0, 0])
+        if block != held_block:
+            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]
