@@ -80,6 +80,13 @@ def _partition(global_step: int | None, partition_id: str | None, metadata: Batc
     return key
 
 
+def _told(restart: p.UnitRestart) -> tuple[int, int, int]:
+    """How far what a controller says of a unit's restart has gone: a later restart, more refilled, or (replicas=2)
+    more blocks lost with it (``lost_with`` grows when a unit holding their other copies is retired before the refill
+    got them back)."""
+    return restart.restarts, restart.refilled_below, len(restart.lost_with)
+
+
 def _kv_partition(partition_id: str) -> str:
     if not isinstance(partition_id, str) or not partition_id:
         raise InvalidRequest(f"a kv partition_id must be a non-empty str, got {partition_id!r}")
@@ -218,7 +225,7 @@ class QueueChannel:
         ``refilled_below`` (replicas=2: copied back since)."""
         for unit, restart in restarted.items():
             known = self._restarted.get(unit)
-            newer = known is None or (restart.restarts, restart.refilled_below) > (known.restarts, known.refilled_below)
+            newer = known is None or _told(restart) > _told(known)
             if 0 <= unit < len(self._unit_endpoints) and newer:
                 self._restarted[unit] = restart
                 self._unit_endpoints[unit] = restart.endpoint
@@ -248,18 +255,27 @@ class QueueChannel:
 
     def _rows_lost(self, meta: BatchMeta, units: np.ndarray) -> RowsLost | None:
         """The error for a read of ``meta`` if some of its cells were on a storage unit that restarted empty (with
-        replicas=2: if both copies of them were gone, now or when the second of their units restarted)."""
-        gone = self._missing(meta.blocks, meta.blocks % len(self._unit_endpoints))
+        replicas=2: if both copies of them were gone, now or when the second of the units holding them then
+        restarted; a retired unit's copies held where they were moved). ``units``: the unit each cell is read from;
+        a lost cell is put on that unit's restart, else on the restart that lost its last copy."""
+        num_units = len(self._unit_endpoints)
+        if self._replica_of is None:
+            gone = self._missing(meta.blocks, meta.blocks % num_units)
+        else:
+            first, second = current_holders(meta.blocks, num_units, self._replica_of, self._moved)
+            gone = self._missing(meta.blocks, first) & self._missing(meta.blocks, second)
+        took = {unit: np.zeros(np.shape(gone), dtype=bool) for unit in self._restarted}
         if self._replica_of is not None:
-            primary = meta.blocks % len(self._unit_endpoints)
-            replica = np.asarray(self._replica_of, dtype=np.int64)[primary]
-            gone &= self._missing(meta.blocks, replica)
-            for unit, restart in self._restarted.items():  # lost then, whatever was copied back since
-                for partner, lo, hi in restart.lost_with:
-                    pair = ((primary == unit) & (replica == partner)) | ((primary == partner) & (replica == unit))
-                    gone |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
+            for unit, restart in self._restarted.items():  # lost then, whatever was copied back or moved since
+                for i, (partner, lo, hi) in enumerate(restart.lost_with):
+                    moves = self._moved_then(restart, i, unit, partner)
+                    one, other = current_holders(meta.blocks, num_units, self._replica_of, moves)  # as held then
+                    pair = ((one == unit) & (other == partner)) | ((one == partner) & (other == unit))
+                    took[unit] |= pair & (meta.blocks >= lo) & (meta.blocks < hi)
+                    gone |= took[unit]
+        read_from_restarted = np.isin(units, list(self._restarted))
         for unit, restart in sorted(self._restarted.items()):
-            lost = (units == unit) & (meta.blocks >= 0) & gone
+            lost = ((units == unit) | (took[unit] & ~read_from_restarted)) & (meta.blocks >= 0) & gone
             if lost.any():
                 rows = np.unique(meta.global_indexes[lost.any(axis=1)])
                 fields = [name for j, name in enumerate(meta.field_names) if lost[:, j].any()]
@@ -270,6 +286,19 @@ class QueueChannel:
                     "(client.lost_rows lists them)"
                 )
         return None
+
+    def _moved_then(self, restart: p.UnitRestart, entry: int, unit: int, partner: int) -> list[p.UnitMove]:
+        """The moves as they stood when ``restart`` of ``unit`` lost its ``lost_with[entry]`` pair with ``partner``
+        (each only as far as it had gone; those started since left out), those of a unit brought back after its
+        move included (the blocks moved off it were not on it then). A controller that does not say how they stood:
+        those of other units as they stand now (a move of either unit of the pair may have gone on since)."""
+        if entry >= len(restart.lost_with_moved):
+            return [move for move in self._moved if move.unit not in (unit, partner)]
+        belows = restart.lost_with_moved[entry]
+        return [
+            msgspec.structs.replace(move, below=min(move.below, below))
+            for move, below in zip(self._moved, belows, strict=False)
+        ]
 
     async def _control(self, body: Any, reply_type: Any, timeout: float) -> Any:
         """One request to the controller. With ``restart_retry_s`` (QueueConfig), one that failed with ServerGone is

@@ -47,6 +47,7 @@ from transfer_queue.state.lost_rows import (
     missing_on,
     plan_move,
     plan_refill,
+    retire_unit,
     start_move,
     still_needed,
 )
@@ -144,11 +145,17 @@ class RefillBatch:
     writes: dict[int, RefillStep] = field(default_factory=dict)
     failed: str = ""  # why the batch is given up (it is planned again from where the unit's refill stands)
     move: CopiesMoved | None = None
+    blocks: list[int] = field(default_factory=list)  # its blocks, in block id order
+    done: set[int] = field(default_factory=set)  # those written (or needing no copy any more)
 
     def units(self) -> set[int]:
         """The units it reads from and writes to (one going down gives the batch up)."""
         steps = [*self.reads.values(), *self.writes.values()]
         return {step.source for step in steps} | {step.target if self.move else self.unit for step in steps}
+
+    def done_below(self) -> int:
+        """Every block of the batch below this is written (``upto`` once all are): a batch given up keeps them."""
+        return next((block for block in self.blocks if block not in self.done), self.upto)
 
 
 class _ControllerResponder(Responder):
@@ -227,8 +234,10 @@ class ControllerServer(Server):
                     restarts,
                     book.refilled_below.get(unit, 0),
                     lost_with=tuple(book.lost_with.get(unit, ())),
+                    lost_with_moved=tuple(book.lost_with_moved.get(unit, ())),
                 )
         self._restarts_due: list[tuple[int, p.Endpoint, threading.Event, dict[str, Any]]] = []
+        self._retires_due: set[int] = set()  # units marked down for good, retired by the serving thread (rows lost)
         # Why each down unit is down (what clients are told); units in _dead never come back (Ray says the actor or
         # its node died), the others are up again when the connection is back.
         self.down_reasons: dict[int, str] = {}
@@ -285,10 +294,13 @@ class ControllerServer(Server):
             self.sockets.unregister(old)
             close_watched(old)
             self._units[unit] = self._connect_unit(unit, endpoint)
-            self._refill = None  # a batch reading from or writing to the old incarnation is never answered
+            if self._refill is not None:  # a batch reading from or writing to the old incarnation is never answered
+                self._give_up(self._refill)
+            self._move_plans.pop(unit, None)  # retired again later: a move of its own, planned then
             with self.lock:
                 self._storage[unit] = endpoint
                 self._dead.discard(unit)
+                self._retires_due.discard(unit)
                 self.down_reasons.pop(unit, None)
                 self.state.down_units.discard(unit)
                 self._marked = self._counters = True  # its rows lost (marked) and the state's lost rows
@@ -301,6 +313,7 @@ class ControllerServer(Server):
                     int(result.get("lost_below", 0)),
                     int(result.get("restarts", 0)),
                     lost_with=tuple(result.get("lost_with", ())),
+                    lost_with_moved=tuple(result.get("lost_with_moved", ())),
                 )
                 self._flush_outbox()
             logger.warning(
@@ -308,6 +321,34 @@ class ControllerServer(Server):
                 unit, endpoint.tcp, result.get("rows"), result.get("partitions"),
             )  # fmt: skip
             done.set()
+
+    def _apply_retirements(self) -> None:
+        """The units marked down for good since: retired (``lost_rows.retire_unit``): the rows whose last copy was on
+        one are lost, and the restarts that took their other copy tell clients so (``lost_with``)."""
+        with self.lock:
+            due, self._retires_due = sorted(self._retires_due), set()
+            book = self.state.lost
+            for unit in due:
+                if unit not in self._dead:  # brought back meanwhile
+                    continue
+                result = retire_unit(self.state, unit)
+                self._counters = True  # the units' book changed: the next record holds it (journal_dir)
+                self._marked = self._marked or bool(result["rows"])
+                for other in result["units"]:
+                    restart = self.restarted_units.get(other)
+                    if restart is not None:
+                        self.restarted_units[other] = msgspec.structs.replace(
+                            restart,
+                            lost_with=tuple(book.lost_with.get(other, ())),
+                            lost_with_moved=tuple(book.lost_with_moved.get(other, ())),
+                        )
+                if result["rows"]:
+                    logger.warning(
+                        "storage unit %d is lost for good; %d rows whose other copy was gone already (units %s "
+                        "restarted and not refilled yet) are lost (%s)",
+                        unit, result["rows"], result["units"], result["partitions"],
+                    )  # fmt: skip
+            self._flush_outbox()
 
     # ---- the loop's hooks (transfer_queue.wire.server.Server) -------------------------------------------------------
     def next_wakeup(self) -> float:
@@ -321,6 +362,8 @@ class ControllerServer(Server):
     def periodic(self, events: dict[Any, int]) -> None:
         if self._restarts_due:
             self._guard("storage restarts", self._apply_restarts)
+        if self._retires_due:
+            self._guard("storage retirements", self._apply_retirements)
         if time.monotonic() >= self.state.next_deadline:
             self._guard("tick", self._tick)
         self._guard("storage messages", self._flush_outbox)
@@ -700,6 +743,7 @@ class ControllerServer(Server):
                 return
             if final:
                 self._dead.add(unit)
+                self._retires_due.add(unit)  # its copies a move has not reached are gone for good (serving thread)
             if self.down_reasons.get(unit) != down and (final or unit not in self._dead):
                 logger.warning(
                     "storage unit %d (%s) is down: %s; new puts go to the others", unit, self._storage[unit].tcp, down
@@ -773,7 +817,8 @@ class ControllerServer(Server):
             if batch.failed:
                 logger.warning("refilling storage unit %d: a batch was given up (%s); trying again", batch.unit,
                                batch.failed)  # fmt: skip
-                self._refill, self._refill_at = None, now + REFILL_RETRY
+                self._give_up(batch)
+                self._refill_at = now + REFILL_RETRY
                 return
             if batch.reads or batch.writes:
                 return
@@ -787,7 +832,7 @@ class ControllerServer(Server):
         for unit in self.state.lost.refilling():
             if unit not in self.state.down_units and self._start_refill(unit, now):
                 return
-        for unit in sorted(self._dead):  # no refill to send: move the copies of the retired units
+        for unit in sorted(self._dead - self._retires_due):  # no refill to send: move the retired units' copies
             if self._start_move(unit, now):
                 return
         self._refill_at = now + REFILL_RETRY  # nothing to send now: every refill waits for a down unit
@@ -817,8 +862,19 @@ class ControllerServer(Server):
         self._send_reads(batch, steps)
         return True
 
+    def _give_up(self, batch: RefillBatch) -> None:
+        """Drop ``batch`` (it is planned again from where its refill or move stands), keeping the copies it wrote
+        before its first block not written: they are on their unit (a restart of the unit they were read from must
+        not call them lost; one of the unit written to loses them as any of its blocks)."""
+        self._refill = None
+        if batch.move is not None:
+            self._moved(batch.move, batch.done_below())
+        else:
+            self._refilled(batch.unit, batch.done_below())
+
     def _send_reads(self, batch: RefillBatch, steps: list[RefillStep]) -> None:
         envelope_session = p.PROTOCOL_VERSION, self._session
+        batch.blocks = [step.block for step in steps]
         for step in steps:
             request_id = next(self._ids)
             rows = np.arange(step.num_rows, dtype=np.int64)
@@ -839,6 +895,7 @@ class ControllerServer(Server):
         the serving thread, which also decides every drop and sends it on the same connection after this write: a
         block cleared or dropped before is not written back, one dropped after is dropped there too."""
         if not block_live(self.state, step.uid, step.block):
+            batch.done.add(step.block)  # no copy needed any more
             return
         if header.error_type:
             batch.failed = f"reading block {step.block} from storage unit {step.source}: {header.error_message}"
@@ -859,6 +916,8 @@ class ControllerServer(Server):
         batch.writes[request_id] = step
 
     def _refill_written(self, batch: RefillBatch, step: RefillStep, header: p.ReplyHeader) -> None:
+        if not header.error_type or not block_live(self.state, step.uid, step.block):
+            batch.done.add(step.block)
         if not header.error_type:
             if batch.move is not None:
                 self.state.lost.blocks_rereplicated += 1
@@ -900,6 +959,12 @@ class ControllerServer(Server):
             down = sorted({step.source, step.target} & self.state.down_units)
             if down:
                 book.cannot_rereplicate[unit] = f"storage unit {down[0]} is down (waiting for it)"
+            elif book.refilled_below.get(step.target, 0) <= step.block < book.lost_below.get(step.target, 0):
+                # a copy written there now would count as missing (missing_on) until the refill passes the block
+                book.cannot_rereplicate[unit] = (
+                    f"storage unit {step.target} is not refilled up to block {step.block} yet (waiting for it)"
+                )
+                return True
             return bool(down)
 
         # skipped: cleared or dropped, or its other copy is gone for good too: nothing to copy

@@ -64,12 +64,15 @@ class LostRecord:
 @dataclass
 class CopiesMoved:
     """Retired unit ``unit``'s copies being moved: the blocks below ``upto`` (every block handed out when it was
-    retired) that had a copy on it, per unit ``s`` holding the other copy onto unit ``to[s]``; done below ``below``."""
+    retired) that had a copy on it, per unit ``s`` holding the other copy onto unit ``to[s]``; done below ``below``.
+    ``restart``: the unit's restart count then (a unit Ray brings back and that is retired again has the copies it
+    took since moved by a move of their own: :meth:`LostRowBook.move_of`)."""
 
     unit: int
     to: dict[int, int]
     upto: int
     below: int = 0
+    restart: int = 0
 
     @property
     def done(self) -> bool:
@@ -90,13 +93,21 @@ class LostRowBook:
     refill_waiting: dict[int, int] = field(default_factory=dict)  # unit -> the down unit its refill waits for
     # unit -> (partner, lo, hi) per restart: the blocks it shares with partner in [lo, hi) lost both copies then
     lost_with: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # per lost_with entry: each move's ``below`` then (in the order of ``moves``; those started since not listed)
+    lost_with_moved: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
     # replicas=2: the retired units whose copies were moved onto others, in the order they were retired
     moves: list[CopiesMoved] = field(default_factory=list)
     blocks_rereplicated: int = 0  # blocks copied onto another unit for a retired one since the queue started
     cannot_rereplicate: dict[int, str] = field(default_factory=dict)  # retired unit -> why its copies are not moved
+    # the units down for good (Ray said it will not restart them; a unit it brings back after all leaves it: its
+    # copies a move reached stay where they were moved, the others are refilled like any restarted unit's)
+    retired: set[int] = field(default_factory=set)
 
     def move_of(self, unit: int) -> CopiesMoved | None:
-        return next((move for move in self.moves if move.unit == unit), None)
+        """The move of ``unit``'s copies since it was retired last (None: none since its last restart; a move of an
+        earlier retirement stays in ``moves``: the blocks it reached are where it moved them)."""
+        restart = self.restarts.get(unit, 0)
+        return next((move for move in self.moves if move.unit == unit and move.restart == restart), None)
 
     def refilling(self) -> list[int]:
         """The units that lost blocks not all copied back yet."""
@@ -119,12 +130,12 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     book: LostRowBook = state.lost
     units = state.config.num_storage_units
     floor = state._next_block * units  # every block of this unit handed out so far is gone
-    replica_of = state.ledger.replica_of
-    if replica_of is not None:  # the partners' blocks not copied back yet lose their other copy now
-        for partner in sorted({replica_of[unit], *(u for u, r in enumerate(replica_of) if r == unit)} - {unit}):
-            lo, hi = book.refilled_below.get(partner, 0), book.lost_below.get(partner, 0)
-            if lo < hi:
-                book.lost_with.setdefault(unit, []).append((partner, lo, hi))
+    book.retired.discard(unit)  # back after all (Ray restarted it elsewhere): no longer down for good
+    if state.ledger.replica_of is not None:  # the blocks it shares now whose other copy is gone lose both now
+        pairs = _lost_with(state, unit, floor)
+        book.lost_with.setdefault(unit, []).extend(pairs)
+        then = tuple(move.below for move in book.moves)
+        book.lost_with_moved.setdefault(unit, []).extend(then for _ in pairs)
     book.lost_below[unit] = floor
     book.refilled_below[unit] = 0
     book.refill_waiting.pop(unit, None)
@@ -132,6 +143,46 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
     for put in list(state.open_puts.values()):  # a put that wrote (or would write) there can never commit whole
         if len(put.blocks) and np.any(copy_on(state, put.blocks, unit)):
             state.ledger.abort(put.put_id)
+    lost_per_partition = _lose_rows(state, unit, restart)
+    return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
+            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, [])),
+            "lost_with_moved": list(book.lost_with_moved.get(unit, []))}  # fmt: skip
+
+
+def retire_unit(state: QueueState, unit: int) -> dict[str, Any]:
+    """Storage unit ``unit`` is down for good (Ray will not restart it): its copies a move has not reached are gone
+    for good (``LostRowBook.retired``, :func:`all_gone`). With replicas=2, a block whose other copy was gone already
+    (on a unit restarted and not refilled yet) has no copy left now: its rows are lost, put on that unit's restart,
+    whose ``lost_with`` names ``unit`` from now on (so clients tell them lost: the pair held them then), and its
+    refill passes them by (it never claims a copy it did not get back).
+
+    Returns ``{"units", "rows", "partitions"}``: the restarted units whose ``lost_with`` grew, the rows lost in all
+    and per partition."""
+    book: LostRowBook = state.lost
+    lost_per_partition: dict[Any, int] = {}
+    grown: list[int] = []
+    if unit in book.retired:  # told again
+        return {"units": grown, "rows": 0, "partitions": lost_per_partition}
+    book.retired.add(unit)
+    if state.ledger.replica_of is not None:
+        then = tuple(move.below for move in book.moves)
+        for other in book.refilling():
+            if other == unit or other in book.retired:
+                continue
+            lo, hi = book.refilled_below.get(other, 0), book.lost_below[other]
+            book.lost_with.setdefault(other, []).append((unit, lo, hi))
+            book.lost_with_moved.setdefault(other, []).append(then)
+            grown.append(other)
+            for key, rows in _lose_rows(state, other, book.restarts.get(other, 0)).items():
+                lost_per_partition[key] = lost_per_partition.get(key, 0) + rows
+    return {"units": grown, "rows": sum(lost_per_partition.values()), "partitions": lost_per_partition}
+
+
+def _lose_rows(state: QueueState, unit: int, restart: int) -> dict[Any, int]:
+    """Mark lost the committed rows with a field whose last copy was on ``unit`` (with replicas=2: each of its copies
+    is gone), with the rest of their GRPO groups, as taken by ``unit``'s restart ``restart``; puts into them are
+    aborted and their blocks forgotten. Returns the rows lost per partition."""
+    book: LostRowBook = state.lost
     lost_per_partition: dict[Any, int] = {}
     for part in list(state.partitions.values()):
         rows, fields_of = _rows_on_unit(state, part, unit)
@@ -156,8 +207,28 @@ def lose_unit(state: QueueState, unit: int) -> dict[str, Any]:
         state._retry_getters(part.key)
     book.forget_cleared({part.uid for part in state.partitions.values()})
     state._retry_putters()
-    return {"lost_below": floor, "restarts": restart, "rows": sum(lost_per_partition.values()),
-            "partitions": lost_per_partition, "lost_with": list(book.lost_with.get(unit, []))}  # fmt: skip
+    return lost_per_partition
+
+
+def _lost_with(state: QueueState, unit: int, floor: int) -> list[tuple[int, int, int]]:
+    """replicas=2, ``unit`` restarting empty: per unit ``u`` that could share blocks with it (with the copies held
+    now, :func:`holders_now`), ``(u, lo, hi)``: the blocks the two hold in ``[lo, hi)`` lost both copies now. A unit
+    restarted and not refilled yet: the blocks it has not got back; a retired unit: those whose copy its move has not
+    reached (``below``; a unit retired without a move, every block). A client tells which blocks the two held then by
+    the holders with the moves of neither of them (later moves of other units do not change them)."""
+    book = state.lost
+    retired = book.retired
+    out = []
+    for other in range(state.config.num_storage_units):
+        lo, hi = book.refilled_below.get(other, 0), book.lost_below.get(other, 0)
+        if other == unit:
+            continue
+        if other in retired:
+            move = book.move_of(other)
+            lo, hi = (0, floor) if move is None else (move.below, move.upto)
+        if lo < hi:
+            out.append((other, lo, hi))
+    return out
 
 
 def copy_on(state: QueueState, blocks: np.ndarray, unit: int) -> np.ndarray:
@@ -184,12 +255,15 @@ def missing_on(state: QueueState, blocks: np.ndarray, units: np.ndarray) -> np.n
 
 def all_gone(state: QueueState, blocks: np.ndarray | list[int]) -> np.ndarray:
     """Per block id (>= 0), whether every copy of it is gone: each unit holding one now (:func:`holders_now`) lost it
-    (:func:`missing_on`)."""
+    (:func:`missing_on`) or is retired (a copy a move has not reached yet: gone for good)."""
     blocks = np.asarray(blocks, dtype=np.int64)
     if state.ledger.replica_of is None:
         return missing_on(state, blocks, blocks % state.config.num_storage_units)
     first, second = holders_now(state, blocks)
-    return missing_on(state, blocks, first) & missing_on(state, blocks, second)
+    retired = np.fromiter(state.lost.retired, dtype=np.int64)  # their copies not moved yet are gone for good
+    return (missing_on(state, blocks, first) | np.isin(first, retired)) & (
+        missing_on(state, blocks, second) | np.isin(second, retired)
+    )
 
 
 @dataclass
@@ -293,7 +367,9 @@ def holders_now(
 def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[int]) -> CopiesMoved | str:
     """replicas=2: retired unit ``unit``'s copies are to be moved: record where (a :class:`CopiesMoved`, from block 0
     up to every block handed out so far), or say why not now (a str, also kept for the status: a unit holding the
-    other copies is down, or there is no unit to copy to). ``retired``: the units down for good."""
+    other copies is down, or there is no unit to copy to). ``retired``: the units down for good; ``unit`` is marked
+    so too. A unit still being refilled takes them only when no other can: a copy written there counts as missing
+    (:func:`missing_on`) until its refill passes the block, so the controller's move waits for that first."""
     book = state.lost
     units = state.config.num_storage_units
     up = [u for u in range(units) if u not in retired and u not in state.down_units and u != unit]
@@ -315,14 +391,17 @@ def start_move(state: QueueState, unit: int, node_ids: list[str], retired: set[i
     targets = (
         f"storage unit {waiting[0]}, which holds the other copies, is down"
         if waiting
-        else move_targets(unit, survivors, node_ids, state.down_units | retired)
+        else move_targets(unit, survivors, node_ids, state.down_units | retired | set(book.refilling()))
     )
+    if isinstance(targets, str) and not waiting:  # only a unit still refilling can take them: it does (see above)
+        targets = move_targets(unit, survivors, node_ids, state.down_units | retired)
     if isinstance(targets, str):
         book.cannot_rereplicate[unit] = targets
         return targets
     book.cannot_rereplicate.pop(unit, None)
-    move = CopiesMoved(unit, targets, state._next_block * units)
+    move = CopiesMoved(unit, targets, state._next_block * units, restart=book.restarts.get(unit, 0))
     book.moves.append(move)
+    book.retired.add(unit)  # its copies the move has not reached are gone for good
     return move
 
 
@@ -385,12 +464,13 @@ def refill_summary(state: QueueState) -> dict[str, Any]:
     copy: unit it was moved to}), those whose copies cannot be moved and why (``cannot_rereplicate``), and the blocks
     moved since the queue started (``blocks_rereplicated``)."""
     book: LostRowBook = state.lost
+    moves = [move for unit in sorted(book.retired) if (move := book.move_of(unit)) is not None]
     return {
         "refilling": book.refilling(),
         "refill_waiting": dict(book.refill_waiting),
         "blocks_refilled": book.blocks_refilled,
-        "rereplicating": sorted(move.unit for move in book.moves if not move.done),
-        "rereplicated": {move.unit: dict(move.to) for move in book.moves if move.done},
+        "rereplicating": [move.unit for move in moves if not move.done],
+        "rereplicated": {move.unit: dict(move.to) for move in moves if move.done},
         "cannot_rereplicate": dict(book.cannot_rereplicate),
         "blocks_rereplicated": book.blocks_rereplicated,
     }

@@ -120,9 +120,11 @@ def units_book(state: QueueState) -> dict[str, Any]:
         "refilled_below": dict(book.refilled_below),
         "blocks_refilled": book.blocks_refilled,
         "lost_with": {u: [list(t) for t in ranges] for u, ranges in book.lost_with.items()},
+        "lost_with_moved": {u: [list(t) for t in belows] for u, belows in book.lost_with_moved.items()},
         # replicas=2: the retired units' copies moved onto others (where, how far), in the order they were retired
-        "moves": [[m.unit, dict(m.to), m.upto, m.below] for m in book.moves],
+        "moves": [[m.unit, dict(m.to), m.upto, m.below, m.restart] for m in book.moves],
         "blocks_rereplicated": book.blocks_rereplicated,
+        "retired": sorted(book.retired),
     }
 
 
@@ -136,11 +138,16 @@ def restore_units_book(state: QueueState, units: dict[str, Any] | None) -> None:
     book.refilled_below = {int(u): int(n) for u, n in units["refilled_below"].items()}
     book.blocks_refilled = int(units["blocks_refilled"])
     book.lost_with = {int(u): [(int(a), int(b), int(c)) for a, b, c in r] for u, r in units["lost_with"].items()}
-    book.moves = [
-        CopiesMoved(int(u), {int(s): int(t) for s, t in to.items()}, int(upto), int(below))
-        for u, to, upto, below in units.get("moves", ())
-    ]
+    book.lost_with_moved = {  # a journal written before: none (a client takes the moves as they stand)
+        int(u): [tuple(int(b) for b in t) for t in r] for u, r in units.get("lost_with_moved", {}).items()
+    }
+    book.moves = []
+    for u, to, upto, below, *restart in units.get("moves", ()):
+        # a journal written before a move kept its unit's restart count: the count now (its unit's move)
+        count = int(restart[0]) if restart else book.restarts.get(int(u), 0)
+        book.moves.append(CopiesMoved(int(u), {int(s): int(t) for s, t in to.items()}, int(upto), int(below), count))
     book.blocks_rereplicated = int(units.get("blocks_rereplicated", 0))
+    book.retired = {int(u) for u in units.get("retired", ())}
     state.ledger.moved_to = {t for move in book.moves for t in move.to.values()}
 
 

@@ -99,9 +99,13 @@ class UnitRestart(msgspec.Struct, array_like=True, frozen=True):
     lost_below: int
     restarts: int
     refilled_below: int = 0
-    # replicas=2: (unit, lo, hi) per unit sharing blocks with this one that had not got back every copy it lost when
-    # this one restarted: the blocks the two share in [lo, hi) had both copies gone (lost), whatever refills since
+    # replicas=2: (unit, lo, hi) per unit that had not got back every copy it lost when this one restarted, or was
+    # retired with copies its move had not reached (then, or later while this one had not got [lo, hi) back): the
+    # blocks the two held then in [lo, hi) had both copies gone (lost), whatever refills or moves since
     lost_with: tuple[tuple[int, int, int], ...] = ()
+    # per lost_with entry, how far each move had gone then (``below``, in the order of the moves; a move started since
+    # is not listed): the two held a block then as the moves stood then, not as they stand now
+    lost_with_moved: tuple[tuple[int, ...], ...] = ()
 
 
 class UnitMove(msgspec.Struct, array_like=True, frozen=True):

@@ -1231,6 +1231,21 @@ def test_a_retired_unit_s_moved_copies_survive_a_restart_of_the_controller(tmp_p
     try:
         assert resumed
         assert replayed.lost.moves == [move] and move.to == {1: 2, 2: 1}
+        assert replayed.lost.move_of(0) == move and replayed.lost.retired == {0}
         assert replayed.lost.blocks_rereplicated == 2 and replayed.ledger.moved_to == {1, 2}
     finally:
         again.close()
+
+
+def test_a_journal_of_moves_without_their_unit_s_restart_count_is_read_as_of_now() -> None:
+    """A units' book journaled before a move kept its unit's restart count (four fields): the move is the unit's move
+    as it stands (its restart count now)."""
+    from transfer_queue.state.lost_rows import CopiesMoved
+    from transfer_queue.state.snapshot import restore_units_book, units_book
+
+    state = QueueState(QueueConfig(global_batch_size=4, num_storage_units=3, replicas=2))
+    state.lost.restarts[0] = 2
+    book = units_book(state)
+    book["moves"] = [[0, {1: 2, 2: 1}, 6, 3]]
+    restore_units_book(state, book)
+    assert state.lost.moves == [CopiesMoved(0, {1: 2, 2: 1}, 6, 3, restart=2)] and state.lost.move_of(0) is not None

@@ -596,3 +596,281 @@ def test_with_two_units_a_retired_unit_s_copies_cannot_move_and_the_status_says_
         assert [local.client.get_data(m)["x"][0, 0].item() for m in metas] == [0.0, 1.0, 2.0, 3.0]
     finally:
         stop_queue(local)
+
+
+def test_after_a_move_both_units_holding_a_moved_copy_restarted_lose_its_rows_typed(queue: LocalQueue) -> None:
+    """Unit 0 retired, its copies moved (every block on 1 and 2 now). Units 1 and 2 both restarted empty before a
+    refill: every row put before is lost, moved ones included, and a read of them raises RowsLost (as without a move:
+    the client tells the pair by where the copies were then); a row put between the two restarts still reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    queue.controller._start_refill = lambda unit, now: False  # type: ignore[method-assign]  # no refill runs
+    queue.restart(1)
+    fresh = client.put({"x": torch.full((2, 4), 7.0)}, partition_id="p")  # on 1 and 2 after 1 restarted
+    assert queue.restart(2)["rows"] == 6
+    client.ping()
+    for meta in metas.values():
+        lost = meta.global_indexes.tolist()
+        match = re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit ")
+        with pytest.raises(RowsLost, match=match + r"[12] died and was restarted empty \(restart 1\)"):
+            client.get_data(meta)
+    assert client.get_data(fresh)["x"][:, 0].tolist() == [7.0, 7.0]
+    expected = sorted(i for meta in metas.values() for i in meta.global_indexes.tolist())
+    assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected
+
+
+def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took_and_never_stalls(
+    queue: LocalQueue,
+) -> None:
+    """Unit 0 retired and its copies' move held at unit 0's first block (the batch's other blocks written): survivor
+    2 restarted empty meanwhile. The blocks whose other copy was still on retired 0 (unit 2's own after the held one:
+    the move had not got past it) lost both copies: their rows are lost, typed; the refill of 2 does not wait for 0
+    (which never comes back), the move finishes, and every other row reads (unit 2's own before the held one too:
+    the batch wrote them to 1, and giving it up keeps them)."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = [client.get_data(m)["x"][0, 0].item() for m in metas]
+    first = min(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % UNITS == 0)  # moved first (from 1)
+    held, release = hold_refill_reads(queue.controller, first)
+    retire(queue, 0)
+    assert held.wait(10), "the move never read the block's other copy"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [first]
+
+    wait_for(rest_written)
+    assert queue.controller.state.lost.moves[0].below == 0
+    result = queue.restart(2)
+    on_2_and_0 = [m for m in metas if int(m.blocks[0, 0]) % UNITS == 2 and int(m.blocks[0, 0]) > first]
+    assert result["rows"] == 2 * len(on_2_and_0) > 0
+    release.set()
+    wait_for(lambda: refilled(client) and rereplicated(client, 0))
+    summary = storage(client)
+    assert summary["refill_waiting"] == {} and summary["blocks_single_copy"] == 0
+    for meta in on_2_and_0:
+        lost = meta.global_indexes.tolist()
+        match = re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit 2 died and was restarted")
+        with pytest.raises(RowsLost, match=match):
+            client.get_data(meta)
+    kept = [i for i, m in enumerate(metas) if m not in on_2_and_0]
+    assert [client.get_data(metas[i])["x"][0, 0].item() for i in kept] == [before[i] for i in kept]
+    expected = sorted(i for meta in on_2_and_0 for i in meta.global_indexes.tolist())
+    assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected
+
+
+def test_a_retired_unit_ray_brings_back_after_its_move_is_no_longer_retired(queue: LocalQueue) -> None:
+    """Unit 1 retired and its copies moved; then Ray brings it back after all (restarted elsewhere, empty). A block
+    put since on 0 has its other copy on 1: when 0 restarts, that copy lives (1 is not retired any more), so nothing
+    is lost and every row, moved or new, reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    retire(queue, 1)
+    wait_for(lambda: rereplicated(client, 1))
+    assert queue.restart(1)["rows"] == 0  # every copy it held was moved
+    wait_for(lambda: refilled(client))
+    fresh = put_on_each_unit(client, first=10.0)  # 0's has its other copy on 1 again
+    fresh_before = values(client, fresh)
+    assert queue.restart(0)["rows"] == 0
+    client.ping()
+    assert values(client, metas) == before and values(client, fresh) == fresh_before
+    assert client.lost_rows(partition_id="p") == []
+
+
+def test_a_move_made_after_a_restart_does_not_make_a_block_look_lost_with_that_restart(queue: LocalQueue) -> None:
+    """Unit 1 restarted, its refill waiting for unit 2 (down), then unit 2 restarted: unit 1's own block (copies on 1
+    and 2) lost both copies. The refills finish, then unit 0 is retired and its copies moved (0's own block to 2, 2's
+    to 1): both are on 1 and 2 now, the pair unit 2's restart lost blocks with, but they were not on that pair then
+    (the moves as they stood at the restart): they read."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    queue.controller.mark_unit(2, "held down by the test")  # 1's refill waits for 2 (its own block's other copy)
+    assert queue.restart(1)["rows"] == 0
+    result = queue.restart(2)
+    assert result["rows"] == 2 and [partner for partner, _, _ in result["lost_with"]] == [1]
+    wait_for(lambda: refilled(client))
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    assert storage(client)["rereplicated"] == {0: {1: 2, 2: 1}}
+    client.ping()
+    assert values(client, {0: metas[0], 2: metas[2]}) == {0: before[0], 2: before[2]}
+    lost = metas[1].global_indexes.tolist()
+    with pytest.raises(RowsLost, match=re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit ")):
+        client.get_data(metas[1])
+
+
+def test_a_unit_brought_back_after_its_move_does_not_make_the_blocks_moved_off_it_look_lost(queue: LocalQueue) -> None:
+    """Unit 0 retired and its copies moved (every block on 1 and 2 now); unit 2 restarted empty, its refill not run:
+    1 holds every block. Then Ray brings 0 back: its restart names 2 (not refilled) in ``lost_with``, but the block 0
+    and 2 shared is on 1 and 2 since the move (as it stood at that restart): nothing is lost and every row reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    queue.controller._start_refill = lambda unit, now: False  # type: ignore[method-assign]  # no refill runs
+    assert queue.restart(2)["rows"] == 0
+    result = queue.restart(0)
+    assert result["rows"] == 0 and [partner for partner, _, _ in result["lost_with"]] == [2]
+    client.ping()
+    assert values(client, metas) == before
+    assert client.lost_rows(partition_id="p") == []
+
+
+def test_a_unit_brought_back_and_retired_again_has_the_copies_it_took_since_moved(queue: LocalQueue) -> None:
+    """Unit 0 retired, its copies moved; Ray brings it back, blocks are put on it again, then it is lost for good a
+    second time: those copies are moved too (a move of their own, not the first one, done long ago), so restarts of
+    the units holding their other copies lose nothing."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0))
+    moved = storage(client)["blocks_rereplicated"]
+    assert queue.restart(0)["rows"] == 0
+    wait_for(lambda: refilled(client))
+    fresh = put_on_each_unit(client, first=10.0)  # 0's has its other copy on 1, 2's on 0
+    every = {**{u: metas[u] for u in metas}, **{UNITS + u: m for u, m in fresh.items()}}
+    before = values(client, every)
+    retire(queue, 0)
+    wait_for(lambda: storage(client)["blocks_rereplicated"] == moved + 2)  # the fresh blocks of 0 and of 2
+    wait_for(lambda: rereplicated(client, 0))
+    assert storage(client)["blocks_single_copy"] == 0
+    assert queue.restart(1)["rows"] == 0  # every block is on 1 and 2 again
+    wait_for(lambda: refilled(client))
+    assert queue.restart(2)["rows"] == 0
+    client.ping()
+    assert values(client, every) == before
+
+
+def test_a_unit_retired_while_a_restarted_unit_waits_for_it_takes_the_rows_they_shared_lost_typed(
+    queue: LocalQueue,
+) -> None:
+    """Unit 0 down (not for good yet); unit 2 restarted empty, its refill held: its own block's other copy is on 0.
+    Then 0 is lost for good: that block has no copy left. Its rows are lost (listed, put on 2's restart) and a client
+    that knew of 2's restart before is told (RowsLost, though 2's refill has not moved); the refill then goes on
+    without the block (never claiming 2 holds it), 0's other copies are moved, and every other row reads."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    before = values(client, metas)
+    start_refill = queue.controller._start_refill
+    hold = threading.Event()
+    hold.set()
+    queue.controller._start_refill = (  # type: ignore[method-assign]
+        lambda unit, now: False if hold.is_set() else start_refill(unit, now)
+    )
+    queue.units[0].stop()
+    wait_for(lambda: 0 in queue.controller.down_reasons)
+    assert queue.restart(2)["rows"] == 0  # 0 holds the other copy of 2's own block
+    client.ping()  # this client knows of 2's restart, nothing refilled
+    queue.controller.mark_unit(0, "its Ray actor died (held by the test)", final=True)
+    lost = metas[2].global_indexes.tolist()
+    wait_for(lambda: [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost)
+    assert {r["unit"] for r in client.lost_rows(partition_id="p")} == {2}
+    match = re.escape(f"rows {lost} (2 of 2) of partition_id='p' were lost: storage unit 2 died and was restarted")
+    with pytest.raises(RowsLost, match=match):
+        client.get_data(metas[2])
+    hold.clear()
+    wait_for(lambda: refilled(client) and rereplicated(client, 0))
+    with pytest.raises(RowsLost, match=match):
+        client.get_data(metas[2])
+    assert values(client, {0: metas[0], 1: metas[1]}) == {0: before[0], 1: before[1]}
+    assert storage(client)["blocks_single_copy"] == 0
+
+
+def test_a_move_onto_a_unit_being_refilled_waits_for_its_refill_so_no_row_it_holds_is_called_lost(
+    queue: LocalQueue,
+) -> None:
+    """Unit 2 restarted empty, its refill held; then unit 0 is retired: its own block's copy (other copy on 1) can only
+    go to 2 (the one other unit). A copy written onto 2 below where its refill stands would count as missing there,
+    so a restart of 1 would call its rows lost while 2 holds them: the move waits for 2's refill (the status says so)
+    and goes on once the refill passed the block. Every row the queue calls lost is held by no unit."""
+    client = queue.client
+    metas = put_on_each_unit(client)
+    start_refill = queue.controller._start_refill
+    hold = threading.Event()
+    hold.set()
+    queue.controller._start_refill = (  # type: ignore[method-assign]
+        lambda unit, now: False if hold.is_set() else start_refill(unit, now)
+    )
+    assert queue.restart(2)["rows"] == 0
+    retire(queue, 0)
+    wait_for(lambda: rereplicated(client, 0) or "refilled" in storage(client)["cannot_rereplicate"].get(0, ""))
+    assert len(client.lost_rows(partition_id="p")) == 2  # 2's own block: its other copy was on 0
+    assert queue.restart(1)["rows"] == 4  # 0's and 1's: 2 got no copy back of either (its refill is held)
+    client.ping()
+    for row in client.lost_rows(partition_id="p"):
+        meta = next(m for m in metas.values() if row["global_index"] in m.global_indexes.tolist())
+        block = int(meta.blocks[0, 0])
+        assert [u for u in (1, 2) if block in queue.units[u].store.blocks] == [], f"block {block} is held"
+    hold.clear()
+    wait_for(lambda: refilled(client) and rereplicated(client, 0))
+    assert len(client.lost_rows(partition_id="p")) == 6
+    for meta in metas.values():
+        with pytest.raises(RowsLost, match=r"\(2 of 2\) of partition_id='p' were lost: storage unit [12] died"):
+            client.get_data(meta)
+
+
+def test_a_move_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_source_loses_only_the_rest(
+    queue: LocalQueue,
+) -> None:
+    """Unit 0 retired: its copies' move reads from 1 and 2 in one batch; the last block's read (from 2) is held, every
+    other copy is written. Unit 2 then dies (the batch is given up) and is restarted empty: the copies the batch wrote
+    stay counted where they were written (unit 2's first block is on 2 and 1 now, 1 holds it), so only the held
+    block, whose other copy was on retired 0 alone, is lost."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
+    held_block = max(b for b in before if b % UNITS == 2)
+    held, _release = hold_refill_reads(queue.controller, held_block)
+    retire(queue, 0)
+    assert held.wait(10), "the move never read the held block"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [held_block]
+
+    wait_for(rest_written)
+    queue.units[2].stop()
+    wait_for(lambda: queue.controller._refill is None)  # given up: its unit 2 went down
+    assert queue.restart(2)["rows"] == 2  # the held block's rows only
+    client.ping()
+    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
+    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
+    for meta in metas:
+        block = int(meta.blocks[0, 0])
+        if block != held_block:
+            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]
+
+
+def test_a_refill_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_source_loses_only_the_rest(
+    queue: LocalQueue,
+) -> None:
+    """The same for a refill: unit 1 restarted, its refill's last block held (its other blocks written back onto 1),
+    then the unit the held block is read from is restarted empty (the batch is given up): only the held block is
+    lost, not its sibling the batch wrote back (1 holds it, and giving the batch up keeps it)."""
+    client = queue.client
+    metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
+    before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
+    held_block = max(b for b in before if b % UNITS in (0, 1))  # a copy on 1
+    source = 2 if held_block % UNITS == 1 else 0  # where the other copy is
+    held, _release = hold_refill_reads(queue.controller, held_block)
+    assert queue.restart(1)["rows"] == 0
+    assert held.wait(10), "the refill never read the held block"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [held_block]
+
+    wait_for(rest_written)
+    assert queue.restart(source)["rows"] == 2  # the batch is given up; the held block's rows only are lost
+    client.ping()
+    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
+    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
+    for meta in metas:
+        block = int(meta.blocks[0, 0])
+        if block != held_block:
+            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]

@@ -189,3 +189,158 @@ def test_after_a_move_a_restarted_target_and_a_restarted_survivor_refill_from_th
     assert q.state.unit_restarted(1)["rows"] == 4  # 2 not refilled yet: both copies of the moved blocks are gone
     assert all_gone(q.state, moved).all()
     assert sorted(r["unit"] for r in lost(q, 0)) == [1] * 4
+
+
+def test_a_survivor_restarted_while_a_move_runs_loses_the_blocks_the_move_has_not_reached(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired, its copies being moved to 1 (read from 2),
+    the move halfway. Survivor 2 restarted empty: the blocks the move has not reached had their other copy on retired
+    0, gone for good too: their rows are lost (not refilled from 0, which never comes back); those it reached are
+    refilled from 1, and the restart's ``lost_with`` names the range lost with 0."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    blocks = sorted(int(m.blocks[0, 0]) for m in metas)
+    moved = [b for b in blocks if b % 4 in (0, 2)]
+    q.state.down_units.add(0)
+    q.state.lost.retired.add(0)
+    move = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(move, str) and move.to == {2: 1}
+    move.below = moved[2]  # the first two moved: on 1 now
+    reached, left = moved[:2], moved[2:]
+
+    result = q.state.unit_restarted(2)
+    assert result["rows"] == 2 and (0, moved[2], move.upto) in result["lost_with"]
+    assert all_gone(q.state, left).all() and not all_gone(q.state, reached).any()
+    plan = plan_refill(q.state, 2)
+    assert 0 not in {s.source for s in plan.steps}  # nothing waits for retired 0
+    assert {s.block: s.source for s in plan.steps} == {b: 1 for b in reached}
+    lost_blocks = {int(m.blocks[0, 0]): m.global_indexes.tolist() for m in metas}
+    assert sorted(r["global_index"] for r in lost(q, 0)) == sorted(i for b in left for i in lost_blocks[b])
+
+
+def test_a_retired_unit_ray_brings_back_after_its_move_holds_its_new_copies_again(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1. Ray brings 0
+    back after all (restarted elsewhere): it is no longer retired, and a block put on it since (other copy on 2) is
+    not lost when 2 restarts: its copy on 0 lives. The moved blocks stay on 1 (also not lost)."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, refill_summary, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=16, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    moved = sorted(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % 4 in (0, 2))
+    q.state.down_units.add(0)
+    q.state.lost.retired.add(0)  # as the controller's mark_unit(final=True) does
+    move = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(move, str)
+    move.below = move.upto  # done: the copies on 0 are on 1 now
+    book = q.state.lost
+
+    q.state.down_units.discard(0)
+    assert q.state.unit_restarted(0)["rows"] == 0  # back after all: held nothing (every copy was moved)
+    assert plan_refill(q.state, 0).steps == []  # nothing to refill
+    book.refilled_below[0] = book.lost_below[0]
+    fresh = [q.put(0, 1) for _ in range(8)]
+    on_0 = sorted(int(m.blocks[0, 0]) for m in fresh if int(m.blocks[0, 0]) % 4 == 0)
+    assert on_0 and not all_gone(q.state, on_0).any()
+
+    assert q.state.unit_restarted(2)["rows"] == 0  # their copies on 0 and the moved ones on 1 live
+    assert not all_gone(q.state, on_0 + moved).any()
+    assert (0, 0, book.lost_below[0]) not in q.state.lost.lost_with.get(2, [])
+    assert refill_summary(q.state)["rereplicating"] == [] and book.retired == set()
+
+
+def test_a_retired_unit_s_copies_are_not_moved_onto_a_unit_still_refilling(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3). Unit 0 restarted and not refilled yet; unit 1 retires:
+    the copies whose other copy is on 3 go to 2, not to 0 (the first unit of another node than 3, taken otherwise):
+    a copy written onto a refilling unit counts as missing there until its refill passes it, so a restart of 3
+    meanwhile would lose rows that 0 holds."""
+    from transfer_queue.state.lost_rows import start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    for _ in range(8):
+        q.put(0, 1)
+    q.state.unit_restarted(0)
+    assert q.state.lost.refilling() == [0]
+    q.state.down_units.add(1)
+    move = start_move(q.state, 1, nodes, {1})
+    assert not isinstance(move, str) and move.to == {3: 2}
+    q.state.lost.moves.clear()
+    q.state.lost.refilled_below[0] = q.state.lost.lost_below[0]  # refilled: 0 is taken again
+    move = start_move(q.state, 1, nodes, {1})
+    assert not isinstance(move, str) and move.to == {3: 0}
+
+
+def test_a_unit_brought_back_and_retired_again_gets_a_move_of_its_own(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1, then Ray brings
+    it back (restarted) and blocks are put on it again. Its first move is not its move any more (the blocks it reached
+    stay on 1); retired again, a move of its own takes the copies it holds now, the new blocks included."""
+    from transfer_queue.state.lost_rows import plan_move, refill_summary, retire_unit, start_move
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=32, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    for _ in range(8):
+        q.put(0, 1)
+    book = q.state.lost
+    q.state.down_units.add(0)
+    retire_unit(q.state, 0)
+    first = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(first, str) and book.move_of(0) is first
+    first.below = first.upto  # done: the copies on 0 are on 1 now
+    assert refill_summary(q.state)["rereplicated"] == {0: {2: 1}}
+
+    q.state.down_units.discard(0)
+    assert q.state.unit_restarted(0)["rows"] == 0  # back after all: every copy it held was moved
+    assert book.move_of(0) is None and refill_summary(q.state)["rereplicated"] == {}
+    book.refilled_below[0] = book.lost_below[0]
+    fresh = [q.put(0, 1) for _ in range(8)]
+    on_0 = sorted(int(m.blocks[0, 0]) for m in fresh if int(m.blocks[0, 0]) % 4 in (0, 2))
+    assert on_0
+
+    q.state.down_units.add(0)
+    retire_unit(q.state, 0)
+    second = start_move(q.state, 0, nodes, {0})
+    assert not isinstance(second, str) and second is not first and book.move_of(0) is second
+    assert second.upto == q.state._next_block * 4 and second.restart == 1
+    assert plan_move(q.state, second).blocks == on_0  # the blocks it took since it came back, not the moved ones
+    assert refill_summary(q.state)["rereplicating"] == [0]
+
+
+def test_a_unit_retired_while_a_restarted_unit_waits_for_it_takes_the_blocks_they_shared_lost(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 down, unit 2 restarted empty (nothing lost: 0 holds
+    the other copies; its refill waits for 0). Then 0 is retired: the blocks 0 and 2 share have no copy left. Their
+    rows are lost now (put on 2's restart, whose ``lost_with`` names 0 so clients tell them lost) and 2's refill has
+    nothing left to copy."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, retire_unit
+    from transfer_queue.state.placement import replica_units
+
+    nodes = ["a", "a", "b", "b"]
+    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
+    q.state.ledger.replica_of = replica_units(nodes, 2)
+    metas = [q.put(0, 1) for _ in range(8)]
+    shared = sorted(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % 4 in (0, 2))
+    q.state.down_units.add(0)
+    assert q.state.unit_restarted(2)["rows"] == 0
+    assert {s.source for s in plan_refill(q.state, 2).steps} == {0}
+    book = q.state.lost
+    lost_below = book.lost_below[2]
+
+    result = retire_unit(q.state, 0)
+    assert result == {"units": [2], "rows": 4, "partitions": {0: 4}}
+    assert book.lost_with[2] == [(0, 0, lost_below)] and book.lost_with_moved[2] == [()]
+    assert all_gone(q.state, shared).all()
+    expected = sorted(int(m.global_indexes[0]) for m in metas if int(m.blocks[0, 0]) in shared)
+    assert sorted(r["global_index"] for r in lost(q, 0)) == expected
+    assert {(r["unit"], tuple(r["fields"])) for r in lost(q, 0)} == {(2, ("x",))}
+    assert plan_refill(q.state, 2).steps == []  # nothing to copy back: the refill never claims them
+    assert retire_unit(q.state, 0)["rows"] == 0 and book.lost_with[2] == [(0, 0, lost_below)]  # told again: nothing
