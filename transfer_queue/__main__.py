@@ -98,6 +98,8 @@ def file_sd(endpoints: dict[str, Any]) -> list[dict[str, Any]]:
     if endpoints.get("controller"):
         out.append({"targets": [urlparse(endpoints["controller"]).netloc], "labels": {"component": "controller"}})
     for unit, url in enumerate(endpoints.get("storage_units", [])):
+        if url is None:  # a unit dead for good serves no metrics
+            continue
         out.append({"targets": [urlparse(url).netloc], "labels": {"component": "storage", "unit": str(unit)}})
     return out
 

@@ -126,21 +126,32 @@ class ControllerActor:
             storage_units = self.start_storage_units(units, storage_unit_options, bind_host)
         self._units = storage_units
         # replaying a journal: a unit that does not serve this session any more came back empty (Ray restarted it
-        # while the controller was down, or the units are new: the process that started them died); its rows are lost
-        fresh = []
+        # while the controller was down, or the units are new: the process that started them died); its rows are lost.
+        # A unit whose actor is dead for good (Ray will not restart it: e.g. retired before the controller died) is
+        # left out: it stays down for good, and its copies are where its move put them (or are moved now).
+        fresh: list[int] = []
+        dead: set[int] = set()
         if journal is not None and replayed:
-            sessions = ray.get([u.session.remote() for u in storage_units])
-            fresh = [u for u, session in enumerate(sessions) if session != self._session_id]
+            sessions = _ask_each(storage_units, "session")
+            dead = {u for u, session in enumerate(sessions) if session is _DEAD}
+            fresh = [u for u, session in enumerate(sessions) if u not in dead and session != self._session_id]
         self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
-        endpoints = ray.get(
-            [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
+        live = [u for u in range(units) if u not in dead]
+        attaching = [storage_units[u].attach.remote(self._session_id, u, units, self._secret, limit) for u in live]
+        attached = dict(zip(live, ray.get(attaching), strict=True))
+        endpoints = [attached[u] if u in attached else _last_endpoint(identity, u) for u in range(units)]
+        incarnations: list[str | None] = [None] * units
+        for u, incarnation in zip(live, ray.get([storage_units[u].incarnation.remote() for u in live]), strict=True):
+            incarnations[u] = incarnation
+        # replicas=2: each unit's partner, fixed at the queue's start (a journal keeps them: a unit Ray restarted on
+        # another node keeps its partner); each unit accepts the copies it holds before anything is written, restored
+        # blocks included
+        kept = identity.get("replica_of") if identity else None
+        self._replica_of = (
+            list(kept) if kept is not None else replica_units([e.node_id for e in endpoints], self._config.replicas)
         )
-        incarnations = ray.get([u.incarnation.remote() for u in storage_units])
-        # replicas=2: each unit's partner (the controller server finds the same from the same nodes); each unit
-        # accepts the copies it holds before anything is written, restored blocks included
-        self._replica_of = replica_units([e.node_id for e in endpoints], self._config.replicas)
         if self._replica_of is not None:
-            ray.get([u.hold_copies.remote(self._copies_of(i)) for i, u in enumerate(storage_units)])
+            ray.get([storage_units[u].hold_copies.remote(self._copies_of(u)) for u in live])
         if restoring is not None:
             state = self._restore(*restoring, sampler)
         port = identity["port"] if identity else 0
@@ -150,10 +161,13 @@ class ControllerActor:
         for unit in fresh:
             lost = self._server.restart_unit(unit, endpoints[unit])
             logger.warning("storage unit %d does not hold this queue's blocks any more: %s", unit, lost)
+        for unit in sorted(dead):
+            logger.warning("storage unit %d is dead for good (found so when the controller started again)", unit)
+            self._server.mark_unit(unit, "its Ray actor died (found dead when the controller started again)", True)
         endpoint = self._server.endpoint
+        self._journal_dir = journal.directory if journal is not None else None
         if journal is not None:
-            if identity is None:
-                write_identity(journal.directory, self._session_id, self._secret, _port(endpoint))
+            self._write_identity(_port(endpoint), endpoints)
             # clients reach a journaled controller over TCP only: its port is the same after a restart (ZeroMQ
             # reconnects by itself), its Unix socket's path would not be
             endpoint = msgspec.structs.replace(endpoint, unix=None)
@@ -175,6 +189,12 @@ class ControllerActor:
             self._secret,
             self._replica_of,
         )
+
+    def _write_identity(self, port: int, endpoints: list[p.Endpoint]) -> None:
+        """Save what a controller started again over this journal must present and know (journaled queues only)."""
+        if self._journal_dir is not None:
+            units = [list(msgspec.structs.astuple(e)) for e in endpoints]
+            write_identity(self._journal_dir, self._session_id, self._secret, port, units, self._replica_of)
 
     def _copies_of(self, unit: int) -> list[int]:
         """replicas=2: the units whose blocks ``unit`` holds the second copy of."""
@@ -203,6 +223,7 @@ class ControllerActor:
         storage = list(self._info.storage_units)
         storage[unit] = endpoint
         self._info = msgspec.structs.replace(self._info, storage_units=storage)
+        self._write_identity(_port(self._server.endpoint), storage)  # a journal knows where each unit listens now
         if self._web is not None:
             try:
                 url = ray.get(handle.serve_metrics.remote(self._config.http_host), timeout=30)
@@ -352,6 +373,34 @@ class ControllerActor:
                 ray.kill(unit)
 
 
+_DEAD = object()  # what _ask_each gives for a unit whose actor is dead for good
+
+
+def _ask_each(units: list[Any], method: str, *args: Any) -> list[Any]:
+    """Each unit's answer to ``method(*args)``, ``_DEAD`` for a unit whose actor died for good (Ray will not restart
+    it); any other failure is raised."""
+    refs = [getattr(u, method).remote(*args) for u in units]
+    out: list[Any] = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.ActorUnavailableError:
+            raise  # restarting or unreachable for now: not dead (the controller's start fails, and is tried again)
+        except ray.exceptions.RayActorError:
+            out.append(_DEAD)
+    return out
+
+
+def _last_endpoint(identity: dict[str, Any] | None, unit: int) -> p.Endpoint:
+    """Where dead storage unit ``unit`` listened last, as the journal's identity keeps it (a journal written before
+    it kept them: an address nothing of this queue listens on; the unit is down for good either way)."""
+    known = (identity or {}).get("units") or []
+    if unit < len(known):
+        return msgspec.convert(known[unit], p.Endpoint)
+    logger.warning("the journal does not say where dead storage unit %d listened", unit)
+    return p.Endpoint("tcp://127.0.0.1:9")
+
+
 def _port(endpoint: p.Endpoint) -> int:
     return int(endpoint.tcp.rsplit(":", 1)[1])
 
@@ -364,7 +413,8 @@ def serve_status(server: ControllerServer, units: list[Any], host: str, port: in
     from transfer_queue.ops.web import HttpEndpoint
 
     web = HttpEndpoint(controller_routes(server), host, port)
-    unit_urls = ray.get([u.serve_metrics.remote(host) for u in units])
+    # a unit dead for good (a controller started again from its journal after the unit was lost) serves nothing
+    unit_urls = [None if url is _DEAD else url for url in _ask_each(units, "serve_metrics", host)]
     with server.lock:
         server.endpoints = {"controller": web.url, "storage_units": unit_urls}
     return web

@@ -666,7 +666,9 @@ IDENTITY = "identity"
 
 def read_identity(directory: str) -> dict[str, Any] | None:
     """What a controller started again over ``directory`` must present as before (its clients and storage units
-    know it): ``session_id``, ``secret`` and its TCP ``port``; None before the first controller wrote it."""
+    know it): ``session_id``, ``secret`` and its TCP ``port``; ``units`` (each storage unit's endpoint as last known,
+    a list of its fields) and ``replica_of`` (replicas=2: the pairs fixed at the queue's start) where written; None
+    before the first controller wrote it."""
     if os.path.exists(os.path.join(directory, REMOVING)):  # being removed (open_journal finishes it): none
         return None
     try:
@@ -681,13 +683,27 @@ def read_identity(directory: str) -> dict[str, Any] | None:
     return dict(identity)
 
 
-def write_identity(directory: str, session_id: str, secret: bytes, port: int) -> None:
-    """Save the controller's identity under ``directory`` (readable by its user only: it holds the queue's secret)."""
+def write_identity(
+    directory: str,
+    session_id: str,
+    secret: bytes,
+    port: int,
+    units: list[list[Any]] | None = None,
+    replica_of: list[int] | None = None,
+) -> None:
+    """Save the controller's identity under ``directory`` (readable by its user only: it holds the queue's secret),
+    atomically (written again when a storage unit's endpoint changes). ``units``, ``replica_of``: see
+    :func:`read_identity`."""
     path = os.path.join(directory, IDENTITY)
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    identity: dict[str, Any] = {"session_id": session_id, "secret": secret, "port": port}
+    if units is not None:
+        identity["units"] = units
+    if replica_of is not None:
+        identity["replica_of"] = replica_of
     try:
-        os.write(fd, msgspec.msgpack.encode({"session_id": session_id, "secret": secret, "port": port}))
+        os.write(fd, msgspec.msgpack.encode(identity))
         os.fsync(fd)
     finally:
         os.close(fd)

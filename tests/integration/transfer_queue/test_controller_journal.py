@@ -245,3 +245,34 @@ def test_threads_of_one_client_a_round_apart_go_on_from_their_own_rounds_after_t
         behind_thread.shutdown()
         client.close()
         transfer_queue.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_controller_killed_after_a_unit_was_lost_for_good_comes_back_and_serves_every_row(
+    ray_session: Any, tmp_path, wait_until: Any
+) -> None:
+    """replicas=2 over three units Ray never restarts, journaled: unit 0 is killed for good and its copies moved onto
+    the other two; then the controller is killed. Ray restarts it, it replays its journal without unit 0 (before:
+    its constructor asked every unit for its session, the dead one's call failed, and the controller could never
+    start again), and every row is read back from the copies, none lost."""
+    from tests.integration.transfer_queue.test_replicas import check_all_read_back, put_rows
+
+    client = transfer_queue.init(global_batch_size=4, num_storage_units=3, default_timeout=10.0, replicas=2,
+                                 storage_unit_max_restarts=0, journal_dir=str(tmp_path / "journal"),
+                                 restart_retry_s=60.0)  # fmt: skip
+    try:
+        controller = transfer_queue.get_controller()
+        metas = put_rows(client, 6)
+        pids = [u["pid"] for u in ray.get(controller.storage_stats.remote())]
+        os.kill(pids[0], 9)
+        wait_until(lambda: 0 in client.status()["storage"]["rereplicated"], 60, what="unit 0's copies to be moved")
+        ray.kill(controller, no_restart=False)
+        restarted_info(controller)
+        check_all_read_back(client, metas)
+        storage = client.status()["storage"]
+        assert 0 in storage["rereplicated"] and storage["blocks_single_copy"] == 0
+        meta = client.put({"x": torch.ones(2, 8), "y": torch.zeros(2, dtype=torch.int64)}, partition_id="q")
+        assert client.get_data(meta)["x"].shape == (2, 8)
+    finally:
+        client.close()
+        transfer_queue.shutdown()

@@ -1249,3 +1249,17 @@ def test_a_journal_of_moves_without_their_unit_s_restart_count_is_read_as_of_now
     book["moves"] = [[0, {1: 2, 2: 1}, 6, 3]]
     restore_units_book(state, book)
     assert state.lost.moves == [CopiesMoved(0, {1: 2, 2: 1}, 6, 3, restart=2)] and state.lost.move_of(0) is not None
+
+
+def test_the_identity_keeps_where_each_unit_listens_and_the_replica_pairs(tmp_path: Path) -> None:
+    """A controller started again must know where a unit dead for good listened (it is left out of the start) and the
+    pairs fixed at the queue's start (a unit Ray restarted on another node keeps its partner); an identity written
+    before they were kept reads without them."""
+    units = [["tcp://10.0.0.1:5000", None, "h1", "n1"], ["tcp://10.0.0.2:5001", "/tmp/s.sock", "h2", "n2"]]
+    journal_module.write_identity(str(tmp_path), SESSION, SECRET, 5555, units, [1, 0])
+    identity = journal_module.read_identity(str(tmp_path))
+    assert identity is not None
+    assert (identity["units"], identity["replica_of"], identity["port"]) == (units, [1, 0], 5555)
+    journal_module.write_identity(str(tmp_path), SESSION, SECRET, 5555)
+    identity = journal_module.read_identity(str(tmp_path))
+    assert identity is not None and "units" not in identity and "replica_of" not in identity
