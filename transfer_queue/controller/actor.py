@@ -133,7 +133,10 @@ class ControllerActor:
             fresh = [u for u, session in enumerate(sessions) if session != self._session_id]
         self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
         endpoints = ray.get(
-            [u.attach.remote(self._session_id, i, units, self._secret, limit) for i, u in enumerate(storage_units)]
+            [
+                u.attach.remote(self._session_id, i, units, self._secret, limit, self._config.shared_memory_bytes)
+                for i, u in enumerate(storage_units)
+            ]
         )
         incarnations = ray.get([u.incarnation.remote() for u in storage_units])
         # replicas=2: each unit's partner (the controller server finds the same from the same nodes); each unit
@@ -195,7 +198,10 @@ class ControllerActor:
         handle = self._units[unit]
         units = len(self._units)
         endpoint = ray.get(
-            handle.attach.remote(self._session_id, unit, units, self._secret, self._message_limit), timeout=60
+            handle.attach.remote(
+                self._session_id, unit, units, self._secret, self._message_limit, self._config.shared_memory_bytes
+            ),
+            timeout=60,
         )
         if self._replica_of is not None:  # before the controller marks it up: puts write copies to it from then on
             ray.get(handle.hold_copies.remote(self._copies_of(unit)), timeout=60)
