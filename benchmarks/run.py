@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR")
     raw = None
     try:
-        client = tq.init(
+        first = tq.init(
             global_batch_size=64,
             num_n_samples=N_SAMPLES,
             num_global_batch=2,
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             shared_memory=True,  # the units pool shared memory; only the shm workload's "on" client asks for it
         )
         # the other workloads measure the socket path, as before: their clients do not ask for shared memory
-        off = msgspec.structs.replace(client.controller_info, config={**client.controller_info.config,
-                                                                      "shared_memory": False})  # fmt: skip
+        info = first.controller_info
+        off = msgspec.structs.replace(info, config={**info.config, "shared_memory": False})
+        first.close()
         client = tq.TransferQueueClient("bench", off)
         controller = tq.get_controller()
         ray.get(controller.register_sampler.remote("grpo", tq.GRPOSampler(N_SAMPLES)))

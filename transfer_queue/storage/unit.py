@@ -441,7 +441,8 @@ class StorageServer(Server):
     def prometheus_text(self) -> bytes:
         """This unit's metrics in the Prometheus text format (see transfer_queue.ops.metrics)."""
         with self.lock:
-            families = list(storage_families(self.store.stats(), self.metrics))
+            shm = {} if self.shm_pool is None else {"shm": self.shm_pool.stats()}
+            families = list(storage_families({**self.store.stats(), **shm}, self.metrics))
         return render(lambda: families)
 
     def stats(self) -> dict[str, Any]:

@@ -313,14 +313,12 @@ class UnitConnection:
     def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         """A reply as it goes out: its payload frames that lie in segments as descriptors (pinned until the client's
         next message), a grant when the request earned one, and the fds the client has not seen. Returns (frames,
-        flags, fds)."""
-        from transfer_queue.wire.unix_socket import GatheredFrame
-
+        flags, fds). A frame with ``views`` (a unix_socket.GatheredFrame) is described piece by piece."""
         out = list(frames)
         table = ShmTable(frames={}, fds=[], forget=[])
         for i in range(2, len(out)):
             frame = out[i]
-            views = frame.views if isinstance(frame, GatheredFrame) else [frame]
+            views = getattr(frame, "views", None) or [frame]
             if sum(memoryview(v).nbytes for v in views) < MIN_SHM_BYTES:
                 continue
             pieces = []

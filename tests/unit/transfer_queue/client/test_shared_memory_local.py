@@ -127,6 +127,8 @@ def test_a_get_is_copied_out_before_the_unit_may_reuse_the_block(queue: LocalQue
         client.put({"x": torch.full((64, 1024), value)}, partition_id=f"r{value}")
     assert torch.equal(got["x"], first["x"])
     assert sum(unit.stats()["shm"]["reused"] for unit in queue.units) > 0
+    held = queue.units[0].stats()["shm"]["segment_bytes"]
+    assert f'transfer_queue_storage_shm_bytes{{unit="0"}} {float(held)}' in queue.units[0].prometheus_text().decode()
     client.close()
 
 

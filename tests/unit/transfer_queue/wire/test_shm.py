@@ -217,3 +217,22 @@ def test_fds_that_come_with_a_message_are_received_once(pair) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_the_config_keys_are_checked_and_the_environment_sets_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transfer_queue.config import SHARED_MEMORY_ENV, QueueConfig
+    from transfer_queue.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=r"shared_memory must be a bool, got 'yes'"):
+        QueueConfig(global_batch_size=1, shared_memory="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=r"shared_memory_pool_bytes must be an int >= 0, got -1"):
+        QueueConfig(global_batch_size=1, shared_memory_pool_bytes=-1)
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "0")
+    assert QueueConfig(global_batch_size=1).shared_memory_bytes == 0
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "1")
+    config = QueueConfig(global_batch_size=1)
+    assert config.shared_memory and config.shared_memory_bytes == 1 << 30
+    assert QueueConfig.from_dict({**config.to_dict(), "shared_memory": False}).shared_memory is False
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "maybe")
+    with pytest.raises(InvalidRequest, match=r"TRANSFER_QUEUE_SHARED_MEMORY must be 0 or 1, got 'maybe'"):
+        QueueConfig(global_batch_size=1)
