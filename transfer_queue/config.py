@@ -89,8 +89,9 @@ class QueueConfig:
             hosts, the async client, replica copies, checkpoints and refills keep using the sockets. Off by default
             (``TRANSFER_QUEUE_SHARED_MEMORY=1`` turns the default on).
         shared_memory_pool_bytes: with ``shared_memory``, the free segments a storage unit (and each client) keeps
-            for reuse, in bytes; beyond it freed segments go back to the OS. A put larger than this travels over the
-            socket. The memory a connection's grant holds (about its last put's size) comes on top.
+            for reuse, in bytes; beyond it freed segments go back to the OS. Also the most a unit grants its
+            connections to stage puts in, all together (each holds about its last put's size); a put beyond that,
+            or larger than this, travels over the socket.
     """
 
     global_batch_size: int

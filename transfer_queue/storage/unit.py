@@ -38,7 +38,7 @@ from transfer_queue.wire import protocol as p
 from transfer_queue.wire.auth import write_token
 from transfer_queue.wire.columns import Column, as_buffer, concat_columns, jagged_take, nframes, take_rows
 from transfer_queue.wire.server import DEFAULT_MAX_MESSAGE_BYTES, Responder, Server
-from transfer_queue.wire.shm import SegmentPool
+from transfer_queue.wire.shm import SegmentPool, supported
 from transfer_queue.wire.transport import Endpoint
 from transfer_queue.wire.unix_socket import GatheredFrame
 
@@ -356,7 +356,8 @@ class StorageServer(Server):
         advertise_host: str | None = None,
         shared_memory_bytes: int = 0,
     ):
-        pool = SegmentPool(shared_memory_bytes, f"tq-shm-u{store.unit}") if shared_memory_bytes > 0 else None
+        shm = shared_memory_bytes > 0 and supported()
+        pool = SegmentPool(shared_memory_bytes, f"tq-shm-u{store.unit}") if shm else None
         super().__init__(
             f"tq-storage-{store.unit}",
             p.decode_storage_request,

@@ -31,6 +31,7 @@ import bisect
 import itertools
 import mmap
 import os
+import sys
 import threading
 import time
 import weakref
@@ -80,6 +81,11 @@ def decode_table(frame: Any) -> ShmTable:
         return _decode_table(memoryview(frame))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedMessage(f"a shared-memory table that does not decode: {exc}") from None
+
+
+def supported() -> bool:
+    """Whether this platform has memfd segments (Linux): elsewhere ``shared_memory`` leaves the sockets alone."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
 def segment_size(nbytes: int) -> int:
@@ -157,6 +163,7 @@ class SegmentPool:
         self._closed = False
         self.created = 0  # segments made (a steady state makes none)
         self.reused = 0
+        self.granted = 0  # bytes of grants outstanding (at most max_free_bytes: see grant)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes`` at the start of a segment (a free one that fits, else a new one),
@@ -179,6 +186,21 @@ class SegmentPool:
         # refers to this memory any more
         weakref.finalize(array.base, self._give_back, segment.id)
         return array
+
+    def grant(self, nbytes: int) -> np.ndarray | None:
+        """Memory a connection may stage its next message in (:meth:`take`), or None when the grants outstanding
+        would exceed ``max_free_bytes`` (then the message travels over the socket): grants are memory held outside
+        the blocks' byte budget, so they are bounded however many connections put. :meth:`end_grant` when it is
+        used or dropped."""
+        with self._lock:
+            if self.granted + nbytes > self.max_free_bytes:
+                return None
+            self.granted += nbytes
+        return self.take(nbytes)
+
+    def end_grant(self, nbytes: int) -> None:
+        with self._lock:
+            self.granted -= nbytes
 
     def _pick(self, nbytes: int) -> Segment | None:
         """The smallest free segment that holds ``nbytes`` and is at most twice what a new one would be."""
@@ -262,6 +284,7 @@ class SegmentPool:
                 "free_bytes": self.free_bytes,
                 "created": self.created,
                 "reused": self.reused,
+                "granted_bytes": self.granted,
             }
 
 
@@ -301,12 +324,12 @@ class UnitConnection:
                         f"bytes of segment {self.grant_id}"
                     )
                 frames[i] = grant[offset : offset + length]
-            self.grant = None
+            self._end_grant()
             self.want_grant = grant.nbytes
         else:
             sizes = [memoryview(f).nbytes for f in frames[2:]]
             if sum(sizes) >= MIN_SHM_BYTES and flags & SHM_OK:  # it did not fit the grant (the client dropped it)
-                self.grant = None
+                self._end_grant()
                 self.want_grant = sum(aligned(n) for n in sizes)  # what the client stages it in
         return frames
 
@@ -331,30 +354,38 @@ class UnitConnection:
                 table.frames[i] = pieces
                 self.pins.append(frame)
                 out[i] = b""
-        if self.want_grant and self.grant is None and self.want_grant <= self.pool.max_free_bytes:
-            self.grant = self.pool.take(self.want_grant)
-            where = self.pool.locate(self.grant)
+        grant = self.pool.grant(self.want_grant) if self.want_grant and self.grant is None else None
+        if grant is not None:
+            self.grant = grant
+            where = self.pool.locate(grant)
             assert where is not None and where[1] == 0
             self.grant_id = where[0]
             table.grant = (self.grant_id, self.grant.nbytes)
         self.want_grant = 0
-        table.forget = [s for s in self.sent if not self.pool.is_open(s)]
-        self.sent.difference_update(table.forget)
         used = {s for pieces in table.frames.values() for s, _, _ in pieces}
         if table.grant is not None:
             used.add(table.grant[0])
         if len(used - self.sent) > MAX_FDS:  # more new segments than one message carries: in-band instead
-            self.pins, self.grant = [], None
+            self.pins = []
+            if table.grant is not None:  # granted just now, never told: withdrawn (an earlier grant stays)
+                self._end_grant()
             return list(frames), 0, []
+        table.forget = [s for s in self.sent if not self.pool.is_open(s)]
+        self.sent.difference_update(table.forget)
         table.fds = sorted(used - self.sent)
         if not table.frames and table.grant is None and not table.forget:
             return out, 0, []
         self.sent.update(table.fds)
         return [*out, encode_table(table)], TABLE, [self.pool.fd(s) for s in table.fds]
 
+    def _end_grant(self) -> None:
+        if self.grant is not None:
+            self.pool.end_grant(self.grant.nbytes)
+            self.grant = None
+
     def close(self) -> None:
         self.pins = []
-        self.grant = None
+        self._end_grant()
 
 
 class ClientMaps:

@@ -44,7 +44,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.wire.auth import secure_client
 from transfer_queue.wire.protocol import Endpoint, decode_reply_header
-from transfer_queue.wire.shm import ClientMaps, SegmentPool
+from transfer_queue.wire.shm import ClientMaps, SegmentPool, supported
 from transfer_queue.wire.sockets import close_watched, force_tcp_default, monitor_of, watch, with_addresses
 from transfer_queue.wire.unix_socket import connect, exchange, send_all
 
@@ -141,9 +141,8 @@ class BlockingTransport:
     ):
         self._secret = secret
         # what replies are copied out into: private memory, pooled (faulted in once, reused once the caller drops it)
-        self._shm_pool = (
-            SegmentPool(shared_memory_bytes, "tq-shm-client", shared=False) if shared_memory_bytes > 0 else None
-        )
+        shm = shared_memory_bytes > 0 and supported()
+        self._shm_pool = SegmentPool(shared_memory_bytes, "tq-shm-client", shared=False) if shm else None
         self.force_tcp = force_tcp_default() if force_tcp is None else force_tcp
         self._ctx: zmq.Context = zmq.Context.instance()
         self._local = threading.local()

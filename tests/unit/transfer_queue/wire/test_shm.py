@@ -56,7 +56,7 @@ def test_freed_segments_beyond_the_cap_are_closed_and_unmapped() -> None:
     assert len(memfds_of(pool)) == 3
     del arrays
     assert pool.stats() == {
-        "segments": 1, "segment_bytes": 4 * MB, "free_bytes": 4 * MB, "created": 3, "reused": 0,
+        "segments": 1, "segment_bytes": 4 * MB, "free_bytes": 4 * MB, "created": 3, "reused": 0, "granted_bytes": 0,
     }  # fmt: skip
     assert len(memfds_of(pool)) == 1
     pool.close()
@@ -236,3 +236,22 @@ def test_the_config_keys_are_checked_and_the_environment_sets_the_default(monkey
     monkeypatch.setenv(SHARED_MEMORY_ENV, "maybe")
     with pytest.raises(InvalidRequest, match=r"TRANSFER_QUEUE_SHARED_MEMORY must be 0 or 1, got 'maybe'"):
         QueueConfig(global_batch_size=1)
+
+
+def test_grants_outstanding_are_bounded_by_the_pool_cap() -> None:
+    """Each connection that puts holds a grant; together they stay within the cap (beyond it: the socket)."""
+    pool = SegmentPool(5 * MB // 2, "tq-test-grants")  # room for two grants of 1 MiB
+    connections = [UnitConnection(pool) for _ in range(3)]
+    for connection in connections:
+        connection.incoming([b"env", b"body", np.zeros(MB, dtype=np.uint8)], SHM_OK)
+        connection.outgoing([b"head", b"ok"])
+    assert [c.grant is not None for c in connections] == [True, True, False]
+    assert pool.stats()["granted_bytes"] == 2 * MB
+    connections[0].close()
+    assert pool.stats()["granted_bytes"] == MB
+    connections[2].incoming([b"env", b"body", np.zeros(MB, dtype=np.uint8)], SHM_OK)
+    connections[2].outgoing([b"head", b"ok"])
+    assert connections[2].grant is not None and pool.stats()["granted_bytes"] == 2 * MB
+    for connection in connections:
+        connection.close()
+    pool.close()
