@@ -3,14 +3,19 @@ the same run, against a preallocated memcpy (issue 29).
 
 Two clients of the same queue (its storage units pool shared memory): one with ``shared_memory`` on, one with it
 off (the socket path, as before). Per client and repetition: a put of the batch, then ``reads`` get_datas of it in
-a row (the first median is the figure; their spread says whether a slow mode is left), then a clear. The baseline
+a row (9 of the large batch, 5 of grpo; the first one's median is the figure, every read's time says whether a slow
+mode is left), then a clear. The baseline
 copies the batch's bytes into preallocated, already touched arrays (the best any one-copy path can do here).
+
+Each read also counts the client's minor page faults (``getrusage``): the slow mode was first-touch faults of fresh
+receive buffers, which a loaded machine's scheduling cannot fake.
 
 Goals (issue 29): 1 GB get_data >= 50% of the memcpy's GB/s, 1 GB put >= 6 GB/s, 21 MB get_data <= 2x the memcpy.
 """
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
@@ -45,14 +50,20 @@ def _rounds(bench: Bench, client: tq.TransferQueueClient, td: Any, reads: int) -
 
     stats = lambda: ray.get(bench.controller.storage_stats.remote())  # noqa: E731
     base = sum(u["bytes"] for u in stats())
-    puts, gets, checked = [], [], False
+    puts, gets, faults, put_faults, unit_put_faults, checked = [], [], [], [], [], False
+    unit_faults = lambda: sum(u["page_faults"] for u in stats())  # noqa: E731
     for _ in range(bench.reps + 1):  # the first round warms up (pools, mappings, grants): not counted
         pid = bench.fresh("shm")
         settle()
+        before, unit_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, unit_faults()
         t_put, meta = timed(lambda pid=pid: client.put(td, partition_id=pid))
+        put_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        unit_put_faults.append(unit_faults() - unit_before)
         times = []
         for _ in range(reads):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t_get, back = timed(lambda m=meta: client.get_data(m))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
             if not checked:
                 for k, v in td.items():
                     assert torch.equal(back[k][::97], v[::97]), k
@@ -63,14 +74,16 @@ def _rounds(bench: Bench, client: tq.TransferQueueClient, td: Any, reads: int) -
         wait_until(lambda: sum(u["bytes"] for u in stats()) <= base, 60, "storage drop")
         puts.append(t_put)
         gets.append(times)
-    return {"put": puts[1:], "get": [t[0] for t in gets[1:]], "all_gets": [x for t in gets[1:] for x in t]}
+    counted = faults[reads:]  # the warm-up round's reads left out
+    return {"put": puts[1:], "get": [t[0] for t in gets[1:]], "all_gets": [x for t in gets[1:] for x in t],
+            "faults": counted, "put_faults": put_faults[1:], "unit_put_faults": unit_put_faults[1:]}  # fmt: skip
 
 
 def bench_shm(bench: Bench) -> None:
     import ray
 
     rows = 3 * 1024 if bench.quick else 12 * 1024
-    for label, td, reads in (("grpo", grpo_batch(256), 5), (f"large{rows}", grpo_batch(rows), 3)):
+    for label, td, reads in (("grpo", grpo_batch(256), 5), (f"large{rows}", grpo_batch(rows), 9)):
         gb = payload_bytes(td) / 1e9
         copies = [preallocated_memcpy(td) for _ in range(max(5, bench.reps))]
         memcpy_s = float(np.median(copies))
@@ -89,18 +102,23 @@ def bench_shm(bench: Bench) -> None:
                 bench.add(f"get_data.{label}.{mode}", "shm", "ms", get_ms, baseline="memcpy preallocated",
                           baseline_value=1e3 * memcpy_s, target="<= 2x memcpy" if on else None,
                           met=float(np.median(get_ms)) <= 2e3 * memcpy_s if on else None,
-                          extra={"reads_ms": spread})  # fmt: skip
+                          extra={"reads_ms": spread, "client_page_faults_per_read": got["faults"]})  # fmt: skip
                 bench.add(f"put.{label}.{mode}", "shm", "ms", [1e3 * t for t in got["put"]],
-                          baseline="memcpy preallocated", baseline_value=1e3 * memcpy_s)  # fmt: skip
+                          baseline="memcpy preallocated", baseline_value=1e3 * memcpy_s,
+                          extra={"client_page_faults_per_put": got["put_faults"],
+                                 "units_page_faults_per_put": got["unit_put_faults"]})  # fmt: skip
                 continue
             gets = [gb / t for t in got["get"]]
             slowest = round(max(spread) / float(np.median(spread)), 2)
             bench.add(f"get_data.{label}.{mode}", "shm", "GB/s", gets, baseline="memcpy preallocated",
                       baseline_value=gb / memcpy_s, target=">= 0.5x memcpy" if on else None,
                       met=float(np.median(gets)) >= 0.5 * gb / memcpy_s if on else None,
-                      extra={"reads_ms": spread, "slowest_over_median": slowest})  # fmt: skip
+                      extra={"reads_ms": spread, "slowest_over_median": slowest,
+                             "client_page_faults_per_read": got["faults"]})  # fmt: skip
             puts = [gb / t for t in got["put"]]
             bench.add(f"put.{label}.{mode}", "shm", "GB/s", puts, target=">= 6 GB/s" if on else None,
-                      met=float(np.median(puts)) >= 6.0 if on else None)  # fmt: skip
+                      met=float(np.median(puts)) >= 6.0 if on else None,
+                      extra={"client_page_faults_per_put": got["put_faults"],
+                                 "units_page_faults_per_put": got["unit_put_faults"]})  # fmt: skip
     shm = [u.get("shm", {}) for u in ray.get(bench.controller.storage_stats.remote())]
     print(f"   storage units' shared-memory pools: {shm}", flush=True)

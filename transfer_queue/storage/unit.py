@@ -14,6 +14,7 @@ import ctypes
 import hmac
 import logging
 import os
+import resource
 import time
 import uuid
 from collections.abc import Sequence
@@ -266,6 +267,7 @@ class BlockStore:
             "blocks": len(self.blocks),
             "bytes": self.nbytes,
             "rss_bytes": _rss_bytes(),
+            "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,  # minor faults of this process
         }
 
 
