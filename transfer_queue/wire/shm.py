@@ -15,14 +15,15 @@ even after a SIGKILL). On a Unix-socket connection whose client asked for it (th
   the client's next message of at most that size is copied straight into it and carries only descriptors. The unit
   adopts the granted memory as the message's frames (no second copy) and grants a fresh segment with its reply, so
   the steady state adds no round trip. A message that does not fit the grant travels in-band (and earns a larger
-  grant).
+  grant). A unit's grants outstanding, together, stay within its pool's ``max_free_bytes``.
 
 Memory handed out by a pool (:meth:`SegmentPool.take`) goes back to it when the last view of it dies (a finalizer
 on the buffer every view holds), so a block's segment is reused only once nothing refers to it: no block, no
 queued reply, no pin. Free segments are kept up to ``max_free_bytes`` (already faulted in, so a put or a get into
 them takes no page faults), beyond that closed; a client that mapped a closed segment is told to unmap it in its
-next reply (``forget``), and unmaps everything of a connection that closes. Same-host clients only: the client
-and the unit trust each other as processes that both proved the queue's secret.
+next reply (``forget``), and unmaps everything of a connection that closes. A client's pool is private memory
+(what it copies replies into becomes its caller's tensors). Same-host clients only: the client and the unit trust
+each other as processes that both proved the queue's secret.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class SegmentPool:
         array = np.frombuffer(segment.mmap, dtype=np.uint8, count=nbytes)
         # every view of ``array`` (numpy, torch, memoryview) keeps ``array.base`` alive: when it dies, nothing
         # refers to this memory any more
-        weakref.finalize(array.base, self._give_back, segment.id)
+        weakref.finalize(array.base, self._give_back, segment.id).atexit = False  # nothing to give back at exit
         return array
 
     def grant(self, nbytes: int) -> np.ndarray | None:
