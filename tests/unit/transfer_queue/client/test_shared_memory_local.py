@@ -24,6 +24,7 @@ from transfer_queue.client import TransferQueueClient
 from transfer_queue.config import QueueConfig
 from transfer_queue.controller.server import ControllerServer
 from transfer_queue.errors import StorageUnitDown
+from transfer_queue.metadata import BatchMeta
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.storage.unit import BlockStore, StorageServer
 from transfer_queue.wire import protocol as p
@@ -94,7 +95,7 @@ def test_puts_and_gets_through_shared_memory_give_the_sockets_rows(queue: LocalQ
     whole["o"] = np.concatenate([p["o"] for p in parts])
     metas = [shm.put(part, partition_id="a") for part in parts]  # the first in-band, the others in a grant
     metas.append(plain.put(parts[0], partition_id="b"))
-    everything = p_concat(metas[:3])
+    everything = BatchMeta.concat(metas[:3])
     for client in (shm, plain, tcp):
         same(client.get_data(everything), whole, list(range(384)))  # each unit's blocks end to end: one frame
         picked = everything.select_samples([300, 5, 130, 6, 7, 250])  # out of order: gathered by the unit
@@ -107,12 +108,6 @@ def test_puts_and_gets_through_shared_memory_give_the_sockets_rows(queue: LocalQ
     assert all(s["segments"] >= 2 for s in adopted)
     for client in (shm, plain, tcp):
         client.close()
-
-
-def p_concat(metas):
-    from transfer_queue.metadata import BatchMeta
-
-    return BatchMeta.concat(metas)
 
 
 def test_a_get_is_copied_out_before_the_unit_may_reuse_the_block(queue: LocalQueue) -> None:
