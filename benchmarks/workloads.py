@@ -5,6 +5,7 @@ from auth_cost import bench_auth
 from journal_cost import bench_journal
 from metadata_workloads import bench_concurrent, bench_get_meta, bench_get_meta_state
 from payload_workloads import bench_grpo, bench_large, bench_small
+from shm_workload import bench_shm
 from wake_latency import bench_wake
 
 WORKLOADS = {
@@ -17,4 +18,5 @@ WORKLOADS = {
     "wake": bench_wake,
     "auth": bench_auth,
     "journal": bench_journal,
+    "shm": bench_shm,
 }

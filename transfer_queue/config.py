@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from transfer_queue.errors import InvalidRequest
+
+SHARED_MEMORY_ENV = "TRANSFER_QUEUE_SHARED_MEMORY"
+
+
+def shared_memory_default() -> bool:
+    """``QueueConfig.shared_memory``'s default: ``TRANSFER_QUEUE_SHARED_MEMORY=1`` in the environment turns it on
+    (``0`` or unset: off), so a test tier can run every queue it starts with it."""
+    value = os.environ.get(SHARED_MEMORY_ENV, "0").strip().lower()
+    if value not in ("0", "1", "true", "false", ""):
+        raise InvalidRequest(f"{SHARED_MEMORY_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,16 @@ class QueueConfig:
             back where it was) before it raises the ``ServerGone``. A put's commit is never asked again (whether its
             rows became visible is unknown: it raises), nor an abort; a put's reserve is (nothing was committed).
             0 (the default): no retry.
+        shared_memory: same-host payloads through shared memory (transfer_queue.wire.shm): a sync client on a storage
+            unit's host copies a put straight into memory the unit granted and a get straight out of the unit's
+            blocks (memfd segments passed once over the Unix socket, which then carries only control frames); the
+            unit's and the client's buffers are pooled, so the steady state takes no page faults. Clients on other
+            hosts, the async client, replica copies, checkpoints and refills keep using the sockets. Off by default
+            (``TRANSFER_QUEUE_SHARED_MEMORY=1`` turns the default on).
+        shared_memory_pool_bytes: with ``shared_memory``, the free segments a storage unit (and each client) keeps
+            for reuse, in bytes; beyond it freed segments go back to the OS. Also the most a unit grants its
+            connections to stage puts in, all together (each holds about its last put's size); a put beyond that,
+            or larger than this, travels over the socket.
     """
 
     global_batch_size: int
@@ -99,6 +121,8 @@ class QueueConfig:
     journal_fsync: str = "always"
     journal_snapshot_bytes: int = 64 << 20
     restart_retry_s: float = 0.0
+    shared_memory: bool = field(default_factory=shared_memory_default)
+    shared_memory_pool_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         for name in (
@@ -167,6 +191,11 @@ class QueueConfig:
         snap = self.journal_snapshot_bytes
         if not isinstance(snap, int) or isinstance(snap, bool) or snap < 1:
             raise InvalidRequest(f"journal_snapshot_bytes must be an int >= 1, got {snap!r}")
+        if not isinstance(self.shared_memory, bool):
+            raise InvalidRequest(f"shared_memory must be a bool, got {self.shared_memory!r}")
+        pool = self.shared_memory_pool_bytes
+        if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
+            raise InvalidRequest(f"shared_memory_pool_bytes must be an int >= 0, got {pool!r}")
         retry = self.restart_retry_s
         if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0 <= retry < float("inf"):
             raise InvalidRequest(f"restart_retry_s must be a finite number of seconds >= 0, got {retry!r}")
@@ -183,6 +212,12 @@ class QueueConfig:
     def byte_budget(self) -> int:
         """Payload bytes the queue holds at most: what its units hold together, over the copies of each byte."""
         return self.storage_unit_bytes * self.num_storage_units // self.replicas
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        """What storage units and clients pool for shared memory: ``shared_memory_pool_bytes``, or 0 without
+        ``shared_memory`` (the sockets only)."""
+        return self.shared_memory_pool_bytes if self.shared_memory else 0
 
     @property
     def rows_per_step(self) -> int:

@@ -321,8 +321,9 @@ class RowCalls(QueueChannel):
         calls, placed, into = [], [], []
         # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
         # output (over Unix sockets), so rows spread over units cost no second copy.
+        empty = getattr(self._transport, "empty", None)  # pooled buffers with shared memory
         dense = {
-            name: np.empty((num_rows, nbytes_of(torch_dtype(schema.dtype), schema.shape)), dtype=np.uint8)
+            name: _empty(empty, num_rows, nbytes_of(torch_dtype(schema.dtype), schema.shape))
             for name, schema in batch_meta.fields.items()
             if schema.kind == "dense"
         }
@@ -451,6 +452,13 @@ class RowCalls(QueueChannel):
         served to its rank again under the same round."""
         request = p.Release(*_held_rows(batch_meta, "release", "consumed"), self.owner, _dp_group_id(batch_meta))
         await self._control(request, Any, self.config.default_timeout)
+
+
+def _empty(empty: Any, num_rows: int, row_bytes: int) -> np.ndarray:
+    """A ``[num_rows, row_bytes]`` uint8 array a read lands in: the transport's (pooled) or ``np.empty``."""
+    if empty is None or not num_rows * row_bytes:
+        return np.empty((num_rows, row_bytes), dtype=np.uint8)
+    return empty(num_rows * row_bytes).reshape(num_rows, row_bytes)
 
 
 def _held_rows(batch_meta: BatchMeta, call: str, how: str) -> tuple[int, str, bytes]:

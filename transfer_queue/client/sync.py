@@ -61,7 +61,8 @@ class TransferQueueClient:
     ):
         if not isinstance(controller_info, p.ControllerInfo):
             raise InvalidRequest(f"controller_info must be a ControllerInfo, got {type(controller_info).__name__}")
-        transport = BlockingTransport(spin_seconds, controller_info.secret, force_tcp)
+        shm = QueueConfig.from_dict(controller_info.config).shared_memory_bytes
+        transport = BlockingTransport(spin_seconds, controller_info.secret, force_tcp, shm)
         self._client = AsyncTransferQueueClient(client_id, controller_info, transport=transport)
 
     @property

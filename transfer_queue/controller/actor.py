@@ -137,7 +137,8 @@ class ControllerActor:
             fresh = [u for u, session in enumerate(sessions) if u not in dead and session != self._session_id]
         self._message_limit = limit = self._config.storage_unit_bytes * units + (1 << 20)  # a write never holds more
         live = [u for u in range(units) if u not in dead]
-        attaching = [storage_units[u].attach.remote(self._session_id, u, units, self._secret, limit) for u in live]
+        shm = self._config.shared_memory_bytes
+        attaching = [storage_units[u].attach.remote(self._session_id, u, units, self._secret, limit, shm) for u in live]
         attached = dict(zip(live, ray.get(attaching), strict=True))
         endpoints = [attached[u] if u in attached else _last_endpoint(identity, u) for u in range(units)]
         incarnations: list[str | None] = [None] * units
@@ -215,7 +216,10 @@ class ControllerActor:
         handle = self._units[unit]
         units = len(self._units)
         endpoint = ray.get(
-            handle.attach.remote(self._session_id, unit, units, self._secret, self._message_limit), timeout=60
+            handle.attach.remote(
+                self._session_id, unit, units, self._secret, self._message_limit, self._config.shared_memory_bytes
+            ),
+            timeout=60,
         )
         if self._replica_of is not None:  # before the controller marks it up: puts write copies to it from then on
             ray.get(handle.hold_copies.remote(self._copies_of(unit)), timeout=60)

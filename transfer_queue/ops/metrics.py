@@ -246,6 +246,12 @@ def storage_families(stats: dict[str, Any], metrics: StorageMetrics) -> Iterator
     yield _gauge("transfer_queue_storage_bytes_used", "Payload bytes this storage unit holds", stats["bytes"], unit)
     yield _gauge("transfer_queue_storage_blocks", "Blocks this storage unit holds", stats["blocks"], unit)
     yield _gauge("transfer_queue_storage_rss_bytes", "Resident memory of this storage unit", stats["rss_bytes"], unit)
+    shm = stats.get("shm")
+    if shm is not None:  # QueueConfig.shared_memory
+        yield _gauge("transfer_queue_storage_shm_bytes", "Shared-memory segments open (blocks, grants, free)",
+                     shm["segment_bytes"], unit)  # fmt: skip
+        yield _gauge("transfer_queue_storage_shm_free_bytes", "Shared-memory segments kept free for reuse",
+                     shm["free_bytes"], unit)  # fmt: skip
     for name, doc, value in (
         ("transfer_queue_storage_bytes_in", "Payload bytes written to this unit", metrics.bytes_in),
         ("transfer_queue_storage_bytes_out", "Payload bytes read from this unit", metrics.bytes_out),

@@ -14,6 +14,7 @@ import ctypes
 import hmac
 import logging
 import os
+import resource
 import time
 import uuid
 from collections.abc import Sequence
@@ -38,11 +39,13 @@ from transfer_queue.wire import protocol as p
 from transfer_queue.wire.auth import write_token
 from transfer_queue.wire.columns import Column, as_buffer, concat_columns, jagged_take, nframes, take_rows
 from transfer_queue.wire.server import DEFAULT_MAX_MESSAGE_BYTES, Responder, Server
+from transfer_queue.wire.shm import SegmentPool, supported
 from transfer_queue.wire.transport import Endpoint
 from transfer_queue.wire.unix_socket import GatheredFrame
 
 logger = logging.getLogger(__name__)
 TRIM_EVERY_BYTES = 64 << 20
+SHM_IDLE_S = 60.0  # free shared-memory segments unused this long go back to the OS
 
 
 @dataclass
@@ -264,6 +267,7 @@ class BlockStore:
             "blocks": len(self.blocks),
             "bytes": self.nbytes,
             "rss_bytes": _rss_bytes(),
+            "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,  # minor faults of this process
         }
 
 
@@ -336,7 +340,11 @@ def _rss_bytes() -> int:
 
 
 class StorageServer(Server):
-    """Serves a BlockStore from a background thread, over ZeroMQ (any host) and a Unix socket (this host)."""
+    """Serves a BlockStore from a background thread, over ZeroMQ (any host) and a Unix socket (this host).
+
+    ``shared_memory_bytes`` > 0: payloads of same-host clients that ask for it travel through shared memory
+    (transfer_queue.wire.shm): blocks written over the Unix socket live in memfd segments of a pool that keeps up to
+    that many free bytes, each for at most ``SHM_IDLE_S`` unused."""
 
     what = "storage unit"
 
@@ -348,7 +356,10 @@ class StorageServer(Server):
         secret: bytes = b"",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         advertise_host: str | None = None,
+        shared_memory_bytes: int = 0,
     ):
+        shm = shared_memory_bytes > 0 and supported()
+        pool = SegmentPool(shared_memory_bytes, f"tq-shm-u{store.unit}") if shm else None
         super().__init__(
             f"tq-storage-{store.unit}",
             p.decode_storage_request,
@@ -357,6 +368,7 @@ class StorageServer(Server):
             secret,
             max_message_bytes,
             advertise_host,
+            shm_pool=pool,
         )
         self.store = store
         self.metrics = StorageMetrics()  # recorded on the serving thread; read by scrapes under ``lock``
@@ -372,6 +384,7 @@ class StorageServer(Server):
         # checkpoint saves: the block table is taken on this thread, the files are written by one thread beside it
         self._saver = ThreadPoolExecutor(1, thread_name_prefix=f"tq-storage-{store.unit}-save")
         self._saves: list[tuple[Future[int], Responder]] = []
+        self._next_shm_trim = 0.0
         self.start()
 
     def _save(self, req: p.SaveUnit, responder: Responder) -> None:
@@ -387,6 +400,11 @@ class StorageServer(Server):
         )
 
     def periodic(self, events: dict[Any, int]) -> None:
+        if self.shm_pool is not None:
+            now = time.monotonic()
+            if now >= self._next_shm_trim:
+                self._next_shm_trim = now + 1.0
+                self.shm_pool.trim(SHM_IDLE_S)
         if not self._saves:
             return
         pending = []
@@ -426,13 +444,16 @@ class StorageServer(Server):
     def prometheus_text(self) -> bytes:
         """This unit's metrics in the Prometheus text format (see transfer_queue.ops.metrics)."""
         with self.lock:
-            families = list(storage_families(self.store.stats(), self.metrics))
+            shm = {} if self.shm_pool is None else {"shm": self.shm_pool.stats()}
+            families = list(storage_families({**self.store.stats(), **shm}, self.metrics))
         return render(lambda: families)
 
     def stats(self) -> dict[str, Any]:
-        """The store's figures and the serving loop's counters (``server`` key)."""
+        """The store's figures, the serving loop's counters (``server`` key) and, with shared memory, its pool's
+        (``shm``: segments open, their bytes, free bytes kept, segments created and reused)."""
         with self.lock:
-            return {**self.store.stats(), "server": super().stats()}
+            shm = {} if self.shm_pool is None else {"shm": self.shm_pool.stats()}
+            return {**self.store.stats(), "server": super().stats(), **shm}
 
 
 @ray.remote
@@ -470,7 +491,13 @@ class StorageUnit:
         self._incarnation = uuid.uuid4().hex
 
     def attach(
-        self, session_id: str, unit: int, num_units: int, secret: bytes = b"", max_message_bytes: int | None = None
+        self,
+        session_id: str,
+        unit: int,
+        num_units: int,
+        secret: bytes = b"",
+        max_message_bytes: int | None = None,
+        shared_memory_bytes: int = 0,
     ) -> Endpoint:
         """Join a controller's session as unit ``unit`` of ``num_units``; returns where this unit listens.
 
@@ -480,6 +507,8 @@ class StorageUnit:
         Args:
             secret: the queue's secret (through Ray, never a socket): every connection must prove it.
             max_message_bytes: the largest message a client may send (a write holds at most what the units hold).
+            shared_memory_bytes: > 0: serve same-host clients through shared memory, keeping up to this many free
+                bytes of segments pooled (``QueueConfig.shared_memory``); 0: over the socket only.
         """
         old = self._server
         if (
@@ -499,7 +528,9 @@ class StorageUnit:
             old.stop()
         limit = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
         store = BlockStore(unit, num_units, secret)
-        self._server = StorageServer(store, self._bind_host, session_id, secret, limit, self._advertise_host)
+        self._server = StorageServer(
+            store, self._bind_host, session_id, secret, limit, self._advertise_host, shared_memory_bytes
+        )
         return self._server.endpoint
 
     def hold_copies(self, units: list[int]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from transfer_queue.errors import ProtocolMismatch, SessionMismatch, TransferQueueError, error_to_wire
 from transfer_queue.wire import protocol as p
 from transfer_queue.wire.server_sockets import Incoming, Peer, ServerSockets
+from transfer_queue.wire.shm import SegmentPool
 from transfer_queue.wire.sockets import Reply
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Server:
         secret: the queue's secret; every connection must prove it before a frame is read (transfer_queue.wire.auth).
         max_message_bytes: the largest message accepted (see :meth:`ServerSockets.limit`).
         port: the TCP port to bind (0: a free one).
+        shm_pool: shared memory for same-host clients that ask for it (transfer_queue.wire.shm; storage units with
+            ``QueueConfig.shared_memory``), else None.
 
     Call :meth:`start` once the subclass is ready to serve.
     """
@@ -90,11 +93,13 @@ class Server:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         advertise_host: str | None = None,
         port: int = 0,
+        shm_pool: SegmentPool | None = None,
     ):
         self.name = name
         self.session_id = session_id
         self._decode = decode
-        self.sockets = ServerSockets(host, secret=secret, advertise_host=advertise_host, port=port)
+        self.sockets = ServerSockets(host, secret=secret, advertise_host=advertise_host, port=port, shm_pool=shm_pool)
+        self.shm_pool = shm_pool
         self.sockets.limit(max_message_bytes)
         self.endpoint = self.sockets.endpoint
         self.lock = threading.RLock()  # held while the subclass's code runs; Ray actor methods take it too

@@ -18,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 from transfer_queue.errors import PortInUse
 from transfer_queue.wire.auth import ZapHandler, secure_server
 from transfer_queue.wire.protocol import Endpoint, ray_node_id
+from transfer_queue.wire.shm import SegmentPool
 from transfer_queue.wire.socket_dirs import SocketDir
 from transfer_queue.wire.sockets import HANDSHAKE_FAILED, Reply, close_watched, server_addresses, tcp_address, watch
 from transfer_queue.wire.unix_socket import MAX_MESSAGE_BYTES, GatheredFrame, UnixServer
@@ -88,6 +89,7 @@ class ServerSockets:
         secret: bytes = b"",
         advertise_host: str | None = None,
         port: int = 0,
+        shm_pool: SegmentPool | None = None,
     ):
         bind, advertise = server_addresses(host, advertise_host)  # first: a bad address leaves nothing open
         self.ctx = zmq.Context()
@@ -112,7 +114,11 @@ class ServerSockets:
             self.ctx.destroy(linger=0)  # closes the router too
             raise
         self._socket_dir = SocketDir() if unix else None  # removed on close, at exit, or by the next server's sweep
-        self.unix = UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret) if self._socket_dir else None
+        self.unix = (
+            UnixServer(self._socket_dir.socket_path("server.sock"), secret=secret, pool=shm_pool)
+            if self._socket_dir
+            else None
+        )
         self.endpoint = Endpoint(
             tcp_address(advertise, port), self.unix.path if self.unix else None, socket.gethostname(), ray_node_id()
         )

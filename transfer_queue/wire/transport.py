@@ -15,13 +15,15 @@ to them, outlive the threads that used them); its coroutines never suspend, so t
 an event loop (and works inside a running one).
 :class:`AsyncioTransport` uses ``zmq.asyncio`` for ``AsyncTransferQueueClient``: one DEALER per event loop and
 server at a time, owned by the transport likewise (a loop that ends hands its sockets to the next loop, so the
-client's connections and leases outlive ``asyncio.run``). A shared-memory path would be a third.
+client's connections and leases outlive ``asyncio.run``). With ``shared_memory_bytes``, a BlockingTransport's Unix
+sockets ask storage units for shared memory (transfer_queue.wire.shm): payloads then move through memfd segments.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import select
 import socket
 import threading
 import time
@@ -42,6 +44,7 @@ from transfer_queue.errors import (
 )
 from transfer_queue.wire.auth import secure_client
 from transfer_queue.wire.protocol import Endpoint, decode_reply_header
+from transfer_queue.wire.shm import ClientMaps, SegmentPool, supported
 from transfer_queue.wire.sockets import close_watched, force_tcp_default, monitor_of, watch, with_addresses
 from transfer_queue.wire.unix_socket import connect, exchange, send_all
 
@@ -125,10 +128,21 @@ class BlockingTransport:
             CPU for latency; it only pays on hosts with spare cores).
         secret: the queue's secret (``ControllerInfo.secret``): CURVE over TCP, the HMAC handshake over Unix sockets.
         force_tcp: never use the Unix socket, even to servers on this host (see :func:`force_tcp_default`).
+        shared_memory_bytes: > 0: ask storage units on this host for shared memory (``QueueConfig.shared_memory``),
+            keeping up to this many free bytes of received payload buffers pooled for reuse; 0: sockets only.
     """
 
-    def __init__(self, spin_seconds: float = 0.0, secret: bytes = b"", force_tcp: bool | None = None):
+    def __init__(
+        self,
+        spin_seconds: float = 0.0,
+        secret: bytes = b"",
+        force_tcp: bool | None = None,
+        shared_memory_bytes: int = 0,
+    ):
         self._secret = secret
+        # what replies are copied out into: private memory, pooled (faulted in once, reused once the caller drops it)
+        shm = shared_memory_bytes > 0 and supported()
+        self._shm_pool = SegmentPool(shared_memory_bytes, "tq-shm-client", shared=False) if shm else None
         self.force_tcp = force_tcp_default() if force_tcp is None else force_tcp
         self._ctx: zmq.Context = zmq.Context.instance()
         self._local = threading.local()
@@ -217,10 +231,33 @@ class BlockingTransport:
         sockets = self._thread_sockets("unix")
         sock = sockets.get(path)
         if sock is None:
-            sock = sockets[path] = connect(path, self._secret, timeout)
+            maps = None if self._shm_pool is None else ClientMaps(self._shm_pool)
+            sock = sockets[path] = connect(path, self._secret, timeout, maps)
             with self._lock:
                 self._all_sockets.add(sock)
         return sock
+
+    def empty(self, nbytes: int) -> Any:
+        """A writable uint8 array of ``nbytes`` to receive a reply into: pooled (faulted in once, reused once the
+        caller drops it) with shared memory, else ``np.empty``."""
+        return ClientMaps(self._shm_pool).empty(nbytes)
+
+    def _close_dead_mappings(self, busy: set[str]) -> None:
+        """Close this thread's idle shared-memory connections whose server hung up (it died, or restarted on another
+        path): each maps the dead server's segments, which stay in memory until unmapped."""
+        sockets = self._local.__dict__.get("unix", {})
+        idle = {
+            sock.fileno(): path
+            for path, sock in sockets.items()
+            if path not in busy and getattr(sock, "shm", None) is not None and sock.shm.maps
+        }
+        if not idle:
+            return
+        poller = select.poll()
+        for fd in idle:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(0):  # an idle connection is readable only when its server hung up
+            sockets.pop(idle[fd]).close()
 
     def _unix_calls(
         self, calls: list[tuple[int, str, Frames, int]], timeout: float, into: Sequence[Into] | None = None
@@ -229,6 +266,8 @@ class BlockingTransport:
         arrays where given (by position in ``calls``' original order)."""
         deadline = time.monotonic() + timeout
         pairs = []
+        if self._shm_pool is not None:
+            self._close_dead_mappings({path for _, path, _, _ in calls})
         try:
             for _, path, frames, _ in calls:
                 pairs.append((self._unix_socket(path, deadline - time.monotonic()), frames))

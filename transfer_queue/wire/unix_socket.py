@@ -10,10 +10,16 @@ frames to ``sendmsg`` as they are (tensor memory included: no copy in user space
 per frame (a numpy uint8 array) with ``recv_into``, so a received tensor frame is writable memory that tensors
 can be built over without a copy.
 Limits on frame count and sizes are checked before anything is allocated; a peer that breaks them is dropped.
+
+With shared memory (:mod:`transfer_queue.wire.shm`) the count word's high bits carry flags (``SHM_OK``, ``TABLE``,
+``RELEASE``), a message's last frame may be a table of descriptors instead of payload, and a storage unit's reply
+may carry segment fds (``SCM_RIGHTS`` on its first byte; a client that asked for shared memory reads headers with
+``recvmsg``).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import itertools
 import os
@@ -26,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer_queue.errors import RequestTimeout
+from transfer_queue.errors import MalformedMessage, RequestTimeout
 from transfer_queue.wire.auth import (
     ACCEPTED,
     HANDSHAKE_TIMEOUT,
@@ -36,6 +42,18 @@ from transfer_queue.wire.auth import (
     check_unix_proof,
     new_nonce,
 )
+from transfer_queue.wire.shm import (
+    FLAGS,
+    MAX_FDS,
+    MIN_SHM_BYTES,
+    RELEASE,
+    SHM_OK,
+    TABLE,
+    ClientMaps,
+    SegmentPool,
+    UnitConnection,
+    aligned,
+)
 
 MAX_FRAMES = 4096
 MAX_MESSAGE_BYTES = 1 << 40  # 1 TiB: a claimed size beyond this is hostile, never allocated
@@ -43,6 +61,15 @@ _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 _SEND_CHUNK_FRAMES = 512  # sendmsg takes at most IOV_MAX (1024) buffers per call
 Frame = np.ndarray  # a received frame: uint8, writable, owned by whoever holds it
+RELEASE_MESSAGE = _COUNT.pack(RELEASE)  # client -> unit: the last reply's descriptors were copied out
+_FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+class Message(list[Frame]):
+    """A received message's frames, with the flags of its count word and the fds that came with it."""
+
+    flags = 0
+    fds: list[int] = []  # noqa: RUF012 (replaced per message, never mutated)
 
 
 class ProtocolViolation(Exception):
@@ -74,33 +101,40 @@ def _views(frame: Any) -> list[memoryview]:
     return frame.views if isinstance(frame, GatheredFrame) else [memoryview(frame).cast("B")]
 
 
-def encode_header(frames: Sequence[Any]) -> bytes:
+def encode_header(frames: Sequence[Any], flags: int = 0) -> bytes:
     lengths = [f.nbytes if isinstance(f, GatheredFrame) else memoryview(f).nbytes for f in frames]
-    return _COUNT.pack(len(frames)) + b"".join(_LENGTH.pack(n) for n in lengths)
+    return _COUNT.pack(len(frames) | flags) + b"".join(_LENGTH.pack(n) for n in lengths)
 
 
 class FrameReader:
     """Incremental reader of framed messages from a non-blocking socket (one per connection)."""
 
-    def __init__(self, into: dict[int, np.ndarray] | None = None) -> None:
+    def __init__(self, into: dict[int, np.ndarray] | None = None, fds: bool = False, allocate: Any = None) -> None:
         # Frame index -> a writable contiguous uint8 array the frame of the next message is received into (used
         # when the sizes agree), so a reply can land where the caller wants it without another copy.
         self._into = into
+        self._want_fds = fds  # read headers with recvmsg, keeping the fds that come with them
+        self._allocate = allocate  # nbytes -> a uint8 array for large frames (a storage unit's pool), else np.empty
+        self._reset()
+
+    def _reset(self) -> None:
         self._head = bytearray()
+        self._fds: list[int] = []
+        self._flags = 0
         self._need_head = _COUNT.size
         self._lengths: list[int] | None = None
         self._frames: list[np.ndarray] = []
         self._frame = 0
         self._offset = 0
 
-    def read(self, sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[list[list[Frame]], bool]:
+    def read(self, sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[list[Message], bool]:
         """Read what the socket has; returns (complete messages, whether the peer closed). A header that claims
         more than ``max_bytes`` in all raises ProtocolViolation before anything is allocated."""
-        done: list[list[Frame]] = []
+        done: list[Message] = []
         while True:
             try:
                 if self._lengths is None:
-                    chunk = sock.recv(self._need_head - len(self._head))
+                    chunk = self._recv_head(sock, self._need_head - len(self._head))
                     if not chunk:
                         return done, True
                     self._head += chunk
@@ -115,13 +149,43 @@ class FrameReader:
                     if self._offset == len(frame):
                         self._frame, self._offset = self._frame + 1, 0
                 if self._lengths is not None and self._frame == len(self._frames):
-                    done.append(self._frames)
-                    self.__init__()  # type: ignore[misc]
+                    message = Message(self._frames)
+                    message.flags, message.fds = self._flags, self._fds
+                    done.append(message)
+                    self._into = None  # for the first message only
+                    self._reset()
             except (BlockingIOError, InterruptedError):
                 return done, False
 
+    def _recv_head(self, sock: socket.socket, n: int) -> bytes:
+        if not self._want_fds:
+            return sock.recv(n)
+        chunk, ancillary, msg_flags, _ = sock.recvmsg(n, _FD_SPACE, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if msg_flags & socket.MSG_CTRUNC:
+            self.discard_fds()
+            raise ProtocolViolation(f"a message carried more than {MAX_FDS} fds")
+        return chunk
+
+    def discard_fds(self) -> None:
+        """Close the fds received with a message not completed (the connection is dropped)."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
     def _parse_head(self, max_bytes: int) -> None:
-        (count,) = _COUNT.unpack_from(self._head)
+        (word,) = _COUNT.unpack_from(self._head)
+        self._flags, count = word & FLAGS, word & ~FLAGS
+        if self._flags & RELEASE:  # a control message with no frames
+            if count or self._flags != RELEASE:
+                raise ProtocolViolation(f"a RELEASE message has no frames and no other flag, the peer sent {word:#x}")
+            self._lengths, self._frames = [], []
+            return
         if self._need_head == _COUNT.size:
             if not 1 <= count <= MAX_FRAMES:
                 raise ProtocolViolation(f"a message has 1 to {MAX_FRAMES} frames, the peer claims {count}")
@@ -133,8 +197,18 @@ class FrameReader:
             raise ProtocolViolation(f"a message of {sum(lengths)} bytes is over the {max_bytes}-byte limit")
         self._lengths = lengths
         into = self._into or {}
+        frames: list[np.ndarray | None] = [into[i] if i in into and into[i].nbytes == n else None for i, n in
+                                           enumerate(lengths)]  # fmt: skip
+        payload = [i for i in range(2, len(lengths)) if frames[i] is None]
+        if self._allocate is not None and self._flags & SHM_OK and any(lengths[i] >= MIN_SHM_BYTES for i in payload):
+            # a shared-memory client's payload, end to end in one buffer of the unit's pool (laid out as the client
+            # stages its next put in the grant this one earns: the same size, so freed blocks serve as grants)
+            buffer, at = self._allocate(sum(aligned(lengths[i]) for i in payload)), 0
+            for i in payload:
+                frames[i] = buffer[at : at + lengths[i]]
+                at += aligned(lengths[i])
         self._frames = [  # not zero-filled: recv_into overwrites every byte
-            into[i] if i in into and into[i].nbytes == n else np.empty(n, dtype=np.uint8) for i, n in enumerate(lengths)
+            np.empty(n, dtype=np.uint8) if f is None else f for f, n in zip(frames, lengths, strict=True)
         ]
 
     @property
@@ -145,9 +219,10 @@ class FrameReader:
 class FrameWriter:
     """Pending outgoing frames of one socket, written as far as the socket takes them (non-blocking)."""
 
-    def __init__(self, frames: Sequence[Any]):
-        self._views = [memoryview(encode_header(frames))] + [v for f in frames for v in _views(f)]
+    def __init__(self, frames: Sequence[Any], flags: int = 0, fds: Sequence[int] = ()):
+        self._views = [memoryview(encode_header(frames, flags))] + [v for f in frames for v in _views(f)]
         self._views = [v for v in self._views if v.nbytes]
+        self._fds = list(fds)  # sent with the first byte (SCM_RIGHTS); the sender keeps them open
 
     @property
     def done(self) -> bool:
@@ -156,7 +231,12 @@ class FrameWriter:
     def write(self, sock: socket.socket) -> None:
         while self._views:
             try:
-                sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES])
+                if self._fds:
+                    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", self._fds).tobytes())]
+                    sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES], rights)
+                    self._fds = []
+                else:
+                    sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES])
             except (BlockingIOError, InterruptedError):
                 return
             while sent and self._views:
@@ -192,8 +272,12 @@ def exchange(
     them into (see :class:`FrameReader`). Returns the replies (``None`` where none came in time) and the positions
     of the sockets that failed (timed out or closed); those the peer closed are also added to ``gone``."""
     gone = set() if gone is None else gone
-    writers = [FrameWriter(frames) for _, frames in pairs]
-    readers = [FrameReader(into[i] if into else None) for i in range(len(pairs))]
+    maps: list[ClientMaps | None] = [getattr(sock, "shm", None) for sock, _ in pairs]
+    writers = [
+        FrameWriter(frames) if m is None else FrameWriter(*m.outgoing(frames))
+        for (_, frames), m in zip(pairs, maps, strict=True)
+    ]
+    readers = [FrameReader(into[i] if into else None, fds=maps[i] is not None) for i in range(len(pairs))]
     replies: list[list[Frame] | None] = [None] * len(pairs)
     failed: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -230,7 +314,18 @@ def exchange(
             if event & select.POLLIN and i not in failed:
                 try:
                     messages, closed = readers[i].read(sock)
-                except (ProtocolViolation, OSError):
+                    shm = maps[i]
+                    if (
+                        messages
+                        and shm is not None
+                        and shm.incoming(  # descriptors: copied out here, then released
+                            messages[0], messages[0].flags, messages[0].fds, into[i] if into else None
+                        )
+                    ):
+                        with contextlib.suppress(OSError):
+                            sock.send(RELEASE_MESSAGE)
+                except (ProtocolViolation, MalformedMessage, OSError):
+                    readers[i].discard_fds()
                     messages, closed = [], True
                 if messages:
                     replies[i] = messages[0]
@@ -260,12 +355,34 @@ def listen(path: str) -> socket.socket:
     return sock
 
 
-def connect(path: str, secret: bytes = b"", timeout: float = HANDSHAKE_TIMEOUT) -> socket.socket:
+class ShmSocket(socket.socket):
+    """A client's Unix socket that asks for shared memory: ``shm`` holds what it mapped of the server's segments,
+    unmapped when it is closed."""
+
+    __slots__ = ("shm",)
+    shm: ClientMaps | None
+
+    def close(self) -> None:
+        shm = getattr(self, "shm", None)
+        if shm is not None:
+            shm.close()
+        super().close()
+
+
+def connect(
+    path: str, secret: bytes = b"", timeout: float = HANDSHAKE_TIMEOUT, shm: ClientMaps | None = None
+) -> socket.socket:
     """A non-blocking connection to the server at ``path``, authenticated with ``secret`` when given (see
     :mod:`transfer_queue.wire.auth`; AuthenticationFailed if the server refuses the proof; RequestTimeout if it does
     not challenge or answer within ``timeout``, the caller's: it is hung; an OSError, like a refused connection, if
-    the server closes it before its challenge: it is gone)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    the server closes it before its challenge: it is gone). With ``shm``, its requests ask for shared memory
+    (:class:`ShmSocket`)."""
+    sock: socket.socket
+    if shm is None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        sock = ShmSocket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.shm = shm
     try:
         sock.settimeout(max(0.001, timeout))
         try:
@@ -285,13 +402,15 @@ class Connection:
     """One accepted client connection: its reader, its queued replies, and its serial number (fds are reused after
     a close, serials never)."""
 
-    def __init__(self, sock: socket.socket, serial: int, nonce: bytes = b""):
+    def __init__(self, sock: socket.socket, serial: int, nonce: bytes = b"", pool: SegmentPool | None = None):
         self.sock = sock
         self.serial = serial
         self.nonce = nonce  # the challenge sent on accept; b"" once answered (or when the server has no secret)
         self.proof = b""
         self.accepted_at = time.monotonic()
-        self.reader = FrameReader()
+        self.reader = FrameReader(allocate=None if pool is None else pool.take)
+        self.shm = None if pool is None else UnitConnection(pool)
+        self.shm_ok = False  # the client asked for shared memory (its messages' SHM_OK flag)
         self.outbox: list[FrameWriter] = []
         self.stalled_since: float | None = None  # when the oldest queued reply stopped moving
 
@@ -318,9 +437,15 @@ class UnixServer:
     """
 
     def __init__(
-        self, path: str, send_timeout: float = 30.0, max_message_bytes: int = MAX_MESSAGE_BYTES, secret: bytes = b""
+        self,
+        path: str,
+        send_timeout: float = 30.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        secret: bytes = b"",
+        pool: SegmentPool | None = None,
     ):
         self.path = path
+        self.pool = pool  # shared memory for clients that ask for it (a storage unit's payload), else None
         self.secret = secret
         self.unauthenticated = 0  # connections dropped because they did not prove the secret
         self.listener = listen(path)
@@ -350,12 +475,25 @@ class UnixServer:
         if conn.nonce and not self._read_proof(fd, conn):
             return []
         try:
-            messages, closed = conn.reader.read(conn.sock, self.max_message_bytes)
-        except (ProtocolViolation, OSError):
+            received, closed = conn.reader.read(conn.sock, self.max_message_bytes)
+            messages = [m for m in (self._shm_incoming(conn, m) for m in received) if m is not None]
+        except (ProtocolViolation, MalformedMessage, OSError):
             messages, closed = [], True
         if closed:
             self.drop(fd)
         return [(fd, frames) for frames in messages]
+
+    def _shm_incoming(self, conn: Connection, message: Message) -> list[Frame] | None:
+        """A message as the server handles it (a staged one's frames resolved), or None for a RELEASE."""
+        if conn.shm is None:
+            if message.flags & TABLE:
+                raise ProtocolViolation("a message staged in shared memory, to a server that grants none")
+            return None if message.flags & RELEASE else message
+        if message.flags & RELEASE:
+            conn.shm.release()
+            return None
+        conn.shm_ok = bool(message.flags & SHM_OK)
+        return conn.shm.incoming(list(message), message.flags)
 
     def _read_proof(self, fd: int, conn: Connection) -> bool:
         """Read the client's answer to the challenge; True once it is proven (frames may follow at once)."""
@@ -413,7 +551,7 @@ class UnixServer:
                 except OSError:
                     sock.close()
                     continue
-            self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce)
+            self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce, self.pool)
 
     def reply(self, fd: int, frames: Sequence[Any]) -> bool:
         """Queue a reply on connection ``fd`` and write what the socket takes now; False (and the connection
@@ -421,7 +559,10 @@ class UnixServer:
         conn = self.connections.get(fd)
         if conn is None:
             return False
-        conn.outbox.append(FrameWriter(frames))
+        if conn.shm is not None and conn.shm_ok:
+            conn.outbox.append(FrameWriter(*conn.shm.outgoing(frames)))
+        else:
+            conn.outbox.append(FrameWriter(frames))
         try:
             conn.flush()
             return True
@@ -444,6 +585,8 @@ class UnixServer:
         conn = self.connections.pop(fd, None)
         if conn is not None:
             conn.sock.close()
+            if conn.shm is not None:
+                conn.shm.close()
             self._closed.append(conn.serial)
 
     def take_closed(self) -> list[int]:
@@ -456,6 +599,8 @@ class UnixServer:
             self.drop(fd)
         self._closed.clear()
         self.listener.close()
+        if self.pool is not None:
+            self.pool.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -114,3 +114,32 @@ def test_the_environment_variable_forces_tcp(queue: Any, monkeypatch: pytest.Mon
     monkeypatch.setenv(TRANSPORT_ENV, "shm")
     with pytest.raises(InvalidRequest, match="TRANSFER_QUEUE_TRANSPORT must be 'auto' or 'tcp', got 'shm'"):
         TransferQueueClient(client_id="env-bad", controller_info=queue.info)
+
+
+def test_shared_memory_over_ray_actors_gives_the_sockets_rows(make_view: Any) -> None:
+    """Storage units started by the controller actor with ``shared_memory``: a client that asks for it puts and gets
+    through their segments (it maps them) and reads what a socket client reads, and the reverse."""
+    from tests.conftest import DEFAULT_QUEUE
+
+    queue = make_view(**DEFAULT_QUEUE, shared_memory=True)
+    shm, plain = queue.new_client("shm"), TransferQueueClient("plain", queue.info, force_tcp=True)
+    step = queue.step()
+    x = torch.randn(16, 4096)
+    data = TensorDict(
+        {"x": x, "r": torch.nested.nested_tensor([torch.arange(i * 100) for i in range(16)], layout=torch.jagged),
+         "t": [f"row {i}" for i in range(16)]},
+        batch_size=[16],
+    )  # fmt: skip
+    source = {}  # global index -> row of ``data``
+    for start, client in ((0, shm), (4, shm), (8, shm), (12, plain)):  # shm's later puts go through its grants
+        meta = client.put(data[start : start + 4], global_step=step)
+        source.update({int(g): start + k for k, g in enumerate(meta.global_indexes)})
+    meta = shm.get_meta(["x", "r", "t"], 16, global_step=step, task_name="shm")
+    order = [source[int(g)] for g in meta.global_indexes]
+    for client in (shm, plain):
+        got = client.get_data(meta)
+        assert torch.equal(got["x"], x[order]) and list(got["t"]) == [f"row {i}" for i in order]
+        assert all(torch.equal(a, torch.arange(i * 100)) for a, i in zip(got["r"].unbind(), order, strict=True))
+    transport = shm._client._transport
+    assert any(sock.shm.maps for sock in transport._local.__dict__["unix"].values()), "no segment was mapped"
+    plain.close()

@@ -1,0 +1,257 @@
+"""Shared-memory segments (transfer_queue.wire.shm): the pool hands memory back only when the last view dies, keeps
+at most its cap of free segments, locates buffers; descriptors, grants and fds over a real Unix socket pair."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from transfer_queue.errors import MalformedMessage
+from transfer_queue.wire.shm import (
+    MIN_SHM_BYTES,
+    SHM_OK,
+    TABLE,
+    ClientMaps,
+    SegmentPool,
+    ShmTable,
+    UnitConnection,
+    decode_table,
+    encode_table,
+    segment_size,
+)
+from transfer_queue.wire.unix_socket import RELEASE_MESSAGE, FrameReader, FrameWriter, ProtocolViolation
+
+MB = 1 << 20
+
+
+def memfds_of(pool: SegmentPool) -> list[str]:
+    """This process's mappings of ``pool``'s segments (``/memfd:<name>-<id> (deleted)`` in /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-2] for line in f if f"/memfd:{pool.name}-" in line})
+
+
+def test_a_segment_goes_back_to_the_pool_only_when_its_last_view_dies_and_is_reused() -> None:
+    pool = SegmentPool(16 * MB, "tq-test-views")
+    array = pool.take(3 * MB)
+    tensor = torch.frombuffer(memoryview(array[MB:]), dtype=torch.uint8)  # a view of a view, through torch
+    del array
+    gc.collect()
+    assert pool.stats()["free_bytes"] == 0, "a torch view still holds the memory"
+    del tensor
+    assert pool.stats()["free_bytes"] == segment_size(3 * MB)
+    again = pool.take(3 * MB)
+    assert pool.stats()["reused"] == 1 and pool.stats()["created"] == 1
+    assert pool.locate(again[100:200]) == (1, 100)
+    pool.close()
+
+
+def test_freed_segments_beyond_the_cap_are_closed_and_unmapped() -> None:
+    pool = SegmentPool(4 * MB, "tq-test-cap")
+    arrays = [pool.take(4 * MB) for _ in range(3)]
+    assert len(memfds_of(pool)) == 3
+    del arrays
+    assert pool.stats() == {
+        "segments": 1, "segment_bytes": 4 * MB, "free_bytes": 4 * MB, "created": 3, "reused": 0, "granted_bytes": 0,
+    }  # fmt: skip
+    assert len(memfds_of(pool)) == 1
+    pool.close()
+    assert memfds_of(pool) == []
+
+
+def test_trim_closes_the_free_segments_idle_for_longer_than_asked() -> None:
+    pool = SegmentPool(16 * MB, "tq-test-trim")
+    first, second = pool.take(MB), pool.take(MB)
+    del first
+    assert pool.trim(idle_s=3600) == 0 and pool.stats()["free_bytes"] == MB
+    assert pool.trim() == MB and pool.stats()["segments"] == 1
+    del second
+    pool.close()
+    assert memfds_of(pool) == []
+
+
+def test_a_private_pool_hands_out_copy_on_write_memory_to_a_forked_child() -> None:
+    pool = SegmentPool(16 * MB, "tq-test-private", shared=False)
+    array = pool.take(MB)
+    array[:] = 1
+    pid = os.fork()
+    if pid == 0:  # the child writes its copy and leaves
+        array[:] = 2
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert np.all(array == 1) and memfds_of(pool) == []
+    del array
+    pool.close()
+
+
+def test_locate_finds_buffers_inside_segments_in_use_only() -> None:
+    pool = SegmentPool(0, "tq-test-locate")
+    array = pool.take(MB)
+    assert pool.locate(array[10:20]) == (1, 10)
+    assert pool.locate(np.zeros(100, dtype=np.uint8)) is None  # not pool memory
+    segment_id = pool.locate(array)
+    del array
+    assert segment_id is not None and not pool.is_open(segment_id[0])  # cap 0: closed at once
+    pool.close()
+
+
+def test_a_table_round_trips_and_a_bad_one_is_malformed() -> None:
+    table = ShmTable(frames={2: [(1, 0, 5), (3, 64, 7)]}, fds=[1, 3], grant=(4, 1024), forget=[9])
+    assert decode_table(encode_table(table)) == table
+    with pytest.raises(MalformedMessage, match="shared-memory table that does not decode"):
+        decode_table(b"\xc1junk")
+
+
+def send_and_read(sender: socket.socket, receiver: socket.socket, frames: list, flags: int = 0, fds=()) -> list:
+    writer = FrameWriter(frames, flags, fds)
+    reader = FrameReader(fds=True)
+    got: list = []
+    while not got:
+        writer.write(sender)
+        got, closed = reader.read(receiver)
+        assert not closed
+    return got[0]
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_put_is_staged_in_the_grant_and_adopted_a_get_is_described_and_copied_out(pair) -> None:
+    unit_sock, client_sock = pair
+    pool, client_pool = SegmentPool(64 * MB, "tq-test-unit"), SegmentPool(64 * MB, "tq-test-client")
+    unit, client = UnitConnection(pool), ClientMaps(client_pool)
+    payload = np.arange(MB, dtype=np.uint8)
+    # the first put travels in-band and earns a grant, sent with the write's reply (fd by SCM_RIGHTS)
+    frames, flags = client.outgoing([b"env", b"body", payload, b"x" * 10])
+    assert flags == SHM_OK and frames[2] is payload
+    unit.incoming(frames, flags)
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"ok"]))
+    assert reply.flags == TABLE and len(reply.fds) == 1
+    assert not client.incoming(reply, reply.flags, reply.fds, None) and client.grant is not None
+    # the second (the same shape) is copied into the grant: only descriptors travel, the unit adopts the memory
+    frames, flags = client.outgoing([b"env", b"body", payload, b"x" * 10])
+    assert flags == SHM_OK | TABLE and [memoryview(f).nbytes for f in frames[2:4]] == [0, 0]
+    adopted = unit.incoming(frames, flags)
+    assert np.array_equal(adopted[2], payload) and bytes(adopted[3]) == b"x" * 10
+    assert pool.locate(adopted[2]) is not None and client.grant is None
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"ok"]))  # a fresh grant: a new segment
+    assert not client.incoming(reply, reply.flags, reply.fds, None) and client.grant is not None
+    assert len(client.maps) == 2 and pool.stats()["created"] == 2
+    # a get of the adopted block: described, its segment already mapped (no fd), copied into ``into``
+    into = {2: np.empty(MB, dtype=np.uint8)}
+    out = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", adopted[2]]))
+    assert out.fds == [] and memoryview(out[2]).nbytes == 0
+    assert client.incoming(out, out.flags, out.fds, into) and out[2] is into[2]
+    assert np.array_equal(into[2], payload) and len(unit.pins) == 1
+    unit.incoming([b"env", b"next"], SHM_OK)  # the next message releases the pin
+    assert unit.pins == []
+    client.close()
+    unit.close()
+    pool.close()
+    client_pool.close()
+
+
+def test_a_descriptor_outside_the_grant_or_without_one_is_refused() -> None:
+    pool = SegmentPool(64 * MB, "tq-test-refuse")
+    unit = UnitConnection(pool)
+    staged = [b"env", b"body", b"", encode_table(ShmTable(frames={2: [(1, 0, 10)]}))]
+    with pytest.raises(MalformedMessage, match="this connection holds no grant"):
+        unit.incoming(list(staged), SHM_OK | TABLE)
+    unit.incoming([b"env", b"body", np.zeros(MIN_SHM_BYTES, dtype=np.uint8)], SHM_OK)
+    unit.outgoing([b"head", b"ok"])
+    assert unit.grant is not None
+    beyond = encode_table(ShmTable(frames={2: [(unit.grant_id, 0, unit.grant.nbytes + 1)]}))
+    with pytest.raises(MalformedMessage, match=r"the grant is \d+ bytes of segment"):
+        unit.incoming([b"env", b"body", b"", beyond], SHM_OK | TABLE)
+    unit.close()
+    pool.close()
+
+
+def test_a_closed_segment_is_forgotten_by_the_client_with_the_next_reply(pair) -> None:
+    unit_sock, client_sock = pair
+    pool = SegmentPool(0, "tq-test-forget")  # nothing kept free: a freed segment is closed at once
+    unit, client = UnitConnection(pool), ClientMaps()
+    block = pool.take(MB)
+    block[:] = 7
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"h", b"r", block]))
+    client.incoming(reply, reply.flags, reply.fds, None)
+    assert np.all(reply[2] == 7) and len(client.maps) == 1
+    del block
+    unit.release()  # the block's last view: its segment closes
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"h", b"r", np.zeros(MB, dtype=np.uint8)]))
+    client.incoming(reply, reply.flags, reply.fds, None)
+    assert client.maps == {} and memfds_of(pool) == []
+
+
+def test_release_is_a_frameless_message_and_other_flags_with_it_are_a_violation(pair) -> None:
+    a, b = pair
+    a.send(RELEASE_MESSAGE)
+    reader = FrameReader()
+    (message,), closed = reader.read(b)
+    assert list(message) == [] and message.flags and not closed
+    a.send((1 << 29 | 1).to_bytes(4, "little"))  # RELEASE with a frame count
+    with pytest.raises(ProtocolViolation, match="a RELEASE message has no frames"):
+        reader.read(b)
+
+
+def test_fds_that_come_with_a_message_are_received_once(pair) -> None:
+    a, b = pair
+    r, w = os.pipe()
+    try:
+        message = send_and_read(a, b, [b"x"], 0, [w])
+        assert len(message.fds) == 1
+        os.write(message.fds[0], b"!")
+        assert os.read(r, 1) == b"!"
+        os.close(message.fds[0])
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_the_config_keys_are_checked_and_the_environment_sets_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transfer_queue.config import SHARED_MEMORY_ENV, QueueConfig
+    from transfer_queue.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=r"shared_memory must be a bool, got 'yes'"):
+        QueueConfig(global_batch_size=1, shared_memory="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=r"shared_memory_pool_bytes must be an int >= 0, got -1"):
+        QueueConfig(global_batch_size=1, shared_memory_pool_bytes=-1)
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "0")
+    assert QueueConfig(global_batch_size=1).shared_memory_bytes == 0
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "1")
+    config = QueueConfig(global_batch_size=1)
+    assert config.shared_memory and config.shared_memory_bytes == 1 << 30
+    assert QueueConfig.from_dict({**config.to_dict(), "shared_memory": False}).shared_memory is False
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "maybe")
+    with pytest.raises(InvalidRequest, match=r"TRANSFER_QUEUE_SHARED_MEMORY must be 0 or 1, got 'maybe'"):
+        QueueConfig(global_batch_size=1)
+
+
+def test_grants_outstanding_are_bounded_by_the_pool_cap() -> None:
+    """Each connection that puts holds a grant; together they stay within the cap (beyond it: the socket)."""
+    pool = SegmentPool(5 * MB // 2, "tq-test-grants")  # room for two grants of 1 MiB
+    connections = [UnitConnection(pool) for _ in range(3)]
+    for connection in connections:
+        connection.incoming([b"env", b"body", np.zeros(MB, dtype=np.uint8)], SHM_OK)
+        connection.outgoing([b"head", b"ok"])
+    assert [c.grant is not None for c in connections] == [True, True, False]
+    assert pool.stats()["granted_bytes"] == 2 * MB
+    connections[0].close()
+    assert pool.stats()["granted_bytes"] == MB
+    connections[2].incoming([b"env", b"body", np.zeros(MB, dtype=np.uint8)], SHM_OK)
+    connections[2].outgoing([b"head", b"ok"])
+    assert connections[2].grant is not None and pool.stats()["granted_bytes"] == 2 * MB
+    for connection in connections:
+        connection.close()
+    pool.close()

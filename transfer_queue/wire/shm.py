@@ -1,0 +1,491 @@
+"""Same-host payloads through shared memory: memfd segments, handed over a Unix socket once, then named by
+descriptors.
+
+A storage unit started with ``QueueConfig.shared_memory`` keeps its payload in :class:`SegmentPool` segments
+(``memfd_create``: anonymous, never a name in ``/dev/shm``, so nothing outlives the last process that maps one, not
+even after a SIGKILL). On a Unix-socket connection whose client asked for it (the ``SHM_OK`` flag of its messages):
+
+- **get**: a reply's payload frames that lie in segments travel as descriptors ``(segment, offset, length)`` in a
+  small table (the last frame); each segment's fd goes to the client once, with ``SCM_RIGHTS`` on the reply's first
+  byte. The client maps it (kept per connection) and copies each frame out once, into the array the caller named
+  (``into``) or one of its own pool (already faulted in: a get pays no page faults in the steady state). The unit
+  keeps the frames it described alive (pinned) until the client's next message on that connection (the client
+  sends a 4-byte ``RELEASE`` once it copied): a block cleared meanwhile is not reused under the copy.
+- **put**: a reply to a message that carried a payload grants the connection a segment of that size (a *grant*);
+  the client's next message of at most that size is copied straight into it and carries only descriptors. The unit
+  adopts the granted memory as the message's frames (no second copy) and grants a fresh segment with its reply, so
+  the steady state adds no round trip. A message that does not fit the grant travels in-band (and earns a larger
+  grant). A unit's grants outstanding, together, stay within its pool's ``max_free_bytes``.
+
+Memory handed out by a pool (:meth:`SegmentPool.take`) goes back to it when the last view of it dies (a finalizer
+on the buffer every view holds), so a block's segment is reused only once nothing refers to it: no block, no
+queued reply, no pin. Free segments are kept up to ``max_free_bytes`` (already faulted in, so a put or a get into
+them takes no page faults), beyond that closed; a client that mapped a closed segment is told to unmap it in its
+next reply (``forget``), and unmaps everything of a connection that closes. A client's pool is private memory
+(what it copies replies into becomes its caller's tensors). Same-host clients only: the client and the unit trust
+each other as processes that both proved the queue's secret.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import mmap
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from transfer_queue.errors import MalformedMessage
+
+FRAME_ALIGN = 64  # each frame's offset in a staged segment (any dtype's view over it is aligned)
+MIN_SHM_BYTES = 64 << 10  # frames (and staged messages) smaller than this travel in-band: a copy is cheaper
+SMALL_ROUND = 64 << 10  # segment sizes are rounded up to this, or to LARGE_ROUND from LARGE_ROUND on
+LARGE_ROUND = 2 << 20
+MAX_FDS = 64  # segment fds one message may carry
+
+# flags in the high bits of a message's frame-count word (see transfer_queue.wire.unix_socket)
+SHM_OK = 1 << 31  # client -> unit: this connection accepts descriptor replies and grants
+TABLE = 1 << 30  # the message's last frame is a ShmTable
+RELEASE = 1 << 29  # client -> unit, with no frames: the descriptors of the last reply were copied out
+FLAGS = SHM_OK | TABLE | RELEASE
+
+
+class ShmTable(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a message's payload frames are in shared memory: ``frames`` maps a frame's index to its pieces
+    ``(segment, offset, length)`` (its bytes end to end; the frame itself is empty); ``fds``: the segments whose fds
+    ride on this message, in order; ``grant``: (segment, bytes) the receiver may stage its next message in;
+    ``forget``: segments the receiver must unmap (closed by the unit)."""
+
+    frames: dict[int, list[tuple[int, int, int]]] = {}
+    fds: list[int] = []
+    grant: tuple[int, int] | None = None
+    forget: list[int] = []
+
+
+_encode_table = msgspec.msgpack.Encoder().encode
+_decode_table = msgspec.msgpack.Decoder(ShmTable).decode
+
+
+def encode_table(table: ShmTable) -> bytes:
+    return _encode_table(table)
+
+
+def decode_table(frame: Any) -> ShmTable:
+    try:
+        return _decode_table(memoryview(frame))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(f"a shared-memory table that does not decode: {exc}") from None
+
+
+def supported() -> bool:
+    """Whether this platform has memfd segments (Linux): elsewhere ``shared_memory`` leaves the sockets alone."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+
+
+def segment_size(nbytes: int) -> int:
+    """The size of a new segment for ``nbytes``: rounded up to 64 KiB, or to 2 MiB from 2 MiB on."""
+    step = LARGE_ROUND if nbytes >= LARGE_ROUND else SMALL_ROUND
+    return max(step, -(-nbytes // step) * step)
+
+
+def aligned(n: int) -> int:
+    return -(-n // FRAME_ALIGN) * FRAME_ALIGN
+
+
+def address_of(buffer: Any) -> tuple[int, int]:
+    """(address, bytes) of a contiguous buffer."""
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    return (array.ctypes.data, array.nbytes) if array.nbytes else (0, 0)
+
+
+class Segment:
+    """One memfd of ``size`` bytes, mapped read-write here; its fd stays open while it lives (sent to clients).
+    Not ``shared``: private anonymous memory instead (fd -1), e.g. a client's receive buffers, which it hands to its
+    caller as tensors: a process forked from it gets them copy-on-write, as it would ``np.empty``'s."""
+
+    __slots__ = ("address", "array", "fd", "id", "mmap", "size")
+
+    def __init__(self, segment_id: int, size: int, name: str, shared: bool = True):
+        self.id = segment_id
+        self.size = size
+        if not shared:
+            self.fd = -1
+            self.mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.array = np.frombuffer(self.mmap, dtype=np.uint8)
+            self.address = self.array.ctypes.data
+            return
+        self.fd = os.memfd_create(f"{name}-{segment_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self.mmap = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self.mmap, dtype=np.uint8)
+        self.address = self.array.ctypes.data
+
+    def close(self) -> None:
+        del self.array
+        try:
+            self.mmap.close()
+        except BufferError:  # a view of it is still alive (never for a pooled segment): unmapped when it dies
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+class SegmentPool:
+    """Segments handed out as numpy arrays (:meth:`take`), back in the pool when the last view of one dies; at most
+    ``max_free_bytes`` of free segments are kept (faulted in, reused first), the rest closed.
+
+    ``name`` prefixes the memfds' names (``/proc/<pid>/maps`` shows ``/memfd:<name>-<id> (deleted)``); ``shared``
+    False: private anonymous memory (never sent anywhere). Thread-safe: views die on whatever thread drops them
+    last."""
+
+    def __init__(self, max_free_bytes: int, name: str = "tq-shm", shared: bool = True):
+        self.max_free_bytes = max_free_bytes
+        self.shared = shared
+        self.name = f"{name}-{os.getpid()}"
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.segments: dict[int, Segment] = {}  # every open segment, in use or free
+        self._free: list[Segment] = []
+        self._freed_at: dict[int, float] = {}  # free segment id -> when it was freed (trim)
+        self._starts: list[int] = []  # addresses of the open segments, sorted (locate)
+        self._by_start: dict[int, Segment] = {}
+        self._in_use: set[int] = set()
+        self._closed = False
+        self.created = 0  # segments made (a steady state makes none)
+        self.reused = 0
+        self.granted = 0  # bytes of grants outstanding (at most max_free_bytes: see grant)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array of ``nbytes`` at the start of a segment (a free one that fits, else a new one),
+        in use until the array and every view of it are gone."""
+        if nbytes < 1:
+            raise ValueError(f"a segment holds at least one byte, asked for {nbytes}")
+        with self._lock:
+            segment = self._pick(nbytes)
+            if segment is None:
+                segment = Segment(next(self._ids), segment_size(nbytes), self.name, self.shared)
+                self.segments[segment.id] = segment
+                bisect.insort(self._starts, segment.address)
+                self._by_start[segment.address] = segment
+                self.created += 1
+            else:
+                self.reused += 1
+            self._in_use.add(segment.id)
+        array = np.frombuffer(segment.mmap, dtype=np.uint8, count=nbytes)
+        # every view of ``array`` (numpy, torch, memoryview) keeps ``array.base`` alive: when it dies, nothing
+        # refers to this memory any more
+        weakref.finalize(array.base, self._give_back, segment.id).atexit = False  # nothing to give back at exit
+        return array
+
+    def grant(self, nbytes: int) -> np.ndarray | None:
+        """Memory a connection may stage its next message in (:meth:`take`), or None when the grants outstanding
+        would exceed ``max_free_bytes`` (then the message travels over the socket): grants are memory held outside
+        the blocks' byte budget, so they are bounded however many connections put. :meth:`end_grant` when it is
+        used or dropped."""
+        with self._lock:
+            if self.granted + nbytes > self.max_free_bytes:
+                return None
+            self.granted += nbytes
+        return self.take(nbytes)
+
+    def end_grant(self, nbytes: int) -> None:
+        with self._lock:
+            self.granted -= nbytes
+
+    def _pick(self, nbytes: int) -> Segment | None:
+        """The smallest free segment that holds ``nbytes`` and is at most twice what a new one would be."""
+        limit = 2 * segment_size(nbytes)
+        best = None
+        for segment in self._free:
+            if nbytes <= segment.size <= limit and (best is None or segment.size < best.size):
+                best = segment
+        if best is not None:
+            self._free.remove(best)
+            self._freed_at.pop(best.id, None)
+        return best
+
+    def _give_back(self, segment_id: int) -> None:
+        with self._lock:
+            self._in_use.discard(segment_id)
+            segment = self.segments.get(segment_id)
+            if segment is None:
+                return
+            if not self._closed and self.free_bytes + segment.size <= self.max_free_bytes:
+                self._free.append(segment)
+                self._freed_at[segment.id] = time.monotonic()
+                return
+            self._close(segment)
+
+    def _close(self, segment: Segment) -> None:
+        del self.segments[segment.id]
+        self._starts.remove(segment.address)
+        del self._by_start[segment.address]
+        segment.close()
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(s.size for s in self._free)
+
+    def locate(self, buffer: Any) -> tuple[int, int] | None:
+        """(segment id, offset) of a buffer that lies wholly inside one segment in use, else None."""
+        address, nbytes = address_of(buffer)
+        if not nbytes:
+            return None
+        with self._lock:
+            i = bisect.bisect_right(self._starts, address) - 1
+            if i < 0:
+                return None
+            segment = self._by_start[self._starts[i]]
+            if segment.id not in self._in_use or address + nbytes > segment.address + segment.size:
+                return None
+            return segment.id, address - segment.address
+
+    def fd(self, segment_id: int) -> int:
+        return self.segments[segment_id].fd
+
+    def array(self, segment_id: int) -> np.ndarray:
+        return self.segments[segment_id].array
+
+    def is_open(self, segment_id: int) -> bool:
+        return segment_id in self.segments
+
+    def trim(self, idle_s: float = 0.0) -> int:
+        """Close the free segments unused for ``idle_s`` seconds (0: all); returns the bytes closed."""
+        now = time.monotonic()
+        with self._lock:
+            old = [s for s in self._free if now - self._freed_at.get(s.id, now) >= idle_s]
+            for segment in old:
+                self._free.remove(segment)
+                self._freed_at.pop(segment.id, None)
+                self._close(segment)
+            return sum(s.size for s in old)
+
+    def close(self) -> None:
+        """Close the free segments now and the others once their last view dies."""
+        with self._lock:
+            self._closed = True
+        self.trim()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "segments": len(self.segments),
+                "segment_bytes": sum(s.size for s in self.segments.values()),
+                "free_bytes": self.free_bytes,
+                "created": self.created,
+                "reused": self.reused,
+                "granted_bytes": self.granted,
+            }
+
+
+class UnitConnection:
+    """A storage unit's shared-memory state for one client connection: the segments whose fds it sent, the frames
+    it pinned for the client's copy, and the grant the client may stage its next message in."""
+
+    def __init__(self, pool: SegmentPool):
+        self.pool = pool
+        self.sent: set[int] = set()
+        self.pins: list[Any] = []
+        self.grant: np.ndarray | None = None  # the granted memory (a pool array), while the client may use it
+        self.grant_id = 0
+        self.want_grant = 0  # bytes to grant with the next reply (what the last message carried)
+
+    def release(self) -> None:
+        """The client copied the last reply's descriptors out (or sent its next message): unpin."""
+        self.pins = []
+
+    def incoming(self, frames: list[Any], flags: int) -> list[Any]:
+        """A request as the unit handles it: a staged one's frames become views of the granted memory (adopted:
+        not copied). A descriptor outside the grant, or a table without one, is a protocol violation
+        (MalformedMessage)."""
+        self.release()
+        if flags & TABLE:
+            table = decode_table(frames.pop())
+            grant = self.grant
+            if grant is None:
+                raise MalformedMessage("a message staged in shared memory, but this connection holds no grant")
+            for i, pieces in table.frames.items():
+                if not 2 <= i < len(frames) or len(pieces) != 1 or memoryview(frames[i]).nbytes:
+                    raise MalformedMessage(f"frame {i} of a staged message is described wrongly: {pieces}")
+                ((segment, offset, length),) = pieces
+                if segment != self.grant_id or offset < 0 or length < 0 or offset + length > grant.nbytes:
+                    raise MalformedMessage(
+                        f"frame {i} lies at {offset}+{length} of segment {segment}; the grant is {grant.nbytes} "
+                        f"bytes of segment {self.grant_id}"
+                    )
+                frames[i] = grant[offset : offset + length]
+            self._end_grant()
+            self.want_grant = grant.nbytes
+        else:
+            sizes = [memoryview(f).nbytes for f in frames[2:]]
+            if sum(sizes) >= MIN_SHM_BYTES and flags & SHM_OK:  # it did not fit the grant (the client dropped it)
+                self._end_grant()
+                self.want_grant = sum(aligned(n) for n in sizes)  # what the client stages it in
+        return frames
+
+    def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
+        """A reply as it goes out: its payload frames that lie in segments as descriptors (pinned until the client's
+        next message), a grant when the request earned one, and the fds the client has not seen. Returns (frames,
+        flags, fds). A frame with ``views`` (a unix_socket.GatheredFrame) is described piece by piece."""
+        out = list(frames)
+        table = ShmTable(frames={}, fds=[], forget=[])
+        for i in range(2, len(out)):
+            frame = out[i]
+            views = getattr(frame, "views", None) or [frame]
+            if sum(memoryview(v).nbytes for v in views) < MIN_SHM_BYTES:
+                continue
+            pieces = []
+            for view in views:
+                where = self.pool.locate(view)
+                if where is None:
+                    break
+                pieces.append((where[0], where[1], memoryview(view).nbytes))
+            else:
+                table.frames[i] = pieces
+                self.pins.append(frame)
+                out[i] = b""
+        grant = self.pool.grant(self.want_grant) if self.want_grant and self.grant is None else None
+        if grant is not None:
+            self.grant = grant
+            where = self.pool.locate(grant)
+            assert where is not None and where[1] == 0
+            self.grant_id = where[0]
+            table.grant = (self.grant_id, self.grant.nbytes)
+        self.want_grant = 0
+        used = {s for pieces in table.frames.values() for s, _, _ in pieces}
+        if table.grant is not None:
+            used.add(table.grant[0])
+        if len(used - self.sent) > MAX_FDS:  # more new segments than one message carries: in-band instead
+            self.pins = []
+            if table.grant is not None:  # granted just now, never told: withdrawn (an earlier grant stays)
+                self._end_grant()
+            return list(frames), 0, []
+        table.forget = [s for s in self.sent if not self.pool.is_open(s)]
+        self.sent.difference_update(table.forget)
+        table.fds = sorted(used - self.sent)
+        if not table.frames and table.grant is None and not table.forget:
+            return out, 0, []
+        self.sent.update(table.fds)
+        return [*out, encode_table(table)], TABLE, [self.pool.fd(s) for s in table.fds]
+
+    def _end_grant(self) -> None:
+        if self.grant is not None:
+            self.pool.end_grant(self.grant.nbytes)
+            self.grant = None
+
+    def close(self) -> None:
+        self.pins = []
+        self._end_grant()
+
+
+class ClientMaps:
+    """A client's shared-memory state for one connection to a storage unit: the unit's segments it mapped, the
+    grant it may stage its next message in, and the pool its copies land in (shared by the client's connections)."""
+
+    def __init__(self, pool: SegmentPool | None = None):
+        self.pool = pool
+        self.maps: dict[int, mmap.mmap] = {}
+        self.grant: tuple[int, int] | None = None
+
+    def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int]:
+        """A request as it goes out: staged in the grant (its payload frames copied into it, descriptors in a table)
+        when it fits, else as it is. Returns (frames, flags)."""
+        grant = self.grant
+        sizes = [memoryview(f).nbytes for f in frames[2:]]
+        if grant is None or len(frames) < 3 or sum(sizes) < MIN_SHM_BYTES:
+            return list(frames), SHM_OK
+        if sum(aligned(n) for n in sizes) > grant[1]:
+            self.grant = None  # the unit grants a larger one with its reply
+            return list(frames), SHM_OK
+        segment, _ = grant
+        out, table, at = list(frames), ShmTable(frames={}), 0
+        target = np.frombuffer(self.maps[segment], dtype=np.uint8, count=grant[1])
+        for i, n in enumerate(sizes, start=2):
+            if n:
+                target[at : at + n] = np.frombuffer(out[i], dtype=np.uint8)
+            table.frames[i] = [(segment, at, n)]
+            out[i] = b""
+            at += aligned(n)
+        del target
+        self.grant = None
+        return [*out, encode_table(table)], SHM_OK | TABLE
+
+    def incoming(self, frames: list[Any], flags: int, fds: list[int], into: dict[int, Any] | None) -> bool:
+        """Resolve a reply in place: map the segments whose fds came with it, unmap those it says to forget, keep its
+        grant, and copy each described frame out (into ``into[i]`` when its size agrees, else a fresh array of the
+        pool). Returns whether it described frames (then the unit waits for RELEASE). MalformedMessage if the table
+        names segments this connection does not map, or bytes outside them."""
+        if not flags & TABLE:
+            _close_fds(fds)
+            return False
+        table = decode_table(frames.pop())
+        if len(table.fds) != len(fds):
+            _close_fds(fds)
+            raise MalformedMessage(f"a reply names {len(table.fds)} segment fds and carries {len(fds)}")
+        for segment, fd in zip(table.fds, fds, strict=True):
+            try:
+                size = os.fstat(fd).st_size
+                self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+        for segment in table.forget:
+            _unmap(self.maps.pop(segment, None))
+        if table.grant is not None:
+            if table.grant[0] not in self.maps or table.grant[1] > len(self.maps[table.grant[0]]):
+                raise MalformedMessage(f"a grant of {table.grant} outside the segments this connection maps")
+            self.grant = table.grant
+        for i, pieces in table.frames.items():
+            if not 2 <= i < len(frames):
+                raise MalformedMessage(f"a shared-memory table describes frame {i} of a {len(frames)}-frame reply")
+            total = sum(length for _, _, length in pieces)
+            target = into.get(i) if into else None
+            if target is None or target.nbytes != total:
+                target = self.empty(total)
+            at = 0
+            for segment, offset, length in pieces:
+                mapped = self.maps.get(segment)
+                if mapped is None or offset < 0 or length < 0 or offset + length > len(mapped):
+                    raise MalformedMessage(f"a descriptor {segment}:{offset}+{length} outside the mapped segments")
+                target[at : at + length] = np.frombuffer(mapped, dtype=np.uint8, count=length, offset=offset)
+                at += length
+            frames[i] = target
+        return bool(table.frames)
+
+    def empty(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array of ``nbytes``: from the pool (faulted in once, reused) when large."""
+        if self.pool is not None and nbytes >= MIN_SHM_BYTES:
+            return self.pool.take(nbytes)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def close(self) -> None:
+        for mapped in self.maps.values():
+            _unmap(mapped)
+        self.maps.clear()
+        self.grant = None
+
+
+def _unmap(mapped: mmap.mmap | None) -> None:
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:  # a copy in flight on another thread holds a view: unmapped when it is dropped
+            pass
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
