@@ -342,7 +342,9 @@ class UnitConnection:
         table = ShmTable(frames={}, fds=[], forget=[])
         for i in range(2, len(out)):
             frame = out[i]
-            views = getattr(frame, "views", None) or [frame]
+            views = getattr(frame, "views", None)
+            if views is None:  # a plain buffer (a GatheredFrame's views may be none: an empty read)
+                views = [frame]
             if sum(memoryview(v).nbytes for v in views) < MIN_SHM_BYTES:
                 continue
             pieces = []

@@ -24,7 +24,7 @@ from transfer_queue.wire.shm import (
     encode_table,
     segment_size,
 )
-from transfer_queue.wire.unix_socket import RELEASE_MESSAGE, FrameReader, FrameWriter, ProtocolViolation
+from transfer_queue.wire.unix_socket import RELEASE_MESSAGE, FrameReader, FrameWriter, GatheredFrame, ProtocolViolation
 
 MB = 1 << 20
 
@@ -174,6 +174,18 @@ def test_a_descriptor_outside_the_grant_or_without_one_is_refused() -> None:
     beyond = encode_table(ShmTable(frames={2: [(unit.grant_id, 0, unit.grant.nbytes + 1)]}))
     with pytest.raises(MalformedMessage, match=r"the grant is \d+ bytes of segment"):
         unit.incoming([b"env", b"body", b"", beyond], SHM_OK | TABLE)
+    unit.close()
+    pool.close()
+
+
+def test_a_gathered_frame_of_no_buffers_goes_out_as_it_is() -> None:
+    """A read of blocks whose field holds no bytes (an empty gather: GatheredFrame([])) is answered on the socket
+    (before: the unit took the frame itself for its one view, and memoryview() of it raised TypeError)."""
+    pool = SegmentPool(64 * MB, "tq-test-empty-gather")
+    unit = UnitConnection(pool)
+    empty = GatheredFrame([])
+    frames, flags, fds = unit.outgoing([b"head", b"read", empty])
+    assert frames[2] is empty and (flags, fds) == (0, [])
     unit.close()
     pool.close()
 
