@@ -159,6 +159,9 @@ def init(
         num_storage_units=num_storage_units,
         **config,
     ).to_dict()
+    # resolved here, where the caller's environment is (TRANSFER_QUEUE_SHARED_MEMORY): the controller actor's process
+    # may not have it (a cluster started before it was set), and would build another configuration
+    config["shared_memory"] = wanted["shared_memory"]
     wanted_sampler = type(make_sampler(sampler)).__name__
     if not ray.is_initialized():
         init_ray()

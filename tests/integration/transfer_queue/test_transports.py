@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+import transfer_queue
 from transfer_queue import TransferQueueClient
 from transfer_queue.errors import InvalidRequest
 from transfer_queue.wire.sockets import TRANSPORT_ENV
@@ -143,3 +144,18 @@ def test_shared_memory_over_ray_actors_gives_the_sockets_rows(make_view: Any) ->
     transport = shm._client._transport
     assert any(sock.shm.maps for sock in transport._local.__dict__["unix"].values()), "no segment was mapped"
     plain.close()
+
+
+def test_the_environment_variable_set_after_ray_started_turns_shared_memory_on(
+    ray_session: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TRANSFER_QUEUE_SHARED_MEMORY=1`` set in the driver once Ray runs: its Ray workers do not have it, so the
+    controller actor built its configuration without it and ``init`` refused its own queue (ConfigMismatch); the
+    driver's choice is passed on."""
+    monkeypatch.setenv("TRANSFER_QUEUE_SHARED_MEMORY", "1")
+    client = transfer_queue.init(global_batch_size=4, num_storage_units=1)
+    try:
+        assert client.config.shared_memory
+    finally:
+        client.close()
+        transfer_queue.shutdown()
