@@ -29,6 +29,8 @@ each other as processes that both proved the queue's secret.
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import itertools
 import mmap
 import os
@@ -36,7 +38,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -154,6 +156,9 @@ class SegmentPool:
         self.shared = shared
         self.name = f"{name}-{os.getpid()}"
         self._lock = threading.Lock()
+        # segments whose last view died, not yet back in the free list: a finalizer only appends here (atomic, no
+        # lock), since it may run on a thread that holds the lock (a cyclic-GC pass inside an allocation under it)
+        self._returned: collections.deque[int] = collections.deque()
         self._ids = itertools.count(1)
         self.segments: dict[int, Segment] = {}  # every open segment, in use or free
         self._free: list[Segment] = []
@@ -171,7 +176,7 @@ class SegmentPool:
         in use until the array and every view of it are gone."""
         if nbytes < 1:
             raise ValueError(f"a segment holds at least one byte, asked for {nbytes}")
-        with self._lock:
+        with self._locked():
             segment = self._pick(nbytes)
             if segment is None:
                 segment = Segment(next(self._ids), segment_size(nbytes), self.name, self.shared)
@@ -193,14 +198,14 @@ class SegmentPool:
         would exceed ``max_free_bytes`` (then the message travels over the socket): grants are memory held outside
         the blocks' byte budget, so they are bounded however many connections put. :meth:`end_grant` when it is
         used or dropped."""
-        with self._lock:
+        with self._locked():
             if self.granted + nbytes > self.max_free_bytes:
                 return None
             self.granted += nbytes
         return self.take(nbytes)
 
     def end_grant(self, nbytes: int) -> None:
-        with self._lock:
+        with self._locked():
             self.granted -= nbytes
 
     def _pick(self, nbytes: int) -> Segment | None:
@@ -216,16 +221,38 @@ class SegmentPool:
         return best
 
     def _give_back(self, segment_id: int) -> None:
+        """A finalizer: never waits for the lock (this thread may hold it: a GC pass inside an allocation)."""
+        self._returned.append(segment_id)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Drain what was given back if the lock is free now; a holder drains it when it lets go (see _locked)."""
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
         with self._lock:
+            self._drain()
+            yield
+        self._settle()  # given back while this thread held the lock (a finalizer that could not take it)
+
+    def _drain(self) -> None:
+        """Under the lock: put the segments whose last view died back in the free list (or close them)."""
+        while self._returned:
+            segment_id = self._returned.popleft()
             self._in_use.discard(segment_id)
             segment = self.segments.get(segment_id)
             if segment is None:
-                return
-            if not self._closed and self.free_bytes + segment.size <= self.max_free_bytes:
+                continue
+            if not self._closed and self._free_bytes() + segment.size <= self.max_free_bytes:
                 self._free.append(segment)
                 self._freed_at[segment.id] = time.monotonic()
-                return
-            self._close(segment)
+            else:
+                self._close(segment)
 
     def _close(self, segment: Segment) -> None:
         del self.segments[segment.id]
@@ -235,6 +262,10 @@ class SegmentPool:
 
     @property
     def free_bytes(self) -> int:
+        with self._locked():
+            return self._free_bytes()
+
+    def _free_bytes(self) -> int:
         return sum(s.size for s in self._free)
 
     def locate(self, buffer: Any) -> tuple[int, int] | None:
@@ -242,7 +273,7 @@ class SegmentPool:
         address, nbytes = address_of(buffer)
         if not nbytes:
             return None
-        with self._lock:
+        with self._locked():
             i = bisect.bisect_right(self._starts, address) - 1
             if i < 0:
                 return None
@@ -258,12 +289,13 @@ class SegmentPool:
         return self.segments[segment_id].array
 
     def is_open(self, segment_id: int) -> bool:
-        return segment_id in self.segments
+        with self._locked():
+            return segment_id in self.segments
 
     def trim(self, idle_s: float = 0.0) -> int:
         """Close the free segments unused for ``idle_s`` seconds (0: all); returns the bytes closed."""
         now = time.monotonic()
-        with self._lock:
+        with self._locked():
             old = [s for s in self._free if now - self._freed_at.get(s.id, now) >= idle_s]
             for segment in old:
                 self._free.remove(segment)
@@ -273,16 +305,16 @@ class SegmentPool:
 
     def close(self) -> None:
         """Close the free segments now and the others once their last view dies."""
-        with self._lock:
+        with self._locked():
             self._closed = True
         self.trim()
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
+        with self._locked():
             return {
                 "segments": len(self.segments),
                 "segment_bytes": sum(s.size for s in self.segments.values()),
-                "free_bytes": self.free_bytes,
+                "free_bytes": self._free_bytes(),
                 "created": self.created,
                 "reused": self.reused,
                 "granted_bytes": self.granted,

@@ -267,3 +267,37 @@ def test_grants_outstanding_are_bounded_by_the_pool_cap() -> None:
     for connection in connections:
         connection.close()
     pool.close()
+
+
+def test_a_buffer_collected_by_a_gc_pass_inside_the_pools_lock_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cyclic-GC pass may run on any allocation, including those a pool makes under its lock; a pooled buffer
+    whose last reference is in a cycle is then finalized on the thread that holds the lock."""
+    import threading
+
+    from transfer_queue.wire import shm
+
+    pool = SegmentPool(16 * MB, "tq-test-gc", shared=False)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.me = holder  # type: ignore[attr-defined]
+    holder.data = pool.take(MB)  # type: ignore[attr-defined]
+    del holder
+    real = shm.segment_size
+    monkeypatch.setattr(shm, "segment_size", lambda n: (gc.collect(), real(n))[1])  # a GC pass under the lock
+    done, taken = threading.Event(), list[np.ndarray]()
+
+    def take() -> None:
+        taken.append(pool.take(2 * MB))
+        done.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    assert done.wait(30), "take() hung: the finalizer waited for the lock its own thread holds"
+    monkeypatch.undo()
+    assert pool.stats()["free_bytes"] == MB  # the collected buffer is back in the pool
+    taken.clear()
+    pool.close()
