@@ -357,14 +357,28 @@ class UnitConnection:
                         f"bytes of segment {self.grant_id}"
                     )
                 frames[i] = grant[offset : offset + length]
+            staged = sum(aligned(length) for pieces in table.frames.values() for _, _, length in pieces)
+            if staged > 0 and 2 * staged <= grant.nbytes:  # far smaller than its grant: a right-sized copy
+                self._copy_out(frames, sorted(table.frames), staged)
+            del grant
             self._end_grant()
-            self.want_grant = grant.nbytes
+            self.want_grant = staged  # the next grant fits what the client stages now, not its largest put
         else:
             sizes = [memoryview(f).nbytes for f in frames[2:]]
             if sum(sizes) >= MIN_SHM_BYTES and flags & SHM_OK:  # it did not fit the grant (the client dropped it)
                 self._end_grant()
                 self.want_grant = sum(aligned(n) for n in sizes)  # what the client stages it in
         return frames
+
+    def _copy_out(self, frames: list[Any], indexes: list[int], nbytes: int) -> None:
+        """Copy staged frames into one right-sized pool buffer (laid out as staged), so a small put does not
+        hold a large grant's segment as its block."""
+        buffer, at = self.pool.take(nbytes), 0
+        for i in indexes:
+            n = memoryview(frames[i]).nbytes
+            buffer[at : at + n] = frames[i]
+            frames[i] = buffer[at : at + n]
+            at += aligned(n)
 
     def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         """A reply as it goes out: its payload frames that lie in segments as descriptors (pinned until the client's
@@ -467,10 +481,14 @@ class ClientMaps:
         if len(table.fds) != len(fds):
             _close_fds(fds)
             raise MalformedMessage(f"a reply names {len(table.fds)} segment fds and carries {len(fds)}")
+        granted = table.grant[0] if table.grant is not None else None
         for segment, fd in zip(table.fds, fds, strict=True):
             try:
                 size = os.fstat(fd).st_size
-                self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                # a segment of blocks is mapped faulted in (a get copies out of it); a fresh grant is not: only the
+                # pages a put stages in become resident
+                populate = 0 if segment == granted else getattr(mmap, "MAP_POPULATE", 0)
+                self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
             finally:
                 os.close(fd)
         for segment in table.forget:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from typing import Any
 
 import numpy as np
 import pytest
@@ -300,4 +301,35 @@ def test_a_buffer_collected_by_a_gc_pass_inside_the_pools_lock_does_not_deadlock
     monkeypatch.undo()
     assert pool.stats()["free_bytes"] == MB  # the collected buffer is back in the pool
     taken.clear()
+    pool.close()
+
+
+def test_after_a_large_put_small_puts_neither_hold_its_grant_nor_keep_a_large_grant(pair) -> None:
+    """A staged put far smaller than its grant is copied into a right-sized segment, and the next grant is sized
+    from what was staged: a 64 KiB put after a 16 MiB one does not hold a 16 MiB segment as its block."""
+    unit_sock, client_sock = pair
+    pool = SegmentPool(1 << 30, "tq-test-amp")
+    unit, client = UnitConnection(pool), ClientMaps()
+
+    def put(payload: np.ndarray) -> Any:
+        frames, flags = client.outgoing([b"env", b"body", payload])
+        block = unit.incoming(frames, flags)[2]
+        reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"ok"]))
+        client.incoming(reply, reply.flags, reply.fds, None)
+        return block, flags
+
+    put(np.ones(16 * MB, dtype=np.uint8))  # in-band: earns a 16 MiB grant
+    assert client.grant is not None and client.grant[1] == 16 * MB
+    small = np.full(MIN_SHM_BYTES, 5, dtype=np.uint8)
+    blocks = []
+    for _ in range(4):
+        block, flags = put(small)
+        assert flags & TABLE and np.array_equal(block, small)
+        blocks.append(block)
+    assert client.grant is not None and client.grant[1] == MIN_SHM_BYTES
+    held = [pool.segments[where[0]].size for where in map(pool.locate, blocks) if where is not None]
+    assert held == [segment_size(MIN_SHM_BYTES)] * 4
+    client.close()
+    unit.close()
+    del blocks, block
     pool.close()
