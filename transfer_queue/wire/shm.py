@@ -383,7 +383,8 @@ class UnitConnection:
     def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         """A reply as it goes out: its payload frames that lie in segments as descriptors (pinned until the client's
         next message), a grant when the request earned one, and the fds the client has not seen. Returns (frames,
-        flags, fds). A frame with ``views`` (a unix_socket.GatheredFrame) is described piece by piece."""
+        flags, fds: new fds the caller owns, see unix_socket.FrameWriter). A frame with ``views`` (a
+        unix_socket.GatheredFrame) is described piece by piece."""
         out = list(frames)
         table = ShmTable(frames={}, fds=[], forget=[])
         for i in range(2, len(out)):
@@ -425,7 +426,8 @@ class UnitConnection:
         if not table.frames and table.grant is None and not table.forget:
             return out, 0, []
         self.sent.update(table.fds)
-        return [*out, encode_table(table)], TABLE, [self.pool.fd(s) for s in table.fds]
+        # dups, owned by the reply's writer (closed once sent): the segment may close before a queued reply goes
+        return [*out, encode_table(table)], TABLE, [os.dup(self.pool.fd(s)) for s in table.fds]
 
     def _end_grant(self) -> None:
         if self.grant is not None:

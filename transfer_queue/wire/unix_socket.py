@@ -222,11 +222,24 @@ class FrameWriter:
     def __init__(self, frames: Sequence[Any], flags: int = 0, fds: Sequence[int] = ()):
         self._views = [memoryview(encode_header(frames, flags))] + [v for f in frames for v in _views(f)]
         self._views = [v for v in self._views if v.nbytes]
-        self._fds = list(fds)  # sent with the first byte (SCM_RIGHTS); the sender keeps them open
+        # sent with the first byte (SCM_RIGHTS). The writer owns them (dups of the sender's, see
+        # UnitConnection.outgoing): closed once sent or when the writer is dropped, so a reply queued behind a full
+        # socket never sends an fd number its owner closed and the process reused meanwhile
+        self._fds = list(fds)
 
     @property
     def done(self) -> bool:
         return not self._views
+
+    def close(self) -> None:
+        """Close the fds not sent (the reply is dropped with its connection)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     def write(self, sock: socket.socket) -> None:
         while self._views:
@@ -234,7 +247,7 @@ class FrameWriter:
                 if self._fds:
                     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", self._fds).tobytes())]
                     sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES], rights)
-                    self._fds = []
+                    self.close()  # the peer holds its own copies now
                 else:
                     sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES])
             except (BlockingIOError, InterruptedError):
@@ -585,6 +598,9 @@ class UnixServer:
         conn = self.connections.pop(fd, None)
         if conn is not None:
             conn.sock.close()
+            for writer in conn.outbox:
+                writer.close()
+            conn.outbox = []
             if conn.shm is not None:
                 conn.shm.close()
             self._closed.append(conn.serial)

@@ -222,7 +222,7 @@ def test_fds_that_come_with_a_message_are_received_once(pair) -> None:
     a, b = pair
     r, w = os.pipe()
     try:
-        message = send_and_read(a, b, [b"x"], 0, [w])
+        message = send_and_read(a, b, [b"x"], 0, [os.dup(w)])  # the writer owns (and closes) what it sends
         assert len(message.fds) == 1
         os.write(message.fds[0], b"!")
         assert os.read(r, 1) == b"!"
@@ -332,4 +332,31 @@ def test_after_a_large_put_small_puts_neither_hold_its_grant_nor_keep_a_large_gr
     client.close()
     unit.close()
     del blocks, block
+    pool.close()
+
+
+def test_a_queued_reply_sends_its_segment_even_if_the_segment_closed_and_its_fd_number_was_reused(pair) -> None:
+    """A reply waits in the outbox behind a full socket; meanwhile its pins go and the segment closes (cap 0). The
+    fd the client receives is still that segment's, not whatever file reused the closed fd's number."""
+    unit_sock, client_sock = pair
+    pool = SegmentPool(0, "tq-test-fdreuse")
+    unit = UnitConnection(pool)
+    block = pool.take(MB)
+    frames, flags, fds = unit.outgoing([b"head", b"read", block])
+    writer = FrameWriter(frames, flags, fds)  # queued, not written yet
+    name = os.readlink(f"/proc/self/fd/{pool.fd(1)}")
+    unit.release()
+    del block  # the segment closes (cap 0): its fd number is free
+    assert not pool.is_open(1)
+    victim = os.memfd_create("tq-test-victim")
+    try:
+        reader, got = FrameReader(fds=True), []
+        while not got:
+            writer.write(unit_sock)
+            got, _ = reader.read(client_sock)
+        assert [os.readlink(f"/proc/self/fd/{fd}") for fd in got[0].fds] == [name]
+        for fd in got[0].fds:
+            os.close(fd)
+    finally:
+        os.close(victim)
     pool.close()
