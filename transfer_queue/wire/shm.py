@@ -476,23 +476,24 @@ class ClientMaps:
         grant, and copy each described frame out (into ``into[i]`` when its size agrees, else a fresh array of the
         pool). Returns whether it described frames (then the unit waits for RELEASE). MalformedMessage if the table
         names segments this connection does not map, or bytes outside them."""
-        if not flags & TABLE:
-            _close_fds(fds)
-            return False
-        table = decode_table(frames.pop())
-        if len(table.fds) != len(fds):
-            _close_fds(fds)
-            raise MalformedMessage(f"a reply names {len(table.fds)} segment fds and carries {len(fds)}")
-        granted = table.grant[0] if table.grant is not None else None
-        for segment, fd in zip(table.fds, fds, strict=True):
-            try:
-                size = os.fstat(fd).st_size
+        try:  # every fd received is closed here, mapped or not (an mmap holds its own)
+            if not flags & TABLE:
+                return False
+            table = decode_table(frames.pop())
+            if len(table.fds) != len(fds):
+                raise MalformedMessage(f"a reply names {len(table.fds)} segment fds and carries {len(fds)}")
+            granted = table.grant[0] if table.grant is not None else None
+            for segment, fd in zip(table.fds, fds, strict=True):
                 # a segment of blocks is mapped faulted in (a get copies out of it); a fresh grant is not: only the
                 # pages a put stages in become resident
                 populate = 0 if segment == granted else getattr(mmap, "MAP_POPULATE", 0)
-                self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
-            finally:
-                os.close(fd)
+                try:
+                    size = os.fstat(fd).st_size
+                    self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+                except (ValueError, OSError) as exc:
+                    raise MalformedMessage(f"segment {segment}'s fd of a reply does not map: {exc}") from None
+        finally:
+            _close_fds(fds)
         for segment in table.forget:
             _unmap(self.maps.pop(segment, None))
         if table.grant is not None:

@@ -349,6 +349,8 @@ def exchange(
                 poller.unregister(sock)
                 pending -= 1
     failed.update(i for i, reply in enumerate(replies) if reply is None)
+    for i in failed:  # a reply cut short (its deadline, a hang-up): the fds that came with its first bytes
+        readers[i].discard_fds()
     return replies, sorted(failed)
 
 

@@ -360,3 +360,71 @@ def test_a_queued_reply_sends_its_segment_even_if_the_segment_closed_and_its_fd_
     finally:
         os.close(victim)
     pool.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shm_client_pair() -> tuple[socket.socket, socket.socket]:
+    from transfer_queue.wire.unix_socket import ShmSocket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = ShmSocket(fileno=b.detach())
+    client.shm = ClientMaps()
+    client.setblocking(False)
+    a.setblocking(False)
+    return a, client
+
+
+def memfds(n: int, size: int) -> list[int]:
+    fds = [os.memfd_create("tq-test-leak") for _ in range(n)]
+    for fd in fds:
+        os.ftruncate(fd, size)
+    return fds
+
+
+@pytest.mark.parametrize(
+    "table, flags",
+    [(b"\xc1junk", TABLE), (encode_table(ShmTable(fds=[1, 2, 3])), 0), (encode_table(ShmTable(fds=[1, 2])), TABLE)],
+    ids=["undecodable", "no-table-flag", "fewer-named-than-carried"],
+)
+def test_a_reply_that_is_refused_closes_every_fd_it_carried(table: bytes, flags: int) -> None:
+    from transfer_queue.wire.unix_socket import exchange
+
+    server, client = shm_client_pair()
+    FrameWriter([b"head", b"ok", table], flags, memfds(3, 4096)).write(server)  # the writer closes its fds
+    before = open_fds()
+    exchange([(client, [b"env", b"body"])], 5.0)
+    assert open_fds() == before
+    client.close()
+    server.close()
+
+
+def test_a_segment_fd_that_does_not_map_is_malformed_and_every_fd_is_closed() -> None:
+    fds = memfds(3, 0)  # empty: mmap refuses it
+    before = open_fds()
+    message = [b"head", b"ok", encode_table(ShmTable(fds=[1, 2, 3]))]
+    with pytest.raises(MalformedMessage, match="segment 1's fd of a reply does not map"):
+        ClientMaps().incoming(message, TABLE, fds, None)
+    assert open_fds() == before - 3
+
+
+def test_fds_that_came_with_a_reply_cut_short_by_the_deadline_are_closed() -> None:
+    import array
+    import struct
+
+    from transfer_queue.wire.unix_socket import exchange
+
+    server, client = shm_client_pair()
+    fds = memfds(2, 4096)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+    server.sendmsg([struct.pack("<I", 3 | TABLE)], rights)  # a header's first word, then nothing
+    for fd in fds:
+        os.close(fd)
+    before = open_fds()
+    replies, failed = exchange([(client, [b"env", b"body"])], 0.2)
+    assert replies == [None] and failed == [0]
+    assert open_fds() == before
+    client.close()
+    server.close()
