@@ -108,17 +108,18 @@ def address_of(buffer: Any) -> tuple[int, int]:
 
 
 class Segment:
-    """One memfd of ``size`` bytes, mapped read-write here; its fd stays open while it lives (sent to clients).
+    """One memfd of ``size`` bytes, mapped read-write here; one fd of it stays open while it lives (sent to
+    clients): the mmap's own (Python's mmap dups the fd it maps), so a segment costs one fd, not two.
     Not ``shared``: private anonymous memory instead (fd -1), e.g. a client's receive buffers, which it hands to its
     caller as tensors: a process forked from it gets them copy-on-write, as it would ``np.empty``'s."""
 
-    __slots__ = ("address", "array", "fd", "id", "mmap", "size")
+    __slots__ = ("address", "array", "fd", "id", "mmap", "owns_fd", "size")
 
     def __init__(self, segment_id: int, size: int, name: str, shared: bool = True):
         self.id = segment_id
         self.size = size
         if not shared:
-            self.fd = -1
+            self.fd, self.owns_fd = -1, False
             self.mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.array = np.frombuffer(self.mmap, dtype=np.uint8)
             self.address = self.array.ctypes.data
@@ -126,21 +127,39 @@ class Segment:
         self.fd = os.memfd_create(f"{name}-{segment_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            self.mmap = mmap.mmap(self.fd, size)
+            self.mmap, mapped_fd = _map_finding_its_fd(self.fd, size)
         except BaseException:
             os.close(self.fd)
             raise
+        self.owns_fd = mapped_fd is None
+        if mapped_fd is not None:  # the mmap's own fd names the same memfd: ours is one too many
+            os.close(self.fd)
+            self.fd = mapped_fd
         self.array = np.frombuffer(self.mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
 
     def close(self) -> None:
         del self.array
         try:
-            self.mmap.close()
+            self.mmap.close()  # closes the mmap's fd too
         except BufferError:  # a view of it is still alive (never for a pooled segment): unmapped when it dies
             pass
-        if self.fd >= 0:
+        if self.fd >= 0 and self.owns_fd:
             os.close(self.fd)
+
+
+def _map_finding_its_fd(fd: int, size: int) -> tuple[mmap.mmap, int | None]:
+    """``mmap.mmap(fd, size)`` and the fd it holds (it dups ``fd``: the lowest free number, which is probed first and
+    checked after: the same file), or None where another thread took that number meanwhile (then both stay open)."""
+    probe = os.dup(fd)
+    os.close(probe)
+    mapped = mmap.mmap(fd, size)
+    try:
+        same = os.path.samestat(os.fstat(probe), os.fstat(fd))
+    except OSError:
+        same = False
+    # only this process holds the memfd, made just now: a number naming it other than ``fd`` is the mmap's
+    return mapped, probe if same and probe != fd else None
 
 
 class SegmentPool:
@@ -202,7 +221,11 @@ class SegmentPool:
             if self.granted + nbytes > self.max_free_bytes:
                 return None
             self.granted += nbytes
-        return self.take(nbytes)
+        try:
+            return self.take(nbytes)
+        except BaseException:
+            self.end_grant(nbytes)
+            raise
 
     def end_grant(self, nbytes: int) -> None:
         with self._locked():
@@ -384,7 +407,18 @@ class UnitConnection:
         """A reply as it goes out: its payload frames that lie in segments as descriptors (pinned until the client's
         next message), a grant when the request earned one, and the fds the client has not seen. Returns (frames,
         flags, fds: new fds the caller owns, see unix_socket.FrameWriter). A frame with ``views`` (a
-        unix_socket.GatheredFrame) is described piece by piece."""
+        unix_socket.GatheredFrame) is described piece by piece. If it raises (no fd or memory left), nothing of
+        it is pinned or granted: the caller may send the reply as it is."""
+        granted = self.grant is not None
+        try:
+            return self._outgoing(frames)
+        except BaseException:
+            self.pins = []
+            if not granted:
+                self._end_grant()
+            raise
+
+    def _outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         out = list(frames)
         table = ShmTable(frames={}, fds=[], forget=[])
         for i in range(2, len(out)):
@@ -421,13 +455,20 @@ class UnitConnection:
                 self._end_grant()
             return list(frames), 0, []
         table.forget = [s for s in self.sent if not self.pool.is_open(s)]
-        self.sent.difference_update(table.forget)
         table.fds = sorted(used - self.sent)
         if not table.frames and table.grant is None and not table.forget:
             return out, 0, []
-        self.sent.update(table.fds)
         # dups, owned by the reply's writer (closed once sent): the segment may close before a queued reply goes
-        return [*out, encode_table(table)], TABLE, [os.dup(self.pool.fd(s)) for s in table.fds]
+        fds: list[int] = []
+        try:
+            for segment in table.fds:
+                fds.append(os.dup(self.pool.fd(segment)))
+        except BaseException:
+            _close_fds(fds)
+            raise
+        self.sent.difference_update(table.forget)
+        self.sent.update(table.fds)
+        return [*out, encode_table(table)], TABLE, fds
 
     def _end_grant(self) -> None:
         if self.grant is not None:

@@ -574,10 +574,13 @@ class UnixServer:
         conn = self.connections.get(fd)
         if conn is None:
             return False
+        writer = None
         if conn.shm is not None and conn.shm_ok:
-            conn.outbox.append(FrameWriter(*conn.shm.outgoing(frames)))
-        else:
-            conn.outbox.append(FrameWriter(frames))
+            try:
+                writer = FrameWriter(*conn.shm.outgoing(frames))
+            except (OSError, ValueError, MemoryError):  # no fd or memory for it now: the reply goes in-band
+                writer = None
+        conn.outbox.append(FrameWriter(frames) if writer is None else writer)
         try:
             conn.flush()
             return True

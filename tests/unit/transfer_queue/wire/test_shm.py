@@ -428,3 +428,57 @@ def test_fds_that_came_with_a_reply_cut_short_by_the_deadline_are_closed() -> No
     assert open_fds() == before
     client.close()
     server.close()
+
+
+def test_a_unit_segment_holds_one_fd_not_the_mmaps_dup_and_ours() -> None:
+    pool = SegmentPool(1 << 30, "tq-test-onefd")
+    before = open_fds()
+    blocks = [pool.take(MIN_SHM_BYTES) for _ in range(20)]
+    assert open_fds() - before == 20
+    segment = pool.segments[1]
+    assert os.readlink(f"/proc/self/fd/{pool.fd(1)}") == f"/memfd:{pool.name}-1 (deleted)"
+    assert np.frombuffer(os.pread(pool.fd(1), 4, 0), dtype=np.uint8).tolist() == [0, 0, 0, 0]
+    blocks[0][:4] = 9  # the fd and the mapping are the same memory
+    assert os.pread(pool.fd(1), 4, 0) == b"\t" * 4 and segment.mmap[:4] == b"\t" * 4
+    del blocks, segment
+    pool.close()
+    assert open_fds() == before
+
+
+def test_a_reply_whose_shared_memory_part_fails_goes_in_band(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply that would grant a segment when no fd or memory is left (EMFILE from memfd_create) is not lost: it
+    goes over the socket, and nothing of it stays pinned or granted."""
+    import errno
+
+    from transfer_queue.wire.unix_socket import UnixServer, connect
+
+    pool = SegmentPool(64 * MB, "tq-test-fallback")
+    server = UnixServer(str(tmp_path / "unit.sock"), pool=pool)
+    client = connect(str(tmp_path / "unit.sock"), b"", 5.0, ClientMaps())
+    block = pool.take(MB)
+    block[:] = 7
+    writer, got = FrameWriter([b"env", b"body", np.zeros(MB, dtype=np.uint8)], SHM_OK), []  # earns a grant
+    while not got:
+        writer.write(client)
+        for fd in server.fds():
+            got += server.on_ready(fd)
+    ((fd, _),) = got
+
+    def no_fds_left(nbytes: int) -> np.ndarray:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(pool, "take", no_fds_left)
+    assert server.reply(fd, [b"head", b"read", block])
+    reader, replies = FrameReader(fds=True), []
+    while not replies:
+        server.on_writable(fd)
+        replies, closed = reader.read(client)
+        assert not closed
+    reply = replies[0]
+    assert reply.flags == 0 and reply.fds == [] and np.array_equal(reply[2], block)
+    conn = server.connections[fd].shm
+    assert conn is not None and conn.pins == [] and conn.grant is None and pool.stats()["granted_bytes"] == 0
+    monkeypatch.undo()
+    client.close()
+    server.close()
+    del block
