@@ -421,6 +421,10 @@ class UnitConnection:
     def _outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         out = list(frames)
         table = ShmTable(frames={}, fds=[], forget=[])
+        granting = bool(self.want_grant) and self.grant is None
+        budget = MAX_FDS - granting  # new fds one message carries (one kept for the grant)
+        new: dict[int, None] = {}  # segments the client has not seen, in order, at most ``budget``
+        unsent: dict[int, None] = {}  # those of frames that go in-band: sent ahead while there is room
         for i in range(2, len(out)):
             frame = out[i]
             views = getattr(frame, "views", None)
@@ -435,28 +439,31 @@ class UnitConnection:
                     break
                 pieces.append((where[0], where[1], memoryview(view).nbytes))
             else:
+                unseen = {s: None for s, _, _ in pieces if s not in self.sent and s not in new}
+                if len(new) + len(unseen) > budget:  # more new segments than this message carries: in-band
+                    unsent.update(unseen)
+                    continue
+                new.update(unseen)
                 table.frames[i] = pieces
                 self.pins.append(frame)
                 out[i] = b""
-        grant = self.pool.grant(self.want_grant) if self.want_grant and self.grant is None else None
+        for segment in unsent:  # their fds go now (up to the budget), so a later read of them needs fewer
+            if len(new) >= budget:
+                break
+            new.setdefault(segment)
+        grant = self.pool.grant(self.want_grant) if granting else None
         if grant is not None:
             self.grant = grant
             where = self.pool.locate(grant)
             assert where is not None and where[1] == 0
             self.grant_id = where[0]
             table.grant = (self.grant_id, self.grant.nbytes)
+            if self.grant_id not in self.sent:
+                new.setdefault(self.grant_id)
         self.want_grant = 0
-        used = {s for pieces in table.frames.values() for s, _, _ in pieces}
-        if table.grant is not None:
-            used.add(table.grant[0])
-        if len(used - self.sent) > MAX_FDS:  # more new segments than one message carries: in-band instead
-            self.pins = []
-            if table.grant is not None:  # granted just now, never told: withdrawn (an earlier grant stays)
-                self._end_grant()
-            return list(frames), 0, []
         table.forget = [s for s in self.sent if not self.pool.is_open(s)]
-        table.fds = sorted(used - self.sent)
-        if not table.frames and table.grant is None and not table.forget:
+        table.fds = sorted(new)
+        if not table.frames and table.grant is None and not table.forget and not table.fds:
             return out, 0, []
         # dups, owned by the reply's writer (closed once sent): the segment may close before a queued reply goes
         fds: list[int] = []

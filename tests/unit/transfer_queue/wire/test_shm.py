@@ -482,3 +482,35 @@ def test_a_reply_whose_shared_memory_part_fails_goes_in_band(tmp_path, monkeypat
     client.close()
     server.close()
     del block
+
+
+def test_a_read_over_more_unseen_segments_than_one_message_carries_sends_what_it_can_and_the_next_read_uses_them(
+    pair,
+) -> None:
+    """65 blocks in 65 segments, none seen by the client: the first read goes in-band but sends 64 fds with it; the
+    second is described, with the one fd left."""
+    unit_sock, client_sock = pair
+    pool = SegmentPool(1 << 30, "tq-test-maxfds")
+    unit, client = UnitConnection(pool), ClientMaps()
+    blocks = [pool.take(MIN_SHM_BYTES) for _ in range(65)]
+    for k, block in enumerate(blocks):
+        block[:] = k
+    expected = np.concatenate(blocks)
+
+    frame = GatheredFrame(blocks)
+
+    def read() -> Any:
+        reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", frame]))
+        described = client.incoming(reply, reply.flags, reply.fds, None)
+        unit.incoming([b"env", b"next"], SHM_OK)
+        return reply, described
+
+    first, described = read()
+    assert not described and len(first.fds) == 64 and np.array_equal(first[2], expected)
+    second, described = read()
+    assert described and len(second.fds) == 1 and np.array_equal(second[2], expected)
+    assert len(client.maps) == 65
+    client.close()
+    unit.close()
+    del block
+    pool.close()
