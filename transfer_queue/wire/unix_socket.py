@@ -70,6 +70,7 @@ class Message(list[Frame]):
 
     flags = 0
     fds: list[int] = []  # noqa: RUF012 (replaced per message, never mutated)
+    error: MalformedMessage | None = None  # a server's: the message is refused with this (its envelope kept)
 
 
 class ProtocolViolation(Exception):
@@ -508,7 +509,12 @@ class UnixServer:
             conn.shm.release()
             return None
         conn.shm_ok = bool(message.flags & SHM_OK)
-        return conn.shm.incoming(list(message), message.flags)
+        try:
+            return conn.shm.incoming(list(message), message.flags)
+        except MalformedMessage as exc:  # answered as a refused request: the client's unit is not gone
+            refused = Message(message[:2])
+            refused.error = exc
+            return refused
 
     def _read_proof(self, fd: int, conn: Connection) -> bool:
         """Read the client's answer to the challenge; True once it is proven (frames may follow at once)."""
