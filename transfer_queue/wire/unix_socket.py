@@ -204,7 +204,10 @@ class FrameReader:
         if self._allocate is not None and self._flags & SHM_OK and any(lengths[i] >= MIN_SHM_BYTES for i in payload):
             # a shared-memory client's payload, end to end in one buffer of the unit's pool (laid out as the client
             # stages its next put in the grant this one earns: the same size, so freed blocks serve as grants)
-            buffer, at = self._allocate(sum(aligned(lengths[i]) for i in payload)), 0
+            try:
+                buffer, at = self._allocate(sum(aligned(lengths[i]) for i in payload)), 0
+            except (OSError, ValueError):  # no fd or memory for a segment now: plain buffers (below)
+                payload = []
             for i in payload:
                 frames[i] = buffer[at : at + lengths[i]]
                 at += aligned(lengths[i])

@@ -514,3 +514,21 @@ def test_a_read_over_more_unseen_segments_than_one_message_carries_sends_what_it
     unit.close()
     del block
     pool.close()
+
+
+def test_a_put_the_units_pool_cannot_take_now_is_read_into_plain_buffers(pair) -> None:
+    """No fd or memory for a new segment (EMFILE from memfd_create): the message is still read, not the
+    connection dropped."""
+    import errno
+
+    def no_fds_left(nbytes: int) -> np.ndarray:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    sender, receiver = pair
+    payload = np.arange(MB, dtype=np.uint8)
+    writer, reader, got = FrameWriter([b"env", b"body", payload], SHM_OK), FrameReader(allocate=no_fds_left), []
+    while not got:
+        writer.write(sender)
+        got, closed = reader.read(receiver)
+        assert not closed
+    assert np.array_equal(got[0][2], payload)
