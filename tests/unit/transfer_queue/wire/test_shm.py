@@ -532,3 +532,30 @@ def test_a_put_the_units_pool_cannot_take_now_is_read_into_plain_buffers(pair) -
         got, closed = reader.read(receiver)
         assert not closed
     assert np.array_equal(got[0][2], payload)
+
+
+def test_a_small_staged_put_adopts_its_grant_when_no_right_sized_segment_can_be_made(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    unit_sock, client_sock = pair
+    pool = SegmentPool(1 << 30, "tq-test-amp-emfile")
+    unit, client = UnitConnection(pool), ClientMaps()
+    unit.incoming(*client.outgoing([b"env", b"body", np.ones(4 * MB, dtype=np.uint8)]))
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"ok"]))
+    client.incoming(reply, reply.flags, reply.fds, None)
+
+    def no_fds_left(nbytes: int) -> np.ndarray:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(pool, "take", no_fds_left)
+    small = np.full(MIN_SHM_BYTES, 3, dtype=np.uint8)
+    frames, flags = client.outgoing([b"env", b"body", small])
+    block = unit.incoming(frames, flags)[2]
+    assert flags & TABLE and np.array_equal(block, small) and pool.locate(block) is not None
+    monkeypatch.undo()
+    client.close()
+    unit.close()
+    del block
+    pool.close()
