@@ -192,6 +192,8 @@ class Server:
             envelope = p.decode_envelope(frames[0])
             responder.request_id = envelope.request_id
             self._check_envelope(envelope)
+            if incoming.error is not None:
+                raise incoming.error
             request = self._decode(frames[1])
         except TransferQueueError as exc:
             self.counters["refused"] += 1

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer_queue.errors import PortInUse
+from transfer_queue.errors import PortInUse, TransferQueueError
 from transfer_queue.wire.auth import ZapHandler, secure_server
 from transfer_queue.wire.protocol import Endpoint, ray_node_id
 from transfer_queue.wire.shm import SegmentPool
@@ -47,6 +47,7 @@ class Incoming:
     frames: list[Any]
     peer: Peer
     reply: Reply
+    error: TransferQueueError | None = None  # refused as it arrived (a bad shared-memory table): answered with it
 
 
 #: How long a server waits for its fixed port while the process before it (a controller Ray restarts) lets go of it.
@@ -229,7 +230,8 @@ class ServerSockets:
         out = []
         for conn, received in self.unix.on_ready(fd):
             assert peer is not None
-            out.append(Incoming(list(received), peer, functools.partial(self._send_unix, conn)))
+            reply = functools.partial(self._send_unix, conn)
+            out.append(Incoming(list(received), peer, reply, getattr(received, "error", None)))
         return out
 
     def drop_unix(self, fd: int) -> None:

@@ -29,6 +29,8 @@ each other as processes that both proved the queue's secret.
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import itertools
 import mmap
 import os
@@ -36,7 +38,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -106,17 +108,18 @@ def address_of(buffer: Any) -> tuple[int, int]:
 
 
 class Segment:
-    """One memfd of ``size`` bytes, mapped read-write here; its fd stays open while it lives (sent to clients).
+    """One memfd of ``size`` bytes, mapped read-write here; one fd of it stays open while it lives (sent to
+    clients): the mmap's own (Python's mmap dups the fd it maps), so a segment costs one fd, not two.
     Not ``shared``: private anonymous memory instead (fd -1), e.g. a client's receive buffers, which it hands to its
     caller as tensors: a process forked from it gets them copy-on-write, as it would ``np.empty``'s."""
 
-    __slots__ = ("address", "array", "fd", "id", "mmap", "size")
+    __slots__ = ("address", "array", "fd", "id", "mmap", "owns_fd", "size")
 
     def __init__(self, segment_id: int, size: int, name: str, shared: bool = True):
         self.id = segment_id
         self.size = size
         if not shared:
-            self.fd = -1
+            self.fd, self.owns_fd = -1, False
             self.mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.array = np.frombuffer(self.mmap, dtype=np.uint8)
             self.address = self.array.ctypes.data
@@ -124,21 +127,39 @@ class Segment:
         self.fd = os.memfd_create(f"{name}-{segment_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            self.mmap = mmap.mmap(self.fd, size)
+            self.mmap, mapped_fd = _map_finding_its_fd(self.fd, size)
         except BaseException:
             os.close(self.fd)
             raise
+        self.owns_fd = mapped_fd is None
+        if mapped_fd is not None:  # the mmap's own fd names the same memfd: ours is one too many
+            os.close(self.fd)
+            self.fd = mapped_fd
         self.array = np.frombuffer(self.mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
 
     def close(self) -> None:
         del self.array
         try:
-            self.mmap.close()
+            self.mmap.close()  # closes the mmap's fd too
         except BufferError:  # a view of it is still alive (never for a pooled segment): unmapped when it dies
             pass
-        if self.fd >= 0:
+        if self.fd >= 0 and self.owns_fd:
             os.close(self.fd)
+
+
+def _map_finding_its_fd(fd: int, size: int) -> tuple[mmap.mmap, int | None]:
+    """``mmap.mmap(fd, size)`` and the fd it holds (it dups ``fd``: the lowest free number, which is probed first and
+    checked after: the same file), or None where another thread took that number meanwhile (then both stay open)."""
+    probe = os.dup(fd)
+    os.close(probe)
+    mapped = mmap.mmap(fd, size)
+    try:
+        same = os.path.samestat(os.fstat(probe), os.fstat(fd))
+    except OSError:
+        same = False
+    # only this process holds the memfd, made just now: a number naming it other than ``fd`` is the mmap's
+    return mapped, probe if same and probe != fd else None
 
 
 class SegmentPool:
@@ -154,6 +175,9 @@ class SegmentPool:
         self.shared = shared
         self.name = f"{name}-{os.getpid()}"
         self._lock = threading.Lock()
+        # segments whose last view died, not yet back in the free list: a finalizer only appends here (atomic, no
+        # lock), since it may run on a thread that holds the lock (a cyclic-GC pass inside an allocation under it)
+        self._returned: collections.deque[int] = collections.deque()
         self._ids = itertools.count(1)
         self.segments: dict[int, Segment] = {}  # every open segment, in use or free
         self._free: list[Segment] = []
@@ -171,7 +195,7 @@ class SegmentPool:
         in use until the array and every view of it are gone."""
         if nbytes < 1:
             raise ValueError(f"a segment holds at least one byte, asked for {nbytes}")
-        with self._lock:
+        with self._locked():
             segment = self._pick(nbytes)
             if segment is None:
                 segment = Segment(next(self._ids), segment_size(nbytes), self.name, self.shared)
@@ -193,14 +217,18 @@ class SegmentPool:
         would exceed ``max_free_bytes`` (then the message travels over the socket): grants are memory held outside
         the blocks' byte budget, so they are bounded however many connections put. :meth:`end_grant` when it is
         used or dropped."""
-        with self._lock:
+        with self._locked():
             if self.granted + nbytes > self.max_free_bytes:
                 return None
             self.granted += nbytes
-        return self.take(nbytes)
+        try:
+            return self.take(nbytes)
+        except BaseException:
+            self.end_grant(nbytes)
+            raise
 
     def end_grant(self, nbytes: int) -> None:
-        with self._lock:
+        with self._locked():
             self.granted -= nbytes
 
     def _pick(self, nbytes: int) -> Segment | None:
@@ -216,16 +244,38 @@ class SegmentPool:
         return best
 
     def _give_back(self, segment_id: int) -> None:
+        """A finalizer: never waits for the lock (this thread may hold it: a GC pass inside an allocation)."""
+        self._returned.append(segment_id)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Drain what was given back if the lock is free now; a holder drains it when it lets go (see _locked)."""
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
         with self._lock:
+            self._drain()
+            yield
+        self._settle()  # given back while this thread held the lock (a finalizer that could not take it)
+
+    def _drain(self) -> None:
+        """Under the lock: put the segments whose last view died back in the free list (or close them)."""
+        while self._returned:
+            segment_id = self._returned.popleft()
             self._in_use.discard(segment_id)
             segment = self.segments.get(segment_id)
             if segment is None:
-                return
-            if not self._closed and self.free_bytes + segment.size <= self.max_free_bytes:
+                continue
+            if not self._closed and self._free_bytes() + segment.size <= self.max_free_bytes:
                 self._free.append(segment)
                 self._freed_at[segment.id] = time.monotonic()
-                return
-            self._close(segment)
+            else:
+                self._close(segment)
 
     def _close(self, segment: Segment) -> None:
         del self.segments[segment.id]
@@ -235,6 +285,10 @@ class SegmentPool:
 
     @property
     def free_bytes(self) -> int:
+        with self._locked():
+            return self._free_bytes()
+
+    def _free_bytes(self) -> int:
         return sum(s.size for s in self._free)
 
     def locate(self, buffer: Any) -> tuple[int, int] | None:
@@ -242,7 +296,7 @@ class SegmentPool:
         address, nbytes = address_of(buffer)
         if not nbytes:
             return None
-        with self._lock:
+        with self._locked():
             i = bisect.bisect_right(self._starts, address) - 1
             if i < 0:
                 return None
@@ -258,12 +312,13 @@ class SegmentPool:
         return self.segments[segment_id].array
 
     def is_open(self, segment_id: int) -> bool:
-        return segment_id in self.segments
+        with self._locked():
+            return segment_id in self.segments
 
     def trim(self, idle_s: float = 0.0) -> int:
         """Close the free segments unused for ``idle_s`` seconds (0: all); returns the bytes closed."""
         now = time.monotonic()
-        with self._lock:
+        with self._locked():
             old = [s for s in self._free if now - self._freed_at.get(s.id, now) >= idle_s]
             for segment in old:
                 self._free.remove(segment)
@@ -273,16 +328,16 @@ class SegmentPool:
 
     def close(self) -> None:
         """Close the free segments now and the others once their last view dies."""
-        with self._lock:
+        with self._locked():
             self._closed = True
         self.trim()
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
+        with self._locked():
             return {
                 "segments": len(self.segments),
                 "segment_bytes": sum(s.size for s in self.segments.values()),
-                "free_bytes": self.free_bytes,
+                "free_bytes": self._free_bytes(),
                 "created": self.created,
                 "reused": self.reused,
                 "granted_bytes": self.granted,
@@ -325,8 +380,13 @@ class UnitConnection:
                         f"bytes of segment {self.grant_id}"
                     )
                 frames[i] = grant[offset : offset + length]
+            staged = sum(aligned(length) for pieces in table.frames.values() for _, _, length in pieces)
+            if staged > 0 and 2 * staged <= grant.nbytes:  # far smaller than its grant: a right-sized copy
+                with contextlib.suppress(OSError, ValueError):  # no fd or memory for it now: the grant is adopted
+                    self._copy_out(frames, sorted(table.frames), staged)
+            del grant
             self._end_grant()
-            self.want_grant = grant.nbytes
+            self.want_grant = staged  # the next grant fits what the client stages now, not its largest put
         else:
             sizes = [memoryview(f).nbytes for f in frames[2:]]
             if sum(sizes) >= MIN_SHM_BYTES and flags & SHM_OK:  # it did not fit the grant (the client dropped it)
@@ -334,12 +394,38 @@ class UnitConnection:
                 self.want_grant = sum(aligned(n) for n in sizes)  # what the client stages it in
         return frames
 
+    def _copy_out(self, frames: list[Any], indexes: list[int], nbytes: int) -> None:
+        """Copy staged frames into one right-sized pool buffer (laid out as staged), so a small put does not
+        hold a large grant's segment as its block."""
+        buffer, at = self.pool.take(nbytes), 0
+        for i in indexes:
+            n = memoryview(frames[i]).nbytes
+            buffer[at : at + n] = frames[i]
+            frames[i] = buffer[at : at + n]
+            at += aligned(n)
+
     def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         """A reply as it goes out: its payload frames that lie in segments as descriptors (pinned until the client's
         next message), a grant when the request earned one, and the fds the client has not seen. Returns (frames,
-        flags, fds). A frame with ``views`` (a unix_socket.GatheredFrame) is described piece by piece."""
+        flags, fds: new fds the caller owns, see unix_socket.FrameWriter). A frame with ``views`` (a
+        unix_socket.GatheredFrame) is described piece by piece. If it raises (no fd or memory left), nothing of
+        it is pinned or granted: the caller may send the reply as it is."""
+        granted = self.grant is not None
+        try:
+            return self._outgoing(frames)
+        except BaseException:
+            self.pins = []
+            if not granted:
+                self._end_grant()
+            raise
+
+    def _outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int, list[int]]:
         out = list(frames)
         table = ShmTable(frames={}, fds=[], forget=[])
+        granting = bool(self.want_grant) and self.grant is None
+        budget = MAX_FDS - granting  # new fds one message carries (one kept for the grant)
+        new: dict[int, None] = {}  # segments the client has not seen, in order, at most ``budget``
+        unsent: dict[int, None] = {}  # those of frames that go in-band: sent ahead while there is room
         for i in range(2, len(out)):
             frame = out[i]
             views = getattr(frame, "views", None)
@@ -354,32 +440,43 @@ class UnitConnection:
                     break
                 pieces.append((where[0], where[1], memoryview(view).nbytes))
             else:
+                unseen = {s: None for s, _, _ in pieces if s not in self.sent and s not in new}
+                if len(new) + len(unseen) > budget:  # more new segments than this message carries: in-band
+                    unsent.update(unseen)
+                    continue
+                new.update(unseen)
                 table.frames[i] = pieces
                 self.pins.append(frame)
                 out[i] = b""
-        grant = self.pool.grant(self.want_grant) if self.want_grant and self.grant is None else None
+        for segment in unsent:  # their fds go now (up to the budget), so a later read of them needs fewer
+            if len(new) >= budget:
+                break
+            new.setdefault(segment)
+        grant = self.pool.grant(self.want_grant) if granting else None
         if grant is not None:
             self.grant = grant
             where = self.pool.locate(grant)
             assert where is not None and where[1] == 0
             self.grant_id = where[0]
             table.grant = (self.grant_id, self.grant.nbytes)
+            if self.grant_id not in self.sent:
+                new.setdefault(self.grant_id)
         self.want_grant = 0
-        used = {s for pieces in table.frames.values() for s, _, _ in pieces}
-        if table.grant is not None:
-            used.add(table.grant[0])
-        if len(used - self.sent) > MAX_FDS:  # more new segments than one message carries: in-band instead
-            self.pins = []
-            if table.grant is not None:  # granted just now, never told: withdrawn (an earlier grant stays)
-                self._end_grant()
-            return list(frames), 0, []
         table.forget = [s for s in self.sent if not self.pool.is_open(s)]
-        self.sent.difference_update(table.forget)
-        table.fds = sorted(used - self.sent)
-        if not table.frames and table.grant is None and not table.forget:
+        table.fds = sorted(new)
+        if not table.frames and table.grant is None and not table.forget and not table.fds:
             return out, 0, []
+        # dups, owned by the reply's writer (closed once sent): the segment may close before a queued reply goes
+        fds: list[int] = []
+        try:
+            for segment in table.fds:
+                fds.append(os.dup(self.pool.fd(segment)))
+        except BaseException:
+            _close_fds(fds)
+            raise
+        self.sent.difference_update(table.forget)
         self.sent.update(table.fds)
-        return [*out, encode_table(table)], TABLE, [self.pool.fd(s) for s in table.fds]
+        return [*out, encode_table(table)], TABLE, fds
 
     def _end_grant(self) -> None:
         if self.grant is not None:
@@ -428,19 +525,24 @@ class ClientMaps:
         grant, and copy each described frame out (into ``into[i]`` when its size agrees, else a fresh array of the
         pool). Returns whether it described frames (then the unit waits for RELEASE). MalformedMessage if the table
         names segments this connection does not map, or bytes outside them."""
-        if not flags & TABLE:
+        try:  # every fd received is closed here, mapped or not (an mmap holds its own)
+            if not flags & TABLE:
+                return False
+            table = decode_table(frames.pop())
+            if len(table.fds) != len(fds):
+                raise MalformedMessage(f"a reply names {len(table.fds)} segment fds and carries {len(fds)}")
+            granted = table.grant[0] if table.grant is not None else None
+            for segment, fd in zip(table.fds, fds, strict=True):
+                # a segment of blocks is mapped faulted in (a get copies out of it); a fresh grant is not: only the
+                # pages a put stages in become resident
+                populate = 0 if segment == granted else getattr(mmap, "MAP_POPULATE", 0)
+                try:
+                    size = os.fstat(fd).st_size
+                    self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+                except (ValueError, OSError) as exc:
+                    raise MalformedMessage(f"segment {segment}'s fd of a reply does not map: {exc}") from None
+        finally:
             _close_fds(fds)
-            return False
-        table = decode_table(frames.pop())
-        if len(table.fds) != len(fds):
-            _close_fds(fds)
-            raise MalformedMessage(f"a reply names {len(table.fds)} segment fds and carries {len(fds)}")
-        for segment, fd in zip(table.fds, fds, strict=True):
-            try:
-                size = os.fstat(fd).st_size
-                self.maps[segment] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
         for segment in table.forget:
             _unmap(self.maps.pop(segment, None))
         if table.grant is not None:

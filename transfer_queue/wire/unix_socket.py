@@ -70,6 +70,7 @@ class Message(list[Frame]):
 
     flags = 0
     fds: list[int] = []  # noqa: RUF012 (replaced per message, never mutated)
+    error: MalformedMessage | None = None  # a server's: the message is refused with this (its envelope kept)
 
 
 class ProtocolViolation(Exception):
@@ -203,7 +204,10 @@ class FrameReader:
         if self._allocate is not None and self._flags & SHM_OK and any(lengths[i] >= MIN_SHM_BYTES for i in payload):
             # a shared-memory client's payload, end to end in one buffer of the unit's pool (laid out as the client
             # stages its next put in the grant this one earns: the same size, so freed blocks serve as grants)
-            buffer, at = self._allocate(sum(aligned(lengths[i]) for i in payload)), 0
+            try:
+                buffer, at = self._allocate(sum(aligned(lengths[i]) for i in payload)), 0
+            except (OSError, ValueError):  # no fd or memory for a segment now: plain buffers (below)
+                payload = []
             for i in payload:
                 frames[i] = buffer[at : at + lengths[i]]
                 at += aligned(lengths[i])
@@ -222,11 +226,24 @@ class FrameWriter:
     def __init__(self, frames: Sequence[Any], flags: int = 0, fds: Sequence[int] = ()):
         self._views = [memoryview(encode_header(frames, flags))] + [v for f in frames for v in _views(f)]
         self._views = [v for v in self._views if v.nbytes]
-        self._fds = list(fds)  # sent with the first byte (SCM_RIGHTS); the sender keeps them open
+        # sent with the first byte (SCM_RIGHTS). The writer owns them (dups of the sender's, see
+        # UnitConnection.outgoing): closed once sent or when the writer is dropped, so a reply queued behind a full
+        # socket never sends an fd number its owner closed and the process reused meanwhile
+        self._fds = list(fds)
 
     @property
     def done(self) -> bool:
         return not self._views
+
+    def close(self) -> None:
+        """Close the fds not sent (the reply is dropped with its connection)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     def write(self, sock: socket.socket) -> None:
         while self._views:
@@ -234,7 +251,7 @@ class FrameWriter:
                 if self._fds:
                     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", self._fds).tobytes())]
                     sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES], rights)
-                    self._fds = []
+                    self.close()  # the peer holds its own copies now
                 else:
                     sent = sock.sendmsg(self._views[:_SEND_CHUNK_FRAMES])
             except (BlockingIOError, InterruptedError):
@@ -336,6 +353,8 @@ def exchange(
                 poller.unregister(sock)
                 pending -= 1
     failed.update(i for i, reply in enumerate(replies) if reply is None)
+    for i in failed:  # a reply cut short (its deadline, a hang-up): the fds that came with its first bytes
+        readers[i].discard_fds()
     return replies, sorted(failed)
 
 
@@ -493,7 +512,12 @@ class UnixServer:
             conn.shm.release()
             return None
         conn.shm_ok = bool(message.flags & SHM_OK)
-        return conn.shm.incoming(list(message), message.flags)
+        try:
+            return conn.shm.incoming(list(message), message.flags)
+        except MalformedMessage as exc:  # answered as a refused request: the client's unit is not gone
+            refused = Message(message[:2])
+            refused.error = exc
+            return refused
 
     def _read_proof(self, fd: int, conn: Connection) -> bool:
         """Read the client's answer to the challenge; True once it is proven (frames may follow at once)."""
@@ -559,10 +583,13 @@ class UnixServer:
         conn = self.connections.get(fd)
         if conn is None:
             return False
+        writer = None
         if conn.shm is not None and conn.shm_ok:
-            conn.outbox.append(FrameWriter(*conn.shm.outgoing(frames)))
-        else:
-            conn.outbox.append(FrameWriter(frames))
+            try:
+                writer = FrameWriter(*conn.shm.outgoing(frames))
+            except (OSError, ValueError, MemoryError):  # no fd or memory for it now: the reply goes in-band
+                writer = None
+        conn.outbox.append(FrameWriter(frames) if writer is None else writer)
         try:
             conn.flush()
             return True
@@ -585,6 +612,9 @@ class UnixServer:
         conn = self.connections.pop(fd, None)
         if conn is not None:
             conn.sock.close()
+            for writer in conn.outbox:
+                writer.close()
+            conn.outbox = []
             if conn.shm is not None:
                 conn.shm.close()
             self._closed.append(conn.serial)

@@ -163,8 +163,17 @@ CLIENT = textwrap.dedent(
 )
 
 
-def dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def dev_shm(*pids: int) -> set[str]:
+    """The /dev/shm entries this test's processes could have made: named after one of ``pids`` (this process's and
+    the child's; torch's ``torch_<pid>_*``, the weight channels' ``tq-weights-<pid>-*``) or ``tq-shm``. Other
+    processes' entries (tests running beside this one) come and go on their own."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    marks = [str(pid) for pid in (os.getpid(), *pids)]
+    return {
+        name for name in os.listdir("/dev/shm")
+        if name.startswith("tq-shm") or any(mark in name.replace("-", "_").split("_") for mark in marks)
+    }  # fmt: skip
 
 
 def mapped_by_anyone(pid: int) -> list[str]:
@@ -212,7 +221,7 @@ def test_a_storage_unit_killed_leaves_no_segment_mapped_and_nothing_in_dev_shm()
         assert mapped_by_anyone(proc.pid) == []
         with pytest.raises(StorageUnitDown):
             client.get_data(on_dead[-1])
-        assert dev_shm() == before
+        assert dev_shm(proc.pid) == before
     finally:
         proc.kill()
         client.close()
@@ -236,7 +245,7 @@ def test_a_client_killed_releases_its_grants_and_pins_and_leaves_nothing_in_dev_
     wait_for(lambda: all(unit.stats()["bytes"] == 0 for unit in queue.units))
     free = [unit.stats()["shm"] for unit in queue.units]
     assert all(s["segment_bytes"] - s["free_bytes"] == 0 for s in free), free  # grants and blocks all back
-    assert dev_shm() == before
+    assert dev_shm(proc.pid) == before
     client.close()
 
 

@@ -3,6 +3,7 @@ and the Unix-socket reader; the peer of every request; disconnects reported; a s
 
 from __future__ import annotations
 
+import select
 import struct
 import time
 from collections.abc import Callable
@@ -17,7 +18,8 @@ from transfer_queue.wire import protocol as p
 from transfer_queue.wire.auth import secure_client
 from transfer_queue.wire.server import Responder, Server
 from transfer_queue.wire.server_sockets import Peer
-from transfer_queue.wire.unix_socket import connect, exchange, send_all
+from transfer_queue.wire.shm import SHM_OK, TABLE, ClientMaps, SegmentPool, ShmTable, encode_table
+from transfer_queue.wire.unix_socket import FrameReader, FrameWriter, connect, exchange, send_all
 
 SESSION = "s" * 32
 BIG = 64 << 20  # a reply no socket buffer holds
@@ -29,8 +31,8 @@ class Probe(Server):
 
     what = "probe"
 
-    def __init__(self, secret: bytes = b"") -> None:
-        super().__init__("tq-probe", p.decode_storage_request, SESSION, "127.0.0.1", secret)
+    def __init__(self, secret: bytes = b"", shm_pool: SegmentPool | None = None) -> None:
+        super().__init__("tq-probe", p.decode_storage_request, SESSION, "127.0.0.1", secret, shm_pool=shm_pool)
         self.peers: list[Peer] = []
         self.gone: list[Peer] = []
         self.periodic_error: Exception | None = None
@@ -231,3 +233,27 @@ def test_a_header_claiming_more_than_the_limit_is_refused_before_allocating(guar
     assert not guarded.stats().get("failures.unix reader")  # refused by the limit, not by a MemoryError
     header, _ = call_unix(guarded.endpoint.unix, p.StorageStats(), connect(guarded.endpoint.unix, SECRET))
     assert header.error_type is None
+
+
+def test_a_bad_staged_message_is_answered_malformed_and_its_connection_keeps_serving() -> None:
+    """A table naming a segment the connection was never granted is refused with a typed reply, not a hang-up
+    (which the client reads as its storage unit gone)."""
+    server = Probe(shm_pool=SegmentPool(64 << 20, "tq-test-refuse"))
+    try:
+        assert server.endpoint.unix is not None
+        sock = connect(server.endpoint.unix, shm=ClientMaps())
+        bad = [*frames(p.StorageStats()), b"", encode_table(ShmTable(frames={2: [(99, 0, 10)]}))]
+        FrameWriter(bad, SHM_OK | TABLE).write(sock)
+        reader, got = FrameReader(fds=True), []
+        while not got:
+            assert select.select([sock], [], [], 10)[0], "no reply"
+            got, closed = reader.read(sock)
+            assert not closed, "the unit hung up"
+        header = p.decode_reply_header(got[0][0])
+        assert header.request_id == 7 and header.error_type == "MalformedMessage"
+        assert "staged in shared memory, but this connection holds no grant" in str(header.error_message)
+        header, _ = call_unix(server.endpoint.unix, p.StorageStats(), sock)  # the same connection, served
+        assert header.error_type is None and server.gone == []
+        sock.close()
+    finally:
+        server.stop()

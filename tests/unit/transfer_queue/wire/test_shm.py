@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from typing import Any
 
 import numpy as np
 import pytest
@@ -221,7 +222,7 @@ def test_fds_that_come_with_a_message_are_received_once(pair) -> None:
     a, b = pair
     r, w = os.pipe()
     try:
-        message = send_and_read(a, b, [b"x"], 0, [w])
+        message = send_and_read(a, b, [b"x"], 0, [os.dup(w)])  # the writer owns (and closes) what it sends
         assert len(message.fds) == 1
         os.write(message.fds[0], b"!")
         assert os.read(r, 1) == b"!"
@@ -266,4 +267,295 @@ def test_grants_outstanding_are_bounded_by_the_pool_cap() -> None:
     assert connections[2].grant is not None and pool.stats()["granted_bytes"] == 2 * MB
     for connection in connections:
         connection.close()
+    pool.close()
+
+
+def test_a_buffer_collected_by_a_gc_pass_inside_the_pools_lock_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cyclic-GC pass may run on any allocation, including those a pool makes under its lock; a pooled buffer
+    whose last reference is in a cycle is then finalized on the thread that holds the lock."""
+    import threading
+
+    from transfer_queue.wire import shm
+
+    pool = SegmentPool(16 * MB, "tq-test-gc", shared=False)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.me = holder  # type: ignore[attr-defined]
+    holder.data = pool.take(MB)  # type: ignore[attr-defined]
+    del holder
+    real = shm.segment_size
+    monkeypatch.setattr(shm, "segment_size", lambda n: (gc.collect(), real(n))[1])  # a GC pass under the lock
+    done, taken = threading.Event(), list[np.ndarray]()
+
+    def take() -> None:
+        taken.append(pool.take(2 * MB))
+        done.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    assert done.wait(30), "take() hung: the finalizer waited for the lock its own thread holds"
+    monkeypatch.undo()
+    assert pool.stats()["free_bytes"] == MB  # the collected buffer is back in the pool
+    taken.clear()
+    pool.close()
+
+
+def test_after_a_large_put_small_puts_neither_hold_its_grant_nor_keep_a_large_grant(pair) -> None:
+    """A staged put far smaller than its grant is copied into a right-sized segment, and the next grant is sized
+    from what was staged: a 64 KiB put after a 16 MiB one does not hold a 16 MiB segment as its block."""
+    unit_sock, client_sock = pair
+    pool = SegmentPool(1 << 30, "tq-test-amp")
+    unit, client = UnitConnection(pool), ClientMaps()
+
+    def put(payload: np.ndarray) -> Any:
+        frames, flags = client.outgoing([b"env", b"body", payload])
+        block = unit.incoming(frames, flags)[2]
+        reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"ok"]))
+        client.incoming(reply, reply.flags, reply.fds, None)
+        return block, flags
+
+    put(np.ones(16 * MB, dtype=np.uint8))  # in-band: earns a 16 MiB grant
+    assert client.grant is not None and client.grant[1] == 16 * MB
+    small = np.full(MIN_SHM_BYTES, 5, dtype=np.uint8)
+    blocks = []
+    for _ in range(4):
+        block, flags = put(small)
+        assert flags & TABLE and np.array_equal(block, small)
+        blocks.append(block)
+    assert client.grant is not None and client.grant[1] == MIN_SHM_BYTES
+    held = [pool.segments[where[0]].size for where in map(pool.locate, blocks) if where is not None]
+    assert held == [segment_size(MIN_SHM_BYTES)] * 4
+    client.close()
+    unit.close()
+    del blocks, block
+    pool.close()
+
+
+def test_a_queued_reply_sends_its_segment_even_if_the_segment_closed_and_its_fd_number_was_reused(pair) -> None:
+    """A reply waits in the outbox behind a full socket; meanwhile its pins go and the segment closes (cap 0). The
+    fd the client receives is still that segment's, not whatever file reused the closed fd's number."""
+    unit_sock, client_sock = pair
+    pool = SegmentPool(0, "tq-test-fdreuse")
+    unit = UnitConnection(pool)
+    block = pool.take(MB)
+    frames, flags, fds = unit.outgoing([b"head", b"read", block])
+    writer = FrameWriter(frames, flags, fds)  # queued, not written yet
+    name = os.readlink(f"/proc/self/fd/{pool.fd(1)}")
+    unit.release()
+    del block  # the segment closes (cap 0): its fd number is free
+    assert not pool.is_open(1)
+    victim = os.memfd_create("tq-test-victim")
+    try:
+        reader, got = FrameReader(fds=True), []
+        while not got:
+            writer.write(unit_sock)
+            got, _ = reader.read(client_sock)
+        assert [os.readlink(f"/proc/self/fd/{fd}") for fd in got[0].fds] == [name]
+        for fd in got[0].fds:
+            os.close(fd)
+    finally:
+        os.close(victim)
+    pool.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shm_client_pair() -> tuple[socket.socket, socket.socket]:
+    from transfer_queue.wire.unix_socket import ShmSocket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = ShmSocket(fileno=b.detach())
+    client.shm = ClientMaps()
+    client.setblocking(False)
+    a.setblocking(False)
+    return a, client
+
+
+def memfds(n: int, size: int) -> list[int]:
+    fds = [os.memfd_create("tq-test-leak") for _ in range(n)]
+    for fd in fds:
+        os.ftruncate(fd, size)
+    return fds
+
+
+@pytest.mark.parametrize(
+    "table, flags",
+    [(b"\xc1junk", TABLE), (encode_table(ShmTable(fds=[1, 2, 3])), 0), (encode_table(ShmTable(fds=[1, 2])), TABLE)],
+    ids=["undecodable", "no-table-flag", "fewer-named-than-carried"],
+)
+def test_a_reply_that_is_refused_closes_every_fd_it_carried(table: bytes, flags: int) -> None:
+    from transfer_queue.wire.unix_socket import exchange
+
+    server, client = shm_client_pair()
+    FrameWriter([b"head", b"ok", table], flags, memfds(3, 4096)).write(server)  # the writer closes its fds
+    before = open_fds()
+    exchange([(client, [b"env", b"body"])], 5.0)
+    assert open_fds() == before
+    client.close()
+    server.close()
+
+
+def test_a_segment_fd_that_does_not_map_is_malformed_and_every_fd_is_closed() -> None:
+    fds = memfds(3, 0)  # empty: mmap refuses it
+    before = open_fds()
+    message = [b"head", b"ok", encode_table(ShmTable(fds=[1, 2, 3]))]
+    with pytest.raises(MalformedMessage, match="segment 1's fd of a reply does not map"):
+        ClientMaps().incoming(message, TABLE, fds, None)
+    assert open_fds() == before - 3
+
+
+def test_fds_that_came_with_a_reply_cut_short_by_the_deadline_are_closed() -> None:
+    import array
+    import struct
+
+    from transfer_queue.wire.unix_socket import exchange
+
+    server, client = shm_client_pair()
+    fds = memfds(2, 4096)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+    server.sendmsg([struct.pack("<I", 3 | TABLE)], rights)  # a header's first word, then nothing
+    for fd in fds:
+        os.close(fd)
+    before = open_fds()
+    replies, failed = exchange([(client, [b"env", b"body"])], 0.2)
+    assert replies == [None] and failed == [0]
+    assert open_fds() == before
+    client.close()
+    server.close()
+
+
+def test_a_unit_segment_holds_one_fd_not_the_mmaps_dup_and_ours() -> None:
+    pool = SegmentPool(1 << 30, "tq-test-onefd")
+    before = open_fds()
+    blocks = [pool.take(MIN_SHM_BYTES) for _ in range(20)]
+    assert open_fds() - before == 20
+    segment = pool.segments[1]
+    assert os.readlink(f"/proc/self/fd/{pool.fd(1)}") == f"/memfd:{pool.name}-1 (deleted)"
+    assert np.frombuffer(os.pread(pool.fd(1), 4, 0), dtype=np.uint8).tolist() == [0, 0, 0, 0]
+    blocks[0][:4] = 9  # the fd and the mapping are the same memory
+    assert os.pread(pool.fd(1), 4, 0) == b"\t" * 4 and segment.mmap[:4] == b"\t" * 4
+    del blocks, segment
+    pool.close()
+    assert open_fds() == before
+
+
+def test_a_reply_whose_shared_memory_part_fails_goes_in_band(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply that would grant a segment when no fd or memory is left (EMFILE from memfd_create) is not lost: it
+    goes over the socket, and nothing of it stays pinned or granted."""
+    import errno
+
+    from transfer_queue.wire.unix_socket import UnixServer, connect
+
+    pool = SegmentPool(64 * MB, "tq-test-fallback")
+    server = UnixServer(str(tmp_path / "unit.sock"), pool=pool)
+    client = connect(str(tmp_path / "unit.sock"), b"", 5.0, ClientMaps())
+    block = pool.take(MB)
+    block[:] = 7
+    writer, got = FrameWriter([b"env", b"body", np.zeros(MB, dtype=np.uint8)], SHM_OK), []  # earns a grant
+    while not got:
+        writer.write(client)
+        for fd in server.fds():
+            got += server.on_ready(fd)
+    ((fd, _),) = got
+
+    def no_fds_left(nbytes: int) -> np.ndarray:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(pool, "take", no_fds_left)
+    assert server.reply(fd, [b"head", b"read", block])
+    reader, replies = FrameReader(fds=True), []
+    while not replies:
+        server.on_writable(fd)
+        replies, closed = reader.read(client)
+        assert not closed
+    reply = replies[0]
+    assert reply.flags == 0 and reply.fds == [] and np.array_equal(reply[2], block)
+    conn = server.connections[fd].shm
+    assert conn is not None and conn.pins == [] and conn.grant is None and pool.stats()["granted_bytes"] == 0
+    monkeypatch.undo()
+    client.close()
+    server.close()
+    del block
+
+
+def test_a_read_over_more_unseen_segments_than_one_message_carries_sends_what_it_can_and_the_next_read_uses_them(
+    pair,
+) -> None:
+    """65 blocks in 65 segments, none seen by the client: the first read goes in-band but sends 64 fds with it; the
+    second is described, with the one fd left."""
+    unit_sock, client_sock = pair
+    pool = SegmentPool(1 << 30, "tq-test-maxfds")
+    unit, client = UnitConnection(pool), ClientMaps()
+    blocks = [pool.take(MIN_SHM_BYTES) for _ in range(65)]
+    for k, block in enumerate(blocks):
+        block[:] = k
+    expected = np.concatenate(blocks)
+
+    frame = GatheredFrame(blocks)
+
+    def read() -> Any:
+        reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", frame]))
+        described = client.incoming(reply, reply.flags, reply.fds, None)
+        unit.incoming([b"env", b"next"], SHM_OK)
+        return reply, described
+
+    first, described = read()
+    assert not described and len(first.fds) == 64 and np.array_equal(first[2], expected)
+    second, described = read()
+    assert described and len(second.fds) == 1 and np.array_equal(second[2], expected)
+    assert len(client.maps) == 65
+    client.close()
+    unit.close()
+    del block
+    pool.close()
+
+
+def test_a_put_the_units_pool_cannot_take_now_is_read_into_plain_buffers(pair) -> None:
+    """No fd or memory for a new segment (EMFILE from memfd_create): the message is still read, not the
+    connection dropped."""
+    import errno
+
+    def no_fds_left(nbytes: int) -> np.ndarray:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    sender, receiver = pair
+    payload = np.arange(MB, dtype=np.uint8)
+    writer, reader, got = FrameWriter([b"env", b"body", payload], SHM_OK), FrameReader(allocate=no_fds_left), []
+    while not got:
+        writer.write(sender)
+        got, closed = reader.read(receiver)
+        assert not closed
+    assert np.array_equal(got[0][2], payload)
+
+
+def test_a_small_staged_put_adopts_its_grant_when_no_right_sized_segment_can_be_made(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    unit_sock, client_sock = pair
+    pool = SegmentPool(1 << 30, "tq-test-amp-emfile")
+    unit, client = UnitConnection(pool), ClientMaps()
+    unit.incoming(*client.outgoing([b"env", b"body", np.ones(4 * MB, dtype=np.uint8)]))
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"ok"]))
+    client.incoming(reply, reply.flags, reply.fds, None)
+
+    def no_fds_left(nbytes: int) -> np.ndarray:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(pool, "take", no_fds_left)
+    small = np.full(MIN_SHM_BYTES, 3, dtype=np.uint8)
+    frames, flags = client.outgoing([b"env", b"body", small])
+    block = unit.incoming(frames, flags)[2]
+    assert flags & TABLE and np.array_equal(block, small) and pool.locate(block) is not None
+    monkeypatch.undo()
+    client.close()
+    unit.close()
+    del block
     pool.close()
