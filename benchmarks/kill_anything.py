@@ -175,6 +175,9 @@ def child(args: argparse.Namespace) -> int:
             self.made: set[int] = set()  # the plan's kills made (one a start's end cancelled: the next start's)
             self.held_rows = 0  # rollout rows killed rollout workers held
             self.units_restarted = 0
+            # the storage unit restarts a queue a trainer-group restart kept had counted (its controller's count goes
+            # on: the next start's reading includes them)
+            self.units_counted = 0
             self.engines_restarted = 0
 
     shared = Shared()
@@ -195,12 +198,21 @@ def child(args: argparse.Namespace) -> int:
 
         def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
             refs = super().launch(step, min_version)
+            self.plan_kills(step)
+            return refs
+
+        def _restart_step(self, s: int, start: int, first_version: int) -> tuple[list[Any], list[Any]]:
+            """A step a start resumed from its queue (its prompts there) is launched here: its kills too."""
+            refs = super()._restart_step(s, start, first_version)
+            self.plan_kills(s)
+            return refs
+
+        def plan_kills(self, step: int) -> None:
             for i, kill in enumerate(plan):
                 if kill["step"] == step and i not in shared.made:
                     timer = threading.Timer(kill["delay_s"], self.kill_one, (i, kill))
                     timer.start()
                     self.timers.append(timer)
-            return refs
 
         def kill_one(self, i: int, kill: dict[str, Any]) -> None:
             if self.closed or i in shared.made:  # this start ended (a trainer rank died): the next one kills
@@ -255,11 +267,12 @@ def child(args: argparse.Namespace) -> int:
                     deadline = time.monotonic() + 60
                     while True:
                         stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
-                        restarted = sum(stats["storage_units_restarted"].values())
+                        restarted = sum(stats["storage_units_restarted"].values()) - shared.units_counted
                         if restarted >= self.unit_kills or time.monotonic() > deadline:
                             break
                         time.sleep(0.2)
                     shared.units_restarted += restarted
+                    shared.units_counted = shared.units_counted + restarted if keep_queue else 0
                 finally:
                     super().shutdown(keep_queue)
             else:
