@@ -134,3 +134,29 @@ def test_a_restart_resumes_the_steps_since_its_checkpoint_from_the_kept_queue_an
     assert queue.cleared == list(range(STEPS)) and queue.steps == set()
     [row] = MetricsLog(tmp_path / "split" / "metrics.jsonl").rows("resume")
     assert (row["step"], row["restored_steps"], row["restored_rows"], row["relaunched_rows"]) == (4, [4, 5, 6], 96, 0)
+
+
+def test_restored_steps_further_ahead_than_the_run_launches_are_started_when_due(tmp_path: Path) -> None:
+    """A kept queue holds the steps trained since the checkpoint and those launched ahead of them: a step further
+    ahead than the run launches from its start has its missing rows generated only once it is due (sampled within
+    ``max_staleness`` of the version that trains it), and never has its prompts put again."""
+    from orchestration.queue_resume import QueueResume
+
+    run, _ = started(config(tmp_path), StandInQueue())
+    run.cfg.steps, run.pending = STEPS, {}
+    run.queue_resume = QueueResume(step=4, rows_per_step=ROWS, kept={s: {} for s in (4, 5, 6, 7)})
+    started_steps: list[int] = []
+    run._restart_step = lambda s, start, first_version: started_steps.append(s) or ([], [])  # type: ignore[method-assign]
+
+    def launch(step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
+        raise AssertionError(f"step {step}'s prompts are in the queue: not put again")
+
+    run.launch = launch  # type: ignore[method-assign]
+    run.start, run.first_version = 4, 4
+    assert sorted(run._relaunch_restored(4, 4)) == [4, 5]  # lookahead 1: steps 4 and 5 are due
+    assert started_steps == [4, 5]
+    run.pending = {4: ([], []), 5: ([], [])}
+    run.generate(5)
+    assert started_steps == [4, 5, 6]
+    run.generate(6)
+    assert started_steps == [4, 5, 6, 7] and run._restored_later == frozenset()
