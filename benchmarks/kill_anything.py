@@ -19,9 +19,11 @@ actor's process; a worker being restarted from an earlier kill is killed once it
   its journal, the leases and DP rounds in flight included; the run's supervisor tells it which workers died).
 - ``trainer``: a trainer rank (the trainer group restarts from the run's last checkpoint in the same process,
   orchestration/trainer_restarts.py; with this kind both runs save one every ``TRAINER_CHECKPOINT_EVERY`` steps and
-  ``train.max_restarts`` is ``--kills``). The killed run's figures join the starts as the run's metrics do: each
-  step's last audit and metrics row count; the rows a restart generated again (the steps past its checkpoint, the
-  steps launched ahead) count as regenerated.
+  ``train.max_restarts`` is ``--kills``; ``train.restart_keeps_rows``, the default, keeps the queue and the rows of
+  the steps since the checkpoint across the restart). The killed run's figures join the starts as the run's metrics
+  do: the audits and metrics rows of the final model's lineage count (each start's up to the step the next one
+  resumed at); the rows a restart generated again (those of the steps from its checkpoint on that the dead start had
+  trained or begun to generate, less those the next start resumed with their responses) count as regenerated.
 - ``engine``: an engine server the run started (``rollout.engine=sglang`` in both runs, one server per rollout worker;
   its ``EngineServer`` restarts it on the same URL; the rollout worker's generation in flight waits for it, loads the
   newest weights into it and is made again: workers/engines/host.py). SGLang needs CUDA: the servers are
@@ -33,7 +35,10 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
 
 - rows lost silently: rows of a step never trained (a step's ``prompts_per_step * n_samples`` less those the trainer
   acknowledged), and rows the queue reports lost;
-- samples trained twice: acknowledgements beyond a step's rows, and rows of a group beyond its ``n_samples``;
+- samples trained twice: acknowledgements beyond a step's rows, rows of a group beyond its ``n_samples``, and the
+  rows of a step audited twice in the final model's lineage (:func:`lineage`: a step a trainer-group restart trains
+  again after rolling back to a checkpoint before it is trained once in that lineage; a step a start trains that its
+  own checkpoint covers, or trains twice, is not);
 - staleness: each trained row's sampling policy version (read back from the queue before the step is cleared) against
   the version that trained it, over ``max_staleness``;
 - kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` /
@@ -41,8 +46,8 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
   ``EngineServer`` restarts);
 - the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker or engine server
   held (leased, not written, as the queue said just before the kill) and those a trainer-group restart generated
-  again, times the run's tokens per generated row, less the tokens resumed from in-flight checkpoints
-  (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated;
+  again (:func:`rerun_by_restart`), times the run's tokens per generated row, less the tokens resumed from in-flight
+  checkpoints (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated;
 - the final reward (mean of the last fifth of the steps) of both runs (``--clean-runs 2``: of two untouched runs).
 
 ``killed_figures`` is what tests/e2e/test_kill_anything_soak.py (slow) checks of a short killed run. Figures measured:
@@ -52,6 +57,7 @@ benchmarks/README.md, "kill anything, lose nothing".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -169,6 +175,9 @@ def child(args: argparse.Namespace) -> int:
             self.made: set[int] = set()  # the plan's kills made (one a start's end cancelled: the next start's)
             self.held_rows = 0  # rollout rows killed rollout workers held
             self.units_restarted = 0
+            # the storage unit restarts a queue a trainer-group restart kept had counted (its controller's count goes
+            # on: the next start's reading includes them)
+            self.units_counted = 0
             self.engines_restarted = 0
 
     shared = Shared()
@@ -185,15 +194,25 @@ def child(args: argparse.Namespace) -> int:
             self.closed = False  # started: shutdown() reads the counts first
             self.unit_kills = 0  # storage units this start killed
             self.ahead_rows = 0  # at a trainer rank's death: rollout rows of the steps launched, not trained
+            self.attempt = len(attempts)  # this start's index (a trainer-group restart starts the run again)
 
         def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
             refs = super().launch(step, min_version)
+            self.plan_kills(step)
+            return refs
+
+        def _restart_step(self, s: int, start: int, first_version: int) -> tuple[list[Any], list[Any]]:
+            """A step a start resumed from its queue (its prompts there) is launched here: its kills too."""
+            refs = super()._restart_step(s, start, first_version)
+            self.plan_kills(s)
+            return refs
+
+        def plan_kills(self, step: int) -> None:
             for i, kill in enumerate(plan):
                 if kill["step"] == step and i not in shared.made:
                     timer = threading.Timer(kill["delay_s"], self.kill_one, (i, kill))
                     timer.start()
                     self.timers.append(timer)
-            return refs
 
         def kill_one(self, i: int, kill: dict[str, Any]) -> None:
             if self.closed or i in shared.made:  # this start ended (a trainer rank died): the next one kills
@@ -233,10 +252,10 @@ def child(args: argparse.Namespace) -> int:
             self.kills.append(record)
             print(f"kill: {record}", flush=True)
 
-        def shutdown(self) -> None:
+        def shutdown(self, keep_queue: bool = False) -> None:
             """Before the queue stops: the storage units its controller restarted (a unit killed late: Ray's
             restart may come after the last step), and, a trainer rank dead, the rollout rows of the steps in
-            flight (generated again by the next start)."""
+            flight (those the next start does not restore are generated again)."""
             if not self.closed:
                 self.closed = True
                 for timer in self.timers:
@@ -248,15 +267,16 @@ def child(args: argparse.Namespace) -> int:
                     deadline = time.monotonic() + 60
                     while True:
                         stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
-                        restarted = sum(stats["storage_units_restarted"].values())
+                        restarted = sum(stats["storage_units_restarted"].values()) - shared.units_counted
                         if restarted >= self.unit_kills or time.monotonic() > deadline:
                             break
                         time.sleep(0.2)
                     shared.units_restarted += restarted
+                    shared.units_counted = shared.units_counted + restarted if keep_queue else 0
                 finally:
-                    super().shutdown()
+                    super().shutdown(keep_queue)
             else:
-                super().shutdown()
+                super().shutdown(keep_queue)
 
         def rollout_rows_held(self, states: tuple[str, ...] = ("leased",)) -> int:
             held = 0
@@ -275,6 +295,12 @@ def child(args: argparse.Namespace) -> int:
             )
             row = {
                 "step": step,
+                # the start that trained it and the step it resumed from (killed_figures: the final model's lineage);
+                # a step a start clears without training it (a checkpoint covers it: an earlier start trained it and
+                # died before its clear) is audited as that earlier start left it
+                "attempt": self.attempt,
+                "start": self.start,
+                "trained": step in {int(r["step"]) for r in self.rows},
                 "live_groups": live.group_ids.tolist(),
                 # the policy version that sampled each row, read back from the queue (the staleness check)
                 "policy_versions": self.client.get_data(live)["policy_version"].reshape(-1).int().tolist(),
@@ -302,14 +328,18 @@ def child(args: argparse.Namespace) -> int:
     for run in attempts:
         for timer in run.timers:
             timer.join()
-    # each start's rows up to the step the next one resumed from; the steps past it are generated again
+    # each start's rows up to the step the next one resumed from
     died = [(run.start, run.rows) for run in attempts[:-1]]
     rows = joined_rows([*died, (last.start, last_rows)])
-    rerun_rows = sum(run.ahead_rows for run in attempts[:-1])
-    for (_, done), after in zip(died, attempts[1:], strict=True):
-        rerun_rows += sum(int(r["generated_rows"]) for r in done if int(r["step"]) >= after.start)
+    rerun_rows = sum(
+        rerun_by_restart(run.rows, run.ahead_rows, after.start, restored_rows(after), PROMPTS * N)
+        for run, after in itertools.pairwise(attempts)
+    )
     summary = {
         "seconds": seconds,
+        "retrained": [retrained(run.rows, after.rows, after.start) for run, after in itertools.pairwise(attempts)],
+        # what each trainer-group restart resumed: from which step, rows restored (not generated again) and re-launched
+        "resumes": [run.queue_resume.row(ROLLOUT_TASK) for run in attempts[1:] if run.queue_resume is not None],
         "kills": shared.kills,
         "held_rows": shared.held_rows,
         "rerun_rows": rerun_rows,  # rows a trainer-group restart generated again
@@ -323,6 +353,61 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+def restored_rows(run: Any) -> int:
+    """Rows of the steps a start resumed from its queue (a queue checkpoint's, or the queue a trainer-group restart
+    kept) whose responses were there: not generated again."""
+    from rl_contracts.stages import ROLLOUT_TASK
+
+    return run.queue_resume.restored_rows(ROLLOUT_TASK) if run.queue_resume is not None else 0
+
+
+def rerun_by_restart(
+    died_rows: list[dict[str, Any]], ahead_rows: int, resumed_at: int, restored: int, rows: int
+) -> int:
+    """Rollout rows a trainer-group restart generated again: those of the steps from the one it resumed at
+    (``resumed_at``) that the dead start had trained (``rows`` each, its metrics rows ``died_rows``) or had begun to
+    generate (``ahead_rows``: taken by a rollout worker, of the steps launched and not trained), less the ``restored``
+    rows the next start resumed with their responses."""
+    trained = sum(rows for r in died_rows if int(r["step"]) >= resumed_at)
+    return max(0, trained + ahead_rows - restored)
+
+
+def retrained(
+    died_rows: list[dict[str, Any]], again_rows: list[dict[str, Any]], resumed_at: int
+) -> list[dict[str, Any]]:
+    """The steps a dead start had trained past the checkpoint the next start resumed at, as each start trained them:
+    the same rows (``prompts_crc``: the prompts) and, trained again from the same checkpoint on the same samples, the
+    same gradient norm, up to floating point; other samples (generated again) give another."""
+    again = {int(r["step"]): r for r in again_rows}
+    return [
+        {key: [r.get(key), again[int(r["step"])].get(key)] for key in ("grad_norm", "prompts_crc", "reward")}
+        | {"step": int(r["step"])}
+        for r in died_rows
+        if int(r["step"]) >= resumed_at and int(r["step"]) in again
+    ]
+
+
+def lineage(audits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The audits of the final model's lineage, in order: each start's audits of the steps before the one the next
+    start resumed at (``start``) and the last start's, as the run's metrics rows are joined
+    (trainer_restarts.joined_rows). A step trained again after a trainer-group restart rolled the run back to a
+    checkpoint before it counts once; a step a start trained that its own checkpoint covered (before its ``start``),
+    or trained twice in one start, appears twice. An audit of a step its start cleared without training it (an
+    earlier start trained it, then died after the checkpoint that covers it, before clearing it) counts only for a
+    step no start's training audit names."""
+    trained = [a for a in audits if a.get("trained", True)]
+    starts: dict[int, int] = {}
+    for a in trained:
+        starts.setdefault(int(a.get("attempt", 0)), int(a.get("start", 0)))
+    kept: list[dict[str, Any]] = []
+    for attempt in sorted(starts):
+        kept = [a for a in kept if a["step"] < starts[attempt]]
+        kept += [a for a in trained if int(a.get("attempt", 0)) == attempt]
+    named = {a["step"] for a in kept}
+    cleared = {a["step"]: a for a in audits if not a.get("trained", True) and a["step"] not in named}
+    return sorted(kept + list(cleared.values()), key=lambda a: a["step"])
+
+
 # ---- the parent: both runs, the report --------------------------------------------------------------------------
 def last_fifth(values: list[float]) -> float:
     tail = values[-max(1, len(values) // 5) :]
@@ -334,8 +419,10 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     ``steps`` GRPO steps of ``PROMPTS * N`` rows, killing ``kinds``); tests/e2e/test_kill_anything_soak.py checks
     them too."""
     killed = json.loads((run_dir / "kill_anything.json").read_text())
-    # a trainer-group restart trains the steps after its checkpoint again: each step's last audit counts
-    by_step = {a["step"]: a for a in map(json.loads, (run_dir / "audit.jsonl").read_text().splitlines())}
+    # a trainer-group restart trains the steps after its checkpoint again: the audits of the final model's lineage
+    # count (each start's up to the step the next one resumed at); a step in it twice was trained twice
+    audited = lineage([json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()])
+    by_step = {a["step"]: a for a in audited}
     audits = [by_step[s] for s in sorted(by_step)]
     grpo = killed["rows"]
     supervisors = killed["restarts"] if isinstance(killed["restarts"], list) else [killed["restarts"]]
@@ -344,6 +431,7 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     lost_silently += rows * (steps - len(audits))  # a step that never finished
     rows_lost = sum(a["rows_lost"] for a in audits)
     twice = sum(max(0, a["train"]["acknowledged"] - rows) for a in audits)
+    twice += rows * (len(audited) - len(audits))  # a step audited twice in the lineage: its rows trained twice
     twice += sum(max(0, a["live_groups"].count(g) - N) for a in audits for g in set(a["live_groups"]))
     # staleness: each row's sampling version (read back from the queue) against the version that trained it (the
     # trainer's version before the step: its ``policy_version`` after it, less one)
@@ -380,6 +468,10 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
         # rows generated again: those killed rollout workers and engine servers held, those a trainer-group restart
         # generated again (the steps past its checkpoint and those launched ahead)
         "regenerated_rows": {"held_at_kills": killed["held_rows"], "trainer_restarts": killed.get("rerun_rows", 0)},
+        "trainer_resumes": killed.get("resumes", []),
+        # the steps trained again after a restart: each start's gradient norm of it (equal: the same samples trained
+        # from the same checkpoint, the final lineage the same as the one rolled back)
+        "retrained_steps": [step for restart in killed.get("retrained", []) for step in restart],
         "final_reward": last_fifth([r["reward"] for r in grpo]),
         "seconds": killed["seconds"],
         "kill_log": killed["kills"],

@@ -647,6 +647,7 @@ UNRANGED_KEYS = frozenset(
         "train.filters.nonzero_std_groups",
         "train.normalize_advantage_std",
         "train.gradient_checkpointing",
+        "train.restart_keeps_rows",
         "train.dynamic_batching",
         "train.activation_offloading",
         "train.recompute_old_logprobs",

@@ -10,6 +10,7 @@
         rollout workers stream responses into those rows; reward workers stream rewards into them
         trainer ranks stream complete groups (DP rounds) and step
         publish weights to the engines (every sync_every steps), clear the step, log, checkpoint (run_resume.py)
+        (keeping rows for a trainer-group restart: a step is cleared by the checkpoint that covers it)
 
 With ``weight_sync: shm`` the trainer writes each version into a WeightChannel on this host and engines pull it
 themselves, so the driver launches step s+1's rollout while step s trains: the rollout waits inside the engine for
@@ -25,6 +26,7 @@ Everything a person needs to follow a run is written under ``output_dir``: ``met
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -55,11 +57,13 @@ from orchestration.regenerate import LostPrompts
 from orchestration.run_plan import save_config
 from orchestration.run_resume import (
     Start,
+    checkpoints_dir,
     init_reference,
     load_checkpoint,
     queue_record,
     restorable_queue,
     restored_outputs,
+    resumed_state,
     save_checkpoint,
     start_from_weights,
     start_point,
@@ -72,10 +76,16 @@ from orchestration.trainer_restarts import (
     RANK_DEATH_WAIT_S,
     TrainerRankDied,
     any_failed,
+    covered_steps,
     joined_rows,
+    keeps_rows,
+    queue_running,
+    queue_steps,
     raise_if_rank_died,
     rank_died,
     run_with_trainer_restarts,
+    take_kept_queue,
+    write_kept_queue,
 )
 from rl_contracts.actors import actor_class
 from rl_contracts.colocate import ColocatedServers
@@ -87,6 +97,7 @@ from rl_contracts.rows import jagged
 from rl_contracts.stages import REDO_GROUP, REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from rl_contracts.task import Task, load_task
 from rl_contracts.weight_channel import WeightChannel
+from trainers.checkpoint import latest_checkpoint
 from trainers.config import TrainerConfig
 from trainers.grpo import GRPOTrainerRank
 from transfer_queue.runtime import init_ray
@@ -222,6 +233,10 @@ class GRPORun:
     images: bool = False  # a vision task (its image_source() is not None): its rows carry image_refs
     # trainer-group restarts (a trainer rank died: orchestration/trainer_restarts.py) the next step row counts
     restarts_trainer: int = 0
+    # each step's rows kept in the queue until a checkpoint covers the step (trainer_restarts.keeps_rows; set at start)
+    keeps_rows: bool = False
+    _kept: dict[str, Any] | None = None  # the queue a trainer-group restart kept running: what it holds (_start)
+    _restored_later: frozenset[int] = frozenset()  # restored steps whose workers start once due (_relaunch_restored)
 
     def __init__(self, config: RLConfig):
         config.validate()
@@ -266,14 +281,18 @@ class GRPORun:
         self.lookahead = cfg.max_staleness + (1 if self.channel is not None else 0)
         self._queue_from: Path | None = None  # the checkpoint whose queue snapshot this queue starts from
         self.queue_resume: QueueResume | None = None
+        # each step's rows stay in the queue until a checkpoint covers the step (trainer_restarts.keeps_rows); the
+        # queue a trainer-group restart kept running, what it holds (the start attaches to it)
+        self.keeps_rows = keeps_rows(cfg)
+        self._kept = take_kept_queue(self.out, queue_running()) if self.keeps_rows else None
         self.client = transfer_queue.init(
             global_batch_size=cfg.prompts_per_step,
             num_n_samples=cfg.n_samples,
-            num_global_batch=self.lookahead + 1,
+            num_global_batch=queue_steps(cfg, self.lookahead),
             sampler=transfer_queue.GRPOSampler(cfg.n_samples),
             num_storage_units=cfg.num_storage_units,
             default_timeout=cfg.queue_timeout,
-            restore_from=self._restorable_queue(),
+            restore_from=self._restorable_queue() if self._kept is None else None,
             task_names=self.queue_task_names,
             run_metrics=str(self.out / "metrics.jsonl"),
             replicas=cfg.queue_replicas,
@@ -554,7 +573,16 @@ class GRPORun:
         queue = queue_record(step, self.prompt_states, self.prompts.state_dict()) if self.cfg.checkpoint_queue else None
         path = save_checkpoint(self.trainer, self.out, extra, queue, self.cfg.checkpoint_keep, self.metrics)
         self._saved_step = step
+        if self.keeps_rows:  # a restart goes on from this checkpoint: the rows of the steps before it are done with
+            self._clear_steps(below=step)
         return path
+
+    def _clear_steps(self, below: int | None) -> None:
+        """Clear the queue's steps before ``below`` (None: every step) and forget where they drew."""
+        partitions = self.client.list_partitions()
+        for step in covered_steps(partitions, below if below is not None else sys.maxsize):
+            self.client.clear(global_step=step)
+            self.prompt_states.pop(step, None)
 
     # ---- the run: GRPORun.run() and the recipes call these, in this order (docs/rl.md) ----------------------
     def __enter__(self) -> Self:
@@ -568,10 +596,18 @@ class GRPORun:
         # a trainer rank's death (a call on it failed with RayActorError, or a rank's collective with it): the
         # trainer group restarts (orchestration/trainer_restarts.py)
         rank = rank_died(self.trainer, exc) if isinstance(exc, RayError) else None
-        self.shutdown()
+        kept = False
+        try:  # the train step raises TrainerRankDied itself (trainer_restarts.raise_if_rank_died)
+            kept = (rank is not None or isinstance(exc, TrainerRankDied)) and self._keep_queue()
+        finally:
+            if kept:
+                self.shutdown(keep_queue=True)
+            else:
+                self.shutdown()
         died = TrainerRankDied(rank, self.step, exc) if rank is not None else exc
         if isinstance(died, TrainerRankDied):  # what the restart needs to know of this run
             died.unreported, died.saved = self.restarts_trainer, self._saved_step is not None
+            died.kept_queue = kept
         if died is not exc:
             raise died from exc
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not isinstance(exc, RunStopped):
@@ -645,7 +681,10 @@ class GRPORun:
         channel one more), that are not in the queue yet: rollout workers generate into their rows and reward workers
         score them as they come (Ray calls: this returns at once)."""
         for s in range(step, min(step + self.lookahead + 1, self.cfg.steps)):
-            if s not in self.pending:
+            if s in self._restored_later:  # its prompts (and the rows made before a trainer-group restart) are there
+                self._restored_later -= {s}
+                self.pending[s] = self._restart_step(s, self.start, self.first_version)
+            elif s not in self.pending:
                 self.pending[s] = self.launch(s, self._min_version(s, self.start, self.first_version))
 
     def train(self, step: int) -> dict[str, float]:
@@ -709,7 +748,8 @@ class GRPORun:
         rollout_refs, reward_refs = self.pending.pop(step)
         rollout_stats = self.supervisor.gather(step, rollout_refs)  # a call that died with its worker left out
         reward_stats = self.supervisor.gather(step, reward_refs)
-        self.client.clear(global_step=step)
+        if not self.keeps_rows:  # else the checkpoint that covers the step clears it (save)
+            self.client.clear(global_step=step)
         if self.cfg.rollout.checkpoint_inflight:  # partials a dead call left, unresumed (rl_contracts/inflight.py)
             self.client.kv_clear(None, inflight_partition(step))
         self.lost_prompts.forget(step)
@@ -736,7 +776,8 @@ class GRPORun:
         self.plot.maybe_refresh()
         if self.cfg.checkpoint_interval and (step + 1) % self.cfg.checkpoint_interval == 0:
             self.save(step + 1)
-        self.prompt_states.pop(step, None)
+        if not self.keeps_rows:  # else kept with the step's rows (a restart's record names where each step drew)
+            self.prompt_states.pop(step, None)
 
     def run(self) -> list[dict[str, Any]]:
         """SFT (unless resuming), then GRPO to ``steps``; returns the GRPO metric rows of this run. The same loop
@@ -788,7 +829,10 @@ class GRPORun:
         self._resumed = start.kind is Start.RESUME
         if start.kind is Start.RESUME:
             assert start.checkpoint is not None
-            return self._resume(start.checkpoint)
+            step = self._resume(start.checkpoint)
+            self._drop_kept_queue()
+            return step
+        self._drop_kept_queue()
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         if start.kind is Start.INIT_FROM:
             start_from_weights(self.trainer, str(self.cfg.init_from))
@@ -805,7 +849,10 @@ class GRPORun:
         self.version = resumed.version
         print(f"resumed from {checkpoint} at step {resumed.step}", flush=True)
         self.metrics.cut_back(resumed.step)  # the crashed run's rows past the checkpoint are written again
-        if self._queue_from == checkpoint and resumed.queue is not None:
+        if self._kept is not None and self._kept["checkpoint"] == str(checkpoint):
+            self._resume_queue(resumed.step, self._kept["record"], kept=True)
+            self._kept = None
+        elif self._queue_from == checkpoint and resumed.queue is not None:
             self._resume_queue(resumed.step, resumed.queue)
         return resumed.step
 
@@ -818,8 +865,32 @@ class GRPORun:
         if not self.cfg.queue_journal:
             return {}
         journal = self.out / "queue_journal"
-        shutil.rmtree(journal, ignore_errors=True)
+        if self._kept is None:  # a kept queue's controller journals there still
+            shutil.rmtree(journal, ignore_errors=True)
         return {"journal_dir": str(journal), "restart_retry_s": QUEUE_RESTART_RETRY_S}
+
+    def _keep_queue(self) -> bool:
+        """A trainer rank died: leave the queue running for the restart (``keeps_rows``, and a checkpoint of this
+        run to restart from), noting the steps it holds from that checkpoint on (trainer_restarts.write_kept_queue).
+        False: the queue stops with the run, the restart starts a new one."""
+        if not self.keeps_rows or self.client is None or (self._saved_step is None and not self._resumed):
+            return False
+        checkpoint = latest_checkpoint(checkpoints_dir(self.out))
+        if checkpoint is None:
+            return False
+        step = resumed_state(json.loads((checkpoint / "checkpoint.json").read_text())["extra_state"]).step
+        record = queue_record(step, self.prompt_states, self.prompts.state_dict())
+        if record is None:
+            return False
+        write_kept_queue(self.out, checkpoint, record)
+        return True
+
+    def _drop_kept_queue(self) -> None:
+        """A kept queue the run did not resume from (another checkpoint was found): its steps are cleared."""
+        if self._kept is not None:
+            logger.warning("the queue kept for %s is not resumed from: its steps are cleared", self._kept["checkpoint"])
+            self._clear_steps(below=None)
+            self._kept = None
 
     def _restorable_queue(self) -> str | None:
         """The queue snapshot of the checkpoint this run will resume from, if it has one: the queue starts from it."""
@@ -829,29 +900,37 @@ class GRPORun:
         self._queue_from = restorable[0]
         return str(restorable[1])
 
-    def _resume_queue(self, step: int, record: dict[str, Any]) -> None:
+    def _resume_queue(self, step: int, record: dict[str, Any], kept: bool = False) -> None:
         """Go on with the steps the restored queue holds: the prompt source after their draws, and each task's
-        consumption agreeing with what was produced before the crash (what was in flight is handed out again)."""
+        consumption agreeing with what was produced before the crash (what was in flight is handed out again).
+        ``kept``: the queue a trainer-group restart kept: the trainer is served the steps it had trained since the
+        checkpoint again (queue_resume.resume_steps)."""
+        self._clear_steps(below=step)  # the steps the checkpoint covers (a death after it, before their clear)
         self.prompts.load_state_dict(record["prompt_source"])
         self.prompt_states.update({int(s): state for s, state in record["prompt_states"]})
         outputs = restored_outputs(self.cfg, with_reward_workers=bool(self.reward))
         rows = self.cfg.prompts_per_step * self.cfg.n_samples
-        self.queue_resume = resume_steps(self.client, step, record, rows, outputs, self.cfg.queue_timeout)
+        retrain = TRAIN_TASK if kept else None
+        self.queue_resume = resume_steps(self.client, step, record, rows, outputs, self.cfg.queue_timeout, retrain)
         print(self.queue_resume.message(ROLLOUT_TASK), flush=True)
         self.metrics.write(self.queue_resume.row(ROLLOUT_TASK))
 
     def _relaunch_restored(self, start: int, first_version: int) -> dict[int, tuple[list[Any], list[Any]]]:
         """Rollout and reward of the steps restored from the queue checkpoint (their prompts are in the queue):
-        the workers take only the rows nobody had produced."""
+        the workers take only the rows nobody had produced. A restored step further ahead than the run launches
+        (a kept queue holds the steps trained since the checkpoint and those launched ahead of them) is started
+        when it is due (:meth:`generate`): its missing rows sampled within ``max_staleness`` of its trainer."""
         steps = self.queue_resume.steps if self.queue_resume is not None else []
-        return {
-            s: self._tracked(s, (
-                [w.generate_step.remote(s, self.prompt_fields(), self._min_version(s, start, first_version),
-                                        first_version + s - start) for w in self.rollout],
-                [w.score_step.remote(s) for w in self.reward],
-            ))
-            for s in steps
-        }  # fmt: skip
+        self._restored_later = frozenset(s for s in steps if s > start + self.lookahead)
+        return {s: self._restart_step(s, start, first_version) for s in steps if s not in self._restored_later}
+
+    def _restart_step(self, s: int, start: int, first_version: int) -> tuple[list[Any], list[Any]]:
+        """The rollout and reward calls of restored step ``s`` (its prompts are in the queue)."""
+        return self._tracked(s, (
+            [w.generate_step.remote(s, self.prompt_fields(), self._min_version(s, start, first_version),
+                                    first_version + s - start) for w in self.rollout],
+            [w.score_step.remote(s) for w in self.reward],
+        ))  # fmt: skip
 
     def _step_row(
         self, step: int, train: dict[str, float], rollout: list[dict], reward: list[dict], sync_s: float, step_s: float
@@ -891,11 +970,12 @@ class GRPORun:
     def task_label(self) -> str:
         return self.task_name.rsplit(":", 1)[-1]
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_queue: bool = False) -> None:
         """Stop the actors and the queue, then remove the weight channel and stop the run's inference servers
         (whatever failed before them): the ranks that write the channel and the workers that use the servers are gone
         by then. Stops only what started, so it also ends a start-up that failed; a
-        second call does nothing."""
+        second call does nothing. ``keep_queue``: the queue goes on running (a trainer-group restart attaches to it:
+        :meth:`_keep_queue`); only this driver's client of it is closed."""
         sinks, actors, client, channel, inference = (
             self.sinks,
             [*self.rollout, *self.reward, *self.trainer],
@@ -911,7 +991,9 @@ class GRPORun:
                 sinks.close()
             for actor in actors:
                 ray.kill(actor)
-            if client is not None:
+            if client is not None and keep_queue:
+                client.close()
+            elif client is not None:
                 transfer_queue.shutdown()
         finally:
             try:

@@ -35,6 +35,7 @@ class QueueResume:
     step: int  # the checkpoint's step: the first step to train
     rows_per_step: int
     kept: dict[int, dict[str, int]] = field(default_factory=dict)  # step -> task -> rows already produced
+    source: str = "the queue checkpoint"  # where the rows came from (a trainer-group restart: the queue it kept)
 
     @property
     def steps(self) -> list[int]:
@@ -50,8 +51,8 @@ class QueueResume:
 
     def message(self, task: str) -> str:
         return (
-            f"resumed from step {self.step}: {self.restored_rows(task)} rows of steps {self.steps} restored from the "
-            f"queue checkpoint, {self.relaunched_rows(task)} re-launched"
+            f"resumed from step {self.step}: {self.restored_rows(task)} rows of steps {self.steps} restored from "
+            f"{self.source}, {self.relaunched_rows(task)} re-launched"
         )
 
     def row(self, task: str) -> dict[str, Any]:
@@ -82,12 +83,25 @@ def queue_snapshot_of(checkpoint: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def resume_steps(
-    client: Any, step: int, record: dict[str, Any], rows_per_step: int, outputs: dict[str, str], timeout: float
+    client: Any,
+    step: int,
+    record: dict[str, Any],
+    rows_per_step: int,
+    outputs: dict[str, str],
+    timeout: float,
+    retrain: str | None = None,
 ) -> QueueResume:
     """Go on with the steps a queue restored from the checkpoint of ``step`` holds (``record["steps"]``): each
-    one reconciled (:func:`reconcile_step`, ``outputs`` and ``timeout`` as there)."""
-    resume = QueueResume(step, rows_per_step)
+    one reconciled (:func:`reconcile_step`, ``outputs`` and ``timeout`` as there).
+
+    ``retrain``: the trainer's task, for a queue a trainer-group restart kept (orchestration/trainer_restarts.py):
+    its consumption of each step is reset first, so the trainer, back at the checkpoint of ``step``, is served every
+    row of the steps it had trained (or was training) since, which the run it rolled back trained on (none of them
+    is in the restarted run's lineage)."""
+    resume = QueueResume(step, rows_per_step, source="the queue kept" if retrain else "the queue checkpoint")
     for queued in record["steps"]:
+        if retrain is not None:
+            client.reset_consumption(task_name=retrain, global_step=int(queued))
         resume.kept[int(queued)] = reconcile_step(client, int(queued), outputs, timeout)
     return resume
 

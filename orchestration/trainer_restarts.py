@@ -9,6 +9,17 @@ the step), stops what it started (the actors, the queue, the weight channel, the
 (orchestration/run_resume.py), the metrics rows past the checkpoint cut back and written again. Without a checkpoint
 yet, it starts from the start of GRPO (or of the run: the SFT warm-up saves checkpoint 0).
 
+With ``train.restart_keeps_rows`` (the default; with ``max_restarts`` > 0 and periodic checkpoints) a restart
+generates (almost) nothing again: each step's rows stay in the queue until a checkpoint covers the step
+(:func:`keeps_rows`), and a dying run leaves its queue running (:func:`write_kept_queue`: the steps from its last
+checkpoint on, launched or trained). The next start attaches to it (:func:`take_kept_queue`) instead of starting
+one: the trainer ranks, back at the checkpoint, train the steps since it again from their kept rows (none of those
+trainings is in the final model's lineage: it goes on from the checkpoint), and the steps launched ahead go on from
+the rows already generated; only the rows in flight at the death are generated again. The versions stay numbered
+by step, so a kept row is trained by the version that would have trained it, within ``max_staleness`` of its
+sampler (that the trainer checks); a kept row sampled after the checkpoint was sampled by a policy the rolled back
+run computed from the same checkpoint and the same kept rows as the restarted run computes it again.
+
 Up to ``train.max_restarts`` restarts (0: a rank's death ends the run, as before); once they are spent a death ends
 the run with :class:`TrainerRestartsSpent`. Every other failure ends the run as before.
 """
@@ -16,15 +27,19 @@ the run with :class:`TrainerRestartsSpent`. Every other failure ends the run as 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+import transfer_queue
 from orchestration.config import RLConfig
 from orchestration.run_resume import resume_checkpoint
+from transfer_queue.errors import QueueNotFound
 
 #: on a failed train step, the longest the driver waits for the other ranks' calls to end before it looks for a
 #: dead rank among them (a surviving rank's collective fails once its peer's connection closes)
@@ -32,6 +47,8 @@ RANK_DEATH_WAIT_S = 10.0
 
 T = TypeVar("T")
 ACTOR_ID = re.compile(r"actor_id=([0-9a-f]+)")
+#: in output_dir: what a run a trainer rank's death ended left in the queue it left running (:func:`write_kept_queue`)
+KEPT_QUEUE = "queue_kept.json"
 
 
 class TrainerRankDied(RuntimeError):
@@ -41,6 +58,7 @@ class TrainerRankDied(RuntimeError):
         self.rank, self.step = rank, step
         self.unreported = 0  # the run's trainer-group restarts no step row had counted yet (GRPORun sets it)
         self.saved = False  # whether the run had saved a checkpoint (GRPORun sets it): the restart resumes from it
+        self.kept_queue = False  # whether the run left its queue running for the restart (GRPORun sets it)
         why = f": {type(cause).__name__}" if cause is not None else ""
         super().__init__(f"trainer rank {rank} died at step {step}{why}")
 
@@ -111,6 +129,59 @@ def raise_if_rank_died(refs: list[Any], step: int, wait_s: float = 0.0) -> None:
         raise TrainerRankDied(died[0], step, died[1]) from died[1]
 
 
+def keeps_rows(config: RLConfig) -> bool:
+    """Whether the run keeps each step's rows in the queue until a checkpoint covers the step, and its queue across
+    a trainer-group restart: ``train.restart_keeps_rows``, with restarts allowed and periodic checkpoints."""
+    return config.train.restart_keeps_rows and config.train.max_restarts > 0 and config.checkpoint_interval > 0
+
+
+def queue_steps(config: RLConfig, lookahead: int) -> int:
+    """The steps the run's queue holds at once (its ``num_global_batch``): the step in training and the ``lookahead``
+    launched ahead of it; keeping rows (:func:`keeps_rows`), the steps trained since the last checkpoint too (at most
+    ``checkpoint_interval - 1``: the checkpoint after a step's row clears them)."""
+    return lookahead + (config.checkpoint_interval if keeps_rows(config) else 1)
+
+
+def covered_steps(partitions: list[Any], step: int) -> list[int]:
+    """The steps among the queue's ``partitions`` (ints: steps; strs: other partitions) that a checkpoint of ``step``
+    covers (those before it), in order."""
+    return sorted(p for p in partitions if isinstance(p, int) and p < step)
+
+
+def write_kept_queue(out: Path, checkpoint: Path, record: dict[str, Any]) -> None:
+    """Note in ``out`` that this run's queue is left running for the restart from ``checkpoint``: ``record``
+    (``run_resume.queue_record`` of its step) names the steps it holds from there, where each drew its prompts, and
+    the prompt position after the last draw."""
+    (out / KEPT_QUEUE).write_text(json.dumps({"checkpoint": str(checkpoint), "record": record}))
+
+
+def take_kept_queue(out: Path, running: bool) -> dict[str, Any] | None:
+    """The note :func:`write_kept_queue` left in ``out`` (removed: it serves one start), if a queue is ``running``
+    (a queue a trainer-group restart kept; after a crash of the process, or a second launch, none runs and the note
+    is stale); None otherwise."""
+    path = out / KEPT_QUEUE
+    if not path.is_file():
+        return None
+    kept = json.loads(path.read_text())
+    path.unlink()
+    return kept if running else None
+
+
+def queue_running() -> bool:
+    """Whether a queue runs on this Ray cluster (the one a trainer-group restart kept)."""
+    try:
+        transfer_queue.get_controller()
+    except QueueNotFound:
+        return False
+    return True
+
+
+def stop_kept_queue(out: Path) -> None:
+    """Stop the queue a run left running for a restart that will not come, and remove its note."""
+    (out / KEPT_QUEUE).unlink(missing_ok=True)
+    transfer_queue.shutdown()
+
+
 def restart_line(died: TrainerRankDied, checkpoint: Any, restart: int, budget: int) -> str:
     """What the run prints when it restarts its trainer group."""
     where = f"from checkpoint {checkpoint}" if checkpoint is not None else "from the start of GRPO (no checkpoint yet)"
@@ -145,6 +216,8 @@ def run_with_trainer_restarts(config: RLConfig, attempt: Callable[[RLConfig, int
             return attempt(cfg, unreported)
         except TrainerRankDied as died:
             if restarts >= budget:
+                if died.kept_queue:
+                    stop_kept_queue(config.output_path)
                 raise TrainerRestartsSpent(
                     f"{died}; expected at most train.max_restarts={budget} trainer-group restarts, this death would "
                     f"be restart {restarts + 1}"

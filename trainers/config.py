@@ -34,6 +34,10 @@ class TrainConfig:
     # started and resumes from its last checkpoint in the same process (orchestration/trainer_restarts.py); 0: a
     # rank's death ends the run
     max_restarts: int = 3
+    # with max_restarts > 0 and periodic checkpoints: each step's rows stay in the queue until a checkpoint covers
+    # the step, and the queue outlives a trainer-group restart, which trains them again from there instead of
+    # generating them again (the queue holds up to checkpoint_interval more steps); false: cleared once trained
+    restart_keeps_rows: bool = True
     lr: float = 5e-4  # AdamW learning rate of RL
     # linear warm-up of the RL learning rate over the first k optimizer steps (lr * min(1, (n + 1) / k)); Adam's
     # first steps move every weight by about lr whatever the gradient, which can knock a warmed-up policy over

@@ -1,6 +1,8 @@
 """An RL run's queue restored from its checkpoint (orchestration/queue_resume.py): rows whose output was written before
 the crash are kept for every worker task, rows a worker had taken but not written yet are handed out again, and rows
-that were only leased come back ready. The calls below are the rollout and reward workers' own protocol."""
+that were only leased come back ready. The calls below are the rollout and reward workers' own protocol. A queue a
+trainer-group restart kept running (orchestration/trainer_restarts.py) is resumed the same way, the trainer served
+again the steps it had trained since the checkpoint."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 import ray
 import torch
 
-from orchestration.queue_resume import reconcile_step
+from orchestration.queue_resume import reconcile_step, resume_steps
 from rl_contracts.stages import REWARD_TASK, ROLLOUT_TASK, TRAIN_TASK
 from transfer_queue import GRPOSampler, TransferQueueClient, TransferQueueController
 
@@ -100,5 +102,48 @@ def test_a_restored_step_hands_out_again_only_what_was_in_flight(ray_session, tm
         # step 2: the leased rows are ready again; all 8 rows go to rollout, once
         assert set(leased.global_indexes.tolist()) <= set(generate(client, 2, 8))
         assert len(client.get_meta(["prompt_ids"], 2, global_step=2, task_name=ROLLOUT_TASK, get_n_samples=True)) == 0
+    finally:
+        stop(controller, client)
+
+
+def train(client: TransferQueueClient, step: int, rows: int) -> list[int]:
+    """The trainer's read of ``rows`` scored rows of ``step`` (acknowledged)."""
+    fields = ["prompt_ids", "response_ids", "reward"]
+    meta = client.get_meta(fields, rows, global_step=step, task_name=TRAIN_TASK, get_n_samples=True, timeout=5)
+    client.get_data(meta)
+    return sorted(meta.global_indexes.tolist())
+
+
+def test_a_kept_queue_serves_the_trainer_again_the_steps_it_trained_and_generates_only_the_rows_in_flight(
+    ray_session,
+) -> None:
+    controller, client = start()
+    try:
+        for step in (1, 2):
+            put_prompts(client, step)
+        generated = {1: generate(client, 1, 8), 2: generate(client, 2, 4)}
+        in_flight = generate(client, 2, 2, write=False)  # the rollout worker died with the run's other actors
+        score(client, 1, 8)
+        score(client, 2, 4)
+        trained = train(client, 1, 8)  # step 1 trained after checkpoint 1; the rank died while step 2 trained:
+        train(client, 2, 2)
+        record = {"steps": [1, 2], "prompt_source": {}, "prompt_states": []}
+
+        resume = resume_steps(client, 1, record, PROMPTS * N, OUTPUTS, timeout=30, retrain=TRAIN_TASK)
+
+        assert resume.kept == {1: {ROLLOUT_TASK: 8, REWARD_TASK: 8}, 2: {ROLLOUT_TASK: 4, REWARD_TASK: 4}}
+        # step 1: nothing generated or scored again; the trainer, back at checkpoint 1, is served all 8 rows again
+        assert len(client.get_meta(["prompt_ids"], 2, global_step=1, task_name=ROLLOUT_TASK, get_n_samples=True)) == 0
+        assert train(client, 1, 8) == trained == generated[1]
+        # step 2: rollout gets the 4 rows without responses (those in flight among them), once; then the trainer
+        # all 8, the 2 it had read before the death too
+        again = generate(client, 2, 4)
+        assert set(in_flight) <= set(again) and not set(again) & set(generated[2])
+        assert len(client.get_meta(["prompt_ids"], 2, global_step=2, task_name=ROLLOUT_TASK, get_n_samples=True)) == 0
+        score(client, 2, 4)
+        assert train(client, 2, 8) == sorted(generated[2] + again)
+        assert resume.message(ROLLOUT_TASK) == (
+            "resumed from step 1: 12 rows of steps [1, 2] restored from the queue kept, 4 re-launched"
+        )
     finally:
         stop(controller, client)

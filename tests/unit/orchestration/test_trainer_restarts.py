@@ -7,12 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from orchestration import trainer_restarts
 from orchestration.config import ConfigError, RLConfig, load_config, parse_overrides
 from orchestration.trainer_restarts import (
+    KEPT_QUEUE,
     TrainerRankDied,
     TrainerRestartsSpent,
+    covered_steps,
     joined_rows,
+    keeps_rows,
+    queue_steps,
     run_with_trainer_restarts,
+    take_kept_queue,
+    write_kept_queue,
 )
 
 CONFIG = Path(__file__).resolve().parents[3] / "recipe" / "configs" / "demo.yaml"
@@ -102,6 +109,53 @@ def test_a_run_that_saved_a_checkpoint_restarts_with_resume_on(tmp_path: Path) -
 
     run_with_trainer_restarts(config(tmp_path, "resume=false"), attempt)
     assert [c.resume for c in configs] == [False, True]
+
+
+# ---- rows kept for a restart (train.restart_keeps_rows) -----------------------------------------------------------
+def test_a_run_keeps_each_steps_rows_until_a_checkpoint_covers_it_only_when_it_may_restart_from_one(
+    tmp_path: Path,
+) -> None:
+    kept = config(tmp_path, "checkpoint_every=2", "train.max_restarts=2")
+    assert keeps_rows(kept)
+    # the step in training, the 2 launched ahead, and the one trained since the last checkpoint
+    assert queue_steps(kept, lookahead=2) == 4
+    for off in ("train.max_restarts=0", "checkpoint_every=0", "train.restart_keeps_rows=false"):
+        cfg = config(tmp_path, "checkpoint_every=2", "train.max_restarts=2", off)
+        assert not keeps_rows(cfg), off
+        assert queue_steps(cfg, lookahead=2) == 3, off
+
+
+def test_a_checkpoint_covers_the_steps_before_it_not_other_partitions() -> None:
+    assert covered_steps([7, 4, "inflight-4", 5, 6], 6) == [4, 5]
+    assert covered_steps([6, 7], 6) == []
+
+
+def test_a_kept_queue_note_serves_the_next_start_once_and_only_while_a_queue_runs(tmp_path: Path) -> None:
+    record = {"dir": "queue", "steps": [4, 5, 6], "prompt_source": {"position": 56}, "prompt_states": []}
+    write_kept_queue(tmp_path, tmp_path / "checkpoints" / "step_00000004", record)
+    assert take_kept_queue(tmp_path, running=True) == {
+        "checkpoint": str(tmp_path / "checkpoints" / "step_00000004"),
+        "record": record,
+    }
+    assert take_kept_queue(tmp_path, running=True) is None  # taken
+    write_kept_queue(tmp_path, tmp_path / "checkpoints" / "step_00000004", record)
+    assert take_kept_queue(tmp_path, running=False) is None  # a new process: the queue it names is gone
+    assert not (tmp_path / KEPT_QUEUE).exists()
+
+
+def test_a_queue_kept_for_a_restart_that_will_not_come_is_stopped(tmp_path: Path, monkeypatch) -> None:
+    stopped: list[bool] = []
+    monkeypatch.setattr(trainer_restarts.transfer_queue, "shutdown", lambda: stopped.append(True))
+
+    def attempt(cfg: RLConfig, restarts: int) -> str:
+        write_kept_queue(tmp_path, tmp_path / "checkpoints" / "step_00000002", {"steps": [2]})
+        died = TrainerRankDied(0, 3)
+        died.saved = died.kept_queue = True
+        raise died
+
+    with pytest.raises(TrainerRestartsSpent):
+        run_with_trainer_restarts(config(tmp_path, "train.max_restarts=0"), attempt)
+    assert stopped == [True] and not (tmp_path / KEPT_QUEUE).exists()
 
 
 def test_max_restarts_below_0_is_refused(tmp_path: Path) -> None:
