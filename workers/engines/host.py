@@ -166,21 +166,36 @@ class EngineActor:
             EngineUnavailable: a server engine's server did not answer again within ``SERVER_BACK_S``.
         """
         self._calls += 1
-        deadline: float | None = None
         resumed_before = getattr(self._engine, "resumed_tokens", None)
         self._chunks_written = {}
+        asked = [inflight]
+
+        def again() -> None:
+            if asked[0] is not None:  # resume from the chunks the failed try checkpointed, counted once
+                asked[0] = self._checkpointed_since(asked[0])
+                if resumed_before is not None:
+                    self._engine.resumed_tokens = resumed_before
+
+        return self._server_retried(
+            lambda: self._generate(prompts, n, params, min_version, image_refs, asked[0]), "generating", again
+        )
+
+    def _server_retried(self, call: Any, what: str, again: Any = None) -> Any:
+        """``call()``, made again when it failed because the engine's server died under it (``EngineUnavailable``
+        and the server seen down, or back having lost its weights) once the server answers again (``again()`` first);
+        a failure of a server that answers with its weights is raised (e.g. a generation slower than the client's
+        timeout: not a death)."""
+        deadline: float | None = None
         while True:
             try:
-                return self._generate(prompts, n, params, min_version, image_refs, inflight)
-            except EngineUnavailable as exc:  # its server died under it: made again once the server is back
+                return call()
+            except EngineUnavailable as exc:
                 deadline = deadline if deadline is not None else time.monotonic() + SERVER_BACK_S
                 if not self._wait_for_server(deadline, exc):
-                    raise  # the server answers: not a death (e.g. a generation slower than the client's timeout)
-                logger.warning("%s; the server is back: generating again", exc)
-                if inflight is not None:  # resume from the chunks the failed try checkpointed, counted once
-                    inflight = self._checkpointed_since(inflight)
-                    if resumed_before is not None:
-                        self._engine.resumed_tokens = resumed_before
+                    raise
+                logger.warning("%s; the server is back: %s again", exc, what)
+                if again is not None:
+                    again()
 
     def _wait_for_server(self, deadline: float, cause: EngineUnavailable) -> bool:
         """Until the server answers its health route; whether it died under the call: seen down meanwhile, or
@@ -225,7 +240,7 @@ class EngineActor:
         inflight: InflightCall | None,
     ) -> tuple[int, list[list[Generation]]]:
         self.restore_server_weights()
-        self.pull_weights(min_version)
+        self._pull_weights(min_version)
         if inflight is not None:
             return self._engine.version, self._generate_checkpointed(prompts, n, params, inflight)
         if image_refs is None:
@@ -279,7 +294,20 @@ class EngineActor:
 
     def pull_weights(self, min_version: int | None = None) -> int:
         """Load the channel's newest weights if they are newer than the engine's (waiting for ``min_version``);
-        returns the engine's version. Without a channel, the engine's version (``min_version`` must hold)."""
+        returns the engine's version. Without a channel, the engine's version (``min_version`` must hold). A server
+        engine whose server died under the load waits for it to answer again and loads again, as ``generate``
+        does."""
+
+        return int(
+            self._server_retried(lambda: self._pull_weights(min_version), "loading the weights", self._lost_weights)
+        )
+
+    def _lost_weights(self) -> None:
+        """The server came back (restarted): what it serves is not what this client loaded any more."""
+        self._serial = -1  # the channel's newest is loaded whole again
+        self.restore_server_weights()
+
+    def _pull_weights(self, min_version: int | None = None) -> int:
         if self._channel is None:
             if min_version is not None and self._engine.version < min_version:
                 raise RuntimeError(
@@ -326,7 +354,7 @@ class EngineActor:
                        self._engine.version)  # fmt: skip
         if self._channel is not None:
             self._serial = -1  # pull_weights loads the channel's newest again
-            self.pull_weights()
+            self._pull_weights()
         elif self._latest is not None:
             self.update_weights(*self._latest)
         return True

@@ -401,12 +401,13 @@ def test_rollout_gpus_the_servers_cannot_take_are_refused_at_config_time(overrid
         load_config(None, overrides)
 
 
-def test_without_ray_or_with_rollout_gpus_nothing_is_reserved():
+def test_without_ray_or_with_rollout_gpus_nothing_is_reserved(monkeypatch):
     import ray
 
     from orchestration.inference import reserve_server_gpus
 
-    assert not ray.is_initialized()
+    # without Ray, whatever ran before in this process (another test file may have started a session)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang")) is None
     assert reserve_server_gpus(RolloutConfig(num_workers=2, engine="sglang", gpus=[0, 1])) is None
     assert reserve_server_gpus(RolloutConfig(num_workers=2, engine="hf")) is None

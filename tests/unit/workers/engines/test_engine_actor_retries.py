@@ -134,3 +134,47 @@ def test_a_checkpoint_that_cannot_be_written_does_not_stop_the_generation(monkey
     call = InflightCall("info", "inflight/step_1", ["g0/0"], [None])
     _, generations = actor.generate([[1, 2]], 1, PARAMS, inflight=call)
     assert generations[0][0].token_ids == [7, 1] and actor.checkpoint_failures == 1
+
+
+class Channel:
+    """A weight channel holding version 4 (serial 9)."""
+
+    def newest(self) -> tuple[int, int]:
+        return 9, 4
+
+    def wait(self, min_version: int, timeout: float) -> tuple[int, int]:
+        return 9, 4
+
+    def load(self, version: int, timeout: float) -> tuple[int, int, dict]:
+        return 9, 4, {"w": 1}
+
+
+def test_a_weight_load_whose_server_was_seen_down_is_made_again_once_it_is_back():
+    """The rollout asks its engine to load the newest weights (``pull_weights``) and the server dies under the load:
+    the load waits for the server and is made again (before: EngineUnavailable ended the run)."""
+    engine = StubServerEngine(failures=0, healthy=[False, True])
+    loads: list[int] = []
+
+    def update_weights(version: int, state_dict: Any = None, path: Any = None) -> None:
+        loads.append(version)
+        if len(loads) == 1:
+            raise EngineUnavailable("sglang server at http://127.0.0.1:9: POST /update_weights failed: ConnectError()")
+        engine.version = version
+
+    engine.update_weights = update_weights  # type: ignore[method-assign]
+    actor = actor_over(engine)
+    actor._channel = Channel()
+    assert actor.pull_weights(4) == 4 and loads == [4, 4]
+
+
+def test_a_weight_load_failing_on_a_server_that_answers_is_raised():
+    engine = StubServerEngine(failures=0, healthy=[True])
+
+    def update_weights(version: int, state_dict: Any = None, path: Any = None) -> None:
+        raise EngineUnavailable("sglang server at http://127.0.0.1:9: POST /update_weights failed: ReadTimeout()")
+
+    engine.update_weights = update_weights  # type: ignore[method-assign]
+    actor = actor_over(engine)
+    actor._channel = Channel()
+    with pytest.raises(EngineUnavailable, match="ReadTimeout"):
+        actor.pull_weights(4)
