@@ -621,6 +621,21 @@ def test_after_a_move_both_units_holding_a_moved_copy_restarted_lose_its_rows_ty
     assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected
 
 
+def retire_0_holding_one_read(queue: Any, block: int) -> Any:
+    """Retire unit 0 with the move's read of ``block`` held, and wait until the move's batch wrote every other block
+    (only that read outstanding); returns what releases the read."""
+    held, release = hold_refill_reads(queue.controller, block)
+    retire(queue, 0)
+    assert held.wait(10), "the move never read the held block"
+
+    def rest_written() -> bool:
+        batch = queue.controller._refill
+        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [block]
+
+    wait_for(rest_written)
+    return release
+
+
 def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took_and_never_stalls(
     queue: LocalQueue,
 ) -> None:
@@ -633,15 +648,7 @@ def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took
     metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
     before = [client.get_data(m)["x"][0, 0].item() for m in metas]
     first = min(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % UNITS == 0)  # moved first (from 1)
-    held, release = hold_refill_reads(queue.controller, first)
-    retire(queue, 0)
-    assert held.wait(10), "the move never read the block's other copy"
-
-    def rest_written() -> bool:
-        batch = queue.controller._refill
-        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [first]
-
-    wait_for(rest_written)
+    release = retire_0_holding_one_read(queue, first)
     assert queue.controller.state.lost.moves[0].below == 0
     result = queue.restart(2)
     on_2_and_0 = [m for m in metas if int(m.blocks[0, 0]) % UNITS == 2 and int(m.blocks[0, 0]) > first]
@@ -825,15 +832,7 @@ def test_a_move_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_sou
     metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
     before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
     held_block = max(b for b in before if b % UNITS == 2)
-    held, _release = hold_refill_reads(queue.controller, held_block)
-    retire(queue, 0)
-    assert held.wait(10), "the move never read the held block"
-
-    def rest_written() -> bool:
-        batch = queue.controller._refill
-        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [held_block]
-
-    wait_for(rest_written)
+    retire_0_holding_one_read(queue, held_block)
     queue.units[2].stop()
     wait_for(lambda: queue.controller._refill is None)  # given up: its unit 2 went down
     assert queue.restart(2)["rows"] == 2  # the held block's rows only

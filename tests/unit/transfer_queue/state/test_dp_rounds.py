@@ -147,18 +147,24 @@ def test_after_a_replay_a_call_asked_again_keeps_its_round_and_a_new_client_star
     assert rounds.number("s", "train", 0, "conn-B", ("B", 4))[0] == "auto-3"
 
 
-def test_after_a_replay_the_threads_of_one_client_take_over_its_connections_furthest_behind_first():
-    """Two threads of one client (one owner, a connection each) as TP peers: the first took auto-3, the second had
-    not asked yet. After the restart the client's first new connection goes on from the one behind (auto-3: it
-    skips nothing), the next from the one ahead (auto-4); a further connection starts at the rank's smallest. What
-    no new connection took over yet survives a second restart, with the call that may still be asked again."""
+def threads_a_round_apart() -> DPRounds:
+    """Two threads of one client "O" (connections t1, t2) of dp_rank 0: both took auto-0..2, t1 then auto-3 (call
+    7)."""
     rounds = DPRounds()
     call_ids = iter(range(1, 100))
     for _ in range(3):
         for conn in ("t1", "t2"):
             rounds.number("s", "train", 0, conn, ("O", next(call_ids)))
     assert rounds.number("s", "train", 0, "t1", ("O", 7))[0] == "auto-3"
-    rounds = replayed(rounds)
+    return rounds
+
+
+def test_after_a_replay_the_threads_of_one_client_take_over_its_connections_furthest_behind_first():
+    """Two threads of one client (one owner, a connection each) as TP peers: the first took auto-3, the second had
+    not asked yet. After the restart the client's first new connection goes on from the one behind (auto-3: it
+    skips nothing), the next from the one ahead (auto-4); a further connection starts at the rank's smallest. What
+    no new connection took over yet survives a second restart, with the call that may still be asked again."""
+    rounds = replayed(threads_a_round_apart())
     assert rounds.number("s", "train", 0, "n2", ("O", 8))[0] == "auto-3"  # the thread behind asks first
     rounds = replayed(rounds)  # a second restart before the thread ahead asked: its call 7 is still known
     assert rounds.number("s", "train", 0, "n1", ("O", 7))[0] == "auto-3"  # asked again
@@ -177,13 +183,7 @@ def test_after_a_replay_a_thread_that_names_its_next_round_goes_on_from_it_whate
     auto-2. After the restart the thread ahead asks first; it names the round it expects (its last + 1, the client
     sends it) and gets auto-4, then the thread behind gets auto-3 (before: the first new connection took over the
     counter furthest behind, auto-3, and the thread ahead was served its round 3 share a second time)."""
-    rounds = DPRounds()
-    call_ids = iter(range(1, 100))
-    for _ in range(3):
-        for conn in ("t1", "t2"):
-            rounds.number("s", "train", 0, conn, ("O", next(call_ids)))
-    assert rounds.number("s", "train", 0, "t1", ("O", 7))[0] == "auto-3"
-    rounds = replayed(rounds)
+    rounds = replayed(threads_a_round_apart())
     assert rounds.number("s", "train", 0, "n1", ("O", 8), next_round=4)[0] == "auto-4"
     assert rounds.number("s", "train", 0, "n2", ("O", 9), next_round=3)[0] == "auto-3"
     assert rounds.number("s", "train", 0, "n1", ("O", 10), next_round=5)[0] == "auto-5"  # the counter is kept

@@ -155,12 +155,9 @@ def test_a_retired_unit_s_copies_are_planned_onto_a_unit_of_another_node_than_th
     assert q.state.lost.cannot_rereplicate == {0: "storage unit 2, which holds the other copies, is down"}
 
 
-def test_after_a_move_a_restarted_target_and_a_restarted_survivor_refill_from_the_copies_held_now(make_queue):
-    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1 (read from 2).
-    Target 1 restarted empty: its refill copies the moved blocks back too, read from 2. Survivor 2 restarted empty
-    then: its refill reads the moved blocks from 1, not from retired 0. Both restarted before either got them back:
-    the moved blocks' rows are lost (both units holding them now lost them)."""
-    from transfer_queue.state.lost_rows import all_gone, plan_refill, start_move
+def unit_0_down_of_four(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3), 8 blocks of one row put, unit 0 down: the queue, the
+    nodes, the puts' metas, the blocks, and those with a copy on 0 (its own and 2's)."""
     from transfer_queue.state.placement import replica_units
 
     nodes = ["a", "a", "b", "b"]
@@ -168,8 +165,18 @@ def test_after_a_move_a_restarted_target_and_a_restarted_survivor_refill_from_th
     q.state.ledger.replica_of = replica_units(nodes, 2)
     metas = [q.put(0, 1) for _ in range(8)]
     blocks = sorted(int(m.blocks[0, 0]) for m in metas)
-    moved = [b for b in blocks if b % 4 in (0, 2)]
     q.state.down_units.add(0)
+    return q, nodes, metas, blocks, [b for b in blocks if b % 4 in (0, 2)]
+
+
+def test_after_a_move_a_restarted_target_and_a_restarted_survivor_refill_from_the_copies_held_now(make_queue):
+    """Four units on nodes a, a, b, b (partners 0-2, 1-3): unit 0 retired and its copies moved to 1 (read from 2).
+    Target 1 restarted empty: its refill copies the moved blocks back too, read from 2. Survivor 2 restarted empty
+    then: its refill reads the moved blocks from 1, not from retired 0. Both restarted before either got them back:
+    the moved blocks' rows are lost (both units holding them now lost them)."""
+    from transfer_queue.state.lost_rows import all_gone, plan_refill, start_move
+
+    q, nodes, _, blocks, moved = unit_0_down_of_four(make_queue)
     move = start_move(q.state, 0, nodes, {0})
     assert not isinstance(move, str) and move.to == {2: 1}
     move.below = move.upto  # done: the copies on 0 are on 1 now
@@ -197,15 +204,8 @@ def test_a_survivor_restarted_while_a_move_runs_loses_the_blocks_the_move_has_no
     0, gone for good too: their rows are lost (not refilled from 0, which never comes back); those it reached are
     refilled from 1, and the restart's ``lost_with`` names the range lost with 0."""
     from transfer_queue.state.lost_rows import all_gone, plan_refill, start_move
-    from transfer_queue.state.placement import replica_units
 
-    nodes = ["a", "a", "b", "b"]
-    q = make_queue(global_batch_size=8, num_storage_units=4, replicas=2)
-    q.state.ledger.replica_of = replica_units(nodes, 2)
-    metas = [q.put(0, 1) for _ in range(8)]
-    blocks = sorted(int(m.blocks[0, 0]) for m in metas)
-    moved = [b for b in blocks if b % 4 in (0, 2)]
-    q.state.down_units.add(0)
+    q, nodes, metas, _, moved = unit_0_down_of_four(make_queue)
     q.state.lost.retired.add(0)
     move = start_move(q.state, 0, nodes, {0})
     assert not isinstance(move, str) and move.to == {2: 1}
