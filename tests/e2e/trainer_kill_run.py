@@ -1,7 +1,8 @@
 """A short demo run (recipe/demo.py's configuration, through ``train_from_command_line``) during which trainer rank 1
 is killed (SIGKILL of its process, its pid asked of the rank actor) shortly after the training of step ``KILL_STEP``
-was launched. The run stops what it started and resumes from its last checkpoint in the same process
-(orchestration/trainer_restarts.py). Run by tests/e2e/test_trainer_kill_run.py:
+was launched (on a machine fast enough to train the step within that delay, before the next step's training). The
+run stops what it started and resumes from its last checkpoint in the same process (orchestration/trainer_restarts.py).
+Run by tests/e2e/test_trainer_kill_run.py:
 
     python tests/e2e/trainer_kill_run.py output_dir=DIR [key=value ...]
 """
@@ -37,12 +38,17 @@ def main(argv: list[str]) -> int:
             train = run.train
 
             def killing_train(step: int) -> dict[str, float]:
-                if step == KILL_STEP and not killed:
-                    pid = ray.get(run.trainer[KILLED_RANK].pid.remote())
-                    killed.append(pid)
-                    threading.Timer(KILL_DELAY_S, os.kill, (pid, signal.SIGKILL)).start()
-                    print(f"killing trainer rank {KILLED_RANK} (pid {pid}) in step {step}", flush=True)
-                return train(step)
+                if step != KILL_STEP or killed:
+                    return train(step)
+                pid = ray.get(run.trainer[KILLED_RANK].pid.remote())
+                killed.append(pid)
+                timer = threading.Timer(KILL_DELAY_S, os.kill, (pid, signal.SIGKILL))
+                timer.start()
+                print(f"killing trainer rank {KILLED_RANK} (pid {pid}) in step {step}", flush=True)
+                try:
+                    return train(step)
+                finally:  # a step that trained faster than the delay: the rank dies before the next one
+                    timer.join()
 
             run.train = killing_train  # type: ignore[method-assign]
         return run.run()
