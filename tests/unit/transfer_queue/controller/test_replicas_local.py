@@ -621,12 +621,12 @@ def test_after_a_move_both_units_holding_a_moved_copy_restarted_lose_its_rows_ty
     assert sorted(r["global_index"] for r in client.lost_rows(partition_id="p")) == expected
 
 
-def retire_0_holding_one_read(queue: Any, block: int) -> Any:
-    """Retire unit 0 with the move's read of ``block`` held, and wait until the move's batch wrote every other block
-    (only that read outstanding); returns what releases the read."""
+def hold_one_read(queue: Any, block: int, start: Any) -> Any:
+    """Hold the controller's read of ``block``, ``start()`` a refill or a move (a restart, a retirement), and wait
+    until its batch wrote every other block (only that read outstanding); returns what releases the read."""
     held, release = hold_refill_reads(queue.controller, block)
-    retire(queue, 0)
-    assert held.wait(10), "the move never read the held block"
+    start()
+    assert held.wait(10), "the batch never read the held block"
 
     def rest_written() -> bool:
         batch = queue.controller._refill
@@ -634,6 +634,17 @@ def retire_0_holding_one_read(queue: Any, block: int) -> Any:
 
     wait_for(rest_written)
     return release
+
+
+def only_the_held_block_lost(client: Any, metas: list[Any], before: dict[int, Any], held_block: int) -> None:
+    """The held block's rows are listed lost, every other block reads back as it was put."""
+    client.ping()
+    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
+    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
+    for meta in metas:
+        block = int(meta.blocks[0, 0])
+        if block != held_block:
+            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]
 
 
 def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took_and_never_stalls(
@@ -648,7 +659,7 @@ def test_a_survivor_restarted_while_a_move_runs_loses_only_what_both_copies_took
     metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
     before = [client.get_data(m)["x"][0, 0].item() for m in metas]
     first = min(int(m.blocks[0, 0]) for m in metas if int(m.blocks[0, 0]) % UNITS == 0)  # moved first (from 1)
-    release = retire_0_holding_one_read(queue, first)
+    release = hold_one_read(queue, first, lambda: retire(queue, 0))
     assert queue.controller.state.lost.moves[0].below == 0
     result = queue.restart(2)
     on_2_and_0 = [m for m in metas if int(m.blocks[0, 0]) % UNITS == 2 and int(m.blocks[0, 0]) > first]
@@ -832,17 +843,11 @@ def test_a_move_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_sou
     metas = [client.put({"x": torch.full((2, 4), float(v))}, partition_id="p") for v in range(6)]
     before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
     held_block = max(b for b in before if b % UNITS == 2)
-    retire_0_holding_one_read(queue, held_block)
+    hold_one_read(queue, held_block, lambda: retire(queue, 0))
     queue.units[2].stop()
     wait_for(lambda: queue.controller._refill is None)  # given up: its unit 2 went down
     assert queue.restart(2)["rows"] == 2  # the held block's rows only
-    client.ping()
-    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
-    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
-    for meta in metas:
-        block = int(meta.blocks[0, 0])
-        if block != held_block:
-            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]
+    only_the_held_block_lost(client, metas, before, held_block)
 
 
 def test_a_refill_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_source_loses_only_the_rest(
@@ -856,20 +861,8 @@ def test_a_refill_batch_given_up_keeps_the_copies_it_wrote_so_a_restart_of_its_s
     before = {int(m.blocks[0, 0]): client.get_data(m)["x"][:, 0].tolist() for m in metas}
     held_block = max(b for b in before if b % UNITS in (0, 1))  # a copy on 1
     source = 2 if held_block % UNITS == 1 else 0  # where the other copy is
-    held, _release = hold_refill_reads(queue.controller, held_block)
-    assert queue.restart(1)["rows"] == 0
-    assert held.wait(10), "the refill never read the held block"
-
-    def rest_written() -> bool:
-        batch = queue.controller._refill
-        return batch is not None and not batch.writes and [s.block for s in batch.reads.values()] == [held_block]
-
-    wait_for(rest_written)
+    restarted: list[dict[str, Any]] = []
+    hold_one_read(queue, held_block, lambda: restarted.append(queue.restart(1)))
+    assert restarted[0]["rows"] == 0
     assert queue.restart(source)["rows"] == 2  # the batch is given up; the held block's rows only are lost
-    client.ping()
-    lost = next(m for m in metas if int(m.blocks[0, 0]) == held_block).global_indexes.tolist()
-    assert [r["global_index"] for r in client.lost_rows(partition_id="p")] == lost
-    for meta in metas:
-        block = int(meta.blocks[0, 0])
-        if block != held_block:
-            assert client.get_data(meta)["x"][:, 0].tolist() == before[block]
+    only_the_held_block_lost(client, metas, before, held_block)
