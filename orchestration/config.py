@@ -578,6 +578,7 @@ KEY_RANGES: dict[str, Range | Text] = {
     "train.backend": Text(("gloo", "nccl", "mpi", "ucc"), optional=True),
     "train.num_gpus_per_rank": _floats(0),
     "train.max_restarts": _ints(0),
+    "train.restart_drain_s": _floats(0),
     "train.lr": _POSITIVE,
     "train.lr_warmup_steps": _ints(0),
     "train.weight_decay": _floats(0),

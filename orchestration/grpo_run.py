@@ -77,6 +77,7 @@ from orchestration.trainer_restarts import (
     TrainerRankDied,
     any_failed,
     covered_steps,
+    finish_writes,
     joined_rows,
     keeps_rows,
     queue_running,
@@ -975,8 +976,10 @@ class GRPORun:
         (whatever failed before them): the ranks that write the channel and the workers that use the servers are gone
         by then. Stops only what started, so it also ends a start-up that failed; a
         second call does nothing. ``keep_queue``: the queue goes on running (a trainer-group restart attaches to it:
-        :meth:`_keep_queue`); only this driver's client of it is closed."""
-        sinks, actors, client, channel, inference = (
+        :meth:`_keep_queue`); only this driver's client of it is closed, and the rollout workers first write the
+        generations they have in flight into it (``train.restart_drain_s``: trainer_restarts.finish_writes)."""
+        rollout, sinks, actors, client, channel, inference = (
+            self.rollout,
             self.sinks,
             [*self.rollout, *self.reward, *self.trainer],
             self.client,
@@ -989,6 +992,8 @@ class GRPORun:
         try:
             if sinks is not None:
                 sinks.close()
+            if keep_queue and rollout and self.cfg.train.restart_drain_s > 0:  # their generations in flight kept
+                finish_writes(rollout, self.cfg.train.restart_drain_s)
             for actor in actors:
                 ray.kill(actor)
             if client is not None and keep_queue:

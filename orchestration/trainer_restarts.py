@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 import transfer_queue
 from orchestration.config import RLConfig
@@ -45,6 +46,7 @@ from transfer_queue.errors import QueueNotFound
 #: dead rank among them (a surviving rank's collective fails once its peer's connection closes)
 RANK_DEATH_WAIT_S = 10.0
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTOR_ID = re.compile(r"actor_id=([0-9a-f]+)")
 #: in output_dir: what a run a trainer rank's death ended left in the queue it left running (:func:`write_kept_queue`)
@@ -146,6 +148,26 @@ def covered_steps(partitions: list[Any], step: int) -> list[int]:
     """The steps among the queue's ``partitions`` (ints: steps; strs: other partitions) that a checkpoint of ``step``
     covers (those before it), in order."""
     return sorted(p for p in partitions if isinstance(p, int) and p < step)
+
+
+def finish_writes(rollout: list[Any], timeout_s: float) -> int:
+    """Let the rollout workers of a run a trainer rank's death ended write the generations they have in flight, up
+    to ``timeout_s`` (``train.restart_drain_s``), before they are stopped: the queue kept for the restart holds them
+    (``RolloutWorker.finish_writes``). Returns the batches still in flight then (a worker dead meanwhile, or that did
+    not answer in time, counts one): those rows are generated again."""
+    refs = [worker.finish_writes.remote(timeout_s) for worker in rollout]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 10.0)
+    left = len(refs) - len(done)
+    for ref in done:
+        try:
+            left += int(ray.get(ref))
+        except RayError:  # the worker died (or was being restarted): what it held goes back to the queue
+            left += 1
+    if left:
+        logger.warning(
+            "%d rollout batches were still in flight after %.0f s: they are generated again", left, timeout_s
+        )
+    return left
 
 
 def write_kept_queue(out: Path, checkpoint: Path, record: dict[str, Any]) -> None:

@@ -12,10 +12,15 @@ A worker that dies (its process killed) is a lease that ends: the rollout and re
 that died between its put and its ``ack`` had written them: the second put is refused (``FieldAlreadyProduced``),
 :func:`write_or_release` then writes the rows that nobody wrote and acknowledges the rest, so no row is produced twice
 and none is left unproduced.
+
+A worker stopped on purpose while its queue goes on (a trainer-group restart that keeps the queue,
+orchestration/trainer_restarts.py) first writes the batches it is generating: each batch passes a
+:class:`BatchesInFlight` from its generation to its write, and ``finish`` holds new ones back and waits for those.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_contracts.colocate import RequestGate
 from rl_contracts.rows import jagged
 from transfer_queue.errors import (
     FieldAlreadyProduced,
@@ -37,6 +43,36 @@ from transfer_queue.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class BatchesInFlight:
+    """The batches a worker is generating, from their generation to their write (``with in_flight.batch(meta):``):
+    :meth:`finish` starts no new one and waits for these (a worker about to be stopped keeps its work), :meth:`rows`
+    counts their rows (what the worker's death would make generate again)."""
+
+    def __init__(self) -> None:
+        self._gate = RequestGate()
+        self._rows: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def batch(self, meta: Any) -> Iterator[None]:
+        """One batch's generation and write; waits (held) once :meth:`finish` was called."""
+        with self._gate.passing():
+            self._rows[id(meta)] = len(meta)
+            try:
+                yield
+            finally:
+                del self._rows[id(meta)]
+
+    def finish(self, timeout_s: float) -> int:
+        """Hold new batches back and wait up to ``timeout_s`` for those in flight; returns how many are left."""
+        self._gate.drain(timeout_s)
+        return self._gate.active
+
+    def rows(self) -> int:
+        return sum(self._rows.values())
+
+
 PUT_ATTEMPTS = 5  # a put placed on a unit that died mid-put is tried again (the controller places it elsewhere)
 DOWN_PAUSE_S = 0.5  # after a read found a unit down: wait a little (it is being restarted) before asking again
 DOWN_WAIT_S = 120.0  # the longest a reader waits for a down unit to come back (or be restarted empty)

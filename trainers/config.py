@@ -38,6 +38,10 @@ class TrainConfig:
     # the step, and the queue outlives a trainer-group restart, which trains them again from there instead of
     # generating them again (the queue holds up to checkpoint_interval more steps); false: cleared once trained
     restart_keeps_rows: bool = True
+    # with restart_keeps_rows, at a trainer rank's death: seconds the rollout workers get to write the generations
+    # they have in flight before they are stopped (kept in the queue for the restart instead of generated again);
+    # 0: stopped at once
+    restart_drain_s: float = 30.0
     lr: float = 5e-4  # AdamW learning rate of RL
     # linear warm-up of the RL learning rate over the first k optimizer steps (lr * min(1, (n + 1) / k)); Adam's
     # first steps move every weight by about lr whatever the gradient, which can knock a warmed-up policy over

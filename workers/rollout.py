@@ -19,6 +19,7 @@ a restarted engine never serves older weights than the last published version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -35,7 +36,13 @@ from rl_contracts.actors import actor_class
 from rl_contracts.colocate import RequestGate
 from rl_contracts.images import IMAGE_REFS, image_refs_of
 from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial, fresh_enough, inflight_partition, row_keys
-from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, release_quietly, served_batches, write_or_release
+from rl_contracts.lost_rows import (
+    WORKER_TASK_OPTIONS,
+    BatchesInFlight,
+    release_quietly,
+    served_batches,
+    write_or_release,
+)
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import jagged, rows_of
 from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, ROLLOUT_TASK
@@ -153,6 +160,8 @@ class RolloutWorker:
             self.engine_options.setdefault("max_concurrency", 2)
         self.seed = seed
         self.gate = RequestGate()  # each step's generations pass it (drain_requests holds them: colocated servers)
+        # each batch from its generation to its write (finish_writes: a trainer-group restart keeps them)
+        self.in_flight = BatchesInFlight()
         self.slot = EngineSlot(
             lambda restarts: (
                 actor_class(EngineActor).options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts)
@@ -193,6 +202,21 @@ class RolloutWorker:
     def resume_requests(self) -> None:
         """Let the generations ``drain_requests`` held back go on."""
         self.gate.resume()
+
+    @ray.method(concurrency_group="control")
+    def finish_writes(self, timeout_s: float) -> int:
+        """Start no new generation and wait up to ``timeout_s`` for the batches generating now to be written into the
+        queue; returns how many are still in flight (0: every one written). For a worker about to be stopped while
+        its queue goes on (a trainer-group restart that keeps the queue, orchestration/trainer_restarts.py): its
+        generations in flight are kept instead of generated again; the rows it takes meanwhile wait, unstarted, and
+        go back to the queue when it is stopped."""
+        return self.in_flight.finish(timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def rows_generating(self) -> int:
+        """Rows of the batches this worker is generating or writing now (taken rows that wait for weights or for the
+        gate are not counted: nothing was generated for them yet). What its death would make generate again."""
+        return self.in_flight.rows()
 
     @ray.method(concurrency_group="control")
     def queue_owner(self) -> str:
@@ -256,23 +280,28 @@ class RolloutWorker:
                 if min_version is not None:  # timed apart: waiting for the trainer is not generating
                     # the wait runs beside the engine: a redo of the step before this one generates meanwhile
                     ray.get(engine.wait_for_weights.remote(min_version))
-                # held while a colocated run's servers are released for training (drain_requests): waiting too
-                with self.gate.passing():
-                    if min_version is not None:
-                        ray.get(engine.pull_weights.remote(min_version))
-                    stats["weights_wait_s"] += time.perf_counter() - t1
-                    t1 = time.perf_counter()
-                    version, generations = ray.get(
-                        engine.generate.remote(prompts, self.n, self.sampling, min_version, images, inflight)
-                    )
             except ENGINE_FAILURES as exc:
-                logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
-                release_quietly(self.client, meta)  # a step cleared meanwhile has nothing left to generate
-                self.slot.restart(engine)
-                stats["engine_restarts"] += 1
+                self._engine_died(engine, exc, meta, stats)
                 continue
-            stats["generate_s"] += time.perf_counter() - t1
-            written = clock.call(write_or_release, self.client, self._responses(generations, version), meta, self.n)
+            with contextlib.ExitStack() as in_flight:  # from its generation to its write (finish_writes)
+                try:
+                    # held while a colocated run's servers are released for training (drain_requests): waiting too
+                    with self.gate.passing():
+                        in_flight.enter_context(self.in_flight.batch(meta))  # past the colocated gate
+                        if min_version is not None:
+                            ray.get(engine.pull_weights.remote(min_version))
+                        stats["weights_wait_s"] += time.perf_counter() - t1
+                        t1 = time.perf_counter()
+                        version, generations = ray.get(
+                            engine.generate.remote(prompts, self.n, self.sampling, min_version, images, inflight)
+                        )
+                except ENGINE_FAILURES as exc:
+                    in_flight.close()  # nothing to write: finish_writes does not wait for the engine's restart
+                    self._engine_died(engine, exc, meta, stats)
+                    continue
+                stats["generate_s"] += time.perf_counter() - t1
+                responses = self._responses(generations, version)
+                written = clock.call(write_or_release, self.client, responses, meta, self.n)
             if not written:  # lost meanwhile (a storage unit died: they come back as new rows), or written already
                 continue
             stats["rows"] += written
@@ -281,6 +310,13 @@ class RolloutWorker:
                 stats["resumed_tokens"] += sum(len(p.token_ids) for p in inflight.resume if p is not None)
                 clock.call(store.clear, inflight.keys)
         return {**stats, **clock.stats(), "ended_at": time.time()}
+
+    def _engine_died(self, engine: Any, exc: BaseException, meta: BatchMeta, stats: dict[str, float]) -> None:
+        """The engine died under a batch: its rows go back to the queue and the engine is restarted."""
+        logger.warning("rollout %d: engine died (%s); releasing %d rows", self.worker_id, exc, len(meta))
+        release_quietly(self.client, meta)  # a step cleared meanwhile has nothing left to generate
+        self.slot.restart(engine)
+        stats["engine_restarts"] += 1
 
     def _inflight_call(
         self, store: InflightCheckpoints, meta: BatchMeta, train_version: int | None, stats: dict[str, float]

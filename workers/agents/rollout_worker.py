@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import torch
 
-from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, served_batches, write_or_release
+from rl_contracts.lost_rows import WORKER_TASK_OPTIONS, BatchesInFlight, served_batches, write_or_release
 from rl_contracts.queue_clock import QueueClock
 from rl_contracts.rows import rows_of
 from rl_contracts.stages import REDO_CONCURRENCY, REDO_GROUP, ROLLOUT_TASK
@@ -97,11 +97,24 @@ class AgentRolloutWorker:
         self.filter_fn = load_rollout_fn(filter_fn) if filter_fn else None
         self.reward_fn = load_rollout_fn(reward_fn) if reward_fn else None
         self.sampler = BatchingSampler(self._generate_batch)
+        # each batch from its episodes to its write (finish_writes: a trainer-group restart keeps them)
+        self.in_flight = BatchesInFlight()
         self.task_label = engine_spec.task_name.rsplit(":", 1)[-1]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[int, list[Generation]]:
         with self._lock:
             return self.engine.version, [g[0] for g in self.engine.generate(prompts, 1, params)]
+
+    @ray.method(concurrency_group="control")
+    def finish_writes(self, timeout_s: float) -> int:
+        """``RolloutWorker.finish_writes``: start no new batch of episodes and wait up to ``timeout_s`` for those
+        running to be written into the queue; returns how many are still in flight."""
+        return self.in_flight.finish(timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def rows_generating(self) -> int:
+        """Rows of the batches whose episodes run now (``RolloutWorker.rows_generating``)."""
+        return self.in_flight.rows()
 
     @ray.method(concurrency_group="control")
     def queue_owner(self) -> str:
@@ -177,16 +190,17 @@ class AgentRolloutWorker:
             self.client, clock, fields, self.batch_rows, step=step, task_name=ROLLOUT_TASK, timeout=self.timeout
         )
         for meta, data in batches:
-            t0 = time.perf_counter()
-            groups, group_stats = asyncio.run(
-                collect_groups(
-                    self.generate_fn, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
-                    self.filter_fn,
-                )
-            )  # fmt: skip
-            stats["generate_s"] += time.perf_counter() - t0
-            samples = [s for group in groups for s in (group or self._placeholders())]
-            written = clock.call(write_or_release, self.client, self._fields(samples, groups), meta, self.n)
+            with self.in_flight.batch(meta):  # from its episodes to its write (finish_writes waits for it)
+                t0 = time.perf_counter()
+                groups, group_stats = asyncio.run(
+                    collect_groups(
+                        self.generate_fn, prompt_dicts(data, fields, self.n), self.sampler, self.n, self.reward_fn,
+                        self.filter_fn,
+                    )
+                )  # fmt: skip
+                stats["generate_s"] += time.perf_counter() - t0
+                samples = [s for group in groups for s in (group or self._placeholders())]
+                written = clock.call(write_or_release, self.client, self._fields(samples, groups), meta, self.n)
             if not written:  # lost meanwhile (a storage unit died: they come back as new rows), or written already
                 continue
             kept = [s for group in groups if group for s in group]

@@ -4,6 +4,8 @@ train on), and the OpenAI-compatible endpoint serves the worker's engine."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import ray
@@ -74,3 +76,33 @@ def test_the_openai_endpoint_serves_the_workers_engine(setup):
     )
     assert out.model_extra["prompt_token_ids"] == [11, 2, 3, 4, 5, 13, 6, 28, 12]
     assert [len(c.model_extra["token_ids"]) for c in out.choices] == [1, 1]
+
+
+def test_finish_writes_writes_the_episodes_in_flight_and_starts_no_other(setup, ray_session):
+    """As ``RolloutWorker.finish_writes``: a trainer-group restart keeps the batch of episodes running."""
+    _, client = setup
+    info = client.controller_info
+    with serve_in_background(create_app(environment_class("guess-number"))) as url:
+        worker = AgentRolloutWorker.remote(
+            1, info, EngineSpec(task_name=TASK), SamplingParams(max_new_tokens=1), N, 1,
+            "tests.integration.workers.slow_tasks:slow_task_server_generate",
+            {"task_server_url": url, "max_turns": 3, "delay_s": 1.0}, timeout=30.0,
+        )  # fmt: skip
+        try:
+            client.put({"sample_id": [s for s in ("game-01", "game-07") for _ in range(N)]}, global_step=1)
+            pending = worker.generate_step.remote(1)  # two batches of one group each
+            deadline = time.monotonic() + 60
+            while ray.get(worker.rows_generating.remote()) < N:
+                assert time.monotonic() < deadline, "the worker never started its first batch"
+                time.sleep(0.05)
+
+            assert ray.get(worker.finish_writes.remote(60.0)) == 0
+
+            produced = client.get_production_status(global_step=1)["fields"]["tokens"]["produced"]
+            assert produced == N and ray.get(worker.rows_generating.remote()) == 0
+            time.sleep(1.5)  # the second group's episodes never start
+            assert client.get_production_status(global_step=1)["fields"]["tokens"]["produced"] == N
+            assert not ray.wait([pending], timeout=0)[0]
+        finally:
+            ray.kill(worker)
+            client.clear(global_step=1)

@@ -171,3 +171,32 @@ def test_a_redo_generates_while_the_next_step_waits_for_weights(ray_session, tmp
     ray.kill(worker)
     ray.get(controller.shutdown.remote())
     ray.kill(controller)
+
+
+def test_finish_writes_writes_the_batch_in_flight_and_starts_no_other(queue):
+    """A trainer-group restart that keeps the queue first lets each rollout worker write the generations it has in
+    flight (trainer_restarts.finish_writes): they are kept, not generated again, and nothing new starts."""
+    _, info, client = queue
+    step = 7
+    spec = EngineSpec(task_name="tests.integration.workers.slow_tasks:SlowAdditionTask", task_kwargs={"forward_s": 0.3})
+    worker = RolloutWorker.remote(2, info, spec, SamplingParams(max_new_tokens=4), N, 2, timeout=30.0)
+    try:
+        put_prompts(client, step=step)  # 8 rows: two batches of 2 groups
+        pending = worker.generate_step.remote(step)
+        deadline = time.monotonic() + 60
+        while client.get_consumption_status(global_step=step, task_name="rollout")["tasks"]["rollout"]["leased"] < 4:
+            assert time.monotonic() < deadline, "the worker never took its first batch"
+            time.sleep(0.05)
+        time.sleep(0.5)  # taken and read: generating now (4 tokens at 0.3 s a forward pass)
+        assert ray.get(worker.rows_generating.remote()) == 4  # what a death now would make generate again
+
+        assert ray.get(worker.finish_writes.remote(60.0)) == 0  # the batch in flight is written
+        assert ray.get(worker.rows_generating.remote()) == 0
+
+        assert client.get_production_status(global_step=step)["fields"]["response_ids"]["produced"] == 4
+        time.sleep(1.5)  # the second batch is not generated: nothing new is written
+        assert client.get_production_status(global_step=step)["fields"]["response_ids"]["produced"] == 4
+        assert not ray.wait([pending], timeout=0)[0]  # the step's call waits, to be stopped with the worker
+    finally:
+        ray.kill(worker)
+        client.clear(global_step=step)

@@ -163,6 +163,45 @@ def test_max_restarts_below_0_is_refused(tmp_path: Path) -> None:
         config(tmp_path, "train.max_restarts=-1").validate()
 
 
+def test_restart_drain_s_below_0_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train\.restart_drain_s must be a float >= 0, got -1"):
+        config(tmp_path, "train.restart_drain_s=-1").validate()
+
+
+class _Worker:
+    """A rollout worker's ``finish_writes`` call: its answer (batches left), or ``dead`` / ``silent``."""
+
+    def __init__(self, answer: object):
+        self.answer = answer
+        self.finish_writes = self
+        self.timeouts: list[float] = []
+
+    def remote(self, timeout_s: float) -> _Worker:
+        self.timeouts.append(timeout_s)
+        return self
+
+
+def test_finish_writes_counts_the_batches_left_a_dead_or_silent_worker_as_one(monkeypatch, caplog) -> None:
+    workers = [_Worker(0), _Worker(2), _Worker("dead"), _Worker("silent")]
+
+    def wait(refs, num_returns, timeout):
+        assert num_returns == len(refs) == 4 and timeout == 15.0  # the workers' own wait, and a margin
+        done = [r for r in refs if r.answer != "silent"]
+        return done, [r for r in refs if r not in done]
+
+    def get(ref):
+        if ref.answer == "dead":
+            raise trainer_restarts.RayActorError()
+        return ref.answer
+
+    monkeypatch.setattr(trainer_restarts.ray, "wait", wait)
+    monkeypatch.setattr(trainer_restarts.ray, "get", get)
+
+    assert trainer_restarts.finish_writes(workers, 5.0) == 4  # 0 + 2 + 1 dead + 1 silent
+    assert [w.timeouts for w in workers] == [[5.0]] * 4
+    assert "4 rollout batches were still in flight after 5 s: they are generated again" in caplog.text
+
+
 def test_joined_rows_keep_each_starts_rows_up_to_the_step_the_next_one_resumed_from() -> None:
     first = [{"step": s, "reward": 0.0} for s in range(5)]  # died after step 4; checkpoint at step 3
     second = [{"step": s, "reward": 0.5} for s in range(3, 7)]  # died after step 6; checkpoint at step 6
