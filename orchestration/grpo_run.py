@@ -571,7 +571,11 @@ class GRPORun:
         """
         prompt_state = self.prompt_states.get(step, self.prompts.state_dict())
         extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
-        queue = queue_record(step, self.prompt_states, self.prompts.state_dict()) if self.cfg.checkpoint_queue else None
+        queue = (
+            queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.handled)
+            if self.cfg.checkpoint_queue
+            else None
+        )
         path = save_checkpoint(self.trainer, self.out, extra, queue, self.cfg.checkpoint_keep, self.metrics)
         self._saved_step = step
         if self.keeps_rows:  # a restart goes on from this checkpoint: the rows of the steps before it are done with
@@ -880,7 +884,7 @@ class GRPORun:
         if checkpoint is None:
             return False
         step = resumed_state(json.loads((checkpoint / "checkpoint.json").read_text())["extra_state"]).step
-        record = queue_record(step, self.prompt_states, self.prompts.state_dict())
+        record = queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.handled)
         if record is None:
             return False
         write_kept_queue(self.out, checkpoint, record)
@@ -907,8 +911,15 @@ class GRPORun:
         ``kept``: the queue a trainer-group restart kept: the trainer is served the steps it had trained since the
         checkpoint again (queue_resume.resume_steps)."""
         self._clear_steps(below=step)  # the steps the checkpoint covers (a death after it, before their clear)
-        self.prompts.load_state_dict(record["prompt_source"])
         self.prompt_states.update({int(s): state for s, state in record["prompt_states"]})
+        # each restored step's prompts, drawn again where it drew them: a lost group of it is put again with its
+        # prompt (orchestration/regenerate.py), unless the run before had put it again already
+        handled = {int(s): indexes for s, indexes in record.get("lost_handled", [])}
+        for s, state in record["prompt_states"]:
+            self.prompts.load_state_dict(state)
+            prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
+            self.lost_prompts.restore(int(s), prompts, handled.get(int(s), []))
+        self.prompts.load_state_dict(record["prompt_source"])
         outputs = restored_outputs(self.cfg, with_reward_workers=bool(self.reward))
         rows = self.cfg.prompts_per_step * self.cfg.n_samples
         retrain = TRAIN_TASK if kept else None

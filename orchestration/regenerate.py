@@ -59,6 +59,13 @@ class LostPrompts:
         """The prompts ``step`` drew, in put order (its first put gives prompt ``g`` the group id ``g``)."""
         self.prompts[step] = list(prompts)
 
+    def restore(self, step: int, prompts: list[dict[str, Any]], handled: list[int]) -> None:
+        """A step resumed from a queue (a checkpoint's snapshot, or the queue a trainer-group restart kept): its
+        prompts, drawn again from where the step drew them, and the lost rows whose groups the run before had put
+        again (``handled``: neither is put again here)."""
+        self.remember(step, prompts)
+        self.handled[step] = set(handled)
+
     def forget(self, step: int) -> None:
         self.prompts.pop(step, None)
         self.handled.pop(step, None)

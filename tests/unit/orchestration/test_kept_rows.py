@@ -118,6 +118,7 @@ def test_a_restart_resumes_the_steps_since_its_checkpoint_from_the_kept_queue_an
     dying, first = started(config(tmp_path / "split"), queue)
     drive(dying, queue, until=5)  # steps 4 trained after checkpoint 4; rank 1 dies while step 5 trains
     assert queue.cleared == [0, 1, 2, 3] and queue.steps == {4, 5, 6}
+    first.handled = {5: {12, 13, 14, 15}}  # a storage unit had lost group 3 of step 5: its prompt was put again
     assert dying._keep_queue()
     note = (tmp_path / "split" / KEPT_QUEUE).read_text()
     assert '"steps": [4, 5, 6]' in note and "step_00000004" in note
@@ -129,6 +130,13 @@ def test_a_restart_resumes_the_steps_since_its_checkpoint_from_the_kept_queue_an
         (task, s) for s in (5, 6) for task in (TRAIN_TASK, "rollout", "reward")
     ]
     assert sorted(second.prompts) == [7]
+    # the restored steps' prompts, drawn again where they drew (a lost group of them is put again with its prompt),
+    # and the lost rows the dying run had put again (not put a second time)
+    assert second.restored == {
+        4: (first.prompts[4], []),
+        5: (first.prompts[5], [12, 13, 14, 15]),
+        6: (first.prompts[6], []),
+    }
     resumed = {**first.prompts, **second.prompts}
     assert resumed == whole_prompts.prompts
     assert queue.cleared == list(range(STEPS)) and queue.steps == set()
