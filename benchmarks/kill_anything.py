@@ -44,10 +44,15 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
 - kills per kind, and the restarts the run counted (``restarts_rollout`` / ``restarts_reward`` /
   ``restarts_trainer`` of its metrics rows, the controller's ``storage_units_restarted``, the engine servers'
   ``EngineServer`` restarts);
-- the share of generated tokens regenerated after kills: the rollout rows a killed rollout worker or engine server
-  held (leased, not written, as the queue said just before the kill) and those a trainer-group restart generated
-  again (:func:`rerun_by_restart`), times the run's tokens per generated row, less the tokens resumed from in-flight
-  checkpoints (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated;
+- the share of generated tokens regenerated after kills: the rows a killed rollout worker, or the worker a killed
+  engine server served, was generating just before the kill (``RolloutWorker.rows_generating``: its batches between
+  their generation's start and their write) and those a trainer-group restart generated again
+  (:func:`rerun_by_restart`: of the steps launched, the rows written or being generated at the death, less those the
+  next start resumed with their responses), times the run's tokens per generated row, less the tokens resumed from
+  in-flight checkpoints (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated. An upper
+  bound still (a kill mid-generation loses the tokens made so far, not a whole row's). The earlier, coarser estimate
+  is reported beside it (``regenerated_token_share_leased``): every rollout worker's leased rows at each kill, rows
+  taken and waiting for weights (nothing generated for them yet) and the other workers' included;
 - the final reward (mean of the last fifth of the steps) of both runs (``--clean-runs 2``: of two untouched runs).
 
 ``killed_figures`` is what tests/e2e/test_kill_anything_soak.py (slow) checks of a short killed run. Figures measured:
@@ -173,7 +178,8 @@ def child(args: argparse.Namespace) -> int:
         def __init__(self) -> None:
             self.kills: list[dict[str, Any]] = []
             self.made: set[int] = set()  # the plan's kills made (one a start's end cancelled: the next start's)
-            self.held_rows = 0  # rollout rows killed rollout workers held
+            self.held_rows = 0  # rows killed rollout workers and engine servers were generating
+            self.held_rows_leased = 0  # rows every rollout worker held at those kills (the earlier, upper estimate)
             self.units_restarted = 0
             # the storage unit restarts a queue a trainer-group restart kept had counted (its controller's count goes
             # on: the next start's reading includes them)
@@ -193,7 +199,8 @@ def child(args: argparse.Namespace) -> int:
             self.timers: list[threading.Timer] = []
             self.closed = False  # started: shutdown() reads the counts first
             self.unit_kills = 0  # storage units this start killed
-            self.ahead_rows = 0  # at a trainer rank's death: rollout rows of the steps launched, not trained
+            self.ahead_rows = 0  # at a trainer rank's death: rollout rows of the steps launched, written or generating
+            self.ahead_rows_leased = 0  # the same with every leased row (the earlier, upper estimate)
             self.attempt = len(attempts)  # this start's index (a trainer-group restart starts the run again)
 
         def launch(self, step: int, min_version: int | None = None) -> tuple[list[Any], list[Any]]:
@@ -242,8 +249,13 @@ def child(args: argparse.Namespace) -> int:
                         record["worker"] = int(pick * len(workers))
                         pid = when_up(lambda: int(ray.get(workers[record["worker"]].pid.remote())))
                     if kind in ("rollout", "engine"):  # a dead server's generations in flight are made again
-                        record["held_rows"] = self.rollout_rows_held()
+                        # the rows the killed worker (or the worker server i serves) was generating; every rollout
+                        # worker's leased rows as well, the earlier estimate (rows waiting for weights included)
+                        index = record["worker"] if kind == "rollout" else record["server"]
+                        record["held_rows"] = self.rows_generating([index])
+                        record["held_rows_leased"] = self.rollout_rows_held()
                         shared.held_rows += record["held_rows"]
+                        shared.held_rows_leased += record["held_rows_leased"]
                     os.kill(pid, signal.SIGKILL)
                     record["pid"] = pid
                 record["at"] = time.time()
@@ -263,7 +275,9 @@ def child(args: argparse.Namespace) -> int:
                 if self.inference is not None:  # the engine servers their EngineServer restarted after a crash
                     shared.engines_restarted += sum(server.record.restarts for server in self.inference.servers)
                 try:
-                    self.ahead_rows = self.rollout_rows_held(("acknowledged", "leased"))
+                    generating = self.rows_generating(range(len(self.rollout)))
+                    self.ahead_rows = self.rollout_rows_held(("acknowledged",)) + generating
+                    self.ahead_rows_leased = self.rollout_rows_held(("acknowledged", "leased"))
                     deadline = time.monotonic() + 60
                     while True:
                         stats = when_up(lambda: ray.get(transfer_queue.get_controller().server_stats.remote()))
@@ -277,6 +291,17 @@ def child(args: argparse.Namespace) -> int:
                     super().shutdown(keep_queue)
             else:
                 super().shutdown(keep_queue)
+
+        def rows_generating(self, workers: Any) -> int:
+            """Rows rollout workers ``workers`` (indexes) are generating now (``RolloutWorker.rows_generating``: rows
+            taken and waiting for weights are not: a kill costs no generation for them); a dead worker's none."""
+            held = 0
+            for index in workers:
+                try:
+                    held += int(ray.get(self.rollout[index].rows_generating.remote(), timeout=30))
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass
+            return held
 
         def rollout_rows_held(self, states: tuple[str, ...] = ("leased",)) -> int:
             held = 0
@@ -331,9 +356,12 @@ def child(args: argparse.Namespace) -> int:
     # each start's rows up to the step the next one resumed from
     died = [(run.start, run.rows) for run in attempts[:-1]]
     rows = joined_rows([*died, (last.start, last_rows)])
-    rerun_rows = sum(
-        rerun_by_restart(run.rows, run.ahead_rows, after.start, restored_rows(after), PROMPTS * N)
-        for run, after in itertools.pairwise(attempts)
+    rerun_rows, rerun_rows_leased = (
+        sum(
+            rerun_by_restart(run.rows, getattr(run, ahead), after.start, restored_rows(after), PROMPTS * N)
+            for run, after in itertools.pairwise(attempts)
+        )
+        for ahead in ("ahead_rows", "ahead_rows_leased")
     )
     summary = {
         "seconds": seconds,
@@ -342,7 +370,9 @@ def child(args: argparse.Namespace) -> int:
         "resumes": [run.queue_resume.row(ROLLOUT_TASK) for run in attempts[1:] if run.queue_resume is not None],
         "kills": shared.kills,
         "held_rows": shared.held_rows,
+        "held_rows_leased": shared.held_rows_leased,
         "rerun_rows": rerun_rows,  # rows a trainer-group restart generated again
+        "rerun_rows_leased": rerun_rows_leased,
         "restarts": [dict(run.supervisor.restarts) for run in attempts],
         "units_restarted": shared.units_restarted,
         "engines_restarted": shared.engines_restarted,
@@ -441,6 +471,9 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
     per_row = tokens / max(1.0, sum(r["generated_rows"] for r in grpo))
     resumed = sum(r.get("resumed_tokens", 0) for r in grpo)  # in-flight checkpoints: tokens not generated again
     regenerated = max(0.0, (killed["held_rows"] + killed.get("rerun_rows", 0)) * per_row - resumed)
+    # the earlier estimate: every rollout worker's leased rows at a kill, rows waiting for weights included
+    leased = killed.get("held_rows_leased", killed["held_rows"]) + killed.get("rerun_rows_leased", 0)
+    regenerated_leased = max(0.0, leased * per_row - resumed)
     return {
         "steps": steps,
         "kinds": kinds,
@@ -464,10 +497,15 @@ def killed_figures(run_dir: Path, steps: int, kinds: list[str], max_staleness: i
         },
         "groups_put_again": killed["groups_put_again"],
         "regenerated_token_share": regenerated / (tokens + regenerated) if tokens else 0.0,
+        "regenerated_token_share_leased": regenerated_leased / (tokens + regenerated_leased) if tokens else 0.0,
         "resumed_tokens": resumed,
         # rows generated again: those killed rollout workers and engine servers held, those a trainer-group restart
         # generated again (the steps past its checkpoint and those launched ahead)
         "regenerated_rows": {"held_at_kills": killed["held_rows"], "trainer_restarts": killed.get("rerun_rows", 0)},
+        "regenerated_rows_leased": {
+            "held_at_kills": leased - killed.get("rerun_rows_leased", 0),
+            "trainer_restarts": killed.get("rerun_rows_leased", 0),
+        },
         "trainer_resumes": killed.get("resumes", []),
         # the steps trained again after a restart: each start's gradient norm of it (equal: the same samples trained
         # from the same checkpoint, the final lineage the same as the one rolled back)
@@ -506,7 +544,8 @@ def table(out: dict[str, Any]) -> str:
         f"| samples trained twice | {out['samples_trained_twice']} |",
         f"| rows trained beyond max_staleness (of rows checked) | {out['rows_beyond_max_staleness']} "
         f"(of {out['rows_version_checked']}; staleness max {out['staleness_max']}) |",
-        f"| generated tokens regenerated after kills | {100 * out['regenerated_token_share']:.2f} % |",
+        f"| generated tokens regenerated after kills | {100 * out['regenerated_token_share']:.2f} % "
+        f"(rows being generated; every leased row: {100 * out.get('regenerated_token_share_leased', 0.0):.2f} %) |",
         f"| final reward (last fifth): killed / clean | {out['final_reward']['killed']:.3f} / "
         + " and ".join(f"{r:.3f}" for r in out["final_reward"]["clean_runs"])
         + " |",

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 ROWS = 32  # the benchmark's 8 prompts x 4 samples
 
@@ -88,3 +90,28 @@ def test_a_restart_generated_again_what_it_did_not_resume_with_its_responses() -
     # steps 2 and 3 trained (64 rows) and 40 rows of the steps launched ahead taken by rollout workers
     assert KA.rerun_by_restart(died_rows, 40, 2, 0, ROWS) == 104  # a new queue: all of them again
     assert KA.rerun_by_restart(died_rows, 40, 2, 96, ROWS) == 8  # the queue kept: the 8 rows in flight again
+
+
+def test_regenerated_tokens_count_the_rows_being_generated_and_report_the_leased_estimate_beside(
+    tmp_path: Path,
+) -> None:
+    """A kill costs the rows the killed worker was generating (``RolloutWorker.rows_generating``), not every leased
+    row of every worker (rows taken and waiting for weights had nothing generated yet): both are reported."""
+    rows = [
+        {"step": s, "policy_version": s + 1, "tokens": 64.0 * ROWS, "generated_rows": ROWS, "reward": 0.5}
+        for s in range(4)
+    ]
+    killed = {
+        "kills": [], "held_rows": 8, "held_rows_leased": 24, "rerun_rows": 0, "rerun_rows_leased": 8,
+        "restarts": [{}], "units_restarted": 0,
+    }  # fmt: skip
+    (tmp_path / "kill_anything.json").write_text(
+        json.dumps({**killed, "groups_put_again": 0, "seconds": 1.0, "rows": rows})
+    )
+    (tmp_path / "audit.jsonl").write_text("".join(json.dumps(audit(s, 0, 0)) + "\n" for s in range(4)))
+    out = KA.killed_figures(tmp_path, 4, ["rollout"])
+    tokens = 4 * 64.0 * ROWS
+    assert out["regenerated_token_share"] == pytest.approx(8 * 64 / (tokens + 8 * 64))
+    assert out["regenerated_token_share_leased"] == pytest.approx(32 * 64 / (tokens + 32 * 64))
+    assert out["regenerated_rows"] == {"held_at_kills": 8, "trainer_restarts": 0}
+    assert out["regenerated_rows_leased"] == {"held_at_kills": 24, "trainer_restarts": 8}
