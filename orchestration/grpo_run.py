@@ -116,6 +116,9 @@ logger = logging.getLogger(__name__)
 #: queue_journal: seconds the run's queue clients ask the controller again while Ray restarts it (QueueConfig
 #: restart_retry_s); a restart takes a few seconds (a new process, the journal's replay)
 QUEUE_RESTART_RETRY_S = 60.0
+#: starts a trainer-group restart repeats exactly (the same weights, a fresh optimizer): a death before the run's first
+#: checkpoint keeps the queue for them as for a checkpoint (an SFT warm-up saves checkpoint 0 itself)
+REPEATABLE_STARTS = (Start.FRESH, Start.INIT_FROM)
 
 #: the task of a run whose config names none (``task.name: null``): the demo's addition task
 DEFAULT_TASK = "workers.tasks.addition:AdditionTask"
@@ -358,6 +361,7 @@ class GRPORun:
         self._saved_step: int | None = None
         self.step = 0  # GRPO steps done (what a Ctrl-C reports)
         self._resumed = False
+        self._start_kind: Start | None = None  # how this start began (_resume_or_warm_up)
         # prompts whose rows die with a storage unit are put again (orchestration/regenerate.py)
         self.lost_prompts = LostPrompts(self.client, TRAIN_TASK, self.put_group, self.relaunch)
         # the loop's state (begin(), steps()): where GRPO starts, the steps launched and not yet trained, the rows
@@ -832,18 +836,26 @@ class GRPORun:
         first GRPO step."""
         start = start_point(self.cfg, self.out)
         self._resumed = start.kind is Start.RESUME
+        self._start_kind = start.kind
         if start.kind is Start.RESUME:
             assert start.checkpoint is not None
             step = self._resume(start.checkpoint)
             self._drop_kept_queue()
             return step
-        self._drop_kept_queue()
+        # a queue kept by a death before the run's first checkpoint: the run starts again from the same weights
+        kept = self._kept if self._kept is not None and self._kept["checkpoint"] is None else None
+        if kept is None or start.kind not in REPEATABLE_STARTS:
+            self._drop_kept_queue()
+            kept = None
+        self._kept = None
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate=True)
         if start.kind is Start.INIT_FROM:
             start_from_weights(self.trainer, str(self.cfg.init_from))
         elif start.kind is Start.SFT:
             self.warm_up()
             self.save(0)
+        if kept is not None:
+            self._resume_queue(0, kept["record"], kept=True)
         return 0
 
     def _resume(self, checkpoint: Path) -> int:
@@ -878,12 +890,18 @@ class GRPORun:
         """A trainer rank died: leave the queue running for the restart (``keeps_rows``, and a checkpoint of this
         run to restart from), noting the steps it holds from that checkpoint on (trainer_restarts.write_kept_queue).
         False: the queue stops with the run, the restart starts a new one."""
-        if not self.keeps_rows or self.client is None or (self._saved_step is None and not self._resumed):
+        if not self.keeps_rows or self.client is None:
             return False
-        checkpoint = latest_checkpoint(checkpoints_dir(self.out))
-        if checkpoint is None:
-            return False
-        step = resumed_state(json.loads((checkpoint / "checkpoint.json").read_text())["extra_state"]).step
+        checkpoint: Path | None = None
+        if self._saved_step is None and not self._resumed:  # no checkpoint yet: the restart starts where this did
+            if self._start_kind not in REPEATABLE_STARTS:
+                return False
+            step = 0
+        else:
+            checkpoint = latest_checkpoint(checkpoints_dir(self.out))
+            if checkpoint is None:
+                return False
+            step = resumed_state(json.loads((checkpoint / "checkpoint.json").read_text())["extra_state"]).step
         record = queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.handled)
         if record is None:
             return False

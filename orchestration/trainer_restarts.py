@@ -12,10 +12,13 @@ yet, it starts from the start of GRPO (or of the run: the SFT warm-up saves chec
 With ``train.restart_keeps_rows`` (the default; with ``max_restarts`` > 0 and periodic checkpoints) a restart
 generates (almost) nothing again: each step's rows stay in the queue until a checkpoint covers the step
 (:func:`keeps_rows`), and a dying run leaves its queue running (:func:`write_kept_queue`: the steps from its last
-checkpoint on, launched or trained). The next start attaches to it (:func:`take_kept_queue`) instead of starting
-one: the trainer ranks, back at the checkpoint, train the steps since it again from their kept rows (none of those
-trainings is in the final model's lineage: it goes on from the checkpoint), and the steps launched ahead go on from
-the rows already generated; only the rows in flight at the death are generated again. The versions stay numbered
+checkpoint on, launched or trained; before its first checkpoint, from its start, which the restart repeats: the
+same weights, fresh or ``init_from``; an SFT warm-up saves checkpoint 0). The next start attaches to it
+(:func:`take_kept_queue`) instead of starting one: the trainer ranks, back at the checkpoint, train the steps since
+it again from their kept rows (none of those trainings is in the final model's lineage: it goes on from the
+checkpoint), and the steps launched ahead go on from the rows already generated; the rollout workers write the
+batches they were generating before they are stopped (:func:`finish_writes`), so only rows taken and not yet
+generating at the death are generated again. The versions stay numbered
 by step, so a kept row is trained by the version that would have trained it, within ``max_staleness`` of its
 sampler (that the trainer checks); a kept row sampled after the checkpoint was sampled by a policy the rolled back
 run computed from the same checkpoint and the same kept rows as the restarted run computes it again.
@@ -170,11 +173,12 @@ def finish_writes(rollout: list[Any], timeout_s: float) -> int:
     return left
 
 
-def write_kept_queue(out: Path, checkpoint: Path, record: dict[str, Any]) -> None:
-    """Note in ``out`` that this run's queue is left running for the restart from ``checkpoint``: ``record``
-    (``run_resume.queue_record`` of its step) names the steps it holds from there, where each drew its prompts, and
-    the prompt position after the last draw."""
-    (out / KEPT_QUEUE).write_text(json.dumps({"checkpoint": str(checkpoint), "record": record}))
+def write_kept_queue(out: Path, checkpoint: Path | None, record: dict[str, Any]) -> None:
+    """Note in ``out`` that this run's queue is left running for the restart from ``checkpoint`` (None: from the
+    run's start, no checkpoint saved yet): ``record`` (``run_resume.queue_record`` of its step) names the steps it
+    holds from there, where each drew its prompts, and the prompt position after the last draw."""
+    kept = {"checkpoint": None if checkpoint is None else str(checkpoint), "record": record}
+    (out / KEPT_QUEUE).write_text(json.dumps(kept))
 
 
 def take_kept_queue(out: Path, running: bool) -> dict[str, Any] | None:

@@ -59,3 +59,30 @@ def test_a_run_whose_trainer_rank_is_killed_restarts_the_trainer_group_and_finis
     retrained = [r for r in grpo if resumed_at <= r["step"] < died_at]
     assert [r["generated_rows"] for r in retrained] == [0.0] * len(retrained), retrained
     assert resume["restored_rows"] >= len(retrained) * grpo[0]["rows"], resume
+
+
+def test_a_death_before_the_first_checkpoint_restarts_from_the_start_with_the_queue_kept(tmp_path: Path) -> None:
+    """No SFT warm-up and no checkpoint before the kill in step 3: the restart starts from the same weights as the
+    run did, and the queue is kept as for a checkpoint: the steps trained before the death are trained again from
+    their kept rows, none generated again."""
+    out = tmp_path / "trainer_kill_start"
+    cmd = [
+        sys.executable, str(ROOT / "tests" / "e2e" / "trainer_kill_run.py"), f"output_dir={out}", *SHORT,
+        f"steps={STEPS}", f"checkpoint_every={STEPS}", "sft.enabled=false",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    said = re.search(r"trainer rank 1 died at step (\d+); restarting the trainer group from the start of GRPO", log)
+    assert said, log[-4000:]
+    died_at = int(said[1])
+    assert "restored from the queue kept" in result.stdout, result.stdout[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["kind"] == "grpo"]
+    assert [r["step"] for r in grpo] == list(range(STEPS))
+    [resume] = [r for r in rows if r["kind"] == "resume"]
+    assert resume["step"] == 0 and resume["restored_steps"][0] == 0, resume
+    retrained = [r for r in grpo if r["step"] < died_at]
+    assert retrained and [r["generated_rows"] for r in retrained] == [0.0] * len(retrained), retrained

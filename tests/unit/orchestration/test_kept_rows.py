@@ -7,6 +7,7 @@ as an uninterrupted run draws them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,30 @@ def test_restored_steps_further_ahead_than_the_run_launches_are_started_when_due
     assert started_steps == [4, 5, 6]
     run.generate(6)
     assert started_steps == [4, 5, 6, 7] and run._restored_later == frozenset()
+
+
+def test_a_death_before_the_first_checkpoint_keeps_the_queue_and_the_restart_starts_again_from_it(
+    tmp_path: Path,
+) -> None:
+    """No checkpoint yet (no SFT warm-up, checkpoint_every=2, a rank dies in step 1): the restart starts from the
+    same weights as the run did, so the queue is kept as for a checkpoint: steps 0-2 are trained again from their
+    kept rows, nothing drawn or generated again for them."""
+    uninterrupted_queue = StandInQueue()
+    whole, whole_prompts = started(config(tmp_path / "whole"), uninterrupted_queue)
+    drive(whole, uninterrupted_queue, until=STEPS)
+
+    queue = StandInQueue()
+    dying, first = started(config(tmp_path / "split"), queue)
+    drive(dying, queue, until=1)
+    assert queue.cleared == [] and queue.steps == {0, 1, 2}
+    assert dying._keep_queue()
+    note = json.loads((tmp_path / "split" / KEPT_QUEUE).read_text())
+    assert note["checkpoint"] is None and note["record"]["steps"] == [0, 1, 2]
+
+    again, second = started(config(tmp_path / "split"), queue)
+    drive(again, queue, until=STEPS)
+    assert queue.reset == [(task, s) for s in (0, 1, 2) for task in (TRAIN_TASK, "rollout", "reward")]
+    assert sorted(second.prompts) == [3, 4, 5, 6, 7]
+    assert {s: prompts for s, (prompts, _) in second.restored.items()} == {s: first.prompts[s] for s in (0, 1, 2)}
+    assert {**first.prompts, **second.prompts} == whole_prompts.prompts
+    assert queue.cleared == list(range(STEPS)) and queue.steps == set()
