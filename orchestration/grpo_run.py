@@ -576,7 +576,7 @@ class GRPORun:
         prompt_state = self.prompt_states.get(step, self.prompts.state_dict())
         extra = {"step": step, "prompt_source": prompt_state, "version": self.version}
         queue = (
-            queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.handled)
+            queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.put_again)
             if self.cfg.checkpoint_queue
             else None
         )
@@ -592,6 +592,7 @@ class GRPORun:
         for step in covered_steps(partitions, below if below is not None else sys.maxsize):
             self.client.clear(global_step=step)
             self.prompt_states.pop(step, None)
+            self.lost_prompts.forget(step)
 
     # ---- the run: GRPORun.run() and the recipes call these, in this order (docs/rl.md) ----------------------
     def __enter__(self) -> Self:
@@ -761,7 +762,7 @@ class GRPORun:
             self.client.clear(global_step=step)
         if self.cfg.rollout.checkpoint_inflight:  # partials a dead call left, unresumed (rl_contracts/inflight.py)
             self.client.kv_clear(None, inflight_partition(step))
-        self.lost_prompts.forget(step)
+        self.lost_prompts.forget(step, cleared=not self.keeps_rows)
         t0, wall0 = self._step_started
         if self.stage_trace is not None:
             wall = (wall0, time.time())
@@ -902,7 +903,7 @@ class GRPORun:
             if checkpoint is None:
                 return False
             step = resumed_state(json.loads((checkpoint / "checkpoint.json").read_text())["extra_state"]).step
-        record = queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.handled)
+        record = queue_record(step, self.prompt_states, self.prompts.state_dict(), self.lost_prompts.put_again)
         if record is None:
             return False
         write_kept_queue(self.out, checkpoint, record)
@@ -911,7 +912,8 @@ class GRPORun:
     def _drop_kept_queue(self) -> None:
         """A kept queue the run did not resume from (another checkpoint was found): its steps are cleared."""
         if self._kept is not None:
-            logger.warning("the queue kept for %s is not resumed from: its steps are cleared", self._kept["checkpoint"])
+            checkpoint = self._kept["checkpoint"] or "the run's start (no checkpoint)"
+            logger.warning("the queue kept for %s is not resumed from: its steps are cleared", checkpoint)
             self._clear_steps(below=None)
             self._kept = None
 
@@ -932,11 +934,11 @@ class GRPORun:
         self.prompt_states.update({int(s): state for s, state in record["prompt_states"]})
         # each restored step's prompts, drawn again where it drew them: a lost group of it is put again with its
         # prompt (orchestration/regenerate.py), unless the run before had put it again already
-        handled = {int(s): indexes for s, indexes in record.get("lost_handled", [])}
+        put_again = {int(s): indexes for s, indexes in record.get("lost_put_again", [])}
         for s, state in record["prompt_states"]:
             self.prompts.load_state_dict(state)
             prompts = self.prompts.next_batch(self.cfg.prompts_per_step)
-            self.lost_prompts.restore(int(s), prompts, handled.get(int(s), []))
+            self.lost_prompts.restore(int(s), prompts, put_again.get(int(s), []))
         self.prompts.load_state_dict(record["prompt_source"])
         outputs = restored_outputs(self.cfg, with_reward_workers=bool(self.reward))
         rows = self.cfg.prompts_per_step * self.cfg.n_samples
@@ -1022,7 +1024,10 @@ class GRPORun:
             if sinks is not None:
                 sinks.close()
             if keep_queue and rollout and self.cfg.train.restart_drain_s > 0:  # their generations in flight kept
-                finish_writes(rollout, self.cfg.train.restart_drain_s)
+                try:
+                    finish_writes(rollout, self.cfg.train.restart_drain_s)
+                except Exception:  # the workers are stopped anyway: what they held is generated again
+                    logger.warning("could not wait for the rollout workers' writes in flight", exc_info=True)
             for actor in actors:
                 ray.kill(actor)
             if client is not None and keep_queue:

@@ -53,22 +53,31 @@ class LostPrompts:
         self.relaunch = relaunch
         self.prompts: dict[int, list[dict[str, Any]]] = {}  # step -> its prompts; group g is prompts[g]
         self.handled: dict[int, set[int]] = {}  # step -> lost global indexes dealt with
+        # step -> lost global indexes whose groups were put again: kept until the step is cleared (a restart that
+        # keeps the queue trains the step again and must not put them a second time: run_resume.queue_record)
+        self.put_again: dict[int, set[int]] = {}
         self.groups_put_again = 0
 
     def remember(self, step: int, prompts: list[dict[str, Any]]) -> None:
         """The prompts ``step`` drew, in put order (its first put gives prompt ``g`` the group id ``g``)."""
         self.prompts[step] = list(prompts)
 
-    def restore(self, step: int, prompts: list[dict[str, Any]], handled: list[int]) -> None:
+    def restore(self, step: int, prompts: list[dict[str, Any]], put_again: list[int]) -> None:
         """A step resumed from a queue (a checkpoint's snapshot, or the queue a trainer-group restart kept): its
         prompts, drawn again from where the step drew them, and the lost rows whose groups the run before had put
-        again (``handled``: neither is put again here)."""
+        again (not put a second time; a group it left out because the trainer had trained it is put again if the
+        step is trained again)."""
         self.remember(step, prompts)
-        self.handled[step] = set(handled)
+        self.handled[step] = set(put_again)
+        self.put_again[step] = set(put_again)
 
-    def forget(self, step: int) -> None:
+    def forget(self, step: int, cleared: bool = True) -> None:
+        """``step`` was trained: nothing more to put for it. ``cleared=False``: its rows stay in the queue (kept for
+        a trainer-group restart until a checkpoint covers it), and so does the record of the groups put again."""
         self.prompts.pop(step, None)
         self.handled.pop(step, None)
+        if cleared:
+            self.put_again.pop(step, None)
 
     def wait(
         self,
@@ -126,6 +135,7 @@ class LostPrompts:
             if states <= {"acknowledged", "dead_lettered"}:
                 continue  # trained before the rows were lost
             self.put_group(step, group, prompts[group])
+            self.put_again.setdefault(step, set()).update(row["global_index"] for row in rows)
             put += 1
         if put:
             self.groups_put_again += put

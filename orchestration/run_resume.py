@@ -106,22 +106,22 @@ def queue_record(
     step: int,
     prompt_states: dict[int, dict[str, Any]],
     prompt_source: dict[str, Any],
-    lost_handled: dict[int, set[int]] | None = None,
+    put_again: dict[int, set[int]] | None = None,
 ) -> dict[str, Any] | None:
     """What a checkpoint of ``step`` records about the queue saved with it: the steps in flight (launched, not
     trained: those of ``prompt_states`` from ``step`` on), the prompt position after their draws
-    (``prompt_source``), where each of them drew, and the lost rows of each whose prompts were already put again
-    (``lost_handled``: orchestration/regenerate.py). None: nothing is in flight, no snapshot is taken."""
+    (``prompt_source``), where each of them drew, and the lost rows of each whose groups were already put again
+    (``put_again``: orchestration/regenerate.py). None: nothing is in flight, no snapshot is taken."""
     queued = sorted(s for s in prompt_states if s >= step)
     if not queued:
         return None
-    handled = lost_handled or {}
+    again = put_again or {}
     return {
         "dir": QUEUE_DIR,
         "steps": queued,
         "prompt_source": prompt_source,
         "prompt_states": [[s, prompt_states[s]] for s in queued],
-        "lost_handled": [[s, sorted(handled[s])] for s in queued if handled.get(s)],
+        "lost_put_again": [[s, sorted(again[s])] for s in queued if again.get(s)],
     }
 
 

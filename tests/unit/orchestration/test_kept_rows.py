@@ -119,7 +119,8 @@ def test_a_restart_resumes_the_steps_since_its_checkpoint_from_the_kept_queue_an
     dying, first = started(config(tmp_path / "split"), queue)
     drive(dying, queue, until=5)  # steps 4 trained after checkpoint 4; rank 1 dies while step 5 trains
     assert queue.cleared == [0, 1, 2, 3] and queue.steps == {4, 5, 6}
-    first.handled = {5: {12, 13, 14, 15}}  # a storage unit had lost group 3 of step 5: its prompt was put again
+    # a storage unit had lost group 3 of steps 4 (trained since the checkpoint) and 5: their prompts were put again
+    first.put_again = {4: {12, 13, 14, 15}, 5: {12, 13, 14, 15}}
     assert dying._keep_queue()
     note = (tmp_path / "split" / KEPT_QUEUE).read_text()
     assert '"steps": [4, 5, 6]' in note and "step_00000004" in note
@@ -132,9 +133,9 @@ def test_a_restart_resumes_the_steps_since_its_checkpoint_from_the_kept_queue_an
     ]
     assert sorted(second.prompts) == [7]
     # the restored steps' prompts, drawn again where they drew (a lost group of them is put again with its prompt),
-    # and the lost rows the dying run had put again (not put a second time)
+    # and the lost rows the dying run had put again (not put a second time), a step trained since the checkpoint too
     assert second.restored == {
-        4: (first.prompts[4], []),
+        4: (first.prompts[4], [12, 13, 14, 15]),
         5: (first.prompts[5], [12, 13, 14, 15]),
         6: (first.prompts[6], []),
     }
@@ -196,3 +197,21 @@ def test_a_death_before_the_first_checkpoint_keeps_the_queue_and_the_restart_sta
     assert {s: prompts for s, (prompts, _) in second.restored.items()} == {s: first.prompts[s] for s in (0, 1, 2)}
     assert {**first.prompts, **second.prompts} == whole_prompts.prompts
     assert queue.cleared == list(range(STEPS)) and queue.steps == set()
+
+
+def test_a_trained_step_kept_for_a_restart_keeps_the_record_of_its_groups_put_again(tmp_path: Path) -> None:
+    """end_step forgets a trained step's prompts but, with its rows kept, not the lost rows whose groups were put
+    again: the kept queue's record names them (the restart trains the step again without putting them twice)."""
+    from orchestration.regenerate import LostPrompts
+
+    queue = StandInQueue()
+    run, _ = started(config(tmp_path), queue)
+    run.lost_prompts = LostPrompts(queue, TRAIN_TASK, lambda *args: None, lambda *args: ([], []))
+    run.lost_prompts.remember(4, [{"prompt_ids": [g]} for g in range(8)])
+    run.lost_prompts.put_again[4] = {12, 13, 14, 15}
+    run.pending, run.stage_trace, run._step_started, run.restarts_trainer = {4: ([], [])}, None, (0.0, 0.0), 0
+    run.supervisor = type("Supervisor", (), {"gather": lambda self, s, refs: [], "take_restarts": lambda self: {}})()
+
+    run.end_step(4, {"rows": float(ROWS)}, 0.0)
+
+    assert 4 not in run.lost_prompts.prompts and run.lost_prompts.put_again == {4: {12, 13, 14, 15}}

@@ -57,16 +57,20 @@ class Recorder:
 
     def __init__(self) -> None:
         self.prompts: dict[int, list[Any]] = {}
-        self.restored: dict[int, tuple[list[Any], list[int]]] = {}  # steps resumed from a queue: prompts, handled
-        self.handled: dict[int, set[int]] = {}
+        self.restored: dict[int, tuple[list[Any], list[int]]] = {}  # steps resumed from a queue: prompts, put again
+        self.put_again: dict[int, set[int]] = {}
 
     def remember(self, step: int, prompts: list[Any]) -> None:
         assert step not in self.prompts, f"step {step} drew its prompts twice"
         self.prompts[step] = [p["prompt_ids"] for p in prompts]
 
-    def restore(self, step: int, prompts: list[Any], handled: list[int]) -> None:
+    def restore(self, step: int, prompts: list[Any], put_again: list[int]) -> None:
         assert step not in self.prompts and step not in self.restored, f"step {step} drew its prompts twice"
-        self.restored[step] = ([p["prompt_ids"] for p in prompts], list(handled))
+        self.restored[step] = ([p["prompt_ids"] for p in prompts], list(put_again))
+
+    def forget(self, step: int, cleared: bool = True) -> None:
+        if cleared:
+            self.put_again.pop(step, None)
 
 
 def drive(out: Path, steps: int, *overrides: str, crash_at: int | None = None) -> dict[int, list[Any]]:

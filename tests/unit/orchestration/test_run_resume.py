@@ -179,11 +179,11 @@ def test_the_queue_record_holds_the_steps_in_flight_and_where_each_drew() -> Non
         "steps": [4, 5],
         "prompt_source": {"position": 48},
         "prompt_states": [[4, {"position": 32}], [5, {"position": 40}]],
-        "lost_handled": [],
+        "lost_put_again": [],
     }
     # the lost rows of the steps in flight whose groups were put again (a step done with is not recorded)
-    handled = {3: {9}, 5: {12, 7}}
-    assert queue_record(4, states, {"position": 48}, handled)["lost_handled"] == [[5, [7, 12]]]
+    put_again = {3: {9}, 5: {12, 7}}
+    assert queue_record(4, states, {"position": 48}, put_again)["lost_put_again"] == [[5, [7, 12]]]
 
 
 def test_nothing_in_flight_takes_no_queue_snapshot() -> None:
