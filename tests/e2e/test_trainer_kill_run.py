@@ -26,17 +26,22 @@ RESTART = re.compile(
 )
 
 
-def test_a_run_whose_trainer_rank_is_killed_restarts_the_trainer_group_and_finishes(tmp_path: Path) -> None:
-    out = tmp_path / "trainer_kill"
+def killing_run(out: Path, *overrides: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """tests/e2e/trainer_kill_run.py to ``STEPS`` steps in ``out``; its result (exit 0 asserted) and whole log."""
     cmd = [
         sys.executable, str(ROOT / "tests" / "e2e" / "trainer_kill_run.py"), f"output_dir={out}", *SHORT,
-        f"steps={STEPS}", f"checkpoint_every={CHECKPOINT_EVERY}",
+        f"steps={STEPS}", *overrides,
     ]  # fmt: skip
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
-    log = result.stdout + result.stderr
     assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result, result.stdout + result.stderr
+
+
+def test_a_run_whose_trainer_rank_is_killed_restarts_the_trainer_group_and_finishes(tmp_path: Path) -> None:
+    out = tmp_path / "trainer_kill"
+    result, log = killing_run(out, f"checkpoint_every={CHECKPOINT_EVERY}")
     assert "killing trainer rank 1" in result.stdout, result.stdout[-3000:]
     said = RESTART.search(log)
     assert said, log[-4000:]
@@ -66,15 +71,7 @@ def test_a_death_before_the_first_checkpoint_restarts_from_the_start_with_the_qu
     run did, and the queue is kept as for a checkpoint: the steps trained before the death are trained again from
     their kept rows, none generated again."""
     out = tmp_path / "trainer_kill_start"
-    cmd = [
-        sys.executable, str(ROOT / "tests" / "e2e" / "trainer_kill_run.py"), f"output_dir={out}", *SHORT,
-        f"steps={STEPS}", f"checkpoint_every={STEPS}", "sft.enabled=false",
-    ]  # fmt: skip
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    env.pop("RAY_ADDRESS", None)
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    result, log = killing_run(out, f"checkpoint_every={STEPS}", "sft.enabled=false")
     said = re.search(r"trainer rank 1 died at step (\d+); restarting the trainer group from the start of GRPO", log)
     assert said, log[-4000:]
     died_at = int(said[1])
