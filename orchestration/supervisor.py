@@ -20,7 +20,9 @@ one had; the supervisor does, with the queue's at-least-once delivery:
 
 The driver's wait for the trainer (``LostPrompts.wait``) calls :meth:`Supervisor.check` once a second. Restarts are
 counted by the worker's process id (``pid()``: a restarted worker has a new one) and land in the step's metrics row
-(``restarts_rollout``, ``restarts_reward``). A worker whose restarts are spent ends the run with :class:`WorkerLost`.
+(``restarts_rollout``, ``restarts_reward``); a worker killed while it had no call in flight fails no call, so every
+``PID_LOOK_S`` the supervisor also asks each worker its process id. A worker whose restarts are spent ends the run
+with :class:`WorkerLost`.
 """
 
 from __future__ import annotations
@@ -32,13 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 logger = logging.getLogger(__name__)
 #: after the grace, the seconds the supervisor waits on top before it makes a dead worker's calls again
 GRACE_MARGIN_S = 1.0
 #: the longest the supervisor waits for Ray to bring a dead worker back (its constructor runs again)
 RESTART_WAIT_S = 300.0
+#: seconds between two looks at every worker's process id (and the longest one waits for a worker's answer): a worker
+#: killed while it had no call in flight fails no call, so its restart is seen only so (and the weights last
+#: published are sent to it then)
+PID_LOOK_S = 5.0
 
 KINDS = ("rollout", "reward")  # the workers supervised, in the order of a pending step's (rollout, reward) refs
 
@@ -89,6 +95,7 @@ class Supervisor:
         self._reported = dict.fromkeys(KINDS, 0)  # what take_restarts() handed out
         self.grace_s = float(getattr(getattr(client, "config", None), "disconnect_grace", 5.0))
         self.back_at = 0.0  # monotonic time the rows of the last death seen are back (its grace ended)
+        self._next_look = time.monotonic() + PID_LOOK_S  # the next look at every worker's pid (idle deaths)
         self.calls_made_again = 0
 
     def track(self, kind: str, index: int, step: int, ref: Any) -> Any:
@@ -116,6 +123,25 @@ class Supervisor:
                            call.index)  # fmt: skip
             self.calls.pop(refs[position], None)
             refs[position] = self.call(call.kind, call.index, step)
+        if time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + PID_LOOK_S
+            self._look_at_pids()
+
+    def _look_at_pids(self) -> None:
+        """A worker Ray restarted while it had no call in flight (killed between two steps) failed no call: its new
+        process id says so. Its restart is counted and ``on_restart`` called (a rollout worker gets the weights
+        last published: a new process starts from the task's initial ones)."""
+        for kind, handles in self.workers.items():
+            for index, worker in enumerate(handles):
+                try:
+                    pid = ray.get(worker.pid.remote(), timeout=PID_LOOK_S)
+                except (ActorUnavailableError, GetTimeoutError):  # being restarted, or busy: seen at the next look
+                    continue
+                except RayActorError as exc:  # dead and not restarted: WorkerLost
+                    self.restarted(kind, index, exc)
+                    continue
+                if pid != self.pids[kind][index]:
+                    self.restarted(kind, index)
 
     def _failed(
         self, pending: dict[int, tuple[list[Any], list[Any]]]

@@ -86,7 +86,7 @@ def test_finish_writes_writes_the_episodes_in_flight_and_starts_no_other(setup, 
         worker = AgentRolloutWorker.remote(
             1, info, EngineSpec(task_name=TASK), SamplingParams(max_new_tokens=1), N, 1,
             "tests.integration.workers.slow_tasks:slow_task_server_generate",
-            {"task_server_url": url, "max_turns": 3, "delay_s": 1.0}, timeout=30.0,
+            {"task_server_url": url, "max_turns": 3, "delay_s": 2.0}, timeout=30.0,
         )  # fmt: skip
         try:
             client.put({"sample_id": [s for s in ("game-01", "game-07") for _ in range(N)]}, global_step=1)

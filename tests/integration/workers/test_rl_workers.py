@@ -178,17 +178,16 @@ def test_finish_writes_writes_the_batch_in_flight_and_starts_no_other(queue):
     flight (trainer_restarts.finish_writes): they are kept, not generated again, and nothing new starts."""
     _, info, client = queue
     step = 7
-    spec = EngineSpec(task_name="tests.integration.workers.slow_tasks:SlowAdditionTask", task_kwargs={"forward_s": 0.3})
+    spec = EngineSpec(task_name="tests.integration.workers.slow_tasks:SlowAdditionTask", task_kwargs={"forward_s": 0.8})
     worker = RolloutWorker.remote(2, info, spec, SamplingParams(max_new_tokens=4), N, 2, timeout=30.0)
     try:
         put_prompts(client, step=step)  # 8 rows: two batches of 2 groups
         pending = worker.generate_step.remote(step)
-        deadline = time.monotonic() + 60
-        while client.get_consumption_status(global_step=step, task_name="rollout")["tasks"]["rollout"]["leased"] < 4:
-            assert time.monotonic() < deadline, "the worker never took its first batch"
+        deadline = time.monotonic() + 120
+        # what a death now would make generate again: the first batch, generating (4 tokens at 0.8 s a forward pass)
+        while ray.get(worker.rows_generating.remote()) < 4:
+            assert time.monotonic() < deadline, "the worker never started generating its first batch"
             time.sleep(0.05)
-        time.sleep(0.5)  # taken and read: generating now (4 tokens at 0.3 s a forward pass)
-        assert ray.get(worker.rows_generating.remote()) == 4  # what a death now would make generate again
 
         assert ray.get(worker.finish_writes.remote(60.0)) == 0  # the batch in flight is written
         assert ray.get(worker.rows_generating.remote()) == 0

@@ -26,7 +26,7 @@ class FakeRay:
     def __init__(self) -> None:
         self.results: dict[Any, Any] = {}
 
-    def get(self, ref: Any) -> Any:
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
         if isinstance(ref, list):
             return [self.get(r) for r in ref]
         if isinstance(ref, tuple) and ref[0] == "pid":
@@ -93,3 +93,28 @@ def test_a_call_whose_worker_has_a_new_process_is_made_again_once(fake_ray: Fake
     assert made_again == [("rollout", 0, 3), ("rollout", 0, 4)]
     assert pending == {3: (["again 3"], []), 4: (["again 4"], [])}
     assert supervisor.restarts["rollout"] == 1
+
+
+def test_a_worker_restarted_while_it_had_no_call_in_flight_is_seen_by_its_new_pid(
+    fake_ray: FakeRay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between two steps, a worker fails no call: the supervisor's periodic look at the workers' process ids
+    counts its restart and calls ``on_restart`` (a restarted rollout worker gets the weights last published; before,
+    it went on sampling from the task's initial weights)."""
+    monkeypatch.setattr(supervisor_module, "PID_LOOK_S", 0.0)  # a look at every check
+    worker = FakeWorker(pid=100)
+    restarted: list[tuple[str, int]] = []
+    client = SimpleNamespace(config=SimpleNamespace(disconnect_grace=0.0))
+    supervisor = Supervisor(
+        {"rollout": [worker], "reward": []}, lambda *a: None, lambda *a: restarted.append(a), client, 1
+    )
+
+    supervisor.check({})
+    assert supervisor.restarts["rollout"] == 0 and restarted == []
+
+    worker.process = 101  # Ray restarted it; no call of it was in flight
+    supervisor.check({})
+    supervisor.check({})  # seen once
+
+    assert supervisor.restarts["rollout"] == 1 and restarted == [("rollout", 0)]
+    assert supervisor.take_restarts() == {"restarts_rollout": 1, "restarts_reward": 0}
