@@ -173,6 +173,7 @@ def test_a_redo_generates_while_the_next_step_waits_for_weights(ray_session, tmp
     ray.kill(controller)
 
 
+@pytest.mark.slow  # ~15-50 s each: the slow tier keeps make test under 10 minutes
 def test_finish_writes_writes_the_batch_in_flight_and_starts_no_other(queue):
     """A trainer-group restart that keeps the queue first lets each rollout worker write the generations it has in
     flight (trainer_restarts.finish_writes): they are kept, not generated again, and nothing new starts."""
