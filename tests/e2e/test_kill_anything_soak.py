@@ -12,13 +12,14 @@ The full-size figures (with an uninterrupted run to compare the reward against) 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import kill_anything as ka
 
 ROOT = Path(__file__).resolve().parents[2]
 # seed 1: the reward worker then the engine server at step 1, the controller then the rollout worker at step 2, a
@@ -32,18 +33,9 @@ SHORT = [
 ]  # fmt: skip
 
 
-def kill_anything() -> object:
-    spec = importlib.util.spec_from_file_location("kill_anything", ROOT / "benchmarks" / "kill_anything.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_run_that_loses_each_kind_of_actor_once_trains_every_row_once_within_the_staleness_bound(
     tmp_path: Path,
 ) -> None:
-    ka = kill_anything()
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "kill_anything.py"), "--child", "killed", "--output-dir",
         str(tmp_path), "--steps", str(STEPS), "--seed", str(SEED), "--kills", "1", "--kinds", ",".join(KINDS),
@@ -53,16 +45,16 @@ def test_a_run_that_loses_each_kind_of_actor_once_trains_every_row_once_within_t
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    out = ka.killed_figures(tmp_path, STEPS, KINDS)  # type: ignore[attr-defined]
-    planned = ka.schedule(SEED, KINDS, 1, STEPS)  # type: ignore[attr-defined]
+    out = ka.killed_figures(tmp_path, STEPS, KINDS)
+    planned = ka.schedule(SEED, KINDS, 1, STEPS)
     assert out["kill_errors"] == [], out["kill_log"]
     assert out["kills"] == dict.fromkeys(KINDS, 1), out["kill_log"]
     assert sorted((k["kind"], k["step"]) for k in out["kill_log"]) == sorted((k["kind"], k["step"]) for k in planned)
     assert out["restarts"] == {"rollout": 1, "reward": 1, "unit": 1, "trainer": 1, "engine": 1}, out
     assert out["steps_finished"] == STEPS
-    assert out["rows_per_step"] == [ka.PROMPTS * ka.N] * STEPS  # type: ignore[attr-defined]
+    assert out["rows_per_step"] == [ka.PROMPTS * ka.N] * STEPS
     assert out["rows_lost_silently"] == out["rows_reported_lost"] == 0, out
     assert out["samples_trained_twice"] == 0, out
-    assert out["rows_version_checked"] == STEPS * ka.PROMPTS * ka.N  # type: ignore[attr-defined]
+    assert out["rows_version_checked"] == STEPS * ka.PROMPTS * ka.N
     assert out["rows_beyond_max_staleness"] == out["rows_left_out_as_stale"] == 0, out
     assert 0 <= out["staleness_max"] <= 1, out

@@ -6,26 +6,15 @@ the next start resumed with their responses."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from benchmarks import kill_anything as KA
+
 ROWS = 32  # the benchmark's 8 prompts x 4 samples
-
-
-def kill_anything() -> Any:
-    spec = importlib.util.spec_from_file_location("kill_anything", ROOT / "benchmarks" / "kill_anything.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-KA = kill_anything()
 
 
 def audit(step: int, attempt: int, start: int, acknowledged: int = ROWS, trained: bool = True) -> dict[str, Any]:
