@@ -1,10 +1,11 @@
 """``shm``: the ``large`` (~1 GB) and ``grpo`` (~21 MB) payloads through shared memory and over the Unix socket, in
 the same run, against a preallocated memcpy (issue 29).
 
-Two clients of the same queue (its storage units pool shared memory): one with ``shared_memory`` on, one with it
-off (the socket path, as before). Per client and repetition: a put of the batch, then ``reads`` get_datas of it in
-a row (9 of the large batch, 5 of grpo; the first one's median is the figure, every read's time says whether a slow
-mode is left), then a clear. The baseline
+Clients of the same queue (its storage units pool shared memory), one after the other: one with ``shared_memory``
+off (the socket path, as before), then with it on, its copies on one thread (``.one_copy_thread`` rows) and as
+they are (split over ``transfer_queue.wire.shm.COPY_THREADS`` threads from 64 MiB on; the goal rows). Per client
+and repetition: a put of the batch, then ``reads`` get_datas of it in a row (9 of the large batch, 5 of grpo; the
+first one's median is the figure, every read's time says whether a slow mode is left), then a clear. The baseline
 copies the batch's bytes into preallocated, already touched arrays (the best any one-copy path can do here).
 
 Each read also counts the client's minor page faults (``getrusage``): the slow mode was first-touch faults of fresh
@@ -26,6 +27,7 @@ from bench import Bench, grpo_batch, payload_bytes
 from common import settle, timed, wait_until
 
 import transfer_queue as tq
+from transfer_queue.wire import shm as shm_wire
 
 
 def preallocated_memcpy(td: Any) -> float:
@@ -89,13 +91,21 @@ def bench_shm(bench: Bench) -> None:
         memcpy_s = float(np.median(copies))
         bench.add(f"memcpy.preallocated.{label}", "shm", "GB/s", [gb / t for t in copies],
                   extra={"GB": round(gb, 3)})  # fmt: skip
-        for on in (False, True):
+        # the socket; shared memory with its copies on one thread; shared memory as it is (COPY_THREADS)
+        for on, threads in ((False, None), (True, 1), (True, shm_wire.COPY_THREADS)):
+            if on and threads == 1 and shm_wire.COPY_THREADS == 1:
+                continue  # one thread is the default here: the row below is it
             client = _client(bench, on)
             mode = "shm" if on else "socket"
+            if on and threads != shm_wire.COPY_THREADS:
+                mode += ".one_copy_thread"
+            default_threads, shm_wire.COPY_THREADS = shm_wire.COPY_THREADS, threads or shm_wire.COPY_THREADS
             try:
                 got = _rounds(bench, client, td, reads)
             finally:
+                shm_wire.COPY_THREADS = default_threads
                 client.close()
+            on = on and mode == "shm"  # the goal rows: shared memory as it is
             spread = [round(1e3 * t, 1) for t in got["all_gets"]]
             if label == "grpo":
                 get_ms = [1e3 * t for t in got["get"]]

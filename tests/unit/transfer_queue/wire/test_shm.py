@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_queue.errors import MalformedMessage
+from transfer_queue.errors import InvalidRequest, MalformedMessage
+from transfer_queue.wire import shm
 from transfer_queue.wire.shm import (
     MIN_SHM_BYTES,
     SHM_OK,
@@ -21,6 +22,7 @@ from transfer_queue.wire.shm import (
     SegmentPool,
     ShmTable,
     UnitConnection,
+    copy_pairs,
     decode_table,
     encode_table,
     segment_size,
@@ -559,3 +561,86 @@ def test_a_small_staged_put_adopts_its_grant_when_no_right_sized_segment_can_be_
     unit.close()
     del block
     pool.close()
+
+
+class CountingCopier:
+    """Stands in for the shared copy threads: counts the shares handed to them (and still copies them)."""
+
+    def __init__(self) -> None:
+        self.real = shm._copier.executor()
+        self.shares: list[int] = []
+
+    def executor(self) -> Any:
+        outer = self
+
+        class Counting:
+            def submit(self, fn: Any, pairs: Any) -> Any:
+                outer.shares.append(sum(target.nbytes for target, _ in pairs))
+                return outer.real.submit(fn, pairs)
+
+        return Counting()
+
+
+def test_a_large_copy_is_split_by_bytes_over_the_threads_and_every_byte_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    counting = CountingCopier()
+    monkeypatch.setattr(shm, "_copier", counting)
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 4 * MB)
+    PARALLEL_COPY_BYTES = shm.PARALLEL_COPY_BYTES
+    rng = np.random.default_rng(0)
+    sizes = [PARALLEL_COPY_BYTES // 3 + 17, 5, PARALLEL_COPY_BYTES // 2 - 3, 1, PARALLEL_COPY_BYTES // 5]
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    targets = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    copy_pairs(list(zip(targets, sources, strict=True)), threads=3)
+    assert all(np.array_equal(t, s) for t, s in zip(targets, sources, strict=True))
+    total = sum(sizes)
+    assert len(counting.shares) == 2 and all(abs(n - total / 3) <= 2 for n in counting.shares)  # this thread: the rest
+    counting.shares.clear()
+    small = [(np.zeros(1000, np.uint8), np.ones(1000, np.uint8))]
+    copy_pairs(small, threads=3)  # below PARALLEL_COPY_BYTES: copied here, no hand-off
+    assert counting.shares == [] and small[0][0].sum() == 1000
+
+
+def test_a_share_that_fails_is_raised_once_every_other_share_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 4 * MB)
+    n = 2 * MB
+    source = np.full(n, 7, dtype=np.uint8)
+    writable, readonly = np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        copy_pairs([(writable, source), (readonly, source)], threads=2)  # the read-only half is the other thread's
+    assert np.array_equal(writable, source)  # the other share finished before the error came back
+
+
+def test_a_large_get_is_copied_out_over_the_threads(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    unit_sock, client_sock = pair
+    counting = CountingCopier()
+    monkeypatch.setattr(shm, "_copier", counting)
+    monkeypatch.setattr(shm, "COPY_THREADS", 2)
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 8 * MB)
+    pool, client_pool = SegmentPool(64 * MB, "tq-test-unit"), SegmentPool(64 * MB, "tq-test-client")
+    unit, client = UnitConnection(pool), ClientMaps(client_pool)
+    blocks = [pool.take(6 * MB), pool.take(5 * MB + 3)]
+    for i, block in enumerate(blocks):
+        block[:] = np.arange(block.nbytes, dtype=np.int64).astype(np.uint8) + i
+    reply = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", *blocks]))
+    into = {3: np.empty(blocks[1].nbytes, dtype=np.uint8)}
+    assert client.incoming(reply, reply.flags, reply.fds, into) and reply[3] is into[3]
+    assert np.array_equal(reply[2], blocks[0]) and np.array_equal(reply[3], blocks[1])
+    assert len(counting.shares) == 1 and counting.shares[0] == (11 * MB + 3) // 2  # this thread copied the other half
+    del blocks, into
+    reply.clear()
+    client.close()
+    unit.close()
+    pool.close()
+    client_pool.close()
+
+
+def test_the_copy_threads_come_from_the_environment_and_a_bad_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRANSFER_QUEUE_COPY_THREADS", "3")
+    assert shm.copy_threads_default() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("TRANSFER_QUEUE_COPY_THREADS", bad)
+        with pytest.raises(InvalidRequest, match=f"TRANSFER_QUEUE_COPY_THREADS must be an int >= 1, got '{bad}'"):
+            shm.copy_threads_default()
+    monkeypatch.delenv("TRANSFER_QUEUE_COPY_THREADS")
+    assert 1 <= shm.copy_threads_default() <= 4
