@@ -28,6 +28,7 @@ from transfer_queue.metadata import BatchMeta
 from transfer_queue.state.queue_state import QueueState
 from transfer_queue.storage.unit import BlockStore, StorageServer
 from transfer_queue.wire import protocol as p
+from transfer_queue.wire import shm as shm_wire
 from transfer_queue.wire.shm import MIN_SHM_BYTES
 
 SESSION = "f" * 32
@@ -86,7 +87,13 @@ def same(got, want: dict, rows: list[int]) -> None:
     assert list(got["o"]) == [want["o"][r] for r in rows]
 
 
-def test_puts_and_gets_through_shared_memory_give_the_sockets_rows(queue: LocalQueue) -> None:
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_puts_and_gets_through_shared_memory_give_the_sockets_rows(
+    queue: LocalQueue, copy_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3: every copy through a segment (the client's out of a get and into a grant) is split over three threads
+    monkeypatch.setattr(shm_wire, "COPY_THREADS", copy_threads)
+    monkeypatch.setattr(shm_wire, "PARALLEL_COPY_BYTES", MIN_SHM_BYTES)
     shm, plain, tcp = queue.client("shm"), queue.client("plain", False), queue.client("tcp", False, True)
     parts = [batch(128, seed) for seed in range(3)]
     whole = {k: (torch.cat([p[k] for p in parts]) if k in ("x", "b") else None) for k in parts[0]}
