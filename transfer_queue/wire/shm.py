@@ -125,10 +125,12 @@ class _Copier:
         self.lock = threading.Lock()
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    def executor(self, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool, for a copy over ``threads`` threads (its threads start as copies need them)."""
         with self.lock:
             if self.pool is None:
-                self.pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="tq-copy")
+                workers = max(3, COPY_THREADS - 1, threads - 1)
+                self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tq-copy")
             return self.pool
 
     def forget(self) -> None:  # in a forked child: the parent's threads do not exist there
@@ -168,7 +170,7 @@ def copy_pairs(pairs: Sequence[CopyPair], threads: int | None = None) -> None:
             shares[-1].append((target[at : at + take], source[at : at + take]))
             at += take
             room -= take
-    executor = _copier.executor()
+    executor = _copier.executor(threads)
     futures = [executor.submit(_copy_all, mine) for mine in shares[1:]]
     try:
         _copy_all(shares[0])

@@ -567,10 +567,10 @@ class CountingCopier:
     """Stands in for the shared copy threads: counts the shares handed to them (and still copies them)."""
 
     def __init__(self) -> None:
-        self.real = shm._copier.executor()
+        self.real = shm._copier.executor(2)
         self.shares: list[int] = []
 
-    def executor(self) -> Any:
+    def executor(self, threads: int) -> Any:
         outer = self
 
         class Counting:
