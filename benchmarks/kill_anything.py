@@ -92,6 +92,31 @@ OVERRIDES = [
 ]  # fmt: skip
 
 
+# an engine server or storage unit being restarted has no process id (None, 0) until its new process started
+RESTART_PID_WAIT_S = 60.0
+
+
+def sigkill(pid: Any, what: str) -> int:
+    """SIGKILL process ``pid``; returns it. An unknown pid (None, 0, negative) is refused with ValueError:
+    ``os.kill(0, ...)`` would kill this process's own group (the harness and whatever started it)."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+        raise ValueError(f"{what}: no process id to kill (got {pid!r}); expected a pid >= 1")
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def pid_when_known(read: Any, wait_s: float) -> Any:
+    """``read()`` once it gives a pid (an int >= 1), asked again every 0.2 s for up to ``wait_s`` seconds (a server
+    being restarted has none until its new process started); what it gave last otherwise (:func:`sigkill` refuses
+    it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pid = read()
+        if (isinstance(pid, int) and not isinstance(pid, bool) and pid >= 1) or time.monotonic() > deadline:
+            return pid
+        time.sleep(0.2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps of each run (default 16)")
@@ -232,15 +257,19 @@ def child(args: argparse.Namespace) -> int:
                     ray.kill(transfer_queue.get_controller(), no_restart=False)
                 else:
                     if kind == "unit":
-                        units = when_up(lambda: ray.get(transfer_queue.get_controller().storage_stats.remote()))
-                        record["unit"] = int(pick * len(units))
-                        pid = units[record["unit"]]["pid"]
+
+                        def unit_pid() -> Any:  # a unit being restarted reports pid 0 until it is back
+                            units = ray.get(transfer_queue.get_controller().storage_stats.remote())
+                            record["unit"] = int(pick * len(units))
+                            return units[record["unit"]]["pid"]
+
+                        pid = pid_when_known(lambda: when_up(unit_pid), RESTART_PID_WAIT_S)
                         self.unit_kills += 1
                     elif kind == "engine":
                         assert self.inference is not None, "the engine kind needs servers the run started"
                         servers = self.inference.servers
                         record["server"] = int(pick * len(servers))
-                        pid = int(servers[record["server"]].record.pid or 0)
+                        pid = pid_when_known(lambda: servers[record["server"]].record.pid, RESTART_PID_WAIT_S)
                     elif kind == "trainer":
                         record["rank"] = int(pick * len(self.trainer))
                         pid = int(ray.get(self.trainer[record["rank"]].pid.remote()))
@@ -256,8 +285,7 @@ def child(args: argparse.Namespace) -> int:
                         record["held_rows_leased"] = self.rollout_rows_held()
                         shared.held_rows += record["held_rows"]
                         shared.held_rows_leased += record["held_rows_leased"]
-                    os.kill(pid, signal.SIGKILL)
-                    record["pid"] = pid
+                    record["pid"] = sigkill(pid, f"the {kind} kill")
                 record["at"] = time.time()
             except Exception as exc:  # a kill that could not be made is reported, not hidden
                 record["error"] = f"{type(exc).__name__}: {exc}"

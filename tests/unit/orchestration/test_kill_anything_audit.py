@@ -104,3 +104,24 @@ def test_regenerated_tokens_count_the_rows_being_generated_and_report_the_leased
     assert out["regenerated_token_share_leased"] == pytest.approx(32 * 64 / (tokens + 32 * 64))
     assert out["regenerated_rows"] == {"held_at_kills": 8, "trainer_restarts": 0}
     assert out["regenerated_rows_leased"] == {"held_at_kills": 24, "trainer_restarts": 8}
+
+
+@pytest.mark.parametrize("pid", [None, 0, -1, True, "12"])
+def test_a_kill_whose_process_id_is_unknown_is_refused_not_sent_to_the_harnesss_own_group(
+    pid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine server being restarted had no pid: ``os.kill(0, SIGKILL)`` killed the soak's own process group (the
+    harness, and the shell loop that ran it)."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(KA.os, "kill", lambda p, sig: sent.append((p, sig)))
+    refused = rf"the engine kill: no process id to kill \(got {pid!r}\); expected a pid >= 1"
+    with pytest.raises(ValueError, match=refused):
+        KA.sigkill(pid, "the engine kill")
+    assert sent == []
+    assert KA.sigkill(4242, "the engine kill") == 4242 and sent == [(4242, KA.signal.SIGKILL)]
+
+
+def test_a_pid_is_waited_for_while_the_server_restarts_and_what_came_last_is_given_after_the_wait() -> None:
+    answers = iter([None, None, 0, 777])
+    assert KA.pid_when_known(lambda: next(answers), 10.0) == 777
+    assert KA.pid_when_known(lambda: None, 0.0) is None  # then sigkill refuses it
