@@ -45,8 +45,9 @@ rows lost, the live rows' group ids). Reported, as JSON (``--out``) and a table:
   ``restarts_trainer`` of its metrics rows, the controller's ``storage_units_restarted``, the engine servers'
   ``EngineServer`` restarts);
 - the share of generated tokens regenerated after kills: the rows a killed rollout worker, or the worker a killed
-  engine server served, was generating just before the kill (``RolloutWorker.rows_generating``: its batches between
-  their generation's start and their write) and those a trainer-group restart generated again
+  engine server served, was generating just before the kill (``RolloutWorker.rows_generating``: its batches from
+  the engine's ``generate`` to their write; a batch whose step's weights still load into the engine is not counted)
+  and those a trainer-group restart generated again
   (:func:`rerun_by_restart`: of the steps launched, the rows written or being generated at the death, less those the
   next start resumed with their responses), times the run's tokens per generated row, less the tokens resumed from
   in-flight checkpoints (``resumed_tokens``, ``rollout.checkpoint_inflight``), over all tokens generated. An upper

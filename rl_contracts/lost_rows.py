@@ -48,21 +48,32 @@ logger = logging.getLogger(__name__)
 class BatchesInFlight:
     """The batches a worker is generating, from their generation to their write (``with in_flight.batch(meta):``):
     :meth:`finish` starts no new one and waits for these (a worker about to be stopped keeps its work), :meth:`rows`
-    counts their rows (what the worker's death would make generate again)."""
+    counts the rows whose generation started (what the worker's death would make generate again)."""
 
     def __init__(self) -> None:
         self._gate = RequestGate()
         self._rows: dict[int, int] = {}
+        self._generating: set[int] = set()
 
     @contextlib.contextmanager
-    def batch(self, meta: Any) -> Iterator[None]:
-        """One batch's generation and write; waits (held) once :meth:`finish` was called."""
+    def batch(self, meta: Any, generating: bool = True) -> Iterator[None]:
+        """One batch's generation and write; waits (held) once :meth:`finish` was called. ``generating`` False: its
+        generation starts later (:meth:`generating`; e.g. its weights load first), until then :meth:`rows` leaves it
+        out (nothing of it would be generated again)."""
         with self._gate.passing():
             self._rows[id(meta)] = len(meta)
+            if generating:
+                self._generating.add(id(meta))
             try:
                 yield
             finally:
                 del self._rows[id(meta)]
+                self._generating.discard(id(meta))
+
+    def generating(self, meta: Any) -> None:
+        """The generation of ``meta``'s batch (in :meth:`batch`) starts now."""
+        if id(meta) in self._rows:
+            self._generating.add(id(meta))
 
     def finish(self, timeout_s: float) -> int:
         """Hold new batches back and wait up to ``timeout_s`` for those in flight; returns how many are left."""
@@ -70,7 +81,8 @@ class BatchesInFlight:
         return self._gate.active
 
     def rows(self) -> int:
-        return sum(self._rows.values())
+        """Rows of the batches whose generation started."""
+        return sum(self._rows[key] for key in list(self._generating) if key in self._rows)
 
 
 PUT_ATTEMPTS = 5  # a put placed on a unit that died mid-put is tried again (the controller places it elsewhere)

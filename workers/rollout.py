@@ -287,11 +287,13 @@ class RolloutWorker:
                 try:
                     # held while a colocated run's servers are released for training (drain_requests): waiting too
                     with self.gate.passing():
-                        in_flight.enter_context(self.in_flight.batch(meta))  # past the colocated gate
+                        # past the colocated gate; generating from after the weights' load (rows_generating)
+                        in_flight.enter_context(self.in_flight.batch(meta, generating=False))
                         if min_version is not None:
                             ray.get(engine.pull_weights.remote(min_version))
                         stats["weights_wait_s"] += time.perf_counter() - t1
                         t1 = time.perf_counter()
+                        self.in_flight.generating(meta)
                         version, generations = ray.get(
                             engine.generate.remote(prompts, self.n, self.sampling, min_version, images, inflight)
                         )

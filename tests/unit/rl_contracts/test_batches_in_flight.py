@@ -52,3 +52,19 @@ def test_finish_returns_the_batches_left_when_the_wait_runs_out():
         assert in_flight.finish(0.05) == 1
         assert in_flight.rows() == 2
     assert in_flight.rows() == 0
+
+
+def test_a_batch_whose_weights_still_load_is_held_but_not_counted_until_its_generation_starts():
+    """``RolloutWorker`` enters a batch before the engine loads the step's weights (``pull_weights``) and marks it
+    generating right before ``generate``: a death while the weights load generates nothing again."""
+    in_flight = BatchesInFlight()
+    first, second = _Meta(8), _Meta(4)
+    with in_flight.batch(first, generating=False):
+        assert in_flight.rows() == 0 and in_flight.finish(0.01) == 1  # held by finish all the same
+        in_flight.generating(first)
+        assert in_flight.rows() == 8
+    in_flight.generating(first)  # after its write: nothing to count
+    assert in_flight.rows() == 0
+    in_flight = BatchesInFlight()
+    with in_flight.batch(second):  # generating from the start (an agent's episodes)
+        assert in_flight.rows() == 4
