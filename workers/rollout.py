@@ -162,6 +162,7 @@ class RolloutWorker:
         self.gate = RequestGate()  # each step's generations pass it (drain_requests holds them: colocated servers)
         # each batch from its generation to its write (finish_writes: a trainer-group restart keeps them)
         self.in_flight = BatchesInFlight()
+        self._retry_seen: tuple[Any, int] = (None, 0)  # (engine, its resumed_tokens_on_retry when last read)
         self.slot = EngineSlot(
             lambda restarts: (
                 actor_class(EngineActor).options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts)
@@ -311,7 +312,21 @@ class RolloutWorker:
             if store is not None and inflight is not None:  # written: its checkpoints are done with
                 stats["resumed_tokens"] += sum(len(p.token_ids) for p in inflight.resume if p is not None)
                 clock.call(store.clear, inflight.keys)
+        if store is not None:  # and what the engine resumed after its server died under a generation
+            stats["resumed_tokens"] += self._resumed_on_retry()
         return {**stats, **clock.stats(), "ended_at": time.time()}
+
+    def _resumed_on_retry(self) -> float:
+        """Tokens the engine took from its own in-flight checkpoints since the last look, when a generation was asked
+        again after its server died (``EngineActor.resumed_tokens_on_retry``); 0 if it cannot say (dead)."""
+        engine = self.engine
+        try:
+            now = int(ray.get(engine.resumed_tokens_on_retry.remote(), timeout=30))
+        except (ray.exceptions.RayError, TimeoutError):
+            return 0.0
+        seen = self._retry_seen[1] if self._retry_seen[0] is engine else 0  # a new engine counts from 0
+        self._retry_seen = (engine, now)
+        return float(max(0, now - seen))
 
     def _engine_died(self, engine: Any, exc: BaseException, meta: BatchMeta, stats: dict[str, float]) -> None:
         """The engine died under a batch: its rows go back to the queue and the engine is restarted."""

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,9 @@ class EngineActor:
         self._inflight: tuple[Any, Any] | None = None  # (controller info, its queue client): in-flight checkpoints
         self.checkpoint_failures = 0  # in-flight checkpoints that could not be written (the generation went on)
         self._chunks_written: dict[str, Partial] = {}  # this call's checkpointed partials, by key (a retry's resume)
+        # tokens generations asked again after their server died took from the chunks their failed try checkpointed
+        # (not generated again; the rollout worker adds them to its ``resumed_tokens``)
+        self.resumed_on_retry = 0
 
     def _channel_update(self) -> tuple[int, Any, None] | None:
         """The channel's newest weights when they are newer than the engine's (polled by partial rollouts)."""
@@ -172,7 +176,9 @@ class EngineActor:
 
         def again() -> None:
             if asked[0] is not None:  # resume from the chunks the failed try checkpointed, counted once
+                before = _partial_tokens(asked[0].resume)
                 asked[0] = self._checkpointed_since(asked[0])
+                self.resumed_on_retry += max(0, _partial_tokens(asked[0].resume) - before)
                 if resumed_before is not None:
                     self._engine.resumed_tokens = resumed_before
 
@@ -280,6 +286,11 @@ class EngineActor:
 
         return self._engine.generate(prompts, n, params, resume=inflight.resume, on_chunk=checkpoint)
 
+    def resumed_tokens_on_retry(self) -> int:
+        """Tokens this actor's generations took, when asked again after their server died, from the chunks their
+        failed try had checkpointed (``rollout.checkpoint_inflight``), since it started."""
+        return self.resumed_on_retry
+
     @ray.method(concurrency_group=WAIT_GROUP)
     def wait_for_weights(self, min_version: int) -> int:
         """Wait until the channel holds weights of at least ``min_version`` (not loading them: ``pull_weights``
@@ -366,3 +377,8 @@ class EngineActor:
         import os
 
         return os.getpid()
+
+
+def _partial_tokens(partials: Sequence[Partial | None]) -> int:
+    """Tokens of the partial responses a generation resumes from."""
+    return sum(len(partial.token_ids) for partial in partials if partial is not None)

@@ -118,6 +118,26 @@ def test_a_checkpointed_generation_asked_again_resumes_from_what_its_failed_try_
     # rollout started from its prompt, does not take the stale partial the queue still holds
     assert engine.resumes[1] == [Partial([7, 8], [-0.1, -0.2], [3, 3]), None]
     assert engine.resumed_tokens == 2
+    # the rollout worker counts the 1 token it passed; the 1 more the retry took is the actor's to report
+    assert actor.resumed_tokens_on_retry() == 1
+
+
+def test_the_rollout_worker_adds_what_its_engine_resumed_on_retries_once_and_a_new_engine_from_zero(monkeypatch):
+    from types import SimpleNamespace
+
+    from workers import rollout as rollout_module
+
+    def engine(*counts: int) -> Any:
+        answers = iter(counts)
+        return SimpleNamespace(resumed_tokens_on_retry=SimpleNamespace(remote=lambda: next(answers)))
+
+    monkeypatch.setattr(rollout_module.ray, "get", lambda ref, timeout=None: ref)  # the stub answers at once
+    worker = object.__new__(rollout_module.RolloutWorker.__ray_metadata__.modified_class)
+    worker._retry_seen = (None, 0)
+    worker.slot = SimpleNamespace(engine=engine(3, 3, 5))
+    assert [worker._resumed_on_retry() for _ in range(3)] == [3.0, 0.0, 2.0]
+    worker.slot = SimpleNamespace(engine=engine(2))  # restarted after its actor died: it counts from 0
+    assert worker._resumed_on_retry() == 2.0
 
 
 def test_a_checkpoint_that_cannot_be_written_does_not_stop_the_generation(monkeypatch):
