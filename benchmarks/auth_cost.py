@@ -36,10 +36,13 @@ REPS_FACTOR = 3  # 3x the run's repetitions: a 5% difference is within one repet
 
 
 # ---- a queue without Ray: each server in a process of its own --------------------------------------------------
-def _storage_proc(conn: Any, unit: int, num_units: int, session: str, secret: bytes) -> None:
+def _storage_proc(
+    conn: Any, unit: int, num_units: int, session: str, secret: bytes, shared_memory_bytes: int = 0
+) -> None:
     from transfer_queue.storage.unit import BlockStore, StorageServer
 
-    server = StorageServer(BlockStore(unit, num_units, secret), "127.0.0.1", session, secret, 1 << 31)
+    block = BlockStore(unit, num_units, secret)
+    server = StorageServer(block, "127.0.0.1", session, secret, 1 << 31, None, shared_memory_bytes)
     conn.send(server.endpoint)
     conn.recv()
     server.stop()
@@ -57,9 +60,10 @@ def _controller_proc(conn: Any, config: Any, endpoints: list, session: str, secr
 
 
 class RaylessQueue:
-    """A controller and two storage units, each in a spawned process, with ``secret`` (``b""``: no authentication)."""
+    """A controller and two storage units, each in a spawned process, with ``secret`` (``b""``: no authentication).
+    ``shared_memory_bytes`` > 0: the units pool that much shared memory for clients that ask for it."""
 
-    def __init__(self, secret: bytes, num_units: int = 2):
+    def __init__(self, secret: bytes, num_units: int = 2, shared_memory_bytes: int = 0):
         from transfer_queue.config import QueueConfig
 
         ctx = mp.get_context("spawn")
@@ -70,7 +74,7 @@ class RaylessQueue:
         self._procs: list[Any] = []
         endpoints = []
         for unit in range(num_units):
-            endpoints.append(self._start(ctx, _storage_proc, unit, num_units, session, secret))
+            endpoints.append(self._start(ctx, _storage_proc, unit, num_units, session, secret, shared_memory_bytes))
         self.info = self._start(ctx, _controller_proc, config, endpoints, session, secret)
         self.controller_pid = self._procs[-1].pid
 

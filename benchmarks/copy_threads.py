@@ -1,7 +1,7 @@
 """Shared-memory puts and gets with their copies on one thread against split over two (issue 29 s1), without Ray.
 
-A controller and two storage units (each a spawned process, shared memory on: ``auth_cost.RaylessQueue`` with units
-that pool segments) and one client in this process. Each round puts the grpo schema's ``--rows`` samples and reads
+A controller and two storage units (each a spawned process, shared memory on: ``auth_cost.RaylessQueue`` with
+``shared_memory_bytes``) and one client in this process. Each round puts the grpo schema's ``--rows`` samples and reads
 them back 3 times, once with ``transfer_queue.wire.shm.COPY_THREADS = 1`` and once with 2 (the order alternating
 round by round, so a busy moment of the machine slows both), and clears them; the first two rounds warm the pools
 up and are not counted. ``PARALLEL_COPY_BYTES`` is set to 1 MiB so that both sizes split.
@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -29,15 +28,6 @@ from bench import grpo_batch, payload_bytes
 POOL = 1 << 31
 
 
-def _storage_proc(conn: Any, unit: int, num_units: int, session: str, secret: bytes) -> None:
-    from transfer_queue.storage.unit import BlockStore, StorageServer
-
-    server = StorageServer(BlockStore(unit, num_units, secret), "127.0.0.1", session, secret, 1 << 32, None, POOL)
-    conn.send(server.endpoint)
-    conn.recv()
-    server.stop()
-
-
 def main() -> None:
     import transfer_queue as tq
     from transfer_queue.wire import shm
@@ -47,8 +37,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="grpo samples per put (256: 20.98 MB)")
     parser.add_argument("--rounds", type=int, default=16)
     args = parser.parse_args()
-    auth_cost._storage_proc = _storage_proc  # units that pool shared memory (a spawned child finds it by name)
-    queue = auth_cost.RaylessQueue(new_secret())
+    queue = auth_cost.RaylessQueue(new_secret(), shared_memory_bytes=POOL)
     config = {**queue.info.config, "shared_memory": True, "shared_memory_pool_bytes": POOL}
     client = tq.TransferQueueClient("copy-threads", msgspec.structs.replace(queue.info, config=config))
     shm.PARALLEL_COPY_BYTES = 1 << 20

@@ -97,10 +97,14 @@ OVERRIDES = [
 RESTART_PID_WAIT_S = 60.0
 
 
+def _is_pid(pid: Any) -> bool:
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid >= 1
+
+
 def sigkill(pid: Any, what: str) -> int:
     """SIGKILL process ``pid``; returns it. An unknown pid (None, 0, negative) is refused with ValueError:
     ``os.kill(0, ...)`` would kill this process's own group (the harness and whatever started it)."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+    if not _is_pid(pid):
         raise ValueError(f"{what}: no process id to kill (got {pid!r}); expected a pid >= 1")
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -113,7 +117,7 @@ def pid_when_known(read: Any, wait_s: float) -> Any:
     deadline = time.monotonic() + wait_s
     while True:
         pid = read()
-        if (isinstance(pid, int) and not isinstance(pid, bool) and pid >= 1) or time.monotonic() > deadline:
+        if _is_pid(pid) or time.monotonic() > deadline:
             return pid
         time.sleep(0.2)
 
