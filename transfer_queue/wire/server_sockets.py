@@ -50,6 +50,10 @@ class Incoming:
     error: TransferQueueError | None = None  # refused as it arrived (a bad shared-memory table): answered with it
 
 
+# poll flags as plain ints: pyzmq's are enum flags, whose operators cost a microsecond each on the serving loop
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_POLLIN_OR_ERR = _POLLIN | int(zmq.POLLERR)
+
 #: How long a server waits for its fixed port while the process before it (a controller Ray restarts) lets go of it.
 FIXED_PORT_WAIT_S = 30.0
 
@@ -134,6 +138,7 @@ class ServerSockets:
         self.poller.register(self._monitor, zmq.POLLIN)
         self._tcp_by_fd: dict[int, bytes] = {}  # connection fd -> routing id of its peer
         self._fds: dict[int, int] = {}  # Unix fd -> the poll flags it is registered with
+        self._fds_version = -1  # the UnixServer.version ``_fds`` was registered for
         self._disconnected: list[Peer] = []
         self._failed_handshakes = 0
 
@@ -160,17 +165,17 @@ class ServerSockets:
             self.unix.max_message_bytes = max_message_bytes
 
     def poll(self, timeout_ms: int) -> dict[Any, int]:
-        wanted: dict[int, int] = {}
-        if self.unix is not None:
-            wanted = dict.fromkeys(self.unix.fds(), zmq.POLLIN)
-            for fd in self.unix.writable_fds():
-                wanted[fd] = zmq.POLLIN | zmq.POLLOUT
-        for fd in self._fds.keys() - wanted.keys():
-            self.poller.unregister(fd)
-        for fd, flags in wanted.items():
-            if self._fds.get(fd) != flags:
-                self.poller.register(fd, flags)  # registering again modifies
-        self._fds = wanted
+        if self.unix is not None and self.unix.version != self._fds_version:  # connections or POLLOUT changed
+            self._fds_version = self.unix.version
+            wanted = dict.fromkeys(self.unix.fds(), _POLLIN)
+            for fd in self.unix.blocked:
+                wanted[fd] = _POLLIN | _POLLOUT
+            for fd in self._fds.keys() - wanted.keys():
+                self.poller.unregister(fd)
+            for fd, flags in wanted.items():
+                if self._fds.get(fd) != flags:
+                    self.poller.register(fd, flags)  # registering again modifies
+            self._fds = wanted
         return dict(self.poller.poll(timeout_ms))
 
     def router_messages(self, events: dict[Any, int], limit: int = 256) -> list[Incoming]:
@@ -216,10 +221,12 @@ class ServerSockets:
         if self.unix is None:
             return []
         ready = []
-        for fd in self._fds.keys() & events.keys():
-            if events[fd] & zmq.POLLOUT:
+        for fd, event in events.items():
+            if fd not in self._fds:  # a ZeroMQ socket, or another registered socket
+                continue
+            if event & _POLLOUT:
                 self.unix.on_writable(fd)
-            if events[fd] & (zmq.POLLIN | zmq.POLLERR):
+            if event & _POLLIN_OR_ERR:
                 ready.append(fd)
         return ready
 

@@ -59,6 +59,8 @@ MAX_FRAMES = 4096
 MAX_MESSAGE_BYTES = 1 << 40  # 1 TiB: a claimed size beyond this is hostile, never allocated
 _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
+STAGE_BYTES = 64 << 10  # a read takes up to this much at once (parsed into as many messages as it holds)
+DIRECT_BYTES = 16 << 10  # a frame's remainder this large is received into the frame, not through the stage
 _SEND_CHUNK_FRAMES = 512  # sendmsg takes at most IOV_MAX (1024) buffers per call
 Frame = np.ndarray  # a received frame: uint8, writable, owned by whoever holds it
 RELEASE_MESSAGE = _COUNT.pack(RELEASE)  # client -> unit: the last reply's descriptors were copied out
@@ -108,14 +110,21 @@ def encode_header(frames: Sequence[Any], flags: int = 0) -> bytes:
 
 
 class FrameReader:
-    """Incremental reader of framed messages from a non-blocking socket (one per connection)."""
+    """Incremental reader of framed messages from a non-blocking socket (one per connection).
+
+    A read takes up to ``STAGE_BYTES`` at once and parses every whole message in it, so a small message costs one
+    ``recv`` (headers, envelope and body together) instead of one per header and frame. A frame's remainder of
+    ``DIRECT_BYTES`` or more is received straight into the frame's own buffer (``recv_into``: a payload is never
+    staged). A reader that takes fds (``fds=True``) never reads past the message part it is in, so the fds that
+    come with a message's first byte are never taken with an earlier message."""
 
     def __init__(self, into: dict[int, np.ndarray] | None = None, fds: bool = False, allocate: Any = None) -> None:
         # Frame index -> a writable contiguous uint8 array the frame of the next message is received into (used
         # when the sizes agree), so a reply can land where the caller wants it without another copy.
         self._into = into
-        self._want_fds = fds  # read headers with recvmsg, keeping the fds that come with them
+        self._want_fds = fds  # read with recvmsg, keeping the fds that come with the bytes
         self._allocate = allocate  # nbytes -> a uint8 array for large frames (a storage unit's pool), else np.empty
+        self._staged = memoryview(b"")  # bytes read and not parsed yet (the start of the next message, or more)
         self._reset()
 
     def _reset(self) -> None:
@@ -130,37 +139,43 @@ class FrameReader:
 
     def read(self, sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[list[Message], bool]:
         """Read what the socket has; returns (complete messages, whether the peer closed). A header that claims
-        more than ``max_bytes`` in all raises ProtocolViolation before anything is allocated."""
+        more than ``max_bytes`` in all raises ProtocolViolation before anything is allocated. Once a message is
+        complete and nothing read is left over, it returns without asking the socket again (the caller's poll says
+        when more arrives)."""
         done: list[Message] = []
         while True:
-            try:
-                if self._lengths is None:
-                    chunk = self._recv_head(sock, self._need_head - len(self._head))
-                    if not chunk:
-                        return done, True
-                    self._head += chunk
-                    if len(self._head) == self._need_head:
-                        self._parse_head(max_bytes)
-                elif self._frame < len(self._frames):
-                    frame = self._frames[self._frame]
-                    got = sock.recv_into(frame.data[self._offset :]) if len(frame) else 0
-                    if got == 0 and len(frame):
-                        return done, True
-                    self._offset += got
-                    if self._offset == len(frame):
-                        self._frame, self._offset = self._frame + 1, 0
-                if self._lengths is not None and self._frame == len(self._frames):
-                    message = Message(self._frames)
-                    message.flags, message.fds = self._flags, self._fds
-                    done.append(message)
-                    self._into = None  # for the first message only
-                    self._reset()
-            except (BlockingIOError, InterruptedError):
-                return done, False
+            if not self._staged:
+                if done and self.idle:
+                    return done, False
+                try:
+                    if self._frame < len(self._frames) and self._direct():
+                        frame = self._frames[self._frame]
+                        got = sock.recv_into(frame.data[self._offset :])
+                        if got == 0:
+                            return done, True
+                        self._offset += got
+                        self._next_frame(done)
+                        continue
+                    chunk = self._recv(sock)
+                except (BlockingIOError, InterruptedError):
+                    return done, False
+                if not chunk:
+                    return done, True
+                self._staged = memoryview(chunk)
+            self._consume(done, max_bytes)
 
-    def _recv_head(self, sock: socket.socket, n: int) -> bytes:
+    def _direct(self) -> bool:
+        """Whether the rest of the current frame is received straight into it (large enough to skip the stage)."""
+        return len(self._frames[self._frame]) - self._offset >= DIRECT_BYTES
+
+    def _recv(self, sock: socket.socket) -> bytes:
         if not self._want_fds:
-            return sock.recv(n)
+            return sock.recv(STAGE_BYTES)
+        # up to the end of the part being read (header or frame): the next message's fds stay in the socket
+        if self._lengths is None:
+            n = self._need_head - len(self._head)
+        else:
+            n = len(self._frames[self._frame]) - self._offset
         chunk, ancillary, msg_flags, _ = sock.recvmsg(n, _FD_SPACE, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -171,6 +186,37 @@ class FrameReader:
             self.discard_fds()
             raise ProtocolViolation(f"a message carried more than {MAX_FDS} fds")
         return chunk
+
+    def _consume(self, done: list[Message], max_bytes: int) -> None:
+        """Parse the staged bytes: header words into the header, frame bytes into their frames."""
+        staged = self._staged
+        if self._lengths is None:
+            take = min(len(staged), self._need_head - len(self._head))
+            self._head += staged[:take]
+            self._staged = staged[take:]
+            if len(self._head) == self._need_head:
+                self._parse_head(max_bytes)
+                if self._lengths is not None:
+                    self._next_frame(done)
+            return
+        frame = self._frames[self._frame]
+        take = min(len(staged), len(frame) - self._offset)
+        frame.data[self._offset : self._offset + take] = staged[:take]
+        self._staged = staged[take:]
+        self._offset += take
+        self._next_frame(done)
+
+    def _next_frame(self, done: list[Message]) -> None:
+        """Step past the frames that are complete (empty ones included); a message whose last frame is complete
+        goes to ``done``."""
+        while self._frame < len(self._frames) and self._offset == len(self._frames[self._frame]):
+            self._frame, self._offset = self._frame + 1, 0
+        if self._frame == len(self._frames):
+            message = Message(self._frames)
+            message.flags, message.fds = self._flags, self._fds
+            done.append(message)
+            self._into = None  # for the first message only
+            self._reset()
 
     def discard_fds(self) -> None:
         """Close the fds received with a message not completed (the connection is dropped)."""
@@ -217,7 +263,7 @@ class FrameReader:
 
     @property
     def idle(self) -> bool:
-        return self._lengths is None and not self._head
+        return self._lengths is None and not self._head and not self._staged
 
 
 class FrameWriter:
@@ -473,13 +519,25 @@ class UnixServer:
         self.connections: dict[int, Connection] = {}
         self._serials = itertools.count(1)
         self._closed: list[int] = []
+        # Kept as they change, so the serving loop's work per wake-up follows what happened, not how many peers
+        # are connected: the connections with replies queued (POLLOUT wanted), those that have not proven the
+        # secret yet, and a count of changes to the set of fds to poll (connections and ``blocked``).
+        self.blocked: set[int] = set()
+        self._unproven: set[int] = set()
+        self.version = 0
 
     def fds(self) -> list[int]:
         return [self.listener.fileno(), *self.connections]
 
     def writable_fds(self) -> list[int]:
         """Connections with replies waiting for room in the socket."""
-        return [fd for fd, conn in self.connections.items() if conn.outbox]
+        return sorted(self.blocked)
+
+    def _flushed(self, fd: int, conn: Connection) -> None:
+        """Note whether ``conn`` still has replies queued (its fd polled for POLLOUT) after a flush."""
+        if bool(conn.outbox) != (fd in self.blocked):
+            (self.blocked.add if conn.outbox else self.blocked.discard)(fd)
+            self.version += 1
 
     def serial(self, fd: int) -> int:
         return self.connections[fd].serial
@@ -532,6 +590,7 @@ class UnixServer:
             return False
         if chunk and check_unix_proof(self.secret, conn.nonce, conn.proof):
             conn.nonce = b""
+            self._unproven.discard(fd)
             try:
                 conn.sock.send(ACCEPTED)  # tells the client at connect time, not by a later silent hang-up
             except OSError:
@@ -547,7 +606,7 @@ class UnixServer:
 
     def drop_unproven(self, now: float) -> None:
         """Drop connections that have not answered the challenge within the handshake timeout."""
-        late = [fd for fd, c in self.connections.items() if c.nonce and now - c.accepted_at > HANDSHAKE_TIMEOUT]
+        late = [fd for fd in self._unproven if now - self.connections[fd].accepted_at > HANDSHAKE_TIMEOUT]
         for fd in late:
             self.unauthenticated += 1
             self.drop(fd)
@@ -559,6 +618,8 @@ class UnixServer:
                 conn.flush()
             except OSError:
                 self.drop(fd)
+                return
+            self._flushed(fd, conn)
 
     def _accept(self) -> None:
         while True:
@@ -576,6 +637,9 @@ class UnixServer:
                     sock.close()
                     continue
             self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce, self.pool)
+            if nonce:
+                self._unproven.add(sock.fileno())
+            self.version += 1
 
     def reply(self, fd: int, frames: Sequence[Any]) -> bool:
         """Queue a reply on connection ``fd`` and write what the socket takes now; False (and the connection
@@ -592,17 +656,18 @@ class UnixServer:
         conn.outbox.append(FrameWriter(frames) if writer is None else writer)
         try:
             conn.flush()
-            return True
         except OSError:
             self.drop(fd)
             return False
+        self._flushed(fd, conn)
+        return True
 
     def drop_stalled(self, now: float) -> list[int]:
         """Drop connections whose queued reply has not moved for ``send_timeout`` seconds; returns their fds."""
         stalled = [
             fd
-            for fd, conn in self.connections.items()
-            if conn.stalled_since is not None and now - conn.stalled_since > self.send_timeout
+            for fd in self.blocked
+            if (since := self.connections[fd].stalled_since) is not None and now - since > self.send_timeout
         ]
         for fd in stalled:
             self.drop(fd)
@@ -611,6 +676,9 @@ class UnixServer:
     def drop(self, fd: int) -> None:
         conn = self.connections.pop(fd, None)
         if conn is not None:
+            self.blocked.discard(fd)
+            self._unproven.discard(fd)
+            self.version += 1
             conn.sock.close()
             for writer in conn.outbox:
                 writer.close()

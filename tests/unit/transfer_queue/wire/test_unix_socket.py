@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -243,3 +244,75 @@ def test_a_server_that_dies_after_the_proof_before_its_answer_is_gone_not_an_aut
     connect_to_a_dying_server(
         tmp_path, challenge, r"closed the connection before answering the proof \(the server is gone\)"
     )
+
+
+class CountingSocket:
+    """A socket whose reads are counted (``socket.socket`` takes no instance attributes to patch)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.reads = 0
+
+    def recv(self, n: int) -> bytes:
+        self.reads += 1
+        return self.sock.recv(n)
+
+    def recv_into(self, buffer: memoryview) -> int:
+        self.reads += 1
+        return self.sock.recv_into(buffer)
+
+
+def test_a_small_message_costs_one_read_and_a_large_frame_skips_the_stage():
+    from transfer_queue.wire.unix_socket import DIRECT_BYTES, STAGE_BYTES
+
+    a, b = pair()
+    counted = CountingSocket(b)
+    reader = FrameReader()
+    send_all(a, [b"envelope", b"body" * 40], 5)
+    (message,), closed = reader.read(counted)  # type: ignore[arg-type]
+    assert [bytes(f) for f in message] == [b"envelope", b"body" * 40] and not closed
+    assert counted.reads == 1  # header, envelope and body in one recv; no read that finds the socket empty
+    # two messages that arrived together are both parsed out of the one read
+    send_all(a, [b"one"], 5)
+    send_all(a, [b"two"], 5)
+    counted.reads = 0
+    got, _ = reader.read(counted)  # type: ignore[arg-type]
+    assert [[bytes(f) for f in m] for m in got] == [[b"one"], [b"two"]] and counted.reads == 1
+    # a large frame: what the first read staged is copied, the rest lands in the frame's array itself
+    payload = np.arange(4 * STAGE_BYTES, dtype=np.uint8)
+    target = np.zeros(payload.nbytes, dtype=np.uint8)
+    reader = FrameReader({1: target})
+    threading.Thread(target=send_all, args=(a, [b"h", payload], 5)).start()
+    (message,) = read_all(b, reader)
+    assert message[1] is target and np.array_equal(target, payload)
+    assert payload.nbytes - STAGE_BYTES >= DIRECT_BYTES
+
+
+def test_a_queued_reply_is_polled_for_room_until_it_is_written():
+    """The server keeps the connections with replies queued as they change (no scan of every connection per
+    wake-up): POLLOUT is wanted while a reply waits for room, and no longer once the peer took it."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "s.sock")
+    server = UnixServer(path)
+    client = connect(path)
+    server.on_ready(server.listener.fileno())
+    (fd,) = server.connections
+    version = server.version
+    big = np.zeros(8 << 20, dtype=np.uint8)  # far more than the socket buffer holds
+    assert server.reply(fd, [b"h", big])
+    assert server.writable_fds() == [fd] and server.version > version
+    reader, got = FrameReader(), []
+    import select
+
+    while not got:
+        readable, writable, _ = select.select([client], server.writable_fds(), [], 5)
+        for w in writable:
+            server.on_writable(w)
+        if readable:
+            got, _ = reader.read(client)
+    assert got[0][1].nbytes == big.nbytes
+    assert server.writable_fds() == [] and server.blocked == set()
+    assert server.drop_stalled(time.monotonic() + 3600) == []  # nothing queued: nothing to call stalled
+    client.close()
+    server.close()
