@@ -6,9 +6,10 @@ host therefore talk to it over a Unix socket, with the same frames as on the wir
 *buffers]``).
 
 Framing: ``u32 frame count``, then one ``u64`` length per frame, then the frames back to back. Writes hand the
-frames to ``sendmsg`` as they are (tensor memory included: no copy in user space); reads fill one buffer
-per frame (a numpy uint8 array) with ``recv_into``, so a received tensor frame is writable memory that tensors
-can be built over without a copy.
+frames to ``sendmsg`` as they are (tensor memory included: no copy in user space); a read takes what the
+socket has (up to ``STAGE_BYTES``) and parses every message in it, each frame into a buffer of its own (a numpy
+uint8 array); a large frame's remainder is received straight into that buffer with ``recv_into``, so a received
+tensor frame is writable memory that tensors can be built over without another copy.
 Limits on frame count and sizes are checked before anything is allocated; a peer that breaks them is dropped.
 
 With shared memory (:mod:`transfer_queue.wire.shm`) the count word's high bits carry flags (``SHM_OK``, ``TABLE``,
