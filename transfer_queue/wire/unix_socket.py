@@ -522,10 +522,11 @@ class UnixServer:
         self._closed: list[int] = []
         # Kept as they change, so the serving loop's work per wake-up follows what happened, not how many peers
         # are connected: the connections with replies queued (POLLOUT wanted), those that have not proven the
-        # secret yet, and a count of changes to the set of fds to poll (connections and ``blocked``).
+        # secret yet, and what to poll for on each fd whose wish changed since the owner last took ``changes``
+        # (``select.EPOLLIN``, with ``EPOLLOUT`` while a reply waits for room; 0: closed, poll it no more).
         self.blocked: set[int] = set()
         self._unproven: set[int] = set()
-        self.version = 0
+        self.changes: dict[int, int] = {self.listener.fileno(): select.EPOLLIN}
 
     def fds(self) -> list[int]:
         return [self.listener.fileno(), *self.connections]
@@ -538,7 +539,7 @@ class UnixServer:
         """Note whether ``conn`` still has replies queued (its fd polled for POLLOUT) after a flush."""
         if bool(conn.outbox) != (fd in self.blocked):
             (self.blocked.add if conn.outbox else self.blocked.discard)(fd)
-            self.version += 1
+            self.changes[fd] = select.EPOLLIN | (select.EPOLLOUT if conn.outbox else 0)
 
     def serial(self, fd: int) -> int:
         return self.connections[fd].serial
@@ -640,7 +641,7 @@ class UnixServer:
             self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce, self.pool)
             if nonce:
                 self._unproven.add(sock.fileno())
-            self.version += 1
+            self.changes[sock.fileno()] = select.EPOLLIN
 
     def reply(self, fd: int, frames: Sequence[Any]) -> bool:
         """Queue a reply on connection ``fd`` and write what the socket takes now; False (and the connection
@@ -679,7 +680,7 @@ class UnixServer:
         if conn is not None:
             self.blocked.discard(fd)
             self._unproven.discard(fd)
-            self.version += 1
+            self.changes[fd] = 0
             conn.sock.close()
             for writer in conn.outbox:
                 writer.close()

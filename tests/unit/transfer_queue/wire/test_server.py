@@ -170,6 +170,32 @@ def test_a_reader_that_never_reads_delays_no_other_client(server: Probe) -> None
     stuck.close()
 
 
+def test_connections_closed_and_opened_again_on_reused_fds_are_all_served(server: Probe) -> None:
+    """The Unix connections sit in an epoll set updated as they come and go: a connection closed and a new one that
+    gets the same fd number on the server, between two wake-ups or across them, is served; a closed one leaves the
+    set."""
+    assert server.endpoint.unix is not None
+    path = server.endpoint.unix
+    polled = len(server.sockets.poller.sockets)
+    socks = [connect(path) for _ in range(40)]
+    for sock in socks:
+        header, _ = call_unix(path, p.StorageStats(), sock)
+        assert header.error_type is None
+    assert len(server.sockets.poller.sockets) == polled  # zmq_poll's set does not grow with the connections
+    for sock in socks[::2]:
+        sock.close()
+    wait_for(lambda: len(server.gone) == 20)
+    fresh = [connect(path) for _ in range(20)]  # the server's fds of the closed ones are reused
+    for sock in socks[1::2] + fresh:
+        header, _ = call_unix(path, p.StorageStats(), sock)
+        assert header.error_type is None
+    assert server.sockets.unix is not None
+    wait_for(lambda: len(server.sockets._fds) == len(server.sockets.unix.connections) + 1 == 41)  # and the listener
+    for sock in socks[1::2] + fresh:
+        sock.close()
+    wait_for(lambda: len(server.sockets._fds) == 1)
+
+
 # ---- authentication ------------------------------------------------------------------------------------------------
 SECRET = b"k" * 32
 
