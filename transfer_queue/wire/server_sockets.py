@@ -183,7 +183,7 @@ class ServerSockets:
         """Wait up to ``timeout_ms`` for any socket; returns ``{socket or fd: ZeroMQ poll flags}``. The Unix
         connections sit in an epoll set, itself one fd among the ZeroMQ sockets, so a wake-up costs the same with 10
         connections or 10,000 (a ``zmq_poll`` over every fd would cost each of them, every time)."""
-        if self.unix is not None and self.unix.changes:
+        if self.unix is not None:
             self._apply_unix_changes()
         events = dict(self.poller.poll(timeout_ms))
         if self._epoll is not None and events.pop(self._epoll.fileno(), 0):
@@ -193,8 +193,7 @@ class ServerSockets:
 
     def _apply_unix_changes(self) -> None:
         assert self.unix is not None and self._epoll is not None
-        changes, self.unix.changes = self.unix.changes, {}
-        for fd, mask in changes.items():
+        for fd, mask in self.unix.take_changes().items():
             if not mask:  # closed: the kernel already took a closed fd out of the set
                 if self._fds.pop(fd, None) is not None:
                     with contextlib.suppress(OSError):

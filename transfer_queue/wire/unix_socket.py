@@ -27,6 +27,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -526,7 +527,26 @@ class UnixServer:
         # (``select.EPOLLIN``, with ``EPOLLOUT`` while a reply waits for room; 0: closed, poll it no more).
         self.blocked: set[int] = set()
         self._unproven: set[int] = set()
-        self.changes: dict[int, int] = {self.listener.fileno(): select.EPOLLIN}
+        self._changes: dict[int, int] = {self.listener.fileno(): select.EPOLLIN}
+        # ``changes`` is taken by the serving loop before it polls, outside the server's lock, while a reply sent
+        # from another thread (under that lock) may add to it: this lock keeps such a change from being lost
+        self._changes_lock = threading.Lock()
+
+    @property
+    def changes(self) -> dict[int, int]:
+        """What to poll for on each fd whose wish changed since :meth:`take_changes` (a copy)."""
+        with self._changes_lock:
+            return dict(self._changes)
+
+    def take_changes(self) -> dict[int, int]:
+        """The fds whose poll wish changed since the last call, with what to poll for now (0: closed)."""
+        with self._changes_lock:
+            changes, self._changes = self._changes, {}
+        return changes
+
+    def _wish(self, fd: int, mask: int) -> None:
+        with self._changes_lock:
+            self._changes[fd] = mask
 
     def fds(self) -> list[int]:
         return [self.listener.fileno(), *self.connections]
@@ -539,7 +559,7 @@ class UnixServer:
         """Note whether ``conn`` still has replies queued (its fd polled for POLLOUT) after a flush."""
         if bool(conn.outbox) != (fd in self.blocked):
             (self.blocked.add if conn.outbox else self.blocked.discard)(fd)
-            self.changes[fd] = select.EPOLLIN | (select.EPOLLOUT if conn.outbox else 0)
+            self._wish(fd, select.EPOLLIN | (select.EPOLLOUT if conn.outbox else 0))
 
     def serial(self, fd: int) -> int:
         return self.connections[fd].serial
@@ -641,7 +661,7 @@ class UnixServer:
             self.connections[sock.fileno()] = Connection(sock, next(self._serials), nonce, self.pool)
             if nonce:
                 self._unproven.add(sock.fileno())
-            self.changes[sock.fileno()] = select.EPOLLIN
+            self._wish(sock.fileno(), select.EPOLLIN)
 
     def reply(self, fd: int, frames: Sequence[Any]) -> bool:
         """Queue a reply on connection ``fd`` and write what the socket takes now; False (and the connection
@@ -680,7 +700,7 @@ class UnixServer:
         if conn is not None:
             self.blocked.discard(fd)
             self._unproven.discard(fd)
-            self.changes[fd] = 0
+            self._wish(fd, 0)
             conn.sock.close()
             for writer in conn.outbox:
                 writer.close()
