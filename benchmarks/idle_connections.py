@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import select
+import shutil
 import socket
 import statistics
 import sys
@@ -120,7 +121,8 @@ def _client(source: str, idle: int, calls: int, reps: int, conn: Any) -> None:
 
 def _raw_round(calls: int) -> float:
     ctx = mp.get_context("spawn")
-    path = os.path.join(tempfile.mkdtemp(prefix="tq-idle-"), "raw.sock")
+    folder = tempfile.mkdtemp(prefix="tq-idle-")
+    path = os.path.join(folder, "raw.sock")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_raw_server, args=(path, child), daemon=True)
     proc.start()
@@ -137,6 +139,7 @@ def _raw_round(calls: int) -> float:
     rtt = (time.perf_counter() - t0) / calls * 1e6
     sock.close()
     proc.join(10)
+    shutil.rmtree(folder, ignore_errors=True)
     return rtt
 
 

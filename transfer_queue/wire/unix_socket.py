@@ -523,7 +523,7 @@ class UnixServer:
         self._closed: list[int] = []
         # Kept as they change, so the serving loop's work per wake-up follows what happened, not how many peers
         # are connected: the connections with replies queued (POLLOUT wanted), those that have not proven the
-        # secret yet, and what to poll for on each fd whose wish changed since the owner last took ``changes``
+        # secret yet, and what to poll for on each fd whose wish changed since the owner last took them
         # (``select.EPOLLIN``, with ``EPOLLOUT`` while a reply waits for room; 0: closed, poll it no more).
         self.blocked: set[int] = set()
         self._unproven: set[int] = set()
@@ -531,12 +531,6 @@ class UnixServer:
         # ``changes`` is taken by the serving loop before it polls, outside the server's lock, while a reply sent
         # from another thread (under that lock) may add to it: this lock keeps such a change from being lost
         self._changes_lock = threading.Lock()
-
-    @property
-    def changes(self) -> dict[int, int]:
-        """What to poll for on each fd whose wish changed since :meth:`take_changes` (a copy)."""
-        with self._changes_lock:
-            return dict(self._changes)
 
     def take_changes(self) -> dict[int, int]:
         """The fds whose poll wish changed since the last call, with what to poll for now (0: closed)."""
