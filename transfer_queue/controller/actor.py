@@ -339,7 +339,9 @@ class ControllerActor:
         """Clients ``owners`` (``TransferQueueClient.owner``) died for good: the rows they hold leased are ready again
         within a serving pass, not after ``disconnect_grace`` (nor, for a lease restored from the journal, whose owner
         never connected to this controller, at the lease's deadline). A supervisor that saw a worker's death says
-        so (orchestration/supervisor.py); an owner that speaks again keeps what it holds by then."""
+        so (orchestration/supervisor.py); an owner that speaks again keeps what it holds by then. The automatic DP
+        round counters a replayed journal kept for their connections go too: a client not seen before begins at the
+        smallest counter of the clients left (``DPRounds.owners_gone``)."""
         with self._server.lock:
             self._server.state.clients_gone(list(owners))
 

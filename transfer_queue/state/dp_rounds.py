@@ -10,13 +10,14 @@ automatic round numbers of calls that name no ``dp_group_id``: the k-th call of 
 else per connection) joins round ``auto-k``, so the TP peers of one rank meet in the same
 round. A journaled controller keeps the counters (:meth:`DPRounds.journaled`), each connection's with its client
 (owner): after a restart a new connection of that client goes on where one of its old connections stopped (the one
-furthest behind first, so no TP peer skips a round), a client not seen before starts at its rank's smallest counter,
+furthest behind first, so no TP peer skips a round), a client not seen before starts at its rank's smallest counter
+(of the clients not said gone for good: :meth:`DPRounds.owners_gone`),
 and a call asked again (the same owner and call id, after ServerGone) is numbered as it was the first time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +147,31 @@ class DPRounds:
             self.auto_rounds.pop(counter, None)
             self._last_call.pop(counter, None)
             self._owner_of.pop(counter, None)
+            self.changed = True
+
+    def owners_gone(self, owners: Collection[str]) -> None:
+        """Clients ``owners`` died for good (their supervisor says so: ``QueueState.clients_gone``): the counters a
+        replayed journal kept for their old connections go, and where a client not seen before begins follows from
+        the clients left: the smallest next number of the rank's other old connections and live connections, else
+        (none left) the largest the gone ones had, past every round their rank was served. Before, a dead client's
+        counter, behind its peers', kept new clients starting at a round the rank's peers had left behind (TP peers
+        out of step). An owner that speaks again later is a client not seen before."""
+        gone = set(owners)
+        ranks: dict[tuple[PartitionKey, str, int], int] = {}  # each rank whose old connections went: their largest
+        for slot in [s for s in self._left if s[3] in gone]:
+            rank = slot[:3]
+            ranks[rank] = max(ranks.get(rank, 0), *self._left.pop(slot))
+        for call in [c for c in self._replayed_calls if c[3] in gone]:
+            del self._replayed_calls[call]
+            self.changed = True
+        for rank, furthest in ranks.items():
+            left = [n for slot, numbers in self._left.items() if slot[:3] == rank for n in numbers]
+            live = [
+                number
+                for counter, number in self.auto_rounds.items()
+                if counter[:3] == rank and not _journaled_caller(counter[3]) and self._owner_of.get(counter) not in gone
+            ]
+            self._base[rank] = min(left + live, default=furthest)
             self.changed = True
 
     def drop_partition(self, key: PartitionKey, task_name: str | None = None) -> None:

@@ -228,6 +228,7 @@ class QueueState:
         now = self.clock()
         for owner in owners:
             self.leases.orphaned[owner] = now
+        self.rounds.owners_gone(owners)  # their replayed DP round counters no longer steer new clients
         self._wake(now)
 
     def _wake(self, deadline: float) -> None:

@@ -1163,6 +1163,43 @@ def test_after_a_restart_a_tp_peer_gets_the_share_of_the_round_its_peer_opened(t
     journal.close()
 
 
+def test_after_a_restart_a_client_gone_for_good_no_longer_decides_where_a_new_tp_peer_begins(tmp_path: Path) -> None:
+    """TP peers A and B of dp_rank 0: both fetched auto-0 and auto-1, A went on to auto-3, and the controller died;
+    B died while it was down. A goes on at auto-4. Once the supervisor says B is gone (``clients_gone``), B's
+    replacement C (a client not seen before) joins A at auto-5, and the journal keeps that (before: C began at B's
+    stale counter, auto-2, a round A had left behind, and was served rows A was trained on alone)."""
+    config, state, journal, q = journaled(tmp_path)
+    q.put("p", 8)
+
+    def share(owner: str, call_id: int, peer: object) -> Any:
+        reply = q.send(p.GetMeta("p", ["x"], 1, "t", {"dp_size": 2, "dp_rank": 0}, owner=owner, call_id=call_id), peer)
+        assert reply.done
+        return reply.result().to_meta()
+
+    conn_a, conn_b = object(), object()
+    for call_id in (1, 2):
+        share("A", call_id, conn_a), share("B", call_id, conn_b)
+    for call_id in (3, 4):
+        share("A", call_id, conn_a)
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)
+    q = QueueHarness(state)
+    conn_a = object()
+    assert share("A", 5, conn_a).extra["dp_group_id"] == "auto-4"
+    state.clients_gone(["B"])
+    a_next = share("A", 6, conn_a)
+    c_first = share("C", 1, object())
+    assert a_next.extra["dp_group_id"] == c_first.extra["dp_group_id"] == "auto-5"
+    assert a_next.global_indexes.tolist() == c_first.global_indexes.tolist()  # TP peers: the same share
+    journal.record(state, None)
+    journal.close()
+    state, journal, _ = open_journal(config)  # a second restart
+    q = QueueHarness(state)
+    assert share("D", 1, object()).extra["dp_group_id"] == "auto-6"  # from A's and C's counters, B's nowhere
+    journal.close()
+
+
 def test_a_client_whose_get_meta_reply_died_with_the_controller_asks_again_and_gets_the_same_rows(
     tmp_path: Path,
 ) -> None:

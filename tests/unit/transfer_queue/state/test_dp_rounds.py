@@ -147,6 +147,50 @@ def test_after_a_replay_a_call_asked_again_keeps_its_round_and_a_new_client_star
     assert rounds.number("s", "train", 0, "conn-B", ("B", 4))[0] == "auto-3"
 
 
+def test_after_a_replay_a_client_gone_for_good_no_longer_decides_where_a_new_client_begins():
+    """A took auto-0..4 and B auto-0..2, then the controller restarted; B died while it was down. Once B's
+    supervisor says so (``owners_gone``), a client not seen before (B's replacement, a TP peer of A) begins at A's
+    next round, not at B's stale one (before: auto-3, a round A had left behind), and B's kept call is forgotten.
+    With every old client of the rank gone, a new one begins past every round they were served."""
+    rounds = DPRounds()
+    for owner, calls in (("A", 5), ("B", 3)):
+        for call_id in range(1, calls + 1):
+            rounds.number("s", "train", 0, f"conn-{owner}", (owner, call_id))
+    rounds = replayed(rounds)
+    assert rounds.number("s", "train", 0, "new-A", ("A", 6))[0] == "auto-5"  # A goes on
+    rounds.owners_gone(["B"])
+    assert rounds.changed
+    assert all(entry[5] != "B" for entry in rounds.journaled())
+    assert rounds.number("s", "train", 0, "conn-C", ("C", 1))[0] == "auto-6"  # with A: its next round
+    assert rounds.number("s", "train", 0, "new-B", ("B", 3))[0] == "auto-6"  # B's call is not known any more
+    # every old client of the rank gone, none connected since: past the rounds they took
+    rounds = DPRounds()
+    for owner, calls in (("A", 5), ("B", 3)):
+        for call_id in range(1, calls + 1):
+            rounds.number("s", "train", 0, f"conn-{owner}", (owner, call_id))
+    rounds = replayed(rounds)
+    rounds.owners_gone(["A", "B"])
+    assert rounds.number("s", "train", 0, "conn-C", ("C", 1))[0] == "auto-5"
+    # and the base survives a second restart (journaled)
+    rounds = DPRounds()
+    rounds.restore([["s", "train", 0, None, 5, "A", 0], ["s", "train", 0, None, 3, "B", 0]], live={"s"})
+    rounds.owners_gone(["B"])
+    assert replayed(rounds).number("s", "train", 0, "conn-C", ("C", 1))[0] == "auto-5"
+
+
+def test_a_client_gone_that_a_replay_kept_nothing_of_changes_nothing():
+    """Without a replay (or for owners it kept nothing of) ``owners_gone`` leaves the counters as they are: live
+    connections' counters go with their connections (``drop_caller``)."""
+    rounds = DPRounds()
+    for call_id in range(1, 4):
+        rounds.number("s", "train", 0, "c1", ("A", call_id))
+    rounds.changed = False
+    rounds.owners_gone(["A", "Z"])
+    assert not rounds.changed
+    assert rounds.number("s", "train", 0, "c1", ("A", 4))[0] == "auto-3"
+    assert rounds.number("s", "train", 0, "c2", ("C", 1))[0] == "auto-0"
+
+
 def threads_a_round_apart() -> DPRounds:
     """Two threads of one client "O" (connections t1, t2) of dp_rank 0: both took auto-0..2, t1 then auto-3 (call
     7)."""
