@@ -106,7 +106,7 @@ from workers.api_key import key_from_env
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
 from workers.reward import RewardWorker
-from workers.rollout import RolloutWorker
+from workers.rollout import RolloutWorker, start_engine
 
 if TYPE_CHECKING:
     from workers.engines.manager import InferenceManager
@@ -250,6 +250,7 @@ class GRPORun:
         self.channel: WeightChannel | None = None
         self.client: Any = None
         self.rollout: list[Any] = []
+        self.engines: list[Any] = []  # the rollout workers' EngineActors (start_workers), the driver's
         self.reward: list[Any] = []
         self.trainer: list[Any] = []
         self.sinks: Any = None
@@ -391,6 +392,12 @@ class GRPORun:
             ]  # fmt: skip
             return workers, []
         engine_options = {"num_gpus": 1} if cfg.rollout.engine_device.startswith("cuda") else {}
+        # the engines are the driver's, not the workers': a rollout worker killed mid-generation leaves its engine
+        # going on with the call, and the call made again after the worker's restart resumes what it generated
+        self.engines = [
+            start_engine(self.worker_spec(spec, i), engine_options, cfg.seed + i)
+            for i in range(cfg.rollout.num_workers)
+        ]
         rollout = [
             actor_class(RolloutWorker)
             .options(**self.worker_options())
@@ -406,6 +413,7 @@ class GRPORun:
                 cfg.seed + i,
                 cfg.rollout.checkpoint_inflight,
                 cfg.max_staleness,
+                self.engines[i],
             )
             for i in range(cfg.rollout.num_workers)
         ]
@@ -1012,12 +1020,13 @@ class GRPORun:
         rollout, sinks, actors, client, channel, inference = (
             self.rollout,
             self.sinks,
-            [*self.rollout, *self.reward, *self.trainer],
+            [*self.rollout, *self.engines, *self.reward, *self.trainer],
             self.client,
             self.channel,
             self.inference,
         )
         self.sinks, self.rollout, self.reward, self.trainer, self.client, self.channel = None, [], [], [], None, None
+        self.engines = []
         self.inference = None
         holder, self.gpu_holder = self.gpu_holder, None
         try:

@@ -15,6 +15,7 @@ step, so none outlives its step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,12 +69,62 @@ def fresh_enough(partial: Partial, train_version: int | None, max_staleness: int
 @dataclass(frozen=True)
 class InflightCall:
     """What a generation needs to checkpoint its rows as it goes: the queue, the step's partition, one key per row
-    (``n`` rows per prompt, in order) and the partials to resume from (None where a row starts from its prompt)."""
+    (``n`` rows per prompt, in order) and the partials to resume from (None where a row starts from its prompt);
+    ``train_version`` and ``max_staleness``: what :func:`fresh_enough` checks a partial against (the engine's own
+    newer partials, :class:`WrittenPartials`)."""
 
     controller_info: Any
     partition: str
     keys: list[str]
     resume: list[Partial | None]
+    train_version: int | None = None
+    max_staleness: int = 0
+
+
+class WrittenPartials:
+    """The partials an engine checkpointed lately, by (partition, key), with each row's prompt: the newest
+    ``capacity`` rows (the oldest forgotten first).
+
+    An engine that outlives its caller (a rollout worker SIGKILLed mid-generation: the engine is the run's actor,
+    not the worker's) goes on with the dead call and checkpoints every chunk of it. The call made again (after the
+    worker's restart) read the queue's checkpoints before it reached the engine, which was still busy with the dead
+    call: :meth:`newer` hands it what the engine wrote since, so nothing the dead call generated is generated
+    again."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._rows: dict[tuple[str, str], tuple[tuple[int, ...], Partial]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def write(self, partition: str, key: str, prompt: Sequence[int], partial: Partial) -> None:
+        row = (partition, key)
+        self._rows.pop(row, None)  # the newest last
+        self._rows[row] = (tuple(prompt), partial)
+        while len(self._rows) > self.capacity:
+            del self._rows[next(iter(self._rows))]
+
+    def newer(self, call: InflightCall, prompts: Sequence[Sequence[int]]) -> tuple[InflightCall, int]:
+        """``call`` resuming each row (``prompts``: one per row) from the partial written here for it where that one
+        goes on from what ``call`` resumes (has its tokens, and more), was written for the same prompt, and is
+        fresh enough for the step (:func:`fresh_enough`: a row whose queue partial the caller found too stale stays
+        None); returns it and the tokens it gained."""
+        resume, gained = list(call.resume), 0
+        for i, (key, given, prompt) in enumerate(zip(call.keys, call.resume, prompts, strict=True)):
+            found = self._rows.get((call.partition, key))
+            if found is None or found[0] != tuple(prompt):
+                continue
+            partial, have = found[1], [] if given is None else given.token_ids
+            if len(partial.token_ids) <= len(have) or partial.token_ids[: len(have)] != have:
+                continue
+            if not fresh_enough(partial, call.train_version, call.max_staleness):
+                continue
+            resume[i] = partial
+            gained += len(partial.token_ids) - len(have)
+        if not gained:
+            return call, 0
+        return dataclasses.replace(call, resume=resume), gained
 
 
 class InflightCheckpoints:

@@ -12,7 +12,11 @@ it is generated again, counted in ``stale_partials``). The checkpoints of a batc
 written.
 
 The engine lives in its own actor. If it dies mid-call, the worker hands the rows back to the queue (``release``),
-starts a new engine with the latest weights, and carries on: no prompt is lost. Restarts and weight updates go
+starts a new engine with the latest weights, and carries on: no prompt is lost. The run starts each worker's engine
+itself (``engine``, :func:`start_engine`), so the engine outlives a worker killed mid-generation: it goes on with the
+dead call (checkpointing its chunks), and the call made again after Ray restarted the worker reaches the same engine,
+waits for the dead call and resumes from everything it generated (workers/engines/host.py); a worker given no engine
+starts its own, which dies with it. Restarts and weight updates go
 through one :class:`EngineSlot`, so a weight update that arrives while an engine restarts lands in the new engine:
 a restarted engine never serves older weights than the last published version.
 """
@@ -55,6 +59,16 @@ ENGINE_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 WeightsUpdate = tuple[int, Any, str | None]  # (version, weights, path), as EngineActor.update_weights takes them
+
+
+def start_engine(spec: EngineSpec, options: dict[str, Any] | None, seed: int) -> Any:
+    """A rollout worker's EngineActor with Ray ``options`` (e.g. ``num_gpus``): a partial-rollout engine takes a
+    weight update while it generates (``max_concurrency`` 2). Owned by its caller: made by the run's driver, it
+    outlives the worker it serves."""
+    options = dict(options or {})
+    if spec.partial_rollout:  # update_weights must reach the engine while it generates
+        options.setdefault("max_concurrency", 2)
+    return actor_class(EngineActor).options(**options).remote(spec, seed)
 
 
 class EngineSlot:
@@ -123,6 +137,9 @@ class RolloutWorker:
         checkpoint_inflight: write partial responses into the queue chunk by chunk and resume from them (needs
             ``engine_spec.partial_rollout``).
         max_staleness: the versions a resumed partial's oldest token may lag the policy that trains its step.
+        engine: the EngineActor the run started for this worker (:func:`start_engine` from the driver: it outlives
+            the worker, and a restarted worker takes it again); None: the worker starts its own. A replacement for
+            a dead engine is the worker's own.
     """
 
     def __init__(
@@ -138,6 +155,7 @@ class RolloutWorker:
         seed: int = 0,
         checkpoint_inflight: bool = False,
         max_staleness: int = 0,
+        engine: Any = None,
     ):
         if checkpoint_inflight and not engine_spec.partial_rollout:
             raise ValueError(
@@ -156,16 +174,20 @@ class RolloutWorker:
         self.batch_rows = groups_per_request * n_samples
         self.timeout = timeout
         self.engine_options = dict(engine_options or {})
-        if engine_spec.partial_rollout:  # update_weights must reach the engine while it generates
-            self.engine_options.setdefault("max_concurrency", 2)
         self.seed = seed
         self.gate = RequestGate()  # each step's generations pass it (drain_requests holds them: colocated servers)
         # each batch from its generation to its write (finish_writes: a trainer-group restart keeps them)
         self.in_flight = BatchesInFlight()
-        self._retry_seen: tuple[Any, int] = (None, 0)  # (engine, its resumed_tokens_on_retry when last read)
+        # (engine, its resumed_tokens_on_retry when last read): the run's engine may have counted some before this
+        # worker (its previous process) began, which that process reported; asked now, read at the first look
+        self._retry_seen: tuple[Any, Any] = (None, 0)
+        if engine is not None and checkpoint_inflight:
+            self._retry_seen = (engine, engine.resumed_tokens_on_retry.remote())
         self.slot = EngineSlot(
             lambda restarts: (
-                actor_class(EngineActor).options(**self.engine_options).remote(self.spec, self.seed + 1000 * restarts)
+                engine
+                if restarts == 0 and engine is not None
+                else start_engine(self.spec, self.engine_options, self.seed + 1000 * restarts)
             ),
             lambda engine, update: ray.get(engine.update_weights.remote(*update)),
             ENGINE_FAILURES,
@@ -317,14 +339,20 @@ class RolloutWorker:
         return {**stats, **clock.stats(), "ended_at": time.time()}
 
     def _resumed_on_retry(self) -> float:
-        """Tokens the engine took from its own in-flight checkpoints since the last look, when a generation was asked
-        again after its server died (``EngineActor.resumed_tokens_on_retry``); 0 if it cannot say (dead)."""
+        """Tokens the engine took from partials it had checkpointed itself since the last look: a generation asked
+        again after its server died, or the dead call of this worker's previous process that the engine went on with
+        (``EngineActor.resumed_tokens_on_retry``); 0 if it cannot say (dead)."""
         engine = self.engine
         try:
             now = int(ray.get(engine.resumed_tokens_on_retry.remote(), timeout=30))
         except (ray.exceptions.RayError, TimeoutError):
             return 0.0
         seen = self._retry_seen[1] if self._retry_seen[0] is engine else 0  # a new engine counts from 0
+        if isinstance(seen, ray.ObjectRef):  # the run's engine's count when this worker began
+            try:
+                seen = int(ray.get(seen, timeout=30))
+            except (ray.exceptions.RayError, TimeoutError):
+                seen = 0
         self._retry_seen = (engine, now)
         return float(max(0, now - seen))
 
@@ -350,7 +378,9 @@ class RolloutWorker:
                 stats["stale_partial_tokens"] += len(partial.token_ids)
                 partial = None
             resume.append(partial)
-        return InflightCall(self.client.controller_info, store.partition, keys, resume)
+        return InflightCall(
+            self.client.controller_info, store.partition, keys, resume, train_version, self.max_staleness
+        )
 
     def _responses(self, generations: list[list[Any]], version: int) -> dict[str, Any]:
         """The fields to write into the prompt rows (a plain dict: a put takes one, and it skips building a

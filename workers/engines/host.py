@@ -17,18 +17,17 @@ worker's rows stay leased by it meanwhile and get one generation, neither lost n
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
-from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial
+from rl_contracts.inflight import InflightCall, InflightCheckpoints, Partial, WrittenPartials
 from rl_contracts.task import load_task
 from rl_contracts.weight_channel import WeightChannel
 from transfer_queue.errors import TransferQueueError
@@ -126,9 +125,13 @@ class EngineActor:
             )
         self._inflight: tuple[Any, Any] | None = None  # (controller info, its queue client): in-flight checkpoints
         self.checkpoint_failures = 0  # in-flight checkpoints that could not be written (the generation went on)
-        self._chunks_written: dict[str, Partial] = {}  # this call's checkpointed partials, by key (a retry's resume)
-        # tokens generations asked again after their server died took from the chunks their failed try checkpointed
-        # (not generated again; the rollout worker adds them to its ``resumed_tokens``)
+        # Checkpointed generations run one at a time: a call made again after its rollout worker died waits for the
+        # dead call (this actor outlives the worker when the run made it) and goes on from what it wrote
+        self._checkpointed_calls = threading.Lock()
+        self._written = WrittenPartials()
+        # tokens checkpointed generations took from partials this actor wrote after their caller read the queue (not
+        # generated again; the rollout worker adds them to its ``resumed_tokens``): a try made again after the
+        # server died under the first, or a dead caller's generation this actor went on with
         self.resumed_on_retry = 0
 
     def _channel_update(self) -> tuple[int, Any, None] | None:
@@ -170,21 +173,27 @@ class EngineActor:
             EngineUnavailable: a server engine's server did not answer again within ``SERVER_BACK_S``.
         """
         self._calls += 1
-        resumed_before = getattr(self._engine, "resumed_tokens", None)
-        self._chunks_written = {}
-        asked = [inflight]
+        if inflight is None:
+            return self._server_retried(
+                lambda: self._generate(prompts, n, params, min_version, image_refs, None), "generating"
+            )
+        with self._checkpointed_calls:  # after a dead caller's generation: what it wrote since its caller read
+            rows = [list(prompt) for prompt in prompts for _ in range(n)]
+            inflight, gained = self._written.newer(inflight, rows)
+            self.resumed_on_retry += gained
+            resumed_before = getattr(self._engine, "resumed_tokens", None)
+            asked = [inflight]
 
-        def again() -> None:
-            if asked[0] is not None:  # resume from the chunks the failed try checkpointed, counted once
-                before = _partial_tokens(asked[0].resume)
-                asked[0] = self._checkpointed_since(asked[0])
-                self.resumed_on_retry += max(0, _partial_tokens(asked[0].resume) - before)
+            def again() -> None:  # resume from the chunks the failed try checkpointed, counted once
+                retried, gained = self._written.newer(asked[0], rows)
+                asked[0] = retried
+                self.resumed_on_retry += gained
                 if resumed_before is not None:
                     self._engine.resumed_tokens = resumed_before
 
-        return self._server_retried(
-            lambda: self._generate(prompts, n, params, min_version, image_refs, asked[0]), "generating", again
-        )
+            return self._server_retried(
+                lambda: self._generate(prompts, n, params, min_version, image_refs, asked[0]), "generating", again
+            )
 
     def _server_retried(self, call: Any, what: str, again: Any = None) -> Any:
         """``call()``, made again when it failed because the engine's server died under it (``EngineUnavailable``
@@ -228,14 +237,6 @@ class EngineActor:
         except EngineUnavailable:  # gone again between the two checks: wait for it once more
             return self._wait_for_server(deadline, cause)
 
-    def _checkpointed_since(self, inflight: InflightCall) -> InflightCall:
-        """``inflight`` resuming from the partials its failed try checkpointed (kept here as they were written, so
-        what the queue holds from before the call, e.g. a partial the rollout found too stale, is never taken)."""
-        written = self._chunks_written
-        return dataclasses.replace(
-            inflight, resume=[written.get(k, old) for k, old in zip(inflight.keys, inflight.resume, strict=True)]
-        )
-
     def _generate(
         self,
         prompts: list[list[int]],
@@ -277,7 +278,8 @@ class EngineActor:
         keys = inflight.keys
 
         def checkpoint(rows: list[int], partials: list[Partial]) -> None:
-            self._chunks_written.update((keys[i], partial) for i, partial in zip(rows, partials, strict=True))
+            for i, partial in zip(rows, partials, strict=True):
+                self._written.write(inflight.partition, keys[i], prompts[i // n], partial)
             try:
                 store.save([keys[i] for i in rows], partials)
             except TransferQueueError as exc:  # a checkpoint is best effort: the generation goes on without it
@@ -287,8 +289,9 @@ class EngineActor:
         return self._engine.generate(prompts, n, params, resume=inflight.resume, on_chunk=checkpoint)
 
     def resumed_tokens_on_retry(self) -> int:
-        """Tokens this actor's generations took, when asked again after their server died, from the chunks their
-        failed try had checkpointed (``rollout.checkpoint_inflight``), since it started."""
+        """Tokens this actor's checkpointed generations (``rollout.checkpoint_inflight``) took, since it started, from
+        partials it had written after their caller read the queue: chunks a failed try checkpointed before its server
+        died, and the chunks of a generation whose rollout worker died under it (this actor went on with it)."""
         return self.resumed_on_retry
 
     @ray.method(concurrency_group=WAIT_GROUP)
@@ -377,8 +380,3 @@ class EngineActor:
         import os
 
         return os.getpid()
-
-
-def _partial_tokens(partials: Sequence[Partial | None]) -> int:
-    """Tokens of the partial responses a generation resumes from."""
-    return sum(len(partial.token_ids) for partial in partials if partial is not None)

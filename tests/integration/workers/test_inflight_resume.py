@@ -20,7 +20,7 @@ from rl_contracts.inflight import InflightCheckpoints, Partial, inflight_partiti
 from rl_contracts.rows import float_rows_of, jagged, rows_of
 from workers.engines.base import SamplingParams
 from workers.engines.host import EngineSpec
-from workers.rollout import RolloutWorker
+from workers.rollout import RolloutWorker, start_engine
 from workers.tasks.addition import AdditionTask
 
 N, PROMPTS = 2, 4  # a step: PROMPTS groups of N rows
@@ -54,6 +54,25 @@ def responses(client, step: int, rows: int) -> list[tuple[int, list[int], list[f
     data = client.get_data(meta)
     return list(zip(meta.group_ids.tolist(), rows_of(data["response_ids"]), float_rows_of(data["response_logprobs"]),
                     rows_of(data["response_versions"]), strict=True))  # fmt: skip
+
+
+def kill_mid_generation(worker, controller, client, step: int) -> None:
+    """SIGKILL ``worker`` once its call of ``step`` checkpointed its first chunk, wait for Ray's restart of it, and
+    hand the rows it held back (as the run's supervisor does)."""
+    pid, owner = ray.get(worker.pid.remote()), ray.get(worker.queue_owner.remote())
+    call = worker.generate_step.remote(step, None, None, 0)
+    while not client.kv_list(inflight_partition(step)):  # the first chunk is checkpointed: mid-generation
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(call)
+    while True:
+        try:
+            if ray.get(worker.pid.remote()) != pid:
+                break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.1)
+    ray.get(controller.clients_gone.remote([owner]))
 
 
 def test_a_worker_resumes_fresh_partials_regenerates_stale_ones_and_clears_them(queue):
@@ -98,21 +117,8 @@ def test_a_worker_killed_mid_generation_resumes_from_its_checkpoints_after_its_r
         1, info, EngineSpec(partial_rollout=True, chunk_tokens=1), SamplingParams(max_new_tokens=20), N, PROMPTS,
         timeout=30.0, checkpoint_inflight=True, max_staleness=1,
     )  # fmt: skip
-    pid, owner = ray.get(worker.pid.remote()), ray.get(worker.queue_owner.remote())
     partition = inflight_partition(step)
-    call = worker.generate_step.remote(step, None, None, 0)
-    while not client.kv_list(partition):  # the first chunk is checkpointed: the worker is mid-generation
-        time.sleep(0.001)
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(call)
-    while True:  # Ray restarts the worker; its engine died with it
-        try:
-            if ray.get(worker.pid.remote()) != pid:
-                break
-        except ray.exceptions.RayActorError:
-            time.sleep(0.1)
-    ray.get(controller.clients_gone.remote([owner]))  # its rows come back now (as the run's supervisor does)
+    kill_mid_generation(worker, controller, client, step)  # its engine dies with it
     store = InflightCheckpoints(client, partition)
     keys = client.kv_list(partition)
     left = store.load(keys)
@@ -132,3 +138,36 @@ def test_a_worker_killed_mid_generation_resumes_from_its_checkpoints_after_its_r
     assert client.kv_list(partition) == []
     client.clear(global_step=step)
     ray.kill(worker)
+
+
+@pytest.mark.slow  # a real SIGKILL and Ray's restart of the worker: ~20 s
+def test_a_worker_killed_mid_generation_with_the_runs_engine_generates_nothing_again_after_its_restart(queue):
+    """As a run starts them: the engine is the driver's (``start_engine``), not the worker's. Killed mid-generation,
+    the worker leaves its engine going on with the dead call, checkpointing every chunk; after Ray restarted the
+    worker, its call of the step reaches the same engine, waits for the dead call, and resumes every response
+    whole: not one token is generated again (before: the engine died with the worker, and every token after the
+    last checkpoint the restarted worker read was generated again)."""
+    controller, info, client = queue
+    step = 2
+    put_prompts(client, step)
+    spec = EngineSpec(partial_rollout=True, chunk_tokens=1)
+    engine = start_engine(spec, None, 0)
+    worker = RolloutWorker.options(max_restarts=1).remote(
+        2, info, spec, SamplingParams(max_new_tokens=20), N, PROMPTS, timeout=30.0, checkpoint_inflight=True,
+        max_staleness=1, engine=engine,
+    )  # fmt: skip
+    engine_pid = ray.get(engine.pid.remote())
+    partition = inflight_partition(step)
+    kill_mid_generation(worker, controller, client, step)
+    assert ray.get(worker.engine_pid.remote()) == engine_pid  # the engine lived on
+
+    stats = ray.get(worker.generate_step.remote(step, None, None, 0))
+
+    assert stats["rows"] == PROMPTS * N and stats["stale_partials"] == 0
+    assert stats["tokens"] > 0 and stats["resumed_tokens"] == stats["tokens"]  # every token: the dead call's
+    rows = responses(client, step, PROMPTS * N)
+    assert all(len(ids) == len(versions) > 0 for _, ids, _, versions in rows)
+    assert client.kv_list(partition) == []
+    client.clear(global_step=step)
+    ray.kill(worker)
+    ray.kill(engine)

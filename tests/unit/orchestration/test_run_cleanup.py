@@ -73,7 +73,7 @@ def test_a_shutdown_that_fails_part_way_still_removes_the_channel(monkeypatch):
     run = GRPORun.__new__(GRPORun)  # a started run, its sinks failing to close
     channel = run.channel = WeightChannel.create()
     run.sinks = SimpleNamespace(close=_fail(OSError("the TensorBoard directory is gone")))
-    run.client, run.rollout, run.reward, run.trainer = None, [], [], []
+    run.client, run.rollout, run.engines, run.reward, run.trainer = None, [], [], [], []
     with pytest.raises(OSError, match="TensorBoard"):
         run.shutdown()
     assert not channel.path.exists()
@@ -91,7 +91,8 @@ def test_the_gpus_held_for_the_inference_servers_are_given_back_after_the_server
 
     run.inference = SimpleNamespace(stop=stop)
     run.gpu_holder = "holder"
-    run.client, run.rollout, run.reward, run.trainer, run.sinks, run.channel = None, [], [], [], None, None
+    run.client, run.rollout, run.engines, run.reward, run.trainer = None, [], [], [], []
+    run.sinks, run.channel = None, None
     monkeypatch.setattr(grpo_run.ray, "kill", lambda actor: events.append(f"kill {actor}"))
     with pytest.raises(OSError, match="a server hung"):
         run.shutdown()

@@ -167,13 +167,14 @@ def test_a_run_is_stopped_once_however_often_shutdown_is_called(monkeypatch):
     run.sinks = type("Sinks", (), {"close": lambda self: closed.append("sinks")})()
     run.channel = type("Channel", (), {"close": lambda self: closed.append("channel")})()
     run.rollout, run.reward, run.trainer, run.client = ["rollout"], ["reward"], ["rank0", "rank1"], object()
+    run.engines = ["engine"]  # the rollout workers' engines are the run's: stopped after their workers
     # a with block stops the run as it ends; a Ctrl-C in it says how far the run got
     with pytest.raises(RunStopped, match="stopped at step 3") as stopped, run:
         run.step = 3
         raise KeyboardInterrupt
     assert stopped.value.step == 3
     run.shutdown()  # again (a recipe's finally after the with): nothing is stopped twice
-    assert killed == ["rollout", "reward", "rank0", "rank1"]
+    assert killed == ["rollout", "engine", "reward", "rank0", "rank1"]
     assert queues_stopped == [True] and closed == ["sinks", "channel"]
 
 

@@ -46,8 +46,8 @@ class StubServerEngine:
         self.resumes.append(kwargs.get("resume"))
         self.resumed_tokens += sum(len(p.token_ids) for p in kwargs.get("resume") or [] if p is not None)
         if self.calls <= self.failures:
-            if "on_chunk" in kwargs:
-                kwargs["on_chunk"]([0], [Partial([7, 8], [-0.1, -0.2], [3, 3])])
+            if "on_chunk" in kwargs:  # row 0 went on from what it resumed by two tokens
+                kwargs["on_chunk"]([0], [Partial([5, 7, 8], [-0.3, -0.1, -0.2], [2, 3, 3])])
             raise EngineUnavailable("sglang server at http://127.0.0.1:9: POST /generate failed: ReadTimeout()")
         return [[Generation([1], [-0.5], "stop") for _ in range(n)] for _ in prompts]
 
@@ -114,12 +114,12 @@ def test_a_checkpointed_generation_asked_again_resumes_from_what_its_failed_try_
     call = InflightCall("info", "inflight/step_1", ["g0/0", "g0/1"], [first, None])
     actor.generate([[1, 2]], 2, PARAMS, inflight=call)
     assert engine.resumes[0] == [first, None]
-    # the second try resumes row 0 from the two tokens the first try checkpointed, counted once; row 1, which the
-    # rollout started from its prompt, does not take the stale partial the queue still holds
-    assert engine.resumes[1] == [Partial([7, 8], [-0.1, -0.2], [3, 3]), None]
-    assert engine.resumed_tokens == 2
-    # the rollout worker counts the 1 token it passed; the 1 more the retry took is the actor's to report
-    assert actor.resumed_tokens_on_retry() == 1
+    # the second try resumes row 0 from the two tokens the first try checkpointed on top, counted once; row 1, which
+    # the rollout started from its prompt, does not take the stale partial the queue still holds
+    assert engine.resumes[1] == [Partial([5, 7, 8], [-0.3, -0.1, -0.2], [2, 3, 3]), None]
+    assert engine.resumed_tokens == 3
+    # the rollout worker counts the 1 token it passed; the 2 more the retry took are the actor's to report
+    assert actor.resumed_tokens_on_retry() == 2
 
 
 def test_the_rollout_worker_adds_what_its_engine_resumed_on_retries_once_and_a_new_engine_from_zero(monkeypatch):
@@ -198,3 +198,56 @@ def test_a_weight_load_failing_on_a_server_that_answers_is_raised():
     actor._channel = Channel()
     with pytest.raises(EngineUnavailable, match="ReadTimeout"):
         actor.pull_weights(4)
+
+
+def test_a_call_made_again_after_its_caller_died_waits_for_the_dead_call_and_goes_on_from_what_it_wrote(monkeypatch):
+    """The rollout worker died mid-generation; its engine (the run's actor, not the worker's) goes on with the dead
+    call and checkpoints its chunks. The call made again (after the worker's restart) read the queue while the dead
+    call still ran: it waits for the dead call and resumes from its last chunks, not from what it read (before: the
+    engine died with the worker, and what the dead call had generated since its last read was generated again)."""
+    import threading
+
+    monkeypatch.setattr(host_module, "InflightCheckpoints", Store)
+    Store.held, Store.fail_saves = {}, False
+    first_chunk, release = threading.Event(), threading.Event()
+
+    class Dying(StubServerEngine):
+        def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.resumes.append(kwargs.get("resume"))
+            if self.calls == 1:  # the dead worker's call: two chunks, the second after the new call read the queue
+                kwargs["on_chunk"]([0, 1], [Partial([4], [-0.4], [3]), Partial([6], [-0.6], [3])])
+                first_chunk.set()
+                release.wait(10)
+                kwargs["on_chunk"]([0, 1], [Partial([4, 1], [-0.4, -0.1], [3, 3], "stop"),
+                                            Partial([6, 5], [-0.6, -0.5], [3, 3])])  # fmt: skip
+                return [[Generation([4, 1], [-0.4, -0.1], "stop"), Generation([6, 5], [-0.6, -0.5], "length")]]
+            return [[Generation(list(p.token_ids) if p else [0], list(p.logprobs) if p else [-1.0], "stop")
+                     for p in kwargs["resume"]]]  # fmt: skip
+
+    engine = Dying(failures=0, healthy=[True])
+    actor = actor_over(engine, partial=True)
+    actor._inflight = ("info", object())
+    keys = ["g7/0", "g7/1"]
+    dead = threading.Thread(
+        target=actor.generate,
+        args=([[1, 2]], 2, PARAMS),
+        kwargs={"inflight": InflightCall("info", "p", keys, [None, None])},
+    )
+    dead.start()
+    assert first_chunk.wait(10)
+    read = [Store.held[k] for k in keys]  # what the restarted worker read from the queue: the first chunk
+    again: list[Any] = []
+    redo = threading.Thread(
+        target=lambda: again.append(actor.generate([[1, 2]], 2, PARAMS, inflight=InflightCall("info", "p", keys, read)))
+    )
+    redo.start()
+    redo.join(0.3)
+    assert redo.is_alive() and engine.calls == 1  # it waits for the dead call
+    release.set()
+    dead.join(10), redo.join(10)
+    assert engine.resumes[1] == [Partial([4, 1], [-0.4, -0.1], [3, 3], "stop"), Partial([6, 5], [-0.6, -0.5], [3, 3])]
+    assert actor.resumed_tokens_on_retry() == 2  # one more token of each row than the worker read
+    # another prompt under the same keys (a step's rows put again) takes nothing it did not write for
+    _, _ = actor.generate([[9, 9]], 2, PARAMS, inflight=InflightCall("info", "p", keys, [None, None]))
+    assert engine.resumes[2] == [None, None]
