@@ -1017,8 +1017,9 @@ class GRPORun:
         second call does nothing. ``keep_queue``: the queue goes on running (a trainer-group restart attaches to it:
         :meth:`_keep_queue`); only this driver's client of it is closed, and the rollout workers first write the
         generations they have in flight into it (``train.restart_drain_s``: trainer_restarts.finish_writes)."""
-        rollout, sinks, actors, client, channel, inference = (
+        rollout, engines, sinks, actors, client, channel, inference = (
             self.rollout,
+            self.engines,
             self.sinks,
             [*self.rollout, *self.engines, *self.reward, *self.trainer],
             self.client,
@@ -1034,7 +1035,7 @@ class GRPORun:
                 sinks.close()
             if keep_queue and rollout and self.cfg.train.restart_drain_s > 0:  # their generations in flight kept
                 try:
-                    finish_writes(rollout, self.cfg.train.restart_drain_s)
+                    finish_writes(rollout, self.cfg.train.restart_drain_s, engines)
                 except Exception:  # the workers are stopped anyway: what they held is generated again
                     logger.warning("could not wait for the rollout workers' writes in flight", exc_info=True)
             for actor in actors:

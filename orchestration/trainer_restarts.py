@@ -33,7 +33,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -153,17 +153,21 @@ def covered_steps(partitions: list[Any], step: int) -> list[int]:
     return sorted(p for p in partitions if isinstance(p, int) and p < step)
 
 
-def finish_writes(rollout: list[Any], timeout_s: float) -> int:
+def finish_writes(rollout: list[Any], timeout_s: float, engines: Sequence[Any] = ()) -> int:
     """Let the rollout workers of a run a trainer rank's death ended write the generations they have in flight, up
     to ``timeout_s`` (``train.restart_drain_s``), before they are stopped: the queue kept for the restart holds them
-    (``RolloutWorker.finish_writes``). Returns the batches still in flight then (a worker dead meanwhile, or that did
-    not answer in time, counts one): those rows are generated again."""
+    (``RolloutWorker.finish_writes``); and let the run's ``engines`` end the checkpointed generation a dead worker
+    left running (``EngineActor.finish_generating``: its chunks in the queue, the next start resumes them whole).
+    Returns the batches still in flight then (a worker dead meanwhile, or that did not answer in time, counts one,
+    as does an engine still generating): those rows are generated again, less what their checkpoints kept."""
     refs = [worker.finish_writes.remote(timeout_s) for worker in rollout]
+    refs += [engine.finish_generating.remote(timeout_s) for engine in engines]
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 10.0)
     left = len(refs) - len(done)
     for ref in done:
         try:
-            left += int(ray.get(ref))
+            answer = ray.get(ref)
+            left += int(not answer) if isinstance(answer, bool) else int(answer)
         except RayError:  # the worker died (or was being restarted): what it held goes back to the queue
             left += 1
     if left:

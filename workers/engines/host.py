@@ -288,6 +288,17 @@ class EngineActor:
 
         return self._engine.generate(prompts, n, params, resume=inflight.resume, on_chunk=checkpoint)
 
+    @ray.method(concurrency_group=WAIT_GROUP)
+    def finish_generating(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the checkpointed generation running now, if any, to end (a run about to stop
+        this engine while its queue goes on: a trainer-group restart); whether none runs. Its chunks are in the queue
+        then, so the next start resumes them whole: a rollout worker's batches are waited for by the worker
+        (``RolloutWorker.finish_writes``), this covers the generation a dead worker left running."""
+        if not self._checkpointed_calls.acquire(timeout=max(0.0, timeout_s)):
+            return False
+        self._checkpointed_calls.release()
+        return True
+
     def resumed_tokens_on_retry(self) -> int:
         """Tokens this actor's checkpointed generations (``rollout.checkpoint_inflight``) took, since it started, from
         partials it had written after their caller read the queue: chunks a failed try checkpointed before its server

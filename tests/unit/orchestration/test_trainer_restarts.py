@@ -173,7 +173,7 @@ class _Worker:
 
     def __init__(self, answer: object):
         self.answer = answer
-        self.finish_writes = self
+        self.finish_writes = self.finish_generating = self  # a rollout worker's call, or an engine's
         self.timeouts: list[float] = []
 
     def remote(self, timeout_s: float) -> _Worker:
@@ -200,6 +200,23 @@ def test_finish_writes_counts_the_batches_left_a_dead_or_silent_worker_as_one(mo
     assert trainer_restarts.finish_writes(workers, 5.0) == 4  # 0 + 2 + 1 dead + 1 silent
     assert [w.timeouts for w in workers] == [[5.0]] * 4
     assert "4 rollout batches were still in flight after 5 s: they are generated again" in caplog.text
+
+
+def test_finish_writes_also_waits_for_the_generation_a_dead_worker_left_running_in_the_runs_engine(monkeypatch):
+    """The run's engines (``EngineActor.finish_generating``: True once no checkpointed generation runs) are waited
+    for beside the workers; one still generating, dead or silent counts as a batch left."""
+    workers = [_Worker(0)]
+    engines = [_Worker(True), _Worker(False), _Worker("dead")]
+
+    def get(ref):
+        if ref.answer == "dead":
+            raise trainer_restarts.RayActorError()
+        return ref.answer
+
+    monkeypatch.setattr(trainer_restarts.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    monkeypatch.setattr(trainer_restarts.ray, "get", get)
+    assert trainer_restarts.finish_writes(workers, 5.0, engines) == 2
+    assert [e.timeouts for e in engines] == [[5.0]] * 3
 
 
 def test_joined_rows_keep_each_starts_rows_up_to_the_step_the_next_one_resumed_from() -> None:

@@ -251,3 +251,14 @@ def test_a_call_made_again_after_its_caller_died_waits_for_the_dead_call_and_goe
     # another prompt under the same keys (a step's rows put again) takes nothing it did not write for
     _, _ = actor.generate([[9, 9]], 2, PARAMS, inflight=InflightCall("info", "p", keys, [None, None]))
     assert engine.resumes[2] == [None, None]
+
+
+def test_finish_generating_waits_for_the_checkpointed_generation_running_and_says_whether_it_ended():
+    import threading
+
+    actor = actor_over(StubServerEngine(failures=0, healthy=[True]), partial=True)
+    assert actor.finish_generating(0.0) is True  # nothing runs
+    actor._checkpointed_calls.acquire()  # a generation (a dead worker's) runs
+    assert actor.finish_generating(0.05) is False
+    threading.Timer(0.1, actor._checkpointed_calls.release).start()
+    assert actor.finish_generating(5.0) is True
