@@ -179,15 +179,17 @@ class EngineActor:
             )
         with self._checkpointed_calls:  # after a dead caller's generation: what it wrote since its caller read
             rows = [list(prompt) for prompt in prompts for _ in range(n)]
-            inflight, gained = self._written.newer(inflight, rows)
-            self.resumed_on_retry += gained
-            resumed_before = getattr(self._engine, "resumed_tokens", None)
             asked = [inflight]
 
-            def again() -> None:  # resume from the chunks the failed try checkpointed, counted once
-                retried, gained = self._written.newer(asked[0], rows)
-                asked[0] = retried
+            def take_newer() -> None:  # resume from the partials this actor wrote since, counted once
+                asked[0], gained = self._written.newer(asked[0], rows)
                 self.resumed_on_retry += gained
+
+            take_newer()
+            resumed_before = getattr(self._engine, "resumed_tokens", None)
+
+            def again() -> None:  # and, after the server died under a try, from the chunks that try wrote
+                take_newer()
                 if resumed_before is not None:
                     self._engine.resumed_tokens = resumed_before
 
