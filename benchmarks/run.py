@@ -23,8 +23,8 @@ from common import Results, loadavg, read_jsonl, run_metadata, table, write_json
 
 # Heavy imports (torch, ray, the queue) live inside main(): spawned client processes re-import this file.
 ORDER = [
-    "get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "shm", "wake", "auth", "journal", "demo",
-    "weight_publish",
+    "get_meta_state", "get_meta", "concurrent", "small", "grpo", "large", "shm", "gpu", "wake", "auth", "journal",
+    "demo", "weight_publish",
 ]  # fmt: skip
 # workloads that need no queue, or start their own (and Ray) in a subprocess: run after the others
 SEPARATE = {"demo", "weight_publish"}

@@ -1,7 +1,8 @@
-"""The workloads by name (see metadata_workloads.py, payload_workloads.py, wake_latency.py, auth_cost.py and
-journal_cost.py)."""
+"""The workloads by name (see metadata_workloads.py, payload_workloads.py, wake_latency.py, auth_cost.py,
+journal_cost.py, shm_workload.py and gpu_workload.py)."""
 
 from auth_cost import bench_auth
+from gpu_workload import bench_gpu
 from journal_cost import bench_journal
 from metadata_workloads import bench_concurrent, bench_get_meta, bench_get_meta_state
 from payload_workloads import bench_grpo, bench_large, bench_small
@@ -19,4 +20,5 @@ WORKLOADS = {
     "auth": bench_auth,
     "journal": bench_journal,
     "shm": bench_shm,
+    "gpu": bench_gpu,
 }

@@ -142,6 +142,19 @@ def take_rows(tensor: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     return from_row_bytes(np.take(row_bytes(tensor), rows, axis=0), tensor.dtype, tensor.shape[1:])
 
 
+def pinned_empty(nbytes: int) -> np.ndarray:
+    """A uint8 array of ``nbytes`` in page-locked host memory, from torch's pinned-memory cache (reused once dropped):
+    a copy between it and a GPU is a DMA at full speed, without the driver's copy through its own staging buffer."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A GPU tensor copied (and waited for) into contiguous page-locked host memory: what a put sends from."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)
+    return host
+
+
 @dataclass
 class Column:
     """One field's rows: a dense tensor, a (values, offsets) pair, or a list of objects."""
@@ -164,7 +177,9 @@ class Column:
                     "with data (dense, or nested for jagged rows)"
                 )
             value = value.detach()
-            if value.device.type != "cpu":
+            if value.device.type == "cuda":
+                value = pinned_copy(value)
+            elif value.device.type != "cpu":
                 value = value.to("cpu")
             if value.dim() == 0 or value.shape[0] != num_rows:
                 raise BatchSizeMismatch(

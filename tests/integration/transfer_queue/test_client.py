@@ -386,6 +386,22 @@ def test_cuda_tensors_through_the_queue(queue: Any) -> None:
     assert data["tokens"].is_cuda and [t.tolist() for t in data["tokens"].unbind()] == [t.tolist() for t in tokens]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_through_the_queue_land_whole_after_their_page_locked_copies(queue: Any) -> None:
+    """8 MiB a field, one of them strided on the GPU: sent from page-locked copies, received into page-locked
+    buffers, then copied to the GPU without waiting per tensor; every byte arrives, in the meta's order."""
+    client, partition = queue.client, queue.partition()
+    wide = torch.randn(16, 1 << 17, device="cuda")
+    strided = torch.randn(1 << 17, 16, device="cuda", dtype=torch.bfloat16).t()
+    client.put(TensorDict({"wide": wide, "strided": strided}, batch_size=[16]), partition_id=partition)
+    meta = client.get_meta(["wide", "strided"], 16, partition_id=partition, task_name="t")
+    data = client.get_data(meta, device="cuda:0")
+    order = torch.tensor(list(meta.global_indexes), device="cuda") - min(meta.global_indexes)
+    assert data["wide"].device == torch.device("cuda:0") and torch.equal(data["wide"], wide[order])
+    assert torch.equal(data["strided"], strided[order])
+
+
 # ---- backpressure, validation before waiting, DP shares handed back ---------------------------------------------
 def test_a_full_step_ring_makes_puts_wait_then_fail(fast_queue: Any) -> None:
     client = fast_queue.client

@@ -24,6 +24,7 @@ from transfer_queue.wire.columns import (
     concat_columns,
     from_buffer,
     jagged_take,
+    pinned_empty,
     tensordict_from_columns,
 )
 
@@ -336,11 +337,21 @@ def test_row_lengths_of_masks_and_jagged_fields():
 def test_cuda_tensors_are_copied_to_host():
     value = torch.arange(6, device="cuda").reshape(3, 2)
     column = Column.from_value("f", value, 3)
-    assert column.data.device.type == "cpu"
+    assert column.data.device.type == "cpu" and column.data.is_pinned()  # a DMA, no staging copy in the driver
+    transposed = Column.from_value("t", torch.arange(6, device="cuda").reshape(2, 3).t(), 3)
+    assert transposed.data.is_contiguous() and transposed.data.tolist() == [[0, 3], [1, 4], [2, 5]]
     assert torch.equal(wire(column).to_value(), value.cpu())
     nested = jagged([torch.arange(2, device="cuda"), torch.arange(1, device="cuda")])
     back = wire(Column.from_value("n", nested, 2)).to_value()
     assert [r.tolist() for r in rows_of(back)] == [[0, 1], [0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_empty_is_page_locked_host_memory():
+    array = pinned_empty(1 << 20)
+    assert array.shape == (1 << 20,) and array.dtype == np.uint8
+    assert torch.from_numpy(array).is_pinned()
 
 
 def test_building_a_jagged_tensor_logs_no_torch_fx_notice(caplog):

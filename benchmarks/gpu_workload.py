@@ -1,0 +1,128 @@
+"""``gpu``: CUDA tensors through the queue (issue 29, section 3), against torch's own host<->device copies taken in
+the same run. Skipped, with the reason printed, where torch sees no GPU.
+
+Per payload (the ``grpo`` batch, ~21 MB, and ``large``, ~1 GB; 256 MB with ``--quick``), on a client with shared
+memory (its storage units on the same host):
+
+- the baselines: torch copies of the batch's tensors into buffers allocated beforehand, host->device and
+  device->host, from and to page-locked ("pinned") and ordinary ("pageable") host memory;
+- ``put.<payload>.from_cuda``: a put of the batch on the GPU (the queue copies it to page-locked host memory, then
+  into the unit), against the page-locked device->host copy alone, and ``put.<payload>.cpu_then_put``: what a
+  caller did before, ``put(batch.to("cpu"))``;
+- ``get_data.<payload>.to_cuda``: ``get_data(meta, device="cuda")`` (read into page-locked memory, one DMA to the
+  GPU), against the page-locked host->device copy alone, and ``get_data.<payload>.get_then_to``:
+  ``get_data(meta).to("cuda")``, the path before page-locked receive buffers.
+
+Ratios are the queue's time over the copy's: 1.0 would be a queue that costs nothing beyond the PCIe transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from bench import Bench, grpo_batch, payload_bytes
+from common import settle, wait_until
+from shm_workload import _client
+
+
+def _gpu_seconds(fn: Callable[[], Any]) -> float:
+    """Seconds of ``fn`` with the GPU's queued work before and after it waited for."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _copies(td: Any, reps: int) -> dict[str, list[float]]:
+    """Seconds per repetition of torch copying ``td``'s tensors between host buffers and device buffers allocated
+    (and touched) beforehand."""
+    on_gpu = [v.to("cuda") for v in td.values()]
+    device_buffers = [torch.empty_like(v) for v in on_gpu]
+    out: dict[str, list[float]] = {}
+    for kind in ("pinned", "pageable"):
+        host = [torch.empty(v.shape, dtype=v.dtype, pin_memory=kind == "pinned").fill_(1) for v in on_gpu]
+        for direction in ("h2d", "d2h"):
+            ends = (device_buffers, host) if direction == "h2d" else (host, on_gpu)
+            pairs = list(zip(*ends, strict=True))
+            copy = functools.partial(_copy_all, pairs, kind == "pinned")
+            copy()  # warm-up
+            out[f"{direction}.{kind}"] = [_gpu_seconds(copy) for _ in range(reps)]
+    return out
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool) -> None:
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def _rounds(bench: Bench, client: Any, on_gpu: Any, reps: int) -> dict[str, list[float]]:
+    """Seconds per repetition of each of :func:`_round`'s calls; the first round warms up (torch's pinned-memory
+    cache, the shared-memory pools) and checks the bytes."""
+    out: dict[str, list[float]] = {}
+    for rep in range(reps + 1):
+        settle()
+        for name, seconds in _round(bench, client, on_gpu, check=rep == 0).items():
+            if rep:
+                out.setdefault(name, []).append(seconds)
+    return out
+
+
+def _round(bench: Bench, client: Any, on_gpu: Any, check: bool) -> dict[str, float]:
+    """A put from the GPU, get_data(device="cuda") of its rows, get_data then .to("cuda"), and put(batch.to("cpu"))."""
+    import ray
+
+    stored = lambda: sum(u["bytes"] for u in ray.get(bench.controller.storage_stats.remote()))  # noqa: E731
+    empty, got = stored(), dict[str, Any]()
+    pid = bench.fresh("gpu")
+    times = {"put": _gpu_seconds(lambda: got.update(meta=client.put(on_gpu, partition_id=pid)))}
+    meta = got.pop("meta")
+    times["get"] = _gpu_seconds(lambda: got.update(td=client.get_data(meta, device="cuda")))
+    if check:
+        for k, v in on_gpu.items():
+            assert got["td"][k].is_cuda and torch.equal(got["td"][k], v), k
+    got.clear()
+    times["get_to"] = _gpu_seconds(lambda: got.update(td=client.get_data(meta).to("cuda")))
+    got.clear()
+    client.clear(partition_id=pid)
+    wait_until(lambda: stored() <= empty, 60, "storage drop")
+    again = bench.fresh("gpu")
+    times["cpu_put"] = _gpu_seconds(lambda: client.put(on_gpu.to("cpu"), partition_id=again))
+    client.clear(partition_id=again)
+    wait_until(lambda: stored() <= empty, 60, "storage drop")
+    return times
+
+
+def bench_gpu(bench: Bench) -> None:
+    if not torch.cuda.is_available():
+        print("   skipped: torch sees no CUDA device here (torch.cuda.is_available() is False)", flush=True)
+        return
+    print(f"   {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    reps = max(5, bench.reps)
+    rows = 3 * 1024 if bench.quick else 12 * 1024
+    client = _client(bench, True)
+    try:
+        for label, td in (("grpo", grpo_batch(256)), (f"large{rows}", grpo_batch(rows))):
+            gb = payload_bytes(td) / 1e9
+            extra = {"GB": round(gb, 3)}
+            copies = _copies(td, reps)
+            for name, secs in copies.items():
+                bench.add(f"torch.{name}.{label}", "gpu", "GB/s", [gb / s for s in secs], extra=extra)
+            h2d, d2h = gb / float(np.median(copies["h2d.pinned"])), gb / float(np.median(copies["d2h.pinned"]))
+            got = _rounds(bench, client, td.to("cuda"), reps)
+            torch.cuda.empty_cache()
+            for name, key, base, value in (
+                ("put.{}.from_cuda", "put", "torch d2h pinned", d2h),
+                ("put.{}.cpu_then_put", "cpu_put", "torch d2h pinned", d2h),
+                ("get_data.{}.to_cuda", "get", "torch h2d pinned", h2d),
+                ("get_data.{}.get_then_to", "get_to", "torch h2d pinned", h2d),
+            ):
+                bench.add(name.format(label), "gpu", "GB/s", [gb / t for t in got[key]], baseline=base,
+                          baseline_value=value, extra=extra)  # fmt: skip
+    finally:
+        client.close()
