@@ -35,7 +35,9 @@ VISION = [
     [
         # one picture a prompt: the mixed case below covers it too; slow tier (make test's 10-minute budget)
         pytest.param([], marks=pytest.mark.slow),
-        ["task.kwargs.two_pictures=0.5"],  # prompts with one and with two pictures: mixed in the trainer's batches
+        # prompts with one and with two pictures, mixed in the trainer's batches: slow tier too (a whole run, ~1 min
+        # on a loaded 2-core machine); the default tier covers its parts (test_vision_fsdp_ranks.py, the unit tier)
+        pytest.param(["task.kwargs.two_pictures=0.5"], marks=pytest.mark.slow),
     ],
     ids=["one-picture", "one-or-two-pictures"],
 )

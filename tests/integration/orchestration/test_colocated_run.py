@@ -41,7 +41,9 @@ def served(url: str) -> dict:
         # the sync loop's release and resume are the async one's without the step ahead: slow tier (make test's budget)
         pytest.param({"mode": "sync", "weight_sync": "memory"}, marks=pytest.mark.slow),
         # the step ahead generates while a step trains: its next generations are held, the one in flight finished
-        {"mode": "async", "max_staleness": 1, "weight_sync": "shm"},
+        # slow tier too (make test's 10-minute budget); the default tier releases and resumes colocated servers in
+        # test_agentrl_demo_servers.py
+        pytest.param({"mode": "async", "max_staleness": 1, "weight_sync": "shm"}, marks=pytest.mark.slow),
     ],
     ids=["sync-memory", "async-shm"],
 )

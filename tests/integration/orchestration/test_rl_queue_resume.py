@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import ray
 import torch
 
@@ -60,6 +61,7 @@ def score(client: TransferQueueClient, step: int, rows: int, write: bool = True)
     return sorted(meta.global_indexes.tolist())
 
 
+@pytest.mark.slow  # two runs' worth of actors (~40 s on a loaded 2-core machine): make test's 10-minute budget
 def test_a_restored_step_hands_out_again_only_what_was_in_flight(ray_session, tmp_path) -> None:
     controller, client = start()
     put_prompts(client, 1)

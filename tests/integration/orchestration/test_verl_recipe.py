@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 
+@pytest.mark.slow  # a whole recipe run (~25 s on a loaded 2-core machine): make test's 10-minute budget
 @pytest.mark.timeout(300)
 def test_the_verl_style_ppo_data_flow_runs(ray_session: Any) -> None:
     from recipe.verl_ppo_dataflow import main

@@ -129,7 +129,10 @@ def run_two_ranks(case: str, workdir: Path) -> list[dict]:
     return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# text-rank: slow tier (make test's 10-minute budget); filler-passes runs a text-only rank's passes too
+@pytest.mark.parametrize(
+    "case", [pytest.param("text-rank", marks=pytest.mark.slow) if c == "text-rank" else c for c in sorted(CASES)]
+)
 def test_two_ranks_with_and_without_images_give_the_single_rank_step(case: str, tmp_path: Path) -> None:
     ranks = run_two_ranks(case, tmp_path)
     single = ranks[0]["single"]

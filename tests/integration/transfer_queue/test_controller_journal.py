@@ -247,6 +247,7 @@ def test_threads_of_one_client_a_round_apart_go_on_from_their_own_rounds_after_t
         transfer_queue.shutdown()
 
 
+@pytest.mark.slow  # a unit re-replicated, then the controller killed (~20 s loaded): make test's 10-minute budget
 @pytest.mark.timeout(240)
 def test_a_controller_killed_after_a_unit_was_lost_for_good_comes_back_and_serves_every_row(
     ray_session: Any, tmp_path, wait_until: Any

@@ -131,7 +131,7 @@ def test_a_unit_lost_for_good_is_re_replicated_so_a_second_one_lost_for_good_los
         transfer_queue.shutdown()
 
 
-@pytest.mark.parametrize("replicas", [2, 1])
+@pytest.mark.parametrize("replicas", [2, pytest.param(1, marks=pytest.mark.slow)])  # 1: slow tier (10-minute budget)
 def test_a_checkpoint_of_two_replicas_restores_into_one_or_two(ray_session: Any, tmp_path: Any, replicas: int) -> None:
     controller = TransferQueueController.remote(4, num_storage_units=3, default_timeout=5.0, replicas=2)
     client = TransferQueueClient("save", ray.get(controller.get_info.remote()))

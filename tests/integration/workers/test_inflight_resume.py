@@ -75,6 +75,7 @@ def kill_mid_generation(worker, controller, client, step: int) -> None:
     ray.get(controller.clients_gone.remote([owner]))
 
 
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine (make test's 10-minute budget); the unit tier covers the pieces
 def test_a_worker_resumes_fresh_partials_regenerates_stale_ones_and_clears_them(queue):
     _, info, client = queue
     step = 0
