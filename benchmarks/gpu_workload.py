@@ -9,9 +9,10 @@ memory (its storage units on the same host):
 - ``put.<payload>.from_cuda``: a put of the batch on the GPU (the queue copies it to page-locked host memory, then
   into the unit), against the page-locked device->host copy alone, and ``put.<payload>.cpu_then_put``: what a
   caller did before, ``put(batch.to("cpu"))``;
-- ``get_data.<payload>.to_cuda``: ``get_data(meta, device="cuda")`` (read into page-locked memory, one DMA to the
-  GPU), against the page-locked host->device copy alone, and ``get_data.<payload>.get_then_to``:
-  ``get_data(meta).to("cuda")``, the path before page-locked receive buffers.
+- ``get_data.<payload>.to_cuda``: ``get_data(meta, device="cuda")`` (by DMA from the units' shared memory, their
+  segments page-locked for CUDA), against the page-locked host->device copy alone; ``.to_cuda.socket``: the same
+  from a client without shared memory (received into page-locked memory, then one DMA); and
+  ``get_data.<payload>.get_then_to``: ``get_data(meta).to("cuda")``, the path before either.
 
 Ratios are the queue's time over the copy's: 1.0 would be a queue that costs nothing beyond the PCIe transfer.
 """
@@ -61,20 +62,21 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
         dst.copy_(src, non_blocking=non_blocking)
 
 
-def _rounds(bench: Bench, client: Any, on_gpu: Any, reps: int) -> dict[str, list[float]]:
+def _rounds(bench: Bench, client: Any, socket_client: Any, on_gpu: Any, reps: int) -> dict[str, list[float]]:
     """Seconds per repetition of each of :func:`_round`'s calls; the first round warms up (torch's pinned-memory
     cache, the shared-memory pools) and checks the bytes."""
     out: dict[str, list[float]] = {}
     for rep in range(reps + 1):
         settle()
-        for name, seconds in _round(bench, client, on_gpu, check=rep == 0).items():
+        for name, seconds in _round(bench, client, socket_client, on_gpu, check=rep == 0).items():
             if rep:
                 out.setdefault(name, []).append(seconds)
     return out
 
 
-def _round(bench: Bench, client: Any, on_gpu: Any, check: bool) -> dict[str, float]:
-    """A put from the GPU, get_data(device="cuda") of its rows, get_data then .to("cuda"), and put(batch.to("cpu"))."""
+def _round(bench: Bench, client: Any, socket_client: Any, on_gpu: Any, check: bool) -> dict[str, float]:
+    """A put from the GPU, get_data(device="cuda") of its rows (shared memory, then the socket), get_data then
+    .to("cuda"), and put(batch.to("cpu"))."""
     import ray
 
     stored = lambda: sum(u["bytes"] for u in ray.get(bench.controller.storage_stats.remote()))  # noqa: E731
@@ -83,6 +85,11 @@ def _round(bench: Bench, client: Any, on_gpu: Any, check: bool) -> dict[str, flo
     times = {"put": _gpu_seconds(lambda: got.update(meta=client.put(on_gpu, partition_id=pid)))}
     meta = got.pop("meta")
     times["get"] = _gpu_seconds(lambda: got.update(td=client.get_data(meta, device="cuda")))
+    if check:
+        for k, v in on_gpu.items():
+            assert got["td"][k].is_cuda and torch.equal(got["td"][k], v), k
+    got.clear()
+    times["get_socket"] = _gpu_seconds(lambda: got.update(td=socket_client.get_data(meta, device="cuda")))
     if check:
         for k, v in on_gpu.items():
             assert got["td"][k].is_cuda and torch.equal(got["td"][k], v), k
@@ -98,6 +105,14 @@ def _round(bench: Bench, client: Any, on_gpu: Any, check: bool) -> dict[str, flo
     return times
 
 
+def _page_locked(client: Any) -> int:
+    """How many of the units' segments this thread's connections of ``client`` page-locked for CUDA."""
+    sockets = client._client._transport._local.__dict__.get("unix", {}).values()
+    return sum(
+        1 for sock in sockets if getattr(sock, "shm", None) for address in sock.shm.registered.values() if address
+    )
+
+
 def bench_gpu(bench: Bench) -> None:
     if not torch.cuda.is_available():
         print("   skipped: torch sees no CUDA device here (torch.cuda.is_available() is False)", flush=True)
@@ -105,7 +120,7 @@ def bench_gpu(bench: Bench) -> None:
     print(f"   {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     reps = max(5, bench.reps)
     rows = 3 * 1024 if bench.quick else 12 * 1024
-    client = _client(bench, True)
+    client, socket_client = _client(bench, True), _client(bench, False)
     try:
         for label, td in (("grpo", grpo_batch(256)), (f"large{rows}", grpo_batch(rows))):
             gb = payload_bytes(td) / 1e9
@@ -114,15 +129,18 @@ def bench_gpu(bench: Bench) -> None:
             for name, secs in copies.items():
                 bench.add(f"torch.{name}.{label}", "gpu", "GB/s", [gb / s for s in secs], extra=extra)
             h2d, d2h = gb / float(np.median(copies["h2d.pinned"])), gb / float(np.median(copies["d2h.pinned"]))
-            got = _rounds(bench, client, td.to("cuda"), reps)
+            got = _rounds(bench, client, socket_client, td.to("cuda"), reps)
             torch.cuda.empty_cache()
+            print(f"   {label}: {_page_locked(client)} segments of the units page-locked for the GPU", flush=True)
             for name, key, base, value in (
                 ("put.{}.from_cuda", "put", "torch d2h pinned", d2h),
                 ("put.{}.cpu_then_put", "cpu_put", "torch d2h pinned", d2h),
                 ("get_data.{}.to_cuda", "get", "torch h2d pinned", h2d),
+                ("get_data.{}.to_cuda.socket", "get_socket", "torch h2d pinned", h2d),
                 ("get_data.{}.get_then_to", "get_to", "torch h2d pinned", h2d),
             ):
                 bench.add(name.format(label), "gpu", "GB/s", [gb / t for t in got[key]], baseline=base,
                           baseline_value=value, extra=extra)  # fmt: skip
     finally:
         client.close()
+        socket_client.close()

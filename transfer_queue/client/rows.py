@@ -44,6 +44,7 @@ from transfer_queue.wire.columns import (
     tensordict_from_columns,
     torch_dtype,
 )
+from transfer_queue.wire.shm import device_target
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ class RowCalls(QueueChannel):
         while True:
             try:
                 left = max(1.0, timeout - (time.monotonic() - started)) if failed_units else timeout
-                td = await self._read(batch_meta, units, left, pinned=device is not None and device.type == "cuda")
+                td = await self._read(batch_meta, units, left, device)
                 break
             except StorageUnavailable as exc:
                 failed_units += getattr(exc, "units", [])
@@ -316,19 +317,30 @@ class RowCalls(QueueChannel):
         await self._auto_ack(batch_meta)
         return _moved(td, device)
 
-    async def _read(self, batch_meta: BatchMeta, units: np.ndarray, timeout: float, pinned: bool = False) -> TensorDict:
-        """Read the cells of ``batch_meta`` from ``units`` (per cell) in one round of parallel calls; ``pinned``:
-        dense fields land in page-locked memory (read for a GPU: the copy to it is then a DMA at full speed)."""
+    async def _read(
+        self, batch_meta: BatchMeta, units: np.ndarray, timeout: float, device: torch.device | None = None
+    ) -> TensorDict:
+        """Read the cells of ``batch_meta`` from ``units`` (per cell) in one round of parallel calls. For a GPU
+        ``device``, dense fields land on it: by DMA straight from the shared memory of a unit on this host (its
+        segments page-locked for CUDA once), else received into page-locked host memory (their copy to the GPU is
+        then a DMA at full speed too)."""
         num_rows = len(batch_meta)
         calls, placed, into = [], [], []
+        gpu = device is not None and device.type == "cuda"
+        direct = gpu and getattr(self._transport, "shared_memory", False)
         # Dense fields are assembled in place: each unit's run of rows is received straight into its slice of the
         # output (over Unix sockets), so rows spread over units cost no second copy.
-        empty = pinned_empty if pinned else getattr(self._transport, "empty", None)  # pooled with shared memory
+        # with DMA, the host arrays take only what arrives in-band (np.empty: pages never touched cost nothing);
+        # for a GPU otherwise, page-locked; else the transport's (pooled with shared memory)
+        empty = None if direct else pinned_empty if gpu else getattr(self._transport, "empty", None)
         dense = {
             name: _empty(empty, num_rows, nbytes_of(torch_dtype(schema.dtype), schema.shape))
             for name, schema in batch_meta.fields.items()
             if schema.kind == "dense"
         }
+        on_device = (
+            {name: torch.empty(a.size, dtype=torch.uint8, device=device) for name, a in dense.items()} if direct else {}
+        )
         for unit in np.unique(units).tolist():
             fields, positions, targets = [], [], {}
             frame = 2  # after the reply's header and body
@@ -339,36 +351,47 @@ class RowCalls(QueueChannel):
                     fields.append(p.ReadField(name, p.pack_indexes(blocks), p.pack_indexes(offsets)))
                     positions.append(pos)
                     if name in dense and int(pos[-1]) - int(pos[0]) == len(pos) - 1:  # ascending: one run
-                        targets[frame] = dense[name][int(pos[0]) : int(pos[-1]) + 1].reshape(-1)
+                        first, end, row = int(pos[0]), int(pos[-1]) + 1, dense[name].shape[1]
+                        targets[frame] = dense[name][first:end].reshape(-1)
+                        if name in on_device:
+                            targets[frame] = device_target(targets[frame], on_device[name][first * row : end * row])
                     frame += nframes(batch_meta.fields[name])
             calls.append((unit, p.Read(batch_meta.partition_uid, fields), ()))
             placed.append(positions)
             into.append(targets)
         replies = await self._storage(calls, timeout, into if any(into) else None)
-        parts: dict[str, list[Column]] = {name: [] for name in batch_meta.fields}
-        where: dict[str, list[np.ndarray]] = {name: [] for name in batch_meta.fields}
+        received: dict[str, list[tuple[Any, np.ndarray, list[Any], Any]]] = {name: [] for name in batch_meta.fields}
         in_place = set(dense)
         for (body, buffers), positions, targets in zip(replies, placed, into, strict=True):
             reply = p.decode_as(body, p.ReadReply)
             i = 0
             for spec, pos in zip(reply.columns, positions, strict=True):
-                frames = buffers[i : i + spec.nframes]
-                part = Column.from_buffers(spec.schema, spec.num_rows, frames)
-                if batch_meta.fields[spec.name].kind == "jagged":  # stored dense before the field became jagged
-                    part = part.as_jagged()
-                parts[spec.name].append(part)
-                where[spec.name].append(pos)
-                if targets.get(2 + i) is not frames[0]:
+                frames, target = buffers[i : i + spec.nframes], targets.get(2 + i)
+                if target is None or (frames[0] is not target and frames[0] is not _on_device(target)):
                     in_place.discard(spec.name)  # not received in place (ZeroMQ, or sizes that disagree)
+                received[spec.name].append((spec, pos, frames, target))
                 i += spec.nframes
-        columns = {
-            name: (
-                Column(schema, num_rows, data=from_row_bytes(dense[name], torch_dtype(schema.dtype), schema.shape))
-                if name in in_place
-                else concat_columns(parts[name], where[name], num_rows)
-            )
-            for name, schema in batch_meta.fields.items()
-        }
+        columns = {}
+        for name, schema in batch_meta.fields.items():
+            if name in in_place and name in on_device:
+                for _, _, frames, target in received[name]:
+                    if frames[0] is target:  # sent in-band: received into host memory
+                        target.device_buffer.copy_(torch.from_numpy(np.asarray(target)))
+                data = on_device[name].view(torch_dtype(schema.dtype)).reshape(num_rows, *schema.shape)
+                columns[name] = Column(schema, num_rows, data=data)
+            elif name in in_place:
+                data = from_row_bytes(dense[name], torch_dtype(schema.dtype), schema.shape)
+                columns[name] = Column(schema, num_rows, data=data)
+            else:
+                parts = []
+                for spec, _, frames, target in received[name]:
+                    if target is not None and frames[0] is _on_device(target):  # rare: the rest did not land in place
+                        frames = [frames[0].cpu().numpy()]
+                    part = Column.from_buffers(spec.schema, spec.num_rows, frames)
+                    if schema.kind == "jagged":  # stored dense before the field became jagged
+                        part = part.as_jagged()
+                    parts.append(part)
+                columns[name] = concat_columns(parts, [pos for _, pos, _, _ in received[name]], num_rows)
         return tensordict_from_columns(columns, num_rows)
 
     async def _auto_ack(self, batch_meta: BatchMeta) -> None:
@@ -474,6 +497,11 @@ def _moved(td: TensorDict, device: torch.device | None) -> TensorDict:
     moved = td.to(device, non_blocking=True)
     torch.cuda.current_stream(device).synchronize()
     return moved
+
+
+def _on_device(target: Any) -> Any:
+    """The GPU buffer a receive target names (:class:`~transfer_queue.wire.shm.DeviceTarget`), if any."""
+    return getattr(target, "device_buffer", None)
 
 
 def _held_rows(batch_meta: BatchMeta, call: str, how: str) -> tuple[int, str, bytes]:

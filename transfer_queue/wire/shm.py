@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import mmap
 import os
 import sys
@@ -46,6 +47,8 @@ import msgspec
 import numpy as np
 
 from transfer_queue.errors import InvalidRequest, MalformedMessage
+
+logger = logging.getLogger(__name__)
 
 FRAME_ALIGN = 64  # each frame's offset in a staged segment (any dtype's view over it is aligned)
 MIN_SHM_BYTES = 64 << 10  # frames (and staged messages) smaller than this travel in-band: a copy is cheaper
@@ -588,6 +591,9 @@ class ClientMaps:
         self.pool = pool
         self.maps: dict[int, mmap.mmap] = {}
         self.grant: tuple[int, int] | None = None
+        # segments registered with CUDA (cudaHostRegister: page-locked, so a GPU reads them by DMA): segment ->
+        # address, or 0 where registering failed (copied through host memory instead); unregistered before unmapping
+        self.registered: dict[int, int] = {}
 
     def outgoing(self, frames: Sequence[Any]) -> tuple[list[Any], int]:
         """A request as it goes out: staged in the grant (its payload frames copied into it, descriptors in a table)
@@ -638,29 +644,62 @@ class ClientMaps:
         finally:
             _close_fds(fds)
         for segment in table.forget:
-            _unmap(self.maps.pop(segment, None))
+            self._unmap(segment)
         if table.grant is not None:
             if table.grant[0] not in self.maps or table.grant[1] > len(self.maps[table.grant[0]]):
                 raise MalformedMessage(f"a grant of {table.grant} outside the segments this connection maps")
             self.grant = table.grant
         copies: list[CopyPair] = []
+        dma: list[tuple[Any, mmap.mmap, int, int]] = []
         for i, pieces in table.frames.items():
             if not 2 <= i < len(frames):
                 raise MalformedMessage(f"a shared-memory table describes frame {i} of a {len(frames)}-frame reply")
-            total = sum(length for _, _, length in pieces)
-            target = into.get(i) if into else None
-            if target is None or target.nbytes != total:
-                target = self.empty(total)
-            at = 0
             for segment, offset, length in pieces:
                 mapped = self.maps.get(segment)
                 if mapped is None or offset < 0 or length < 0 or offset + length > len(mapped):
                     raise MalformedMessage(f"a descriptor {segment}:{offset}+{length} outside the mapped segments")
-                copies.append((target[at : at + length], np.frombuffer(mapped, np.uint8, length, offset)))
+            total = sum(length for _, _, length in pieces)
+            target = into.get(i) if into else None
+            if target is None or target.nbytes != total:
+                target = self.empty(total)
+            gpu: Any = getattr(target, "device_buffer", None)
+            if gpu is not None and not all(self._register(segment) for segment, _, _ in pieces):
+                gpu = None  # the driver refused: through host memory
+            at = 0
+            for segment, offset, length in pieces:
+                if gpu is not None:  # straight from the unit's memory to the GPU: no host copy
+                    dma.append((gpu[at : at + length], self.maps[segment], offset, length))
+                else:
+                    copies.append(
+                        (target[at : at + length], np.frombuffer(self.maps[segment], np.uint8, length, offset))
+                    )
                 at += length
-            frames[i] = target
+            frames[i] = target if gpu is None else gpu
         copy_pairs(copies)  # every frame's pieces at once: a large reply's copy is spread over threads
+        if dma:
+            _copy_to_devices(dma)
         return bool(table.frames)
+
+    def _register(self, segment: int) -> bool:
+        """Whether ``segment`` is page-locked for CUDA (registered here once; False where the driver refuses)."""
+        address = self.registered.get(segment)
+        if address is None:
+            view = np.frombuffer(self.maps[segment], np.uint8)
+            address = int(view.ctypes.data)
+            del view  # a view held would keep the mapping from closing
+            error = _cuda_register(address, len(self.maps[segment]))
+            if error:
+                logger.warning("a shared-memory segment could not be page-locked for the GPU (cudaError %d): its "
+                               "reads to a GPU go through host memory", error)  # fmt: skip
+                address = 0
+            self.registered[segment] = address
+        return bool(address)
+
+    def _unmap(self, segment: int) -> None:
+        address = self.registered.pop(segment, 0)
+        if address:
+            _cuda_unregister(address)
+        _unmap(self.maps.pop(segment, None))
 
     def empty(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes``: from the pool (faulted in once, reused) when large."""
@@ -669,10 +708,56 @@ class ClientMaps:
         return np.empty(nbytes, dtype=np.uint8)
 
     def close(self) -> None:
-        for mapped in self.maps.values():
-            _unmap(mapped)
-        self.maps.clear()
+        for segment in list(self.maps):
+            self._unmap(segment)
         self.grant = None
+
+    def __del__(self) -> None:  # a socket dropped unclosed: its segments page-locked for CUDA are unlocked first
+        if self.registered:
+            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone: the process's end unlocks
+                self.close()
+
+
+class DeviceTarget(np.ndarray):
+    """A host array a reply frame is received into that also names a GPU buffer of its size (``device_buffer``): a
+    frame described in shared memory goes from the unit's segment straight to that buffer by DMA (the segment
+    page-locked for CUDA once), and ``incoming`` puts ``device_buffer`` in the frame's place; a frame sent in-band is
+    received into the host array."""
+
+    device_buffer: Any  # a contiguous uint8 torch tensor on a GPU, of the host array's nbytes
+
+
+def device_target(host: np.ndarray, device_buffer: Any) -> DeviceTarget:
+    target = host.view(DeviceTarget)
+    target.device_buffer = device_buffer
+    return target
+
+
+def _cuda_register(address: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` at ``address`` for CUDA (``cudaHostRegister``); returns its cudaError (0: done)."""
+    import torch
+
+    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+
+
+def _cuda_unregister(address: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _copy_to_devices(pieces: list[tuple[Any, mmap.mmap, int, int]]) -> None:
+    """Copy ``(GPU target, mapping, offset, length)`` pieces by DMA, all queued, then waited for: the unit reuses the
+    bytes once the client releases the reply, and its mappings must not be closed under a copy."""
+    import torch
+
+    devices = set()
+    for target, mapped, offset, length in pieces:
+        if length:
+            target.copy_(torch.frombuffer(mapped, dtype=torch.uint8, count=length, offset=offset), non_blocking=True)
+            devices.add(target.device)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _unmap(mapped: mmap.mmap | None) -> None:

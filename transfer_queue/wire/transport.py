@@ -237,6 +237,11 @@ class BlockingTransport:
                 self._all_sockets.add(sock)
         return sock
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether this client asks storage units on its host for shared memory."""
+        return self._shm_pool is not None
+
     def empty(self, nbytes: int) -> Any:
         """A writable uint8 array of ``nbytes`` to receive a reply into: pooled (faulted in once, reused once the
         caller drops it) with shared memory, else ``np.empty``."""

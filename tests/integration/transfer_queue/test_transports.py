@@ -146,6 +146,43 @@ def test_shared_memory_over_ray_actors_gives_the_sockets_rows(make_view: Any) ->
     plain.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_read_to_the_gpu_goes_from_the_units_shared_memory_straight_to_it(make_view: Any) -> None:
+    """get_data(device="cuda") on a client with shared memory: dense fields described in a unit's segments are copied
+    by DMA from there to the GPU (the segments page-locked for CUDA once); small ones sent in-band, jagged and text
+    fields come as before; every byte arrives, in the meta's order; closing the client unlocks the segments."""
+    from tests.conftest import DEFAULT_QUEUE
+
+    queue = make_view(**DEFAULT_QUEUE, shared_memory=True)
+    shm = queue.new_client("shm-gpu")
+    step = queue.step()
+    wide = torch.randn(16, 1 << 16)  # 4 MiB: through the segments
+    small = torch.arange(16, dtype=torch.int16)  # 32 bytes: in-band
+    data = TensorDict(
+        {"wide": wide, "small": small, "t": [f"row {i}" for i in range(16)],
+         "r": torch.nested.nested_tensor([torch.arange(i * 100) for i in range(16)], layout=torch.jagged)},
+        batch_size=[16],
+    )  # fmt: skip
+    source = {}
+    for start in (0, 8):
+        meta = shm.put(data[start : start + 8], global_step=step)
+        source.update({int(g): start + k for k, g in enumerate(meta.global_indexes)})
+    meta = shm.get_meta(["wide", "small", "t", "r"], 16, global_step=step, task_name="gpu")
+    order = [source[int(g)] for g in meta.global_indexes]
+    for _ in range(2):  # the second read finds the segments registered
+        got = shm.get_data(meta, device="cuda")
+        assert got["wide"].is_cuda and torch.equal(got["wide"].cpu(), wide[order])
+        assert got["small"].is_cuda and torch.equal(got["small"].cpu(), small[order])
+        assert list(got["t"]) == [f"row {i}" for i in order]
+        assert all(torch.equal(a.cpu(), torch.arange(i * 100)) for a, i in zip(got["r"].unbind(), order, strict=True))
+    sockets = list(shm._client._transport._local.__dict__["unix"].values())
+    registered = [address for sock in sockets for address in sock.shm.registered.values()]
+    assert registered and all(registered), f"no segment was page-locked for the GPU: {registered}"
+    shm.close()
+    assert not any(sock.shm.registered for sock in sockets)
+
+
 def test_the_environment_variable_set_after_ray_started_turns_shared_memory_on(
     ray_session: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

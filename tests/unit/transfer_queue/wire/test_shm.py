@@ -644,3 +644,54 @@ def test_the_copy_threads_come_from_the_environment_and_a_bad_value_is_refused(m
             shm.copy_threads_default()
     monkeypatch.delenv("TRANSFER_QUEUE_COPY_THREADS")
     assert 1 <= shm.copy_threads_default() <= 4
+
+
+# ---- reads to a GPU: straight from the unit's segments (the CUDA calls stood in for: the logic runs on any host) --
+@pytest.mark.parametrize("locked", [True, False], ids=["page-locked", "driver-refuses"])
+def test_a_frame_for_a_gpu_goes_from_the_segment_to_the_device_buffer_or_through_host_memory(
+    pair, monkeypatch: pytest.MonkeyPatch, locked: bool
+) -> None:
+    """A described frame whose target names a device buffer is copied from the mapped segment into that buffer (the
+    segment page-locked once, for every read after), and the buffer takes the frame's place; where the driver
+    refuses to page-lock, the frame is copied into the host array as before. Unmapping unlocks first."""
+    calls: list[tuple[str, int, int]] = []  # (what, address, bytes)
+
+    def register(address: int, nbytes: int) -> int:
+        calls.append(("lock", address, nbytes))
+        return 0 if locked else 1  # cudaSuccess, or an error
+
+    copied: list[int] = []
+
+    def copy_to_devices(pieces: list[Any]) -> None:  # the DMA, on the CPU
+        for target, mapped, offset, length in pieces:
+            target.copy_(torch.frombuffer(mapped, dtype=torch.uint8, count=length, offset=offset))
+            copied.append(length)
+
+    monkeypatch.setattr(shm, "_cuda_register", register)
+    monkeypatch.setattr(shm, "_cuda_unregister", lambda address: calls.append(("unlock", address, 0)))
+    monkeypatch.setattr(shm, "_copy_to_devices", copy_to_devices)
+    unit_sock, client_sock = pair
+    pool = SegmentPool(64 * MB, "tq-test-dma")
+    unit, client = UnitConnection(pool), ClientMaps(None)
+    payload = pool.take(MB)
+    payload[:] = np.arange(MB, dtype=np.uint8) * 7
+    for _ in range(2):
+        device = torch.zeros(MB, dtype=torch.uint8)  # stands in for a GPU buffer
+        target = shm.device_target(np.zeros(MB, dtype=np.uint8), device)
+        out = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", payload]))
+        assert client.incoming(out, out.flags, out.fds, {2: target})
+        unit.incoming([b"env", b"next"], SHM_OK)  # the client's release
+        if locked:
+            assert out[2] is device and np.array_equal(device.numpy(), payload) and not target.any()
+        else:
+            assert out[2] is target and np.array_equal(target, payload) and not device.any()
+    segment = pool.locate(payload)[0]
+    ((_, address, nbytes),) = calls  # once: the second read found it registered (or refused)
+    assert nbytes == len(client.maps[segment]) and address
+    assert copied == ([MB, MB] if locked else [])
+    client.close()
+    assert calls[1:] == ([("unlock", address, 0)] if locked else [])  # unlocked before it is unmapped
+    assert client.registered == {} and client.maps == {}
+    unit.close()
+    del payload
+    pool.close()
