@@ -20,24 +20,21 @@ Ratios are the queue's time over the copy's: 1.0 would be a queue that costs not
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from bench import Bench, grpo_batch, payload_bytes
-from common import settle, wait_until
+from common import settle, timed, wait_until
 from shm_workload import _client
 
 
 def _gpu_seconds(fn: Callable[[], Any]) -> float:
     """Seconds of ``fn`` with the GPU's queued work before and after it waited for."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    seconds, _ = timed(lambda: (fn(), torch.cuda.synchronize()))
+    return seconds
 
 
 def _copies(td: Any, reps: int) -> dict[str, list[float]]:

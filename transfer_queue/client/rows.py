@@ -44,7 +44,7 @@ from transfer_queue.wire.columns import (
     tensordict_from_columns,
     torch_dtype,
 )
-from transfer_queue.wire.shm import device_target
+from transfer_queue.wire.shm import device_buffer_of, device_target
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class RowCalls(QueueChannel):
             i = 0
             for spec, pos in zip(reply.columns, positions, strict=True):
                 frames, target = buffers[i : i + spec.nframes], targets.get(2 + i)
-                if target is None or (frames[0] is not target and frames[0] is not _on_device(target)):
+                if frames[0] is not target and frames[0] is not device_buffer_of(target):
                     in_place.discard(spec.name)  # not received in place (ZeroMQ, or sizes that disagree)
                 received[spec.name].append((spec, pos, frames, target))
                 i += spec.nframes
@@ -385,7 +385,7 @@ class RowCalls(QueueChannel):
             else:
                 parts = []
                 for spec, _, frames, target in received[name]:
-                    if target is not None and frames[0] is _on_device(target):  # rare: the rest did not land in place
+                    if frames[0] is device_buffer_of(target):  # rare: on the GPU, the rest of the field not in place
                         frames = [frames[0].cpu().numpy()]
                     part = Column.from_buffers(spec.schema, spec.num_rows, frames)
                     if schema.kind == "jagged":  # stored dense before the field became jagged
@@ -497,11 +497,6 @@ def _moved(td: TensorDict, device: torch.device | None) -> TensorDict:
     moved = td.to(device, non_blocking=True)
     torch.cuda.current_stream(device).synchronize()
     return moved
-
-
-def _on_device(target: Any) -> Any:
-    """The GPU buffer a receive target names (:class:`~transfer_queue.wire.shm.DeviceTarget`), if any."""
-    return getattr(target, "device_buffer", None)
 
 
 def _held_rows(batch_meta: BatchMeta, call: str, how: str) -> tuple[int, str, bytes]:

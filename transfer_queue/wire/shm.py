@@ -662,7 +662,7 @@ class ClientMaps:
             target = into.get(i) if into else None
             if target is None or target.nbytes != total:
                 target = self.empty(total)
-            gpu: Any = getattr(target, "device_buffer", None)
+            gpu = device_buffer_of(target)
             if gpu is not None and not all(self._register(segment) for segment, _, _ in pieces):
                 gpu = None  # the driver refused: through host memory
             at = 0
@@ -684,10 +684,8 @@ class ClientMaps:
         """Whether ``segment`` is page-locked for CUDA (registered here once; False where the driver refuses)."""
         address = self.registered.get(segment)
         if address is None:
-            view = np.frombuffer(self.maps[segment], np.uint8)
-            address = int(view.ctypes.data)
-            del view  # a view held would keep the mapping from closing
-            error = _cuda_register(address, len(self.maps[segment]))
+            address, nbytes = address_of(self.maps[segment])
+            error = _cuda_register(address, nbytes)
             if error:
                 logger.warning("a shared-memory segment could not be page-locked for the GPU (cudaError %d): its "
                                "reads to a GPU go through host memory", error)  # fmt: skip
@@ -731,6 +729,11 @@ def device_target(host: np.ndarray, device_buffer: Any) -> DeviceTarget:
     target = host.view(DeviceTarget)
     target.device_buffer = device_buffer
     return target
+
+
+def device_buffer_of(target: Any) -> Any:
+    """The GPU buffer a receive target names (a :class:`DeviceTarget`'s), or None."""
+    return getattr(target, "device_buffer", None)
 
 
 def _cuda_register(address: int, nbytes: int) -> int:

@@ -647,51 +647,78 @@ def test_the_copy_threads_come_from_the_environment_and_a_bad_value_is_refused(m
 
 
 # ---- reads to a GPU: straight from the unit's segments (the CUDA calls stood in for: the logic runs on any host) --
+@pytest.fixture
+def cuda_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Stand-ins for shm's CUDA calls: page-locking answers ``calls["error"]`` (0: done) and is recorded as
+    ``("lock", address, bytes)``, unlocking as ``("unlock", address, 0)``; the DMA copies on the CPU and records
+    each piece's length in ``calls["copied"]``."""
+    calls: dict[str, Any] = {"log": [], "copied": [], "error": 0}
+
+    def register(address: int, nbytes: int) -> int:
+        calls["log"].append(("lock", address, nbytes))
+        return calls["error"]
+
+    def copy_to_devices(pieces: list[Any]) -> None:
+        for target, mapped, offset, length in pieces:
+            target.copy_(torch.frombuffer(mapped, dtype=torch.uint8, count=length, offset=offset))
+            calls["copied"].append(length)
+
+    monkeypatch.setattr(shm, "_cuda_register", register)
+    monkeypatch.setattr(shm, "_cuda_unregister", lambda address: calls["log"].append(("unlock", address, 0)))
+    monkeypatch.setattr(shm, "_copy_to_devices", copy_to_devices)
+    return calls
+
+
+def read_for_a_gpu(unit_sock: Any, client_sock: Any, unit: UnitConnection, client: ClientMaps, payload: Any) -> Any:
+    """One read of ``payload`` (a block in the unit's pool) into a target naming a stand-in GPU buffer; returns
+    (the frame as resolved, the host target, the device buffer)."""
+    device = torch.zeros(payload.nbytes, dtype=torch.uint8)
+    target = shm.device_target(np.zeros(payload.nbytes, dtype=np.uint8), device)
+    out = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", payload]))
+    assert client.incoming(out, out.flags, out.fds, {2: target})
+    unit.incoming([b"env", b"next"], SHM_OK)  # the client's release
+    return out[2], target, device
+
+
 @pytest.mark.parametrize("locked", [True, False], ids=["page-locked", "driver-refuses"])
 def test_a_frame_for_a_gpu_goes_from_the_segment_to_the_device_buffer_or_through_host_memory(
-    pair, monkeypatch: pytest.MonkeyPatch, locked: bool
+    pair, cuda_calls: dict[str, Any], locked: bool
 ) -> None:
     """A described frame whose target names a device buffer is copied from the mapped segment into that buffer (the
     segment page-locked once, for every read after), and the buffer takes the frame's place; where the driver
     refuses to page-lock, the frame is copied into the host array as before. Unmapping unlocks first."""
-    calls: list[tuple[str, int, int]] = []  # (what, address, bytes)
-
-    def register(address: int, nbytes: int) -> int:
-        calls.append(("lock", address, nbytes))
-        return 0 if locked else 1  # cudaSuccess, or an error
-
-    copied: list[int] = []
-
-    def copy_to_devices(pieces: list[Any]) -> None:  # the DMA, on the CPU
-        for target, mapped, offset, length in pieces:
-            target.copy_(torch.frombuffer(mapped, dtype=torch.uint8, count=length, offset=offset))
-            copied.append(length)
-
-    monkeypatch.setattr(shm, "_cuda_register", register)
-    monkeypatch.setattr(shm, "_cuda_unregister", lambda address: calls.append(("unlock", address, 0)))
-    monkeypatch.setattr(shm, "_copy_to_devices", copy_to_devices)
-    unit_sock, client_sock = pair
+    cuda_calls["error"] = 0 if locked else 1
     pool = SegmentPool(64 * MB, "tq-test-dma")
     unit, client = UnitConnection(pool), ClientMaps(None)
     payload = pool.take(MB)
     payload[:] = np.arange(MB, dtype=np.uint8) * 7
     for _ in range(2):
-        device = torch.zeros(MB, dtype=torch.uint8)  # stands in for a GPU buffer
-        target = shm.device_target(np.zeros(MB, dtype=np.uint8), device)
-        out = send_and_read(unit_sock, client_sock, *unit.outgoing([b"head", b"read", payload]))
-        assert client.incoming(out, out.flags, out.fds, {2: target})
-        unit.incoming([b"env", b"next"], SHM_OK)  # the client's release
+        frame, target, device = read_for_a_gpu(*pair, unit, client, payload)
         if locked:
-            assert out[2] is device and np.array_equal(device.numpy(), payload) and not target.any()
+            assert frame is device and np.array_equal(device.numpy(), payload) and not target.any()
         else:
-            assert out[2] is target and np.array_equal(target, payload) and not device.any()
+            assert frame is target and np.array_equal(target, payload) and not device.any()
     segment = pool.locate(payload)[0]
-    ((_, address, nbytes),) = calls  # once: the second read found it registered (or refused)
+    ((_, address, nbytes),) = cuda_calls["log"]  # once: the second read found it registered (or refused)
     assert nbytes == len(client.maps[segment]) and address
-    assert copied == ([MB, MB] if locked else [])
+    assert cuda_calls["copied"] == ([MB, MB] if locked else [])
     client.close()
-    assert calls[1:] == ([("unlock", address, 0)] if locked else [])  # unlocked before it is unmapped
+    assert cuda_calls["log"][1:] == ([("unlock", address, 0)] if locked else [])  # unlocked before it is unmapped
     assert client.registered == {} and client.maps == {}
+    unit.close()
+    del payload
+    pool.close()
+
+
+def test_a_connection_dropped_unclosed_unlocks_its_page_locked_segments(pair, cuda_calls: dict[str, Any]) -> None:
+    pool = SegmentPool(64 * MB, "tq-test-dma-drop")
+    unit, client = UnitConnection(pool), ClientMaps(None)
+    payload = pool.take(MB)
+    read_for_a_gpu(*pair, unit, client, payload)
+    ((_, address, _),) = cuda_calls["log"]
+    del client  # no close(): a socket its thread dropped
+    gc.collect()
+    assert cuda_calls["log"][1:] == [("unlock", address, 0)]
     unit.close()
     del payload
     pool.close()
